@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Shared body of ci/engines/vllm and ci/engines/sglang: create .engines/NAME, install
+# torch (CPU wheel, never a CUDA build), the engine --no-deps, its pinned lock file
+# --no-deps, and kvconform itself --no-deps. Idempotent: a complete environment
+# (marker file written last) is left alone.
+set -euo pipefail
+name="$1"; pkg="$2"; import_check="$3"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+env="$root/.engines/$name"
+marker="$env/.kvconform-complete"
+py="${PYTHON:-python3}"
+if [ -f "$marker" ] && [ "$(cat "$marker")" = "$pkg" ]; then
+  # refresh kvconform itself (cheap, --no-deps) so the adapter sees the current tree
+  "$env/bin/pip" install -q --no-deps --no-build-isolation -e "$root" >/dev/null 2>&1 || "$env/bin/pip" install -q --no-deps -e "$root"
+  echo "ci/engines/$name: $env is complete ($pkg); nothing to do"
+  exit 0
+fi
+echo "ci/engines/$name: installing $pkg into $env"
+rm -rf "$env"
+"$py" -m venv "$env"
+pip=("$env/bin/pip" install -q --disable-pip-version-check)
+"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" --no-deps "$pkg"
+"${pip[@]}" --no-deps -r "$here/$name-lock.txt"
+sp="$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+if [ "$name" = "vllm" ]; then
+  # compiled extensions the KV cache code never loads (saves about 600 MB)
+  rm -f "$sp"/vllm/*.so; rm -rf "$sp/vllm/vllm_flash_attn"
+fi
+if [ "$name" = "sglang" ]; then
+  # torchvision is imported (never used) by sglang/transformers; PyPI has no CPU wheel
+  cp "$here/torchvision_stub.py" "$sp/_tv_stub.py"; echo "import _tv_stub" > "$sp/zz_tv_stub.pth"
+fi
+"${pip[@]}" --no-deps setuptools wheel hypothesis==6.155.2 sortedcontainers pytest pytest-xdist >/dev/null
+"${pip[@]}" --no-deps --no-build-isolation -e "$root"
+if ! "$env/bin/python" -W ignore -c "$import_check"; then
+  echo "ci/engines/$name: FAILED: the engine does not import in $env" >&2
+  exit 1
+fi
+echo "$pkg" > "$marker"
+echo "ci/engines/$name: done"

@@ -1,0 +1,1 @@
+"""kvconform package."""

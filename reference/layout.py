@@ -1,0 +1,221 @@
+"""Layout: layers -> KV cache groups, page unification, block sizes, pool size.
+
+The rules (hybrid allocator on, spec section 2.6):
+
+1. All layers with one spec (after merging equal specs) -> one group.
+2. Otherwise page sizes are unified to the largest page: a smaller attention
+   page that divides the largest gets its block size multiplied by the ratio; a
+   Mamba page is padded; a non-dividing attention page is padded.
+3. Layers are bucketed by identical spec. ``group_size = min(bucket sizes)``,
+   except ``max(bucket sizes)`` when ``max < 1.5 * min``. A bucket of ``n`` layers
+   becomes ``cdiv(n, group_size)`` groups; group ``i`` takes ``layers[i::k]``.
+   Worked example: 2 full + 4 SWA layers -> ``(l1,l2), (l3,l5), (l4,l6)``.
+
+The scheduler works in units of ``scheduler_block_size = lcm(group block sizes)``;
+hashes are computed every ``hash_block_size`` tokens (``gcd`` of the group block
+sizes with caching on and several groups; the block size itself otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from reference.errors import InvalidLayoutError
+from reference.specs import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    cdiv,
+)
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """One KV cache group: layers that share block ids, all with ``spec``."""
+
+    layer_names: tuple[str, ...]
+    spec: KVCacheSpec
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """Everything an engine needs to build its KV cache manager.
+
+    ``num_blocks`` counts the null block (id 0). ``max_in_flight_tokens`` feeds
+    the admission cap of sliding-window and chunked groups; ``None`` means
+    ``max_model_len`` (the cap then has no effect).
+    """
+
+    groups: tuple[KVCacheGroup, ...]
+    num_blocks: int
+    max_model_len: int
+    enable_caching: bool = True
+    max_in_flight_tokens: int | None = None
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise InvalidLayoutError("KVCacheLayout.groups must not be empty, got ()")
+        if self.num_blocks < 2:
+            raise InvalidLayoutError(
+                f"KVCacheLayout.num_blocks must be >= 2 (the null block and one more), "
+                f"got {self.num_blocks}")
+        if self.max_model_len < 1:
+            raise InvalidLayoutError(
+                f"KVCacheLayout.max_model_len must be >= 1, got {self.max_model_len}")
+        if self.scheduler_block_size > self.max_model_len:
+            raise InvalidLayoutError(
+                f"scheduler_block_size (lcm of group block sizes) {self.scheduler_block_size} "
+                f"is larger than KVCacheLayout.max_model_len {self.max_model_len}")
+        if self.enable_caching and self.partial_hits_enabled:
+            raise InvalidLayoutError(
+                "KVCacheLayout.groups enable partial (sub-block) prefix hits: a Mamba group "
+                f"with block_size > hash_block_size {self.hash_block_size}; partial hits are "
+                "out of scope (give the Mamba group the smallest block size)")
+
+    @property
+    def specs(self) -> tuple[KVCacheSpec, ...]:
+        return tuple(g.spec for g in self.groups)
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return tuple(g.spec.block_size for g in self.groups)
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """``lcm`` of the group block sizes: hit lengths are multiples of it (hybrid)."""
+        return math.lcm(*self.block_sizes)
+
+    @property
+    def hash_block_size(self) -> int:
+        """Token granularity of block hashes.
+
+        One group: its block size. Several groups: ``gcd`` of the block sizes with
+        caching on, else the scheduler block size. Example: full bs 32 + SWA bs 16
+        -> hash 16, scheduler 32.
+        """
+        if len(self.groups) == 1:
+            return self.groups[0].spec.block_size
+        if not self.enable_caching:
+            return self.scheduler_block_size
+        return math.gcd(*self.block_sizes)
+
+    @property
+    def partial_hits_enabled(self) -> bool:
+        """True iff a Mamba group has ``block_size > hash_block_size`` and every other
+        group either has ``block_size == hash_block_size`` or is full attention."""
+        if len(self.groups) == 1:
+            return False
+        h = self.hash_block_size
+        mamba_coarse = any(isinstance(s, MambaSpec) and s.block_size > h for s in self.specs)
+        others_ok = all(
+            s.block_size == h or isinstance(s, (FullAttentionSpec, MambaSpec))
+            for s in self.specs
+        )
+        return mamba_coarse and others_ok
+
+    @property
+    def cache_hit_alignment(self) -> int:
+        """Hit lengths are multiples of this: the block size (one group) or the LCM."""
+        return self.scheduler_block_size
+
+    def admission_in_flight_tokens(self) -> int:
+        return self.max_model_len if self.max_in_flight_tokens is None \
+            else self.max_in_flight_tokens
+
+    def blocks_per_request(self) -> int:
+        """Blocks one request of ``max_model_len`` tokens can pin, summed over groups."""
+        ift = self.admission_in_flight_tokens()
+        return sum(
+            cdiv(g.spec.max_memory_usage_bytes(self.max_model_len, ift), g.spec.page_size_bytes)
+            for g in self.groups
+        )
+
+    def max_concurrency(self) -> float:
+        """``num_blocks / sum_g cdiv(max_mem_g, page_g)`` (spec 2.7)."""
+        return self.num_blocks / self.blocks_per_request()
+
+    def describe(self) -> str:
+        parts = []
+        for gid, g in enumerate(self.groups):
+            s = g.spec
+            extra = ""
+            if hasattr(s, "sliding_window"):
+                extra = f" w={s.sliding_window}"
+            elif hasattr(s, "attention_chunk_size"):
+                extra = f" C={s.attention_chunk_size}"
+            parts.append(f"g{gid}:{s.type_name}(bs={s.block_size}{extra})")
+        return (f"{' '.join(parts)} num_blocks={self.num_blocks} "
+                f"max_model_len={self.max_model_len} caching={self.enable_caching}")
+
+
+def merge_key(spec: KVCacheSpec) -> KVCacheSpec:
+    """Specs that are equal group together; the spec itself is the bucket key."""
+    return spec
+
+
+def unify_page_sizes(specs: Sequence[KVCacheSpec]) -> list[KVCacheSpec]:
+    """Make every page the size of the largest one (rule 2 of the module docstring).
+
+    Example: full(head 64) + SWA(head 32), both bs 16 -> the SWA block size doubles
+    to 32. Full(head 64) + SWA(head 96): the full page is padded to the SWA page.
+    """
+    target = max(s.page_size_bytes for s in specs)
+    out: list[KVCacheSpec] = []
+    for s in specs:
+        page = s.page_size_bytes
+        if page == target:
+            out.append(s)
+        elif isinstance(s, MambaSpec):
+            out.append(s.with_padded_page(target))
+        elif isinstance(s, AttentionSpec) and s.page_size_padded is None and target % page == 0:
+            out.append(s.with_block_size(s.block_size * (target // page)))
+        elif isinstance(s, AttentionSpec):
+            out.append(s.with_padded_page(target))
+        else:
+            raise InvalidLayoutError(
+                f"page size {page} of {type(s).__name__} cannot be unified with {target}")
+    return out
+
+
+def group_layers(layer_specs: Mapping[str, KVCacheSpec]) -> tuple[KVCacheGroup, ...]:
+    """Group layers into KV cache groups (hybrid allocator on).
+
+    Check values (spec 2.6): 3 full + 7 SWA -> group size 3 ->
+    ``(l1,l2,l3), (l4,l7,l10), (l5,l8), (l6,l9)``; 6 full + 5 SWA -> 6 < 1.5*5 ->
+    group size 6 -> ``(l1..l6), (l7..l11)``.
+    """
+    if not layer_specs:
+        raise InvalidLayoutError("layer_specs must name at least one layer, got {}")
+    names = list(layer_specs)
+    specs = [layer_specs[n] for n in names]
+    if len(set(specs)) == 1:
+        return (KVCacheGroup(tuple(names), specs[0]),)
+    specs = unify_page_sizes(specs)
+    buckets: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in zip(names, specs):
+        buckets.setdefault(merge_key(spec), []).append(name)
+    sizes = [len(v) for v in buckets.values()]
+    lo, hi = min(sizes), max(sizes)
+    group_size = hi if hi < 1.5 * lo else lo
+    groups: list[KVCacheGroup] = []
+    for spec, layers in buckets.items():
+        k = cdiv(len(layers), group_size)
+        for i in range(k):
+            groups.append(KVCacheGroup(tuple(layers[i::k]), spec))
+    return tuple(groups)
+
+
+def num_blocks_for_memory(groups: Sequence[KVCacheGroup], memory_bytes: int) -> int:
+    """``num_blocks = memory // bytes_per_block``, ``bytes_per_block = page * max layers``.
+
+    With uniform pages each block id costs one page per layer of the largest group:
+    2 full layers and 64 pages of memory -> 32 blocks; one full and one SWA group of
+    one layer each with the same memory -> 64 blocks.
+    """
+    page = max(g.spec.page_size_bytes for g in groups)
+    bytes_per_block = page * max(len(g.layer_names) for g in groups)
+    return memory_bytes // bytes_per_block
