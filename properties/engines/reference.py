@@ -1,0 +1,114 @@
+"""The reference engine: :class:`reference.kv_cache_manager.KVCacheManager` behind the
+engine protocol. It exposes every optional capability (ref counts, free queue,
+cached blocks), so every invariant applies to it. Mutant engines in
+``tests/mutants/`` subclass it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from properties.engine import BlockIds, CachedBlock, CacheHit, EngineError, RequestInput
+from reference.errors import KVConformError
+from reference.kv_cache_manager import ComputedBlocks, KVCacheManager
+from reference.layout import KVCacheLayout
+from reference.request import Request, RequestStatus
+
+
+class ReferenceEngine:
+    """Drives the reference manager; keeps the ComputedBlocks of each lookup."""
+
+    name = "reference"
+
+    def __init__(self, layout: KVCacheLayout) -> None:
+        self.layout = layout
+        self.manager = KVCacheManager(layout)
+        self.requests: dict[str, Request] = {}
+        self._hits: dict[str, tuple[CacheHit, ComputedBlocks]] = {}
+
+    def _request(self, request_id: str) -> Request:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise EngineError(f"reference: unknown request {request_id!r}") from None
+
+    def add_request(self, request: RequestInput) -> None:
+        if request.request_id in self.requests:
+            raise EngineError(f"reference: request {request.request_id!r} added twice")
+        self.requests[request.request_id] = self.manager.make_request(
+            request.request_id, request.prompt_token_ids, request.cache_salt, request.lora_name)
+
+    def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._request(request_id).append_output_token_ids(token_ids)
+
+    def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
+        req = self._request(request_id)
+        req.num_computed_tokens = num_computed_tokens
+        if num_computed_tokens == 0:
+            req.status = RequestStatus.PREEMPTED
+
+    def new_step(self) -> None:
+        self.manager.new_step_starts()
+
+    def get_computed_blocks(self, request_id: str) -> CacheHit:
+        computed, num_tokens = self.manager.get_computed_blocks(self._request(request_id))
+        hit = CacheHit(computed.block_ids(), num_tokens)
+        self._hits[request_id] = (hit, computed)
+        return hit
+
+    def allocate_slots(self, request_id: str, num_new_tokens: int,
+                       num_new_computed_tokens: int = 0, hit: CacheHit | None = None,
+                       num_lookahead_tokens: int = 0) -> BlockIds | None:
+        computed = None
+        if hit is not None:
+            kept = self._hits.pop(request_id, None)
+            if kept is None or kept[0] != hit:
+                raise EngineError(
+                    f"reference: allocate_slots({request_id!r}) got a hit this engine did not "
+                    "return from its last get_computed_blocks")
+            computed = kept[1]
+        try:
+            new = self.manager.allocate_slots(self._request(request_id), num_new_tokens,
+                                              num_new_computed_tokens, computed,
+                                              num_lookahead_tokens)
+        except KVConformError as exc:
+            raise EngineError(f"reference: allocate_slots({request_id!r}): {exc}") from exc
+        if new is None:
+            return None
+        return tuple(tuple(b.block_id for b in group) for group in new)
+
+    def free(self, request_id: str) -> None:
+        self.manager.free(self._request(request_id))
+        self._hits.pop(request_id, None)
+
+    def remove_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self._hits.pop(request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.manager.reset_prefix_cache()
+
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        return self.manager.get_block_ids(request_id)
+
+    def num_free_blocks(self) -> int:
+        return self.manager.get_num_free_blocks()
+
+    # optional capabilities
+    def ref_counts(self) -> dict[int, int]:
+        return self.manager.block_pool.ref_counts()
+
+    def free_queue(self) -> list[int]:
+        return self.manager.block_pool.free_block_queue.block_ids()
+
+    def cached_blocks(self) -> list[CachedBlock]:
+        out = []
+        for key, entries in self.manager.block_pool.cached.items():
+            gid = int.from_bytes(key[-4:], "big")
+            for block in entries.values():
+                out.append(CachedBlock(block.block_id, gid, block.num_cached_tokens))
+        return out
+
+
+def make_engine(layout: KVCacheLayout) -> ReferenceEngine:
+    return ReferenceEngine(layout)

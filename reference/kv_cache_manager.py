@@ -1,0 +1,186 @@
+"""The request-level API a scheduler calls: lookups, allocation, freeing.
+
+``allocate_slots`` follows this order (spec 6.3; token layout
+``| computed | new hit | new | lookahead |``):
+
+1. nothing to do (no new token, no hit) -> error;
+2. ``total = min(num_computed + num_new_computed, max_model_len)``;
+   ``main = total + num_new_tokens``; ``slots = min(main + lookahead, max_model_len)``;
+3. out-of-window blocks are freed **first** (``remove_skipped_blocks(total)``), even
+   if the allocation then fails;
+4. ``need = sum over groups of blocks to allocate`` (evictable hit blocks count);
+   ``need > free`` -> return ``None``: no ref count of a hit changed;
+5. adopt the hit (touch), allocate new blocks, then cache every full block of
+   ``[0, min(total + num_new_tokens, num_tokens))`` (hybrid: rounded down to the LCM).
+
+``get_computed_blocks`` looks up at most ``num_tokens - 1`` tokens (the last prompt
+token is always recomputed for its logits) and changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reference.block_pool import KVCacheBlock
+from reference.coordinator import make_coordinator
+from reference.errors import InvalidRequestError
+from reference.layout import KVCacheLayout
+from reference.request import Request, RequestStatus
+
+BlockIdLists = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class ComputedBlocks:
+    """A prefix hit: blocks per group (nulls where a group no longer needs tokens)."""
+
+    blocks: tuple[tuple[KVCacheBlock, ...], ...]
+
+    def block_ids(self) -> BlockIdLists:
+        return tuple(tuple(b.block_id for b in group) for group in self.blocks)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted when a request is admitted: requests, queried tokens, hit tokens."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+    reset: bool = False
+
+
+class KVCacheManager:
+    """The reference hybrid KV cache manager (vLLM 0.33 policy, core scope)."""
+
+    def __init__(self, layout: KVCacheLayout) -> None:
+        self.layout = layout
+        self.max_model_len = layout.max_model_len
+        self.enable_caching = layout.enable_caching
+        self.coordinator = make_coordinator(layout)
+        self.block_pool = self.coordinator.block_pool
+        self.num_groups = len(layout.groups)
+        self.stats = PrefixCacheStats()
+        self._known: set[str] = set()
+
+    # -- requests --------------------------------------------------------------
+    def make_request(self, request_id: str, prompt_token_ids, cache_salt: str | None = None,
+                     lora_name: str | None = None) -> Request:
+        """A request whose hashes use this layout's hash block size."""
+        if len(prompt_token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"request {request_id!r}: prompt of {len(prompt_token_ids)} tokens is longer "
+                f"than max_model_len {self.max_model_len}")
+        return Request(request_id, prompt_token_ids, self.layout.hash_block_size,
+                       cache_salt, lora_name)
+
+    # -- lookup ----------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[ComputedBlocks, int]:
+        """Longest prefix hit (``<= num_tokens - 1``) every group can serve; no side effects."""
+        if not self.enable_caching:
+            return self.empty_computed_blocks(), 0
+        blocks, hit = self.coordinator.find_longest_cache_hit(request.block_hashes,
+                                                              request.num_tokens - 1)
+        return ComputedBlocks(tuple(tuple(b) for b in blocks)), hit
+
+    def empty_computed_blocks(self) -> ComputedBlocks:
+        return ComputedBlocks(tuple(() for _ in range(self.num_groups)))
+
+    def record_prefix_cache_stats(self, request: Request, num_hit_tokens: int,
+                                  preempted: bool = False) -> None:
+        if preempted:
+            self.stats.preempted_requests += 1
+            self.stats.preempted_queries += request.num_tokens
+            self.stats.preempted_hits += num_hit_tokens
+        else:
+            self.stats.requests += 1
+            self.stats.queries += request.num_tokens
+            self.stats.hits += num_hit_tokens
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        stats, self.stats = self.stats, PrefixCacheStats()
+        return stats
+
+    # -- allocation ------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       num_new_computed_tokens: int = 0,
+                       new_computed_blocks: ComputedBlocks | None = None,
+                       num_lookahead_tokens: int = 0) -> list[list[KVCacheBlock]] | None:
+        """Give ``request`` slots for its next tokens; the new blocks per group, or None."""
+        rid = request.request_id
+        if request.is_finished:
+            raise InvalidRequestError(f"allocate_slots: request {rid!r} is finished")
+        if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
+            raise InvalidRequestError(
+                f"allocate_slots({rid!r}): token counts must be >= 0, got num_new_tokens="
+                f"{num_new_tokens}, num_new_computed_tokens={num_new_computed_tokens}, "
+                f"num_lookahead_tokens={num_lookahead_tokens}")
+        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+            raise InvalidRequestError(
+                f"allocate_slots({rid!r}): num_new_tokens must be > 0 when there is no "
+                f"prefix hit to adopt, got {num_new_tokens}")
+        if request.num_computed_tokens + num_new_computed_tokens + num_new_tokens \
+                > request.num_tokens or request.num_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"allocate_slots({rid!r}): computed {request.num_computed_tokens} + hit "
+                f"{num_new_computed_tokens} + new {num_new_tokens} exceeds the request's "
+                f"{request.num_tokens} tokens (max_model_len {self.max_model_len})")
+        hits = (new_computed_blocks or self.empty_computed_blocks()).blocks
+        if len(hits) != self.num_groups:
+            raise InvalidRequestError(
+                f"allocate_slots({rid!r}): new_computed_blocks has {len(hits)} groups, "
+                f"the layout has {self.num_groups}")
+        self._known.add(rid)
+        local = request.num_computed_tokens + num_new_computed_tokens
+        total = min(local, self.max_model_len)
+        main = total + num_new_tokens
+        slots = min(main + num_lookahead_tokens, self.max_model_len)
+
+        self.coordinator.remove_skipped_blocks(rid, total)
+        need = self.coordinator.get_num_blocks_to_allocate(rid, slots, hits, local, main)
+        if need > self.block_pool.get_num_free_blocks():
+            return None
+        if new_computed_blocks is not None and any(hits):
+            self.coordinator.allocate_new_computed_blocks(rid, hits, local)
+        new_blocks = self.coordinator.allocate_new_blocks(rid, slots, main)
+        self.coordinator.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
+        if request.status is not RequestStatus.FINISHED:
+            request.status = RequestStatus.RUNNING
+        return new_blocks
+
+    # -- freeing ---------------------------------------------------------------
+    def free(self, request: Request) -> None:
+        """Free every block of ``request``, tail first per group (leading nulls dropped)."""
+        if request.request_id not in self._known:
+            raise InvalidRequestError(
+                f"free: unknown request {request.request_id!r} (never allocated or freed twice)")
+        self._known.discard(request.request_id)
+        self.coordinator.free(request.request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (and nothing changes) while blocks are held."""
+        ok = self.block_pool.reset_prefix_cache()
+        if ok:
+            self.stats.reset = True
+        return ok
+
+    def new_step_starts(self) -> None:
+        self.coordinator.new_step_starts()
+
+    # -- views -----------------------------------------------------------------
+    def get_blocks(self, request_id: str) -> list[list[KVCacheBlock]]:
+        return self.coordinator.get_blocks(request_id)
+
+    def get_block_ids(self, request_id: str) -> BlockIdLists:
+        """The request's table per group; null entries read 0."""
+        return tuple(tuple(b.block_id for b in group) for group in self.get_blocks(request_id))
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()

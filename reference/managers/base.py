@@ -1,0 +1,164 @@
+"""Rules shared by every single-type manager.
+
+State per request: ``req_to_blocks[r]`` (the group's block table, with null
+placeholders) and ``num_cached_block[r]`` (leading blocks already registered in the
+cache; its presence marks a request that has been allocated, the "running" path).
+
+* ``remove_skipped_blocks(r, n)``: blocks ``[0, num_skipped_tokens(n) // bs)`` become
+  null and are freed. The walk goes backwards from the last skipped block and stops
+  at the first null (earlier ones were removed before), so blocks are freed tail
+  first. Example, bs 2, w 4, blocks [a b c d], n = 7: skipped 4 -> blocks 0, 1 ->
+  table [0 0 c d], free order b, a.
+* ``get_num_blocks_to_allocate``: ``cdiv(num_tokens, bs)`` minus what the request
+  holds; a new request's prefix-hit blocks count as held, its skipped blocks need
+  nothing, and hit blocks that sit evictable in the free queue count as taken
+  (touching them removes them from the queue).
+* ``free(r)``: leading nulls dropped, the rest freed in reverse order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from reference.block_pool import BlockPool, KVCacheBlock
+from reference.hashing import hashes_at_block_size
+from reference.request import Request
+from reference.specs import KVCacheSpec, cdiv
+
+BlockList = list[KVCacheBlock]
+
+
+class SingleTypeKVCacheManager:
+    """Block tables of one KV cache group."""
+
+    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int,
+                 enable_caching: bool, cache_hit_alignment: int) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.block_pool = block_pool
+        self.group_id = group_id
+        self.enable_caching = enable_caching
+        self.cache_hit_alignment = cache_hit_alignment
+        self.req_to_blocks: dict[str, BlockList] = {}
+        self.num_cached_block: dict[str, int] = {}
+
+    @property
+    def null_block(self) -> KVCacheBlock:
+        return self.block_pool.null_block
+
+    def blocks_of(self, request_id: str) -> BlockList:
+        return self.req_to_blocks.setdefault(request_id, [])
+
+    # -- lookup ------------------------------------------------------------------
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
+                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+                               alignment: int) -> tuple[list[BlockList], int]:
+        """Longest hit ``<= max_length`` (a multiple of ``alignment``) in every group of
+        ``group_ids``; returns one block list per group (nulls where not needed)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def coarse_hashes(block_hashes: Sequence[bytes], pool_hash_block_size: int,
+                      spec: KVCacheSpec) -> Sequence[bytes]:
+        return hashes_at_block_size(block_hashes, pool_hash_block_size, spec.block_size)
+
+    # -- allocation --------------------------------------------------------------
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[KVCacheBlock],
+                                   total_computed_tokens: int, num_tokens_main: int) -> int:
+        required = cdiv(num_tokens, self.block_size)
+        held = len(self.req_to_blocks.get(request_id, ()))
+        if request_id in self.num_cached_block:
+            return max(required - held, 0)
+        skipped_blocks = self.spec.num_skipped_tokens(total_computed_tokens) // self.block_size
+        local_blocks = len(new_computed_blocks) + held
+        num_new = max(required - max(skipped_blocks, local_blocks), 0)
+        skip_in_hits = max(0, skipped_blocks - held)
+        evictable = sum(1 for b in new_computed_blocks[skip_in_hits:]
+                        if b.ref_cnt == 0 and not b.is_null)
+        return num_new + evictable
+
+    def add_local_computed_blocks(self, request_id: str,
+                                  new_computed_blocks: Sequence[KVCacheBlock],
+                                  num_local_computed_tokens: int) -> None:
+        """Adopt a prefix hit (first allocation only): skipped hit blocks become nulls,
+        the others are touched and appended."""
+        blocks = self.blocks_of(request_id)
+        assert not blocks, f"request {request_id} already has blocks in group {self.group_id}"
+        skipped = self.spec.num_skipped_tokens(num_local_computed_tokens) // self.block_size
+        kept = list(new_computed_blocks[skipped:])
+        if self.enable_caching:
+            self.block_pool.touch(kept)
+        blocks.extend([self.null_block] * skipped)
+        blocks.extend(kept)
+        self.num_cached_block[request_id] = len(blocks)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_tokens_main: int) -> BlockList:
+        """Append fresh blocks until the table covers ``num_tokens`` slots."""
+        blocks = self.blocks_of(request_id)
+        num_new = cdiv(num_tokens, self.block_size) - len(blocks)
+        if num_new <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    # -- caching -----------------------------------------------------------------
+    def cacheable_block_mask(self, start: int, end: int) -> list[bool] | None:
+        """Which blocks of ``[start, end)`` ``cache_blocks`` registers (None: all)."""
+        return None
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the full blocks of ``[0, num_tokens)`` not registered yet."""
+        num_cached = self.num_cached_block.get(request.request_id, 0)
+        num_hashed = len(request.block_hashes) * request.hash_block_size
+        num_full = min(num_tokens, num_hashed) // self.block_size
+        if num_cached >= num_full:
+            return
+        mask = self.cacheable_block_mask(num_cached, num_full)
+        hashes = hashes_at_block_size(request.block_hashes, request.hash_block_size,
+                                      self.block_size)
+        blocks = self.blocks_of(request.request_id)
+        for i in range(num_cached, num_full):
+            if mask is not None and not mask[i - num_cached]:
+                continue
+            self.block_pool.cache_block(blocks[i], hashes[i], self.group_id,
+                                        (i + 1) * self.block_size)
+        self.num_cached_block[request.request_id] = num_full
+
+    # -- freeing -----------------------------------------------------------------
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        skipped = self.spec.num_skipped_tokens(num_computed_tokens)
+        if skipped <= 0:
+            return
+        blocks = self.blocks_of(request_id)
+        self._remove_blocks_in_range(request_id, 0, min(skipped // self.block_size, len(blocks)))
+
+    def _remove_blocks_in_range(self, request_id: str, first: int, last: int) -> None:
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None or first >= last:
+            return
+        freed: BlockList = []
+        for i in range(min(last, len(blocks)) - 1, first - 1, -1):
+            if blocks[i].is_null:
+                break
+            freed.append(blocks[i])
+            blocks[i] = self.null_block
+        if freed:
+            self.block_pool.free_blocks(freed)
+
+    def pop_blocks_for_free(self, request_id: str) -> BlockList:
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_block.pop(request_id, None)
+        start = 0
+        while start < len(blocks) and blocks[start].is_null:
+            start += 1
+        return blocks[start:]
+
+    def free(self, request_id: str) -> None:
+        self.block_pool.free_blocks(reversed(self.pop_blocks_for_free(request_id)))
+
+    def new_step_starts(self) -> None:
+        """A scheduler step begins (only Mamba keeps per-step state)."""

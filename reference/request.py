@@ -1,0 +1,70 @@
+"""The request as the KV cache manager sees it: tokens, progress and block hashes.
+
+``num_tokens = len(prompt) + len(outputs)``; ``num_computed_tokens`` is set by the
+caller after each step (0 again after a preemption). ``block_hashes`` holds the
+chained hash of every full ``hash_block_size`` block of all tokens and grows as
+outputs are appended: a prompt of 10 tokens with H=4 has 2 hashes; appending 2
+outputs makes 12 tokens and 3 hashes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+
+from reference.errors import InvalidRequestError
+from reference.hashing import extend_block_hashes
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """A request: prompt, outputs so far, computed tokens, salt, LoRA, block hashes."""
+
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], hash_block_size: int,
+                 cache_salt: str | None = None, lora_name: str | None = None) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError(
+                f"Request.prompt_token_ids of {request_id!r} must not be empty, got []")
+        self.request_id = request_id
+        self.prompt_token_ids: tuple[int, ...] = tuple(int(t) for t in prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        self.hash_block_size = hash_block_size
+        self.status = RequestStatus.WAITING
+        self.block_hashes: list[bytes] = []
+        extend_block_hashes(self.block_hashes, self.prompt_token_ids, hash_block_size,
+                            cache_salt, lora_name)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token_ids(self, token_ids: Sequence[int]) -> None:
+        """Append decoded tokens and extend the block hashes over every new full block."""
+        self.output_token_ids.extend(int(t) for t in token_ids)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.hash_block_size,
+                            self.cache_salt, self.lora_name)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")
