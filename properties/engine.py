@@ -79,6 +79,15 @@ class EngineError(KVConformError):
     """The engine under test raised, returned garbage, or cannot be built."""
 
 
+class UnsupportedLayoutError(EngineError):
+    """The engine cannot be built for this layout (the suite skips such examples).
+
+    An adapter whose engine supports only some layouts should also give its factory
+    a ``layout_strategy`` attribute: a function returning a Hypothesis strategy of
+    the layouts it supports (``kvconform check`` then draws from it).
+    """
+
+
 @runtime_checkable
 class KVCacheEngine(Protocol):
     """The calls every engine under test implements (see the module docstring)."""

@@ -50,10 +50,12 @@ def num_nulled_entries(spec: KVCacheSpec, first_pos: int) -> int:
 
     SWA ``w = 5``, ``bs = 4``: ``first_pos = 10`` -> 1, ``first_pos = 7`` -> 0.
     Chunked ``C = 8``, ``bs = 4``: ``first_pos = 17`` -> 4 (chunk [16, 24) starts at block 4).
-    Full attention and Mamba: always 0.
+    Full attention, Mamba, and a window ``w = 1`` (reach 0): always 0.
     """
     if first_pos < 0:
         raise BlockTableError(f"first_pos must be >= 0, got {first_pos}")
+    if isinstance(spec, SlidingWindowSpec) and spec.sliding_window == 1:
+        return 0  # reach w - 1 == 0: the V2 runner nulls nothing
     if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
         return spec.num_skipped_tokens(first_pos) // spec.block_size
     return 0

@@ -10,7 +10,18 @@ root="$(cd "$here/../.." && pwd)"
 env="$root/.engines/$name"
 marker="$env/.kvconform-complete"
 py="${PYTHON:-python3}"
+trap 'echo "ci/engines/$name: FAILED (line $LINENO, exit $?) while installing $pkg into $env" >&2' ERR
+# Test tools for `.engines/NAME/bin/python -m pytest` (installed --no-deps, so their
+# own dependencies are listed too).
+test_tools=(setuptools wheel hypothesis==6.155.2 sortedcontainers pytest pluggy iniconfig
+  pytest-xdist execnet)
+ensure_test_tools() {
+  if ! "$env/bin/python" -c 'import pytest, xdist, hypothesis, sortedcontainers' 2>/dev/null; then
+    "$env/bin/pip" install -q --disable-pip-version-check --no-deps "${test_tools[@]}" >/dev/null
+  fi
+}
 if [ -f "$marker" ] && [ "$(cat "$marker")" = "$pkg" ]; then
+  ensure_test_tools
   # refresh kvconform itself (cheap, --no-deps) so the adapter sees the current tree
   "$env/bin/pip" install -q --no-deps --no-build-isolation -e "$root" >/dev/null 2>&1 || "$env/bin/pip" install -q --no-deps -e "$root"
   echo "ci/engines/$name: $env is complete ($pkg); nothing to do"
@@ -32,7 +43,7 @@ if [ "$name" = "sglang" ]; then
   # torchvision is imported (never used) by sglang/transformers; PyPI has no CPU wheel
   cp "$here/torchvision_stub.py" "$sp/_tv_stub.py"; echo "import _tv_stub" > "$sp/zz_tv_stub.pth"
 fi
-"${pip[@]}" --no-deps setuptools wheel hypothesis==6.155.2 sortedcontainers pytest pytest-xdist >/dev/null
+"${pip[@]}" --no-deps "${test_tools[@]}" >/dev/null
 "${pip[@]}" --no-deps --no-build-isolation -e "$root"
 if ! "$env/bin/python" -W ignore -c "$import_check"; then
   echo "ci/engines/$name: FAILED: the engine does not import in $env" >&2

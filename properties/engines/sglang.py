@@ -1,0 +1,560 @@
+"""SGLang 0.5.23 adapter: ``UnifiedRadixCache(FULL, SWA)`` behind the engine protocol.
+
+Scope: layouts of exactly one full-attention group and one sliding-window group with
+the same block size ``bs`` in {1, 2, 4}; ``bs`` becomes SGLang's page size. Anything
+else raises :class:`EngineError` naming the layout. Two factories pick the tree core:
+``make_engine`` (``python``) and ``make_engine_rust`` (the bundled ``rust`` core).
+
+Objects built per engine (all SGLang's own): ``SWAKVPool`` (a full pool and an SWA
+pool, each ``(num_blocks - 1) * bs`` token slots), ``SWATokenToKVPoolAllocator``,
+``ReqToTokenPool`` (one row per request, ``max_model_len + LOOKAHEAD_MARGIN`` wide),
+``UnifiedRadixCache`` with ``tree_components=(FULL, SWA)``, and one real SGLang ``Req``
+per request (its ``ReqKvInfo`` carries the row, protected length and SWA cursor).
+
+How each difference from vLLM is bridged
+---------------------------------------
+1. **Window convention.** SGLang takes the window *exclusive* of the query
+   (``sliding_window_size = w - 1``; the query at ``p`` sees ``[p - sws, p]``). The
+   adapter passes ``w - 1``; ``w = 1`` gives ``sws = 0``, which SGLang's SWA component
+   rejects, so it is an :class:`EngineError`. Example: ``w = 4`` -> ``sws = 3``.
+2. **Two pools instead of one.** Full and SWA KV live in separate pools; a token has a
+   full slot and (while its SWA KV is alive) an SWA slot found through
+   ``full_to_swa_index_mapping`` (0 = no SWA KV). Block id of page ``i`` of a request:
+   full group -> ``full_slot // bs``; SWA group -> ``mapping[full_slot] // bs``, or 0
+   (null) where the mapping is 0. Slot 0 (page 0) of each pool is SGLang's padding
+   slot and is never handed out, so 0 is a safe null id in both groups. Equal ids in
+   the two groups are legal (``separate_group_pools = True``).
+3. **Token-granular tree, page-rounded hits.** ``match_prefix`` walks a radix tree
+   of tokens and rounds the key down to whole pages itself. SGLang's scheduler caps
+   the key at ``Req._compute_max_prefix_len(n) = n - 1`` (``RadixKey.limit``); the
+   adapter uses that very cap, so a hit is ``<= floor((n - 1) / bs) * bs``. Example:
+   bs 2, 7 cached tokens, prompt of 7 -> limit 6 -> hit 6. An SWA hit at ``L`` needs
+   ``sws`` live SWA tokens before ``L`` (SGLang's match validator).
+4. **Lookups are not read-only in SGLang.** ``match_prefix`` refreshes LRU times along
+   the matched path and may split a radix node at the hit boundary. No slot, lock or
+   free count changes, but later eviction order can (see ``findings/sglang/``).
+   ``get_computed_blocks`` keeps the matched node id (no lock); ``allocate_slots``
+   locks it (``cache.lock``) *before* evicting for new slots, as SGLang's scheduler
+   does on admission, and ``free`` unlocks it.
+5. **Allocation.** ``allocate_slots`` grows the request's row to
+   ``computed + hit + new + lookahead`` tokens: it first lets the tree evict
+   (``evict_from_tree_cache``), then calls ``alloc`` (bs 1) or ``alloc_extend``
+   (bs > 1), which take a full *and* an SWA slot per token. Before that, the budget
+   check of SGLang's ``PrefillAdder`` (new pages <= available + evictable, per pool,
+   with the hit already locked) returns ``None`` without touching anything; when the
+   allocator still fails after evicting, ``None`` too, and tree entries evicted while
+   trying stay evicted. Either way the hit lock, the row and the request state are
+   rolled back.
+   There is no ``num_tokens - 1`` cap on slots; rows are capped at ``max_model_len``.
+6. **Out-of-window SWA KV of a running request** is freed by SGLang at decode steps
+   (``evict_sliding_windows`` -> ``free_swa_out_of_window_slots``): it keeps
+   ``ceil(max(sws, bs) / bs)`` pages behind the next position ``p``, frees whole pages
+   below, and never frees tree-owned (protected) pages itself. The adapter calls it at
+   every ``allocate_slots`` of a request with computed tokens, with ``pre_len = p``.
+   The freed pages read as null (0) in the SWA group; the full group never frees.
+7. **free = insert, then release.** ``free`` follows SGLang's ``release_kv_cache(...,
+   checkpoint=True)``: ``cache.checkpoint`` inserts the page-aligned computed prefix
+   (the tree frees the request's duplicate slots itself and rewrites its row), then
+   ``free_kv_row`` releases ``[protected, computed)`` and the over-allocated tail
+   ``[ceil(computed / bs) * bs, allocated)``, the lock is dropped, ``on_release`` runs
+   and the row is returned. SGLang's own preemption (retract) does **not** insert;
+   the protocol's preemption (free, then computed = 0) does, like vLLM.
+8. **num_free_blocks** = ``min`` over the two pools of ``(available + evictable) //
+   bs``: pages an allocation could obtain now, evicting unlocked tree entries.
+9. **reset_prefix_cache** is SGLang's ``flush_cache``: allowed only when no request
+   holds a row; it resets the tree, the row pool and the allocator.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from properties.engine import BlockIds, CacheHit, EngineError, RequestInput
+from reference.layout import KVCacheLayout
+from reference.specs import FullAttentionSpec, SlidingWindowSpec
+
+#: Page sizes the adapter supports (the block size of both groups).
+SUPPORTED_PAGE_SIZES = (1, 2, 4)
+#: Extra row width beyond ``max_model_len`` for lookahead slots.
+LOOKAHEAD_MARGIN = 64
+#: Request rows in the ``ReqToTokenPool`` (concurrent requests holding KV).
+MAX_RUNNING_REQUESTS = 256
+
+_EMPTY: BlockIds = ((), ())
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    """What the adapter builds from a layout: page size, window, pool sizes, core."""
+
+    page_size: int
+    sliding_window: int
+    pool_pages: int
+    max_model_len: int
+    enable_caching: bool
+    tree_core: str
+    full_group: int
+    swa_group: int
+
+    @property
+    def sglang_window(self) -> int:
+        """SGLang's exclusive window: ``w - 1`` (w=4 -> 3)."""
+        return self.sliding_window - 1
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.pool_pages * self.page_size
+
+
+def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
+    """Check ``layout`` is in scope and derive the SGLang configuration.
+
+    Example: full(bs=2) + SWA(bs=2, w=4), num_blocks=17 -> page 2, window 3,
+    16 pages (32 slots) per pool.
+    """
+    if tree_core not in ("python", "rust"):
+        raise EngineError(
+            f"sglang adapter: tree_core must be 'python' or 'rust', got {tree_core!r}"
+        )
+    specs = layout.specs
+    full = [i for i, s in enumerate(specs) if isinstance(s, FullAttentionSpec)]
+    swa = [i for i, s in enumerate(specs) if isinstance(s, SlidingWindowSpec)]
+    if len(specs) != 2 or len(full) != 1 or len(swa) != 1:
+        raise EngineError(
+            "sglang adapter supports exactly one full-attention and one sliding-window "
+            f"group, got layout {layout.describe()}"
+        )
+    page = specs[0].block_size
+    if specs[1].block_size != page:
+        raise EngineError(
+            f"sglang adapter needs equal block sizes in both groups, got layout {layout.describe()}"
+        )
+    if page not in SUPPORTED_PAGE_SIZES:
+        raise EngineError(
+            f"sglang adapter supports block_size in {SUPPORTED_PAGE_SIZES}, got layout "
+            f"{layout.describe()}"
+        )
+    window = specs[swa[0]].sliding_window
+    if window < 2:
+        raise EngineError(
+            "sglang adapter needs sliding_window >= 2 (SGLang's window is w - 1 and must "
+            f"be positive), got layout {layout.describe()}"
+        )
+    return SGLangConfig(
+        page_size=page,
+        sliding_window=window,
+        pool_pages=layout.num_blocks - 1,
+        max_model_len=layout.max_model_len,
+        enable_caching=layout.enable_caching,
+        tree_core=tree_core,
+        full_group=full[0],
+        swa_group=swa[0],
+    )
+
+
+@dataclass
+class _PendingHit:
+    """The node a ``get_computed_blocks`` matched, kept (unlocked) for allocation."""
+
+    node: Any
+    num_tokens: int
+    swa_branching_seqlen: int | None
+
+
+@dataclass
+class _Request:
+    """Adapter-side state of one request: SGLang's ``Req`` plus the protocol counters."""
+
+    req: Any
+    num_computed_tokens: int = 0
+    pending: _PendingHit | None = None
+    tokens: list[int] = field(default_factory=list)
+
+
+class _SGLangModules:
+    """SGLang (and torch) imported once per process: the import takes seconds."""
+
+    _loaded: dict[str, Any] = {}
+
+    @classmethod
+    def get(cls) -> dict[str, Any]:
+        if not cls._loaded:
+            os.environ.setdefault("SGLANG_LOG_LEVEL", "warning")
+            try:
+                import torch
+                from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+                from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+                from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+                from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+                from sglang.srt.mem_cache.common import evict_from_tree_cache
+                from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+                from sglang.srt.mem_cache.radix_cache import RadixKey
+                from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+                from sglang.srt.mem_cache.unified_cache.components import ComponentType
+                from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+                from sglang.srt.sampling.sampling_params import SamplingParams
+            except ImportError as exc:
+                raise EngineError(f"sglang adapter: cannot import sglang: {exc}") from exc
+            cls._loaded.update(
+                torch=torch,
+                Req=Req,
+                FINISH_LENGTH=FINISH_LENGTH,
+                SWATokenToKVPoolAllocator=SWATokenToKVPoolAllocator,
+                MatchPrefixParams=MatchPrefixParams,
+                CacheInitParams=CacheInitParams,
+                evict_from_tree_cache=evict_from_tree_cache,
+                ReqToTokenPool=ReqToTokenPool,
+                RadixKey=RadixKey,
+                SWAKVPool=SWAKVPool,
+                ComponentType=ComponentType,
+                UnifiedRadixCache=UnifiedRadixCache,
+                SamplingParams=SamplingParams,
+            )
+        return cls._loaded
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SGLangEngine:
+    """SGLang's hybrid full + SWA KV cache driven through the engine protocol."""
+
+    separate_group_pools = True
+
+    def __init__(self, layout: KVCacheLayout, tree_core: str = "python") -> None:
+        self.layout = layout
+        self.config = config_for(layout, tree_core)
+        m = _SGLangModules.get()
+        self._m = m
+        torch = m["torch"]
+        cfg = self.config
+        dtype = torch.float32 if _dtype_bytes(layout) == 4 else torch.float16
+        heads, head_dim = _heads(layout)
+        self.kv_pool = m["SWAKVPool"](
+            size=cfg.pool_tokens,
+            size_swa=cfg.pool_tokens,
+            page_size=cfg.page_size,
+            dtype=dtype,
+            head_num=heads,
+            head_dim=head_dim,
+            swa_attention_layer_ids=[0],
+            full_attention_layer_ids=[1],
+            device="cpu",
+        )
+        self.allocator = m["SWATokenToKVPoolAllocator"](
+            size=cfg.pool_tokens,
+            size_swa=cfg.pool_tokens,
+            page_size=cfg.page_size,
+            dtype=dtype,
+            device="cpu",
+            kvcache=self.kv_pool,
+            need_sort=False,
+        )
+        self.row_width = cfg.max_model_len + LOOKAHEAD_MARGIN
+        self.req_to_token_pool = m["ReqToTokenPool"](
+            size=MAX_RUNNING_REQUESTS,
+            max_context_len=self.row_width,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        ct = m["ComponentType"]
+        self.cache = m["UnifiedRadixCache"](
+            m["CacheInitParams"](
+                disable=not cfg.enable_caching,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.allocator,
+                page_size=cfg.page_size,
+                sliding_window_size=cfg.sglang_window,
+                tree_components=(ct.FULL, ct.SWA),
+                tree_core_backend=tree_core,
+            )
+        )
+        self._requests: dict[str, _Request] = {}
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, request: RequestInput) -> None:
+        if request.request_id in self._requests:
+            raise EngineError(f"sglang adapter: request_id {request.request_id!r} exists")
+        m = self._m
+        req = m["Req"](
+            request.request_id, "", array("q", request.prompt_token_ids), m["SamplingParams"]()
+        )
+        req.extra_key = request.lora_name
+        req.cache_salt = request.cache_salt or None
+        req.refresh_fill_ids()
+        self._requests[request.request_id] = _Request(
+            req=req, tokens=list(request.prompt_token_ids)
+        )
+
+    def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        state = self._get(request_id)
+        state.req.output_ids.extend(int(t) for t in token_ids)
+        state.tokens.extend(int(t) for t in token_ids)
+        state.req.refresh_fill_ids()
+
+    def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
+        state = self._get(request_id)
+        if num_computed_tokens < 0 or num_computed_tokens > len(state.tokens) + LOOKAHEAD_MARGIN:
+            raise EngineError(
+                f"sglang adapter: num_computed_tokens out of range for "
+                f"{request_id!r}: {num_computed_tokens}"
+            )
+        state.num_computed_tokens = num_computed_tokens
+        kv = state.req.kv
+        if kv.holds_kv:
+            kv.kv_committed_len = min(num_computed_tokens, kv.kv_allocated_len)
+
+    def new_step(self) -> None:
+        """SGLang has no per-step hook the KV cache needs."""
+
+    def remove_request(self, request_id: str) -> None:
+        state = self._get(request_id)
+        if state.req.kv.holds_kv:
+            self.free(request_id)
+        del self._requests[request_id]
+
+    # ---------------------------------------------------------------- lookups
+    def get_computed_blocks(self, request_id: str) -> CacheHit:
+        state = self._get(request_id)
+        state.pending = None
+        n = len(state.tokens)
+        if not self.config.enable_caching or n <= 1:
+            return CacheHit(_EMPTY, 0)
+        req = state.req
+        limit = req._compute_max_prefix_len(n)  # SGLang's own cap: n - 1
+        key = self._m["RadixKey"](
+            array("q", state.tokens),
+            extra_key=req.extra_key,
+            limit=limit,
+            cache_salt=req.cache_salt,
+        )
+        match = self.cache.match_prefix(self._m["MatchPrefixParams"](key=key))
+        hit = int(match.device_prefix_len)
+        page = self.config.page_size
+        if hit > n - 1 or hit % page:
+            raise EngineError(
+                f"sglang adapter: match_prefix returned {hit} tokens for "
+                f"{n} tokens at page size {page}"
+            )
+        if hit == 0:
+            return CacheHit(_EMPTY, 0)
+        slots = self.cache.path_device_indices(match.last_device_node)
+        if int(slots.numel()) != hit:
+            raise EngineError(
+                f"sglang adapter: matched node holds {int(slots.numel())} "
+                f"slots for a hit of {hit} tokens"
+            )
+        state.pending = _PendingHit(match.last_device_node, hit, match.swa_branching_seqlen)
+        return CacheHit(self._block_ids_of(slots.tolist()), hit)
+
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        kv = self._get(request_id).req.kv
+        if not kv.holds_kv or kv.kv_allocated_len == 0:
+            return _EMPTY
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, : kv.kv_allocated_len]
+        return self._block_ids_of(row.tolist())
+
+    # ------------------------------------------------------------- allocation
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        hit: CacheHit | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> BlockIds | None:
+        state = self._get(request_id)
+        req, kv = state.req, state.req.kv
+        hit_tokens = hit.num_tokens if hit is not None else 0
+        if num_new_computed_tokens != hit_tokens:
+            raise EngineError(
+                f"sglang adapter: num_new_computed_tokens "
+                f"{num_new_computed_tokens} != hit.num_tokens {hit_tokens}"
+            )
+        if num_new_tokens < 0 or num_lookahead_tokens < 0:
+            raise EngineError(
+                f"sglang adapter: negative token count for {request_id!r}: "
+                f"new={num_new_tokens} lookahead={num_lookahead_tokens}"
+            )
+        admitted_now = False
+        if not kv.holds_kv:
+            rows = self.req_to_token_pool.alloc_rows(1)
+            if rows is None:
+                return None
+            admitted_now = True
+            self._admit(state, hit_tokens, rows[0])
+        elif hit_tokens:
+            raise EngineError(f"sglang adapter: a hit for running request {request_id!r}")
+        elif state.num_computed_tokens > 0:
+            # decode-time window slide (ScheduleBatch.maybe_evict_swa)
+            self.cache.evict_sliding_windows(req, state.num_computed_tokens)
+        computed = state.num_computed_tokens + hit_tokens
+        target = computed + num_new_tokens + num_lookahead_tokens
+        if target > self.row_width:
+            raise EngineError(
+                f"sglang adapter: {request_id!r} needs {target} slots, row holds {self.row_width}"
+            )
+        before = kv.kv_allocated_len
+        new_slots: list[int] | None = []
+        if target > before:
+            new_slots = self._alloc(kv, before, target) if self._fits(before, target) else None
+        if new_slots is None:
+            if admitted_now:
+                self._rollback_admission(state)
+            return None
+        page = self.config.page_size
+        first_new_page = _cdiv(before, page)
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :target].tolist()
+        ids = self._block_ids_of(row)
+        return tuple(tuple(g[first_new_page:]) for g in ids)
+
+    def _admit(self, state: _Request, hit_tokens: int, row: int) -> None:
+        """Take ``row``, lock and write the hit (what ``match_kv_cache`` records)."""
+        req, kv = state.req, state.req.kv
+        kv.req_pool_idx = row
+        pending = state.pending
+        state.pending = None
+        if hit_tokens:
+            if pending is None or pending.num_tokens != hit_tokens:
+                raise EngineError(
+                    f"sglang adapter: allocate_slots got a hit of {hit_tokens} tokens "
+                    f"for {req.rid!r} without a matching get_computed_blocks"
+                )
+            req.lock = self.cache.lock(pending.node)
+            slots = self.cache.path_device_indices(pending.node)
+            self.req_to_token_pool.write((kv.req_pool_idx, slice(0, hit_tokens)), slots)
+            req.last_node = pending.node
+            req.swa_branching_seqlen = pending.swa_branching_seqlen
+        req.prefix_len = hit_tokens
+        kv.cache_protected_len = hit_tokens
+        kv.kv_allocated_len = hit_tokens
+        kv.kv_committed_len = hit_tokens
+
+    def _rollback_admission(self, state: _Request) -> None:
+        req = state.req
+        self.cache.unlock(req.lock)
+        self.req_to_token_pool.free(req)
+        req.kv.mark_kv_released()
+        req.reset_for_retract()
+
+    def _fits(self, before: int, target: int) -> bool:
+        """SGLang's admission budget: new pages <= available + evictable, in both pools."""
+        page = self.config.page_size
+        need = (_cdiv(target, page) - _cdiv(before, page)) * page
+        full = self.allocator.full_available_size() + self.cache.full_evictable_size()
+        swa = self.allocator.swa_available_size() + self.cache.swa_evictable_size()
+        return need <= min(full, swa)
+
+    def _alloc(self, kv: Any, before: int, target: int) -> list[int] | None:
+        """Evict from the tree, then allocate slots ``[before, target)`` of the row."""
+        m = self._m
+        torch = m["torch"]
+        page = self.config.page_size
+        need = target - before
+        m["evict_from_tree_cache"](self.cache, need + (page if page > 1 else 0))
+        if page == 1:
+            out = self.allocator.alloc(need)
+        else:
+            row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+            last = int(row[before - 1]) if before > 0 else -1
+
+            def t(v: int) -> Any:
+                return torch.tensor([v], dtype=torch.int64)
+
+            out = self.allocator.alloc_extend(
+                t(before), t(before), t(target), t(target), t(last), need
+            )
+        if out is None:
+            return None
+        self.req_to_token_pool.write((kv.req_pool_idx, slice(before, target)), out.to(torch.int32))
+        kv.kv_allocated_len = target
+        return out.tolist()
+
+    # ------------------------------------------------------------------- free
+    def free(self, request_id: str) -> None:
+        state = self._get(request_id)
+        req, kv = state.req, state.req.kv
+        state.pending = None
+        if not kv.holds_kv:
+            return
+        page = self.config.page_size
+        committed = min(state.num_computed_tokens, kv.kv_allocated_len)
+        kv.kv_committed_len = committed
+        req.refresh_fill_ids()
+        checkpoint = committed > 0
+        if checkpoint:
+            req.finished_reason = self._m["FINISH_LENGTH"](length=len(req.output_ids))
+            self.cache.checkpoint(req, up_to=committed)
+        ranges = [
+            (kv.cache_protected_len, committed),
+            (_cdiv(committed, page) * page, kv.kv_allocated_len),
+        ]
+        ranges = [(a, b) for a, b in ranges if a < b]
+        if ranges:
+            self.cache.free_kv_row(kv, ranges)
+        self.cache.unlock(req.lock)
+        req.lock = None
+        self.cache.on_release(req, checkpointed=checkpoint)
+        self.req_to_token_pool.free(req)
+        kv.mark_kv_released()
+        req.finished_reason = None
+        req.reset_for_retract()
+
+    def reset_prefix_cache(self) -> bool:
+        if any(s.req.kv.holds_kv for s in self._requests.values()):
+            return False
+        self.cache.reset()
+        self.req_to_token_pool.clear()
+        self.allocator.clear()
+        for s in self._requests.values():
+            s.pending = None
+        return True
+
+    def num_free_blocks(self) -> int:
+        page = self.config.page_size
+        full = self.allocator.full_available_size() + self.cache.full_evictable_size()
+        swa = self.allocator.swa_available_size() + self.cache.swa_evictable_size()
+        return min(full, swa) // page
+
+    # ---------------------------------------------------------------- helpers
+    def _block_ids_of(self, slots: list[int]) -> BlockIds:
+        """Page ids per group for a row of full-pool slots (first slot of each page)."""
+        page = self.config.page_size
+        heads = slots[::page]
+        mapping = self.allocator.full_to_swa_index_mapping
+        full_ids = tuple(int(s) // page for s in heads)
+        swa_ids = tuple(int(mapping[s]) // page for s in heads) if heads else ()
+        ids = [(), ()]
+        ids[self.config.full_group] = full_ids
+        ids[self.config.swa_group] = swa_ids
+        return tuple(ids)
+
+    def _get(self, request_id: str) -> _Request:
+        state = self._requests.get(request_id)
+        if state is None:
+            raise EngineError(f"sglang adapter: unknown request_id {request_id!r}")
+        return state
+
+
+def _dtype_bytes(layout: KVCacheLayout) -> int:
+    return getattr(layout.groups[0].spec, "dtype_bytes", 2)
+
+
+def _heads(layout: KVCacheLayout) -> tuple[int, int]:
+    spec = layout.groups[0].spec
+    return getattr(spec, "num_kv_heads", 1), getattr(spec, "head_size", 8)
+
+
+def make_engine(layout: KVCacheLayout) -> SGLangEngine:
+    """SGLang with the Python tree core."""
+    return SGLangEngine(layout, tree_core="python")
+
+
+def make_engine_rust(layout: KVCacheLayout) -> SGLangEngine:
+    """SGLang with the bundled Rust tree core."""
+    return SGLangEngine(layout, tree_core="rust")

@@ -1,0 +1,374 @@
+"""vLLM 0.33.0 adapter: vLLM's own ``KVCacheManager`` behind the engine protocol.
+
+Run it with the interpreter of ``.engines/vllm`` (``bash ci/engines/vllm`` builds it);
+vLLM is imported lazily inside :func:`make_engine`, so importing this module never
+needs vLLM.
+
+How our layout maps to vLLM objects
+-----------------------------------
+* Each :class:`reference.layout.KVCacheGroup` becomes one ``KVCacheGroupSpec(layer_names,
+  spec)`` in the same order, inside ``KVCacheConfig(num_blocks, kv_cache_tensors=[],
+  kv_cache_groups)``. ``num_blocks`` counts the null block on both sides.
+* Specs: ``FullAttentionSpec`` / ``SlidingWindowSpec(sliding_window=w)`` /
+  ``ChunkedLocalAttentionSpec(attention_chunk_size=C)`` with our ``block_size``,
+  ``num_kv_heads``, ``head_size``, ``page_size_padded``, and ``dtype`` chosen by
+  ``dtype_bytes`` (1: uint8, 2: float16, 4: float32, 8: float64), so vLLM's page size
+  equals ours. ``MambaSpec(shapes, dtypes=(dtype,) * len(shapes), page_size_padded,
+  mamba_cache_mode="align")`` (no speculative or prefill-checkpoint blocks).
+* ``KVCacheManager(config, max_model_len, scheduler_block_size=layout.scheduler_block_size,
+  hash_block_size=layout.hash_block_size, max_in_flight_tokens=layout.max_in_flight_tokens,
+  enable_caching=layout.enable_caching)``; watermark 0, no EAGLE, no connector.
+* Requests are vLLM ``Request`` objects (``SamplingParams(max_tokens=max_model_len)``),
+  hashed by ``get_request_block_hasher(hash_block_size, sha256)`` when caching is on.
+  ``cache_salt`` goes to ``Request(cache_salt=...)``; a LoRA name becomes
+  ``LoRARequest(lora_name=name, lora_int_id=k, lora_path="/kvconform/lora/<name>")``
+  (``k`` a per-engine number for the name; vLLM insists on a non-empty path), which
+  vLLM hashes as the extra key ``("lora", name, path)``: a function of the name only.
+  ``init_none_hash(sha256)`` runs once per process.
+
+Calls: ``new_step`` -> ``new_step_starts``; ``set_num_computed_tokens`` sets
+``request.num_computed_tokens`` (0 also marks the request PREEMPTED, as vLLM's
+scheduler does); ``append_output_tokens`` -> ``append_output_token_ids``;
+``get_computed_blocks`` -> vLLM's, whose ``KVCacheBlocks`` object is kept per request
+and handed back unchanged to ``allocate_slots`` (a hit the adapter did not produce is
+an :class:`EngineError`); ``free`` -> ``free``; ``reset_prefix_cache`` ->
+``reset_prefix_cache``. Every vLLM exception becomes
+``EngineError("vllm: <call>(<args>) raised <type>: <msg>")``.
+
+Not bridged / differences
+-------------------------
+* vLLM's Mamba "align" manager returns the null padding it appended in a step as
+  part of its new blocks (e.g. ``[0, 3]``); ``allocate_slots`` drops the ``0`` ids, so
+  the result lists only real new blocks. ``get_block_ids`` is vLLM's row unchanged.
+* ``num_in_flight_tokens`` stays 0 (synchronous stepping), so skipped blocks are
+  freed on the full computed count.
+* The per-request admission cap (``max_in_flight_tokens``) only acts in vLLM when
+  ``allocate_slots(full_sequence_must_fit=True)``; the protocol call does not set
+  it, as vLLM's default does not.
+* vLLM's exact rules, with worked examples, are in ``docs/vllm-behaviour.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from properties.engine import BlockIds, CachedBlock, CacheHit, EngineError, RequestInput
+from reference.layout import KVCacheLayout
+from reference.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+#: ``dtype_bytes`` -> name of the torch dtype that gives vLLM the same page size.
+DTYPE_BY_BYTES: dict[int, str] = {1: "uint8", 2: "float16", 4: "float32", 8: "float64"}
+
+_NONE_HASH_READY = False
+
+
+def _fmt_args(args: Sequence[Any]) -> str:
+    return ", ".join(repr(a) for a in args)
+
+
+def _call(name: str, args: Sequence[Any], fn: Any, *call_args: Any, **kwargs: Any) -> Any:
+    """Run one vLLM call; any exception becomes an :class:`EngineError` naming it.
+
+    Example message: ``vllm: allocate_slots('r1', 4, 0) raised AssertionError: ...``.
+    """
+    try:
+        return fn(*call_args, **kwargs)
+    except Exception as exc:  # every engine failure is reported, never swallowed
+        raise EngineError(
+            f"vllm: {name}({_fmt_args(args)}) raised {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+class _VLLM:
+    """The vLLM names the adapter uses, imported once by :func:`_import_vllm`."""
+
+    def __init__(self) -> None:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        import torch
+        from vllm.lora.request import LoRARequest
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1 import kv_cache_interface as kvi
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request, RequestStatus
+
+        self.torch = torch
+        self.kvi = kvi
+        self.KVCacheManager = KVCacheManager
+        self.Request = Request
+        self.RequestStatus = RequestStatus
+        self.SamplingParams = SamplingParams
+        self.LoRARequest = LoRARequest
+        self.sha256 = sha256
+        self.get_request_block_hasher = get_request_block_hasher
+        self.init_none_hash = init_none_hash
+
+
+def _import_vllm() -> _VLLM:
+    global _NONE_HASH_READY
+    try:
+        v = _VLLM()
+    except ImportError as exc:
+        raise EngineError(
+            f"vllm: cannot import vLLM 0.33.0 ({exc}); run ci/engines/vllm and use "
+            ".engines/vllm/bin/python"
+        ) from exc
+    if not _NONE_HASH_READY:
+        v.init_none_hash(v.sha256)
+        _NONE_HASH_READY = True
+    return v
+
+
+def _dtype(v: _VLLM, owner: str, dtype_bytes: int) -> Any:
+    name = DTYPE_BY_BYTES.get(dtype_bytes)
+    if name is None:
+        raise EngineError(
+            f"vllm: {owner}.dtype_bytes must be one of {sorted(DTYPE_BY_BYTES)}, got {dtype_bytes}"
+        )
+    return getattr(v.torch, name)
+
+
+def to_vllm_spec(v: _VLLM, spec: KVCacheSpec) -> Any:
+    """Our spec -> vLLM's spec of the same type, block size and page size.
+
+    Example: ``SlidingWindowSpec(block_size=2, sliding_window=4)`` ->
+    ``vllm SlidingWindowSpec(block_size=2, num_kv_heads=1, head_size=8,
+    dtype=torch.float16, sliding_window=4)``.
+    """
+    kvi = v.kvi
+    owner = type(spec).__name__
+    if isinstance(spec, MambaSpec):
+        dtype = _dtype(v, owner, spec.dtype_bytes)
+        return kvi.MambaSpec(
+            block_size=spec.block_size,
+            shapes=tuple(spec.shapes),
+            dtypes=(dtype,) * len(spec.shapes),
+            page_size_padded=spec.page_size_padded,
+            mamba_cache_mode="align",
+        )
+    common: dict[str, Any] = {}
+    if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+        common = dict(
+            block_size=spec.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            dtype=_dtype(v, owner, spec.dtype_bytes),
+            page_size_padded=spec.page_size_padded,
+        )
+    if isinstance(spec, FullAttentionSpec):
+        return kvi.FullAttentionSpec(**common)
+    if isinstance(spec, SlidingWindowSpec):
+        return kvi.SlidingWindowSpec(sliding_window=spec.sliding_window, **common)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return kvi.ChunkedLocalAttentionSpec(
+            attention_chunk_size=spec.attention_chunk_size, **common
+        )
+    raise EngineError(f"vllm: no vLLM spec for {owner} {spec!r}")
+
+
+class VLLMEngine:
+    """vLLM's ``KVCacheManager`` driven through the engine protocol."""
+
+    name = "vllm"
+
+    def __init__(self, layout: KVCacheLayout, v: _VLLM) -> None:
+        self.layout = layout
+        self._v = v
+        groups = [
+            v.kvi.KVCacheGroupSpec(list(g.layer_names), to_vllm_spec(v, g.spec))
+            for g in layout.groups
+        ]
+        config = v.kvi.KVCacheConfig(
+            num_blocks=layout.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
+        )
+        self.manager = _call(
+            "KVCacheManager",
+            (layout.describe(),),
+            v.KVCacheManager,
+            config,
+            max_model_len=layout.max_model_len,
+            scheduler_block_size=layout.scheduler_block_size,
+            hash_block_size=layout.hash_block_size,
+            max_in_flight_tokens=layout.max_in_flight_tokens,
+            enable_caching=layout.enable_caching,
+        )
+        self._hasher = (
+            v.get_request_block_hasher(layout.hash_block_size, v.sha256)
+            if layout.enable_caching
+            else None
+        )
+        self.requests: dict[str, Any] = {}
+        self._hits: dict[str, tuple[CacheHit, Any]] = {}
+        self._lora_ids: dict[str, int] = {}
+
+    # -- helpers -------------------------------------------------------------
+    def _request(self, request_id: str) -> Any:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise EngineError(f"vllm: unknown request {request_id!r}") from None
+
+    def _lora(self, name: str | None) -> Any:
+        if name is None:
+            return None
+        lora_id = self._lora_ids.setdefault(name, len(self._lora_ids) + 1)
+        return self._v.LoRARequest(
+            lora_name=name, lora_int_id=lora_id, lora_path=f"/kvconform/lora/{name}"
+        )
+
+    @property
+    def _pool(self) -> Any:
+        return self.manager.block_pool
+
+    # -- protocol ------------------------------------------------------------
+    def add_request(self, request: RequestInput) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise EngineError(f"vllm: request {rid!r} added twice")
+        v = self._v
+        params = v.SamplingParams(max_tokens=max(1, self.layout.max_model_len))
+        self.requests[rid] = _call(
+            "Request",
+            (rid, len(request.prompt_token_ids)),
+            v.Request,
+            rid,
+            list(request.prompt_token_ids),
+            params,
+            None,
+            lora_request=self._lora(request.lora_name),
+            cache_salt=request.cache_salt,
+            block_hasher=self._hasher,
+        )
+
+    def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        req = self._request(request_id)
+        _call(
+            "append_output_token_ids",
+            (request_id, list(token_ids)),
+            req.append_output_token_ids,
+            list(token_ids),
+        )
+
+    def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
+        req = self._request(request_id)
+        if num_computed_tokens < 0 or num_computed_tokens > req.num_tokens:
+            raise EngineError(
+                f"vllm: set_num_computed_tokens({request_id!r}, {num_computed_tokens}): "
+                f"num_computed_tokens must be in [0, {req.num_tokens}]"
+            )
+        req.num_computed_tokens = num_computed_tokens
+        if num_computed_tokens == 0:
+            req.status = self._v.RequestStatus.PREEMPTED
+
+    def new_step(self) -> None:
+        _call("new_step_starts", (), self.manager.new_step_starts)
+
+    def get_computed_blocks(self, request_id: str) -> CacheHit:
+        req = self._request(request_id)
+        blocks, num_tokens, _ = _call(
+            "get_computed_blocks", (request_id,), self.manager.get_computed_blocks, req
+        )
+        ids = blocks.get_block_ids()
+        hit = CacheHit(tuple(tuple(group) for group in ids), num_tokens)
+        self._hits[request_id] = (hit, blocks)
+        return hit
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        hit: CacheHit | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> BlockIds | None:
+        req = self._request(request_id)
+        blocks = None
+        if hit is not None:
+            kept = self._hits.pop(request_id, None)
+            if kept is None or kept[0] != hit:
+                raise EngineError(
+                    f"vllm: allocate_slots({request_id!r}) got a hit this adapter did not "
+                    f"return from its last get_computed_blocks({request_id!r})"
+                )
+            blocks = kept[1]
+        args = (request_id, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
+        new = _call(
+            "allocate_slots",
+            args,
+            self.manager.allocate_slots,
+            req,
+            num_new_tokens,
+            num_new_computed_tokens,
+            blocks,
+            num_lookahead_tokens,
+        )
+        if new is None:
+            return None
+        return tuple(tuple(b for b in group if b != 0) for group in new.get_block_ids())
+
+    def free(self, request_id: str) -> None:
+        req = self._request(request_id)
+        _call("free", (request_id,), self.manager.free, req)
+        self._hits.pop(request_id, None)
+
+    def remove_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self._hits.pop(request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(_call("reset_prefix_cache", (), self.manager.reset_prefix_cache))
+
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        ids = _call("get_block_ids", (request_id,), self.manager.get_block_ids, request_id)
+        return tuple(tuple(group) for group in ids)
+
+    def num_free_blocks(self) -> int:
+        return int(self._pool.get_num_free_blocks())
+
+    # -- optional capabilities (read from vLLM's BlockPool) ---------------------
+    def ref_counts(self) -> dict[int, int]:
+        """``block_id -> ref_cnt`` for ids ``1 .. num_blocks - 1`` (null excluded)."""
+        return {b.block_id: b.ref_cnt for b in self._pool.blocks[1:]}
+
+    def free_queue(self) -> list[int]:
+        """The free list from the front (next to allocate) to the back."""
+        out: list[int] = []
+        queue = self._pool.free_block_queue
+        node = queue.fake_free_list_head.next_free_block
+        while node is not None and node is not queue.fake_free_list_tail:
+            out.append(node.block_id)
+            node = node.next_free_block
+        return out
+
+    def cached_blocks(self) -> list[CachedBlock]:
+        """Every block registered in the prefix cache under its primary key.
+
+        The group id is the key's last 4 bytes (big endian); ``num_tokens`` is the
+        block's ``block_hash_num_tokens`` (a multiple of ``bs``, or the prompt-tail
+        boundary of a partial entry). Secondary keys of a block (vLLM keeps them in
+        ``cached_block_hashes_by_block`` without a token count) are not reported.
+        """
+        out: list[CachedBlock] = []
+        for key, entry in self._pool.cached_block_hash_to_block._cache.items():
+            group_id = int.from_bytes(key[-4:], "big")
+            entries = entry.values() if isinstance(entry, dict) else (entry,)
+            for block in entries:
+                if block.block_hash == key and block.block_hash_num_tokens is not None:
+                    out.append(
+                        CachedBlock(block.block_id, group_id, int(block.block_hash_num_tokens))
+                    )
+        return out
+
+
+def make_engine(layout: KVCacheLayout) -> VLLMEngine:
+    """Build a :class:`VLLMEngine` for ``layout`` (vLLM is imported here)."""
+    return VLLMEngine(layout, _import_vllm())

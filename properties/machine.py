@@ -1,0 +1,252 @@
+"""The stateful machine: an engine driven through generated traces, checked at every step.
+
+:class:`TraceRun` runs trace operations through the scheduler against a
+:class:`properties.lockstep.LockstepEngine` (the engine under test, plus the
+reference at the ``exact`` level) and, when asked, the attention check.
+:class:`KVCacheMachine` is the Hypothesis ``RuleBasedStateMachine`` over it:
+rules arrive, step, abort, preempt and reset the prefix cache. Levels:
+
+* ``universal``: the invariants, hit soundness and maximality, window liveness;
+  holds for any correct engine whatever its allocation policy;
+* ``exact``: additionally the same hits, block ids and free counts as the
+  reference (engines that claim vLLM's policy).
+
+Every failing run writes its trace (the operations so far, the calls observed and
+the failure) to ``<failure dir>/.last-<pid>.json``; Hypothesis' final run is the
+shrunk one, so that file then holds the minimal trace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hypothesis import assume, note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from properties import strategies as kvst
+from properties.engine import EngineError, UnsupportedLayoutError, load_engine_factory
+from properties.invariants import UNIVERSAL_CHECKS, PropertyViolation
+from properties.lockstep import LEVELS, LockstepEngine
+from properties.scheduler import Scheduler, StepRecord
+from properties.trace import Operation, Trace, trace_to_json
+from reference.errors import KVConformError
+from reference.layout import KVCacheLayout
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    """What to check: engine (name or module:factory), level, layouts, switches."""
+
+    engine: str = "reference"
+    level: str = "universal"
+    preset: str | None = None
+    attention: bool = False
+    disabled: frozenset[str] = frozenset()
+    max_len: int = 128
+    failure_dir: str = ".kvconform/failures"
+
+    def __post_init__(self) -> None:
+        if self.level not in LEVELS:
+            raise KVConformError(f"--level must be one of {', '.join(LEVELS)}, "
+                                 f"got {self.level!r}")
+        unknown = set(self.disabled) - set(UNIVERSAL_CHECKS)
+        if unknown:
+            raise KVConformError(f"unknown checks to disable: {sorted(unknown)}; known: "
+                                 f"{', '.join(UNIVERSAL_CHECKS)}")
+
+
+@dataclass
+class RunStats:
+    examples: int = 0
+    steps: int = 0
+    calls: int = 0
+
+
+class TraceRun:
+    """One engine (and the reference at ``exact``) under one layout, driven op by op."""
+
+    def __init__(self, config: CheckConfig, layout: KVCacheLayout,
+                 factory: Callable | None = None) -> None:
+        self.config = config
+        self.layout = layout
+        factory = factory or load_engine_factory(config.engine)
+        engine = factory(layout)
+        reference = None
+        if config.level == "exact":
+            from properties.engines.reference import make_engine as make_reference
+
+            reference = make_reference(layout)
+        self.lockstep = LockstepEngine(engine, layout, reference, config.disabled)
+        self.attention = None
+        if config.attention:
+            from properties.attention_check import AttentionChecker
+
+            self.attention = AttentionChecker(layout)
+        self.scheduler = Scheduler(self.lockstep, layout, on_scheduled=self._on_scheduled)
+        self.operations: list[Operation] = []
+
+    def apply(self, op: Operation) -> StepRecord | None:
+        self.operations.append(op)
+        return self.scheduler.apply(op)
+
+    def _on_scheduled(self, scheduler: Scheduler, record: StepRecord) -> None:
+        if self.attention is None or not record.scheduled:
+            return
+        from properties.attention_check import AttentionMismatch, ScheduledChunk
+
+        chunks = []
+        for item in record.scheduled:
+            state = scheduler.requests[item.request_id]
+            chunks.append(ScheduledChunk(
+                request=state.input, token_ids=state.token_ids,
+                num_computed_before=item.start, num_scheduled=item.num_tokens,
+                block_ids=tuple(tuple(g) for g in
+                                self.lockstep.get_block_ids(item.request_id))))
+        try:
+            self.attention.check_step(chunks)
+        except AttentionMismatch as exc:
+            raise PropertyViolation("attention", str(exc)) from exc
+
+    def to_trace(self, failure: BaseException | None = None, seed: int | None = None) -> Trace:
+        info = None
+        if failure is not None:
+            info = {"property": getattr(failure, "name", type(failure).__name__),
+                    "message": str(failure), "engine": self.config.engine,
+                    "level": self.config.level}
+        return Trace(layout=self.layout, operations=tuple(self.operations), seed=seed,
+                     observed=tuple(self.lockstep.log), failure=info)
+
+
+def last_failure_path(failure_dir: str) -> Path:
+    return Path(failure_dir) / f".last-{os.getpid()}.json"
+
+
+def write_last_failure(run: TraceRun, exc: BaseException) -> None:
+    path = last_failure_path(run.config.failure_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(trace_to_json(run.to_trace(exc)), indent=1))
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    """Rules over one generated layout; configure with :func:`machine_for`."""
+
+    config: CheckConfig = CheckConfig()
+    factory: Callable | None = None
+    stats: RunStats = RunStats()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.run: TraceRun | None = None
+        self.next_id = 0
+        self.pool: tuple[tuple[int, ...], ...] = ()
+
+    def _guard(self, fn: Callable[[], object]) -> object:
+        assert self.run is not None
+        try:
+            return fn()
+        except (PropertyViolation, EngineError, AssertionError) as exc:
+            write_last_failure(self.run, exc)
+            raise
+        except KVConformError as exc:
+            write_last_failure(self.run, exc)
+            raise
+
+    @initialize(data=st.data())
+    def build(self, data: st.DataObject) -> None:
+        strategy = layout_strategy(self.config, self.factory)
+        layout = data.draw(strategy, label="layout")
+        note(f"layout: {layout.describe()}")
+        try:
+            self.run = TraceRun(self.config, layout, self.factory)
+        except UnsupportedLayoutError:
+            assume(False)
+        self.pool = data.draw(kvst.prefix_pools(layout), label="prefix pool")
+        type(self).stats.examples += 1
+
+    def _apply(self, op: Operation) -> None:
+        assert self.run is not None
+        note(f"op: {op!r}")
+        self._guard(lambda: self.run.apply(op))
+        type(self).stats.steps += 1
+
+    @rule(data=st.data())
+    def arrive(self, data: st.DataObject) -> None:
+        assert self.run is not None
+        op = data.draw(kvst.request_inputs(self.run.layout, self.pool, f"r{self.next_id}"),
+                       label="arrive")
+        self.next_id += 1
+        self._apply(op)
+
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        assert self.run is not None
+        self._apply(data.draw(kvst.step_ops(self.run.layout), label="step"))
+
+    @rule(data=st.data())
+    def step_again(self, data: st.DataObject) -> None:
+        """Steps outnumber other operations, so requests make progress."""
+        self.step(data)
+
+    @precondition(lambda self: self.run is not None and bool(self.run.scheduler.requests))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        assert self.run is not None
+        live = sorted(self.run.scheduler.requests)
+        self._apply(data.draw(kvst.abort_ops(live), label="abort"))
+
+    @precondition(lambda self: self.run is not None and bool(self.run.scheduler.running))
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        assert self.run is not None
+        self._apply(data.draw(kvst.preempt_ops(list(self.run.scheduler.running)),
+                              label="preempt"))
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        from properties.trace import ResetPrefixCache
+
+        self._apply(ResetPrefixCache())
+
+
+def layout_strategy(config: CheckConfig, factory: Callable | None = None):
+    """Layouts to draw: the engine's own ``layout_strategy`` if it has one, else a preset
+    (``--preset``) or any generated layout."""
+    own = getattr(factory, "layout_strategy", None) if factory is not None else None
+    if own is not None:
+        return own()
+    if config.preset is not None:
+        return kvst.preset_layouts(names=[config.preset], max_len=config.max_len)
+    return kvst.any_layouts(max_len=config.max_len)
+
+
+def machine_for(config: CheckConfig, factory: Callable | None = None,
+                name: str = "KVCacheMachine") -> type[KVCacheMachine]:
+    """A machine class bound to ``config`` (a plain subclass with class attributes)."""
+    factory = factory or load_engine_factory(config.engine)
+    return type(name, (KVCacheMachine,), {"config": config, "factory": staticmethod(factory),
+                                          "stats": RunStats()})
+
+
+def replay_trace(trace: Trace, config: CheckConfig,
+                 factory: Callable | None = None) -> tuple[TraceRun, BaseException | None]:
+    """Replay ``trace`` with every check; returns the run and the first failure (or None)."""
+    run = TraceRun(config, trace.layout, factory)
+    try:
+        for op in trace.operations:
+            run.apply(op)
+    except (PropertyViolation, EngineError, KVConformError, AssertionError) as exc:
+        return run, exc
+    return run, None
+
+
+def disabled_all_but(keep: Iterable[str]) -> frozenset[str]:
+    return frozenset(set(UNIVERSAL_CHECKS) - set(keep))
+
+
+__all__ = ["CheckConfig", "KVCacheMachine", "RunStats", "TraceRun", "field", "layout_strategy",
+           "machine_for", "replay_trace"]

@@ -1,0 +1,1 @@
+"""Tests that drive a real engine installed under ``.engines/`` (marker ``engine``)."""
