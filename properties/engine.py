@@ -145,6 +145,21 @@ class ExposesCachedBlocks(Protocol):
 
 EngineFactory = Callable[[KVCacheLayout], KVCacheEngine]
 
+
+@dataclass(frozen=True)
+class KnownDivergence:
+    """A documented engine behaviour that breaks a property (a finding).
+
+    An adapter lists them on its factory (``factory.known_divergences``); the suite
+    does not draw layouts for which ``applies(layout)`` is true, and ``kvconform
+    check`` prints each one with its finding so nothing is hidden.
+    """
+
+    name: str
+    summary: str
+    finding: str
+    applies: Callable[[KVCacheLayout], bool]
+
 #: Adapters shipped with kvconform: name -> "module:factory".
 BUILTIN_ENGINES: dict[str, str] = {
     "reference": "properties.engines.reference:make_engine",

@@ -218,10 +218,20 @@ def layout_strategy(config: CheckConfig, factory: Callable | None = None):
     (``--preset``) or any generated layout."""
     own = getattr(factory, "layout_strategy", None) if factory is not None else None
     if own is not None:
-        return own()
-    if config.preset is not None:
-        return kvst.preset_layouts(names=[config.preset], max_len=config.max_len)
-    return kvst.any_layouts(max_len=config.max_len)
+        strategy = own()
+    elif config.preset is not None:
+        strategy = kvst.preset_layouts(names=[config.preset], max_len=config.max_len)
+    else:
+        strategy = kvst.any_layouts(max_len=config.max_len)
+    known = known_divergences(factory)
+    if known:
+        strategy = strategy.filter(lambda layout: not any(d.applies(layout) for d in known))
+    return strategy
+
+
+def known_divergences(factory: Callable | None) -> tuple:
+    """The factory's documented divergences (see :class:`properties.engine.KnownDivergence`)."""
+    return tuple(getattr(factory, "known_divergences", ()) or ())
 
 
 def machine_for(config: CheckConfig, factory: Callable | None = None,

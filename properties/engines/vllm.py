@@ -54,7 +54,14 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from properties.engine import BlockIds, CachedBlock, CacheHit, EngineError, RequestInput
+from properties.engine import (
+    BlockIds,
+    CachedBlock,
+    CacheHit,
+    EngineError,
+    KnownDivergence,
+    RequestInput,
+)
 from reference.layout import KVCacheLayout
 from reference.specs import (
     ChunkedLocalAttentionSpec,
@@ -372,3 +379,21 @@ class VLLMEngine:
 def make_engine(layout: KVCacheLayout) -> VLLMEngine:
     """Build a :class:`VLLMEngine` for ``layout`` (vLLM is imported here)."""
     return VLLMEngine(layout, _import_vllm())
+
+
+def _chunk_not_multiple_of_block(layout: KVCacheLayout) -> bool:
+    return any(isinstance(g.spec, ChunkedLocalAttentionSpec)
+               and g.spec.attention_chunk_size % g.spec.block_size != 0
+               for g in layout.groups)
+
+
+#: vLLM 0.33 behaviours that break a property; see findings/vllm/.
+KNOWN_DIVERGENCES = (
+    KnownDivergence(
+        name="vllm-chunked-hit-in-previous-chunk",
+        summary="chunked-local hit lands in the previous chunk with its tokens nulled "
+                "when attention_chunk_size % block_size != 0",
+        finding="findings/vllm/chunked-hit-in-previous-chunk.md",
+        applies=_chunk_not_multiple_of_block),
+)
+make_engine.known_divergences = KNOWN_DIVERGENCES  # type: ignore[attr-defined]

@@ -1,0 +1,1 @@
+"""Mutant engines: the reference with one realistic bug each (the suite's power)."""
