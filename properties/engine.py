@@ -163,7 +163,6 @@ class KnownDivergence:
 #: Adapters shipped with kvconform: name -> "module:factory".
 BUILTIN_ENGINES: dict[str, str] = {
     "reference": "properties.engines.reference:make_engine",
-    "optimized": "properties.engines.optimized:make_engine",
     "vllm": "properties.engines.vllm:make_engine",
     "sglang": "properties.engines.sglang:make_engine",
 }

@@ -73,7 +73,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from properties.engine import BlockIds, CacheHit, EngineError, RequestInput
+from properties.engine import BlockIds, CacheHit, EngineError, RequestInput, UnsupportedLayoutError
 from reference.layout import KVCacheLayout
 from reference.specs import FullAttentionSpec, SlidingWindowSpec
 
@@ -124,23 +124,23 @@ def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
     full = [i for i, s in enumerate(specs) if isinstance(s, FullAttentionSpec)]
     swa = [i for i, s in enumerate(specs) if isinstance(s, SlidingWindowSpec)]
     if len(specs) != 2 or len(full) != 1 or len(swa) != 1:
-        raise EngineError(
+        raise UnsupportedLayoutError(
             "sglang adapter supports exactly one full-attention and one sliding-window "
             f"group, got layout {layout.describe()}"
         )
     page = specs[0].block_size
     if specs[1].block_size != page:
-        raise EngineError(
+        raise UnsupportedLayoutError(
             f"sglang adapter needs equal block sizes in both groups, got layout {layout.describe()}"
         )
     if page not in SUPPORTED_PAGE_SIZES:
-        raise EngineError(
+        raise UnsupportedLayoutError(
             f"sglang adapter supports block_size in {SUPPORTED_PAGE_SIZES}, got layout "
             f"{layout.describe()}"
         )
     window = specs[swa[0]].sliding_window
     if window < 2:
-        raise EngineError(
+        raise UnsupportedLayoutError(
             "sglang adapter needs sliding_window >= 2 (SGLang's window is w - 1 and must "
             f"be positive), got layout {layout.describe()}"
         )
@@ -558,3 +558,30 @@ def make_engine(layout: KVCacheLayout) -> SGLangEngine:
 def make_engine_rust(layout: KVCacheLayout) -> SGLangEngine:
     """SGLang with the bundled Rust tree core."""
     return SGLangEngine(layout, tree_core="rust")
+
+
+def sglang_layouts():
+    """The layouts this adapter drives: one full and one sliding-window group (``w >= 2``)
+    with one block size (SGLang's page size) in ``SUPPORTED_PAGE_SIZES``."""
+    from hypothesis import strategies as st
+
+    from reference.layout import KVCacheGroup
+
+    @st.composite
+    def build(draw) -> KVCacheLayout:
+        page = draw(st.sampled_from(SUPPORTED_PAGE_SIZES))
+        window = draw(st.integers(2, 6 * page))
+        full_first = draw(st.booleans())
+        full = KVCacheGroup(("layer.full",), FullAttentionSpec(block_size=page))
+        swa = KVCacheGroup(("layer.swa",),
+                           SlidingWindowSpec(block_size=page, sliding_window=window))
+        max_len = draw(st.integers(8 * page, 96))
+        per_request = -(-max_len // page) + 1
+        num_blocks = draw(st.integers(per_request + 2, 4 * per_request))
+        return KVCacheLayout((full, swa) if full_first else (swa, full), num_blocks, max_len)
+
+    return build()
+
+
+make_engine.layout_strategy = sglang_layouts  # type: ignore[attr-defined]
+make_engine_rust.layout_strategy = sglang_layouts  # type: ignore[attr-defined]
