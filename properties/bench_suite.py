@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from hypothesis import Phase, Verbosity, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from properties.machine import CheckConfig, KVCacheMachine, machine_for
+from properties.machine import CheckConfig, machine_for
 from properties.profiles import load_profile
 from properties.trace import Operation
 

@@ -253,9 +253,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         print(format_suite(bench_suite(profile=args.profile)))
     elif args.what == "engines":
-        from properties.bench_engines import bench_engines, format_engine_bench
+        from properties.bench_engines import (
+            bench_engines,
+            engine_mismatches,
+            format_engine_bench,
+            recorded_traces,
+        )
 
-        print(format_engine_bench(bench_engines(engines=tuple(args.engines))))
+        rows = bench_engines(engines=tuple(args.engines),
+                             traces=recorded_traces(scale=args.scale), repeat=args.repeat)
+        print(format_engine_bench(rows))
+        return 1 if engine_mismatches(rows) else 0
     else:
         from properties.bench_attention import bench_attention, format_bench
 
@@ -307,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=1, help="engines: keep the fastest of N")
+    p.add_argument("--scale", type=int, default=1, help="engines: shrink the traces k times")
     p.set_defaults(func=cmd_bench)
     return parser
 

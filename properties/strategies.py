@@ -267,7 +267,8 @@ def layouts(
 
     Rules: group kinds in any order (interleaved); block sizes from
     :func:`block_size_lists`; each Mamba group gets block size ``gcd`` of all sizes
-    (= hash block size, so no partial hits); every page is ``64 * lcm`` bytes
+    (= hash block size, so no partial hits), each chunked-local group of a multi-group
+    layout the lcm (vLLM requires it); every page is ``64 * lcm`` bytes
     (attention head size ``16 * lcm / bs``, Mamba padded) as after vLLM's page
     unification; ``max_model_len`` in ``[lcm, max(lcm, max_len)]``; ``num_blocks``
     from :func:`pool_sizes`. Shrinks toward one full group with block size 1.
@@ -287,6 +288,9 @@ def layouts(
     hash_size = math.gcd(*sizes)
     sizes = [hash_size if k == "mamba" else s for k, s in zip(group_kinds, sizes)]
     lcm = math.lcm(*sizes)
+    if num_groups > 1 and enable_caching:
+        # vLLM's chunked-local hit search needs the group's block size to be the LCM
+        sizes = [lcm if k == "chunked_local" else s for k, s in zip(group_kinds, sizes)]
     page = 64 * lcm
     groups = tuple(
         KVCacheGroup((f"layer.{i}",), draw(_kind_specs(kind, bs, page)))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from reference.errors import InvalidLayoutError
 from reference.specs import (
     AttentionSpec,
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
@@ -70,6 +71,15 @@ class KVCacheLayout:
             raise InvalidLayoutError(
                 f"scheduler_block_size (lcm of group block sizes) {self.scheduler_block_size} "
                 f"is larger than KVCacheLayout.max_model_len {self.max_model_len}")
+        lcm = self.scheduler_block_size
+        for gid, g in enumerate(self.groups):
+            if (self.enable_caching and len(self.groups) > 1
+                    and isinstance(g.spec, ChunkedLocalAttentionSpec)
+                    and g.spec.block_size != lcm):
+                raise InvalidLayoutError(
+                    f"KVCacheLayout.groups[{gid}] is chunked local attention with block_size "
+                    f"{g.spec.block_size}; with prefix caching it must equal the scheduler "
+                    f"block size (lcm of the group block sizes) {lcm}")
         if self.enable_caching and self.partial_hits_enabled:
             raise InvalidLayoutError(
                 "KVCacheLayout.groups enable partial (sub-block) prefix hits: a Mamba group "

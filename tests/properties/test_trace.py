@@ -49,7 +49,7 @@ def tiny_layout() -> KVCacheLayout:
 
 
 def four_kinds_layout() -> KVCacheLayout:
-    """One group of each spec kind; Mamba at the gcd block size 2, padded page."""
+    """One group of each spec kind; Mamba at the gcd block size 2, chunked at the lcm 8."""
     return KVCacheLayout(
         groups=(
             KVCacheGroup(("a", "b"), SlidingWindowSpec(block_size=4, sliding_window=3)),
@@ -60,7 +60,7 @@ def four_kinds_layout() -> KVCacheLayout:
             KVCacheGroup(
                 ("e",),
                 ChunkedLocalAttentionSpec(
-                    block_size=4, attention_chunk_size=6, page_size_padded=1000
+                    block_size=8, attention_chunk_size=6, page_size_padded=1000
                 ),
             ),
         ),
