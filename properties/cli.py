@@ -159,6 +159,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"kvconform check: engine={args.engine} level={args.level} profile={args.profile} "
           f"preset={args.preset or '-'} seed={seed if seed is not None else 'derandomized'}",
           flush=True)
+    from properties.engine import load_engine_factory
+    from properties.machine import known_divergences
+
+    for d in known_divergences(load_engine_factory(args.engine)):
+        print(f"  known divergence {d.name}: {d.summary}\n    layouts where it applies are "
+              f"not drawn; see {d.finding}")
     wanted = [p for p in PROPERTIES if not (p == "attention" and args.no_attention)]
     if args.only:
         wanted = [p for p in wanted if p in args.only]

@@ -125,7 +125,8 @@ class Checker:
         if self.enabled("lookup_no_side_effects") and self.snapshot() != before:
             self.fail("lookup_no_side_effects",
                       f"get_computed_blocks({request_id!r}) changed the free count, ref counts "
-                      f"or free queue: before {before[0]} free, after {self.engine.num_free_blocks()}")
+                      f"or free queue: before {before[0]} free, after "
+                      f"{self.engine.num_free_blocks()}")
         if self.enabled("hit_bounds"):
             cap = len(req.token_ids) - 1
             if hit.num_tokens > cap or hit.num_tokens < 0 or hit.num_tokens % self.alignment:
@@ -323,7 +324,8 @@ class Checker:
                     self.fail("free_queue_contents",
                               f"free queue (len {len(queue)}, duplicates {dups}) differs from the "
                               f"{len(zero)} blocks with ref count 0 (free count {free}): missing "
-                              f"{sorted(zero - set(queue))[:8]}, extra {sorted(set(queue) - zero)[:8]}")
+                              f"{sorted(zero - set(queue))[:8]}, extra "
+                              f"{sorted(set(queue) - zero)[:8]}")
         elif self.shared_pool and self.enabled("pool_accounting"):
             held = {b for t in tables.values() for row in t for b in row if b != 0}
             if free + len(held) > n - 1:

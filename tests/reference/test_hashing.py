@@ -67,8 +67,9 @@ def test_lora_changes_every_block() -> None:
     lora: list[bytes] = []
     extend_block_hashes(plain, [1, 2, 3, 4, 5, 6, 7, 8], 4)
     extend_block_hashes(lora, [1, 2, 3, 4, 5, 6, 7, 8], 4, lora_name="ad")
-    expected0 = hashlib.sha256(pickle.dumps(
-        (NONE_HASH, (1, 2, 3, 4), (("lora", "ad", "ad"),)), protocol=5)).digest()
+    expected0 = hashlib.sha256(
+        pickle.dumps((NONE_HASH, (1, 2, 3, 4), (("lora", "ad", "ad"),)), protocol=5)
+    ).digest()
     assert lora[0] == expected0
     assert lora[0] != plain[0] and lora[1] != plain[1]
 

@@ -17,8 +17,9 @@ from reference.specs import (
 
 def _engine(*specs: KVCacheSpec, num_blocks: int, max_model_len: int = 256) -> ReferenceEngine:
     groups = tuple(KVCacheGroup((f"l{i}",), s) for i, s in enumerate(specs))
-    return ReferenceEngine(KVCacheLayout(groups, num_blocks=num_blocks,
-                                         max_model_len=max_model_len))
+    return ReferenceEngine(
+        KVCacheLayout(groups, num_blocks=num_blocks, max_model_len=max_model_len)
+    )
 
 
 def _cached(engine: ReferenceEngine) -> set[tuple[int, int, int]]:
@@ -30,8 +31,9 @@ def _cached(engine: ReferenceEngine) -> set[tuple[int, int, int]]:
 
 def test_sliding_window_chunked_prefill_then_decode() -> None:
     # w 1000, bs 1, prompt 4000 in chunks of 2000; 6000 blocks -> 5999 free.
-    eng = _engine(SlidingWindowSpec(block_size=1, sliding_window=1000), num_blocks=6000,
-                  max_model_len=8192)
+    eng = _engine(
+        SlidingWindowSpec(block_size=1, sliding_window=1000), num_blocks=6000, max_model_len=8192
+    )
     eng.add_request(RequestInput("r", tuple(range(4000))))
 
     new = eng.allocate_slots("r", 2000)
@@ -60,8 +62,9 @@ def test_sliding_window_chunked_prefill_then_decode() -> None:
     assert table[:3001] == (0,) * 3001
     assert table[3001:] == tuple(range(3002, 4002))
     assert eng.num_free_blocks() == 4999
-    assert eng.free_queue() == (list(range(4002, 6000)) + list(range(1001, 0, -1))
-                                + list(range(3001, 1001, -1)))
+    assert eng.free_queue() == (
+        list(range(4002, 6000)) + list(range(1001, 0, -1)) + list(range(3001, 1001, -1))
+    )
 
 
 def test_sliding_window_prefix_hit_needs_only_the_window() -> None:
@@ -103,12 +106,30 @@ PROMPT = tuple(range(100, 116))
 # After the writer computes PROMPT in chunks of 4 and is freed (see the derivation in
 # _written_hybrid): block id, group, tokens of every cached block.
 HYBRID_CACHED = {
-    (2, 0, 4), (8, 0, 8), (14, 0, 12), (20, 0, 16),  # SWA w3: odd blocks only
-    (3, 1, 2), (4, 1, 4), (9, 1, 6), (10, 1, 8),
-    (15, 1, 10), (16, 1, 12), (21, 1, 14), (22, 1, 16),
-    (5, 2, 4), (11, 2, 8), (17, 2, 12), (23, 2, 16),  # Mamba states at chunk ends
-    (6, 3, 4), (12, 3, 8), (18, 3, 12), (24, 3, 16),
-    (7, 4, 4), (13, 4, 8), (19, 4, 12), (25, 4, 16),
+    (2, 0, 4),
+    (8, 0, 8),
+    (14, 0, 12),
+    (20, 0, 16),  # SWA w3: odd blocks only
+    (3, 1, 2),
+    (4, 1, 4),
+    (9, 1, 6),
+    (10, 1, 8),
+    (15, 1, 10),
+    (16, 1, 12),
+    (21, 1, 14),
+    (22, 1, 16),
+    (5, 2, 4),
+    (11, 2, 8),
+    (17, 2, 12),
+    (23, 2, 16),  # Mamba states at chunk ends
+    (6, 3, 4),
+    (12, 3, 8),
+    (18, 3, 12),
+    (24, 3, 16),
+    (7, 4, 4),
+    (13, 4, 8),
+    (19, 4, 12),
+    (25, 4, 16),
 }
 
 
@@ -154,11 +175,15 @@ def test_hybrid_writer_caches_and_frees() -> None:
     assert _cached(eng) == HYBRID_CACHED
     assert eng.num_free_blocks() == 63
     assert eng.free_queue() == (
-        [1] + list(range(26, 64))
-        + [2, 5, 12, 6, 8, 11, 7]       # freed out of window during the prefill
-        + [20, 14]                      # g0 tail first (1 was unhashed: front)
+        [1]
+        + list(range(26, 64))
+        + [2, 5, 12, 6, 8, 11, 7]  # freed out of window during the prefill
+        + [20, 14]  # g0 tail first (1 was unhashed: front)
         + [22, 21, 16, 15, 10, 9, 4, 3]  # g1
-        + [23, 17] + [24, 18] + [25, 19, 13])
+        + [23, 17]
+        + [24, 18]
+        + [25, 19, 13]
+    )
 
 
 def test_hybrid_resent_prompt_hit_is_capped_and_aligned() -> None:
@@ -215,12 +240,18 @@ def test_hybrid_evicted_chunked_block_lowers_the_hit_to_the_chunk_start() -> Non
 def test_hybrid_three_groups_probe_values() -> None:
     # full bs 2 + SWA(bs 2, w 3) + SWA(bs 2, w 7): 12-token prompt cached, 13-token
     # request -> hit 12.
-    eng = _engine(FullAttentionSpec(block_size=2), SlidingWindowSpec(block_size=2,
-                                                                     sliding_window=3),
-                  SlidingWindowSpec(block_size=2, sliding_window=7), num_blocks=32)
+    eng = _engine(
+        FullAttentionSpec(block_size=2),
+        SlidingWindowSpec(block_size=2, sliding_window=3),
+        SlidingWindowSpec(block_size=2, sliding_window=7),
+        num_blocks=32,
+    )
     eng.add_request(RequestInput("w", tuple(range(12))))
     assert eng.allocate_slots("w", 12) == (
-        (1, 2, 3, 4, 5, 6), (7, 8, 9, 10, 11, 12), (13, 14, 15, 16, 17, 18))
+        (1, 2, 3, 4, 5, 6),
+        (7, 8, 9, 10, 11, 12),
+        (13, 14, 15, 16, 17, 18),
+    )
     eng.set_num_computed_tokens("w", 12)
     eng.free("w")
     eng.add_request(RequestInput("r", tuple(range(13))))
@@ -235,15 +266,17 @@ def test_hybrid_three_groups_probe_values() -> None:
 def test_free_queue_order_after_free_two_groups() -> None:
     # full bs 2 + SWA bs 2 w 4, one 13-token step: 12 tokens cached per group; the
     # partial last blocks 7 and 14 are unhashed and go to the front, later group first.
-    eng = _engine(FullAttentionSpec(block_size=2), SlidingWindowSpec(block_size=2,
-                                                                     sliding_window=4),
-                  num_blocks=20)
+    eng = _engine(
+        FullAttentionSpec(block_size=2),
+        SlidingWindowSpec(block_size=2, sliding_window=4),
+        num_blocks=20,
+    )
     eng.add_request(RequestInput("r", tuple(range(13))))
-    assert eng.allocate_slots("r", 13) == ((1, 2, 3, 4, 5, 6, 7),
-                                           (8, 9, 10, 11, 12, 13, 14))
+    assert eng.allocate_slots("r", 13) == ((1, 2, 3, 4, 5, 6, 7), (8, 9, 10, 11, 12, 13, 14))
     eng.free("r")
-    assert eng.free_queue() == ([14, 7, 15, 16, 17, 18, 19, 6, 5, 4, 3, 2, 1]
-                                + [13, 12, 11, 10, 9, 8])
+    assert eng.free_queue() == (
+        [14, 7, 15, 16, 17, 18, 19, 6, 5, 4, 3, 2, 1] + [13, 12, 11, 10, 9, 8]
+    )
     assert eng.num_free_blocks() == 19
 
 

@@ -19,11 +19,11 @@ from reference.specs import (
 )
 
 
-def _engine(*specs: KVCacheSpec, num_blocks: int = 32, max_model_len: int = 256
-            ) -> ReferenceEngine:
+def _engine(*specs: KVCacheSpec, num_blocks: int = 32, max_model_len: int = 256) -> ReferenceEngine:
     groups = tuple(KVCacheGroup((f"l{i}",), s) for i, s in enumerate(specs))
-    return ReferenceEngine(KVCacheLayout(groups, num_blocks=num_blocks,
-                                         max_model_len=max_model_len))
+    return ReferenceEngine(
+        KVCacheLayout(groups, num_blocks=num_blocks, max_model_len=max_model_len)
+    )
 
 
 def _write(engine: ReferenceEngine, rid: str, tokens: list[int], free: bool = True) -> None:
@@ -133,8 +133,9 @@ def test_swa_first_chunk_gets_every_block() -> None:
 def test_swa_run_must_end_on_aligned_boundary_in_hybrid() -> None:
     # full bs 4 + SWA bs 2 w 10 (need 5), A 4. SWA blocks 0, 1, 2 cached, 3 evicted:
     # block 2 ends at 6 (not aligned) -> skipped; run 1, 0 reaches block 0 -> 4.
-    eng = _engine(FullAttentionSpec(block_size=4), SlidingWindowSpec(block_size=2,
-                                                                     sliding_window=10))
+    eng = _engine(
+        FullAttentionSpec(block_size=4), SlidingWindowSpec(block_size=2, sliding_window=10)
+    )
     _write(eng, "w", list(range(8)))  # full ids 1, 2; SWA ids 3, 4, 5, 6
     assert _cached(eng) == {(1, 0, 4), (2, 0, 8), (3, 1, 2), (4, 1, 4), (5, 1, 6), (6, 1, 8)}
     eng.manager.block_pool.evict_blocks([6])
@@ -145,8 +146,9 @@ def test_swa_run_must_end_on_aligned_boundary_in_hybrid() -> None:
 def test_swa_cacheable_mask_in_hybrid() -> None:
     # full bs 4 + SWA bs 2 w 3: A 4, per segment 2, need 1 -> only odd SWA blocks.
     # Prompt 11: cached tokens rounded down to 8.
-    eng = _engine(FullAttentionSpec(block_size=4), SlidingWindowSpec(block_size=2,
-                                                                     sliding_window=3))
+    eng = _engine(
+        FullAttentionSpec(block_size=4), SlidingWindowSpec(block_size=2, sliding_window=3)
+    )
     eng.add_request(RequestInput("w", tuple(range(11))))
     assert eng.allocate_slots("w", 11) == ((1, 2, 3), (4, 5, 6, 7, 8, 9))
     assert _cached(eng) == {(1, 0, 4), (2, 0, 8), (5, 1, 4), (7, 1, 8)}
@@ -156,8 +158,9 @@ def test_swa_cacheable_mask_in_hybrid() -> None:
 
 
 def test_swa_cacheable_mask_whole_prompt_hit() -> None:
-    eng = _engine(FullAttentionSpec(block_size=4), SlidingWindowSpec(block_size=2,
-                                                                     sliding_window=3))
+    eng = _engine(
+        FullAttentionSpec(block_size=4), SlidingWindowSpec(block_size=2, sliding_window=3)
+    )
     _write(eng, "w", list(range(11)))
     # max 11 -> full hit 8 (blocks 1, 2); SWA asked for <= 8: block 3 (id 7) -> 8
     hit = _lookup(eng, "r", list(range(11)) + [50])
@@ -209,8 +212,7 @@ def test_chunked_hit_extends_inside_current_chunk() -> None:
 
 
 def test_chunked_chunks_free_previous_chunk() -> None:
-    eng = _engine(ChunkedLocalAttentionSpec(block_size=2, attention_chunk_size=4),
-                  num_blocks=17)
+    eng = _engine(ChunkedLocalAttentionSpec(block_size=2, attention_chunk_size=4), num_blocks=17)
     eng.add_request(RequestInput("r", tuple(range(11))))
     assert eng.allocate_slots("r", 5) == ((1, 2, 3),)
     assert eng.num_free_blocks() == 13
@@ -308,8 +310,12 @@ def test_mamba_row_through_chunks_and_decode() -> None:
         eng.set_num_computed_tokens("r", computed)
     assert eng.get_block_ids("r")[0] == (1, 2, 4, 5, 7, 9, 11)
     # Mamba states were registered at 8, 16, 20 and 24 tokens (ids 3, 6, 8, 10)
-    assert {c for c in _cached(eng) if c[1] == 1} == {(3, 1, 8), (6, 1, 16), (8, 1, 20),
-                                                        (10, 1, 24)}
+    assert {c for c in _cached(eng) if c[1] == 1} == {
+        (3, 1, 8),
+        (6, 1, 16),
+        (8, 1, 20),
+        (10, 1, 24),
+    }
     # freed states 3, 6, 8, 10 (all hashed) went to the back in that order
     assert eng.free_queue() == list(range(13, 32)) + [3, 6, 8, 10]
 
@@ -318,4 +324,6 @@ def test_cached_blocks_reports_group_and_tokens() -> None:
     eng = _engine(FullAttentionSpec(block_size=2))
     _write(eng, "w", [5, 6, 7, 8, 9])
     assert sorted(eng.cached_blocks(), key=lambda c: c.block_id) == [
-        CachedBlock(1, 0, 2), CachedBlock(2, 0, 4)]
+        CachedBlock(1, 0, 2),
+        CachedBlock(2, 0, 4),
+    ]

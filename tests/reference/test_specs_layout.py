@@ -21,8 +21,9 @@ from reference.specs import (
 
 # bs 16, 2 KV heads, head 64, fp32: 16 * 2 * (64 + 64) * 4 = 16384 bytes (spec 1.1).
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype_bytes=4)
-SWA = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype_bytes=4,
-                        sliding_window=1024)
+SWA = SlidingWindowSpec(
+    block_size=16, num_kv_heads=2, head_size=64, dtype_bytes=4, sliding_window=1024
+)
 
 
 def _names(n: int) -> list[str]:
@@ -107,8 +108,10 @@ def test_full_memory_usage() -> None:
 
 
 def test_scheduler_and_hash_block_size() -> None:
-    groups = (KVCacheGroup(("a",), FullAttentionSpec(block_size=32)),
-              KVCacheGroup(("b",), SlidingWindowSpec(block_size=16, sliding_window=8)))
+    groups = (
+        KVCacheGroup(("a",), FullAttentionSpec(block_size=32)),
+        KVCacheGroup(("b",), SlidingWindowSpec(block_size=16, sliding_window=8)),
+    )
     on = KVCacheLayout(groups, num_blocks=10, max_model_len=64)
     assert on.scheduler_block_size == 32
     assert on.hash_block_size == 16
@@ -151,19 +154,26 @@ def test_three_full_seven_swa() -> None:
     names = _names(10)
     groups = group_layers(dict(zip(names, [FULL] * 3 + [SWA] * 7)))
     assert _group_names(groups) == [
-        ("l1", "l2", "l3"), ("l4", "l7", "l10"), ("l5", "l8"), ("l6", "l9")]
+        ("l1", "l2", "l3"),
+        ("l4", "l7", "l10"),
+        ("l5", "l8"),
+        ("l6", "l9"),
+    ]
 
 
 def test_six_full_five_swa_uses_larger_group_size() -> None:
     names = _names(11)
     groups = group_layers(dict(zip(names, [FULL] * 6 + [SWA] * 5)))
     assert _group_names(groups) == [
-        ("l1", "l2", "l3", "l4", "l5", "l6"), ("l7", "l8", "l9", "l10", "l11")]
+        ("l1", "l2", "l3", "l4", "l5", "l6"),
+        ("l7", "l8", "l9", "l10", "l11"),
+    ]
 
 
 def test_smaller_dividing_page_doubles_block_size() -> None:
-    swa32 = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=32, dtype_bytes=4,
-                              sliding_window=1024)
+    swa32 = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=32, dtype_bytes=4, sliding_window=1024
+    )
     assert swa32.page_size_bytes == 8192
     groups = group_layers({"l1": FULL, "l2": swa32})
     assert [g.spec.block_size for g in groups] == [16, 32]
@@ -172,8 +182,9 @@ def test_smaller_dividing_page_doubles_block_size() -> None:
 
 
 def test_non_dividing_page_is_padded() -> None:
-    swa96 = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=96, dtype_bytes=4,
-                              sliding_window=1024)
+    swa96 = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=96, dtype_bytes=4, sliding_window=1024
+    )
     assert swa96.page_size_bytes == 24576
     groups = group_layers({"l1": FULL, "l2": swa96})
     # 24576 is not a multiple of 16384: the full page is padded, block size kept
@@ -200,14 +211,23 @@ def test_num_blocks_for_memory_check_values() -> None:
     full_swa = (KVCacheGroup(("l1",), FULL), KVCacheGroup(("l2",), SWA))
     assert num_blocks_for_memory(full_swa, memory) == 64
     # 2 full + 4 SWA -> three groups of two layers: two pages per block id
-    assert num_blocks_for_memory(
-        (KVCacheGroup(("l1", "l2"), FULL), KVCacheGroup(("l3", "l5"), SWA),
-         KVCacheGroup(("l4", "l6"), SWA)), memory) == 32
+    assert (
+        num_blocks_for_memory(
+            (
+                KVCacheGroup(("l1", "l2"), FULL),
+                KVCacheGroup(("l3", "l5"), SWA),
+                KVCacheGroup(("l4", "l6"), SWA),
+            ),
+            memory,
+        )
+        == 32
+    )
 
 
 def _concurrency_layout(groups, num_blocks: int) -> KVCacheLayout:
-    return KVCacheLayout(tuple(groups), num_blocks=num_blocks, max_model_len=16384,
-                         max_in_flight_tokens=1024)
+    return KVCacheLayout(
+        tuple(groups), num_blocks=num_blocks, max_model_len=16384, max_in_flight_tokens=1024
+    )
 
 
 def test_max_concurrency_check_values() -> None:
