@@ -160,6 +160,7 @@ class KnownDivergence:
     finding: str
     applies: Callable[[KVCacheLayout], bool]
 
+
 #: Adapters shipped with kvconform: name -> "module:factory".
 BUILTIN_ENGINES: dict[str, str] = {
     "reference": "properties.engines.reference:make_engine",
@@ -174,13 +175,15 @@ def load_engine_factory(name: str) -> EngineFactory:
     if ":" not in target:
         raise EngineError(
             f"--engine {name!r} is neither a built-in engine ({', '.join(BUILTIN_ENGINES)}) "
-            "nor of the form 'module:factory'")
+            "nor of the form 'module:factory'"
+        )
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise EngineError(f"--engine {name!r}: cannot import module {module_name!r}: {exc}") \
-            from exc
+        raise EngineError(
+            f"--engine {name!r}: cannot import module {module_name!r}: {exc}"
+        ) from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise EngineError(f"--engine {name!r}: {module_name!r} has no callable {attr!r}")

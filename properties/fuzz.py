@@ -35,9 +35,17 @@ def _worker(index: int, base_seed: int, deadline: float, config, out: mp.Queue) 
         round_no += 1
         s = settings(profile, max_examples=50, database=db)
         result = run_machine_property("fuzz", config, s, seed)
-        out.put(("progress", index, result.examples, result.steps,
-                 None if result.failure is None else
-                 (seed, result.failure[:2000], str(result.trace_path or ""))))
+        out.put(
+            (
+                "progress",
+                index,
+                result.examples,
+                result.steps,
+                None
+                if result.failure is None
+                else (seed, result.failure[:2000], str(result.trace_path or "")),
+            )
+        )
     out.put(("done", index, 0, 0, None))
 
 
@@ -46,20 +54,31 @@ def run_campaign(args: argparse.Namespace) -> int:
     from properties.machine import disabled_all_but
 
     if args.minutes <= 0 or args.workers < 1:
-        print(f"kvconform fuzz: --minutes must be > 0 and --workers >= 1, got "
-              f"{args.minutes} and {args.workers}", file=sys.stderr)
+        print(
+            f"kvconform fuzz: --minutes must be > 0 and --workers >= 1, got "
+            f"{args.minutes} and {args.workers}",
+            file=sys.stderr,
+        )
         return 2
-    config = _config(args, attention=args.attention,
-                     disabled=disabled_all_but(()) if args.attention else frozenset())
+    config = _config(
+        args,
+        attention=args.attention,
+        disabled=disabled_all_but(()) if args.attention else frozenset(),
+    )
     base_seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    print(f"kvconform fuzz: engine={args.engine} level={args.level} workers={args.workers} "
-          f"minutes={args.minutes} base seed={base_seed}", flush=True)
+    print(
+        f"kvconform fuzz: engine={args.engine} level={args.level} workers={args.workers} "
+        f"minutes={args.minutes} base seed={base_seed}",
+        flush=True,
+    )
     start = time.time()
     deadline = start + args.minutes * 60
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(i, base_seed, deadline, config, out), daemon=True)
-             for i in range(args.workers)]
+    procs = [
+        ctx.Process(target=_worker, args=(i, base_seed, deadline, config, out), daemon=True)
+        for i in range(args.workers)
+    ]
     for p in procs:
         p.start()
     examples = steps = 0
@@ -80,13 +99,20 @@ def run_campaign(args: argparse.Namespace) -> int:
                 steps += st
                 if failure is not None:
                     failures.append(failure)
-                    print(f"\nFAILURE (seed {failure[0]}): {failure[1][:300]}\n  replay: "
-                          f"kvconform replay {failure[2]} --engine {args.engine} "
-                          f"--level {args.level}", flush=True)
+                    print(
+                        f"\nFAILURE (seed {failure[0]}): {failure[1][:300]}\n  replay: "
+                        f"kvconform replay {failure[2]} --engine {args.engine} "
+                        f"--level {args.level}",
+                        flush=True,
+                    )
             elapsed = time.time() - start
             rate = steps / elapsed if elapsed else 0.0
-            print(f"\r[{elapsed:7.0f}s] examples {examples}  steps {steps}  "
-                  f"{rate:7.1f} steps/s  failures {len(failures)}", end="", flush=True)
+            print(
+                f"\r[{elapsed:7.0f}s] examples {examples}  steps {steps}  "
+                f"{rate:7.1f} steps/s  failures {len(failures)}",
+                end="",
+                flush=True,
+            )
     except KeyboardInterrupt:
         print("\ninterrupted: stopping workers", flush=True)
     finally:
@@ -95,8 +121,10 @@ def run_campaign(args: argparse.Namespace) -> int:
                 p.terminate()
             p.join(timeout=5)
     elapsed = time.time() - start
-    print(f"\nsummary: {elapsed:.0f}s, {examples} examples, {steps} steps "
-          f"({steps / max(elapsed, 1e-9):.1f} steps/s), {len(failures)} failures")
+    print(
+        f"\nsummary: {elapsed:.0f}s, {examples} examples, {steps} steps "
+        f"({steps / max(elapsed, 1e-9):.1f} steps/s), {len(failures)} failures"
+    )
     for seed, message, path in failures:
         print(f"  seed {seed}: {message.splitlines()[0][:200]}\n    trace: {path}")
     return 1 if failures else 0

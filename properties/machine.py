@@ -4,7 +4,8 @@
 :class:`properties.lockstep.LockstepEngine` (the engine under test, plus the
 reference at the ``exact`` level) and, when asked, the attention check.
 :class:`KVCacheMachine` is the Hypothesis ``RuleBasedStateMachine`` over it:
-rules arrive, step, abort, preempt and reset the prefix cache. Levels:
+rules arrive, resend (an earlier prompt, possibly extended by its output: a
+retry or the next chat turn), step, abort, preempt and reset the prefix cache. Levels:
 
 * ``universal``: the invariants, hit soundness and maximality, window liveness;
   holds for any correct engine whatever its allocation policy;
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +35,7 @@ from properties.engine import EngineError, UnsupportedLayoutError, load_engine_f
 from properties.invariants import UNIVERSAL_CHECKS, PropertyViolation
 from properties.lockstep import LEVELS, LockstepEngine
 from properties.scheduler import Scheduler, StepRecord
-from properties.trace import Operation, Trace, trace_to_json
+from properties.trace import Arrive, Operation, Trace, trace_to_json
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
 
@@ -52,26 +54,31 @@ class CheckConfig:
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
-            raise KVConformError(f"--level must be one of {', '.join(LEVELS)}, "
-                                 f"got {self.level!r}")
+            raise KVConformError(f"--level must be one of {', '.join(LEVELS)}, got {self.level!r}")
         unknown = set(self.disabled) - set(UNIVERSAL_CHECKS)
         if unknown:
-            raise KVConformError(f"unknown checks to disable: {sorted(unknown)}; known: "
-                                 f"{', '.join(UNIVERSAL_CHECKS)}")
+            raise KVConformError(
+                f"unknown checks to disable: {sorted(unknown)}; known: "
+                f"{', '.join(UNIVERSAL_CHECKS)}"
+            )
 
 
 @dataclass
 class RunStats:
+    """Counts of one machine class's runs, and its first failure as it happened:
+    ``(step number, examples so far, time.perf_counter(), property name)``."""
+
     examples: int = 0
     steps: int = 0
-    calls: int = 0
+    first_failure: tuple[int, int, float, str] | None = None
 
 
 class TraceRun:
     """One engine (and the reference at ``exact``) under one layout, driven op by op."""
 
-    def __init__(self, config: CheckConfig, layout: KVCacheLayout,
-                 factory: Callable | None = None) -> None:
+    def __init__(
+        self, config: CheckConfig, layout: KVCacheLayout, factory: Callable | None = None
+    ) -> None:
         self.config = config
         self.layout = layout
         factory = factory or load_engine_factory(config.engine)
@@ -102,11 +109,15 @@ class TraceRun:
         chunks = []
         for item in record.scheduled:
             state = scheduler.requests[item.request_id]
-            chunks.append(ScheduledChunk(
-                request=state.input, token_ids=state.token_ids,
-                num_computed_before=item.start, num_scheduled=item.num_tokens,
-                block_ids=tuple(tuple(g) for g in
-                                self.lockstep.get_block_ids(item.request_id))))
+            chunks.append(
+                ScheduledChunk(
+                    request=state.input,
+                    token_ids=state.token_ids,
+                    num_computed_before=item.start,
+                    num_scheduled=item.num_tokens,
+                    block_ids=tuple(tuple(g) for g in self.lockstep.get_block_ids(item.request_id)),
+                )
+            )
         try:
             self.attention.check_step(chunks)
         except AttentionMismatch as exc:
@@ -115,11 +126,19 @@ class TraceRun:
     def to_trace(self, failure: BaseException | None = None, seed: int | None = None) -> Trace:
         info = None
         if failure is not None:
-            info = {"property": getattr(failure, "name", type(failure).__name__),
-                    "message": str(failure), "engine": self.config.engine,
-                    "level": self.config.level}
-        return Trace(layout=self.layout, operations=tuple(self.operations), seed=seed,
-                     observed=tuple(self.lockstep.log), failure=info)
+            info = {
+                "property": getattr(failure, "name", type(failure).__name__),
+                "message": str(failure),
+                "engine": self.config.engine,
+                "level": self.config.level,
+            }
+        return Trace(
+            layout=self.layout,
+            operations=tuple(self.operations),
+            seed=seed,
+            observed=tuple(self.lockstep.log),
+            failure=info,
+        )
 
 
 def last_failure_path(failure_dir: str) -> Path:
@@ -144,6 +163,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.run: TraceRun | None = None
         self.next_id = 0
         self.pool: tuple[tuple[int, ...], ...] = ()
+        self.sent: list[Arrive] = []
 
     def _guard(self, fn: Callable[[], object]) -> object:
         assert self.run is not None
@@ -171,15 +191,53 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _apply(self, op: Operation) -> None:
         assert self.run is not None
         note(f"op: {op!r}")
-        self._guard(lambda: self.run.apply(op))
-        type(self).stats.steps += 1
+        stats = type(self).stats
+        try:
+            self._guard(lambda: self.run.apply(op))
+        except Exception as exc:
+            if stats.first_failure is None:
+                stats.first_failure = (
+                    stats.steps + 1,
+                    stats.examples,
+                    time.perf_counter(),
+                    getattr(exc, "name", type(exc).__name__),
+                )
+            raise
+        stats.steps += 1
 
     @rule(data=st.data())
     def arrive(self, data: st.DataObject) -> None:
         assert self.run is not None
-        op = data.draw(kvst.request_inputs(self.run.layout, self.pool, f"r{self.next_id}"),
-                       label="arrive")
+        op = data.draw(
+            kvst.request_inputs(self.run.layout, self.pool, f"r{self.next_id}"), label="arrive"
+        )
         self.next_id += 1
+        self.sent.append(op)
+        self._apply(op)
+
+    @precondition(lambda self: bool(self.sent))
+    @rule(data=st.data())
+    def resend(self, data: st.DataObject) -> None:
+        """An earlier prompt again (a retry, or the next turn of a chat: the old prompt
+        and its output plus a few new tokens), with the same or another salt."""
+        assert self.run is not None
+        old = data.draw(st.sampled_from(self.sent), label="resent request")
+        layout = self.run.layout
+        room = layout.max_model_len - len(old.prompt)
+        turn = data.draw(
+            st.sampled_from(((), old.output, old.output + (1, 2, 3))), label="extension"
+        )[: max(0, room - 1)]
+        prompt = old.prompt + turn
+        room = layout.max_model_len - len(prompt)
+        op = Arrive(
+            f"r{self.next_id}",
+            prompt,
+            old.output[: max(0, min(room, 4))],
+            data.draw(st.sampled_from((old.cache_salt, None, "s2")), label="salt"),
+            old.lora_name,
+        )
+        self.next_id += 1
+        self.sent.append(op)
         self._apply(op)
 
     @rule(data=st.data())
@@ -203,8 +261,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
         assert self.run is not None
-        self._apply(data.draw(kvst.preempt_ops(list(self.run.scheduler.running)),
-                              label="preempt"))
+        self._apply(data.draw(kvst.preempt_ops(list(self.run.scheduler.running)), label="preempt"))
 
     @rule()
     def reset_prefix_cache(self) -> None:
@@ -234,16 +291,26 @@ def known_divergences(factory: Callable | None) -> tuple:
     return tuple(getattr(factory, "known_divergences", ()) or ())
 
 
-def machine_for(config: CheckConfig, factory: Callable | None = None,
-                name: str = "KVCacheMachine") -> type[KVCacheMachine]:
-    """A machine class bound to ``config`` (a plain subclass with class attributes)."""
+def machine_for(
+    config: CheckConfig, factory: Callable | None = None, name: str = "InvariantsMachine"
+) -> type[KVCacheMachine]:
+    """A machine class bound to ``config`` (a plain subclass with class attributes).
+
+    Under a derandomized profile the examples drawn depend on ``name`` only (Hypothesis
+    digests the class name), so every engine sees the same stream for one name:
+    ``kvconform check`` names its machines after the property.
+    """
     factory = factory or load_engine_factory(config.engine)
-    return type(name, (KVCacheMachine,), {"config": config, "factory": staticmethod(factory),
-                                          "stats": RunStats()})
+    return type(
+        name,
+        (KVCacheMachine,),
+        {"config": config, "factory": staticmethod(factory), "stats": RunStats()},
+    )
 
 
-def replay_trace(trace: Trace, config: CheckConfig,
-                 factory: Callable | None = None) -> tuple[TraceRun, BaseException | None]:
+def replay_trace(
+    trace: Trace, config: CheckConfig, factory: Callable | None = None
+) -> tuple[TraceRun, BaseException | None]:
     """Replay ``trace`` with every check; returns the run and the first failure (or None)."""
     run = TraceRun(config, trace.layout, factory)
     try:
@@ -258,5 +325,13 @@ def disabled_all_but(keep: Iterable[str]) -> frozenset[str]:
     return frozenset(set(UNIVERSAL_CHECKS) - set(keep))
 
 
-__all__ = ["CheckConfig", "KVCacheMachine", "RunStats", "TraceRun", "field", "layout_strategy",
-           "machine_for", "replay_trace"]
+__all__ = [
+    "CheckConfig",
+    "KVCacheMachine",
+    "RunStats",
+    "TraceRun",
+    "field",
+    "layout_strategy",
+    "machine_for",
+    "replay_trace",
+]

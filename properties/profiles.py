@@ -13,16 +13,42 @@ from hypothesis import HealthCheck, Phase, settings
 PROFILES = ("dev", "ci", "nightly", "gpu")
 _SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 
-settings.register_profile("dev", max_examples=40, stateful_step_count=30, deadline=None,
-                          suppress_health_check=_SUPPRESS, print_blob=True)
-settings.register_profile("ci", max_examples=60, stateful_step_count=40, deadline=None,
-                          derandomize=True, database=None, suppress_health_check=_SUPPRESS,
-                          print_blob=True)
-settings.register_profile("nightly", max_examples=5000, stateful_step_count=80, deadline=None,
-                          suppress_health_check=_SUPPRESS, print_blob=True)
-settings.register_profile("gpu", max_examples=30, stateful_step_count=40, deadline=None,
-                          derandomize=True, database=None, suppress_health_check=_SUPPRESS,
-                          print_blob=True)
+settings.register_profile(
+    "dev",
+    max_examples=40,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=_SUPPRESS,
+    print_blob=True,
+)
+settings.register_profile(
+    "ci",
+    max_examples=200,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=_SUPPRESS,
+    print_blob=True,
+)
+settings.register_profile(
+    "nightly",
+    max_examples=5000,
+    stateful_step_count=80,
+    deadline=None,
+    suppress_health_check=_SUPPRESS,
+    print_blob=True,
+)
+settings.register_profile(
+    "gpu",
+    max_examples=30,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=_SUPPRESS,
+    print_blob=True,
+)
 _ALL_PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
 
 

@@ -18,25 +18,39 @@ from properties.profiles import PROFILES, load_profile
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvconform")
-    group.addoption("--kv-engine", default="reference",
-                    help="engine under test: a built-in name or module:factory")
-    group.addoption("--kv-level", default="exact", choices=("universal", "exact"),
-                    help="property level of the stateful machine")
-    group.addoption("--kv-profile", default=None, choices=PROFILES,
-                    help="Hypothesis profile (default: ci when CI=true, else dev)")
+    group.addoption(
+        "--kv-engine",
+        default="reference",
+        help="engine under test: a built-in name or module:factory",
+    )
+    group.addoption(
+        "--kv-level",
+        default="exact",
+        choices=("universal", "exact"),
+        help="property level of the stateful machine",
+    )
+    group.addoption(
+        "--kv-profile",
+        default=None,
+        choices=PROFILES,
+        help="Hypothesis profile (default: ci when CI=true, else dev)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     profile = config.getoption("--kv-profile") or (
-        "ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev")
+        "ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev"
+    )
     load_profile(profile)
     config.kv_profile = profile  # type: ignore[attr-defined]
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return (f"kvconform: engine={config.getoption('--kv-engine')} "
-            f"level={config.getoption('--kv-level')} "
-            f"hypothesis profile={getattr(config, 'kv_profile', '?')}")
+    return (
+        f"kvconform: engine={config.getoption('--kv-engine')} "
+        f"level={config.getoption('--kv-level')} "
+        f"hypothesis profile={getattr(config, 'kv_profile', '?')}"
+    )
 
 
 @pytest.fixture

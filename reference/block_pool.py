@@ -134,7 +134,8 @@ class BlockPool:
         """Pop ``n`` blocks from the front, evicting any cache key they still carry."""
         if n > self.get_num_free_blocks():
             raise PoolExhaustedError(
-                f"cannot get {n} free blocks from the pool ({self.get_num_free_blocks()} free)")
+                f"cannot get {n} free blocks from the pool ({self.get_num_free_blocks()} free)"
+            )
         blocks = self.free_block_queue.popleft_n(n)
         for block in blocks:
             if self.enable_caching:
@@ -180,8 +181,9 @@ class BlockPool:
         self.free_block_queue.prepend_n(front)
         self.free_block_queue.append_n(back)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes, group_id: int,
-                    num_tokens: int) -> None:
+    def cache_block(
+        self, block: KVCacheBlock, block_hash: bytes, group_id: int, num_tokens: int
+    ) -> None:
         """Register ``block`` (prefix of ``num_tokens`` tokens) under ``block_hash``.
 
         Null blocks are never cached. A block that already carries a key for a
@@ -199,8 +201,9 @@ class BlockPool:
         block.num_cached_tokens = num_tokens
         self.cached.setdefault(key, {})[block.block_id] = block
 
-    def get_cached_block(self, block_hash: bytes,
-                         group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
+    def get_cached_block(
+        self, block_hash: bytes, group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
         """The earliest cached block of ``block_hash`` in each group, or None if any misses."""
         found = []
         for gid in group_ids:

@@ -48,45 +48,58 @@ class KVCacheCoordinator:
     def __init__(self, layout: KVCacheLayout) -> None:
         self.layout = layout
         self.enable_caching = layout.enable_caching
-        self.block_pool = BlockPool(layout.num_blocks, layout.enable_caching,
-                                    layout.hash_block_size)
+        self.block_pool = BlockPool(
+            layout.num_blocks, layout.enable_caching, layout.hash_block_size
+        )
         alignment = self.cache_hit_alignment()
         self.managers: list[SingleTypeKVCacheManager] = [
-            manager_class_for(g.spec)(g.spec, self.block_pool, gid, layout.enable_caching,
-                                      alignment)
+            manager_class_for(g.spec)(
+                g.spec, self.block_pool, gid, layout.enable_caching, alignment
+            )
             for gid, g in enumerate(layout.groups)
         ]
 
     def cache_hit_alignment(self) -> int:
         return self.layout.scheduler_block_size
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
-                               max_length: int) -> tuple[list[BlockList], int]:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_length: int
+    ) -> tuple[list[BlockList], int]:
         raise NotImplementedError
 
     def num_cacheable_tokens(self, num_tokens: int) -> int:
         return num_tokens
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   hit_blocks: Sequence[Sequence], total_computed: int,
-                                   num_tokens_main: int) -> int:
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        hit_blocks: Sequence[Sequence],
+        total_computed: int,
+        num_tokens_main: int,
+    ) -> int:
         return sum(
-            m.get_num_blocks_to_allocate(request_id, num_tokens, hit_blocks[i],
-                                         total_computed, num_tokens_main)
-            for i, m in enumerate(self.managers))
+            m.get_num_blocks_to_allocate(
+                request_id, num_tokens, hit_blocks[i], total_computed, num_tokens_main
+            )
+            for i, m in enumerate(self.managers)
+        )
 
-    def allocate_new_computed_blocks(self, request_id: str, hit_blocks: Sequence[Sequence],
-                                     num_local_computed_tokens: int) -> None:
+    def allocate_new_computed_blocks(
+        self, request_id: str, hit_blocks: Sequence[Sequence], num_local_computed_tokens: int
+    ) -> None:
         """Adopt a hit in every group; nothing for a request that already holds blocks."""
         if any(request_id in m.num_cached_block for m in self.managers):
             return
         for i, m in enumerate(self.managers):
             m.add_local_computed_blocks(request_id, hit_blocks[i], num_local_computed_tokens)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int,
-                            num_tokens_main: int) -> list[BlockList]:
-        return [m.allocate_new_blocks(request_id, num_tokens, num_tokens_main)
-                for m in self.managers]
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main: int
+    ) -> list[BlockList]:
+        return [
+            m.allocate_new_blocks(request_id, num_tokens, num_tokens_main) for m in self.managers
+        ]
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_caching:
@@ -112,8 +125,9 @@ class KVCacheCoordinator:
 
 
 class NoPrefixCacheCoordinator(KVCacheCoordinator):
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
-                               max_length: int) -> tuple[list[BlockList], int]:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_length: int
+    ) -> tuple[list[BlockList], int]:
         return [[] for _ in self.managers], 0
 
 
@@ -121,11 +135,13 @@ class UnitaryCoordinator(KVCacheCoordinator):
     def cache_hit_alignment(self) -> int:
         return self.layout.groups[0].spec.block_size
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
-                               max_length: int) -> tuple[list[BlockList], int]:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_length: int
+    ) -> tuple[list[BlockList], int]:
         m = self.managers[0]
-        return m.find_longest_cache_hit(block_hashes, max_length, [0], self.block_pool, m.spec,
-                                        self.cache_hit_alignment())
+        return m.find_longest_cache_hit(
+            block_hashes, max_length, [0], self.block_pool, m.spec, self.cache_hit_alignment()
+        )
 
 
 class HybridCoordinator(KVCacheCoordinator):
@@ -145,14 +161,16 @@ class HybridCoordinator(KVCacheCoordinator):
         s = self.layout.scheduler_block_size
         return num_tokens // s * s
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
-                               max_length: int) -> tuple[list[BlockList], int]:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_length: int
+    ) -> tuple[list[BlockList], int]:
         alignment = self.cache_hit_alignment()
         num_groups = len(self.managers)
         blocks_of: list[BlockList | None] = [None] * num_groups
         length_of = [0] * num_groups
-        simple = (len(self.spec_groups) == 2
-                  and isinstance(self.spec_groups[0].spec, FullAttentionSpec))
+        simple = len(self.spec_groups) == 2 and isinstance(
+            self.spec_groups[0].spec, FullAttentionSpec
+        )
         hit = max_length
         while True:
             candidate = hit
@@ -162,7 +180,8 @@ class HybridCoordinator(KVCacheCoordinator):
                     candidate = min(candidate, length_of[first])
                     continue
                 found, candidate = sg.manager_cls.find_longest_cache_hit(
-                    block_hashes, candidate, sg.group_ids, self.block_pool, sg.spec, alignment)
+                    block_hashes, candidate, sg.group_ids, self.block_pool, sg.spec, alignment
+                )
                 for gid, lst in zip(sg.group_ids, found):
                     blocks_of[gid] = lst
                     length_of[gid] = candidate

@@ -33,8 +33,9 @@ def sha256_pickle(obj: object) -> bytes:
 NONE_HASH: bytes = sha256_pickle(NONE_HASH_SEED)
 
 
-def block_extra_keys(block_index: int, cache_salt: str | None,
-                     lora_name: str | None) -> tuple | None:
+def block_extra_keys(
+    block_index: int, cache_salt: str | None, lora_name: str | None
+) -> tuple | None:
     """Extra keys of hash block ``block_index``: LoRA on every block, salt on block 0."""
     keys: list[tuple] = []
     if lora_name is not None:
@@ -44,26 +45,36 @@ def block_extra_keys(block_index: int, cache_salt: str | None,
     return tuple(keys) if keys else None
 
 
-def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int],
-                      extra_keys: tuple | None) -> bytes:
+def hash_block_tokens(
+    parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple | None
+) -> bytes:
     """One link of the chain; a missing parent is NONE_HASH."""
     return sha256_pickle((parent or NONE_HASH, tuple(int(t) for t in token_ids), extra_keys))
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], hash_block_size: int,
-                        cache_salt: str | None = None, lora_name: str | None = None) -> None:
+def extend_block_hashes(
+    hashes: list[bytes],
+    token_ids: Sequence[int],
+    hash_block_size: int,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+) -> None:
     """Append the hashes of every full hash block of ``token_ids`` not hashed yet."""
     h = hash_block_size
     j = len(hashes)
     while (j + 1) * h <= len(token_ids):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block_tokens(parent, token_ids[j * h:(j + 1) * h],
-                                        block_extra_keys(j, cache_salt, lora_name)))
+        hashes.append(
+            hash_block_tokens(
+                parent, token_ids[j * h : (j + 1) * h], block_extra_keys(j, cache_salt, lora_name)
+            )
+        )
         j += 1
 
 
-def hashes_at_block_size(hashes: Sequence[bytes], hash_block_size: int,
-                         block_size: int) -> Sequence[bytes]:
+def hashes_at_block_size(
+    hashes: Sequence[bytes], hash_block_size: int, block_size: int
+) -> Sequence[bytes]:
     """The chain seen at ``block_size`` (a multiple of ``hash_block_size``).
 
     Element ``i`` is the fine hash at the coarse block's end boundary. Example: H=16,

@@ -67,30 +67,39 @@ class KVCacheManager:
         self._known: set[str] = set()
 
     # -- requests --------------------------------------------------------------
-    def make_request(self, request_id: str, prompt_token_ids, cache_salt: str | None = None,
-                     lora_name: str | None = None) -> Request:
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> Request:
         """A request whose hashes use this layout's hash block size."""
         if len(prompt_token_ids) > self.max_model_len:
             raise InvalidRequestError(
                 f"request {request_id!r}: prompt of {len(prompt_token_ids)} tokens is longer "
-                f"than max_model_len {self.max_model_len}")
-        return Request(request_id, prompt_token_ids, self.layout.hash_block_size,
-                       cache_salt, lora_name)
+                f"than max_model_len {self.max_model_len}"
+            )
+        return Request(
+            request_id, prompt_token_ids, self.layout.hash_block_size, cache_salt, lora_name
+        )
 
     # -- lookup ----------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[ComputedBlocks, int]:
         """Longest prefix hit (``<= num_tokens - 1``) every group can serve; no side effects."""
         if not self.enable_caching:
             return self.empty_computed_blocks(), 0
-        blocks, hit = self.coordinator.find_longest_cache_hit(request.block_hashes,
-                                                              request.num_tokens - 1)
+        blocks, hit = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
         return ComputedBlocks(tuple(tuple(b) for b in blocks)), hit
 
     def empty_computed_blocks(self) -> ComputedBlocks:
         return ComputedBlocks(tuple(() for _ in range(self.num_groups)))
 
-    def record_prefix_cache_stats(self, request: Request, num_hit_tokens: int,
-                                  preempted: bool = False) -> None:
+    def record_prefix_cache_stats(
+        self, request: Request, num_hit_tokens: int, preempted: bool = False
+    ) -> None:
         if preempted:
             self.stats.preempted_requests += 1
             self.stats.preempted_queries += request.num_tokens
@@ -105,10 +114,14 @@ class KVCacheManager:
         return stats
 
     # -- allocation ------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       num_new_computed_tokens: int = 0,
-                       new_computed_blocks: ComputedBlocks | None = None,
-                       num_lookahead_tokens: int = 0) -> list[list[KVCacheBlock]] | None:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: ComputedBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[list[KVCacheBlock]] | None:
         """Give ``request`` slots for its next tokens; the new blocks per group, or None."""
         rid = request.request_id
         if request.is_finished:
@@ -117,22 +130,29 @@ class KVCacheManager:
             raise InvalidRequestError(
                 f"allocate_slots({rid!r}): token counts must be >= 0, got num_new_tokens="
                 f"{num_new_tokens}, num_new_computed_tokens={num_new_computed_tokens}, "
-                f"num_lookahead_tokens={num_lookahead_tokens}")
+                f"num_lookahead_tokens={num_lookahead_tokens}"
+            )
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise InvalidRequestError(
                 f"allocate_slots({rid!r}): num_new_tokens must be > 0 when there is no "
-                f"prefix hit to adopt, got {num_new_tokens}")
-        if request.num_computed_tokens + num_new_computed_tokens + num_new_tokens \
-                > request.num_tokens or request.num_tokens > self.max_model_len:
+                f"prefix hit to adopt, got {num_new_tokens}"
+            )
+        if (
+            request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+            > request.num_tokens
+            or request.num_tokens > self.max_model_len
+        ):
             raise InvalidRequestError(
                 f"allocate_slots({rid!r}): computed {request.num_computed_tokens} + hit "
                 f"{num_new_computed_tokens} + new {num_new_tokens} exceeds the request's "
-                f"{request.num_tokens} tokens (max_model_len {self.max_model_len})")
+                f"{request.num_tokens} tokens (max_model_len {self.max_model_len})"
+            )
         hits = (new_computed_blocks or self.empty_computed_blocks()).blocks
         if len(hits) != self.num_groups:
             raise InvalidRequestError(
                 f"allocate_slots({rid!r}): new_computed_blocks has {len(hits)} groups, "
-                f"the layout has {self.num_groups}")
+                f"the layout has {self.num_groups}"
+            )
         self._known.add(rid)
         local = request.num_computed_tokens + num_new_computed_tokens
         total = min(local, self.max_model_len)
@@ -156,7 +176,8 @@ class KVCacheManager:
         """Free every block of ``request``, tail first per group (leading nulls dropped)."""
         if request.request_id not in self._known:
             raise InvalidRequestError(
-                f"free: unknown request {request.request_id!r} (never allocated or freed twice)")
+                f"free: unknown request {request.request_id!r} (never allocated or freed twice)"
+            )
         self._known.discard(request.request_id)
         self.coordinator.free(request.request_id)
 

@@ -63,28 +63,36 @@ class KVCacheLayout:
         if self.num_blocks < 2:
             raise InvalidLayoutError(
                 f"KVCacheLayout.num_blocks must be >= 2 (the null block and one more), "
-                f"got {self.num_blocks}")
+                f"got {self.num_blocks}"
+            )
         if self.max_model_len < 1:
             raise InvalidLayoutError(
-                f"KVCacheLayout.max_model_len must be >= 1, got {self.max_model_len}")
+                f"KVCacheLayout.max_model_len must be >= 1, got {self.max_model_len}"
+            )
         if self.scheduler_block_size > self.max_model_len:
             raise InvalidLayoutError(
                 f"scheduler_block_size (lcm of group block sizes) {self.scheduler_block_size} "
-                f"is larger than KVCacheLayout.max_model_len {self.max_model_len}")
+                f"is larger than KVCacheLayout.max_model_len {self.max_model_len}"
+            )
         lcm = self.scheduler_block_size
         for gid, g in enumerate(self.groups):
-            if (self.enable_caching and len(self.groups) > 1
-                    and isinstance(g.spec, ChunkedLocalAttentionSpec)
-                    and g.spec.block_size != lcm):
+            if (
+                self.enable_caching
+                and len(self.groups) > 1
+                and isinstance(g.spec, ChunkedLocalAttentionSpec)
+                and g.spec.block_size != lcm
+            ):
                 raise InvalidLayoutError(
                     f"KVCacheLayout.groups[{gid}] is chunked local attention with block_size "
                     f"{g.spec.block_size}; with prefix caching it must equal the scheduler "
-                    f"block size (lcm of the group block sizes) {lcm}")
+                    f"block size (lcm of the group block sizes) {lcm}"
+                )
         if self.enable_caching and self.partial_hits_enabled:
             raise InvalidLayoutError(
                 "KVCacheLayout.groups enable partial (sub-block) prefix hits: a Mamba group "
                 f"with block_size > hash_block_size {self.hash_block_size}; partial hits are "
-                "out of scope (give the Mamba group the smallest block size)")
+                "out of scope (give the Mamba group the smallest block size)"
+            )
 
     @property
     def specs(self) -> tuple[KVCacheSpec, ...]:
@@ -122,8 +130,7 @@ class KVCacheLayout:
         h = self.hash_block_size
         mamba_coarse = any(isinstance(s, MambaSpec) and s.block_size > h for s in self.specs)
         others_ok = all(
-            s.block_size == h or isinstance(s, (FullAttentionSpec, MambaSpec))
-            for s in self.specs
+            s.block_size == h or isinstance(s, (FullAttentionSpec, MambaSpec)) for s in self.specs
         )
         return mamba_coarse and others_ok
 
@@ -133,8 +140,9 @@ class KVCacheLayout:
         return self.scheduler_block_size
 
     def admission_in_flight_tokens(self) -> int:
-        return self.max_model_len if self.max_in_flight_tokens is None \
-            else self.max_in_flight_tokens
+        return (
+            self.max_model_len if self.max_in_flight_tokens is None else self.max_in_flight_tokens
+        )
 
     def blocks_per_request(self) -> int:
         """Blocks one request of ``max_model_len`` tokens can pin, summed over groups."""
@@ -158,8 +166,10 @@ class KVCacheLayout:
             elif hasattr(s, "attention_chunk_size"):
                 extra = f" C={s.attention_chunk_size}"
             parts.append(f"g{gid}:{s.type_name}(bs={s.block_size}{extra})")
-        return (f"{' '.join(parts)} num_blocks={self.num_blocks} "
-                f"max_model_len={self.max_model_len} caching={self.enable_caching}")
+        return (
+            f"{' '.join(parts)} num_blocks={self.num_blocks} "
+            f"max_model_len={self.max_model_len} caching={self.enable_caching}"
+        )
 
 
 def merge_key(spec: KVCacheSpec) -> KVCacheSpec:
@@ -187,7 +197,8 @@ def unify_page_sizes(specs: Sequence[KVCacheSpec]) -> list[KVCacheSpec]:
             out.append(s.with_padded_page(target))
         else:
             raise InvalidLayoutError(
-                f"page size {page} of {type(s).__name__} cannot be unified with {target}")
+                f"page size {page} of {type(s).__name__} cannot be unified with {target}"
+            )
     return out
 
 

@@ -26,11 +26,18 @@ class RequestStatus(Enum):
 class Request:
     """A request: prompt, outputs so far, computed tokens, salt, LoRA, block hashes."""
 
-    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], hash_block_size: int,
-                 cache_salt: str | None = None, lora_name: str | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        hash_block_size: int,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError(
-                f"Request.prompt_token_ids of {request_id!r} must not be empty, got []")
+                f"Request.prompt_token_ids of {request_id!r} must not be empty, got []"
+            )
         self.request_id = request_id
         self.prompt_token_ids: tuple[int, ...] = tuple(int(t) for t in prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -40,8 +47,9 @@ class Request:
         self.hash_block_size = hash_block_size
         self.status = RequestStatus.WAITING
         self.block_hashes: list[bytes] = []
-        extend_block_hashes(self.block_hashes, self.prompt_token_ids, hash_block_size,
-                            cache_salt, lora_name)
+        extend_block_hashes(
+            self.block_hashes, self.prompt_token_ids, hash_block_size, cache_salt, lora_name
+        )
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -62,9 +70,16 @@ class Request:
     def append_output_token_ids(self, token_ids: Sequence[int]) -> None:
         """Append decoded tokens and extend the block hashes over every new full block."""
         self.output_token_ids.extend(int(t) for t in token_ids)
-        extend_block_hashes(self.block_hashes, self.all_token_ids, self.hash_block_size,
-                            self.cache_salt, self.lora_name)
+        extend_block_hashes(
+            self.block_hashes,
+            self.all_token_ids,
+            self.hash_block_size,
+            self.cache_salt,
+            self.lora_name,
+        )
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, {self.status.value})")
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.value})"
+        )

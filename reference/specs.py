@@ -163,8 +163,9 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_positive("ChunkedLocalAttentionSpec", "attention_chunk_size",
-                         self.attention_chunk_size)
+        require_positive(
+            "ChunkedLocalAttentionSpec", "attention_chunk_size", self.attention_chunk_size
+        )
 
     @property
     def type_name(self) -> str:
@@ -207,8 +208,9 @@ class MambaSpec(KVCacheSpec):
         super().__post_init__()
         require_positive("MambaSpec", "dtype_bytes", self.dtype_bytes)
         if not self.shapes or any(d < 1 for shape in self.shapes for d in shape):
-            raise InvalidSpecError(f"MambaSpec.shapes must be non-empty positive shapes, "
-                                   f"got {self.shapes!r}")
+            raise InvalidSpecError(
+                f"MambaSpec.shapes must be non-empty positive shapes, got {self.shapes!r}"
+            )
         if self.page_size_padded is not None and self.page_size_padded < self.unpadded_page_bytes:
             raise InvalidSpecError(
                 f"MambaSpec.page_size_padded must be >= {self.unpadded_page_bytes}, "

@@ -36,7 +36,8 @@ class ReferenceEngine:
         if request.request_id in self.requests:
             raise EngineError(f"reference: request {request.request_id!r} added twice")
         self.requests[request.request_id] = self.manager.make_request(
-            request.request_id, request.prompt_token_ids, request.cache_salt, request.lora_name)
+            request.request_id, request.prompt_token_ids, request.cache_salt, request.lora_name
+        )
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         self._request(request_id).append_output_token_ids(token_ids)
@@ -56,21 +57,31 @@ class ReferenceEngine:
         self._hits[request_id] = (hit, computed)
         return hit
 
-    def allocate_slots(self, request_id: str, num_new_tokens: int,
-                       num_new_computed_tokens: int = 0, hit: CacheHit | None = None,
-                       num_lookahead_tokens: int = 0) -> BlockIds | None:
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        hit: CacheHit | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> BlockIds | None:
         computed = None
         if hit is not None:
             kept = self._hits.pop(request_id, None)
             if kept is None or kept[0] != hit:
                 raise EngineError(
                     f"reference: allocate_slots({request_id!r}) got a hit this engine did not "
-                    "return from its last get_computed_blocks")
+                    "return from its last get_computed_blocks"
+                )
             computed = kept[1]
         try:
-            new = self.manager.allocate_slots(self._request(request_id), num_new_tokens,
-                                              num_new_computed_tokens, computed,
-                                              num_lookahead_tokens)
+            new = self.manager.allocate_slots(
+                self._request(request_id),
+                num_new_tokens,
+                num_new_computed_tokens,
+                computed,
+                num_lookahead_tokens,
+            )
         except KVConformError as exc:
             raise EngineError(f"reference: allocate_slots({request_id!r}): {exc}") from exc
         if new is None:

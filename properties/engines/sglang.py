@@ -573,8 +573,9 @@ def sglang_layouts():
         window = draw(st.integers(2, 6 * page))
         full_first = draw(st.booleans())
         full = KVCacheGroup(("layer.full",), FullAttentionSpec(block_size=page))
-        swa = KVCacheGroup(("layer.swa",),
-                           SlidingWindowSpec(block_size=page, sliding_window=window))
+        swa = KVCacheGroup(
+            ("layer.swa",), SlidingWindowSpec(block_size=page, sliding_window=window)
+        )
         max_len = draw(st.integers(8 * page, 96))
         per_request = -(-max_len // page) + 1
         num_blocks = draw(st.integers(per_request + 2, 4 * per_request))

@@ -382,9 +382,11 @@ def make_engine(layout: KVCacheLayout) -> VLLMEngine:
 
 
 def _chunk_not_multiple_of_block(layout: KVCacheLayout) -> bool:
-    return any(isinstance(g.spec, ChunkedLocalAttentionSpec)
-               and g.spec.attention_chunk_size % g.spec.block_size != 0
-               for g in layout.groups)
+    return any(
+        isinstance(g.spec, ChunkedLocalAttentionSpec)
+        and g.spec.attention_chunk_size % g.spec.block_size != 0
+        for g in layout.groups
+    )
 
 
 #: vLLM 0.33 behaviours that break a property; see findings/vllm/.
@@ -392,8 +394,9 @@ KNOWN_DIVERGENCES = (
     KnownDivergence(
         name="vllm-chunked-hit-in-previous-chunk",
         summary="chunked-local hit lands in the previous chunk with its tokens nulled "
-                "when attention_chunk_size % block_size != 0",
+        "when attention_chunk_size % block_size != 0",
         finding="findings/vllm/chunked-hit-in-previous-chunk.md",
-        applies=_chunk_not_multiple_of_block),
+        applies=_chunk_not_multiple_of_block,
+    ),
 )
 make_engine.known_divergences = KNOWN_DIVERGENCES  # type: ignore[attr-defined]

@@ -31,8 +31,14 @@ BlockList = list[KVCacheBlock]
 class SingleTypeKVCacheManager:
     """Block tables of one KV cache group."""
 
-    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int,
-                 enable_caching: bool, cache_hit_alignment: int) -> None:
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        block_pool: BlockPool,
+        group_id: int,
+        enable_caching: bool,
+        cache_hit_alignment: int,
+    ) -> None:
         self.spec = spec
         self.block_size = spec.block_size
         self.block_pool = block_pool
@@ -51,22 +57,34 @@ class SingleTypeKVCacheManager:
 
     # -- lookup ------------------------------------------------------------------
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
-                               alignment: int) -> tuple[list[BlockList], int]:
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        pool: BlockPool,
+        spec: KVCacheSpec,
+        alignment: int,
+    ) -> tuple[list[BlockList], int]:
         """Longest hit ``<= max_length`` (a multiple of ``alignment``) in every group of
         ``group_ids``; returns one block list per group (nulls where not needed)."""
         raise NotImplementedError
 
     @staticmethod
-    def coarse_hashes(block_hashes: Sequence[bytes], pool_hash_block_size: int,
-                      spec: KVCacheSpec) -> Sequence[bytes]:
+    def coarse_hashes(
+        block_hashes: Sequence[bytes], pool_hash_block_size: int, spec: KVCacheSpec
+    ) -> Sequence[bytes]:
         return hashes_at_block_size(block_hashes, pool_hash_block_size, spec.block_size)
 
     # -- allocation --------------------------------------------------------------
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: Sequence[KVCacheBlock],
-                                   total_computed_tokens: int, num_tokens_main: int) -> int:
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_tokens_main: int,
+    ) -> int:
         required = cdiv(num_tokens, self.block_size)
         held = len(self.req_to_blocks.get(request_id, ()))
         if request_id in self.num_cached_block:
@@ -75,13 +93,17 @@ class SingleTypeKVCacheManager:
         local_blocks = len(new_computed_blocks) + held
         num_new = max(required - max(skipped_blocks, local_blocks), 0)
         skip_in_hits = max(0, skipped_blocks - held)
-        evictable = sum(1 for b in new_computed_blocks[skip_in_hits:]
-                        if b.ref_cnt == 0 and not b.is_null)
+        evictable = sum(
+            1 for b in new_computed_blocks[skip_in_hits:] if b.ref_cnt == 0 and not b.is_null
+        )
         return num_new + evictable
 
-    def add_local_computed_blocks(self, request_id: str,
-                                  new_computed_blocks: Sequence[KVCacheBlock],
-                                  num_local_computed_tokens: int) -> None:
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+    ) -> None:
         """Adopt a prefix hit (first allocation only): skipped hit blocks become nulls,
         the others are touched and appended."""
         blocks = self.blocks_of(request_id)
@@ -94,8 +116,9 @@ class SingleTypeKVCacheManager:
         blocks.extend(kept)
         self.num_cached_block[request_id] = len(blocks)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int,
-                            num_tokens_main: int) -> BlockList:
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main: int
+    ) -> BlockList:
         """Append fresh blocks until the table covers ``num_tokens`` slots."""
         blocks = self.blocks_of(request_id)
         num_new = cdiv(num_tokens, self.block_size) - len(blocks)
@@ -118,14 +141,16 @@ class SingleTypeKVCacheManager:
         if num_cached >= num_full:
             return
         mask = self.cacheable_block_mask(num_cached, num_full)
-        hashes = hashes_at_block_size(request.block_hashes, request.hash_block_size,
-                                      self.block_size)
+        hashes = hashes_at_block_size(
+            request.block_hashes, request.hash_block_size, self.block_size
+        )
         blocks = self.blocks_of(request.request_id)
         for i in range(num_cached, num_full):
             if mask is not None and not mask[i - num_cached]:
                 continue
-            self.block_pool.cache_block(blocks[i], hashes[i], self.group_id,
-                                        (i + 1) * self.block_size)
+            self.block_pool.cache_block(
+                blocks[i], hashes[i], self.group_id, (i + 1) * self.block_size
+            )
         self.num_cached_block[request.request_id] = num_full
 
     # -- freeing -----------------------------------------------------------------

@@ -29,9 +29,15 @@ from reference.specs import ChunkedLocalAttentionSpec, KVCacheSpec
 
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
-                               alignment: int) -> tuple[list[BlockList], int]:
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        pool: BlockPool,
+        spec: KVCacheSpec,
+        alignment: int,
+    ) -> tuple[list[BlockList], int]:
         assert isinstance(spec, ChunkedLocalAttentionSpec)
         bs = spec.block_size
         hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)

@@ -24,13 +24,19 @@ from reference.specs import KVCacheSpec
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
-                               alignment: int) -> tuple[list[BlockList], int]:
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        pool: BlockPool,
+        spec: KVCacheSpec,
+        alignment: int,
+    ) -> tuple[list[BlockList], int]:
         bs = spec.block_size
         hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
         out: list[BlockList] = [[] for _ in group_ids]
-        for block_hash in hashes[:max_length // bs]:
+        for block_hash in hashes[: max_length // bs]:
             found = pool.get_cached_block(block_hash, group_ids)
             if found is None:
                 break
@@ -53,6 +59,6 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         index = boundary // self.block_size
         if index >= len(blocks):
             return
-        self.block_pool.cache_block(blocks[index], request.block_hashes[boundary // h - 1],
-                                    self.group_id, boundary)
-
+        self.block_pool.cache_block(
+            blocks[index], request.block_hashes[boundary // h - 1], self.group_id, boundary
+        )

@@ -38,9 +38,15 @@ class MambaManager(SingleTypeKVCacheManager):
         self.allocated_requests: set[str] = set()
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
-                               alignment: int) -> tuple[list[BlockList], int]:
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        pool: BlockPool,
+        spec: KVCacheSpec,
+        alignment: int,
+    ) -> tuple[list[BlockList], int]:
         assert isinstance(spec, MambaSpec)
         bs = spec.block_size
         hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
@@ -53,9 +59,14 @@ class MambaManager(SingleTypeKVCacheManager):
             return [[pool.null_block] * i + [block] for block in cached], (i + 1) * bs
         return [[] for _ in group_ids], 0
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: Sequence[KVCacheBlock],
-                                   total_computed_tokens: int, num_tokens_main: int) -> int:
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_tokens_main: int,
+    ) -> int:
         if new_computed_blocks and new_computed_blocks[-1].cache_key in self.cached_keys_this_step:
             return self.block_pool.num_blocks + 1
         required = cdiv(num_tokens_main, self.block_size)
@@ -65,8 +76,9 @@ class MambaManager(SingleTypeKVCacheManager):
         evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return num_new + evictable
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int,
-                            num_tokens_main: int) -> BlockList:
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main: int
+    ) -> BlockList:
         blocks = self.blocks_of(request_id)
         required = cdiv(num_tokens_main, self.block_size)
         if required <= len(blocks):

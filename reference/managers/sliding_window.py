@@ -41,9 +41,15 @@ def blocks_needed_for_hit(spec: SlidingWindowSpec) -> int:
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
-                               alignment: int) -> tuple[list[BlockList], int]:
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        pool: BlockPool,
+        spec: KVCacheSpec,
+        alignment: int,
+    ) -> tuple[list[BlockList], int]:
         assert isinstance(spec, SlidingWindowSpec)
         bs = spec.block_size
         hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
@@ -63,7 +69,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 lst[i] = block
             run += 1
             if run >= need:
-                out = [lst[:i + run] for lst in out]
+                out = [lst[: i + run] for lst in out]
                 found_run = True
                 break
         if not found_run:

@@ -490,8 +490,8 @@ MUTANT_INFO: dict[str, MutantInfo] = {
         ),
         _info(
             make_lcm_forgotten,
-            "universal",
-            ["hit_bounds"],
+            "exact",
+            ["exact_match", "hit_bounds"],
             "hybrid hits aligned to the gcd of the block sizes, not their LCM",
         ),
         _info(
@@ -503,7 +503,7 @@ MUTANT_INFO: dict[str, MutantInfo] = {
         _info(
             make_null_block_handed_out,
             "universal",
-            ["pool_accounting", "window_liveness"],
+            ["pool_accounting", "window_liveness", "reset_prefix_cache"],
             "the null block sits in the free queue and can be allocated",
         ),
         _info(
@@ -514,8 +514,8 @@ MUTANT_INFO: dict[str, MutantInfo] = {
         ),
         _info(
             make_mamba_same_step,
-            "exact",
-            ["exact_match"],
+            "universal",
+            ["window_liveness"],
             "Mamba accepts a hit on a state cached in the current step (not yet written)",
         ),
         _info(

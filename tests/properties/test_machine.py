@@ -30,7 +30,12 @@ def test_invariants_hold(kv_engine: str, kv_level: str, tmp_path) -> None:
 def test_attention_outputs_match_dense(kv_engine: str, tmp_path) -> None:
     from properties.machine import disabled_all_but
 
-    machine = _machine(kv_engine, "universal", attention=True,
-                       disabled=disabled_all_but(()), failure_dir=str(tmp_path))
+    machine = _machine(
+        kv_engine,
+        "universal",
+        attention=True,
+        disabled=disabled_all_but(()),
+        failure_dir=str(tmp_path),
+    )
     run_state_machine_as_test(machine)
     assert machine.stats.examples > 0
