@@ -100,11 +100,9 @@ def run_determinism(config, settings, seed: int | None) -> PropertyResult:
     from hypothesis import seed as hseed
 
     from properties import strategies as kvst
+    from properties.engine import load_engine_factory
     from properties.machine import TraceRun, layout_strategy
     from properties.trace import Trace, save_trace
-
-    factory = None
-    from properties.engine import load_engine_factory
 
     factory = load_engine_factory(config.engine)
     counts = {"examples": 0, "steps": 0}
@@ -172,8 +170,12 @@ def run_determinism(config, settings, seed: int | None) -> PropertyResult:
     )
 
 
-def _replay_command(path: Path, config) -> str:
-    return f"kvconform replay {path} --engine {config.engine} --level {config.level}"
+def replay_command(path: Path | str, engine: str, level: str, attention: bool) -> str:
+    """The command that replays a saved failure (``--attention`` for that property)."""
+    return (
+        f"kvconform replay {path} --engine {engine} --level {level}"
+        f"{' --attention' if attention else ''}"
+    )
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -226,11 +228,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     for r in failed:
         print(f"\nFAILED {r.name}: {r.failure[:4000]}")
         if r.trace_path is not None:
-            print(
-                f"  trace: {r.trace_path}\n  replay: kvconform replay {r.trace_path} "
-                f"--engine {args.engine} --level {args.level}"
-                f"{' --attention' if r.name == 'attention' else ''}"
-            )
+            command = replay_command(r.trace_path, args.engine, args.level, r.name == "attention")
+            print(f"  trace: {r.trace_path}\n  replay: {command}")
     return 1 if failed else 0
 
 

@@ -34,6 +34,8 @@ cached prefix: hit maximality at the universal level).
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -170,7 +172,11 @@ BUILTIN_ENGINES: dict[str, str] = {
 
 
 def load_engine_factory(name: str) -> EngineFactory:
-    """Resolve ``reference``/``vllm``/... or an outside ``package.module:factory``."""
+    """Resolve ``reference``/``vllm``/... or an outside ``package.module:factory``.
+
+    An outside module is imported as ``python -m`` would: the current directory is
+    searched too (the ``kvconform`` script alone would not see the caller's project).
+    """
     target = BUILTIN_ENGINES.get(name, name)
     if ":" not in target:
         raise EngineError(
@@ -178,6 +184,8 @@ def load_engine_factory(name: str) -> EngineFactory:
             "nor of the form 'module:factory'"
         )
     module_name, _, attr = target.partition(":")
+    if name not in BUILTIN_ENGINES and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -50,7 +50,8 @@ def _worker(index: int, base_seed: int, deadline: float, config, out: mp.Queue) 
 
 
 def run_campaign(args: argparse.Namespace) -> int:
-    from properties.cli import _config
+    from properties.cli import _config, replay_command
+    from properties.engine import load_engine_factory
     from properties.machine import disabled_all_but
 
     if args.minutes <= 0 or args.workers < 1:
@@ -60,6 +61,7 @@ def run_campaign(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    load_engine_factory(args.engine)  # a bad --engine fails here, with a clear message
     config = _config(
         args,
         attention=args.attention,
@@ -99,10 +101,9 @@ def run_campaign(args: argparse.Namespace) -> int:
                 steps += st
                 if failure is not None:
                     failures.append(failure)
+                    command = replay_command(failure[2], args.engine, args.level, args.attention)
                     print(
-                        f"\nFAILURE (seed {failure[0]}): {failure[1][:300]}\n  replay: "
-                        f"kvconform replay {failure[2]} --engine {args.engine} "
-                        f"--level {args.level}",
+                        f"\nFAILURE (seed {failure[0]}): {failure[1][:300]}\n  replay: {command}",
                         flush=True,
                     )
             elapsed = time.time() - start
@@ -120,6 +121,14 @@ def run_campaign(args: argparse.Namespace) -> int:
             if p.is_alive():
                 p.terminate()
             p.join(timeout=5)
+    # a worker that died (not one we terminated) must not pass as a clean campaign
+    crashed = [i for i, p in enumerate(procs) if p.exitcode not in (0, None, -15)]
+    for i in crashed:
+        print(
+            f"\nkvconform fuzz: worker {i} exited with code {procs[i].exitcode} "
+            "(its traceback is above)",
+            file=sys.stderr,
+        )
     elapsed = time.time() - start
     print(
         f"\nsummary: {elapsed:.0f}s, {examples} examples, {steps} steps "
@@ -127,4 +136,4 @@ def run_campaign(args: argparse.Namespace) -> int:
     )
     for seed, message, path in failures:
         print(f"  seed {seed}: {message.splitlines()[0][:200]}\n    trace: {path}")
-    return 1 if failures else 0
+    return 1 if failures or crashed else 0

@@ -28,7 +28,7 @@ reset_prefix_cache        reset succeeds iff no request holds blocks            
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from properties.engine import (
@@ -42,10 +42,10 @@ from properties.engine import (
 from properties.oracles import (
     ShadowCache,
     brute_force_longest_hit,
-    first_key,
     missing_context,
     prefix_ids,
 )
+from reference.attention import first_visible_key
 from reference.layout import KVCacheLayout
 from reference.specs import MambaSpec, cdiv
 
@@ -336,13 +336,19 @@ class Checker:
             else:
                 if self.enabled("window_liveness"):
                     why = missing_context(
-                        self.layout, self.shadow, gid, row, req.ids, first_key(spec, start), start
+                        self.layout,
+                        self.shadow,
+                        gid,
+                        row,
+                        req.ids,
+                        first_visible_key(spec, start),
+                        start,
                     )
                     if why is not None:
                         self.fail(
                             "window_liveness",
                             f"request {rid!r} scheduled [{start}, {end}) reads keys from "
-                            f"{first_key(spec, start)} in group {gid} ({spec.type_name}):"
+                            f"{first_visible_key(spec, start)} in group {gid} ({spec.type_name}):"
                             f" {why}",
                         )
                 write_cols = sorted({p // bs for p in range(start, end)})
@@ -444,9 +450,3 @@ class Checker:
                     "pool_accounting",
                     f"{free} free + {len(held)} held by requests > {n - 1} blocks",
                 )
-
-
-def tables_equal(a: Mapping[str, BlockIds], b: Mapping[str, BlockIds]) -> bool:
-    return {k: tuple(map(tuple, v)) for k, v in a.items()} == {
-        k: tuple(map(tuple, v)) for k, v in b.items()
-    }

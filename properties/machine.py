@@ -23,7 +23,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from hypothesis import assume, note
@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from properties import strategies as kvst
-from properties.engine import EngineError, UnsupportedLayoutError, load_engine_factory
+from properties.engine import UnsupportedLayoutError, load_engine_factory
 from properties.invariants import UNIVERSAL_CHECKS, PropertyViolation
 from properties.lockstep import LEVELS, LockstepEngine
 from properties.scheduler import Scheduler, StepRecord
@@ -169,10 +169,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.run is not None
         try:
             return fn()
-        except (PropertyViolation, EngineError, AssertionError) as exc:
-            write_last_failure(self.run, exc)
-            raise
-        except KVConformError as exc:
+        except (AssertionError, KVConformError) as exc:  # violations and engine errors
             write_last_failure(self.run, exc)
             raise
 
@@ -316,7 +313,7 @@ def replay_trace(
     try:
         for op in trace.operations:
             run.apply(op)
-    except (PropertyViolation, EngineError, KVConformError, AssertionError) as exc:
+    except (AssertionError, KVConformError) as exc:  # violations and engine errors
         return run, exc
     return run, None
 
@@ -330,7 +327,6 @@ __all__ = [
     "KVCacheMachine",
     "RunStats",
     "TraceRun",
-    "field",
     "layout_strategy",
     "machine_for",
     "replay_trace",

@@ -8,7 +8,7 @@ allocation is made for the tokens of a step) and which prefix each Mamba state
 block summarises. From it:
 
 * **liveness**: a request scheduled for ``[start, start + n)`` reads, in each
-  attention group, keys ``[first_key(start), start)``: every one must sit in a real
+  attention group, keys ``[first_visible_key(start), start)``: every one must sit in a real
   block of its table holding exactly its own ``prefix_id``; the blocks it writes must
   be real; a Mamba group must read the state of exactly ``tokens[0:start)``.
 * **hit soundness**: a hit of ``L`` tokens gives, per group, blocks holding every
@@ -16,9 +16,6 @@ block summarises. From it:
 * **hit maximality** (engines exposing their cached blocks): the brute force tries
   every aligned ``L`` from the cap downwards and returns the largest that every
   group can serve from cached blocks with the right content.
-* **expected nulls** (vLLM policy): after an allocation with ``T`` computed tokens,
-  entries ``[0, num_skipped_tokens(T) // bs)`` of a sliding-window or chunked table
-  are null.
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ from dataclasses import dataclass
 from properties.engine import CachedBlock
 from reference.layout import KVCacheLayout
 from reference.specs import (
-    ChunkedLocalAttentionSpec,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
@@ -58,13 +54,6 @@ def prefix_ids(
         h ^= h >> 29
         out.append(h)
     return out
-
-
-def first_key(spec: KVCacheSpec, position: int) -> int:
-    """First key position the query at ``position`` reads (full: 0)."""
-    if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
-        return spec.num_skipped_tokens(position)
-    return 0
 
 
 @dataclass(frozen=True)
@@ -140,11 +129,6 @@ def missing_context(
     return None
 
 
-def hit_context(spec: KVCacheSpec, hit_length: int) -> tuple[int, int]:
-    """Positions ``[a, b)`` a hit of ``hit_length`` needs in a group (Mamba: state at b)."""
-    return spec.hit_context_start(hit_length), hit_length
-
-
 def blocks_needed_for_hit(spec: KVCacheSpec, length: int) -> range:
     """Block indices whose cached blocks a hit of ``length`` (a multiple of bs) needs.
 
@@ -213,10 +197,3 @@ def _group_serves(
         if not ok:
             return False
     return True
-
-
-def expected_null_blocks(spec: KVCacheSpec, num_computed_tokens: int) -> int:
-    """Leading null entries vLLM's policy leaves after an allocation (W1, W2)."""
-    if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
-        return spec.num_skipped_tokens(num_computed_tokens) // spec.block_size
-    return 0

@@ -25,7 +25,7 @@ calls ``reset_prefix_cache()`` (it fails while any request holds blocks).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from properties.engine import BlockIds, CacheHit, KVCacheEngine, RequestInput
@@ -271,19 +271,6 @@ class Scheduler:
         )
 
 
-def replay_operations(
-    engine: KVCacheEngine,
-    layout: KVCacheLayout,
-    operations: Sequence[Operation],
-    on_scheduled: StepObserver | None = None,
-) -> Scheduler:
-    """Apply ``operations`` in order to a fresh scheduler over ``engine``."""
-    scheduler = Scheduler(engine, layout, on_scheduled)
-    for op in operations:
-        scheduler.apply(op)
-    return scheduler
-
-
 __all__ = [
     "CacheHit",
     "RequestState",
@@ -291,5 +278,4 @@ __all__ = [
     "Scheduler",
     "StepRecord",
     "TraceError",
-    "replay_operations",
 ]
