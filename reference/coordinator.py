@@ -11,6 +11,10 @@
   for exactly one full and one other spec group, where one pass suffices. Full
   attention lists are then cut to the final length.
 
+  ``uncached = longest - hit``, where ``longest`` is the longest answer any queried
+  spec group gave: a shared prefix some group caches but another does not (the
+  manager turns it into the request's ``shared_prefix_boundary``).
+
   Worked example: full (bs 4) + SWA (w 5, bs 4), ``max 15``. Full hits 12 (3 blocks).
   SWA, asked for ``<= 12``, needs blocks 1 and 2 (``cdiv(4, 4) = 1``... one block
   before 12: block 2): if block 2 was freed after caching, SWA may answer 8, and the
@@ -54,7 +58,13 @@ class KVCacheCoordinator:
         alignment = self.cache_hit_alignment()
         self.managers: list[SingleTypeKVCacheManager] = [
             manager_class_for(g.spec)(
-                g.spec, self.block_pool, gid, layout.enable_caching, alignment
+                g.spec,
+                self.block_pool,
+                gid,
+                layout.enable_caching,
+                alignment,
+                layout.prefix_cache_retention_interval,
+                layout.scheduler_block_size,
             )
             for gid, g in enumerate(layout.groups)
         ]
@@ -64,7 +74,9 @@ class KVCacheCoordinator:
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
-    ) -> tuple[list[BlockList], int]:
+    ) -> tuple[list[BlockList], int, int]:
+        """``(blocks per group, hit, uncached)``: ``uncached`` > 0 when some group
+        caches a longer prefix than the reconciled hit (hybrid only)."""
         raise NotImplementedError
 
     def num_cacheable_tokens(self, num_tokens: int) -> int:
@@ -127,8 +139,8 @@ class KVCacheCoordinator:
 class NoPrefixCacheCoordinator(KVCacheCoordinator):
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
-    ) -> tuple[list[BlockList], int]:
-        return [[] for _ in self.managers], 0
+    ) -> tuple[list[BlockList], int, int]:
+        return [[] for _ in self.managers], 0, 0
 
 
 class UnitaryCoordinator(KVCacheCoordinator):
@@ -137,11 +149,12 @@ class UnitaryCoordinator(KVCacheCoordinator):
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
-    ) -> tuple[list[BlockList], int]:
+    ) -> tuple[list[BlockList], int, int]:
         m = self.managers[0]
-        return m.find_longest_cache_hit(
+        blocks, hit = m.find_longest_cache_hit(
             block_hashes, max_length, [0], self.block_pool, m.spec, self.cache_hit_alignment()
         )
+        return blocks, hit, 0
 
 
 class HybridCoordinator(KVCacheCoordinator):
@@ -163,7 +176,7 @@ class HybridCoordinator(KVCacheCoordinator):
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
-    ) -> tuple[list[BlockList], int]:
+    ) -> tuple[list[BlockList], int, int]:
         alignment = self.cache_hit_alignment()
         num_groups = len(self.managers)
         blocks_of: list[BlockList | None] = [None] * num_groups
@@ -172,6 +185,7 @@ class HybridCoordinator(KVCacheCoordinator):
             self.spec_groups[0].spec, FullAttentionSpec
         )
         hit = max_length
+        longest = 0
         while True:
             candidate = hit
             for sg in self.spec_groups:
@@ -185,6 +199,7 @@ class HybridCoordinator(KVCacheCoordinator):
                 for gid, lst in zip(sg.group_ids, found):
                     blocks_of[gid] = lst
                     length_of[gid] = candidate
+                longest = max(longest, candidate)
             if candidate >= hit:
                 break
             hit = candidate
@@ -197,7 +212,7 @@ class HybridCoordinator(KVCacheCoordinator):
             for gid in sg.group_ids:
                 if blocks_of[gid] is not None:
                     blocks_of[gid] = blocks_of[gid][:keep]
-        return [lst if lst is not None else [] for lst in blocks_of], hit
+        return [lst if lst is not None else [] for lst in blocks_of], hit, longest - hit
 
 
 def make_coordinator(layout: KVCacheLayout) -> KVCacheCoordinator:

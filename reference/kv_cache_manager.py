@@ -86,12 +86,21 @@ class KVCacheManager:
 
     # -- lookup ----------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[ComputedBlocks, int]:
-        """Longest prefix hit (``<= num_tokens - 1``) every group can serve; no side effects."""
+        """Longest prefix hit (``<= num_tokens - 1``) every group can serve.
+
+        The pool is untouched. The lookup records the junction on the request (vLLM's
+        scheduler stores it right after each lookup): ``shared_prefix_boundary =
+        hit + uncached`` when some group caches ``uncached > 0`` tokens more than
+        the reconciled hit, else 0. Sparse retention keeps that junction's tail.
+        Example: full attention caches 16 tokens, SWA only 8 -> hit 8, junction 16.
+        """
         if not self.enable_caching:
+            request.shared_prefix_boundary = 0
             return self.empty_computed_blocks(), 0
-        blocks, hit = self.coordinator.find_longest_cache_hit(
+        blocks, hit, uncached = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
+        request.shared_prefix_boundary = hit + uncached if uncached else 0
         return ComputedBlocks(tuple(tuple(b) for b in blocks)), hit
 
     def empty_computed_blocks(self) -> ComputedBlocks:

@@ -23,12 +23,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from reference.errors import InvalidLayoutError
+from reference.retention import validate_retention_interval
 from reference.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    SlidingWindowSpec,
     cdiv,
 )
 
@@ -48,6 +50,10 @@ class KVCacheLayout:
     ``num_blocks`` counts the null block (id 0). ``max_in_flight_tokens`` feeds
     the admission cap of sliding-window and chunked groups; ``None`` means
     ``max_model_len`` (the cap then has no effect).
+    ``prefix_cache_retention_interval``: which sliding-window and Mamba blocks are
+    registered in the prefix cache (:mod:`reference.retention`): ``None`` dense (a
+    hand-built vLLM config), ``0`` sparse (vLLM's production default), ``k > 0`` one
+    tail per ``k`` tokens plus the sparse ones.
     """
 
     groups: tuple[KVCacheGroup, ...]
@@ -55,6 +61,7 @@ class KVCacheLayout:
     max_model_len: int
     enable_caching: bool = True
     max_in_flight_tokens: int | None = None
+    prefix_cache_retention_interval: int | None = None
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -87,6 +94,11 @@ class KVCacheLayout:
                     f"{g.spec.block_size}; with prefix caching it must equal the scheduler "
                     f"block size (lcm of the group block sizes) {lcm}"
                 )
+        validate_retention_interval(
+            self.prefix_cache_retention_interval,
+            self.scheduler_block_size,
+            any(isinstance(s, (SlidingWindowSpec, MambaSpec)) for s in self.specs),
+        )
         if self.enable_caching and self.partial_hits_enabled:
             raise InvalidLayoutError(
                 "KVCacheLayout.groups enable partial (sub-block) prefix hits: a Mamba group "
@@ -166,9 +178,12 @@ class KVCacheLayout:
             elif hasattr(s, "attention_chunk_size"):
                 extra = f" C={s.attention_chunk_size}"
             parts.append(f"g{gid}:{s.type_name}(bs={s.block_size}{extra})")
+        retention = ""
+        if self.prefix_cache_retention_interval is not None:
+            retention = f" retention={self.prefix_cache_retention_interval}"
         return (
             f"{' '.join(parts)} num_blocks={self.num_blocks} "
-            f"max_model_len={self.max_model_len} caching={self.enable_caching}"
+            f"max_model_len={self.max_model_len} caching={self.enable_caching}{retention}"
         )
 
 

@@ -4,7 +4,8 @@
 caller after each step (0 again after a preemption). ``block_hashes`` holds the
 chained hash of every full ``hash_block_size`` block of all tokens and grows as
 outputs are appended: a prompt of 10 tokens with H=4 has 2 hashes; appending 2
-outputs makes 12 tokens and 3 hashes.
+outputs makes 12 tokens and 3 hashes. ``shared_prefix_boundary`` is the junction
+the last prefix lookup found (see :mod:`reference.retention`; 0 when none).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Request:
         self.lora_name = lora_name
         self.hash_block_size = hash_block_size
         self.status = RequestStatus.WAITING
+        self.shared_prefix_boundary = 0
         self.block_hashes: list[bytes] = []
         extend_block_hashes(
             self.block_hashes, self.prompt_token_ids, hash_block_size, cache_salt, lora_name

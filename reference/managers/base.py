@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from reference.block_pool import BlockPool, KVCacheBlock
 from reference.hashing import hashes_at_block_size
 from reference.request import Request
+from reference.retention import reachable_boundaries
 from reference.specs import KVCacheSpec, cdiv
 
 BlockList = list[KVCacheBlock]
@@ -38,8 +39,12 @@ class SingleTypeKVCacheManager:
         group_id: int,
         enable_caching: bool,
         cache_hit_alignment: int,
+        retention_interval: int | None = None,
+        scheduler_block_size: int | None = None,
     ) -> None:
         self.spec = spec
+        self.retention_interval = retention_interval
+        self.scheduler_block_size = scheduler_block_size or cache_hit_alignment
         self.block_size = spec.block_size
         self.block_pool = block_pool
         self.group_id = group_id
@@ -129,9 +134,19 @@ class SingleTypeKVCacheManager:
         return new_blocks
 
     # -- caching -----------------------------------------------------------------
-    def cacheable_block_mask(self, start: int, end: int) -> list[bool] | None:
-        """Which blocks of ``[start, end)`` ``cache_blocks`` registers (None: all)."""
+    def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
+        """Which blocks of ``[start, end)`` ``cache_blocks`` registers (None: all;
+        sliding window and Mamba apply :mod:`reference.retention`)."""
         return None
+
+    def reachable_boundaries(self, request: Request) -> list[int]:
+        """The replay boundaries of ``request``'s prompt and its junction, if any."""
+        return reachable_boundaries(
+            request.num_prompt_tokens,
+            request.shared_prefix_boundary,
+            self.scheduler_block_size,
+            self.block_size,
+        )
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the full blocks of ``[0, num_tokens)`` not registered yet."""
@@ -140,7 +155,7 @@ class SingleTypeKVCacheManager:
         num_full = min(num_tokens, num_hashed) // self.block_size
         if num_cached >= num_full:
             return
-        mask = self.cacheable_block_mask(num_cached, num_full)
+        mask = self.cacheable_block_mask(request, num_cached, num_full)
         hashes = hashes_at_block_size(
             request.block_hashes, request.hash_block_size, self.block_size
         )

@@ -17,6 +17,10 @@ Hit rule: the rightmost cached state at an aligned boundary ``(i+1)*bs <= max``:
 ``[null] * i + [state]``, hit ``(i + 1) * bs``. A hit on a state cached during the
 current step is refused (``allocate_slots`` returns None) until ``new_step_starts``:
 the state is only written when the step runs.
+
+Which states are registered: :func:`reference.retention.mamba_block_mask` (every one
+under dense retention; under sparse retention only the state on the prompt's replay
+boundary and on a shared-prefix junction).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Sequence
 from reference.block_pool import BlockPool, KVCacheBlock
 from reference.managers.base import BlockList, SingleTypeKVCacheManager
 from reference.request import Request
+from reference.retention import mamba_block_mask
 from reference.specs import KVCacheSpec, MambaSpec, cdiv
 
 
@@ -91,6 +96,16 @@ class MambaManager(SingleTypeKVCacheManager):
         blocks.extend(new_blocks)
         self.allocated_requests.add(request_id)
         return new_blocks
+
+    def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
+        return mamba_block_mask(
+            start,
+            end,
+            self.cache_hit_alignment,
+            self.block_size,
+            self.retention_interval,
+            self.reachable_boundaries(request),
+        )
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         before = self.num_cached_block.get(request.request_id, 0)

@@ -19,10 +19,12 @@ block (vLLM 0.33 behaviour; see ``cacheable_block_mask``: such a group caches no
 
 Not downward closed: a hit at ``L`` says nothing about shorter lengths.
 
-Which blocks are cached (dense retention, alignment ``A`` a multiple of ``bs``):
-only the ``need`` tail blocks of every ``A``-token segment, since a hit can only end
-on an aligned boundary: block ``i`` iff ``i % (A/bs) >= A/bs - need``; every block
-when ``need >= A/bs``. Example: bs 2, A 8, w 3 -> need 1 -> blocks 3, 7, 11, ...
+Which blocks are cached: :func:`reference.retention.sliding_window_block_mask`.
+Dense retention (alignment ``A`` a multiple of ``bs``): only the ``need`` tail blocks
+of every ``A``-token segment, since a hit can only end on an aligned boundary: block
+``i`` iff ``i % (A/bs) >= A/bs - need``; every block when ``need >= A/bs``. Example:
+bs 2, A 8, w 3 -> need 1 -> blocks 3, 7, 11, ... Sparse retention keeps only the
+tails ending on the prompt's replay boundary and its shared-prefix junction.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from collections.abc import Sequence
 
 from reference.block_pool import BlockPool
 from reference.managers.base import BlockList, SingleTypeKVCacheManager
+from reference.request import Request
+from reference.retention import sliding_window_block_mask
 from reference.specs import KVCacheSpec, SlidingWindowSpec, cdiv
 
 
@@ -78,12 +82,14 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 out = [lst[:-1] for lst in out]
         return out, len(out[0]) * bs
 
-    def cacheable_block_mask(self, start: int, end: int) -> list[bool] | None:
+    def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
         assert isinstance(self.spec, SlidingWindowSpec)
-        if self.cache_hit_alignment % self.block_size != 0:
-            return None
-        per_segment = self.cache_hit_alignment // self.block_size
-        need = blocks_needed_for_hit(self.spec)
-        if need >= per_segment:
-            return None
-        return [i % per_segment >= per_segment - need for i in range(start, end)]
+        return sliding_window_block_mask(
+            start,
+            end,
+            self.cache_hit_alignment,
+            self.block_size,
+            blocks_needed_for_hit(self.spec),
+            self.retention_interval,
+            self.reachable_boundaries(request),
+        )
