@@ -68,6 +68,10 @@ class KVCacheCoordinator:
             )
             for gid, g in enumerate(layout.groups)
         ]
+        for m in self.managers:
+            m.max_admission_blocks = m.spec.max_admission_blocks(
+                layout.admission_in_flight_tokens(), layout.max_model_len
+            )
 
     def cache_hit_alignment(self) -> int:
         return self.layout.scheduler_block_size
@@ -89,22 +93,45 @@ class KVCacheCoordinator:
         hit_blocks: Sequence[Sequence],
         total_computed: int,
         num_tokens_main: int,
+        apply_admission_cap: bool = False,
     ) -> int:
         return sum(
             m.get_num_blocks_to_allocate(
-                request_id, num_tokens, hit_blocks[i], total_computed, num_tokens_main
+                request_id,
+                num_tokens,
+                hit_blocks[i],
+                total_computed,
+                num_tokens_main,
+                apply_admission_cap,
             )
             for i, m in enumerate(self.managers)
         )
 
     def allocate_new_computed_blocks(
-        self, request_id: str, hit_blocks: Sequence[Sequence], num_local_computed_tokens: int
-    ) -> None:
-        """Adopt a hit in every group; nothing for a request that already holds blocks."""
+        self,
+        request_id: str,
+        hit_blocks: Sequence[Sequence],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int = 0,
+    ) -> list[BlockList]:
+        """Adopt a hit in every group, in two phases: first every group touches its
+        local hit blocks, then every group allocates blocks for the external tokens
+        (so no group's allocation can evict another group's untouched hit). Nothing
+        for a request that already holds blocks. Returns the external blocks."""
         if any(request_id in m.num_cached_block for m in self.managers):
-            return
+            return [[] for _ in self.managers]
         for i, m in enumerate(self.managers):
-            m.add_local_computed_blocks(request_id, hit_blocks[i], num_local_computed_tokens)
+            m.add_local_computed_blocks(
+                request_id, hit_blocks[i], num_local_computed_tokens, num_external_computed_tokens
+            )
+        if num_external_computed_tokens <= 0:
+            return [[] for _ in self.managers]
+        return [
+            m.allocate_external_computed_blocks(
+                request_id, num_local_computed_tokens, num_external_computed_tokens
+            )
+            for m in self.managers
+        ]
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main: int

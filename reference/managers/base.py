@@ -9,10 +9,11 @@ cache; its presence marks a request that has been allocated, the "running" path)
   at the first null (earlier ones were removed before), so blocks are freed tail
   first. Example, bs 2, w 4, blocks [a b c d], n = 7: skipped 4 -> blocks 0, 1 ->
   table [0 0 c d], free order b, a.
-* ``get_num_blocks_to_allocate``: ``cdiv(num_tokens, bs)`` minus what the request
-  holds; a new request's prefix-hit blocks count as held, its skipped blocks need
-  nothing, and hit blocks that sit evictable in the free queue count as taken
-  (touching them removes them from the queue).
+* ``get_num_blocks_to_allocate``: ``cdiv(num_tokens, bs)`` (capped at
+  ``max_admission_blocks`` for the admission gate) minus what the request holds; a
+  new request's prefix-hit blocks count as held, its skipped blocks need nothing,
+  and hit blocks that sit evictable in the free queue count as taken (touching them
+  removes them from the queue).
 * ``free(r)``: leading nulls dropped, the rest freed in reverse order.
 """
 
@@ -50,6 +51,7 @@ class SingleTypeKVCacheManager:
         self.group_id = group_id
         self.enable_caching = enable_caching
         self.cache_hit_alignment = cache_hit_alignment
+        self.max_admission_blocks: int | None = None
         self.req_to_blocks: dict[str, BlockList] = {}
         self.num_cached_block: dict[str, int] = {}
 
@@ -89,8 +91,11 @@ class SingleTypeKVCacheManager:
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int,
         num_tokens_main: int,
+        apply_admission_cap: bool = False,
     ) -> int:
         required = cdiv(num_tokens, self.block_size)
+        if apply_admission_cap and self.max_admission_blocks is not None:
+            required = min(required, self.max_admission_blocks)
         held = len(self.req_to_blocks.get(request_id, ()))
         if request_id in self.num_cached_block:
             return max(required - held, 0)
@@ -108,18 +113,45 @@ class SingleTypeKVCacheManager:
         request_id: str,
         new_computed_blocks: Sequence[KVCacheBlock],
         num_local_computed_tokens: int,
+        num_external_computed_tokens: int = 0,
     ) -> None:
-        """Adopt a prefix hit (first allocation only): skipped hit blocks become nulls,
-        the others are touched and appended."""
+        """Adopt a prefix hit (first allocation only): the blocks skipped at
+        ``local + external`` tokens become nulls, the other hit blocks are touched and
+        appended."""
         blocks = self.blocks_of(request_id)
         assert not blocks, f"request {request_id} already has blocks in group {self.group_id}"
-        skipped = self.spec.num_skipped_tokens(num_local_computed_tokens) // self.block_size
+        total = num_local_computed_tokens + num_external_computed_tokens
+        skipped = self.spec.num_skipped_tokens(total) // self.block_size
         kept = list(new_computed_blocks[skipped:])
         if self.enable_caching:
             self.block_pool.touch(kept)
         blocks.extend([self.null_block] * skipped)
         blocks.extend(kept)
         self.num_cached_block[request_id] = len(blocks)
+
+    def allocate_external_computed_blocks(
+        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
+    ) -> BlockList:
+        """Fresh blocks for tokens a KV connector loads (after every group adopted its
+        local hit, so these pops cannot evict another group's hit blocks).
+
+        External tokens below the window start need nothing: ``external = min(external,
+        total - skipped)``; then the table grows to ``cdiv(local + external, bs)``
+        blocks (never shrinks). Example: SWA w 3, bs 2, local 0, external 8 -> skipped
+        6 -> external 2 -> table [0, 0, 0] grows to 4 blocks: one new block.
+        """
+        total = num_local_computed_tokens + num_external_computed_tokens
+        skipped = self.spec.num_skipped_tokens(total)
+        external = num_external_computed_tokens
+        if skipped > 0:
+            external = min(total - skipped, external)
+        if external <= 0:
+            return []
+        blocks = self.blocks_of(request_id)
+        num_new = max(0, cdiv(total, self.block_size) - len(blocks))
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        blocks.extend(new_blocks)
+        return new_blocks
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main: int

@@ -71,6 +71,7 @@ class MambaManager(SingleTypeKVCacheManager):
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int,
         num_tokens_main: int,
+        apply_admission_cap: bool = False,
     ) -> int:
         if new_computed_blocks and new_computed_blocks[-1].cache_key in self.cached_keys_this_step:
             return self.block_pool.num_blocks + 1
