@@ -15,6 +15,11 @@
   spec group gave: a shared prefix some group caches but another does not (the
   manager turns it into the request's ``shared_prefix_boundary``).
 
+  EAGLE: a spec group that drops looks ``bs`` tokens beyond the candidate (capped at
+  the hashed tokens) and drops them, proving the block past the boundary exists; it
+  drops at most once per candidate length (``verified``, cleared when a group without
+  the drop shrinks the candidate).
+
   Worked example: full (bs 4) + SWA (w 5, bs 4), ``max 15``. Full hits 12 (3 blocks).
   SWA, asked for ``<= 12``, needs blocks 1 and 2 (``cdiv(4, 4) = 1``... one block
   before 12: block 2): if block 2 was freed after caching, SWA may answer 8, and the
@@ -39,11 +44,12 @@ from reference.specs import FullAttentionSpec, KVCacheSpec, cdiv
 
 @dataclass
 class SpecGroup:
-    """Groups with one spec, looked up together."""
+    """Groups with one spec, looked up together (``use_eagle``: any member drops)."""
 
     spec: KVCacheSpec
     group_ids: list[int]
     manager_cls: type[SingleTypeKVCacheManager]
+    use_eagle: bool = False
 
 
 class KVCacheCoordinator:
@@ -68,10 +74,13 @@ class KVCacheCoordinator:
             )
             for gid, g in enumerate(layout.groups)
         ]
-        for m in self.managers:
+        drop = layout.drop_eagle_group_ids if layout.enable_caching else frozenset()
+        for gid, m in enumerate(self.managers):
             m.max_admission_blocks = m.spec.max_admission_blocks(
                 layout.admission_in_flight_tokens(), layout.max_model_len
             )
+            m.use_eagle = gid in drop
+            m.eagle_replay = bool(drop)
 
     def cache_hit_alignment(self) -> int:
         return self.layout.scheduler_block_size
@@ -83,7 +92,7 @@ class KVCacheCoordinator:
         caches a longer prefix than the reconciled hit (hybrid only)."""
         raise NotImplementedError
 
-    def num_cacheable_tokens(self, num_tokens: int) -> int:
+    def num_cacheable_tokens(self, num_tokens: int, group_id: int) -> int:
         return num_tokens
 
     def get_num_blocks_to_allocate(
@@ -143,9 +152,8 @@ class KVCacheCoordinator:
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_caching:
             return
-        cacheable = self.num_cacheable_tokens(num_tokens)
-        for m in self.managers:
-            m.cache_blocks(request, cacheable)
+        for gid, m in enumerate(self.managers):
+            m.cache_blocks(request, self.num_cacheable_tokens(num_tokens, gid))
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for m in self.managers:
@@ -179,7 +187,13 @@ class UnitaryCoordinator(KVCacheCoordinator):
     ) -> tuple[list[BlockList], int, int]:
         m = self.managers[0]
         blocks, hit = m.find_longest_cache_hit(
-            block_hashes, max_length, [0], self.block_pool, m.spec, self.cache_hit_alignment()
+            block_hashes,
+            max_length,
+            [0],
+            self.block_pool,
+            m.spec,
+            self.cache_hit_alignment(),
+            m.use_eagle,
         )
         return blocks, hit, 0
 
@@ -192,14 +206,26 @@ class HybridCoordinator(KVCacheCoordinator):
             for sg in self.spec_groups:
                 if sg.spec == m.spec and sg.manager_cls is type(m):
                     sg.group_ids.append(gid)
+                    sg.use_eagle = sg.use_eagle or m.use_eagle
                     break
             else:
-                self.spec_groups.append(SpecGroup(m.spec, [gid], type(m)))
+                self.spec_groups.append(SpecGroup(m.spec, [gid], type(m), m.use_eagle))
         self.spec_groups.sort(key=lambda sg: not isinstance(sg.spec, FullAttentionSpec))
+        for sg in self.spec_groups:
+            for gid in sg.group_ids:
+                self.managers[gid].use_eagle = sg.use_eagle
 
-    def num_cacheable_tokens(self, num_tokens: int) -> int:
+    def num_cacheable_tokens(self, num_tokens: int, group_id: int) -> int:
+        """Rounded down to the scheduler block size; an EAGLE group caches one block
+        more (its hits read one block past the boundary, then drop it): ``min(n,
+        floor(n/S)*S + bs)`` when ``floor(n/S)*S > 0``. Example: S 4, bs 2, n 11 -> 8,
+        EAGLE 10."""
         s = self.layout.scheduler_block_size
-        return num_tokens // s * s
+        aligned = num_tokens // s * s
+        m = self.managers[group_id]
+        if m.use_eagle and aligned > 0:
+            return min(num_tokens, aligned + m.block_size)
+        return aligned
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
@@ -213,16 +239,27 @@ class HybridCoordinator(KVCacheCoordinator):
         )
         hit = max_length
         longest = 0
+        verified: set[int] = set()
+        hashed = len(block_hashes) * self.layout.hash_block_size
         while True:
             candidate = hit
-            for sg in self.spec_groups:
+            for idx, sg in enumerate(self.spec_groups):
                 first = sg.group_ids[0]
                 if isinstance(sg.spec, FullAttentionSpec) and blocks_of[first] is not None:
                     candidate = min(candidate, length_of[first])
                     continue
-                found, candidate = sg.manager_cls.find_longest_cache_hit(
-                    block_hashes, candidate, sg.group_ids, self.block_pool, sg.spec, alignment
+                drop = sg.use_eagle and idx not in verified
+                limit = candidate
+                if drop:
+                    limit = min(candidate + sg.spec.block_size, hashed)
+                found, new = sg.manager_cls.find_longest_cache_hit(
+                    block_hashes, limit, sg.group_ids, self.block_pool, sg.spec, alignment, drop
                 )
+                if drop:
+                    verified.add(idx)
+                elif new < candidate:
+                    verified.clear()
+                candidate = new
                 for gid, lst in zip(sg.group_ids, found):
                     blocks_of[gid] = lst
                     length_of[gid] = candidate

@@ -91,7 +91,12 @@ class KVCacheManager:
                 f"than max_model_len {self.max_model_len}"
             )
         return Request(
-            request_id, prompt_token_ids, self.layout.hash_block_size, cache_salt, lora_name
+            request_id,
+            prompt_token_ids,
+            self.layout.hash_block_size,
+            cache_salt,
+            lora_name,
+            self.layout.num_hash_lookahead_tokens,
         )
 
     # -- lookup ----------------------------------------------------------------

@@ -41,6 +41,7 @@ class KVCacheGroup:
 
     layer_names: tuple[str, ...]
     spec: KVCacheSpec
+    is_eagle_group: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ class KVCacheLayout:
     registered in the prefix cache (:mod:`reference.retention`): ``None`` dense (a
     hand-built vLLM config), ``0`` sparse (vLLM's production default), ``k > 0`` one
     tail per ``k`` tokens plus the sparse ones.
+    ``use_eagle``: EAGLE speculative decoding; a hit drops its last block in the
+    EAGLE groups (those flagged ``is_eagle_group``, or all when none is flagged),
+    unless ``num_hash_lookahead_tokens > 0`` (lookahead hashes prove the boundary,
+    so nothing is dropped).
     """
 
     groups: tuple[KVCacheGroup, ...]
@@ -62,6 +67,8 @@ class KVCacheLayout:
     enable_caching: bool = True
     max_in_flight_tokens: int | None = None
     prefix_cache_retention_interval: int | None = None
+    use_eagle: bool = False
+    num_hash_lookahead_tokens: int = 0
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -99,12 +106,34 @@ class KVCacheLayout:
             self.scheduler_block_size,
             any(isinstance(s, (SlidingWindowSpec, MambaSpec)) for s in self.specs),
         )
+        if self.num_hash_lookahead_tokens < 0:
+            raise InvalidLayoutError(
+                "KVCacheLayout.num_hash_lookahead_tokens must be >= 0, got "
+                f"{self.num_hash_lookahead_tokens}"
+            )
+        if self.use_eagle and any(
+            isinstance(s, (ChunkedLocalAttentionSpec, MambaSpec)) for s in self.specs
+        ):
+            raise InvalidLayoutError(
+                "KVCacheLayout.use_eagle with a chunked-local or Mamba group is out of scope "
+                "(vLLM turns the hybrid manager off with chunked local attention and EAGLE; "
+                "Mamba's EAGLE checkpoints are not modelled)"
+            )
         if self.enable_caching and self.partial_hits_enabled:
             raise InvalidLayoutError(
                 "KVCacheLayout.groups enable partial (sub-block) prefix hits: a Mamba group "
                 f"with block_size > hash_block_size {self.hash_block_size}; partial hits are "
                 "out of scope (give the Mamba group the smallest block size)"
             )
+
+    @property
+    def drop_eagle_group_ids(self) -> frozenset[int]:
+        """Groups whose hits drop their last block: with ``use_eagle`` and no lookahead
+        hashes, the flagged EAGLE groups, or every group when none is flagged."""
+        if not self.use_eagle or self.num_hash_lookahead_tokens > 0:
+            return frozenset()
+        flagged = frozenset(i for i, g in enumerate(self.groups) if g.is_eagle_group)
+        return flagged or frozenset(range(len(self.groups)))
 
     @property
     def specs(self) -> tuple[KVCacheSpec, ...]:
@@ -177,10 +206,15 @@ class KVCacheLayout:
                 extra = f" w={s.sliding_window}"
             elif hasattr(s, "attention_chunk_size"):
                 extra = f" C={s.attention_chunk_size}"
-            parts.append(f"g{gid}:{s.type_name}(bs={s.block_size}{extra})")
+            eagle = "*" if g.is_eagle_group else ""
+            parts.append(f"g{gid}{eagle}:{s.type_name}(bs={s.block_size}{extra})")
         retention = ""
         if self.prefix_cache_retention_interval is not None:
             retention = f" retention={self.prefix_cache_retention_interval}"
+        if self.use_eagle:
+            retention += " eagle"
+        if self.num_hash_lookahead_tokens:
+            retention += f" lookahead_hashes={self.num_hash_lookahead_tokens}"
         return (
             f"{' '.join(parts)} num_blocks={self.num_blocks} "
             f"max_model_len={self.max_model_len} caching={self.enable_caching}{retention}"

@@ -44,6 +44,7 @@ class Request:
         hash_block_size: int,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError(
@@ -56,6 +57,7 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_name = lora_name
         self.hash_block_size = hash_block_size
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.status = RequestStatus.WAITING
         self.shared_prefix_boundary = 0
         self.num_in_flight_tokens = 0
@@ -63,7 +65,12 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         extend_block_hashes(
-            self.block_hashes, self.prompt_token_ids, hash_block_size, cache_salt, lora_name
+            self.block_hashes,
+            self.prompt_token_ids,
+            hash_block_size,
+            cache_salt,
+            lora_name,
+            num_hash_lookahead_tokens,
         )
 
     @property
@@ -96,6 +103,7 @@ class Request:
             self.hash_block_size,
             self.cache_salt,
             self.lora_name,
+            self.num_hash_lookahead_tokens,
         )
 
     def __repr__(self) -> str:

@@ -91,12 +91,16 @@ def reachable_boundaries(
     scheduler_block_size: int,
     block_size: int,
     use_eagle: bool = False,
+    eagle_replay: bool | None = None,
 ) -> list[int]:
-    """Replay boundaries plus the junction (and, with EAGLE, the junction minus ``bs``).
+    """Replay boundaries plus the junction (and, for an EAGLE group, the junction
+    minus ``bs``). ``eagle_replay``: whether the replay boundaries are EAGLE's (any
+    group of the layout drops; defaults to ``use_eagle``, this group's flag).
 
     Example: ``P = 11, S = 4``, junction 8, no EAGLE -> ``[10, 8]``.
     """
-    out = list(replay_boundaries(num_prompt_tokens, scheduler_block_size, use_eagle))
+    replay_eagle = use_eagle if eagle_replay is None else eagle_replay
+    out = list(replay_boundaries(num_prompt_tokens, scheduler_block_size, replay_eagle))
     if shared_prefix_boundary:
         out.append(shared_prefix_boundary)
         if use_eagle:

@@ -52,6 +52,8 @@ class SingleTypeKVCacheManager:
         self.enable_caching = enable_caching
         self.cache_hit_alignment = cache_hit_alignment
         self.max_admission_blocks: int | None = None
+        self.use_eagle = False
+        self.eagle_replay = False
         self.req_to_blocks: dict[str, BlockList] = {}
         self.num_cached_block: dict[str, int] = {}
 
@@ -72,9 +74,11 @@ class SingleTypeKVCacheManager:
         pool: BlockPool,
         spec: KVCacheSpec,
         alignment: int,
+        drop_eagle: bool = False,
     ) -> tuple[list[BlockList], int]:
         """Longest hit ``<= max_length`` (a multiple of ``alignment``) in every group of
-        ``group_ids``; returns one block list per group (nulls where not needed)."""
+        ``group_ids``; returns one block list per group (nulls where not needed).
+        ``drop_eagle``: the last matched block is dropped (EAGLE recomputes it)."""
         raise NotImplementedError
 
     @staticmethod
@@ -178,6 +182,8 @@ class SingleTypeKVCacheManager:
             request.shared_prefix_boundary,
             self.scheduler_block_size,
             self.block_size,
+            self.use_eagle,
+            self.eagle_replay,
         )
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:

@@ -51,11 +51,12 @@ class MambaManager(SingleTypeKVCacheManager):
         pool: BlockPool,
         spec: KVCacheSpec,
         alignment: int,
+        drop_eagle: bool = False,
     ) -> tuple[list[BlockList], int]:
         assert isinstance(spec, MambaSpec)
         bs = spec.block_size
         hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
-        for i in range(max_length // bs - 1, -1, -1):
+        for i in range(min(max_length // bs, len(hashes)) - 1, -1, -1):
             cached = pool.get_cached_block(hashes[i], group_ids)
             if cached is None:
                 continue

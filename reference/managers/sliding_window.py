@@ -17,7 +17,14 @@ cached, M = 4): need 2 -> result [null, null, b2, b3], hit 16. With ``w = 1``,
 ``need = 0`` but the scan still takes one cached block, so a hit ends on a cached
 block (vLLM 0.33 behaviour; see ``cacheable_block_mask``: such a group caches none).
 
-Not downward closed: a hit at ``L`` says nothing about shorter lengths.
+Not downward closed: a hit at ``L`` says nothing about shorter lengths. Only hashed
+blocks are scanned (with lookahead hashes the last blocks of a prompt have no hash
+yet; vLLM 0.33 indexes past the list there, see findings/vllm).
+
+EAGLE drop: the run needs one block more (``need + 1``), a run may start only where
+it ends aligned *after* the drop (``i * bs % A == 0``), and the last block of the
+result is dropped (then re-aligned). The cache mask keeps ``need + 1`` blocks per
+tail, shifted one block up.
 
 Which blocks are cached: :func:`reference.retention.sliding_window_block_mask`.
 Dense retention (alignment ``A`` a multiple of ``bs``): only the ``need`` tail blocks
@@ -53,12 +60,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         pool: BlockPool,
         spec: KVCacheSpec,
         alignment: int,
+        drop_eagle: bool = False,
     ) -> tuple[list[BlockList], int]:
         assert isinstance(spec, SlidingWindowSpec)
         bs = spec.block_size
         hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
-        need = blocks_needed_for_hit(spec)
-        num_blocks = max_length // bs
+        need = blocks_needed_for_hit(spec) + (1 if drop_eagle else 0)
+        num_blocks = min(max_length // bs, len(hashes))
         out: list[BlockList] = [[pool.null_block] * num_blocks for _ in group_ids]
         run = 0
         found_run = False
@@ -67,7 +75,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if cached is None:
                 run = 0
                 continue
-            if run == 0 and bs != alignment and ((i + 1) * bs) % alignment != 0:
+            end = i if drop_eagle else i + 1
+            if run == 0 and bs != alignment and (end * bs) % alignment != 0:
                 continue
             for lst, block in zip(out, cached):
                 lst[i] = block
@@ -80,6 +89,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             out = [lst[:run] for lst in out]
             while bs != alignment and (len(out[0]) * bs) % alignment != 0:
                 out = [lst[:-1] for lst in out]
+        if drop_eagle and out[0]:
+            out = [lst[:-1] for lst in out]
+            while bs != alignment and (len(out[0]) * bs) % alignment != 0:
+                out = [lst[:-1] for lst in out]
         return out, len(out[0]) * bs
 
     def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
@@ -89,7 +102,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             end,
             self.cache_hit_alignment,
             self.block_size,
-            blocks_needed_for_hit(self.spec),
+            blocks_needed_for_hit(self.spec) + (1 if self.use_eagle else 0),
             self.retention_interval,
             self.reachable_boundaries(request),
+            shift=1 if self.use_eagle else 0,
         )

@@ -227,3 +227,77 @@ def test_dense_is_the_old_behaviour() -> None:
     m = _manager(full, swa, retention=0)
     _prefill(m, "a", list(range(400, 411)))
     assert _cached_ends(m, 1) == [8]
+
+
+# -- EAGLE and lookahead hashes ----------------------------------------------------------
+
+
+def _eagle_manager(*specs: KVCacheSpec, lookahead: int = 0, num_blocks: int = 10):
+    groups = tuple(KVCacheGroup((f"l{i}",), s) for i, s in enumerate(specs))
+    return KVCacheManager(
+        KVCacheLayout(
+            groups,
+            num_blocks=num_blocks,
+            max_model_len=256,
+            use_eagle=True,
+            num_hash_lookahead_tokens=lookahead,
+        )
+    )
+
+
+@pytest.mark.parametrize("prompt_len", [48, 37])
+def test_eagle_identical_prompt_hit(prompt_len: int) -> None:
+    # spec 4.2 check values (test_eagle_identical_prompt_hit, bs 16, 10 blocks):
+    # EAGLE: max N - 1 = 47 or 36 -> 2 blocks found, one dropped -> 16 tokens;
+    # lookahead hashes (L 1, no drop): 2 blocks -> 32 tokens.
+    full = FullAttentionSpec(block_size=16)
+    tokens = list(range(1000, 1000 + prompt_len))
+    for lookahead, expected in ((0, 16), (1, 32)):
+        m = _eagle_manager(full, lookahead=lookahead)
+        a, _ = _prefill(m, "a", tokens)
+        m.free(a)
+        _, hit = m.get_computed_blocks(m.make_request("b", tokens))
+        assert hit == expected, lookahead
+
+
+def test_lookahead_hash_waits_for_the_next_tokens() -> None:
+    # H 4, L 1: 8 tokens -> only block 0 hashed (block 1 needs a 9th token); its extra
+    # keys are (None, 5th token)
+    from reference.hashing import NONE_HASH, hash_block_tokens
+
+    m = _eagle_manager(FullAttentionSpec(block_size=4), lookahead=1)
+    req = m.make_request("r", [1, 2, 3, 4, 5, 6, 7, 8])
+    assert req.block_hashes == [hash_block_tokens(NONE_HASH, [1, 2, 3, 4], (None, 5))]
+    req.append_output_token_ids([9])
+    assert len(req.block_hashes) == 2
+
+
+def test_eagle_sliding_window_needs_one_more_block_and_caches_a_shifted_tail() -> None:
+    # SWA w 3 bs 2 alone, EAGLE: need cdiv(2, 2) + 1 = 2. 11 tokens computed:
+    # dense (A 2, per segment 1): every block 0..4 cached. Resend: max 10 -> blocks
+    # 4, 3 hit -> run 2 -> drop block 4 -> hit 8, row [0, 0, 0, b3].
+    swa = SlidingWindowSpec(block_size=2, sliding_window=3)
+    m = _eagle_manager(swa, num_blocks=32)
+    tokens = list(range(50, 61))
+    a, _ = _prefill(m, "a", tokens)
+    table = m.get_block_ids("a")[0]
+    m.free(a)
+    computed, hit = m.get_computed_blocks(m.make_request("b", tokens))
+    assert hit == 8
+    assert computed.block_ids() == ((0, 0, 0, table[3]),)
+
+
+def test_eagle_hybrid_caches_one_block_past_the_boundary() -> None:
+    # full bs 4 + SWA w 3 bs 2 (S 4), EAGLE, 11 tokens: cacheable per group
+    # min(11, floor(11/4)*4 + bs) -> full 11 -> blocks ending 4, 8 (bs 4), plus the
+    # partial prompt-tail entry (bs 4 != H 2) at floor(P / 2) * 2 = 10 on block 2;
+    # SWA min(11, 8 + 2) = 10 -> 5 full blocks; dense mask need 1 + 1 = 2 >= per
+    # segment 2 -> every block: ends 2, 4, 6, 8, 10.
+    m = _eagle_manager(
+        FullAttentionSpec(block_size=4),
+        SlidingWindowSpec(block_size=2, sliding_window=3),
+        num_blocks=32,
+    )
+    _prefill(m, "a", list(range(60, 71)))
+    assert _cached_ends(m, 0) == [4, 8, 10]
+    assert _cached_ends(m, 1) == [2, 4, 6, 8, 10]
