@@ -83,7 +83,8 @@ class KVCacheCoordinator:
             m.eagle_replay = bool(drop)
 
     def cache_hit_alignment(self) -> int:
-        return self.layout.scheduler_block_size
+        """Hit lengths are multiples of this (:attr:`KVCacheLayout.cache_hit_alignment`)."""
+        return self.layout.cache_hit_alignment
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
@@ -179,9 +180,6 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
 
 
 class UnitaryCoordinator(KVCacheCoordinator):
-    def cache_hit_alignment(self) -> int:
-        return self.layout.groups[0].spec.block_size
-
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
     ) -> tuple[list[BlockList], int, int]:
