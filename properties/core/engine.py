@@ -29,6 +29,14 @@ protocols below) enable more invariants when an engine offers them:
 ``ExposesRefCounts`` (ref count per block: I3), ``ExposesFreeQueue`` (the free
 queue in eviction order: I2, A3), ``ExposesCachedBlocks`` (which blocks hold a
 cached prefix: hit maximality at the universal level).
+
+Serving modes (:mod:`properties.core.modes`) need ``SupportsServingModes``:
+``set_in_flight(id, num_in_flight_tokens, num_pending_tokens)`` (asynchronous
+scheduling: tokens planned but not processed, sampled tokens not appended yet),
+``cache_blocks(id, num_tokens)`` (the scheduler commits the processed tokens when a
+step's output is processed, as vLLM's ``update_from_output`` does) and the keyword
+``full_sequence_must_fit`` of ``allocate_slots`` (the admission gate). An engine
+without them is only driven in the default (synchronous, ungated) mode.
 """
 
 from __future__ import annotations
@@ -123,6 +131,20 @@ class KVCacheEngine(Protocol):
     def get_block_ids(self, request_id: str) -> BlockIds: ...
 
     def num_free_blocks(self) -> int: ...
+
+
+@runtime_checkable
+class SupportsServingModes(Protocol):
+    """Optional calls for :class:`properties.core.modes.ServingMode` (module docstring).
+
+    ``allocate_slots`` must also accept ``full_sequence_must_fit: bool = False``.
+    """
+
+    def set_in_flight(
+        self, request_id: str, num_in_flight_tokens: int, num_pending_tokens: int
+    ) -> None: ...
+
+    def cache_blocks(self, request_id: str, num_tokens: int) -> None: ...
 
 
 @runtime_checkable

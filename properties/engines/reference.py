@@ -64,6 +64,7 @@ class ReferenceEngine:
         num_new_computed_tokens: int = 0,
         hit: CacheHit | None = None,
         num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
     ) -> BlockIds | None:
         computed = None
         if hit is not None:
@@ -81,12 +82,24 @@ class ReferenceEngine:
                 num_new_computed_tokens,
                 computed,
                 num_lookahead_tokens,
+                **({"full_sequence_must_fit": True} if full_sequence_must_fit else {}),
             )
         except KVConformError as exc:
             raise EngineError(f"reference: allocate_slots({request_id!r}): {exc}") from exc
         if new is None:
             return None
         return tuple(tuple(b.block_id for b in group) for group in new)
+
+    # serving modes (properties.core.engine.SupportsServingModes)
+    def set_in_flight(
+        self, request_id: str, num_in_flight_tokens: int, num_pending_tokens: int
+    ) -> None:
+        req = self._request(request_id)
+        req.num_in_flight_tokens = num_in_flight_tokens
+        req.num_output_placeholders = num_pending_tokens
+
+    def cache_blocks(self, request_id: str, num_tokens: int) -> None:
+        self.manager.cache_blocks(self._request(request_id), num_tokens)
 
     def free(self, request_id: str) -> None:
         self.manager.free(self._request(request_id))

@@ -1,12 +1,15 @@
 """Running the properties: what ``kvconform check`` does, as library calls.
 
-Three properties (:data:`PROPERTIES`):
+Four properties (:data:`PROPERTIES`):
 
 * ``invariants``: the stateful machine with every invariant after every call (and, at
   the exact level, the lockstep comparison with the reference);
 * ``attention``: the same machine with the attention check instead of the invariants;
 * ``determinism``: the same trace twice on fresh engines gives the same calls and
-  results (H6).
+  results (H6);
+* ``production``: the invariants machine with the deployed settings drawn on top
+  (retention interval, EAGLE and lookahead hashes per layout; asynchronous scheduling
+  and the admission gate per trace, for engines with ``SupportsServingModes``).
 
 :func:`run_property` runs one under Hypothesis settings and returns a
 :class:`PropertyResult`; a failure's shrunk trace is taken from memory (the machine's
@@ -51,6 +54,8 @@ class PropertyResult:
     seconds: float
     failure: str | None = None
     trace_path: Path | None = None
+    #: production property: mode tag -> (examples, steps)
+    modes: dict[str, tuple[int, int]] | None = None
 
     @property
     def passed(self) -> bool:
@@ -62,13 +67,18 @@ def config_for(name: str, config: CheckConfig) -> CheckConfig:
     for the attention check."""
     if name == "attention":
         return replace(config, attention=True, disabled=disabled_all_but(()))
+    if name == "production":
+        return replace(config, production=True)
     return config
 
 
 def settings_for(name: str, base: settings) -> settings:
-    """Numeric attention costs about 10x a symbolic step: a third of the examples."""
+    """Numeric attention costs about 10x a symbolic step: a third of the examples. The
+    production property (deployed settings on top of the invariants) gets half."""
     if name == "attention":
         return settings(base, max_examples=max(20, base.max_examples // 3))
+    if name == "production":
+        return settings(base, max_examples=max(20, base.max_examples // 2))
     return base
 
 
@@ -120,8 +130,9 @@ def _run_machine(
         failure = _failure_text(exc)
         path = _save(machine.stats.last_failure, config, seed)
     stats = machine.stats
+    modes = {tag: (e, n) for tag, (e, n) in sorted(stats.modes.items())} or None
     return PropertyResult(
-        name, stats.examples, stats.steps, time.perf_counter() - start, failure, path
+        name, stats.examples, stats.steps, time.perf_counter() - start, failure, path, modes
     )
 
 

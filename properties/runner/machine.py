@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hypothesis import assume, note
 from hypothesis import strategies as st
@@ -29,7 +29,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from properties.checks.lockstep import LockstepEngine
 from properties.checks.registry import PropertyViolation
-from properties.core.engine import UnsupportedLayoutError, load_engine_factory
+from properties.core.engine import (
+    SupportsServingModes,
+    UnsupportedLayoutError,
+    load_engine_factory,
+)
+from properties.core.modes import SYNC, ServingMode
 from properties.core.trace import Arrive, Operation, ResetPrefixCache, Trace
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
@@ -48,16 +53,40 @@ class RunStats:
     steps: int = 0
     first_failure: tuple[int, int, float, str] | None = None
     last_failure: Trace | None = None
+    #: production modes drawn: tag -> [examples, steps] (:func:`mode_tags`)
+    modes: dict[str, list[int]] = field(default_factory=dict)
+
+
+def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
+    """The production modes a run exercises, for the counts ``kvconform check`` prints:
+    ``retention=dense|sparse|interval``, ``eagle-drop``, ``lookahead-hashes``,
+    ``async``, ``admission-gate``."""
+    r = layout.prefix_cache_retention_interval
+    tags = [f"retention={'dense' if r is None else 'sparse' if r == 0 else 'interval'}"]
+    if layout.drop_eagle_group_ids:
+        tags.append("eagle-drop")
+    if layout.num_hash_lookahead_tokens:
+        tags.append("lookahead-hashes")
+    if mode.async_scheduling:
+        tags.append("async")
+    if mode.admission_gate:
+        tags.append("admission-gate")
+    return tags
 
 
 class TraceRun:
     """One engine (and the reference at ``exact``) under one layout, driven op by op."""
 
     def __init__(
-        self, config: CheckConfig, layout: KVCacheLayout, factory: Callable | None = None
+        self,
+        config: CheckConfig,
+        layout: KVCacheLayout,
+        factory: Callable | None = None,
+        mode: ServingMode = SYNC,
     ) -> None:
         self.config = config
         self.layout = layout
+        self.mode = mode
         factory = factory or load_engine_factory(config.engine)
         engine = factory(layout)
         reference = None
@@ -71,8 +100,28 @@ class TraceRun:
             from properties.checks.attention import AttentionChecker
 
             self.attention = AttentionChecker(layout)
+        self.mode = SYNC
         self.scheduler = Scheduler(self.lockstep, layout, on_scheduled=self._on_scheduled)
         self.operations: list[Operation] = []
+        if not mode.is_default:
+            self.set_mode(mode)
+
+    def set_mode(self, mode: ServingMode) -> None:
+        """Drive the run in ``mode`` (before its first operation)."""
+        if self.operations:
+            raise KVConformError("TraceRun.set_mode: the run has started already")
+        if not mode.is_default and not self.supports_serving_modes():
+            raise UnsupportedLayoutError(
+                f"{self.lockstep.engine_name} does not offer the calls of serving mode "
+                f"{mode.describe()} (properties.core.engine.SupportsServingModes)"
+            )
+        self.mode = mode
+        self.scheduler = Scheduler(
+            self.lockstep, self.layout, on_scheduled=self._on_scheduled, mode=mode
+        )
+
+    def supports_serving_modes(self) -> bool:
+        return isinstance(self.lockstep.engine, SupportsServingModes)
 
     def apply(self, op: Operation) -> StepRecord | None:
         self.operations.append(op)
@@ -115,6 +164,7 @@ class TraceRun:
             seed=seed,
             observed=tuple(self.lockstep.log),
             failure=info,
+            mode=self.mode,
         )
 
 
@@ -131,6 +181,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.pool: tuple[tuple[int, ...], ...] = ()
         self.sent: list[Arrive] = []
+        self.tags: list[str] = []
 
     def _guard(self, fn: Callable[[], object]) -> object:
         assert self.run is not None
@@ -149,8 +200,19 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.run = TraceRun(self.config, layout, self.factory)
         except UnsupportedLayoutError:
             assume(False)
+        if self.config.production and self.run.supports_serving_modes():
+            if self.config.preset is not None:
+                mode = kvst.PRODUCTION_MODE
+            else:
+                mode = data.draw(kvst.serving_modes(), label="serving mode")
+            note(f"serving mode: {mode.describe()}")
+            self.run.set_mode(mode)
         self.pool = data.draw(kvst.prefix_pools(layout), label="prefix pool")
-        type(self).stats.examples += 1
+        stats = type(self).stats
+        stats.examples += 1
+        self.tags = mode_tags(layout, self.run.mode) if self.config.production else []
+        for tag in self.tags:
+            stats.modes.setdefault(tag, [0, 0])[0] += 1
 
     def _apply(self, op: Operation) -> None:
         assert self.run is not None
@@ -168,6 +230,8 @@ class KVCacheMachine(RuleBasedStateMachine):
                 )
             raise
         stats.steps += 1
+        for tag in self.tags:
+            stats.modes[tag][1] += 1
 
     @rule(data=st.data())
     def arrive(self, data: st.DataObject) -> None:
@@ -239,9 +303,14 @@ def layout_strategy(config: CheckConfig, factory: Callable | None = None):
     if own is not None:
         strategy = own()
     elif config.preset is not None:
-        strategy = kvst.preset_layouts(names=[config.preset], max_len=config.max_len)
+        # a preset run of the production property keeps the retention it is served with
+        strategy = kvst.preset_layouts(
+            names=[config.preset], max_len=config.max_len, served=config.production
+        )
     else:
         strategy = kvst.any_layouts(max_len=config.max_len)
+    if config.production and config.preset is None:
+        strategy = kvst.production_layouts(strategy, max_len=config.max_len)
     known = known_divergences(factory)
     if known:
         strategy = strategy.filter(lambda layout: not any(d.applies(layout) for d in known))
@@ -273,8 +342,9 @@ def machine_for(
 def replay_trace(
     trace: Trace, config: CheckConfig, factory: Callable | None = None
 ) -> tuple[TraceRun, BaseException | None]:
-    """Replay ``trace`` with every check; returns the run and the first failure (or None)."""
-    run = TraceRun(config, trace.layout, factory)
+    """Replay ``trace`` (in its serving mode) with every check; returns the run and the
+    first failure (or None)."""
+    run = TraceRun(config, trace.layout, factory, trace.mode)
     try:
         for op in trace.operations:
             run.apply(op)

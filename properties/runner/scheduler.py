@@ -21,14 +21,31 @@ Rules of one ``Step(token_budget, num_lookahead_tokens)``:
 ``Preempt`` frees a running request and puts it first in the waiting queue;
 ``Abort`` frees a request wherever it is and forgets it; ``ResetPrefixCache``
 calls ``reset_prefix_cache()`` (it fails while any request holds blocks).
+
+Serving modes (:class:`properties.core.modes.ServingMode`):
+
+* ``admission_gate``: step 3 calls ``allocate_slots(..., full_sequence_must_fit=True)``.
+* ``async_scheduling``: step 4 is split. After planning, each scheduled request's
+  computed tokens advance at once (optimistically) and its tokens join the flight; a
+  chunk that reaches the last known token samples an output, which stays *pending*
+  (a placeholder the next step can already schedule) until processed
+  (``set_in_flight(id, in_flight, pending)``). Then the *previous* step's output is
+  processed: its tokens leave the flight, its sampled tokens are appended, the
+  processed tokens are committed (``cache_blocks(id, computed - in_flight)``, as
+  vLLM's ``update_from_output`` does for requests with placeholders) and requests
+  that finished are freed. A request is never freed, preempted or aborted while
+  tokens of it are in flight: a finish or an ``Abort`` is deferred until its last
+  step is processed, a ``Preempt`` of it is ignored, and allocation failures only
+  preempt requests with nothing in flight (otherwise the request waits a step).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from properties.core.engine import BlockIds, CacheHit, KVCacheEngine, RequestInput
+from properties.core.modes import SYNC, ServingMode
 from properties.core.trace import Abort, Arrive, Operation, Preempt, ResetPrefixCache, Step
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
@@ -49,6 +66,11 @@ class RequestState:
     num_computed_tokens: int = 0
     holds_blocks: bool = False
     num_preemptions: int = 0
+    #: asynchronous scheduling: tokens planned but not processed, sampled tokens not
+    #: appended yet, and a deferred release ("finish" or "abort") waiting for the flight
+    num_in_flight: int = 0
+    num_pending: int = 0
+    release: str | None = None
 
     @property
     def request_id(self) -> str:
@@ -72,6 +94,7 @@ class ScheduledRequest:
     num_tokens: int
     hit_tokens: int
     new_block_ids: BlockIds
+    samples: bool = False
 
 
 @dataclass
@@ -89,9 +112,16 @@ class Scheduler:
     """Turns trace operations into engine calls (see the module docstring)."""
 
     def __init__(
-        self, engine: KVCacheEngine, layout: KVCacheLayout, on_scheduled: StepObserver | None = None
+        self,
+        engine: KVCacheEngine,
+        layout: KVCacheLayout,
+        on_scheduled: StepObserver | None = None,
+        mode: ServingMode = SYNC,
     ) -> None:
         self.engine = engine
+        self.mode = mode
+        #: asynchronous scheduling: the planned step whose output is not processed yet
+        self.in_flight: StepRecord | None = None
         self.layout = layout
         self.on_scheduled = on_scheduled
         self.requests: dict[str, RequestState] = {}
@@ -136,12 +166,19 @@ class Scheduler:
         if request_id in self.finished:
             return
         state = self._state(request_id, "Abort")
+        if state.num_in_flight > 0:
+            # asynchronous scheduling: released once its last step is processed
+            state.release = "abort"
+            for queue in (self.running, self.waiting):
+                if request_id in queue:
+                    queue.remove(request_id)
+            return
         if state.holds_blocks:
             self.engine.free(request_id)
         self._forget(request_id)
 
     def preempt(self, request_id: str) -> None:
-        if request_id not in self.running:
+        if request_id not in self.running or self.requests[request_id].num_in_flight > 0:
             return
         self._preempt(request_id)
 
@@ -166,12 +203,16 @@ class Scheduler:
                 new = self.engine.allocate_slots(rid, n, 0, None, num_lookahead_tokens)
                 if new is not None:
                     break
-                victim = self.running[-1]
+                victim = self._victim()
+                if victim is None:
+                    break
                 self._preempt(victim)
                 record.preempted.append(victim)
                 if victim == rid:
                     break
             if new is None:
+                if rid in self.running:
+                    i += 1  # asynchronous scheduling: no victim, the request waits a step
                 continue
             record.scheduled.append(ScheduledRequest(rid, state.num_computed_tokens, n, 0, new))
             budget -= n
@@ -184,7 +225,10 @@ class Scheduler:
                 n = self._chunk(state, hit.num_tokens, budget)
                 if n <= 0:
                     break
-                new = self.engine.allocate_slots(rid, n, hit.num_tokens, hit, num_lookahead_tokens)
+                gate = {"full_sequence_must_fit": True} if self.mode.admission_gate else {}
+                new = self.engine.allocate_slots(
+                    rid, n, hit.num_tokens, hit, num_lookahead_tokens, **gate
+                )
                 if new is None:
                     break
                 self.waiting.pop(0)
@@ -197,8 +241,86 @@ class Scheduler:
                 budget -= n
         if self.on_scheduled is not None:
             self.on_scheduled(self, record)
-        self._run(record)
+        if self.mode.async_scheduling:
+            record = self._plan(record)
+            previous, self.in_flight = self.in_flight, record
+            if previous is not None:
+                self._process(previous, record)
+        else:
+            self._run(record)
         return record
+
+    def _victim(self) -> str | None:
+        """The request to preempt: the newest running one (asynchronous scheduling: the
+        newest with nothing in flight, or None)."""
+        if not self.mode.async_scheduling:
+            return self.running[-1]
+        idle = [r for r in self.running if self.requests[r].num_in_flight == 0]
+        return idle[-1] if idle else None
+
+    def _end(self, state: RequestState) -> int:
+        """The position scheduling may reach: every known token (synchronous), plus the
+        pending sampled ones (asynchronous; none once every output is sampled)."""
+        if not self.mode.async_scheduling:
+            return state.num_tokens
+        if state.release is not None:
+            return state.num_computed_tokens
+        if not state.output:
+            return len(state.input.prompt_token_ids)
+        if state.num_generated + state.num_pending < len(state.output):
+            return state.num_tokens + state.num_pending
+        return state.num_computed_tokens
+
+    def _plan(self, record: StepRecord) -> StepRecord:
+        """Asynchronous scheduling: computed tokens advance now, the tokens join the
+        flight, a chunk reaching the last known (or pending) token samples an output."""
+        planned = []
+        for item in record.scheduled:
+            state = self.requests[item.request_id]
+            end = item.start + item.num_tokens
+            samples = (
+                bool(state.output)
+                and end == state.num_tokens + state.num_pending
+                and state.num_generated + state.num_pending < len(state.output)
+            )
+            state.num_in_flight += item.num_tokens
+            state.num_pending += int(samples)
+            self.engine.set_in_flight(item.request_id, state.num_in_flight, state.num_pending)
+            state.num_computed_tokens = end
+            self.engine.set_num_computed_tokens(item.request_id, end)
+            planned.append(replace(item, samples=samples))
+        record.scheduled = planned
+        return record
+
+    def _process(self, previous: StepRecord, record: StepRecord) -> None:
+        """Asynchronous scheduling: the previous step's output is processed (its finished
+        requests are reported in ``record``, the step being planned now)."""
+        for item in previous.scheduled:
+            rid = item.request_id
+            state = self.requests[rid]
+            state.num_in_flight -= item.num_tokens
+            if item.samples:
+                state.num_pending -= 1
+                if state.release is None:
+                    token = state.output[state.num_generated]
+                    state.num_generated += 1
+                    self.engine.append_output_tokens(rid, [token])
+            self.engine.set_in_flight(rid, state.num_in_flight, state.num_pending)
+            if item.samples and state.release is None:
+                self.engine.cache_blocks(rid, state.num_computed_tokens - state.num_in_flight)
+            if (
+                state.release is None
+                and state.num_generated >= len(state.output)
+                and state.num_computed_tokens >= len(state.input.prompt_token_ids)
+            ):
+                state.release = "finish"
+            if state.release is not None and state.num_in_flight == 0:
+                if state.holds_blocks:
+                    self.engine.free(rid)
+                self._forget(rid)
+                if state.release == "finish":
+                    self.finished.append(rid)
+                    record.finished.append(rid)
 
     def _chunk(self, state: RequestState, start: int, budget: int) -> int:
         """Tokens to schedule from ``start``: ``min(left, budget)``; with a Mamba group, a
@@ -206,7 +328,7 @@ class Scheduler:
         Mamba block size (possibly to 0: the request waits for a larger budget), so
         that every state the manager caches at a block boundary is really written
         there. Example: Mamba bs 4, prefill from 0 with budget 6 -> 4 tokens."""
-        n = min(state.num_tokens - start, budget)
+        n = min(self._end(state) - start, budget)
         if self.mamba_block_size is None:
             return n
         prefill_end = max(len(state.input.prompt_token_ids), state.num_tokens - 1)
@@ -257,7 +379,11 @@ class Scheduler:
                 queue.remove(request_id)
 
     def is_idle(self) -> bool:
-        return not self.running and not self.waiting
+        return not self.running and not self.waiting and not self.in_flight_requests()
+
+    def in_flight_requests(self) -> list[str]:
+        """Requests with tokens in flight (asynchronous scheduling)."""
+        return [r for r, s in self.requests.items() if s.num_in_flight > 0]
 
     def drain(self, token_budget: int, max_steps: int = 10_000) -> None:
         """Run steps until every request has finished (a trace's natural end)."""

@@ -73,6 +73,9 @@ def cmd_check(args: argparse.Namespace) -> int:
             f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s)",
             flush=True,
         )
+        if r.modes:
+            drawn = ", ".join(f"{tag} {e}/{n}" for tag, (e, n) in r.modes.items())
+            print(f"    modes drawn (examples/steps): {drawn}", flush=True)
     print(format_results(results))
     failed = [r for r in results if not r.passed]
     for r in failed:

@@ -1,0 +1,59 @@
+"""How the scheduler drives an engine: :class:`ServingMode` (one per trace).
+
+The layout says how the KV cache is built (groups, pool, retention interval, EAGLE);
+the serving mode says how requests are scheduled against it, as a deployed vLLM
+does:
+
+* ``async_scheduling``: step ``N + 1`` is planned before step ``N``'s output is
+  processed. A request's ``num_computed_tokens`` advances when a step is *planned*;
+  the tokens of steps not processed yet are *in flight*, and the sampled tokens not
+  appended yet are *pending* (placeholders). Out-of-window blocks are freed on the
+  processed basis ``num_computed_tokens - num_in_flight_tokens``; a finished or
+  aborted request's blocks are freed only once none of its tokens is in flight; a
+  request with tokens in flight is never preempted.
+* ``admission_gate``: a waiting request is admitted only if its whole sequence fits
+  (``allocate_slots(..., full_sequence_must_fit=True)``, vLLM's
+  ``scheduler_reserve_full_isl`` default), sliding-window and chunked groups capped at
+  their per-request admission bound.
+
+Engines opt in through the optional calls of
+:class:`properties.core.engine.SupportsServingModes`; the default mode
+(synchronous, no gate) needs none of them.
+
+Worked example (async, a 6-token prompt with one output token, budget 8): step 1
+plans the prefill (computed 6, in flight 6, one pending token); step 2 plans
+position 6 (computed 7, in flight 7), then step 1's output is processed (in flight
+1, the token is appended, pending 0 + 1 for step 2's own sample).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reference.errors import KVConformError
+
+
+@dataclass(frozen=True)
+class ServingMode:
+    """See the module docstring. ``ServingMode()`` is the textbook synchronous mode."""
+
+    async_scheduling: bool = False
+    admission_gate: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("async_scheduling", "admission_gate"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise KVConformError(f"ServingMode.{name} must be a boolean, got {value!r}")
+
+    @property
+    def is_default(self) -> bool:
+        return self == ServingMode()
+
+    def describe(self) -> str:
+        parts = [name for name in ("async_scheduling", "admission_gate") if getattr(self, name)]
+        return " ".join(parts) or "sync"
+
+
+#: The default mode (synchronous, ungated), for argument defaults.
+SYNC = ServingMode()
