@@ -180,6 +180,12 @@ class Checker:
         """The step ran: Mamba states it computed now exist (unless it was preempted)."""
         req = self.state.requests[request_id]
         req.num_computed_tokens = num_computed_tokens
+        if request_id in self.deferred_writes:
+            # positions at or past the computed count are recomputed later (rejected
+            # drafts roll back; a preemption starts over): their pending writes lapse
+            self.deferred_writes[request_id] = [
+                w for w in self.deferred_writes[request_id] if w[3] < num_computed_tokens
+            ]
         for gid, block, _, end in self.state.pending_states.pop(request_id, ()):
             if num_computed_tokens > 0:
                 if end - 1 < len(req.ids):
@@ -200,6 +206,7 @@ class Checker:
             self.deferred_writes[request_id] = [w for w in deferred if w[3] >= len(req.ids)]
 
     def on_free(self, request_id: str) -> None:
+        self.deferred_writes.pop(request_id, None)
         self._run("free", FreeEvent(request_id))
         self.state.requests[request_id].holds_blocks = False
         self.check_pool()

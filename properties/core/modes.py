@@ -16,6 +16,15 @@ does:
   ``scheduler_reserve_full_isl`` default), sliding-window and chunked groups capped at
   their per-request admission bound.
 
+* ``num_draft_tokens = k`` (speculative decoding, synchronous scheduling only): a
+  decode step schedules its next token plus up to ``k`` draft tokens as new tokens
+  (``set_in_flight(id, 0, drafts)`` first: they are pending tokens). After the step,
+  ``a`` of them are accepted (a deterministic function of the request and position,
+  so traces replay), ``num_computed_tokens`` goes *down* to ``start + 1 + a`` (the
+  rejected drafts roll back), the ``a`` accepted tokens and one bonus token are
+  appended, and the processed tokens are committed (``cache_blocks``). Not drawn
+  with Mamba groups (no speculative Mamba blocks are modelled).
+
 Engines opt in through the optional calls of
 :class:`properties.core.engine.SupportsServingModes`; the default mode
 (synchronous, no gate) needs none of them.
@@ -32,6 +41,9 @@ from dataclasses import dataclass
 
 from reference.errors import KVConformError
 
+#: Most draft tokens a decode step proposes.
+MAX_DRAFT_TOKENS = 4
+
 
 @dataclass(frozen=True)
 class ServingMode:
@@ -39,12 +51,24 @@ class ServingMode:
 
     async_scheduling: bool = False
     admission_gate: bool = False
+    num_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("async_scheduling", "admission_gate"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise KVConformError(f"ServingMode.{name} must be a boolean, got {value!r}")
+        k = self.num_draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_DRAFT_TOKENS:
+            raise KVConformError(
+                f"ServingMode.num_draft_tokens must be an integer in [0, {MAX_DRAFT_TOKENS}], "
+                f"got {k!r}"
+            )
+        if k and self.async_scheduling:
+            raise KVConformError(
+                "ServingMode: drafts with asynchronous scheduling are not modelled; set "
+                "num_draft_tokens=0 or async_scheduling=False"
+            )
 
     @property
     def is_default(self) -> bool:
@@ -52,6 +76,8 @@ class ServingMode:
 
     def describe(self) -> str:
         parts = [name for name in ("async_scheduling", "admission_gate") if getattr(self, name)]
+        if self.num_draft_tokens:
+            parts.append(f"drafts={self.num_draft_tokens}")
         return " ".join(parts) or "sync"
 
 

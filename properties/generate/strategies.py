@@ -380,7 +380,7 @@ def production_layouts(
     """``base`` with the production settings drawn on top, each with its own draws
     (after the base layout's, so the base stays as it was):
 
-    * EAGLE, half the time: ``use_eagle``, the groups flagged as EAGLE groups (none
+    * EAGLE, two times in three: ``use_eagle``, the groups flagged as EAGLE groups (none
       flagged: all drop), and lookahead hashes ``L`` in ``{0, 1, 2}`` (``L > 0`` turns
       the drop off). EAGLE is modelled without chunked-local and Mamba groups (vLLM
       turns the hybrid manager off with chunked local attention), so such groups
@@ -394,7 +394,7 @@ def production_layouts(
     ``L = 0``.
     """
     layout = draw(base)
-    eagle = draw(st.booleans(), label="eagle")
+    eagle = draw(st.sampled_from((False, True, True)), label="eagle")
     if eagle:
         layout = _without_chunked_and_mamba(layout)
     retention = draw(retention_intervals(layout), label="retention interval")
@@ -432,8 +432,9 @@ def any_layouts(max_len: int = 256) -> st.SearchStrategy[KVCacheLayout]:
 
 
 def serving_modes() -> st.SearchStrategy[ServingMode]:
-    """Synchronous or asynchronous scheduling, with or without the admission gate (each
-    deployed setting two times in three); shrinks toward the synchronous, ungated mode."""
+    """Synchronous or asynchronous scheduling, with or without the admission gate, or
+    synchronous with 2 or 3 draft tokens per decode step (speculative decoding);
+    shrinks toward the synchronous, ungated mode."""
     gated_async = ServingMode(async_scheduling=True, admission_gate=True)
     return st.sampled_from(
         (
@@ -443,6 +444,9 @@ def serving_modes() -> st.SearchStrategy[ServingMode]:
             gated_async,
             ServingMode(admission_gate=True),
             gated_async,
+            ServingMode(num_draft_tokens=2),
+            ServingMode(admission_gate=True, num_draft_tokens=3),
+            ServingMode(num_draft_tokens=4),
         )
     )
 

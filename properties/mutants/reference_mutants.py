@@ -478,6 +478,28 @@ def make_sparse_retention_as_dense(layout: KVCacheLayout) -> MutantEngine:
     )
 
 
+class RollbackIgnoredEngine(MutantEngine):
+    """Keeps the optimistic computed count when drafts are rejected: the manager then
+    frees and allocates as if the rejected drafts had been computed."""
+
+    def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
+        req = self._request(request_id)
+        if 0 < num_computed_tokens < req.num_computed_tokens:
+            return  # BUG: the rollback of rejected drafts is lost
+        super().set_num_computed_tokens(request_id, num_computed_tokens)
+
+    def allocate_slots(self, request_id, num_new_tokens, *args, **kwargs):
+        req = self._request(request_id)
+        out = super().allocate_slots(request_id, num_new_tokens, *args, **kwargs)
+        if out is not None and num_new_tokens > 1 and req.num_output_placeholders:
+            req.num_computed_tokens += num_new_tokens  # the optimistic count of the step
+        return out
+
+
+def make_draft_rollback_ignored(layout: KVCacheLayout) -> MutantEngine:
+    return RollbackIgnoredEngine(layout, mutated_manager(layout), "draft_rollback_ignored")
+
+
 def make_async_optimistic_free(layout: KVCacheLayout) -> MutantEngine:
     return _engine("async_optimistic_free", layout, manager_cls=OptimisticFreeManager)
 
@@ -719,6 +741,13 @@ MUTANT_INFO: dict[str, MutantInfo] = {
             ["in_flight_reads_held", "window_liveness"],
             "asynchronous scheduling: out-of-window blocks freed on the optimistic count "
             "while tokens that read them are in flight",
+            "production",
+        ),
+        _info(
+            make_draft_rollback_ignored,
+            "exact",
+            ["exact_match", "EngineError"],
+            "rejected draft tokens are not rolled back (the optimistic count stays)",
             "production",
         ),
         _info(

@@ -73,12 +73,9 @@ def config_for(name: str, config: CheckConfig) -> CheckConfig:
 
 
 def settings_for(name: str, base: settings) -> settings:
-    """Numeric attention costs about 10x a symbolic step: a third of the examples. The
-    production property (deployed settings on top of the invariants) gets half."""
+    """Numeric attention costs about 10x a symbolic step: a third of the examples."""
     if name == "attention":
         return settings(base, max_examples=max(20, base.max_examples // 3))
-    if name == "production":
-        return settings(base, max_examples=max(20, base.max_examples // 2))
     return base
 
 

@@ -60,7 +60,7 @@ class RunStats:
 def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
     """The production modes a run exercises, for the counts ``kvconform check`` prints:
     ``retention=dense|sparse|interval``, ``eagle-drop``, ``lookahead-hashes``,
-    ``async``, ``admission-gate``."""
+    ``async``, ``admission-gate``, ``drafts``."""
     r = layout.prefix_cache_retention_interval
     tags = [f"retention={'dense' if r is None else 'sparse' if r == 0 else 'interval'}"]
     if layout.drop_eagle_group_ids:
@@ -71,6 +71,8 @@ def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
         tags.append("async")
     if mode.admission_gate:
         tags.append("admission-gate")
+    if mode.num_draft_tokens:
+        tags.append("drafts")
     return tags
 
 

@@ -25,6 +25,10 @@ calls ``reset_prefix_cache()`` (it fails while any request holds blocks).
 Serving modes (:class:`properties.core.modes.ServingMode`):
 
 * ``admission_gate``: step 3 calls ``allocate_slots(..., full_sequence_must_fit=True)``.
+* ``num_draft_tokens``: a decoding running request schedules its next token plus up to
+  that many drafts (:meth:`Scheduler._drafts`); after the step the accepted ones
+  (:meth:`Scheduler.accepted_drafts`) and a bonus token are appended, the rejected
+  ones roll ``num_computed_tokens`` back, and ``cache_blocks`` commits the result.
 * ``async_scheduling``: step 4 is split. After planning, each scheduled request's
   computed tokens advance at once (optimistically) and its tokens join the flight; a
   chunk that reaches the last known token samples an output, which stays *pending*
@@ -41,6 +45,7 @@ Serving modes (:class:`properties.core.modes.ServingMode`):
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -95,6 +100,7 @@ class ScheduledRequest:
     hit_tokens: int
     new_block_ids: BlockIds
     samples: bool = False
+    num_drafts: int = 0
 
 
 @dataclass
@@ -198,6 +204,10 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            drafts = self._drafts(state, n, budget)
+            if drafts:
+                n += drafts
+                self.engine.set_in_flight(rid, 0, drafts)
             new = None
             while True:
                 new = self.engine.allocate_slots(rid, n, 0, None, num_lookahead_tokens)
@@ -214,7 +224,9 @@ class Scheduler:
                 if rid in self.running:
                     i += 1  # asynchronous scheduling: no victim, the request waits a step
                 continue
-            record.scheduled.append(ScheduledRequest(rid, state.num_computed_tokens, n, 0, new))
+            record.scheduled.append(
+                ScheduledRequest(rid, state.num_computed_tokens, n, 0, new, num_drafts=drafts)
+            )
             budget -= n
             i += 1
         if not record.preempted:
@@ -337,9 +349,34 @@ class Scheduler:
         bs = self.mamba_block_size
         return (start + n) // bs * bs - start
 
+    def _drafts(self, state: RequestState, n: int, budget: int) -> int:
+        """Draft tokens a decode step adds (speculative decoding): up to
+        ``num_draft_tokens``, never past the request's last output or the budget, and
+        none with a Mamba group."""
+        k = self.mode.num_draft_tokens
+        decoding = state.num_computed_tokens == state.num_tokens - 1 and state.num_generated > 0
+        if not k or not decoding or n != 1 or self.mamba_block_size is not None:
+            return 0
+        room = min(
+            len(state.output) - state.num_generated - 1,
+            budget - 1,
+            self.layout.max_model_len - state.num_tokens,
+        )
+        return max(0, min(k, room))
+
+    @staticmethod
+    def accepted_drafts(request_id: str, position: int, num_drafts: int) -> int:
+        """How many of ``num_drafts`` drafts the step accepts: a deterministic function of
+        the request and the position (``sha256``), uniform over ``0..num_drafts``."""
+        digest = hashlib.sha256(f"{request_id}:{position}".encode()).digest()
+        return int.from_bytes(digest[:4], "big") % (num_drafts + 1)
+
     def _run(self, record: StepRecord) -> None:
         for item in record.scheduled:
             state = self.requests[item.request_id]
+            if item.num_drafts:
+                self._run_drafts(item, state, record)
+                continue
             state.num_computed_tokens = item.start + item.num_tokens
             self.engine.set_num_computed_tokens(item.request_id, state.num_computed_tokens)
             if state.num_computed_tokens < state.num_tokens:
@@ -348,11 +385,30 @@ class Scheduler:
                 token = state.output[state.num_generated]
                 state.num_generated += 1
                 self.engine.append_output_tokens(item.request_id, [token])
+                if self.mode.num_draft_tokens:
+                    self.engine.cache_blocks(item.request_id, state.num_computed_tokens)
             if state.num_generated >= len(state.output):
                 self.engine.free(item.request_id)
                 self._forget(item.request_id)
                 self.finished.append(item.request_id)
                 record.finished.append(item.request_id)
+
+    def _run_drafts(self, item: ScheduledRequest, state: RequestState, record: StepRecord) -> None:
+        """A decode step with drafts ran: ``a`` accepted, the rest rolled back."""
+        rid = item.request_id
+        accepted = self.accepted_drafts(rid, item.start, item.num_drafts)
+        state.num_computed_tokens = item.start + 1 + accepted
+        self.engine.set_num_computed_tokens(rid, state.num_computed_tokens)
+        self.engine.set_in_flight(rid, 0, 0)
+        new = state.output[state.num_generated : state.num_generated + accepted + 1]
+        state.num_generated += len(new)
+        self.engine.append_output_tokens(rid, list(new))
+        self.engine.cache_blocks(rid, state.num_computed_tokens)
+        if state.num_generated >= len(state.output):
+            self.engine.free(rid)
+            self._forget(rid)
+            self.finished.append(rid)
+            record.finished.append(rid)
 
     # -- helpers -------------------------------------------------------------------
     def _state(self, request_id: str, what: str) -> RequestState:

@@ -122,7 +122,7 @@ def test_small_trace_json_is_the_documented_encoding():
                 }
             ],
         },
-        "mode": {"async_scheduling": False, "admission_gate": False},
+        "mode": {"async_scheduling": False, "admission_gate": False, "num_draft_tokens": 0},
         "operations": [
             {
                 "op": "arrive",
@@ -332,7 +332,11 @@ def test_production_fields_and_mode_round_trip():
     mode = ServingMode(async_scheduling=True, admission_gate=True)
     trace = Trace(layout=layout, operations=(Step(4),), mode=mode)
     data = trace_to_json(trace)
-    assert data["mode"] == {"async_scheduling": True, "admission_gate": True}
+    assert data["mode"] == {
+        "async_scheduling": True,
+        "admission_gate": True,
+        "num_draft_tokens": 0,
+    }
     assert data["layout"]["prefix_cache_retention_interval"] == 0
     back = trace_from_json(json.loads(json.dumps(data)))
     assert back.layout == layout and back.mode == mode
