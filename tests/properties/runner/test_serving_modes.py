@@ -85,3 +85,22 @@ def test_admission_gate_refuses_what_cannot_fit_whole() -> None:
     plain = _run(layout, ServingMode())
     plain.apply(Arrive("r0", tuple(range(20)), ()))
     assert [s.num_tokens for s in plain.apply(Step(4)).scheduled] == [4]
+
+
+def test_drafts_roll_back_rejected_tokens() -> None:
+    import hashlib
+
+    # full bs 4, prompt 8, 4 outputs, 2 drafts per decode step. Step 1 prefills 8 and
+    # appends output 0. Step 2 schedules position 8 + 2 drafts (3 tokens, slots up to
+    # 11 -> 3 blocks). The rule: a = sha256("r0:8")[:4] mod 3 drafts are accepted;
+    # computed becomes 8 + 1 + a, and a + 1 outputs are appended.
+    a = int.from_bytes(hashlib.sha256(b"r0:8").digest()[:4], "big") % 3
+    run = _run(_layout(FullAttentionSpec(block_size=4)), ServingMode(num_draft_tokens=2))
+    run.apply(Arrive("r0", tuple(range(8)), (1, 2, 3, 4)))
+    run.apply(Step(64))
+    rec = run.apply(Step(64))
+    assert [(s.start, s.num_tokens, s.num_drafts) for s in rec.scheduled] == [(8, 3, 2)]
+    state = run.scheduler.requests["r0"]
+    assert state.num_computed_tokens == 9 + a
+    assert state.num_generated == 1 + a + 1
+    assert run.lockstep.engine.get_block_ids("r0") == ((1, 2, 3),)
