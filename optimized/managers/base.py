@@ -55,6 +55,8 @@ class SingleTypeKVCacheManager:
         self.row_len = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_cached_block = np.full(max_num_reqs, -1, dtype=np.int32)
         self.num_leading_null = np.zeros(max_num_reqs, dtype=np.int32)
+        #: Rows written since the data plane last uploaded them (delta uploads).
+        self.dirty_rows = np.zeros(max_num_reqs, dtype=bool)
 
     # -- rows --------------------------------------------------------------------
     def grow(self, max_num_reqs: int) -> None:
@@ -73,7 +75,7 @@ class SingleTypeKVCacheManager:
             setattr(self, name, grown)
 
     def _row_arrays(self) -> tuple[str, ...]:
-        return ("row_len", "num_cached_block", "num_leading_null")
+        return ("row_len", "num_cached_block", "num_leading_null", "dirty_rows")
 
     def _absent_minus_one(self) -> tuple[str, ...]:
         return ("num_cached_block",)
@@ -81,6 +83,7 @@ class SingleTypeKVCacheManager:
     def release_row(self, row: int) -> None:
         """Forget a row (its blocks were freed); the table row is reused later."""
         self.table[row, : self.row_len[row]] = NULL_BLOCK_ID
+        self.dirty_rows[row] = True
         self.row_len[row] = 0
         self.num_cached_block[row] = -1
         self.num_leading_null[row] = 0
@@ -92,6 +95,7 @@ class SingleTypeKVCacheManager:
         n = int(self.row_len[row])
         self.table[row, n : n + len(ids)] = ids
         self.row_len[row] = n + len(ids)
+        self.dirty_rows[row] = True
 
     @property
     def null_block(self) -> int:
@@ -208,6 +212,7 @@ class SingleTypeKVCacheManager:
             return
         freed = self.table[row, start:last][::-1].copy()
         self.table[row, start:last] = NULL_BLOCK_ID
+        self.dirty_rows[row] = True
         self.num_leading_null[row] = last
         self.block_pool.free_blocks(freed)
 

@@ -112,6 +112,7 @@ class MambaManager(SingleTypeKVCacheManager):
             if block != NULL_BLOCK_ID:
                 self.block_pool.free_blocks([block])
                 self.table[row, last] = NULL_BLOCK_ID
+                self.dirty_rows[row] = True
 
     def _remove_blocks_in_range(self, row: int, first: int, last: int) -> None:
         first = max(first, int(self.num_retired_blocks[row]))
@@ -120,6 +121,7 @@ class MambaManager(SingleTypeKVCacheManager):
             return
         freed = self.table[row, first:last][::-1].copy()
         self.table[row, first:last] = NULL_BLOCK_ID
+        self.dirty_rows[row] = True
         self.block_pool.free_blocks(freed)
         self.num_retired_blocks[row] = last
 
