@@ -125,7 +125,7 @@ def test_attention_end_to_end_through_device_tables() -> None:
         hashes = {rid: content.prefix_hashes(reqs[rid].all_token_ids) for rid, _, _ in chunks}
         for gid, group in enumerate(layout.groups):
             if isinstance(group.spec, MambaSpec):
-                for rid, start, count in chunks:
+                for rid, start, _count in chunks:
                     if start > 0 and start % 4 == 0:
                         _, got = plane.read_state(gid, rid, start)
                         want = torch.tensor(content.state(hashes[rid], start, gid))
