@@ -186,13 +186,15 @@ class KVCacheManager:
         return new_blocks
 
     def schedule_step(self, items: Sequence[StepItem]) -> list[list[list[int]] | None]:
-        """``[allocate_slots(*item) for item in items]``, with the decode case vectorised.
+        """``allocate_slots(*item)`` for each item in order, decode case vectorised.
 
+        Stops after the first ``None`` (the scheduler preempts before going on): the
+        returned list then ends with that ``None`` and the later items are not applied.
         Every item is validated first (a bad item raises before anything changes); a
         request may appear at most once per call.
         """
         n = len(items)
-        results: list[list[list[int]] | None] = [None] * n
+        results: list[list[list[int]] | None] = []
         fast_idx: list[int] = []
         rows: list[int] = []
         seen: set[str] = set()
@@ -227,15 +229,18 @@ class KVCacheManager:
                 self._known.add(request.request_id)
                 if request.status is not RequestStatus.FINISHED:
                     request.status = RequestStatus.RUNNING
-                results[i] = [[] for _ in range(self.num_groups)]
-            else:
-                results[i] = self.allocate_slots(
-                    item.request,
-                    item.num_new_tokens,
-                    item.num_new_computed_tokens,
-                    item.new_computed_blocks,
-                    item.num_lookahead_tokens,
-                )
+                results.append([[] for _ in range(self.num_groups)])
+                continue
+            new_blocks = self.allocate_slots(
+                item.request,
+                item.num_new_tokens,
+                item.num_new_computed_tokens,
+                item.new_computed_blocks,
+                item.num_lookahead_tokens,
+            )
+            results.append(new_blocks)
+            if new_blocks is None:
+                break
         return results
 
     def _pending_work(self, items: Sequence[StepItem], rows: np.ndarray) -> np.ndarray:

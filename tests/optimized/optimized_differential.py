@@ -103,8 +103,9 @@ class Pair:
         for rid, new, la in batch:
             r = self.ref.allocate_slots(self.ref_reqs[rid], new, 0, None, la)
             r_out.append(None if r is None else [[b.block_id for b in g] for g in r])
-            if r is not None:
-                self.held.add(rid)
+            if r is None:
+                break  # schedule_step stops after the first None
+            self.held.add(rid)
         items = [StepItem(self.opt_reqs[rid], new, 0, None, la) for rid, new, la in batch]
         o_out = self.opt.schedule_step(items)
         self.same("schedule_step results", r_out, o_out)
@@ -196,6 +197,8 @@ def run_trace(pair: Pair, seed: int, num_steps: int, batched: bool) -> dict:
             batch.append((rid, new, la))
         if batched and batch:
             out = pair.step(batch)
+            while len(out) < len(batch):  # stopped at a None: the rest in a new batch
+                out += pair.step(batch[len(out) :])
         else:
             out = [pair.allocate(rid, new, None, la) for rid, new, la in batch]
         for (rid, new, _), res in zip(batch, out):

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from optimized_differential import Pair, layouts, run_trace
+
+from tests.optimized.optimized_differential import Pair, layouts, run_trace
 
 
 @settings(max_examples=60, deadline=None)
