@@ -103,7 +103,13 @@ class FreeBlockQueue:
         out = []
         nxt = self.next_free.tolist()
         block = nxt[self.head]
+        limit = self.head  # num_blocks: no walk may be longer
         while block != self.tail:
+            if block == NOT_QUEUED or len(out) >= limit:
+                raise KVConformError(
+                    f"free queue is corrupt: the walk from the head reached {block} after "
+                    f"{len(out)} blocks without meeting the tail"
+                )
             out.append(block)
             block = nxt[block]
         return out
