@@ -27,6 +27,9 @@ from reference.errors import KVConformError
 
 NULL_BLOCK_ID = 0
 NOT_QUEUED = -1
+#: ``free_blocks`` of at most this many blocks takes the scalar path (numpy's per-call
+#: overhead is larger than the work).
+SMALL_FREE = 8
 
 
 class FreeBlockQueue:
@@ -46,6 +49,16 @@ class FreeBlockQueue:
         """Insert ``chain`` (in order) between the linked nodes ``prev`` and ``nxt``."""
         n = len(chain)
         if n == 0:
+            return
+        if n <= SMALL_FREE:
+            prv, nxt_arr = self.prev_free, self.next_free
+            for b in chain.tolist():
+                prv[b] = prev
+                nxt_arr[prev] = b
+                prev = b
+            nxt_arr[prev] = nxt
+            prv[nxt] = prev
+            self.num_free_blocks += n
             return
         self.prev_free[chain[0]] = prev
         self.prev_free[chain[1:]] = chain[:-1]
@@ -87,9 +100,13 @@ class FreeBlockQueue:
             block = int(nxt[block])
         self.next_free[self.head] = block
         self.prev_free[block] = self.head
-        popped = np.asarray(out, dtype=np.int64)
-        self.prev_free[popped] = NOT_QUEUED
-        self.next_free[popped] = NOT_QUEUED
+        if n <= SMALL_FREE:
+            for b in out:
+                self.prev_free[b] = self.next_free[b] = NOT_QUEUED
+        else:
+            popped = np.asarray(out, dtype=np.int64)
+            self.prev_free[popped] = NOT_QUEUED
+            self.next_free[popped] = NOT_QUEUED
         self.num_free_blocks -= n
         return out
 
@@ -151,12 +168,18 @@ class BlockPool:
                 f"cannot get {n} free blocks from the pool ({self.get_num_free_blocks()} free)"
             )
         blocks = self.free_block_queue.popleft_n(n)
+        if n == 1:
+            b = blocks[0]
+            if self.enable_caching and self.block_group[b] >= 0:
+                self._evict(b)
+            self.ref_cnt[b] = 1
+            return blocks
+        ids = np.asarray(blocks, dtype=np.int64)
         if self.enable_caching:
-            block_hash = self.block_hash
-            for b in blocks:
-                if block_hash[b] is not None:
-                    self._evict(b)
-        self.ref_cnt[blocks] = 1
+            hashed = ids[self.block_group[ids] >= 0]
+            for b in hashed.tolist():
+                self._evict(b)
+        self.ref_cnt[ids] = 1
         return blocks
 
     def _evict(self, block_id: int) -> bool:
@@ -199,6 +222,9 @@ class BlockPool:
 
         Vectorised form of :meth:`reference.block_pool.BlockPool.free_blocks`.
         """
+        if len(ordered_blocks) <= SMALL_FREE:
+            self._free_few(ordered_blocks)
+            return
         ids = np.asarray(ordered_blocks, dtype=np.int64)
         ids = ids[ids != NULL_BLOCK_ID]
         if ids.size == 0:
@@ -214,6 +240,28 @@ class BlockPool:
         hashed = self.block_group[zero] >= 0
         self.free_block_queue.prepend_n(zero[~hashed])
         self.free_block_queue.append_n(zero[hashed])
+
+    def _free_few(self, ordered_blocks: Sequence[int]) -> None:
+        """:meth:`free_blocks` for a few blocks (a decode step's): scalar steps, same order."""
+        ref = self.ref_cnt
+        group = self.block_group
+        front: list[int] = []
+        back: list[int] = []
+        for b in ordered_blocks:
+            b = int(b)
+            if b == NULL_BLOCK_ID:
+                continue
+            count = int(ref[b]) - 1
+            if count < 0:
+                raise KVConformError(f"block {b} freed more often than allocated")
+            ref[b] = count
+            if count == 0:
+                (back if group[b] >= 0 else front).append(b)
+        queue = self.free_block_queue
+        if front:
+            queue.prepend_n(np.asarray(front, dtype=np.int64))
+        if back:
+            queue.append_n(np.asarray(back, dtype=np.int64))
 
     def cache_block(self, block_id: int, block_hash: bytes, group_id: int, num_tokens: int) -> None:
         """Register a block under ``block_hash`` (:meth:`reference...cache_block`: a shorter

@@ -45,7 +45,11 @@ class DataPlane:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         backend: str = "sdpa",
+        kernels: str = "auto",
     ) -> None:
+        """``kernels``: ``"torch"``, ``"nvrtc"`` (CUDA only: slot mapping and K/V writes by
+        :mod:`optimized.nvrtc_kernels`) or ``"auto"`` (nvrtc on CUDA when cuda-python is
+        installed, torch otherwise)."""
         self.manager = manager
         self.layout = manager.layout
         self.device = torch.device(device)
@@ -63,6 +67,19 @@ class DataPlane:
                 )
                 cache = PagedKVCache(shape, dtype=dtype, device=self.device)
             self.caches.append(cache)
+        self.kernels = None
+        if kernels not in ("torch", "nvrtc", "auto"):
+            raise DataPlaneError(f"kernels must be 'torch', 'nvrtc' or 'auto', got {kernels!r}")
+        if kernels != "torch" and self.device.type == "cuda" and dtype == torch.float32:
+            from optimized.nvrtc_kernels import CudaKernels, NvrtcUnavailableError
+
+            try:
+                self.kernels = CudaKernels(self.device)
+            except NvrtcUnavailableError:
+                if kernels == "nvrtc":
+                    raise
+        elif kernels == "nvrtc":
+            raise DataPlaneError("kernels='nvrtc' needs a float32 cache on a CUDA device")
 
     def begin_step(self) -> int:
         """Upload the rows the manager changed since the last step (delta)."""
@@ -98,7 +115,13 @@ class DataPlane:
         if sum(counts):
             token_rows, positions = step_positions(rows, starts, counts, self.device)
             slots = self.slot_mapping(table, token_rows, positions, spec.block_size)
-            cache.write(slots, keys.to(self.device), values.to(self.device))
+            if self.kernels is not None:
+                cache.check_slots(slots)
+                self.kernels.kv_write(
+                    slots, keys.to(self.device), values.to(self.device), cache.key, cache.value
+                )
+            else:
+                cache.write(slots, keys.to(self.device), values.to(self.device))
         bs = spec.block_size
         requests = []
         for row, start, count, q in zip(rows, starts, counts, queries):
@@ -110,7 +133,9 @@ class DataPlane:
     def slot_mapping(
         self, table: torch.Tensor, token_rows: torch.Tensor, positions: torch.Tensor, bs: int
     ) -> torch.Tensor:
-        """The slot mapping kernel (torch; an NVRTC kernel may replace it on CUDA)."""
+        """The slot mapping (the NVRTC kernel on CUDA when loaded, torch otherwise)."""
+        if self.kernels is not None:
+            return self.kernels.slot_mapping(table, token_rows, positions, bs)
         return slot_mapping(table, token_rows, positions, bs)
 
     def _state_block(self, gid: int, request_id: str, num_tokens: int) -> int:

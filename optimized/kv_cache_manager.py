@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -48,8 +49,7 @@ class ComputedBlocks:
         return self.blocks
 
 
-@dataclass(frozen=True)
-class StepItem:
+class StepItem(NamedTuple):
     """One request's share of a scheduler step (the arguments of ``allocate_slots``)."""
 
     request: Request

@@ -69,6 +69,20 @@ class Request:
 
     def append_output_token_ids(self, token_ids: Sequence[int]) -> None:
         """Append decoded tokens and hash every block they complete."""
+        if len(token_ids) == 1 and self.num_tokens < self._tokens.size:
+            # decode: one token, room in the array; hash only when it completes a block
+            self._tokens[self.num_tokens] = token_ids[0]
+            self.num_tokens += 1
+            if self.num_tokens % self.hash_block_size == 0:
+                extend_block_hashes(
+                    self.block_hashes,
+                    self._tokens,
+                    self.num_tokens,
+                    self.hash_block_size,
+                    self.cache_salt,
+                    self.lora_name,
+                )
+            return
         new = np.asarray(token_ids, dtype=TOKEN_DTYPE).reshape(-1)
         end = self.num_tokens + new.size
         if end > self._tokens.size:

@@ -83,13 +83,14 @@ def test_delta_upload_moves_only_changed_rows() -> None:
         assert not m.dirty_rows.any()
 
 
-def test_attention_end_to_end_through_device_tables() -> None:
-    """Chunked prefill, prefix hits and decode on a 4-group hybrid; every query of every
-    attention group, and every Mamba state, read through the data plane equals the dense
-    reference."""
+def run_scenario(device: str = "cpu", backend: str = "sdpa") -> list[torch.Tensor]:
+    """Chunked prefill, prefix hits and decode on a 4-group hybrid through the data plane
+    on ``device``; asserts every query of every attention group and every Mamba state read
+    equals the dense reference, and returns every output (on the CPU) in order."""
     layout = _layout()
     manager = KVCacheManager(layout, max_num_reqs=2)
-    plane = DataPlane(manager, backend="sdpa")
+    plane = DataPlane(manager, backend=backend, device=device)
+    observed: list[torch.Tensor] = []
     content = ContentModel(seed=1)
     rng = random.Random(5)
     shared = [rng.randrange(20) for _ in range(13)]
@@ -128,8 +129,10 @@ def test_attention_end_to_end_through_device_tables() -> None:
                 for rid, start, _count in chunks:
                     if start > 0 and start % 4 == 0:
                         _, got = plane.read_state(gid, rid, start)
+                        got = got.cpu()
                         want = torch.tensor(content.state(hashes[rid], start, gid))
                         assert torch.allclose(got.double(), want.double(), atol=1e-6)
+                        observed.append(got)
                         checked += 1
                 for rid, start, count in chunks:
                     state = torch.tensor(content.state(hashes[rid], start + count, gid))
@@ -157,8 +160,15 @@ def test_attention_end_to_end_through_device_tables() -> None:
                     ),
                     dtype=torch.float64,
                 )
+                out = out.cpu()
                 assert torch.allclose(out.double(), want, atol=1e-5, rtol=1e-5), (rid, gid)
+                observed.append(out)
                 checked += count
         for rid, start, count in chunks:
             reqs[rid].num_computed_tokens = start + count
     assert checked > 100 and hits > 0, (checked, hits, refused)
+    return observed
+
+
+def test_attention_end_to_end_through_device_tables() -> None:
+    assert len(run_scenario("cpu", "sdpa")) > 20

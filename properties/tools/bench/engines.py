@@ -42,7 +42,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from properties.core.constants import DEFAULT_BENCH_DIR
-from properties.core.engine import BUILTIN_ENGINES, EngineError, KVCacheEngine, load_engine_factory
+from properties.core.engine import (
+    BUILTIN_ENGINES,
+    EngineError,
+    KVCacheEngine,
+    PlansSteps,
+    load_engine_factory,
+)
 from properties.core.trace import (
     Arrive,
     Operation,
@@ -211,9 +217,10 @@ HYBRID_6 = TraceRecipe(
 
 
 def sweep_recipe(num_requests: int, context: int) -> TraceRecipe:
-    """``num_requests`` prompts of ``context`` tokens arriving at once, all admitted
-    (the pool holds them all), then 16 decode steps with every request running: the
-    decode steps measure the cost per request-step at that concurrency.
+    """``num_requests`` prompts of ``context`` tokens arriving at once and prefilled in
+    one step (the budget and the pool hold them all), then 16 decode steps with every
+    request running: the decode steps measure the cost per request-step at that
+    concurrency.
     Example: ``sweep_recipe(64, 2048)`` is the trace ``sweep-64x2k``."""
     return TraceRecipe(
         name=f"sweep-{num_requests}x{context // 1024}k",
@@ -224,7 +231,7 @@ def sweep_recipe(num_requests: int, context: int) -> TraceRecipe:
         system_prompt_len=0,
         suffix_len=(context, context),
         output_len=(16, 16),
-        token_budget=max(65536, num_requests),
+        token_budget=num_requests * context,
         max_model_len=context + 16,
         concurrency=num_requests,
         arrivals_per_step=(num_requests, num_requests),
@@ -413,7 +420,8 @@ class Replay:
     Steps are split by what they schedule: a **decode step** schedules only requests past
     their prompt (``decode_seconds``, ``decode_items`` request-steps in all); every other
     busy step holds a prefill chunk, and its time counts towards the prefills
-    (``prefill_seconds``, ``prefills`` = prompts whose last chunk it scheduled).
+    (``prefill_seconds``, ``prefills`` = prompts whose last chunk it scheduled). Both
+    count the engine's time only (:class:`TimedEngine`); ``step_seconds`` is wall time.
     """
 
     step_seconds: tuple[float, ...]
@@ -428,8 +436,85 @@ class Replay:
     max_running: int = 0
 
 
+class TimedEngine:
+    """Forwards every protocol call to ``engine`` and adds the time spent inside it to
+    ``seconds``: the engine's own cost, without the scheduler's bookkeeping around it."""
+
+    def __init__(self, engine: KVCacheEngine) -> None:
+        self.engine = engine
+        self.seconds = 0.0
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def add_request(self, request):
+        return self._timed(self.engine.add_request, request)
+
+    def append_output_tokens(self, request_id, token_ids):
+        return self._timed(self.engine.append_output_tokens, request_id, token_ids)
+
+    def set_num_computed_tokens(self, request_id, num_computed_tokens):
+        return self._timed(self.engine.set_num_computed_tokens, request_id, num_computed_tokens)
+
+    def new_step(self):
+        return self._timed(self.engine.new_step)
+
+    def get_computed_blocks(self, request_id):
+        return self._timed(self.engine.get_computed_blocks, request_id)
+
+    def allocate_slots(
+        self,
+        request_id,
+        num_new_tokens,
+        num_new_computed_tokens=0,
+        hit=None,
+        num_lookahead_tokens=0,
+    ):
+        return self._timed(
+            self.engine.allocate_slots,
+            request_id,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hit,
+            num_lookahead_tokens,
+        )
+
+    def free(self, request_id):
+        return self._timed(self.engine.free, request_id)
+
+    def remove_request(self, request_id):
+        return self._timed(self.engine.remove_request, request_id)
+
+    def reset_prefix_cache(self):
+        return self._timed(self.engine.reset_prefix_cache)
+
+    def get_block_ids(self, request_id):
+        return self._timed(self.engine.get_block_ids, request_id)
+
+    def num_free_blocks(self):
+        return self._timed(self.engine.num_free_blocks)
+
+
+class TimedPlanningEngine(TimedEngine):
+    """:class:`TimedEngine` for an engine with a batched ``schedule_step``."""
+
+    def schedule_step(self, items):
+        return self._timed(self.engine.schedule_step, items)
+
+
+def timed(engine: KVCacheEngine) -> TimedEngine:
+    return TimedPlanningEngine(engine) if isinstance(engine, PlansSteps) else TimedEngine(engine)
+
+
 def replay_timed(engine: KVCacheEngine, trace: Trace) -> Replay:
-    """Apply ``trace`` to a fresh scheduler over ``engine``, timing every ``Step``."""
+    """Apply ``trace`` to a fresh scheduler over ``engine``, timing every ``Step`` (wall
+    time in ``step_seconds``; the split into decode and prefill counts the time spent
+    inside the engine's calls only, see :class:`TimedEngine`)."""
+    engine = timed(engine)
     scheduler = Scheduler(engine, trace.layout)
     seconds: list[float] = []
     decode_seconds: list[float] = []
@@ -440,9 +525,10 @@ def replay_timed(engine: KVCacheEngine, trace: Trace) -> Replay:
     for op in trace.operations:
         if isinstance(op, Step):
             start = clock()
+            inside = engine.seconds
             record: StepRecord = scheduler.step(op.token_budget, op.num_lookahead_tokens)
-            elapsed = clock() - start
-            seconds.append(elapsed)
+            seconds.append(clock() - start)
+            elapsed = engine.seconds - inside
             if record.scheduled:
                 busy += 1
                 in_prefill = [s for s in record.scheduled if s.start < prompt_len[s.request_id]]
