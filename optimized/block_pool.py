@@ -177,10 +177,35 @@ class BlockPool:
         ids = np.asarray(blocks, dtype=np.int64)
         if self.enable_caching:
             hashed = ids[self.block_group[ids] >= 0]
-            for b in hashed.tolist():
-                self._evict(b)
+            if hashed.size:
+                self._evict_many(hashed)
         self.ref_cnt[ids] = 1
         return blocks
+
+    def _evict_many(self, hashed: np.ndarray) -> None:
+        """:meth:`_evict` of several hashed blocks: map updates per block, arrays at once."""
+        block_hash = self.block_hash
+        groups = self.block_group[hashed].tolist()
+        for b, g in zip(hashed.tolist(), groups):
+            key = block_hash[b]
+            cached = self.cached[g]
+            if cached.get(key) == b:
+                later = self.duplicates[g].get(key)
+                if later:
+                    cached[key] = later.pop(0)
+                    if not later:
+                        del self.duplicates[g][key]
+                else:
+                    del cached[key]
+            else:
+                later = self.duplicates[g].get(key)
+                if later is not None and b in later:
+                    later.remove(b)
+                    if not later:
+                        del self.duplicates[g][key]
+            block_hash[b] = None
+        self.block_group[hashed] = -1
+        self.num_cached_tokens[hashed] = 0
 
     def _evict(self, block_id: int) -> bool:
         key = self.block_hash[block_id]
@@ -280,6 +305,44 @@ class BlockPool:
             self.duplicates[group_id].setdefault(block_hash, []).append(block_id)
         else:
             cached[block_hash] = block_id
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[int],
+        hashes: Sequence[bytes],
+        group_id: int,
+        first_index: int,
+        block_size: int,
+        mask: Sequence[bool] | None = None,
+    ) -> None:
+        """:meth:`cache_block` of ``blocks[k]`` under ``hashes[k]`` for the prefix of
+        ``(first_index + k + 1) * block_size`` tokens, for every ``k`` (nulls and masked
+        blocks skipped), with the array writes done at once."""
+        block_hash = self.block_hash
+        nct = self.num_cached_tokens
+        cached = self.cached[group_id]
+        fresh: list[int] = []
+        fresh_tokens: list[int] = []
+        for k, b in enumerate(blocks):
+            if b == NULL_BLOCK_ID or (mask is not None and not mask[k]):
+                continue
+            tokens = (first_index + k + 1) * block_size
+            if block_hash[b] is not None:
+                if nct[b] >= tokens:
+                    continue
+                self._evict(b)
+            h = hashes[k]
+            block_hash[b] = h
+            fresh.append(b)
+            fresh_tokens.append(tokens)
+            if h in cached:
+                self.duplicates[group_id].setdefault(h, []).append(b)
+            else:
+                cached[h] = b
+        if fresh:
+            ids = np.asarray(fresh, dtype=np.int64)
+            self.block_group[ids] = group_id
+            nct[ids] = fresh_tokens
 
     def get_cached_block(self, block_hash: bytes, group_ids: Sequence[int]) -> list[int] | None:
         """The earliest cached block of ``block_hash`` in each group, or None if any misses."""

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from optimized.batched_decode import apply_decode_items
 from optimized.coordinator import DEFAULT_MAX_NUM_REQS, make_coordinator
 from optimized.managers.full import partial_tail_boundary
 from optimized.request import Request
@@ -220,15 +221,32 @@ class KVCacheManager:
                 rows.append(row)
         idle = np.zeros(n, dtype=bool)
         if fast_idx:
-            idle[fast_idx] = ~self._pending_work(
-                [items[i] for i in fast_idx], np.asarray(rows, dtype=np.int64)
-            )
+            fast_items = [items[i] for i in fast_idx]
+            row_arr = np.asarray(rows, dtype=np.int64)
+            work, total, slots, raw_cache_tokens = self._pending_work(fast_items, row_arr)
+            idle[fast_idx] = ~work
+            if len(fast_idx) == n and work.any():
+                busy = np.flatnonzero(work)
+                applied = apply_decode_items(
+                    self,
+                    [fast_items[i].request for i in busy.tolist()],
+                    row_arr[busy],
+                    total[busy],
+                    slots[busy],
+                    raw_cache_tokens[busy],
+                )
+                if applied is not None:
+                    out: list[list[list[int]] | None] = [
+                        [[] for _ in range(self.num_groups)] for _ in range(n)
+                    ]
+                    for i, new_blocks in zip(busy.tolist(), applied):
+                        out[i] = new_blocks
+                    for i in np.flatnonzero(~work).tolist():
+                        self._settle_idle(items[i].request)
+                    return out
         for i, item in enumerate(items):
             if idle[i]:
-                request = item.request
-                self._known.add(request.request_id)
-                if request.status is not RequestStatus.FINISHED:
-                    request.status = RequestStatus.RUNNING
+                self._settle_idle(item.request)
                 results.append([[] for _ in range(self.num_groups)])
                 continue
             new_blocks = self.allocate_slots(
@@ -243,8 +261,15 @@ class KVCacheManager:
                 break
         return results
 
-    def _pending_work(self, items: Sequence[StepItem], rows: np.ndarray) -> np.ndarray:
-        """Per item (no hit, has a row): would ``allocate_slots`` change any group?"""
+    def _settle_idle(self, request: Request) -> None:
+        """What ``allocate_slots`` does to an item with nothing to free, allocate or cache."""
+        self._known.add(request.request_id)
+        if request.status is not RequestStatus.FINISHED:
+            request.status = RequestStatus.RUNNING
+
+    def _pending_work(self, items: Sequence[StepItem], rows: np.ndarray):
+        """Per item (no hit, has a row): would ``allocate_slots`` change any group? Also
+        returns the items' ``total``, ``slots`` and (unrounded) tokens to cache."""
         m = len(items)
         computed = np.empty(m, dtype=np.int64)
         new = np.empty(m, dtype=np.int64)
@@ -266,7 +291,7 @@ class KVCacheManager:
         total = np.minimum(computed, mml)
         main = total + new
         slots = np.minimum(main + lookahead, mml)
-        cache_tokens = np.minimum(total + new, num_tokens)
+        cache_tokens = raw_cache_tokens = np.minimum(total + new, num_tokens)
         if self.enable_caching and self.num_groups > 1:
             lcm = self.layout.scheduler_block_size
             cache_tokens = cache_tokens // lcm * lcm  # HybridCoordinator.num_cacheable_tokens
@@ -275,7 +300,7 @@ class KVCacheManager:
             work |= manager.pending_work(
                 rows, total, main, slots, cache_tokens, num_hashed, boundary
             )
-        return work
+        return work, total, slots, raw_cache_tokens
 
     # -- freeing ---------------------------------------------------------------
     def free(self, request: Request) -> None:

@@ -186,14 +186,14 @@ class SingleTypeKVCacheManager:
         hashes = hashes_at_block_size(
             request.block_hashes, request.hash_block_size, self.block_size
         )
-        blocks = self.table[row, num_cached:num_full].tolist()
-        pool = self.block_pool
-        bs = self.block_size
-        for k, block in enumerate(blocks):
-            if block == NULL_BLOCK_ID or (mask is not None and not mask[k]):
-                continue
-            i = num_cached + k
-            pool.cache_block(block, hashes[i], self.group_id, (i + 1) * bs)
+        self.block_pool.cache_full_blocks(
+            self.table[row, num_cached:num_full].tolist(),
+            hashes[num_cached:num_full],
+            self.group_id,
+            num_cached,
+            self.block_size,
+            mask,
+        )
         self.num_cached_block[row] = num_full
 
     # -- freeing -----------------------------------------------------------------
