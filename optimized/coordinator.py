@@ -186,9 +186,10 @@ class HybridCoordinator(KVCacheCoordinator):
             else:
                 self.spec_groups.append(SpecGroup(m.spec, [gid], type(m)))
         self.spec_groups.sort(key=lambda sg: not isinstance(sg.spec, FullAttentionSpec))
+        self.scheduler_block_size = layout.scheduler_block_size
 
     def num_cacheable_tokens(self, num_tokens: int) -> int:
-        s = self.layout.scheduler_block_size
+        s = self.scheduler_block_size
         return num_tokens // s * s
 
     def find_longest_cache_hit(
