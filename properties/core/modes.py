@@ -83,3 +83,25 @@ class ServingMode:
 
 #: The default mode (synchronous, ungated), for argument defaults.
 SYNC = ServingMode()
+
+
+#: The layout settings the ``production`` property can draw, which an engine factory
+#: opts into with a ``production_settings`` attribute (a subset; none by default, so an
+#: engine that does not implement them is never given them): ``retention``
+#: (``prefix_cache_retention_interval``), ``eagle`` (``use_eagle``, ``is_eagle_group``,
+#: ``num_hash_lookahead_tokens``) and ``admission_cap`` (``max_in_flight_tokens`` and a
+#: pool sized with the admission caps).
+PRODUCTION_SETTINGS: frozenset[str] = frozenset({"retention", "eagle", "admission_cap"})
+
+
+def production_settings(factory: object) -> frozenset[str]:
+    """The production layout settings ``factory`` declares (``factory.production_settings``),
+    checked against :data:`PRODUCTION_SETTINGS`; empty when it declares none."""
+    declared = frozenset(getattr(factory, "production_settings", ()) or ())
+    unknown = declared - PRODUCTION_SETTINGS
+    if unknown:
+        raise KVConformError(
+            f"production_settings names unknown settings {sorted(unknown)}; known: "
+            f"{', '.join(sorted(PRODUCTION_SETTINGS))}"
+        )
+    return declared

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from properties.core.engine import BlockIds, CachedBlock, CacheHit, EngineError, RequestInput
+from properties.core.modes import PRODUCTION_SETTINGS
 from reference.errors import KVConformError
 from reference.kv_cache_manager import ComputedBlocks, KVCacheManager
 from reference.layout import KVCacheLayout
@@ -136,3 +137,7 @@ class ReferenceEngine:
 
 def make_engine(layout: KVCacheLayout) -> ReferenceEngine:
     return ReferenceEngine(layout)
+
+
+#: Every production layout setting (``properties.core.modes.PRODUCTION_SETTINGS``).
+make_engine.production_settings = PRODUCTION_SETTINGS  # type: ignore[attr-defined]

@@ -71,6 +71,7 @@ from properties.core.engine import (
     RequestInput,
     quiet_loggers,
 )
+from properties.core.modes import PRODUCTION_SETTINGS
 from reference.layout import KVCacheLayout
 from reference.specs import (
     ChunkedLocalAttentionSpec,
@@ -458,3 +459,5 @@ KNOWN_DIVERGENCES = (
     ),
 )
 make_engine.known_divergences = KNOWN_DIVERGENCES  # type: ignore[attr-defined]
+#: The adapter bridges every production layout setting (retention, EAGLE, caps).
+make_engine.production_settings = PRODUCTION_SETTINGS  # type: ignore[attr-defined]

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
-from properties.core.modes import ServingMode
+from properties.core.modes import PRODUCTION_SETTINGS, ServingMode
 from properties.core.trace import (
     Abort,
     Arrive,
@@ -375,7 +375,10 @@ def _without_chunked_and_mamba(layout: KVCacheLayout) -> KVCacheLayout:
 
 @st.composite
 def production_layouts(
-    draw, base: st.SearchStrategy[KVCacheLayout], max_len: int = 128
+    draw,
+    base: st.SearchStrategy[KVCacheLayout],
+    max_len: int = 128,
+    settings: frozenset[str] = PRODUCTION_SETTINGS,
 ) -> KVCacheLayout:
     """``base`` with the production settings drawn on top, each with its own draws
     (after the base layout's, so the base stays as it was):

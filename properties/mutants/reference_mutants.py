@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from properties.core.modes import PRODUCTION_SETTINGS
 from properties.engines.reference import ReferenceEngine
 from reference.block_pool import BlockPool, KVCacheBlock
 from reference.coordinator import HybridCoordinator
@@ -765,6 +766,10 @@ MUTANT_INFO: dict[str, MutantInfo] = {
         ),
     )
 }
+
+for _mutant in MUTANT_INFO.values():
+    # a mutant is the reference with one bug: it takes every production setting
+    _mutant.factory.production_settings = PRODUCTION_SETTINGS  # type: ignore[attr-defined]
 
 #: Mutant name -> ``module:factory`` (for ``--engine``).
 MUTANTS: dict[str, str] = {name: info.target for name, info in MUTANT_INFO.items()}

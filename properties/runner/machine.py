@@ -30,11 +30,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from properties.checks.lockstep import LockstepEngine
 from properties.checks.registry import PropertyViolation
 from properties.core.engine import (
+    ExposesDataPlane,
     SupportsServingModes,
     UnsupportedLayoutError,
     load_engine_factory,
 )
-from properties.core.modes import SYNC, ServingMode
+from properties.core.modes import SYNC, ServingMode, production_settings
 from properties.core.trace import Arrive, Operation, ResetPrefixCache, Trace
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
@@ -101,7 +102,8 @@ class TraceRun:
         if config.attention:
             from properties.checks.attention import AttentionChecker
 
-            self.attention = AttentionChecker(layout)
+            plane = engine if isinstance(engine, ExposesDataPlane) else None
+            self.attention = AttentionChecker(layout, data_plane=plane)
         self.mode = SYNC
         self.scheduler = Scheduler(self.lockstep, layout, on_scheduled=self._on_scheduled)
         self.operations: list[Operation] = []
@@ -312,7 +314,9 @@ def layout_strategy(config: CheckConfig, factory: Callable | None = None):
     else:
         strategy = kvst.any_layouts(max_len=config.max_len)
     if config.production and config.preset is None:
-        strategy = kvst.production_layouts(strategy, max_len=config.max_len)
+        strategy = kvst.production_layouts(
+            strategy, max_len=config.max_len, settings=production_settings(factory)
+        )
     known = known_divergences(factory)
     if known:
         strategy = strategy.filter(lambda layout: not any(d.applies(layout) for d in known))
