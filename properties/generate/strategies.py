@@ -393,19 +393,24 @@ def production_layouts(
       the per-request admission caps of windowed groups (the pool is then redrawn
       with those bounds, as vLLM sizes it at startup).
 
-    Example: gpt-oss (SWA + full) may come out sparse, EAGLE on the full group only,
-    ``L = 0``.
+    Only the ``settings`` named (:data:`properties.core.modes.PRODUCTION_SETTINGS`: the
+    ones the engine declares) are drawn. Example: gpt-oss (SWA + full) may come out
+    sparse, EAGLE on the full group only, ``L = 0``.
     """
     layout = draw(base)
-    eagle = draw(st.sampled_from((False, True, True)), label="eagle")
+    eagle = "eagle" in settings and draw(st.sampled_from((False, True, True)), label="eagle")
     if eagle:
         layout = _without_chunked_and_mamba(layout)
-    retention = draw(retention_intervals(layout), label="retention interval")
+    if "retention" in settings:
+        retention = draw(retention_intervals(layout), label="retention interval")
+        layout = dataclasses.replace(layout, prefix_cache_retention_interval=retention)
     unit = layout.scheduler_block_size
-    in_flight = draw(st.sampled_from((unit, None, 2 * unit, unit)), label="max in-flight tokens")
-    layout = dataclasses.replace(
-        layout, prefix_cache_retention_interval=retention, max_in_flight_tokens=in_flight
-    )
+    in_flight = None
+    if "admission_cap" in settings:
+        in_flight = draw(
+            st.sampled_from((unit, None, 2 * unit, unit)), label="max in-flight tokens"
+        )
+        layout = dataclasses.replace(layout, max_in_flight_tokens=in_flight)
     if in_flight is not None:
         # a tight pool sized as vLLM sizes it: one request of max_model_len fits with
         # its windowed groups at their admission bound, two do not

@@ -104,3 +104,18 @@ def test_drafts_roll_back_rejected_tokens() -> None:
     assert state.num_computed_tokens == 9 + a
     assert state.num_generated == 1 + a + 1
     assert run.lockstep.engine.get_block_ids("r0") == ((1, 2, 3),)
+
+
+def test_production_settings_are_opt_in() -> None:
+    from properties.core.engine import load_engine_factory
+    from properties.core.modes import PRODUCTION_SETTINGS, production_settings
+    from reference.errors import KVConformError
+
+    def bare(layout):  # an engine that declares nothing gets none of them
+        raise AssertionError
+
+    assert production_settings(bare) == frozenset()
+    assert production_settings(load_engine_factory("reference")) == PRODUCTION_SETTINGS
+    bare.production_settings = {"retention", "speculative"}
+    with pytest.raises(KVConformError, match="unknown settings \\['speculative'\\]"):
+        production_settings(bare)
