@@ -165,6 +165,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         attention=args.attention,
         seed=args.seed,
         failure_dir=args.failure_dir,
+        production=args.production,
     )
 
 
@@ -237,6 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--preset", default=None)
     p.add_argument("--attention", action="store_true")
+    p.add_argument(
+        "--production",
+        action="store_true",
+        help="fuzz the production property (deployed settings and serving modes)",
+    )
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=cmd_fuzz)
 

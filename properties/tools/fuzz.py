@@ -61,6 +61,7 @@ def run_campaign(
     attention: bool = False,
     seed: int | None = None,
     failure_dir: str = DEFAULT_FAILURE_DIR,
+    production: bool = False,
 ) -> int:
     """Fuzz ``engine`` for ``minutes`` in ``workers`` processes; the exit code."""
     if minutes <= 0 or workers < 1:
@@ -72,7 +73,7 @@ def run_campaign(
         return 2
     load_engine_factory(engine)  # a bad --engine fails here, with a clear message
     config = CheckConfig(engine=engine, level=level, preset=preset, failure_dir=failure_dir)
-    prop = "attention" if attention else "invariants"
+    prop = "attention" if attention else "production" if production else "invariants"
     base_seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
     print(
         f"kvconform fuzz: engine={engine} level={level} workers={workers} "
