@@ -231,7 +231,7 @@ class Scheduler:
                 first_try = False
                 if new is not None:
                     break
-                victim = self._victim()
+                victim = self._victim(i)
                 if victim is None:
                     break
                 self._preempt(victim)
@@ -280,12 +280,13 @@ class Scheduler:
             self._run(record)
         return record
 
-    def _victim(self) -> str | None:
+    def _victim(self, current: int) -> str | None:
         """The request to preempt: the newest running one (asynchronous scheduling: the
-        newest with nothing in flight, or None)."""
+        newest with nothing in flight among those not scheduled yet in this step, from
+        index ``current`` on, or None)."""
         if not self.mode.async_scheduling:
             return self.running[-1]
-        idle = [r for r in self.running if self.requests[r].num_in_flight == 0]
+        idle = [r for r in self.running[current:] if self.requests[r].num_in_flight == 0]
         return idle[-1] if idle else None
 
     def _end(self, state: RequestState) -> int:

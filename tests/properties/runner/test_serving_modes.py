@@ -119,3 +119,18 @@ def test_production_settings_are_opt_in() -> None:
     bare.production_settings = {"retention", "speculative"}
     with pytest.raises(KVConformError, match="unknown settings \\['speculative'\\]"):
         production_settings(bare)
+
+
+def test_async_never_preempts_a_request_scheduled_earlier_in_the_step() -> None:
+    # full bs 2, 5 blocks (4 free). Step 1 prefills a (2 tokens, 1 block) and b (4
+    # tokens, 2 blocks). Step 2 processes nothing yet for a's planning... a (in flight)
+    # and b (in flight) cannot be preempted; c waits. Nothing scheduled in a step may be
+    # freed by a later allocation failure of the same step.
+    layout = _layout(FullAttentionSpec(block_size=2), num_blocks=5)
+    run = _run(layout)
+    run.apply(Arrive("a", (1, 2), (3, 4, 5, 6)))
+    run.apply(Arrive("b", (1, 2, 3, 4), (5, 6, 7, 8)))
+    for _ in range(6):
+        rec = run.apply(Step(8))
+        scheduled = {s.request_id for s in rec.scheduled}
+        assert not scheduled & set(rec.preempted)
