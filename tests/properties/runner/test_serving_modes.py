@@ -122,10 +122,11 @@ def test_production_settings_are_opt_in() -> None:
 
 
 def test_async_never_preempts_a_request_scheduled_earlier_in_the_step() -> None:
-    # full bs 2, 5 blocks (4 free). Step 1 prefills a (2 tokens, 1 block) and b (4
-    # tokens, 2 blocks). Step 2 processes nothing yet for a's planning... a (in flight)
-    # and b (in flight) cannot be preempted; c waits. Nothing scheduled in a step may be
-    # freed by a later allocation failure of the same step.
+    # full bs 2, 5 blocks (4 free): two requests that decode until the pool runs out.
+    # Under asynchronous scheduling a request scheduled earlier in a step has no tokens
+    # in flight yet while the step is being planned; it must still never be chosen as
+    # the victim of a later allocation failure of the same step (its planned tokens
+    # would read freed blocks).
     layout = _layout(FullAttentionSpec(block_size=2), num_blocks=5)
     run = _run(layout)
     run.apply(Arrive("a", (1, 2), (3, 4, 5, 6)))
