@@ -97,7 +97,14 @@ class Checker:
         num_lookahead_tokens: int,
     ) -> None:
         if result is None:
-            failed = FailedAllocationEvent(request_id, hit, before, tables_before)
+            tracked = self.state.requests.get(request_id)
+            computed = tracked.num_computed_tokens if tracked is not None else 0
+            hit_tokens = hit.num_tokens if hit is not None else 0
+            slots = min(
+                computed + hit_tokens + num_new_tokens + num_lookahead_tokens,
+                self.state.layout.max_model_len,
+            )
+            failed = FailedAllocationEvent(request_id, hit, before, tables_before, slots)
             self._run("failed_allocation", failed)
             self.check_pool()
             return

@@ -241,6 +241,31 @@ def failed_allocation(state: CheckState, event: FailedAllocationEvent) -> str | 
     return None
 
 
+def allocation_fits(state: CheckState, event: FailedAllocationEvent) -> str | None:
+    """A2: an allocation without a prefix hit whose blocks fit in the free count does
+    not fail. A group needs at most ``cdiv(slots, bs) - len(row)`` new blocks for
+    ``slots`` slots (fewer when a window frees blocks first); with one shared pool the
+    sum over groups must not exceed ``num_free_blocks()`` before the call.
+
+    Example: one full group, bs 4, a row of 2 blocks, 3 free: 12 slots need at most
+    ``3 - 2 = 1`` block, so ``None`` is a violation.
+    """
+    if event.hit is not None and event.hit.num_tokens > 0:
+        return None  # adopting a hit may cost more (evictable blocks; Mamba same step)
+    rows = event.tables_before or tuple(() for _ in state.layout.groups)
+    need = sum(
+        max(0, cdiv(event.num_slots, g.spec.block_size) - len(row))
+        for g, row in zip(state.layout.groups, rows)
+    )
+    free = event.before[0]
+    if need <= free:
+        return (
+            f"allocate_slots({event.request_id!r}) for {event.num_slots} slots returned None, "
+            f"but it needs at most {need} new blocks and {free} were free"
+        )
+    return None
+
+
 # ---------------------------------------------------------------------------
 # Free and reset (F1, R1)
 
@@ -286,6 +311,20 @@ def pool_accounting(state: CheckState, event: PoolEvent) -> str | None:
     if event.num_free + len(held) > n - 1:
         return f"{event.num_free} free + {len(held)} held by requests > {n - 1} blocks"
     return None
+
+
+def idle_pool_free(state: CheckState, event: PoolEvent) -> str | None:
+    """I7: with no request holding blocks, every block is free or reclaimable: the free
+    count is back to the fresh engine's (``num_blocks - 1`` for one shared pool).
+
+    Example: 15 blocks, every request freed, ``num_free_blocks() == 13``: a block leaked.
+    """
+    if event.tables or event.num_free == state.initial_free:
+        return None
+    return (
+        f"no request holds blocks, but {event.num_free} blocks are free or reclaimable; "
+        f"the fresh engine had {state.initial_free}"
+    )
 
 
 def ref_counts_match_owners(state: CheckState, event: PoolEvent) -> str | None:

@@ -66,6 +66,8 @@ class CheckState:
         self.has_free_queue = isinstance(engine, ExposesFreeQueue)
         self.has_cached = isinstance(engine, ExposesCachedBlocks)
         self.alignment = layout.cache_hit_alignment
+        #: the free count of the fresh engine: every block free or reclaimable
+        self.initial_free = engine.num_free_blocks()
 
     def capabilities(self) -> frozenset[str]:
         """The optional capabilities the engine offers (names as in the registry)."""
@@ -120,10 +122,14 @@ class AllocateEvent:
 
 @dataclass(frozen=True)
 class FailedAllocationEvent:
+    """``allocate_slots`` returned None; ``num_slots`` is the slot count it asked for
+    (computed + hit + new + lookahead tokens, at most ``max_model_len``)."""
+
     request_id: str
     hit: CacheHit | None
     before: Snapshot
     tables_before: BlockIds | None
+    num_slots: int = 0
 
 
 @dataclass(frozen=True)

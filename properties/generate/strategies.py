@@ -339,9 +339,96 @@ def preset_layouts(
     return dataclasses.replace(sizing, num_blocks=num_blocks)
 
 
+@st.composite
+def small_block_hybrids(draw, max_len: int = 256) -> KVCacheLayout:
+    """A hybrid where a windowed group's block size is smaller than the hit alignment.
+
+    One "coarse" group (full attention, or a second sliding window, or nothing) has
+    block size ``A`` in ``{4, 8, 16}``; a sliding-window group has ``A / k`` (``k`` in
+    ``{2, 4}``), so its hit search must stop at aligned ends and its cached blocks are
+    masked per segment; a Mamba group (block size ``gcd``) joins a third of the time.
+    Example: full bs 8 + sliding window bs 2 (w 5): alignment 8, the window's hit must
+    end on a block whose end is a multiple of 8.
+    """
+    coarse = draw(st.sampled_from((4, 8, 16)))
+    fine = coarse // draw(st.sampled_from((2, 4)))
+    partners = (("full",), ("sliding_window",), ("sliding_window", "mamba"), ("full", "mamba"))
+    kinds = ["sliding_window", *draw(st.sampled_from(partners))]
+    # the partner attention group has the coarse size; Mamba the hash block size
+    sizes = [fine, coarse] + [fine] * (len(kinds) - 2)
+    order = draw(st.permutations(range(len(kinds))))
+    kinds = [kinds[i] for i in order]
+    sizes = [sizes[i] for i in order]
+    return draw(_layout_of(kinds, sizes, max_len, min_len=2 * coarse))
+
+
+@st.composite
+def _layout_of(
+    draw,
+    kinds: Sequence[str],
+    sizes: Sequence[int],
+    max_len: int,
+    min_len: int = 1,
+    enable_caching: bool = True,
+    tight_pool: bool = False,
+) -> KVCacheLayout:
+    """A layout with these group kinds and block sizes (pages unified as in
+    :func:`layouts`); ``tight_pool`` draws only pools that fit about one request."""
+    lcm = math.lcm(*sizes)
+    page = 64 * lcm
+    groups = tuple(
+        KVCacheGroup((f"layer.{i}",), draw(_kind_specs(kind, bs, page)))
+        for i, (kind, bs) in enumerate(zip(kinds, sizes))
+    )
+    low = max(lcm, min(min_len, max_len))
+    max_model_len = draw(st.integers(low, max(low, max_len)))
+    sizing = KVCacheLayout(
+        groups=groups, num_blocks=2, max_model_len=max_model_len, enable_caching=enable_caching
+    )
+    if tight_pool:
+        need = _blocks_one_request_needs(sizing)
+        num_blocks = draw(st.integers(max(5, need + 1), max(5, need + 3)))
+    else:
+        num_blocks = draw(pool_sizes(sizing))
+    return dataclasses.replace(sizing, num_blocks=num_blocks)
+
+
+@st.composite
+def tight_pool_layouts(draw, max_len: int = 256) -> KVCacheLayout:
+    """One or two groups with a pool that holds about one request: cached blocks must
+    be evicted for new ones and hits re-adopted from the free queue (the
+    allocation-failure and eviction paths)."""
+    kinds = draw(
+        st.sampled_from(
+            (("full",), ("sliding_window",), ("full", "sliding_window"), ("full", "mamba"))
+        )
+    )
+    bs = draw(st.sampled_from((1, 2, 4)))
+    return draw(_layout_of(kinds, [bs] * len(kinds), min(max_len, 48), tight_pool=True))
+
+
+def uncached_layouts(max_len: int = 256) -> st.SearchStrategy[KVCacheLayout]:
+    """Layouts with prefix caching off (no hits, nothing registered)."""
+    return layouts(max_groups=3, max_len=max_len, enable_caching=False)
+
+
+def targeted_layouts(max_len: int = 256) -> st.SearchStrategy[KVCacheLayout]:
+    """Layouts built to reach particular rules on purpose: sliding windows finer than
+    the hit alignment, tight pools, prefix caching off."""
+    return st.one_of(
+        small_block_hybrids(max_len=max_len),
+        tight_pool_layouts(max_len=max_len),
+        uncached_layouts(max_len=max_len),
+    )
+
+
 def any_layouts(max_len: int = 256) -> st.SearchStrategy[KVCacheLayout]:
-    """Generated layouts or presets, generated first (they shrink better)."""
-    return st.one_of(layouts(max_len=max_len), preset_layouts(max_len=max_len))
+    """The scenario mix: generated layouts half the time (drawn first: they shrink
+    best), presets and :func:`targeted_layouts` a quarter each."""
+    generated = layouts(max_len=max_len)
+    return st.one_of(
+        generated, preset_layouts(max_len=max_len), generated, targeted_layouts(max_len)
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -407,9 +494,13 @@ def prompts(
 
 @st.composite
 def outputs(draw, layout: KVCacheLayout, max_len: int) -> tuple[int, ...]:
-    """The tokens a request will decode: ``0..min(max_len, 2 * lcm + 4)`` tokens."""
+    """The tokens a request will decode: ``0..min(max_len, 2 * lcm + 4)`` tokens, or a
+    quarter of the time a long decode of up to ``min(max_len, 24)`` tokens (it crosses
+    windows, chunks and Mamba state blocks one token per step)."""
     longest = max(0, min(max_len, 2 * layout.scheduler_block_size + 4))
-    length = draw(st.integers(0, longest))
+    short = st.integers(0, longest)
+    long = st.integers(0, max(0, min(max_len, 24)))
+    length = draw(st.one_of(short, short, short, long))
     return random_tokens(draw(_seeds), length)
 
 
@@ -426,6 +517,42 @@ def request_inputs(
         output=output,
         cache_salt=draw(cache_salts()),
         lora_name=draw(lora_names()),
+    )
+
+
+def boundaries(layout: KVCacheLayout, length: int) -> tuple[int, ...]:
+    """Cut points ``1..length`` at and next to every group's block boundary and the hit
+    alignment. Example: block sizes 2 and 4, length 9 -> 1, 2, 3, 4, 5, 6, 7, 8, 9."""
+    sizes = {g.spec.block_size for g in layout.groups} | {layout.cache_hit_alignment}
+    cuts = {
+        k * bs + d
+        for bs in sizes
+        for k in range(1, length // bs + 1)
+        for d in (-1, 0, 1)
+        if 1 <= k * bs + d <= length
+    }
+    return tuple(sorted(cuts)) or (length,)
+
+
+@st.composite
+def resend_ops(draw, layout: KVCacheLayout, old: Arrive, request_id: str) -> Arrive:
+    """An earlier prompt again: a retry (the same prompt), the next turn of a chat (the
+    prompt, its output and a few new tokens), or the prompt cut at or next to a block
+    boundary (:func:`boundaries`), with the same or another salt."""
+    room = layout.max_model_len - len(old.prompt)
+    kind = draw(st.sampled_from(("same", "turn", "turn+", "cut")), label="resend kind")
+    if kind == "cut" and len(old.prompt) > 1:
+        prompt = old.prompt[: draw(st.sampled_from(boundaries(layout, len(old.prompt))))]
+    else:
+        extension = {"turn": old.output, "turn+": old.output + (1, 2, 3)}.get(kind, ())
+        prompt = old.prompt + extension[: max(0, room - 1)]
+    room = layout.max_model_len - len(prompt)
+    return Arrive(
+        request_id,
+        prompt,
+        old.output[: max(0, min(room, 4))],
+        draw(st.sampled_from((old.cache_salt, None, "s2"))),
+        old.lora_name,
     )
 
 

@@ -80,7 +80,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def cacheable_block_mask(self, start: int, end: int) -> list[bool] | None:
         assert isinstance(self.spec, SlidingWindowSpec)
-        if self.cache_hit_alignment % self.block_size != 0:
+        if self.cache_hit_alignment % self.block_size != 0:  # pragma: no cover - lcm of sizes
             return None
         per_segment = self.cache_hit_alignment // self.block_size
         need = blocks_needed_for_hit(self.spec)
