@@ -193,9 +193,11 @@ class BlockPool:
         if block.is_null:
             return
         if block.cache_key is not None:
-            if block.num_cached_tokens >= num_tokens:
+            # a partial-tail key only lands on a block already registered in full (the
+            # request's hashes cover every cacheable token), so no promotion happens
+            if block.num_cached_tokens >= num_tokens:  # pragma: no branch - see above
                 return
-            self._evict(block)
+            self._evict(block)  # pragma: no cover - see above
         key = cache_key(block_hash, group_id)
         block.cache_key = key
         block.num_cached_tokens = num_tokens

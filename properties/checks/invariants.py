@@ -61,15 +61,16 @@ def lookup_no_side_effects(state: CheckState, event: LookupEvent) -> str | None:
         return (
             f"get_computed_blocks({event.request.request_id!r}) changed the free count, ref "
             f"counts or free queue: before {event.before[0]} free, after "
-            f"{state.engine.num_free_blocks()}"
+            f"{state.num_free()}"
         )
     return None
 
 
 def hit_bounds(state: CheckState, event: LookupEvent) -> str | None:
-    """H1: ``0 <= hit <= num_tokens - 1`` and a multiple of the hit alignment."""
+    """H1: ``0 <= hit <= num_tokens - 1`` and a multiple of the hit alignment; with
+    prefix caching off, no hit at all."""
     n = event.hit.num_tokens
-    cap = len(event.request.token_ids) - 1
+    cap = len(event.request.token_ids) - 1 if state.layout.enable_caching else 0
     if n > cap or n < 0 or n % state.alignment:
         return (
             f"request {event.request.request_id!r}: hit of {n} tokens is not a "
@@ -123,12 +124,15 @@ def hit_soundness(state: CheckState, event: LookupEvent) -> str | None:
 
 
 def hit_maximality(state: CheckState, event: LookupEvent) -> str | None:
-    """H3: no longer aligned hit is servable by every group from the cached blocks."""
+    """H3: no longer aligned hit is servable by every group from the cached blocks
+    (with prefix caching off there is no hit to find)."""
+    if not state.layout.enable_caching:
+        return None
     req = event.request
     best = brute_force_longest_hit(
         state.layout,
         state.shadow,
-        state.engine.cached_blocks(),
+        state.cached_blocks(),
         req.ids,
         len(req.token_ids) - 1,
         state.alignment,
@@ -230,7 +234,7 @@ def failed_allocation(state: CheckState, event: FailedAllocationEvent) -> str | 
                 )
     before_refs = event.before[1]
     if event.hit is not None and state.has_ref_counts and before_refs is not None:
-        refs = state.engine.ref_counts()
+        refs = state.ref_counts()
         for gid, table in enumerate(event.hit.block_ids):
             for b in table:
                 if b != 0 and refs.get(b) != before_refs.get(b):
@@ -289,7 +293,7 @@ def reset_prefix_cache(state: CheckState, event: ResetEvent) -> str | None:
         return f"reset_prefix_cache succeeded while {holders} hold blocks"
     if not event.ok and not holders:
         return "reset_prefix_cache failed with no request holding blocks"
-    if event.ok and state.has_cached and state.engine.cached_blocks():
+    if event.ok and state.has_cached and state.cached_blocks():
         return "blocks are still cached after a successful reset"
     return None
 
@@ -303,7 +307,7 @@ def pool_accounting(state: CheckState, event: PoolEvent) -> str | None:
     counts, free + blocks held by requests never exceeds it."""
     n = state.layout.num_blocks
     if state.has_ref_counts:
-        used = sum(1 for c in state.engine.ref_counts().values() if c > 0)
+        used = sum(1 for c in state.ref_counts().values() if c > 0)
         if event.num_free + used != n - 1:
             return f"{event.num_free} free + {used} in use != {n - 1} blocks (null block excluded)"
         return None
@@ -335,7 +339,7 @@ def ref_counts_match_owners(state: CheckState, event: PoolEvent) -> str | None:
             for b in row:
                 if b != 0:
                     owners[b] = owners.get(b, 0) + 1
-    for b, c in state.engine.ref_counts().items():
+    for b, c in state.ref_counts().items():
         if c != owners.get(b, 0):
             holders = [
                 (rid, g) for rid, t in event.tables.items() for g, row in enumerate(t) if b in row
@@ -346,8 +350,8 @@ def ref_counts_match_owners(state: CheckState, event: PoolEvent) -> str | None:
 
 def free_queue_contents(state: CheckState, event: PoolEvent) -> str | None:
     """I2: the free queue holds exactly the non-null blocks with ref count 0, once each."""
-    queue = state.engine.free_queue()
-    zero = {b for b, c in state.engine.ref_counts().items() if c == 0}
+    queue = state.free_queue()
+    zero = {b for b, c in state.ref_counts().items() if c == 0}
     free = event.num_free
     if len(queue) != len(set(queue)) or 0 in queue or set(queue) != zero or len(queue) != free:
         dups = sorted({b for b in queue if queue.count(b) > 1})

@@ -31,7 +31,15 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from properties.checks.lockstep import LockstepEngine
 from properties.checks.registry import PropertyViolation
 from properties.core.engine import UnsupportedLayoutError, load_engine_factory
-from properties.core.trace import Arrive, Operation, ResetPrefixCache, Step, Trace
+from properties.core.trace import (
+    Abort,
+    Arrive,
+    Operation,
+    Preempt,
+    ResetPrefixCache,
+    Step,
+    Trace,
+)
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
 from properties.runner.scheduler import Scheduler, StepRecord
@@ -206,7 +214,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         """An earlier prompt again (a retry, or the next turn of a chat: the old prompt
         and its output plus a few new tokens), with the same or another salt."""
         assert self.run is not None
-        old = data.draw(st.sampled_from(self.sent), label="resent request")
+        old = self.sent[data.draw(st.integers(0, len(self.sent) - 1), label="resent request")]
         op = data.draw(kvst.resend_ops(self.run.layout, old, f"r{self.next_id}"), label="resend")
         self.next_id += 1
         self.sent.append(op)
@@ -215,13 +223,13 @@ class KVCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.sent))
     @rule(data=st.data())
     def burst(self, data: st.DataObject) -> None:
-        """Two resends of one earlier prompt (each cut, extended or retried) scheduled in
-        one step with a budget for both: the second looks up what the first registers in
-        the same step (same-step Mamba states, two blocks under one key)."""
+        """An earlier prompt cut at a multiple of the hit alignment, then that prompt and
+        a few new tokens, scheduled in one step with a budget for both: the second looks
+        up what the first registers in the same step (a same-step Mamba state must be
+        refused; two blocks end up under one key)."""
         assert self.run is not None
-        old = data.draw(st.sampled_from(self.sent), label="burst of")
-        for _ in range(2):
-            op = data.draw(kvst.resend_ops(self.run.layout, old, f"r{self.next_id}"))
+        old = self.sent[data.draw(st.integers(0, len(self.sent) - 1), label="burst of")]
+        for op in kvst.burst_ops(self.run.layout, old, self.next_id):
             self.next_id += 1
             self.sent.append(op)
             self._apply(op)
@@ -242,13 +250,14 @@ class KVCacheMachine(RuleBasedStateMachine):
     def abort(self, data: st.DataObject) -> None:
         assert self.run is not None
         live = sorted(self.run.scheduler.requests)
-        self._apply(data.draw(kvst.abort_ops(live), label="abort"))
+        self._apply(Abort(live[data.draw(st.integers(0, len(live) - 1), label="abort")]))
 
     @precondition(lambda self: self.run is not None and bool(self.run.scheduler.running))
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
         assert self.run is not None
-        self._apply(data.draw(kvst.preempt_ops(list(self.run.scheduler.running)), label="preempt"))
+        running = self.run.scheduler.running
+        self._apply(Preempt(running[data.draw(st.integers(0, len(running) - 1), label="preempt")]))
 
     @rule()
     def reset_prefix_cache(self) -> None:
@@ -270,7 +279,7 @@ class Reach:
         for item in record.scheduled:
             self.longest_hit = max(self.longest_hit, item.hit_tokens)
             self.blocks_allocated += sum(len(g) for g in item.new_block_ids)
-        free = run.lockstep.num_free_blocks()
+        free = run.lockstep.checker.state.num_free()
         self.min_free = free if self.min_free is None else min(self.min_free, free)
 
     def report(self, layout: KVCacheLayout) -> None:

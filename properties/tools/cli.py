@@ -223,6 +223,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         attention=args.attention,
         seed=args.seed,
         failure_dir=args.failure_dir,
+        shrink_seconds=args.shrink_seconds,
+        coverage=args.coverage,
     )
 
 
@@ -271,12 +273,14 @@ def shrink_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def coverage_args(p: argparse.ArgumentParser) -> None:
+def coverage_args(p: argparse.ArgumentParser, gate: bool = True) -> None:
     p.add_argument(
         "--coverage",
         action="store_true",
         help="report which rules of reference/ the run exercised (branch coverage)",
     )
+    if not gate:
+        return
     p.add_argument(
         "--coverage-gate",
         action="store_true",
@@ -323,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", action="store_true")
     p.add_argument("--seed", type=int, default=None)
     shrink_args(p)
-    coverage_args(p)
+    coverage_args(p, gate=False)
     p.set_defaults(func=cmd_fuzz)
 
     p = sub.add_parser("replay", help="replay one trace and show the first failure")

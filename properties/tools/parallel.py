@@ -61,6 +61,24 @@ def _start_coverage(coverage_dir: str) -> None:
     _WORKER_COVERAGE.start()
 
 
+def fuzz_worker(coverage_dir: str, config_fields: dict, *args) -> None:
+    """``kvconform fuzz --coverage``: one campaign worker, measured from its start (the
+    configuration comes as plain fields so that unpickling imports no reference)."""
+    _start_coverage(coverage_dir)
+    try:
+        from properties.runner.config import CheckConfig
+        from properties.tools.fuzz import _worker
+
+        index, base_seed, deadline, prop, out, shrink_seconds = args
+        config = CheckConfig(**config_fields)
+        _worker(
+            index, base_seed, deadline, config, prop, out, shrink_seconds, _WORKER_COVERAGE.save
+        )
+    finally:
+        _WORKER_COVERAGE.stop()
+        _WORKER_COVERAGE.save()
+
+
 def run_task(task: PropertyTask, factory=None):
     """Run one task in this process; a first failure is announced
     (:func:`announce_first_failure`) the moment it is found. In a measuring worker the
