@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from hypothesis import assume, note, target
 from hypothesis import strategies as st
+from hypothesis.control import current_build_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from properties.checks.lockstep import LockstepEngine
@@ -174,7 +175,8 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def _apply(self, op: Operation) -> None:
         assert self.run is not None
-        note(f"op: {op!r}")
+        if current_build_context().is_final:
+            note(f"op: {op!r}")
         stats = type(self).stats
         try:
             record = self._guard(lambda: self.run.apply(op))
