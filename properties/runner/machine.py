@@ -31,7 +31,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from properties.checks.lockstep import LockstepEngine
 from properties.checks.registry import PropertyViolation
-from properties.core.engine import UnsupportedLayoutError, load_engine_factory
+from properties.core.engine import (
+    ExposesDataPlane,
+    UnsupportedLayoutError,
+    load_engine_factory,
+)
 from properties.core.trace import (
     Abort,
     Arrive,
@@ -84,7 +88,8 @@ class TraceRun:
         if config.attention:
             from properties.checks.attention import AttentionChecker
 
-            self.attention = AttentionChecker(layout)
+            plane = engine if isinstance(engine, ExposesDataPlane) else None
+            self.attention = AttentionChecker(layout, data_plane=plane)
         self.scheduler = Scheduler(self.lockstep, layout, on_scheduled=self._on_scheduled)
         self.operations: list[Operation] = []
 
