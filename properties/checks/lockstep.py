@@ -300,16 +300,18 @@ class LockstepEngine:
                     )
                 if expected is not None and _ids(expected) != _ids(result):
                     self._diverge(f"new blocks of {call}", _ids(expected), _ids(result))
-        for item, result in zip(items, results):
+        taken = 0  # blocks the earlier items of the batch got: a lower bound of the free
+        for item, result in zip(items, results):  # count each later item met (A2)
             self.checker.on_allocate(
                 item.request_id,
                 item.num_new_tokens,
                 None,
                 result,
-                before,
+                (before[0] - taken, *before[1:]),
                 tables_before.get(item.request_id),
                 item.num_lookahead_tokens,
             )
+            taken += sum(len(g) for g in result or ())
             self._compare_state(f"{what} (request {item.request_id!r})", item.request_id)
         return results
 
