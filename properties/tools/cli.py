@@ -30,7 +30,6 @@ from properties.core.constants import (
     PROFILES,
     PROPERTIES,
 )
-from properties.core.engine import EngineError
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -363,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTHONHASHSEED", "0")
+    # imported here, not at the top: a --coverage worker re-imports this module before
+    # it starts measuring, and must not have imported the reference yet
+    from properties.core.engine import EngineError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -28,10 +28,10 @@ from properties.runner.config import CheckConfig
 
 
 def _worker(
+    config: CheckConfig,
     index: int,
     base_seed: int,
     deadline: float,
-    config: CheckConfig,
     prop: str,
     out: mp.Queue,
     shrink_seconds: float | None = None,
@@ -68,15 +68,16 @@ def _worker(
 
 def _worker_process(ctx, coverage_dir: str | None, args: tuple, shrink_seconds: float | None):
     """A campaign worker; with ``coverage_dir``, measured from its start."""
-    if coverage_dir is None:
-        return ctx.Process(target=_worker, args=(*args, shrink_seconds), daemon=True)
-    from properties.tools.parallel import fuzz_worker
-
     index, base_seed, deadline, config, prop, out = args
+    worker_args = (index, base_seed, deadline, prop, out, shrink_seconds)
+    if coverage_dir is None:
+        return ctx.Process(target=_worker, args=(config, *worker_args), daemon=True)
+    from properties.tools.parallel import measured_worker
+
     fields = dataclasses.asdict(config)
     return ctx.Process(
-        target=fuzz_worker,
-        args=(coverage_dir, fields, index, base_seed, deadline, prop, out, shrink_seconds),
+        target=measured_worker,
+        args=(coverage_dir, f"{__name__}:_worker", fields, *worker_args),
         daemon=True,
     )
 

@@ -20,6 +20,7 @@ Worked example::
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 from collections.abc import Sequence
@@ -61,19 +62,21 @@ def _start_coverage(coverage_dir: str) -> None:
     _WORKER_COVERAGE.start()
 
 
-def fuzz_worker(coverage_dir: str, config_fields: dict, *args) -> None:
-    """``kvconform fuzz --coverage``: one campaign worker, measured from its start (the
-    configuration comes as plain fields so that unpickling imports no reference)."""
+def measured_worker(coverage_dir: str, target: str, config_fields: dict, *args) -> None:
+    """A process target measured from its start (``kvconform fuzz --coverage``).
+
+    ``target`` names the worker function as ``module:function`` and the configuration
+    comes as plain fields: unpickling a function or a ``CheckConfig`` would import the
+    reference before measuring starts. The worker is called as
+    ``function(config, *args, after_round=save)``; the data is saved after every round.
+    """
     _start_coverage(coverage_dir)
     try:
         from properties.runner.config import CheckConfig
-        from properties.tools.fuzz import _worker
 
-        index, base_seed, deadline, prop, out, shrink_seconds = args
-        config = CheckConfig(**config_fields)
-        _worker(
-            index, base_seed, deadline, config, prop, out, shrink_seconds, _WORKER_COVERAGE.save
-        )
+        module, name = target.split(":")
+        function = getattr(importlib.import_module(module), name)
+        function(CheckConfig(**config_fields), *args, after_round=_WORKER_COVERAGE.save)
     finally:
         _WORKER_COVERAGE.stop()
         _WORKER_COVERAGE.save()
