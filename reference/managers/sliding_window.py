@@ -87,6 +87,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 break
         if not found_run:
             out = [lst[:run] for lst in out]
+            # a run starts only on an aligned block end (above), so [0, run) is aligned
             while bs != alignment and (len(out[0]) * bs) % alignment != 0:
                 out = [lst[:-1] for lst in out]
         if drop_eagle and out[0]:
