@@ -134,11 +134,10 @@ class KVCacheCoordinator:
             m.add_local_computed_blocks(
                 request_id, hit_blocks[i], num_local_computed_tokens, num_external_computed_tokens
             )
-        if num_external_computed_tokens <= 0:  # pragma: no branch - see below
+        if num_external_computed_tokens <= 0:
             return [[] for _ in self.managers]
-        # external computed tokens: tests/reference/test_production_modes.py; the machine
-        # does not drive a KV connector yet (docs/vllm-behaviour.md section (p))
-        return [  # pragma: no cover
+        # external computed tokens (the machine's external_hits mode, a host tier)
+        return [
             m.allocate_external_computed_blocks(
                 request_id, num_local_computed_tokens, num_external_computed_tokens
             )

@@ -24,6 +24,7 @@ from properties.checks.registry import (
 from properties.checks.state import (
     AllocateEvent,
     CheckState,
+    ExternalLoadEvent,
     FailedAllocationEvent,
     FreeEvent,
     GroupWriteEvent,
@@ -99,12 +100,14 @@ class Checker:
         tables_before: BlockIds | None,
         num_lookahead_tokens: int,
         full_sequence_must_fit: bool = False,
+        num_external_computed_tokens: int = 0,
     ) -> None:
+        external = num_external_computed_tokens
         if result is None:
             tracked = self.state.requests.get(request_id)
             computed = tracked.num_computed_tokens if tracked is not None else 0
             hit_tokens = hit.num_tokens if hit is not None else 0
-            slots = computed + hit_tokens + num_new_tokens + num_lookahead_tokens
+            slots = computed + hit_tokens + external + num_new_tokens + num_lookahead_tokens
             if full_sequence_must_fit and tracked is not None:
                 # the admission gate asks for the whole sequence first
                 slots = max(slots, len(tracked.token_ids))
@@ -115,13 +118,17 @@ class Checker:
             return
         req = self.state.requests[request_id]
         req.holds_blocks = True
-        start = req.num_computed_tokens + (hit.num_tokens if hit is not None else 0)
+        local = req.num_computed_tokens + (hit.num_tokens if hit is not None else 0)
+        start = local + external
         end = start + num_new_tokens
         req.refresh_ids()
         table = self.state.table_of(request_id)
         allocated = AllocateEvent(req, table)
         self._run("table", allocated)
         others = {o: t for o, t in self.state.tables().items() if o != request_id}
+        if external:
+            self._run("external_load", ExternalLoadEvent(req, table, local, start, others))
+            self._record_load(req, table, local, start)
         for gid, row in enumerate(table):
             self._run("group_write", GroupWriteEvent(req, gid, row, start, end, others))
             self._record_writes(req, gid, row, start, end)
@@ -153,6 +160,16 @@ class Checker:
                 self.deferred_writes.setdefault(req.request_id, []).append(
                     (gid, row[p // bs], p % bs, p)
                 )
+
+    def _record_load(self, req: TrackedRequest, table: BlockIds, start: int, end: int) -> None:
+        """A KV connector loads positions ``[start, end)`` (external computed tokens) into
+        the request's blocks: the shadow learns each loaded slot holds the content of
+        its prefix (slots in null entries, below a sliding window, are not loaded)."""
+        for gid, row in enumerate(table):
+            bs = self.state.layout.groups[gid].spec.block_size
+            for p in range(start, min(end, len(row) * bs)):
+                if row[p // bs] != 0:
+                    self.state.shadow.write(gid, row[p // bs], p % bs, req.ids[p])
 
     def _reads(self, table: BlockIds, start: int, end: int) -> frozenset[tuple[int, int, int]]:
         """The ``(group, index, block)`` entries the tokens ``[start, end)`` read: from

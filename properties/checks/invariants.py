@@ -17,6 +17,7 @@ from properties.checks.oracles import brute_force_longest_hit, missing_context
 from properties.checks.state import (
     AllocateEvent,
     CheckState,
+    ExternalLoadEvent,
     FailedAllocationEvent,
     FreeEvent,
     GroupWriteEvent,
@@ -205,6 +206,45 @@ def exclusive_write(state: CheckState, event: GroupWriteEvent) -> str | None:
                     f"request {event.request.request_id!r} writes block {block} (group {gid}, "
                     f"index {col}) that request {other!r} also holds"
                 )
+    return None
+
+
+def external_hit_bounds(state: CheckState, event: ExternalLoadEvent) -> str | None:
+    """X1: an external hit ends where a hit may end: ``local + external <= num_tokens -
+    1`` (the last token is always computed) and a multiple of the scheduler block size
+    (the host tier stores whole blocks). Example (bs 4, 10 tokens): local 4 + external
+    4 is fine; external 8 (12 > 9) or external 2 (6 not aligned) is not."""
+    req = event.request
+    bs = state.layout.scheduler_block_size
+    if event.end > len(req.token_ids) - 1 or event.end % bs:
+        return (
+            f"request {req.request_id!r}: local hit {event.start} + external "
+            f"{event.end - event.start} = {event.end} tokens, beyond num_tokens - 1 = "
+            f"{len(req.token_ids) - 1} or not a multiple of {bs}"
+        )
+    return None
+
+
+def external_load_exclusive(state: CheckState, event: ExternalLoadEvent) -> str | None:
+    """X2: every block a connector loads external tokens into belongs to the loading
+    request only (I6 for loads: a load never overwrites a block another request holds,
+    which a double allocation across groups would do). Null entries (positions below a
+    sliding window) are not loaded."""
+    for gid, row in enumerate(event.table):
+        bs = state.layout.groups[gid].spec.block_size
+        columns = range(event.start // bs, min(cdiv(event.end, bs), len(row)))
+        for col in columns:
+            block = row[col]
+            if block == 0:
+                continue
+            for other, otable in event.others.items():
+                groups = range(len(otable)) if state.shared_pool else [gid]
+                if any(block in otable[g] for g in groups):
+                    return (
+                        f"request {event.request.request_id!r} loads external tokens into "
+                        f"block {block} (group {gid}, index {col}) that request {other!r} "
+                        "also holds"
+                    )
     return None
 
 

@@ -168,10 +168,13 @@ class LockstepEngine:
         hit: CacheHit | None = None,
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
+        num_external_computed_tokens: int = 0,
     ) -> BlockIds | None:
         before = self.checker.snapshot()
-        # the keyword goes only to engines driven with the gate (SupportsServingModes)
-        gate = {"full_sequence_must_fit": True} if full_sequence_must_fit else {}
+        # the keywords go only to engines driven in those modes (SupportsServingModes)
+        gate: dict = {"full_sequence_must_fit": True} if full_sequence_must_fit else {}
+        if num_external_computed_tokens:
+            gate["num_external_computed_tokens"] = num_external_computed_tokens
         tracked = self.checker.requests.get(request_id)
         tables_before = (
             self.checker.state.table_of(request_id)
@@ -182,7 +185,8 @@ class LockstepEngine:
             f"allocate_slots({request_id!r}, num_new_tokens={num_new_tokens}, "
             f"num_new_computed_tokens={num_new_computed_tokens}, "
             f"num_lookahead_tokens={num_lookahead_tokens}"
-            + (", full_sequence_must_fit=True)" if gate else ")")
+            + "".join(f", {k}={v}" for k, v in gate.items())
+            + ")"
         )
         result = self._call(
             what,
@@ -240,6 +244,7 @@ class LockstepEngine:
             tables_before,
             num_lookahead_tokens,
             full_sequence_must_fit,
+            num_external_computed_tokens,
         )
         self._compare_state(what, request_id)
         return result

@@ -24,6 +24,7 @@ from properties.checks import invariants as inv
 EVENTS = (
     "lookup",
     "table",
+    "external_load",
     "group_write",
     "allocate",
     "failed_allocation",
@@ -84,6 +85,8 @@ _REGISTRY: tuple[CheckInfo, ...] = (
     _check(inv.window_liveness, "group_write", "W3", "every key a token reads is live"),
     _check(inv.exclusive_write, "group_write", "I6", "a written block has one owner"),
     _check(inv.no_block_shared, "allocate", "I5", "no block twice in a request's table"),
+    _check(inv.external_hit_bounds, "external_load", "X1", "an external hit ends where a hit may"),
+    _check(inv.external_load_exclusive, "external_load", "X2", "a loaded block has one owner"),
     _check(inv.failed_allocation, "failed_allocation", "A1", "None changes nothing"),
     _check(
         inv.allocation_fits,

@@ -152,6 +152,18 @@ class GroupWriteEvent:
 
 
 @dataclass(frozen=True)
+class ExternalLoadEvent:
+    """A KV connector loads positions ``[start, end)`` (external computed tokens) of
+    ``request`` into ``table``, after its local hit of ``start`` tokens."""
+
+    request: TrackedRequest
+    table: BlockIds
+    start: int
+    end: int
+    others: dict[str, BlockIds]
+
+
+@dataclass(frozen=True)
 class AllocateEvent:
     request: TrackedRequest
     table: BlockIds

@@ -25,6 +25,14 @@ does:
   appended, and the processed tokens are committed (``cache_blocks``). Not drawn
   with Mamba groups (no speculative Mamba blocks are modelled).
 
+* ``external_hits`` (a KV connector over a host tier, :mod:`reference.host_tier`):
+  the scheduler owns a host tier that receives the computed prefix of every request it
+  frees (finished, preempted, aborted); a waiting request's device hit
+  (``get_computed_blocks``) is extended by the tokens the tier holds beyond it, passed
+  as ``allocate_slots(..., num_external_computed_tokens=e)``; the request then starts
+  computing at ``hit + e``. Not drawn with Mamba groups (loaded Mamba states are not
+  modelled). Engines opt in with the ``external`` production setting.
+
 Engines opt in through the optional calls of
 :class:`properties.core.engine.SupportsServingModes`; the default mode
 (synchronous, no gate) needs none of them.
@@ -52,9 +60,10 @@ class ServingMode:
     async_scheduling: bool = False
     admission_gate: bool = False
     num_draft_tokens: int = 0
+    external_hits: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("async_scheduling", "admission_gate"):
+        for name in ("async_scheduling", "admission_gate", "external_hits"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise KVConformError(f"ServingMode.{name} must be a boolean, got {value!r}")
@@ -78,6 +87,8 @@ class ServingMode:
         parts = [name for name in ("async_scheduling", "admission_gate") if getattr(self, name)]
         if self.num_draft_tokens:
             parts.append(f"drafts={self.num_draft_tokens}")
+        if self.external_hits:
+            parts.append("external_hits")
         return " ".join(parts) or "sync"
 
 
@@ -90,8 +101,9 @@ SYNC = ServingMode()
 #: engine that does not implement them is never given them): ``retention``
 #: (``prefix_cache_retention_interval``), ``eagle`` (``use_eagle``, ``is_eagle_group``,
 #: ``num_hash_lookahead_tokens``) and ``admission_cap`` (``max_in_flight_tokens`` and a
-#: pool sized with the admission caps).
-PRODUCTION_SETTINGS: frozenset[str] = frozenset({"retention", "eagle", "admission_cap"})
+#: pool sized with the admission caps) and ``external`` (the ``external_hits`` serving
+#: mode: ``allocate_slots(..., num_external_computed_tokens=...)``).
+PRODUCTION_SETTINGS: frozenset[str] = frozenset({"retention", "eagle", "admission_cap", "external"})
 
 
 def production_settings(factory: object) -> frozenset[str]:

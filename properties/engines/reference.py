@@ -66,6 +66,7 @@ class ReferenceEngine:
         hit: CacheHit | None = None,
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
+        num_external_computed_tokens: int = 0,
     ) -> BlockIds | None:
         computed = None
         if hit is not None:
@@ -84,6 +85,11 @@ class ReferenceEngine:
                 computed,
                 num_lookahead_tokens,
                 **({"full_sequence_must_fit": True} if full_sequence_must_fit else {}),
+                **(
+                    {"num_external_computed_tokens": num_external_computed_tokens}
+                    if num_external_computed_tokens
+                    else {}
+                ),
             )
         except KVConformError as exc:
             raise EngineError(f"reference: allocate_slots({request_id!r}): {exc}") from exc

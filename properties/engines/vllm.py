@@ -322,6 +322,7 @@ class VLLMEngine:
         hit: CacheHit | None = None,
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
+        num_external_computed_tokens: int = 0,
     ) -> BlockIds | None:
         req = self._request(request_id)
         blocks = None
@@ -333,7 +334,13 @@ class VLLMEngine:
                     f"return from its last get_computed_blocks({request_id!r})"
                 )
             blocks = kept[1]
-        args = (request_id, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
+        args = (
+            request_id,
+            num_new_tokens,
+            num_new_computed_tokens,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+        )
         new = _call(
             "allocate_slots",
             args,
@@ -343,6 +350,7 @@ class VLLMEngine:
             num_new_computed_tokens,
             blocks,
             num_lookahead_tokens,
+            num_external_computed_tokens=num_external_computed_tokens,
             full_sequence_must_fit=full_sequence_must_fit,
         )
         if new is None:

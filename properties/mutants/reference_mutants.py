@@ -505,6 +505,40 @@ def make_async_optimistic_free(layout: KVCacheLayout) -> MutantEngine:
     return _engine("async_optimistic_free", layout, manager_cls=OptimisticFreeManager)
 
 
+class _ExternalCountedTwice:
+    """Takes the external tokens as part of the local hit as well: the group's table
+    grows to ``cdiv(local + 2 * external, bs)`` blocks (the double allocation that
+    external hits caused in real engines)."""
+
+    def allocate_external_computed_blocks(
+        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
+    ):
+        return super().allocate_external_computed_blocks(  # type: ignore[misc]
+            request_id,
+            num_local_computed_tokens + num_external_computed_tokens,  # BUG: counted twice
+            num_external_computed_tokens,
+        )
+
+
+class ExternalCountedTwiceFull(_ExternalCountedTwice, FullAttentionManager):
+    pass
+
+
+class ExternalCountedTwiceSlidingWindow(_ExternalCountedTwice, SlidingWindowManager):
+    pass
+
+
+def make_external_counted_twice(layout: KVCacheLayout) -> MutantEngine:
+    return _engine(
+        "external_counted_twice",
+        layout,
+        managers={
+            FullAttentionManager: ExternalCountedTwiceFull,
+            SlidingWindowManager: ExternalCountedTwiceSlidingWindow,
+        },
+    )
+
+
 def make_admission_cap_ignored(layout: KVCacheLayout) -> MutantEngine:
     return _engine("admission_cap_ignored", layout, manager_cls=UncappedAdmissionManager)
 
@@ -810,6 +844,14 @@ MUTANT_INFO: dict[str, MutantInfo] = {
             "exact",
             ["exact_match"],
             "admission gate without the per-request cap of windowed groups",
+            "production",
+        ),
+        _info(
+            make_external_counted_twice,
+            "exact",
+            ["exact_match"],
+            "external computed tokens counted twice (as local hit and as external): every "
+            "group allocates blocks past the loaded prefix",
             "production",
         ),
         _info(

@@ -52,6 +52,7 @@ from properties.runner.config import CheckConfig
 from properties.runner.scheduler import Scheduler, StepRecord
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
+from reference.specs import MambaSpec
 
 
 @dataclass
@@ -75,7 +76,7 @@ class RunStats:
 def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
     """The production modes a run exercises, for the counts ``kvconform check`` prints:
     ``retention=dense|sparse|interval``, ``eagle-drop``, ``lookahead-hashes``,
-    ``async``, ``admission-gate``, ``drafts``."""
+    ``async``, ``admission-gate``, ``drafts``, ``external-hits``."""
     r = layout.prefix_cache_retention_interval
     tags = [f"retention={'dense' if r is None else 'sparse' if r == 0 else 'interval'}"]
     if layout.drop_eagle_group_ids:
@@ -88,6 +89,8 @@ def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
         tags.append("admission-gate")
     if mode.num_draft_tokens:
         tags.append("drafts")
+    if mode.external_hits and not any(isinstance(s, MambaSpec) for s in layout.specs):
+        tags.append("external-hits")
     return tags
 
 
@@ -151,6 +154,7 @@ class TraceRun:
         from properties.checks.attention import AttentionMismatch, ScheduledChunk
 
         chunks = []
+        self.attention.keep_host_copies = scheduler.host_tier is not None
         for item in record.scheduled:
             state = scheduler.requests[item.request_id]
             chunks.append(
@@ -163,6 +167,9 @@ class TraceRun:
                 )
             )
         try:
+            for item, chunk in zip(record.scheduled, chunks):
+                if item.external_tokens:
+                    self.attention.load(chunk, item.hit_tokens)
             self.attention.check_step(chunks)
         except AttentionMismatch as exc:
             raise PropertyViolation("attention", str(exc)) from exc
@@ -228,6 +235,8 @@ class KVCacheMachine(RuleBasedStateMachine):
                 mode = kvst.PRODUCTION_MODE
             else:
                 mode = data.draw(kvst.serving_modes(), label="serving mode")
+                if "external" not in production_settings(self.factory):
+                    mode = dataclasses.replace(mode, external_hits=False)
             note(f"serving mode: {mode.describe()}")
             self.run.set_mode(mode)
         self.pool = data.draw(kvst.prefix_pools(layout), label="prefix pool")

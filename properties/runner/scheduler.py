@@ -42,6 +42,13 @@ Serving modes (:class:`properties.core.modes.ServingMode`):
   tokens of it are in flight: a finish or an ``Abort`` is deferred until its last
   step is processed, a ``Preempt`` of it is ignored, and allocation failures only
   preempt requests with nothing in flight (otherwise the request waits a step).
+* ``external_hits`` (no Mamba group): the scheduler owns a
+  :class:`reference.host_tier.HostTier` (block size: the scheduler block size, capacity
+  twice the pool). Every request it frees first offloads its computed prefix there;
+  step 3 asks the tier for the tokens it holds beyond the device hit ``h`` (``e``),
+  calls ``allocate_slots(n, h, hit blocks, ..., num_external_computed_tokens=e)`` with
+  ``n = min(num_tokens - h - e, budget left)`` and the request computes from
+  ``h + e`` (the connector loads ``[h, h + e)`` before the step runs).
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ from properties.core.engine import (
 from properties.core.modes import SYNC, ServingMode
 from properties.core.trace import Abort, Arrive, Operation, Preempt, ResetPrefixCache, Step
 from reference.errors import KVConformError
+from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
 from reference.specs import MambaSpec
 
@@ -109,6 +117,8 @@ class ScheduledRequest:
     new_block_ids: BlockIds
     samples: bool = False
     num_drafts: int = 0
+    #: tokens a KV connector loads from the host tier: positions ``[hit_tokens, start)``
+    external_tokens: int = 0
 
 
 @dataclass
@@ -144,6 +154,10 @@ class Scheduler:
         self.finished: list[str] = []
         mamba_sizes = [s.block_size for s in layout.specs if isinstance(s, MambaSpec)]
         self.mamba_block_size = max(mamba_sizes) if mamba_sizes else None
+        #: external hits: the host tier a KV connector loads from (None: no connector)
+        self.host_tier: HostTier | None = None
+        if mode.external_hits and self.mamba_block_size is None:
+            self.host_tier = HostTier(layout.scheduler_block_size, 2 * layout.num_blocks)
         self.num_steps = 0
         #: Running requests are allocated in batches when the engine plans steps.
         self.batched = isinstance(engine, PlansSteps)
@@ -190,7 +204,7 @@ class Scheduler:
                     queue.remove(request_id)
             return
         if state.holds_blocks:
-            self.engine.free(request_id)
+            self._free(state)
         self._forget(request_id)
 
     def preempt(self, request_id: str) -> None:
@@ -252,10 +266,13 @@ class Scheduler:
                 rid = self.waiting[0]
                 state = self.requests[rid]
                 hit = self.engine.get_computed_blocks(rid)
-                n = self._chunk(state, hit.num_tokens, budget)
+                external = self._external_tokens(state, hit.num_tokens)
+                n = self._chunk(state, hit.num_tokens + external, budget)
                 if n <= 0:
                     break
                 gate = {"full_sequence_must_fit": True} if self.mode.admission_gate else {}
+                if external:
+                    gate["num_external_computed_tokens"] = external
                 new = self.engine.allocate_slots(
                     rid, n, hit.num_tokens, hit, num_lookahead_tokens, **gate
                 )
@@ -264,9 +281,16 @@ class Scheduler:
                 self.waiting.pop(0)
                 self.running.append(rid)
                 state.holds_blocks = True
-                state.num_computed_tokens = hit.num_tokens
+                state.num_computed_tokens = hit.num_tokens + external
                 record.scheduled.append(
-                    ScheduledRequest(rid, hit.num_tokens, n, hit.num_tokens, new)
+                    ScheduledRequest(
+                        rid,
+                        hit.num_tokens + external,
+                        n,
+                        hit.num_tokens,
+                        new,
+                        external_tokens=external,
+                    )
                 )
                 budget -= n
         if self.on_scheduled is not None:
@@ -347,7 +371,7 @@ class Scheduler:
                 state.release = "finish"
             if state.release is not None and state.num_in_flight == 0:
                 if state.holds_blocks:
-                    self.engine.free(rid)
+                    self._free(state)
                 self._forget(rid)
                 if state.release == "finish":
                     self.finished.append(rid)
@@ -427,7 +451,7 @@ class Scheduler:
                 if self.mode.num_draft_tokens:
                     self.engine.cache_blocks(item.request_id, state.num_computed_tokens)
             if state.num_generated >= len(state.output):
-                self.engine.free(item.request_id)
+                self._free(state)
                 self._forget(item.request_id)
                 self.finished.append(item.request_id)
                 record.finished.append(item.request_id)
@@ -444,7 +468,7 @@ class Scheduler:
         self.engine.append_output_tokens(rid, list(new))
         self.engine.cache_blocks(rid, state.num_computed_tokens)
         if state.num_generated >= len(state.output):
-            self.engine.free(rid)
+            self._free(state)
             self._forget(rid)
             self.finished.append(rid)
             record.finished.append(rid)
@@ -458,13 +482,32 @@ class Scheduler:
 
     def _preempt(self, request_id: str) -> None:
         state = self.requests[request_id]
-        self.engine.free(request_id)
+        self._free(state)
         state.holds_blocks = False
         state.num_computed_tokens = 0
         state.num_preemptions += 1
         self.engine.set_num_computed_tokens(request_id, 0)
         self.running.remove(request_id)
         self.waiting.insert(0, request_id)
+
+    def _free(self, state: RequestState) -> None:
+        """Free a request's blocks; with a host tier, its computed prefix is offloaded
+        there first (the blocks leave the primary pool)."""
+        if self.host_tier is not None:
+            req = state.input
+            self.host_tier.offload(
+                req.cache_salt, req.lora_name, state.token_ids, state.num_computed_tokens
+            )
+        self.engine.free(state.request_id)
+
+    def _external_tokens(self, state: RequestState, device_tokens: int) -> int:
+        """External hits: the tokens the host tier holds beyond the device hit."""
+        if self.host_tier is None:
+            return 0
+        req = state.input
+        return self.host_tier.num_external_tokens(
+            req.cache_salt, req.lora_name, state.token_ids, device_tokens
+        )
 
     def _forget(self, request_id: str) -> None:
         self.engine.remove_request(request_id)

@@ -133,7 +133,7 @@ class SingleTypeKVCacheManager:
         blocks.extend(kept)
         self.num_cached_block[request_id] = len(blocks)
 
-    def allocate_external_computed_blocks(  # pragma: no cover - see the docstring
+    def allocate_external_computed_blocks(
         self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
     ) -> BlockList:
         """Fresh blocks for tokens a KV connector loads (after every group adopted its
@@ -143,8 +143,8 @@ class SingleTypeKVCacheManager:
         total - skipped)``; then the table grows to ``cdiv(local + external, bs)``
         blocks (never shrinks). Example: SWA w 3, bs 2, local 0, external 8 -> skipped
         6 -> external 2 -> table [0, 0, 0] grows to 4 blocks: one new block.
-        Tested in tests/reference/test_production_modes.py; the machine does not drive
-        a KV connector yet, so the rule-coverage gate does not count it.
+        Tested in tests/reference/test_production_modes.py; the machine drives it in the
+        ``external_hits`` serving mode (a host tier, :mod:`reference.host_tier`).
         """
         total = num_local_computed_tokens + num_external_computed_tokens
         skipped = self.spec.num_skipped_tokens(total)

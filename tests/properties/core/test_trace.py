@@ -122,7 +122,12 @@ def test_small_trace_json_is_the_documented_encoding():
                 }
             ],
         },
-        "mode": {"async_scheduling": False, "admission_gate": False, "num_draft_tokens": 0},
+        "mode": {
+            "async_scheduling": False,
+            "admission_gate": False,
+            "num_draft_tokens": 0,
+            "external_hits": False,
+        },
         "operations": [
             {
                 "op": "arrive",
@@ -329,13 +334,14 @@ def test_production_fields_and_mode_round_trip():
         use_eagle=True,
         num_hash_lookahead_tokens=1,
     )
-    mode = ServingMode(async_scheduling=True, admission_gate=True)
+    mode = ServingMode(async_scheduling=True, admission_gate=True, external_hits=True)
     trace = Trace(layout=layout, operations=(Step(4),), mode=mode)
     data = trace_to_json(trace)
     assert data["mode"] == {
         "async_scheduling": True,
         "admission_gate": True,
         "num_draft_tokens": 0,
+        "external_hits": True,
     }
     assert data["layout"]["prefix_cache_retention_interval"] == 0
     back = trace_from_json(json.loads(json.dumps(data)))

@@ -7,8 +7,11 @@ import pytest
 
 from properties.checks.registry import PropertyViolation
 from properties.core.modes import ServingMode
-from properties.core.trace import Abort, Arrive, Step
-from properties.mutants.reference_mutants import make_async_optimistic_free
+from properties.core.trace import Abort, Arrive, ResetPrefixCache, Step
+from properties.mutants.reference_mutants import (
+    make_async_optimistic_free,
+    make_external_counted_twice,
+)
 from properties.runner.config import CheckConfig
 from properties.runner.machine import TraceRun
 from reference.layout import KVCacheGroup, KVCacheLayout
@@ -135,3 +138,50 @@ def test_async_never_preempts_a_request_scheduled_earlier_in_the_step() -> None:
         rec = run.apply(Step(8))
         scheduled = {s.request_id for s in rec.scheduled}
         assert not scheduled & set(rec.preempted)
+
+
+EXTERNAL = ServingMode(external_hits=True)
+
+
+def _offloaded_then_reloaded(config: CheckConfig, factory=None) -> TraceRun:
+    """r0 (12-token prompt, one output) finishes: its 12 computed tokens go to the host
+    tier (bs 4: three blocks); the device cache is reset; r1 shares r0's 12 tokens and
+    adds 4: device hit 0, the tier holds 12 -> 12 external tokens, 4 computed."""
+    run = TraceRun(config, _layout(FullAttentionSpec(block_size=4)), factory, EXTERNAL)
+    run.apply(Arrive("r0", tuple(range(12)), (1,)))
+    run.apply(Step(64))
+    run.apply(ResetPrefixCache())
+    run.apply(Arrive("r1", tuple(range(12)) + (50, 51, 52, 53), (2, 3)))
+    return run
+
+
+def test_external_hits_come_from_the_host_tier() -> None:
+    run = _offloaded_then_reloaded(CheckConfig(level="exact"))
+    assert run.scheduler.host_tier is not None and len(run.scheduler.host_tier) == 3
+    rec = run.apply(Step(64))
+    [item] = rec.scheduled
+    assert (item.hit_tokens, item.external_tokens, item.start, item.num_tokens) == (0, 12, 12, 4)
+    # 4 blocks: 3 loaded by the connector, then 1 for the computed tokens (the only
+    # one allocate_slots returns as new)
+    table = run.lockstep.engine.get_block_ids("r1")[0]
+    assert len(table) == 4 and len(set(table)) == 4
+    assert item.new_block_ids == ((table[3],),)
+
+
+def test_loaded_content_is_read_back_by_the_attention_check() -> None:
+    run = _offloaded_then_reloaded(CheckConfig(level="exact", attention=True))
+    run.apply(Step(64))  # the loaded 12 positions are read by tokens 12..15: no mismatch
+    # the same trace with a corrupted host copy of position 5: the check fails
+    bad = _offloaded_then_reloaded(CheckConfig(level="exact", attention=True))
+    host = bad.attention._host
+    key = next(k for k in host if k[0] == 0 and len(k[3]) == 6)
+    k, v = host[key]
+    host[key] = (k + 1.0, v)
+    with pytest.raises(PropertyViolation, match="attention"):
+        bad.apply(Step(64))
+
+
+def test_external_counted_twice_is_caught_exactly() -> None:
+    run = _offloaded_then_reloaded(CheckConfig(level="exact"), factory=make_external_counted_twice)
+    with pytest.raises(PropertyViolation, match="exact_match"):
+        run.apply(Step(64))
