@@ -216,8 +216,8 @@ class KVCacheManager:
                 rid, hits, local, num_external_computed_tokens
             )
         new_blocks = self.coordinator.allocate_new_blocks(rid, slots, main)
-        # delay_cache_blocks (a connector's load in flight): tests/reference only
-        if not delay_cache_blocks:  # pragma: no branch - the machine drives no connector
+        # delay_cache_blocks: a connector's load is in flight; cached once it completes
+        if not delay_cache_blocks:
             self.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         if request.status is not RequestStatus.FINISHED:  # pragma: no branch - checked above
             request.status = RequestStatus.RUNNING

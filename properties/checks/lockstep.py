@@ -169,12 +169,15 @@ class LockstepEngine:
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
         num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> BlockIds | None:
         before = self.checker.snapshot()
         # the keywords go only to engines driven in those modes (SupportsServingModes)
         gate: dict = {"full_sequence_must_fit": True} if full_sequence_must_fit else {}
         if num_external_computed_tokens:
             gate["num_external_computed_tokens"] = num_external_computed_tokens
+        if delay_cache_blocks:
+            gate["delay_cache_blocks"] = True
         tracked = self.checker.requests.get(request_id)
         tables_before = (
             self.checker.state.table_of(request_id)

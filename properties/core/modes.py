@@ -32,6 +32,13 @@ does:
   as ``allocate_slots(..., num_external_computed_tokens=e)``; the request then starts
   computing at ``hit + e``. Not drawn with Mamba groups (loaded Mamba states are not
   modelled). Engines opt in with the ``external`` production setting.
+* ``async_loads`` (with ``external_hits``): the connector loads asynchronously, as
+  vLLM's ``load_kv_async``: the admission allocates only the loaded blocks
+  (``allocate_slots(0, hit, ..., num_external_computed_tokens=e,
+  delay_cache_blocks=True)``, no lookahead slots), the request waits for its load,
+  which completes at the start of the next step (``cache_blocks(id, hit + e)``, then
+  the request runs from ``hit + e``); an ``Abort`` during the load frees the blocks
+  only once the load has completed.
 
 Engines opt in through the optional calls of
 :class:`properties.core.engine.SupportsServingModes`; the default mode
@@ -61,9 +68,10 @@ class ServingMode:
     admission_gate: bool = False
     num_draft_tokens: int = 0
     external_hits: bool = False
+    async_loads: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("async_scheduling", "admission_gate", "external_hits"):
+        for name in ("async_scheduling", "admission_gate", "external_hits", "async_loads"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise KVConformError(f"ServingMode.{name} must be a boolean, got {value!r}")
@@ -73,6 +81,8 @@ class ServingMode:
                 f"ServingMode.num_draft_tokens must be an integer in [0, {MAX_DRAFT_TOKENS}], "
                 f"got {k!r}"
             )
+        if self.async_loads and not self.external_hits:
+            raise KVConformError("ServingMode.async_loads needs external_hits=True")
         if k and self.async_scheduling:
             raise KVConformError(
                 "ServingMode: drafts with asynchronous scheduling are not modelled; set "
@@ -89,6 +99,8 @@ class ServingMode:
             parts.append(f"drafts={self.num_draft_tokens}")
         if self.external_hits:
             parts.append("external_hits")
+        if self.async_loads:
+            parts.append("async_loads")
         return " ".join(parts) or "sync"
 
 

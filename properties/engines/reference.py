@@ -67,6 +67,7 @@ class ReferenceEngine:
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
         num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> BlockIds | None:
         computed = None
         if hit is not None:
@@ -90,6 +91,7 @@ class ReferenceEngine:
                     if num_external_computed_tokens
                     else {}
                 ),
+                **({"delay_cache_blocks": True} if delay_cache_blocks else {}),
             )
         except KVConformError as exc:
             raise EngineError(f"reference: allocate_slots({request_id!r}): {exc}") from exc

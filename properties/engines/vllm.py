@@ -323,6 +323,7 @@ class VLLMEngine:
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
         num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> BlockIds | None:
         req = self._request(request_id)
         blocks = None
@@ -334,13 +335,9 @@ class VLLMEngine:
                     f"return from its last get_computed_blocks({request_id!r})"
                 )
             blocks = kept[1]
-        args = (
-            request_id,
-            num_new_tokens,
-            num_new_computed_tokens,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-        )
+        args: tuple = (request_id, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
+        if num_external_computed_tokens or delay_cache_blocks:
+            args += (num_external_computed_tokens, delay_cache_blocks)
         new = _call(
             "allocate_slots",
             args,
@@ -351,6 +348,7 @@ class VLLMEngine:
             blocks,
             num_lookahead_tokens,
             num_external_computed_tokens=num_external_computed_tokens,
+            delay_cache_blocks=delay_cache_blocks,
             full_sequence_must_fit=full_sequence_must_fit,
         )
         if new is None:

@@ -578,10 +578,11 @@ def any_layouts(max_len: int = 256) -> st.SearchStrategy[KVCacheLayout]:
 def serving_modes() -> st.SearchStrategy[ServingMode]:
     """Synchronous or asynchronous scheduling, with or without the admission gate, or
     synchronous with 2 or 3 draft tokens per decode step (speculative decoding); the
-    gated modes once without and once with external hits (a KV connector over the
-    host tier; the machine turns them off for engines that do not declare the
-    ``external`` production setting, so the draw is the same for every engine);
-    shrinks toward the synchronous, ungated mode."""
+    gated modes once without and once with external hits (a KV connector over the host
+    tier: synchronous loads, or asynchronous loads with asynchronous scheduling; the
+    machine turns them off for engines that do not declare the ``external`` production
+    setting, so the draw is the same for every engine); shrinks toward the
+    synchronous, ungated mode."""
     gated_async = ServingMode(async_scheduling=True, admission_gate=True)
     return st.sampled_from(
         (
@@ -590,7 +591,7 @@ def serving_modes() -> st.SearchStrategy[ServingMode]:
             ServingMode(admission_gate=True),
             gated_async,
             ServingMode(admission_gate=True, external_hits=True),
-            dataclasses.replace(gated_async, external_hits=True),
+            dataclasses.replace(gated_async, external_hits=True, async_loads=True),
             ServingMode(num_draft_tokens=2),
             ServingMode(admission_gate=True, num_draft_tokens=3),
             ServingMode(num_draft_tokens=4),

@@ -539,6 +539,19 @@ def make_external_counted_twice(layout: KVCacheLayout) -> MutantEngine:
     )
 
 
+class DelayCacheIgnoredManager(KVCacheManager):
+    """Ignores ``delay_cache_blocks``: blocks a connector is still loading are cached
+    (findable by other requests' lookups) before their content has arrived."""
+
+    def allocate_slots(self, *args, **kwargs):
+        kwargs.pop("delay_cache_blocks", None)  # BUG: caches before the load completes
+        return super().allocate_slots(*args, **kwargs)
+
+
+def make_delay_cache_ignored(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("delay_cache_ignored", layout, manager_cls=DelayCacheIgnoredManager)
+
+
 def make_admission_cap_ignored(layout: KVCacheLayout) -> MutantEngine:
     return _engine("admission_cap_ignored", layout, manager_cls=UncappedAdmissionManager)
 
@@ -852,6 +865,14 @@ MUTANT_INFO: dict[str, MutantInfo] = {
             ["exact_match"],
             "external computed tokens counted twice (as local hit and as external): every "
             "group allocates blocks past the loaded prefix",
+            "production",
+        ),
+        _info(
+            make_delay_cache_ignored,
+            "exact",
+            ["exact_match"],
+            "delay_cache_blocks ignored: blocks of an asynchronous connector load are "
+            "cached before the load completes",
             "production",
         ),
         _info(

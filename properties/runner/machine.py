@@ -76,7 +76,7 @@ class RunStats:
 def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
     """The production modes a run exercises, for the counts ``kvconform check`` prints:
     ``retention=dense|sparse|interval``, ``eagle-drop``, ``lookahead-hashes``,
-    ``async``, ``admission-gate``, ``drafts``, ``external-hits``."""
+    ``async``, ``admission-gate``, ``drafts``, ``external-hits``, ``async-loads``."""
     r = layout.prefix_cache_retention_interval
     tags = [f"retention={'dense' if r is None else 'sparse' if r == 0 else 'interval'}"]
     if layout.drop_eagle_group_ids:
@@ -91,6 +91,8 @@ def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
         tags.append("drafts")
     if mode.external_hits and not any(isinstance(s, MambaSpec) for s in layout.specs):
         tags.append("external-hits")
+        if mode.async_loads:
+            tags.append("async-loads")
     return tags
 
 
@@ -236,7 +238,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             else:
                 mode = data.draw(kvst.serving_modes(), label="serving mode")
                 if "external" not in production_settings(self.factory):
-                    mode = dataclasses.replace(mode, external_hits=False)
+                    mode = dataclasses.replace(mode, external_hits=False, async_loads=False)
             note(f"serving mode: {mode.describe()}")
             self.run.set_mode(mode)
         self.pool = data.draw(kvst.prefix_pools(layout), label="prefix pool")

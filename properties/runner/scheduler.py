@@ -49,6 +49,12 @@ Serving modes (:class:`properties.core.modes.ServingMode`):
   calls ``allocate_slots(n, h, hit blocks, ..., num_external_computed_tokens=e)`` with
   ``n = min(num_tokens - h - e, budget left)`` and the request computes from
   ``h + e`` (the connector loads ``[h, h + e)`` before the step runs).
+* ``async_loads``: step 3 admits a request with external tokens by
+  ``allocate_slots(0, h, hit blocks, 0, num_external_computed_tokens=e,
+  delay_cache_blocks=True)`` and puts it in ``loading`` (no budget used); the load
+  completes at the start of the next step: ``cache_blocks(id, h + e)``, then the request
+  joins the running ones (its first chunk is the one the connector's load feeds). An
+  ``Abort`` of a loading request is deferred until its load completes.
 """
 
 from __future__ import annotations
@@ -92,6 +98,8 @@ class RequestState:
     num_in_flight: int = 0
     num_pending: int = 0
     release: str | None = None
+    #: external hits: (local hit, external tokens) of a load not read by a step yet
+    loaded: tuple[int, int] | None = None
 
     @property
     def request_id(self) -> str:
@@ -152,6 +160,8 @@ class Scheduler:
         self.running: list[str] = []
         self.waiting: list[str] = []
         self.finished: list[str] = []
+        #: async loads: requests whose connector load completes at the next step
+        self.loading: list[str] = []
         mamba_sizes = [s.block_size for s in layout.specs if isinstance(s, MambaSpec)]
         self.mamba_block_size = max(mamba_sizes) if mamba_sizes else None
         #: external hits: the host tier a KV connector loads from (None: no connector)
@@ -196,7 +206,7 @@ class Scheduler:
         if request_id in self.finished:
             return
         state = self._state(request_id, "Abort")
-        if state.num_in_flight > 0:
+        if state.num_in_flight > 0 or request_id in self.loading:
             # asynchronous scheduling: released once its last step is processed
             state.release = "abort"
             for queue in (self.running, self.waiting):
@@ -219,6 +229,7 @@ class Scheduler:
         self.num_steps += 1
         self.engine.new_step()
         record = StepRecord()
+        self._complete_loads(record)
         budget = token_budget
         i = 0
         planned: dict[str, BlockIds | None] = {}
@@ -256,8 +267,18 @@ class Scheduler:
                 if rid in self.running:
                     i += 1  # asynchronous scheduling: no victim, the request waits a step
                 continue
+            local, external = state.loaded if state.loaded is not None else (0, 0)
+            state.loaded = None
             record.scheduled.append(
-                ScheduledRequest(rid, state.num_computed_tokens, n, 0, new, num_drafts=drafts)
+                ScheduledRequest(
+                    rid,
+                    state.num_computed_tokens,
+                    n,
+                    local,
+                    new,
+                    num_drafts=drafts,
+                    external_tokens=external,
+                )
             )
             budget -= n
             i += 1
@@ -273,6 +294,17 @@ class Scheduler:
                 gate = {"full_sequence_must_fit": True} if self.mode.admission_gate else {}
                 if external:
                     gate["num_external_computed_tokens"] = external
+                if external and self.mode.async_loads:
+                    gate["delay_cache_blocks"] = True
+                    if self.engine.allocate_slots(rid, 0, hit.num_tokens, hit, 0, **gate) is None:
+                        break
+                    self.waiting.pop(0)
+                    self.loading.append(rid)
+                    state.holds_blocks = True
+                    state.num_computed_tokens = hit.num_tokens + external
+                    state.loaded = (hit.num_tokens, external)
+                    self.engine.set_num_computed_tokens(rid, state.num_computed_tokens)
+                    continue
                 new = self.engine.allocate_slots(
                     rid, n, hit.num_tokens, hit, num_lookahead_tokens, **gate
                 )
@@ -303,6 +335,20 @@ class Scheduler:
         else:
             self._run(record)
         return record
+
+    def _complete_loads(self, record: StepRecord) -> None:
+        """Async loads: every load started in an earlier step completes now: its blocks
+        are committed (``cache_blocks``) and the request runs, or, aborted during the
+        load, is freed now."""
+        for rid in self.loading:
+            state = self.requests[rid]
+            self.engine.cache_blocks(rid, state.num_computed_tokens)
+            if state.release is not None:
+                self._free(state)
+                self._forget(rid)
+            else:
+                self.running.append(rid)
+        self.loading = []
 
     def _victim(self, current: int) -> str | None:
         """The request to preempt: the newest running one (asynchronous scheduling: the
@@ -483,6 +529,7 @@ class Scheduler:
     def _preempt(self, request_id: str) -> None:
         state = self.requests[request_id]
         self._free(state)
+        state.loaded = None
         state.holds_blocks = False
         state.num_computed_tokens = 0
         state.num_preemptions += 1
@@ -517,7 +564,12 @@ class Scheduler:
                 queue.remove(request_id)
 
     def is_idle(self) -> bool:
-        return not self.running and not self.waiting and not self.in_flight_requests()
+        return (
+            not self.running
+            and not self.waiting
+            and not self.loading
+            and not self.in_flight_requests()
+        )
 
     def in_flight_requests(self) -> list[str]:
         """Requests with tokens in flight (asynchronous scheduling)."""

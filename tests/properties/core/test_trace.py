@@ -127,6 +127,7 @@ def test_small_trace_json_is_the_documented_encoding():
             "admission_gate": False,
             "num_draft_tokens": 0,
             "external_hits": False,
+            "async_loads": False,
         },
         "operations": [
             {
@@ -342,6 +343,7 @@ def test_production_fields_and_mode_round_trip():
         "admission_gate": True,
         "num_draft_tokens": 0,
         "external_hits": True,
+        "async_loads": False,
     }
     assert data["layout"]["prefix_cache_retention_interval"] == 0
     back = trace_from_json(json.loads(json.dumps(data)))

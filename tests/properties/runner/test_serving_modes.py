@@ -10,6 +10,7 @@ from properties.core.modes import ServingMode
 from properties.core.trace import Abort, Arrive, ResetPrefixCache, Step
 from properties.mutants.reference_mutants import (
     make_async_optimistic_free,
+    make_delay_cache_ignored,
     make_external_counted_twice,
 )
 from properties.runner.config import CheckConfig
@@ -183,5 +184,58 @@ def test_loaded_content_is_read_back_by_the_attention_check() -> None:
 
 def test_external_counted_twice_is_caught_exactly() -> None:
     run = _offloaded_then_reloaded(CheckConfig(level="exact"), factory=make_external_counted_twice)
+    with pytest.raises(PropertyViolation, match="exact_match"):
+        run.apply(Step(64))
+
+
+ASYNC_LOADS = ServingMode(external_hits=True, async_loads=True)
+
+
+def _loading(config: CheckConfig, factory=None) -> TraceRun:
+    """As :func:`_offloaded_then_reloaded`, with an asynchronous load."""
+    run = TraceRun(config, _layout(FullAttentionSpec(block_size=4)), factory, ASYNC_LOADS)
+    run.apply(Arrive("r0", tuple(range(12)), (1,)))
+    run.apply(Step(64))
+    run.apply(ResetPrefixCache())
+    run.apply(Arrive("r1", tuple(range(12)) + (50, 51, 52, 53), (2, 3)))
+    return run
+
+
+def test_blocks_being_loaded_are_not_hit_by_other_requests() -> None:
+    run = _loading(CheckConfig(level="exact"))
+    run.apply(Arrive("r2", tuple(range(12)) + (60, 61), (4,)))
+    rec = run.apply(Step(64))
+    # r2 finds no device hit (r1's blocks are not cached while loading) but loads the
+    # same 12 tokens from the host tier itself
+    assert rec.scheduled == [] and run.scheduler.loading == ["r1", "r2"]
+    assert run.scheduler.requests["r2"].loaded == (0, 12)
+
+
+def test_async_load_waits_a_step_then_runs_from_the_loaded_prefix() -> None:
+    run = _loading(CheckConfig(level="exact", attention=True))
+    rec = run.apply(Step(64))  # the load starts: 3 blocks, nothing scheduled
+    assert rec.scheduled == [] and run.scheduler.loading == ["r1"]
+    assert len(run.lockstep.engine.get_block_ids("r1")[0]) == 3
+    rec = run.apply(Step(64))  # the load completed: r1 computes 12..15, reading it
+    [item] = rec.scheduled
+    assert (item.hit_tokens, item.external_tokens, item.start, item.num_tokens) == (0, 12, 12, 4)
+    assert run.scheduler.loading == []
+
+
+def test_abort_during_an_async_load_frees_once_it_completes() -> None:
+    run = _loading(CheckConfig(level="exact"))
+    run.apply(Step(64))
+    run.apply(Abort("r1"))  # the load is in flight: the blocks stay
+    assert len(run.lockstep.engine.get_block_ids("r1")[0]) == 3
+    run.apply(Step(64))
+    assert "r1" not in run.scheduler.requests
+    assert run.lockstep.num_free_blocks() == 31
+
+
+def test_delay_cache_ignored_is_caught_exactly() -> None:
+    # r2 shares the prefix r1 is loading: its lookup in the same step must not find
+    # r1's blocks (their content has not arrived); the mutant has cached them
+    run = _loading(CheckConfig(level="exact"), factory=make_delay_cache_ignored)
+    run.apply(Arrive("r2", tuple(range(12)) + (60, 61), (4,)))
     with pytest.raises(PropertyViolation, match="exact_match"):
         run.apply(Step(64))
