@@ -6,7 +6,7 @@
 //! -> {"id": 1, "call": "hello", "args": {"protocol": 1}}
 //! <- {"id": 1, "result": {"protocol": 1, "name": "rust-block-manager", ...}}
 //! -> {"id": 2, "call": "create", "args": {"layout": {...}}}
-//! <- {"id": 2, "result": null}
+//! <- {"id": 2, "result": {"capabilities": ["ref_counts", "free_queue", "cached_blocks"]}}
 //! -> {"id": 3, "call": "num_free_blocks", "args": {}}
 //! <- {"id": 3, "result": 15}
 //! ```
@@ -179,14 +179,17 @@ impl Server {
                 Ok(object(vec![
                     ("protocol", Json::Int(PROTOCOL)),
                     ("name", Json::Str("rust-block-manager".into())),
-                    ("capabilities", strings(&["ref_counts", "free_queue", "cached_blocks"])),
                     ("spec_types", strings(&["full", "sliding_window"])),
                 ]))
             }
             "create" => {
                 let layout = parse_layout(arg(args, "layout")?)?;
                 self.manager = Some(Manager::new(layout)?);
-                Ok(Json::Null)
+                let caps = ["ref_counts", "free_queue", "cached_blocks"];
+                Ok(object(vec![(
+                    "capabilities",
+                    Json::Array(caps.iter().map(|c| Json::Str(c.to_string())).collect()),
+                )]))
             }
             "add_request" => {
                 let tokens = token_list(arg(args, "prompt_token_ids")?, "prompt_token_ids")?;
