@@ -1,4 +1,4 @@
-"""Dense attention in float64, straight from the content model (spec section 8).
+"""Dense attention in float64, straight from the content model (docs/spec.md §8).
 
 Visible keys of the query at position ``p``:
 

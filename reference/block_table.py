@@ -1,4 +1,4 @@
-"""Worker-side block tables: one per KV cache group, rows per request (spec section 7).
+"""Worker-side block tables: one per KV cache group, rows per request (docs/spec.md §7).
 
 Rules:
 

@@ -60,7 +60,8 @@ class KVCacheCoordinator:
         ]
 
     def cache_hit_alignment(self) -> int:
-        return self.layout.scheduler_block_size
+        """Hit lengths are multiples of this (:attr:`KVCacheLayout.cache_hit_alignment`)."""
+        return self.layout.cache_hit_alignment
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
@@ -132,9 +133,6 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
 
 
 class UnitaryCoordinator(KVCacheCoordinator):
-    def cache_hit_alignment(self) -> int:
-        return self.layout.groups[0].spec.block_size
-
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
     ) -> tuple[list[BlockList], int]:

@@ -1,6 +1,6 @@
 """Layout: layers -> KV cache groups, page unification, block sizes, pool size.
 
-The rules (hybrid allocator on, spec section 2.6):
+The rules (hybrid allocator on, docs/spec.md §2.6):
 
 1. All layers with one spec (after merging equal specs) -> one group.
 2. Otherwise page sizes are unified to the largest page: a smaller attention
@@ -136,7 +136,8 @@ class KVCacheLayout:
 
     @property
     def cache_hit_alignment(self) -> int:
-        """Hit lengths are multiples of this: the block size (one group) or the LCM."""
+        """Hit lengths are multiples of this: the LCM of the group block sizes (the
+        block size itself with one group). Example: bs 16 and 32 -> 32; bs 16 -> 16."""
         return self.scheduler_block_size
 
     def admission_in_flight_tokens(self) -> int:

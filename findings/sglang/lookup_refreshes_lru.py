@@ -4,7 +4,7 @@ Run: .engines/sglang/bin/python -W ignore findings/sglang/lookup_refreshes_lru.p
 Prints the hit of C after the pool is filled, with and without a lookup of A first.
 """
 
-from properties.engine import RequestInput
+from properties.core.engine import RequestInput
 from properties.engines.sglang import make_engine
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec, SlidingWindowSpec

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import sys
 
-from properties.engine import RequestInput
+from properties.core.engine import RequestInput
 from properties.engines.sglang import SGLangEngine
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec, SlidingWindowSpec

@@ -13,7 +13,7 @@ Run: .engines/vllm/bin/python -W ignore findings/vllm/quirks.py
 
 from __future__ import annotations
 
-from properties.engine import RequestInput
+from properties.core.engine import RequestInput
 from properties.engines.vllm import make_engine
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import (

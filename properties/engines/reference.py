@@ -1,14 +1,14 @@
 """The reference engine: :class:`reference.kv_cache_manager.KVCacheManager` behind the
 engine protocol. It exposes every optional capability (ref counts, free queue,
 cached blocks), so every invariant applies to it. Mutant engines in
-``tests/mutants/`` subclass it.
+``properties/mutants/`` subclass it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from properties.engine import BlockIds, CachedBlock, CacheHit, EngineError, RequestInput
+from properties.core.engine import BlockIds, CachedBlock, CacheHit, EngineError, RequestInput
 from reference.errors import KVConformError
 from reference.kv_cache_manager import ComputedBlocks, KVCacheManager
 from reference.layout import KVCacheLayout

@@ -73,7 +73,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from properties.engine import BlockIds, CacheHit, EngineError, RequestInput, UnsupportedLayoutError
+from properties.core.engine import (
+    BlockIds,
+    CacheHit,
+    EngineError,
+    RequestInput,
+    UnsupportedLayoutError,
+    quiet_loggers,
+)
 from reference.layout import KVCacheLayout
 from reference.specs import FullAttentionSpec, SlidingWindowSpec
 
@@ -199,6 +206,7 @@ class _SGLangModules:
                 from sglang.srt.sampling.sampling_params import SamplingParams
             except ImportError as exc:
                 raise EngineError(f"sglang adapter: cannot import sglang: {exc}") from exc
+            quiet_loggers("sglang")
             cls._loaded.update(
                 torch=torch,
                 Req=Req,

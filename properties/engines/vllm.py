@@ -54,13 +54,14 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from properties.engine import (
+from properties.core.engine import (
     BlockIds,
     CachedBlock,
     CacheHit,
     EngineError,
     KnownDivergence,
     RequestInput,
+    quiet_loggers,
 )
 from reference.layout import KVCacheLayout
 from reference.specs import (
@@ -118,6 +119,7 @@ class _VLLM:
         self.sha256 = sha256
         self.get_request_block_hasher = get_request_block_hasher
         self.init_none_hash = init_none_hash
+        quiet_loggers("vllm")
 
 
 def _import_vllm() -> _VLLM:

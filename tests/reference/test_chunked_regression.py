@@ -3,7 +3,7 @@
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from properties.engine import RequestInput
+from properties.core.engine import RequestInput
 from properties.engines.reference import make_engine
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import ChunkedLocalAttentionSpec

@@ -3,7 +3,7 @@ exact tables, hits, free counts and free-queue order, all derived by hand."""
 
 from __future__ import annotations
 
-from properties.engine import RequestInput
+from properties.core.engine import RequestInput
 from properties.engines.reference import ReferenceEngine
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import (

@@ -7,7 +7,7 @@ to the front of the queue and hashed ones to the back.
 
 from __future__ import annotations
 
-from properties.engine import CachedBlock, RequestInput
+from properties.core.engine import CachedBlock, RequestInput
 from properties.engines.reference import ReferenceEngine
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import (

@@ -1,0 +1,348 @@
+"""The attention property: what an engine's block tables make the model compute is right.
+
+Engine-agnostic: the checker sees only, per step, each scheduled request's tokens, how many
+were computed before, how many are scheduled, and the engine's block table per group (after
+``allocate_slots``). It keeps a paged cache per group across steps and requests, exactly as a
+worker would, so a prefix hit reads blocks an earlier request wrote.
+
+Per step and group (attention: full, sliding window, chunked local):
+
+1. the K/V of every scheduled position (from :class:`reference.content.ContentModel`, whose
+   vectors depend on the whole prefix, salt and LoRA) is written through the table's slot
+   mapping; a scheduled token whose slot falls in the null block 0, or past the row, raises;
+2. every scheduled query attends through the table (nulling view of docs/spec.md §7) and the
+   paged cache (:func:`optimized.paged_attention.paged_attention`), and is compared with the
+   dense float64 reference (:func:`reference.attention.dense_attention`).
+
+Mamba groups: before the writes, the state read from column ``cdiv(before, bs) - 1`` (when
+``before > 0``) must equal the content model's state of ``tokens[0:before]``; after the step
+the state of ``tokens[0:end]`` is written into column ``cdiv(end, bs) - 1``.
+
+Tolerance (defaults ``atol = rtol = 1e-5`` for a float32 cache). Inputs are exact in float32
+(see :mod:`reference.content`), so the only differences are float32 rounding in the dot
+products (``head_size`` terms), the softmax and the weighted sum: a few ulps of 6e-8 times
+``log2`` of at most a few thousand keys, i.e. below 1e-6 (observed: about 1e-7 over the test
+and bench sequences). A fault is orders of magnitude above it: a key from a wrong prefix or
+a stale page changes ``v`` by O(1) at softmax weight about ``1/n`` (n keys seen, at most a
+few hundred here), i.e. an error of order 1e-3 or more, and a read of the null block or of
+an unwritten page gives NaN, which never compares equal. With ``dtype=torch.float64`` the
+defaults can shrink to 1e-10.
+
+Example::
+
+    checker = AttentionChecker(layout)
+    blocks = engine.allocate_slots("a", 10)
+    checker.check_step([ScheduledChunk(req_a, tokens, 0, 10, blocks)])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from optimized.paged_attention import RequestQueries, paged_attention
+from optimized.paged_cache import CacheShape, PagedKVCache, PagedStateCache
+from properties.core.engine import BlockIds, RequestInput
+from reference.attention import dense_attention
+from reference.block_table import NULL_BLOCK_ID, BlockTable
+from reference.content import ContentModel
+from reference.errors import KVConformError
+from reference.layout import KVCacheLayout
+from reference.specs import AttentionSpec, MambaSpec, cdiv
+
+
+class AttentionMismatch(KVConformError):
+    """The paged path read the wrong K/V or state: names request, group, position, error."""
+
+
+class AttentionInputError(KVConformError):
+    """A :class:`ScheduledChunk` is inconsistent (counts, lengths, number of groups)."""
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's work in one step (see the module docstring)."""
+
+    request: RequestInput
+    token_ids: tuple[int, ...]
+    num_computed_before: int
+    num_scheduled: int
+    block_ids: BlockIds
+
+    @property
+    def end(self) -> int:
+        return self.num_computed_before + self.num_scheduled
+
+    @property
+    def positions(self) -> range:
+        return range(self.num_computed_before, self.end)
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """One attention group's inputs for one step, on the cache's device.
+
+    ``slots``: the slot mapping of every scheduled token (request order); ``keys``/``values``:
+    ``[tokens, heads, head_size]``; ``requests``: each request's row, positions and queries.
+    """
+
+    slots: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    requests: tuple[RequestQueries, ...]
+
+
+class AttentionChecker:
+    """Paged caches for every group of ``layout`` plus the dense reference to compare with."""
+
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        *,
+        device: str = "cpu",
+        seed: int = 0,
+        num_kv_heads: int = 1,
+        head_size: int = 8,
+        atol: float = 1e-5,
+        rtol: float = 1e-5,
+        dtype: torch.dtype = torch.float32,
+        backend: str = "torch",
+        state_size: int = 8,
+    ) -> None:
+        self.layout = layout
+        self.device = device
+        self.atol = atol
+        self.rtol = rtol
+        self.backend = backend
+        self.content = ContentModel(
+            seed=seed, num_kv_heads=num_kv_heads, head_size=head_size, state_size=state_size
+        )
+        self.caches: list[PagedKVCache | PagedStateCache] = []
+        for g in layout.groups:
+            if isinstance(g.spec, MambaSpec):
+                self.caches.append(
+                    PagedStateCache(layout.num_blocks, state_size, dtype=dtype, device=device)
+                )
+            elif isinstance(g.spec, AttentionSpec):
+                shape = CacheShape(layout.num_blocks, g.spec.block_size, num_kv_heads, head_size)
+                self.caches.append(PagedKVCache(shape, dtype=dtype, device=device))
+            else:
+                raise AttentionInputError(
+                    f"group spec {type(g.spec).__name__} is neither attention nor Mamba"
+                )
+        self._hash_memo: dict[str, tuple[tuple, tuple[int, ...], list[int]]] = {}
+
+    # -- public -------------------------------------------------------------------------
+    def check_step(self, chunks: Sequence[ScheduledChunk]) -> None:
+        """Write the step's K/V (or states) and check every scheduled query of every group."""
+        chunks = [c for c in chunks if self._validate(c)]
+        for gid, group in enumerate(self.layout.groups):
+            if isinstance(group.spec, MambaSpec):
+                self._check_mamba(gid, chunks)
+            else:
+                observed = self.run_group(gid, self.prepare_group(gid, chunks))
+                expected = self.dense_outputs(gid, chunks)
+                self.compare(gid, chunks, expected, observed)
+
+    # -- pieces (also used by the bench) --------------------------------------------------
+    def hashes(self, chunk: ScheduledChunk) -> list[int]:
+        """Prefix hashes of ``chunk.token_ids`` (salt, LoRA), extended incrementally."""
+        req = chunk.request
+        extra = (req.cache_salt, req.lora_name)
+        memo = self._hash_memo.get(req.request_id)
+        tokens = chunk.token_ids
+        if memo is not None and memo[0] == extra and tokens[: len(memo[1])] == memo[1]:
+            hashes = self.content.extend_hashes(memo[2], tokens[len(memo[1]) :])
+        else:
+            hashes = self.content.prefix_hashes(tokens, *extra)
+        self._hash_memo[req.request_id] = (extra, tokens, hashes)
+        return hashes
+
+    def prepare_group(self, gid: int, chunks: Sequence[ScheduledChunk]) -> GroupStep:
+        """Slot mapping and K/V/Q tensors of attention group ``gid`` for one step.
+
+        Raises :class:`AttentionMismatch` when a scheduled token has no table entry or its
+        slot lands in the null block 0.
+        """
+        cache = self.caches[gid]
+        assert isinstance(cache, PagedKVCache)
+        table = BlockTable.for_spec(self.layout.groups[gid].spec)
+        slots: list[int] = []
+        keys: list = []
+        values: list = []
+        requests: list[RequestQueries] = []
+        for chunk in chunks:
+            rid = chunk.request.request_id
+            row = chunk.block_ids[gid]
+            table.add_row(rid, row)
+            for pos in chunk.positions:
+                col = pos // table.block_size
+                if col >= len(row):
+                    raise AttentionMismatch(
+                        f"request {rid!r}, group {gid}, position {pos}: the block table row "
+                        f"has {len(row)} entries, the token needs column {col}"
+                    )
+                if row[col] == NULL_BLOCK_ID:
+                    raise AttentionMismatch(
+                        f"request {rid!r}, group {gid}, position {pos}: scheduled token's slot "
+                        f"lands in the null block 0 (column {col} of row {list(row)})"
+                    )
+            positions = list(chunk.positions)
+            slots += table.slot_mapping([rid] * len(positions), positions)
+            hashes = self.hashes(chunk)
+            keys += [self.content.key(hashes, p, gid) for p in positions]
+            values += [self.content.value(hashes, p, gid) for p in positions]
+            q = [self.content.query(hashes, p, gid) for p in positions]
+            requests.append(
+                RequestQueries(
+                    tuple(row),
+                    tuple(positions),
+                    torch.tensor(q, dtype=cache.key.dtype, device=cache.key.device),
+                )
+            )
+        device = cache.key.device
+        return GroupStep(
+            torch.tensor(slots, dtype=torch.int64, device=device),
+            torch.tensor(keys, dtype=cache.key.dtype, device=device),
+            torch.tensor(values, dtype=cache.key.dtype, device=device),
+            tuple(requests),
+        )
+
+    def run_group(self, gid: int, step: GroupStep) -> list[torch.Tensor]:
+        """The paged path: write the step's K/V through the slots, then attend per request."""
+        cache = self.caches[gid]
+        assert isinstance(cache, PagedKVCache)
+        if step.slots.numel():
+            cache.write(step.slots, step.keys, step.values)
+        spec = self.layout.groups[gid].spec
+        return paged_attention(cache, spec, step.requests, backend=self.backend)
+
+    def dense_outputs(self, gid: int, chunks: Sequence[ScheduledChunk]) -> list[list]:
+        """The float64 reference outputs of group ``gid`` for every scheduled query."""
+        spec = self.layout.groups[gid].spec
+        return [
+            dense_attention(self.content, spec, self.hashes(c), list(c.positions), gid)
+            for c in chunks
+        ]
+
+    # -- internals ----------------------------------------------------------------------
+    def _validate(self, chunk: ScheduledChunk) -> bool:
+        rid = chunk.request.request_id
+        if len(chunk.block_ids) != len(self.layout.groups):
+            raise AttentionInputError(
+                f"request {rid!r}: block_ids has {len(chunk.block_ids)} groups, the layout "
+                f"{len(self.layout.groups)}"
+            )
+        if chunk.num_computed_before < 0 or chunk.num_scheduled < 0:
+            raise AttentionInputError(
+                f"request {rid!r}: num_computed_before {chunk.num_computed_before} and "
+                f"num_scheduled {chunk.num_scheduled} must be >= 0"
+            )
+        if chunk.end > len(chunk.token_ids):
+            raise AttentionInputError(
+                f"request {rid!r}: computes up to position {chunk.end - 1} but token_ids has "
+                f"only {len(chunk.token_ids)} tokens"
+            )
+        return chunk.num_scheduled > 0
+
+    def _check_mamba(self, gid: int, chunks: Sequence[ScheduledChunk]) -> None:
+        cache = self.caches[gid]
+        assert isinstance(cache, PagedStateCache)
+        bs = self.layout.groups[gid].spec.block_size
+        for chunk in chunks:
+            before = chunk.num_computed_before
+            if before == 0:
+                continue
+            rid = chunk.request.request_id
+            row = chunk.block_ids[gid]
+            col = cdiv(before, bs) - 1
+            if col >= len(row):
+                raise AttentionMismatch(
+                    f"request {rid!r}, group {gid} (mamba), position {before}: the row has "
+                    f"{len(row)} entries, the state of tokens[0:{before}] is in column {col}"
+                )
+            expected = torch.tensor(
+                self.content.state(self.hashes(chunk), before, gid), dtype=torch.float64
+            )
+            observed = cache.read(row[col]).to(device="cpu", dtype=torch.float64)
+            self._raise_if_far(
+                rid,
+                gid,
+                before,
+                expected,
+                observed,
+                what=f"state of tokens[0:{before}] from block {row[col]}",
+            )
+        for chunk in chunks:
+            rid = chunk.request.request_id
+            row = chunk.block_ids[gid]
+            col = cdiv(chunk.end, bs) - 1
+            if col >= len(row) or row[col] == NULL_BLOCK_ID:
+                raise AttentionMismatch(
+                    f"request {rid!r}, group {gid} (mamba), position {chunk.end}: the state of "
+                    f"tokens[0:{chunk.end}] goes to column {col}, which is "
+                    f"{'missing' if col >= len(row) else 'the null block'} in {list(row)}"
+                )
+            state = self.content.state(self.hashes(chunk), chunk.end, gid)
+            cache.write(row[col], torch.tensor(state, dtype=torch.float64))
+
+    def compare(
+        self,
+        gid: int,
+        chunks: Sequence[ScheduledChunk],
+        expected: list[list],
+        observed: list[torch.Tensor],
+    ) -> None:
+        for chunk, exp_rows, obs in zip(chunks, expected, observed):
+            exp = torch.tensor(exp_rows, dtype=torch.float64)
+            obs = obs.to(device="cpu", dtype=torch.float64)
+            ok = _close(exp, obs, self.atol, self.rtol).reshape(len(exp_rows), -1).all(dim=1)
+            if bool(ok.all()):
+                continue
+            i = int((~ok).nonzero()[0])
+            self._raise_if_far(
+                chunk.request.request_id,
+                gid,
+                chunk.num_computed_before + i,
+                exp[i],
+                obs[i],
+                what="attention output",
+                spec_name=self.layout.groups[gid].spec.type_name,
+            )
+
+    def _raise_if_far(
+        self,
+        rid: str,
+        gid: int,
+        pos: int,
+        expected: torch.Tensor,
+        observed: torch.Tensor,
+        *,
+        what: str,
+        spec_name: str = "mamba",
+    ) -> None:
+        if bool(_close(expected, observed, self.atol, self.rtol).all()):
+            return
+        diff = (expected - observed).abs()
+        err = math.nan if bool(diff.isnan().any()) else float(diff.max())
+        raise AttentionMismatch(
+            f"request {rid!r}, group {gid} ({spec_name}), position {pos}: {what} differs; "
+            f"expected {_fmt(expected)}, observed {_fmt(observed)}, max abs error {err:.3g} "
+            f"(atol {self.atol:g}, rtol {self.rtol:g})"
+        )
+
+
+def _close(
+    expected: torch.Tensor, observed: torch.Tensor, atol: float, rtol: float
+) -> torch.Tensor:
+    # NaN compares False, so a NaN anywhere is a mismatch.
+    return (expected - observed).abs() <= atol + rtol * expected.abs()
+
+
+def _fmt(t: torch.Tensor) -> str:
+    vals = t.flatten().tolist()
+    shown = ", ".join(f"{v:.6g}" for v in vals[:8])
+    return f"[{shown}{', ...' if len(vals) > 8 else ''}]"

@@ -1,0 +1,320 @@
+"""The invariants: one function per check, each named after what it guards.
+
+Every function reads :class:`properties.checks.state.CheckState` and one event, and
+returns ``None`` when the engine behaves, or a message naming the request, the group
+and the block. :mod:`properties.checks.registry` registers them with their names, the
+moment they run and the capabilities they need; :class:`properties.checks.checker.Checker`
+calls them. Labels (I1, H2, W3, ...) are defined in ``docs/spec.md``.
+
+Worked example (``hit_bounds``, H1): a 10-token request on a layout whose hit
+alignment is 4 may hit 0, 4 or 8 tokens; a hit of 9 is reported as
+``request 'r0': hit of 9 tokens is not a multiple of 4 in [0, 9]``.
+"""
+
+from __future__ import annotations
+
+from properties.checks.oracles import brute_force_longest_hit, missing_context
+from properties.checks.state import (
+    AllocateEvent,
+    CheckState,
+    FailedAllocationEvent,
+    FreeEvent,
+    GroupWriteEvent,
+    LookupEvent,
+    PoolEvent,
+    ResetEvent,
+)
+from reference.attention import first_visible_key
+from reference.specs import MambaSpec, cdiv
+
+# ---------------------------------------------------------------------------
+# Answer shapes
+
+
+def hit_shape(state: CheckState, event: LookupEvent) -> str | None:
+    """A hit names one block list per group of the layout."""
+    if len(event.hit.block_ids) != len(state.layout.groups):
+        return (
+            f"get_computed_blocks({event.request.request_id!r}) returned "
+            f"{len(event.hit.block_ids)} groups, the layout has {len(state.layout.groups)}"
+        )
+    return None
+
+
+def table_shape(state: CheckState, event: AllocateEvent) -> str | None:
+    """A block table has one row per group of the layout."""
+    if len(event.table) != len(state.layout.groups):
+        return (
+            f"get_block_ids({event.request.request_id!r}) returned {len(event.table)} groups, "
+            f"the layout has {len(state.layout.groups)}"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Lookups (H1-H5)
+
+
+def lookup_no_side_effects(state: CheckState, event: LookupEvent) -> str | None:
+    """H5: ``get_computed_blocks`` changes no free count, ref count or queue order."""
+    if state.snapshot() != event.before:
+        return (
+            f"get_computed_blocks({event.request.request_id!r}) changed the free count, ref "
+            f"counts or free queue: before {event.before[0]} free, after "
+            f"{state.engine.num_free_blocks()}"
+        )
+    return None
+
+
+def hit_bounds(state: CheckState, event: LookupEvent) -> str | None:
+    """H1: ``0 <= hit <= num_tokens - 1`` and a multiple of the hit alignment."""
+    n = event.hit.num_tokens
+    cap = len(event.request.token_ids) - 1
+    if n > cap or n < 0 or n % state.alignment:
+        return (
+            f"request {event.request.request_id!r}: hit of {n} tokens is not a "
+            f"multiple of {state.alignment} in [0, {cap}]"
+        )
+    return None
+
+
+def _state_pending(state: CheckState, gid: int, table, ids, length: int) -> bool:
+    """A Mamba state cached earlier in this step, not yet written (the step runs later)."""
+    spec = state.layout.groups[gid].spec
+    if not isinstance(spec, MambaSpec) or length == 0:
+        return False
+    col = cdiv(length, spec.block_size) - 1
+    if col >= len(table):
+        return False
+    return any(
+        g == gid and b == table[col] and prefix == ids[length - 1]
+        for writes in state.pending_states.values()
+        for g, b, prefix in writes
+    )
+
+
+def hit_soundness(state: CheckState, event: LookupEvent) -> str | None:
+    """H2: every group's hit blocks hold the request's own prefix over the keys the
+    group needs (``[hit_context_start(L), L)``; Mamba: the state at exactly ``L``)."""
+    req, hit = event.request, event.hit
+    if hit.num_tokens == 0:
+        return None
+    for gid, table in enumerate(hit.block_ids):
+        spec = state.layout.groups[gid].spec
+        why = missing_context(
+            state.layout,
+            state.shadow,
+            gid,
+            table,
+            req.ids,
+            spec.hit_context_start(hit.num_tokens),
+            hit.num_tokens,
+        )
+        if why is not None and _state_pending(state, gid, table, req.ids, hit.num_tokens):
+            # the lookup may offer a state cached earlier in this step; the engine must
+            # refuse the allocation (window_liveness checks that)
+            why = None
+        if why is not None:
+            return (
+                f"request {req.request_id!r} hit {hit.num_tokens} tokens but group "
+                f"{gid} ({spec.type_name}) cannot serve it: {why}"
+            )
+    return None
+
+
+def hit_maximality(state: CheckState, event: LookupEvent) -> str | None:
+    """H3: no longer aligned hit is servable by every group from the cached blocks."""
+    req = event.request
+    best = brute_force_longest_hit(
+        state.layout,
+        state.shadow,
+        state.engine.cached_blocks(),
+        req.ids,
+        len(req.token_ids) - 1,
+        state.alignment,
+    )
+    if best > event.hit.num_tokens:
+        return (
+            f"request {req.request_id!r}: engine hit {event.hit.num_tokens} tokens, but every "
+            f"group can serve {best} from its cached blocks"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Allocations (W3, A1, I5)
+
+
+def _write_columns(state: CheckState, event: GroupWriteEvent) -> list[int]:
+    spec = state.layout.groups[event.group_id].spec
+    bs = spec.block_size
+    if isinstance(spec, MambaSpec):
+        return [cdiv(event.end, bs) - 1] if event.end > 0 else []
+    return sorted({p // bs for p in range(event.start, event.end)})
+
+
+def window_liveness(state: CheckState, event: GroupWriteEvent) -> str | None:
+    """W3: every key a scheduled token reads sits in a real block holding that very
+    token (a Mamba group resumes from the state of exactly its prefix), and every
+    position the step writes has a real block."""
+    req, gid, row = event.request, event.group_id, event.row
+    spec = state.layout.groups[gid].spec
+    rid = req.request_id
+    if isinstance(spec, MambaSpec):
+        if event.start > 0:
+            why = missing_context(state.layout, state.shadow, gid, row, req.ids, 0, event.start)
+            if why is not None:
+                return f"request {rid!r} resumes at {event.start} in group {gid} (mamba): {why}"
+    else:
+        first = first_visible_key(spec, event.start)
+        why = missing_context(state.layout, state.shadow, gid, row, req.ids, first, event.start)
+        if why is not None:
+            return (
+                f"request {rid!r} scheduled [{event.start}, {event.end}) reads keys from "
+                f"{first} in group {gid} ({spec.type_name}): {why}"
+            )
+    for col in _write_columns(state, event):
+        if col >= len(row) or row[col] == 0:
+            return (
+                f"request {rid!r} writes positions [{event.start}, {event.end}) but group "
+                f"{gid} has no real block at index {col} (table {list(row)})"
+            )
+    return None
+
+
+def exclusive_write(state: CheckState, event: GroupWriteEvent) -> str | None:
+    """The blocks a step writes belong to that request only."""
+    gid, row = event.group_id, event.row
+    for col in _write_columns(state, event):
+        if col >= len(row):
+            continue  # window_liveness reports it
+        block = row[col]
+        for other, otable in event.others.items():
+            groups = range(len(otable)) if state.shared_pool else [gid]
+            if any(block in otable[g] for g in groups):
+                return (
+                    f"request {event.request.request_id!r} writes block {block} (group {gid}, "
+                    f"index {col}) that request {other!r} also holds"
+                )
+    return None
+
+
+def no_block_shared(state: CheckState, event: AllocateEvent) -> str | None:
+    """I5: no id twice in one request's table (across its groups, with one shared pool)."""
+    seen: dict[int, int] = {}
+    for gid, row in enumerate(event.table):
+        for b in row:
+            if b == 0:
+                continue
+            if b in seen and (state.shared_pool or seen[b] == gid):
+                return (
+                    f"request {event.request.request_id!r} holds block {b} twice (groups "
+                    f"{seen[b]} and {gid}): {[list(r) for r in event.table]}"
+                )
+            seen[b] = gid
+    return None
+
+
+def failed_allocation(state: CheckState, event: FailedAllocationEvent) -> str | None:
+    """A1: an allocation that returns ``None`` adds no block to the table and changes no
+    ref count of the hit it was offered."""
+    rid = event.request_id
+    if event.tables_before:
+        after = state.engine.get_block_ids(rid)
+        for gid, (old, new) in enumerate(zip(event.tables_before, after)):
+            added = {b for b in new if b != 0} - set(old)
+            if added:
+                return (
+                    f"allocate_slots({rid!r}) returned None but group {gid} gained blocks "
+                    f"{sorted(added)}"
+                )
+    before_refs = event.before[1]
+    if event.hit is not None and state.has_ref_counts and before_refs is not None:
+        refs = state.engine.ref_counts()
+        for gid, table in enumerate(event.hit.block_ids):
+            for b in table:
+                if b != 0 and refs.get(b) != before_refs.get(b):
+                    return (
+                        f"allocate_slots({rid!r}) returned None but the ref count of hit "
+                        f"block {b} (group {gid}) changed {before_refs.get(b)} -> {refs.get(b)}"
+                    )
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Free and reset (F1, R1)
+
+
+def freed_on_free(state: CheckState, event: FreeEvent) -> str | None:
+    """F1: ``free()`` leaves the request without blocks."""
+    try:
+        table = state.engine.get_block_ids(event.request_id)
+    except Exception:  # noqa: BLE001 - an engine may forget freed requests
+        table = ()
+    held = [b for g in table for b in g if b != 0]
+    if held:
+        return f"free({event.request_id!r}) left blocks {held} in its table"
+    return None
+
+
+def reset_prefix_cache(state: CheckState, event: ResetEvent) -> str | None:
+    """R1: reset succeeds iff no request holds blocks; afterwards nothing is cached."""
+    holders = [rid for rid, r in state.requests.items() if r.holds_blocks]
+    if event.ok and holders:
+        return f"reset_prefix_cache succeeded while {holders} hold blocks"
+    if not event.ok and not holders:
+        return "reset_prefix_cache failed with no request holding blocks"
+    if event.ok and state.has_cached and state.engine.cached_blocks():
+        return "blocks are still cached after a successful reset"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# The pool (I1-I3)
+
+
+def pool_accounting(state: CheckState, event: PoolEvent) -> str | None:
+    """I1: free + blocks in use == num_blocks - 1 (null block excluded); without ref
+    counts, free + blocks held by requests never exceeds it."""
+    n = state.layout.num_blocks
+    if state.has_ref_counts:
+        used = sum(1 for c in state.engine.ref_counts().values() if c > 0)
+        if event.num_free + used != n - 1:
+            return f"{event.num_free} free + {used} in use != {n - 1} blocks (null block excluded)"
+        return None
+    held = {b for t in event.tables.values() for row in t for b in row if b != 0}
+    if event.num_free + len(held) > n - 1:
+        return f"{event.num_free} free + {len(held)} held by requests > {n - 1} blocks"
+    return None
+
+
+def ref_counts_match_owners(state: CheckState, event: PoolEvent) -> str | None:
+    """I3: a block's ref count equals the number of (request, group) rows holding it."""
+    owners: dict[int, int] = {}
+    for table in event.tables.values():
+        for row in table:
+            for b in row:
+                if b != 0:
+                    owners[b] = owners.get(b, 0) + 1
+    for b, c in state.engine.ref_counts().items():
+        if c != owners.get(b, 0):
+            holders = [
+                (rid, g) for rid, t in event.tables.items() for g, row in enumerate(t) if b in row
+            ]
+            return f"block {b} has ref count {c} but is held by {holders}"
+    return None
+
+
+def free_queue_contents(state: CheckState, event: PoolEvent) -> str | None:
+    """I2: the free queue holds exactly the non-null blocks with ref count 0, once each."""
+    queue = state.engine.free_queue()
+    zero = {b for b, c in state.engine.ref_counts().items() if c == 0}
+    free = event.num_free
+    if len(queue) != len(set(queue)) or 0 in queue or set(queue) != zero or len(queue) != free:
+        dups = sorted({b for b in queue if queue.count(b) > 1})
+        return (
+            f"free queue (len {len(queue)}, duplicates {dups}) differs from the "
+            f"{len(zero)} blocks with ref count 0 (free count {free}): missing "
+            f"{sorted(zero - set(queue))[:8]}, extra {sorted(set(queue) - zero)[:8]}"
+        )
+    return None

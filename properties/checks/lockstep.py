@@ -1,0 +1,258 @@
+"""The lockstep engine: the engine under test, optionally beside the reference.
+
+It implements the engine protocol itself, so the scheduler drives it like any
+engine. Every call goes to the engine under test (its exceptions become
+:class:`EngineError` naming the call) and, at the ``exact`` level, to the
+reference too; results must agree (hit length and blocks, new block ids, the
+request's table, free count, free queue). After every call the
+:class:`properties.checks.checker.Checker` runs. Every call and result is logged; the
+log is the ``observed`` part of a saved trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from properties.checks.checker import Checker
+from properties.checks.registry import PropertyViolation
+from properties.core.engine import (
+    BlockIds,
+    CacheHit,
+    EngineError,
+    ExposesFreeQueue,
+    KVCacheEngine,
+    RequestInput,
+)
+from reference.layout import KVCacheLayout
+
+
+class LockstepEngine:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        engine: KVCacheEngine,
+        layout: KVCacheLayout,
+        reference: KVCacheEngine | None = None,
+        disabled: Iterable[str] = (),
+    ) -> None:
+        self.engine = engine
+        self.reference = reference
+        self.layout = layout
+        self.checker = Checker(engine, layout, disabled)
+        self.log: list[dict[str, Any]] = []
+        self._ref_hits: dict[str, CacheHit] = {}
+        self.engine_name = getattr(engine, "name", type(engine).__name__)
+
+    # -- plumbing -------------------------------------------------------------------
+    def _call(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except (PropertyViolation, EngineError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - any engine failure is reported
+            raise EngineError(
+                f"{self.engine_name}: {what} raised {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _record(self, call: str, args: dict, result: Any) -> None:
+        self.log.append({"call": call, **args, "result": result})
+
+    def _diverge(self, what: str, expected: Any, observed: Any) -> None:
+        raise PropertyViolation(
+            "exact_match",
+            f"{what}: reference gives {expected!r}, {self.engine_name} gives {observed!r}",
+        )
+
+    def _compare_state(self, after: str, request_id: str | None) -> None:
+        if self.reference is None:
+            return
+        if (
+            request_id is not None
+            and self.checker.requests.get(request_id) is not None
+            and self.checker.requests[request_id].holds_blocks
+        ):
+            exp = _ids(self.reference.get_block_ids(request_id))
+            got = _ids(
+                self._call(f"get_block_ids({request_id!r})", self.engine.get_block_ids, request_id)
+            )
+            if exp != got:
+                self._diverge(
+                    f"block table of {request_id!r} after {after} (group by group)", exp, got
+                )
+        exp_free = self.reference.num_free_blocks()
+        got_free = self._call("num_free_blocks()", self.engine.num_free_blocks)
+        if exp_free != got_free:
+            self._diverge(f"free block count after {after}", exp_free, got_free)
+        if isinstance(self.engine, ExposesFreeQueue) and isinstance(
+            self.reference, ExposesFreeQueue
+        ):
+            exp_q, got_q = self.reference.free_queue(), self.engine.free_queue()
+            if exp_q != got_q:
+                self._diverge(f"free queue (front first) after {after}", exp_q, got_q)
+
+    # -- the protocol ---------------------------------------------------------------
+    def add_request(self, request: RequestInput) -> None:
+        self._call(f"add_request({request.request_id!r})", self.engine.add_request, request)
+        if self.reference is not None:
+            self.reference.add_request(request)
+        self.checker.on_add(
+            request.request_id, request.prompt_token_ids, request.cache_salt, request.lora_name
+        )
+
+    def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._call(
+            f"append_output_tokens({request_id!r})",
+            self.engine.append_output_tokens,
+            request_id,
+            token_ids,
+        )
+        if self.reference is not None:
+            self.reference.append_output_tokens(request_id, token_ids)
+        self.checker.on_append(request_id, token_ids)
+
+    def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
+        self._call(
+            f"set_num_computed_tokens({request_id!r}, {num_computed_tokens})",
+            self.engine.set_num_computed_tokens,
+            request_id,
+            num_computed_tokens,
+        )
+        if self.reference is not None:
+            self.reference.set_num_computed_tokens(request_id, num_computed_tokens)
+        self.checker.on_set_computed(request_id, num_computed_tokens)
+
+    def new_step(self) -> None:
+        self._call("new_step()", self.engine.new_step)
+        if self.reference is not None:
+            self.reference.new_step()
+        self._record("new_step", {}, None)
+
+    def get_computed_blocks(self, request_id: str) -> CacheHit:
+        before = self.checker.snapshot()
+        hit = self._call(
+            f"get_computed_blocks({request_id!r})", self.engine.get_computed_blocks, request_id
+        )
+        if not isinstance(hit, CacheHit):
+            raise EngineError(
+                f"{self.engine_name}: get_computed_blocks({request_id!r}) returned "
+                f"{type(hit).__name__}, not CacheHit"
+            )
+        self._record(
+            "get_computed_blocks",
+            {"request_id": request_id},
+            {"num_tokens": hit.num_tokens, "block_ids": _ids(hit.block_ids)},
+        )
+        if self.reference is not None:
+            ref_hit = self.reference.get_computed_blocks(request_id)
+            self._ref_hits[request_id] = ref_hit
+            if ref_hit.num_tokens != hit.num_tokens:
+                self._diverge(f"hit length of {request_id!r}", ref_hit.num_tokens, hit.num_tokens)
+            if _ids(ref_hit.block_ids) != _ids(hit.block_ids):
+                self._diverge(
+                    f"hit blocks of {request_id!r} (group by group)",
+                    _ids(ref_hit.block_ids),
+                    _ids(hit.block_ids),
+                )
+        self.checker.on_lookup(request_id, hit, before)
+        return hit
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        hit: CacheHit | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> BlockIds | None:
+        before = self.checker.snapshot()
+        tracked = self.checker.requests.get(request_id)
+        tables_before = (
+            self.engine.get_block_ids(request_id)
+            if tracked is not None and tracked.holds_blocks
+            else None
+        )
+        what = (
+            f"allocate_slots({request_id!r}, num_new_tokens={num_new_tokens}, "
+            f"num_new_computed_tokens={num_new_computed_tokens}, "
+            f"num_lookahead_tokens={num_lookahead_tokens})"
+        )
+        result = self._call(
+            what,
+            self.engine.allocate_slots,
+            request_id,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hit,
+            num_lookahead_tokens,
+        )
+        if result is not None and (
+            not isinstance(result, tuple) or len(result) != len(self.layout.groups)
+        ):
+            raise EngineError(
+                f"{self.engine_name}: {what} returned {result!r}, not one tuple "
+                f"of block ids per group ({len(self.layout.groups)})"
+            )
+        self._record(
+            "allocate_slots",
+            {
+                "request_id": request_id,
+                "num_new_tokens": num_new_tokens,
+                "num_new_computed_tokens": num_new_computed_tokens,
+                "num_lookahead_tokens": num_lookahead_tokens,
+            },
+            None if result is None else _ids(result),
+        )
+        if self.reference is not None:
+            ref_hit = self._ref_hits.pop(request_id, None) if hit is not None else None
+            expected = self.reference.allocate_slots(
+                request_id, num_new_tokens, num_new_computed_tokens, ref_hit, num_lookahead_tokens
+            )
+            if (expected is None) != (result is None):
+                self._diverge(
+                    what,
+                    "None" if expected is None else _ids(expected),
+                    "None" if result is None else _ids(result),
+                )
+            if expected is not None and _ids(expected) != _ids(result):
+                self._diverge(f"new blocks of {what}", _ids(expected), _ids(result))
+        self.checker.on_allocate(
+            request_id, num_new_tokens, hit, result, before, tables_before, num_lookahead_tokens
+        )
+        self._compare_state(what, request_id)
+        return result
+
+    def free(self, request_id: str) -> None:
+        self._call(f"free({request_id!r})", self.engine.free, request_id)
+        if self.reference is not None:
+            self.reference.free(request_id)
+        self._record("free", {"request_id": request_id}, None)
+        self.checker.on_free(request_id)
+        self._compare_state(f"free({request_id!r})", None)
+
+    def remove_request(self, request_id: str) -> None:
+        self._call(f"remove_request({request_id!r})", self.engine.remove_request, request_id)
+        if self.reference is not None:
+            self.reference.remove_request(request_id)
+        self.checker.on_remove(request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self._call("reset_prefix_cache()", self.engine.reset_prefix_cache)
+        self._record("reset_prefix_cache", {}, bool(ok))
+        if self.reference is not None:
+            expected = self.reference.reset_prefix_cache()
+            if bool(expected) != bool(ok):
+                self._diverge("reset_prefix_cache()", expected, ok)
+        self.checker.on_reset(bool(ok))
+        return bool(ok)
+
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        return self._call(f"get_block_ids({request_id!r})", self.engine.get_block_ids, request_id)
+
+    def num_free_blocks(self) -> int:
+        return self._call("num_free_blocks()", self.engine.num_free_blocks)
+
+
+def _ids(block_ids) -> list[list[int]]:
+    return [[int(b) for b in group] for group in block_ids]

@@ -1,0 +1,199 @@
+"""Oracles: what a correct engine must return, computed by brute force.
+
+Content model (symbolic): the KV of token ``p`` of a request is identified by
+``prefix_id(p)``, a 64-bit rolling hash of ``(salt, lora, tokens[0..p])``, so two
+requests share it exactly when their prefixes (and extra keys) agree. The shadow
+cache remembers which ``prefix_id`` each slot of each block holds (written when an
+allocation is made for the tokens of a step) and which prefix each Mamba state
+block summarises. From it:
+
+* **liveness**: a request scheduled for ``[start, start + n)`` reads, in each
+  attention group, keys ``[first_visible_key(start), start)``: every one must sit in a real
+  block of its table holding exactly its own ``prefix_id``; the blocks it writes must
+  be real; a Mamba group must read the state of exactly ``tokens[0:start)``.
+* **hit soundness**: a hit of ``L`` tokens gives, per group, blocks holding every
+  token in ``[hit_context_start(L), L)`` (Mamba: the state at exactly ``L``).
+* **hit maximality** (engines exposing their cached blocks): the brute force tries
+  every aligned ``L`` from the cap downwards and returns the largest that every
+  group can serve from cached blocks with the right content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from properties.core.engine import CachedBlock
+from reference.layout import KVCacheLayout
+from reference.specs import (
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
+
+_MASK = (1 << 64) - 1
+_MULT = 0x100000001B3
+
+
+def prefix_seed(cache_salt: str | None, lora_name: str | None) -> int:
+    """The rolling hash's start value: distinct per (salt, LoRA)."""
+    digest = hashlib.blake2b(repr((cache_salt, lora_name)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def prefix_ids(
+    token_ids: Sequence[int], cache_salt: str | None = None, lora_name: str | None = None
+) -> list[int]:
+    """``ids[p]`` identifies ``tokens[0..p]`` (inclusive) with the extra keys."""
+    h = prefix_seed(cache_salt, lora_name)
+    out = []
+    for t in token_ids:
+        h = ((h ^ (int(t) + 0x9E3779B97F4A7C15)) * _MULT) & _MASK
+        h ^= h >> 29
+        out.append(h)
+    return out
+
+
+@dataclass(frozen=True)
+class SlotContent:
+    group_id: int
+    prefix_id: int
+
+
+class ShadowCache:
+    """What every block holds, per the writes the engine's tables directed.
+
+    With one shared pool a block id names one physical block whatever its group;
+    with separate pools (``shared_pool=False``) blocks are keyed by (group, id).
+    """
+
+    def __init__(self, layout: KVCacheLayout, shared_pool: bool) -> None:
+        self.layout = layout
+        self.shared_pool = shared_pool
+        self.slots: dict[object, dict[int, SlotContent]] = {}
+
+    def _key(self, group_id: int, block_id: int) -> object:
+        return block_id if self.shared_pool else (group_id, block_id)
+
+    def write(self, group_id: int, block_id: int, offset: int, prefix_id: int) -> None:
+        self.slots.setdefault(self._key(group_id, block_id), {})[offset] = SlotContent(
+            group_id, prefix_id
+        )
+
+    def read(self, group_id: int, block_id: int, offset: int) -> SlotContent | None:
+        return self.slots.get(self._key(group_id, block_id), {}).get(offset)
+
+    def holds(self, group_id: int, block_id: int, offset: int, prefix_id: int) -> bool:
+        return self.read(group_id, block_id, offset) == SlotContent(group_id, prefix_id)
+
+
+def missing_context(
+    layout: KVCacheLayout,
+    shadow: ShadowCache,
+    group_id: int,
+    table: Sequence[int],
+    ids: Sequence[int],
+    start: int,
+    end: int,
+) -> str | None:
+    """Why ``table`` cannot serve positions ``[start, end)`` of the prefix ``ids``
+    for group ``group_id`` (attention: every slot; Mamba: the state at ``end``);
+    None when it can."""
+    spec = layout.groups[group_id].spec
+    bs = spec.block_size
+    if isinstance(spec, MambaSpec):
+        if end == 0:
+            return None
+        col = cdiv(end, bs) - 1
+        if col >= len(table) or table[col] == 0:
+            return f"state column {col} (prefix of {end} tokens) is null or missing"
+        if not shadow.holds(group_id, table[col], -1, ids[end - 1]):
+            got = shadow.read(group_id, table[col], -1)
+            return (
+                f"block {table[col]} (column {col}) does not hold the state of the "
+                f"{end}-token prefix (holds {got})"
+            )
+        return None
+    for p in range(start, end):
+        idx = p // bs
+        if idx >= len(table) or table[idx] == 0:
+            return f"position {p} (block index {idx}) is null or missing in the table"
+        if not shadow.holds(group_id, table[idx], p % bs, ids[p]):
+            got = shadow.read(group_id, table[idx], p % bs)
+            return (
+                f"block {table[idx]} slot {p % bs} (position {p}) holds {got}, not "
+                f"this request's prefix"
+            )
+    return None
+
+
+def blocks_needed_for_hit(spec: KVCacheSpec, length: int) -> range:
+    """Block indices whose cached blocks a hit of ``length`` (a multiple of bs) needs.
+
+    Full: every block before ``length``. Chunked: from the block holding the current
+    chunk's start. Mamba: the state block ending at ``length``. Sliding window: the
+    ``max(1, cdiv(w - 1, bs))`` blocks ending at ``length`` (fewer when that reaches
+    block 0): vLLM 0.33 ends every sliding-window hit on a cached block, so even
+    ``w = 1`` needs one. Example: w 5, bs 2, L 8 -> blocks 2, 3.
+    """
+    bs = spec.block_size
+    end = length // bs
+    if isinstance(spec, SlidingWindowSpec):
+        need = max(1, cdiv(spec.sliding_window - 1, bs))
+        return range(max(0, end - need), end)
+    if isinstance(spec, MambaSpec):
+        return range(end - 1, end)
+    return range(spec.hit_context_start(length) // bs, end)
+
+
+def brute_force_longest_hit(
+    layout: KVCacheLayout,
+    shadow: ShadowCache,
+    cached: Iterable[CachedBlock],
+    ids: Sequence[int],
+    max_length: int,
+    alignment: int,
+) -> int:
+    """Largest aligned ``L <= max_length`` every group can serve from cached blocks.
+
+    A group serves ``L`` when each index of :func:`blocks_needed_for_hit` has a cached
+    block of that group, registered for the prefix ending at the block's end, whose
+    slots hold this request's prefix (Mamba: the state of ``tokens[0:L)``).
+    """
+    by_group: dict[tuple[int, int], list[int]] = {}
+    for cb in cached:
+        by_group.setdefault((cb.group_id, cb.num_tokens), []).append(cb.block_id)
+    for length in range(max_length // alignment * alignment, 0, -alignment):
+        if all(
+            _group_serves(layout.groups[gid].spec, shadow, by_group, gid, ids, length)
+            for gid in range(len(layout.groups))
+        ):
+            return length
+    return 0
+
+
+def _group_serves(
+    spec: KVCacheSpec,
+    shadow: ShadowCache,
+    by_group: dict[tuple[int, int], list[int]],
+    gid: int,
+    ids: Sequence[int],
+    length: int,
+) -> bool:
+    bs = spec.block_size
+    if length % bs:
+        return False
+    for i in blocks_needed_for_hit(spec, length):
+        candidates = by_group.get((gid, (i + 1) * bs), ())
+        if isinstance(spec, MambaSpec):
+            ok = any(shadow.holds(gid, b, -1, ids[length - 1]) for b in candidates)
+        else:
+            ok = any(
+                all(shadow.holds(gid, b, p % bs, ids[p]) for p in range(i * bs, (i + 1) * bs))
+                for b in candidates
+            )
+        if not ok:
+            return False
+    return True

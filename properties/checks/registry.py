@@ -1,0 +1,148 @@
+"""Every check of kvconform, registered once with its name.
+
+A failure always carries the name of the check that found it
+(:class:`PropertyViolation`), and that name is one of :data:`CHECKS`. Each entry says
+when the check runs (``on``: the event of :mod:`properties.checks.state`, or
+``lockstep``/``attention``/``determinism`` for the checks that are not invariants), the
+label of the rule it guards in ``docs/spec.md``, and the optional engine capabilities it
+needs (``ref_counts``, ``free_queue``, ``cached_blocks``; ``shared_pool``: the groups
+share one block pool). A check whose capabilities the engine lacks does not run.
+
+Worked example: ``CHECKS["hit_bounds"]`` runs on every lookup (``on="lookup"``), guards
+H1 and needs nothing; ``CHECKS["hit_maximality"]`` runs on every lookup only for engines
+that expose their cached blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from properties.checks import invariants as inv
+
+#: The events an invariant can run on, in the order :class:`Checker` raises them.
+EVENTS = (
+    "lookup",
+    "table",
+    "group_write",
+    "allocate",
+    "failed_allocation",
+    "free",
+    "reset",
+    "pool",
+)
+
+
+class PropertyViolation(AssertionError):
+    """An engine broke a property; ``name`` says which check found it."""
+
+    def __init__(self, name: str, message: str) -> None:
+        if name not in CHECKS:
+            raise ValueError(f"PropertyViolation names unknown check {name!r}")
+        super().__init__(f"[{name}] {message}")
+        self.name = name
+        self.message = message
+
+
+@dataclass(frozen=True)
+class CheckInfo:
+    """One registered check (see the module docstring)."""
+
+    name: str
+    on: str
+    label: str
+    guards: str
+    needs: frozenset[str] = frozenset()
+    fn: Callable | None = None
+
+    @property
+    def is_invariant(self) -> bool:
+        """Run by the checker after engine calls (and can be disabled one by one)."""
+        return self.fn is not None
+
+    def runs_with(self, capabilities: Iterable[str]) -> bool:
+        return self.needs <= set(capabilities)
+
+
+def _check(
+    fn: Callable | None, on: str, label: str, guards: str, needs: Iterable[str] = (), name=""
+) -> CheckInfo:
+    return CheckInfo(name or fn.__name__, on, label, guards, frozenset(needs), fn)
+
+
+_REGISTRY: tuple[CheckInfo, ...] = (
+    # lookups, in the order they run
+    _check(inv.lookup_no_side_effects, "lookup", "H5", "a lookup changes nothing"),
+    _check(inv.hit_bounds, "lookup", "H1", "0 <= hit <= num_tokens - 1, aligned"),
+    _check(inv.hit_shape, "lookup", "P1", "a hit has one block list per group"),
+    _check(inv.hit_soundness, "lookup", "H2", "the hit's blocks hold the request's prefix"),
+    _check(
+        inv.hit_maximality, "lookup", "H3", "no longer hit is servable", needs=["cached_blocks"]
+    ),
+    # successful allocations
+    _check(inv.table_shape, "table", "P1", "a block table has one row per group"),
+    _check(inv.window_liveness, "group_write", "W3", "every key a token reads is live"),
+    _check(inv.exclusive_write, "group_write", "I6", "a written block has one owner"),
+    _check(inv.no_block_shared, "allocate", "I5", "no block twice in a request's table"),
+    _check(inv.failed_allocation, "failed_allocation", "A1", "None changes nothing"),
+    _check(inv.freed_on_free, "free", "F1", "free() leaves no block behind"),
+    _check(
+        inv.reset_prefix_cache,
+        "reset",
+        "R1",
+        "reset succeeds iff no blocks are held",
+        needs=["shared_pool"],
+    ),
+    _check(inv.pool_accounting, "pool", "I1", "free + in use == num_blocks - 1", ["shared_pool"]),
+    _check(
+        inv.ref_counts_match_owners,
+        "pool",
+        "I3",
+        "ref count == owners",
+        ["shared_pool", "ref_counts"],
+    ),
+    _check(
+        inv.free_queue_contents,
+        "pool",
+        "I2",
+        "free queue == blocks with ref count 0",
+        ["shared_pool", "ref_counts", "free_queue"],
+    ),
+    # the checks that are not invariants
+    _check(
+        None,
+        "lockstep",
+        "X1",
+        "same hits, block ids, free counts and queue as the reference (exact level)",
+        name="exact_match",
+    ),
+    _check(None, "attention", "T1", "attention outputs equal dense attention", name="attention"),
+    _check(
+        None, "determinism", "H6", "the same trace twice gives the same calls", name="determinism"
+    ),
+)
+
+#: name -> check, in registration order (the order checks run within one event).
+CHECKS: dict[str, CheckInfo] = {c.name: c for c in _REGISTRY}
+#: The names of the invariants (the checks the checker runs; each can be disabled).
+INVARIANTS: tuple[str, ...] = tuple(c.name for c in _REGISTRY if c.is_invariant)
+
+
+def checks_on(event: str) -> tuple[CheckInfo, ...]:
+    """The invariants that run on ``event``, in registration order."""
+    if event not in EVENTS:
+        raise ValueError(f"unknown event {event!r}; known: {', '.join(EVENTS)}")
+    return tuple(c for c in _REGISTRY if c.on == event and c.is_invariant)
+
+
+def disabled_all_but(keep: Iterable[str]) -> frozenset[str]:
+    """The invariants to disable so that only ``keep`` run."""
+    return frozenset(set(INVARIANTS) - set(keep))
+
+
+def validate_disabled(disabled: Iterable[str]) -> None:
+    unknown = set(disabled) - set(INVARIANTS)
+    if unknown:
+        raise ValueError(
+            f"unknown checks to disable: {sorted(unknown)}; known: {', '.join(INVARIANTS)}"
+        )

@@ -1,0 +1,142 @@
+"""What the checks know: the engine under test, the layout, the shadow of every block's
+content, the requests as the calls described them, and the events the checks look at.
+
+:class:`CheckState` is filled by :class:`properties.checks.checker.Checker` from the
+calls it sees; the check functions of :mod:`properties.checks.invariants` read it and
+never change it. One event dataclass per moment a check can run:
+
+* :class:`LookupEvent`: after ``get_computed_blocks`` returned ``hit``;
+* :class:`GroupWriteEvent`: after a successful ``allocate_slots``, once per group,
+  before that group's writes enter the shadow (so reads see the content before the step);
+* :class:`AllocateEvent`: after a successful ``allocate_slots``, once per request;
+* :class:`FailedAllocationEvent`: after ``allocate_slots`` returned ``None``;
+* :class:`FreeEvent`, :class:`ResetEvent`: after ``free`` and ``reset_prefix_cache``;
+* :class:`PoolEvent`: after every allocation and free, the pool as a whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from properties.checks.oracles import ShadowCache, prefix_ids
+from properties.core.engine import (
+    BlockIds,
+    CacheHit,
+    ExposesCachedBlocks,
+    ExposesFreeQueue,
+    ExposesRefCounts,
+    KVCacheEngine,
+)
+from reference.layout import KVCacheLayout
+
+
+@dataclass
+class TrackedRequest:
+    """What the checker knows of a request from the calls it saw."""
+
+    request_id: str
+    token_ids: list[int]
+    cache_salt: str | None
+    lora_name: str | None
+    num_computed_tokens: int = 0
+    holds_blocks: bool = False
+    ids: list[int] = field(default_factory=list)
+
+    def refresh_ids(self) -> None:
+        if len(self.ids) != len(self.token_ids):
+            self.ids = prefix_ids(self.token_ids, self.cache_salt, self.lora_name)
+
+
+#: ``(num_free_blocks, ref counts or None, free queue or None)`` at one moment.
+Snapshot = tuple[int, "dict[int, int] | None", "list[int] | None"]
+
+
+class CheckState:
+    """The engine, the layout and everything the checks derive from the calls."""
+
+    def __init__(self, engine: KVCacheEngine, layout: KVCacheLayout) -> None:
+        self.engine = engine
+        self.layout = layout
+        self.shared_pool = not getattr(engine, "separate_group_pools", False)
+        self.shadow = ShadowCache(layout, self.shared_pool)
+        self.requests: dict[str, TrackedRequest] = {}
+        #: request id -> Mamba states its step will write: (group, block, prefix id).
+        self.pending_states: dict[str, list[tuple[int, int, int]]] = {}
+        self.has_ref_counts = isinstance(engine, ExposesRefCounts)
+        self.has_free_queue = isinstance(engine, ExposesFreeQueue)
+        self.has_cached = isinstance(engine, ExposesCachedBlocks)
+        self.alignment = layout.cache_hit_alignment
+
+    def capabilities(self) -> frozenset[str]:
+        """The optional capabilities the engine offers (names as in the registry)."""
+        names = (
+            ("ref_counts", self.has_ref_counts),
+            ("free_queue", self.has_free_queue),
+            ("cached_blocks", self.has_cached),
+            ("shared_pool", self.shared_pool),
+        )
+        return frozenset(name for name, present in names if present)
+
+    def tables(self) -> dict[str, BlockIds]:
+        """The block table of every request that holds blocks."""
+        return {
+            rid: tuple(tuple(g) for g in self.engine.get_block_ids(rid))
+            for rid, r in self.requests.items()
+            if r.holds_blocks
+        }
+
+    def snapshot(self) -> Snapshot:
+        return (
+            self.engine.num_free_blocks(),
+            dict(self.engine.ref_counts()) if self.has_ref_counts else None,
+            list(self.engine.free_queue()) if self.has_free_queue else None,
+        )
+
+
+@dataclass(frozen=True)
+class LookupEvent:
+    request: TrackedRequest
+    hit: CacheHit
+    before: Snapshot
+
+
+@dataclass(frozen=True)
+class GroupWriteEvent:
+    """Group ``group_id`` of ``request`` computes positions ``[start, end)`` with ``row``."""
+
+    request: TrackedRequest
+    group_id: int
+    row: tuple[int, ...]
+    start: int
+    end: int
+    others: dict[str, BlockIds]
+
+
+@dataclass(frozen=True)
+class AllocateEvent:
+    request: TrackedRequest
+    table: BlockIds
+
+
+@dataclass(frozen=True)
+class FailedAllocationEvent:
+    request_id: str
+    hit: CacheHit | None
+    before: Snapshot
+    tables_before: BlockIds | None
+
+
+@dataclass(frozen=True)
+class FreeEvent:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ResetEvent:
+    ok: bool
+
+
+@dataclass(frozen=True)
+class PoolEvent:
+    tables: dict[str, BlockIds]
+    num_free: int

@@ -1,0 +1,36 @@
+"""Names and defaults that every part of kvconform shares, defined once.
+
+* :data:`PROPERTIES`: ``invariants``, ``attention``, ``determinism``.
+* :data:`LEVELS`: ``universal`` (holds for any correct engine, whatever its allocation
+  policy) and ``exact`` (the same hits, block ids and free counts as the reference:
+  engines that claim vLLM's policy). :data:`DEFAULT_LEVEL` is the CLI's and the pytest
+  plugin's default.
+* :data:`PROFILES`: the Hypothesis profiles of :mod:`properties.runner.profiles`.
+* :data:`DEFAULT_FAILURE_DIR`, :data:`DEFAULT_DATABASE_DIR`, :data:`DEFAULT_BENCH_DIR`:
+  where failures, the fuzz example database and bench traces go (relative to the
+  working directory).
+* Exit codes of the ``kvconform`` command: :data:`EXIT_PASSED` 0, :data:`EXIT_FAILED` 1
+  (a property failed), :data:`EXIT_USAGE` 2 (bad option or configuration),
+  :data:`EXIT_ENGINE` 3 (the engine broke the protocol), :data:`EXIT_INTERRUPTED` 130.
+"""
+
+from __future__ import annotations
+
+#: The properties ``kvconform check`` runs (:mod:`properties.runner.check`).
+PROPERTIES: tuple[str, ...] = ("invariants", "attention", "determinism")
+
+LEVELS: tuple[str, ...] = ("universal", "exact")
+DEFAULT_LEVEL = "universal"
+
+PROFILES: tuple[str, ...] = ("dev", "ci", "nightly", "gpu")
+DEFAULT_PROFILE = "ci"
+
+DEFAULT_FAILURE_DIR = ".kvconform/failures"
+DEFAULT_DATABASE_DIR = ".kvconform/hypothesis"
+DEFAULT_BENCH_DIR = ".kvconform/bench"
+
+EXIT_PASSED = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_ENGINE = 3
+EXIT_INTERRUPTED = 130

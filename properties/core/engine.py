@@ -1,0 +1,207 @@
+"""The engine protocol: the one interface a KV cache manager under test implements.
+
+An engine is built by a *factory* ``factory(layout: KVCacheLayout) -> KVCacheEngine``
+and then driven one scheduler step at a time. Requests are named by string ids;
+the engine keeps its own request objects. The calls mirror the request-level API
+of the reference (:mod:`reference.kv_cache_manager`):
+
+====================================  ===============================================
+call                                  meaning
+====================================  ===============================================
+``add_request(RequestInput)``         a new request (prompt tokens, salt, LoRA name)
+``append_output_tokens(id, tokens)``  decoded tokens join the request (hashes extend)
+``set_num_computed_tokens(id, n)``    the step's tokens were computed (or 0: preempted)
+``new_step()``                        a scheduler step begins
+``get_computed_blocks(id)``           longest prefix hit, no side effects -> CacheHit
+``allocate_slots(id, n, ...)``        new blocks per group, or None when the pool can't
+``free(id)``                          release every block of the request
+``remove_request(id)``                forget a request (after ``free``)
+``reset_prefix_cache()``              drop all cached keys; False while blocks are held
+``get_block_ids(id)``                 the request's block table per group (0 = null)
+``num_free_blocks()``                 blocks an allocation could take now
+====================================  ===============================================
+
+Block ids are ints, ``0`` is the null block. ``BlockIds`` is one tuple of ids
+per KV cache group, in the layout's group order.
+
+Optional capabilities (checked with ``isinstance`` against the runtime-checkable
+protocols below) enable more invariants when an engine offers them:
+``ExposesRefCounts`` (ref count per block: I3), ``ExposesFreeQueue`` (the free
+queue in eviction order: I2, A3), ``ExposesCachedBlocks`` (which blocks hold a
+cached prefix: hit maximality at the universal level).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from reference.errors import KVConformError
+from reference.layout import KVCacheLayout
+
+BlockIds = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class RequestInput:
+    """What a request brings: its prompt and the extra keys of its hashes."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    """A prefix hit: ``num_tokens`` computed tokens backed by ``block_ids`` per group.
+
+    Entries of ``block_ids`` may be ``0`` (null) where a group no longer needs the
+    tokens (sliding window, chunked local, Mamba).
+    """
+
+    block_ids: BlockIds
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """A block registered in the prefix cache: ``group_id``, and the prefix it ends."""
+
+    block_id: int
+    group_id: int
+    num_tokens: int
+
+
+class EngineError(KVConformError):
+    """The engine under test raised, returned garbage, or cannot be built."""
+
+
+class UnsupportedLayoutError(EngineError):
+    """The engine cannot be built for this layout (the suite skips such examples).
+
+    An adapter whose engine supports only some layouts should also give its factory
+    a ``layout_strategy`` attribute: a function returning a Hypothesis strategy of
+    the layouts it supports (``kvconform check`` then draws from it).
+    """
+
+
+@runtime_checkable
+class KVCacheEngine(Protocol):
+    """The calls every engine under test implements (see the module docstring)."""
+
+    def add_request(self, request: RequestInput) -> None: ...
+
+    def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None: ...
+
+    def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None: ...
+
+    def new_step(self) -> None: ...
+
+    def get_computed_blocks(self, request_id: str) -> CacheHit: ...
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        hit: CacheHit | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> BlockIds | None: ...
+
+    def free(self, request_id: str) -> None: ...
+
+    def remove_request(self, request_id: str) -> None: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def get_block_ids(self, request_id: str) -> BlockIds: ...
+
+    def num_free_blocks(self) -> int: ...
+
+
+@runtime_checkable
+class ExposesRefCounts(Protocol):
+    def ref_counts(self) -> Mapping[int, int]:
+        """Ref count of every non-null block id in ``[1, num_blocks)``."""
+        ...
+
+
+@runtime_checkable
+class ExposesFreeQueue(Protocol):
+    def free_queue(self) -> list[int]:
+        """Free block ids from the front (next to allocate / evict) to the back."""
+        ...
+
+
+@runtime_checkable
+class ExposesCachedBlocks(Protocol):
+    def cached_blocks(self) -> list[CachedBlock]:
+        """Every block currently registered in the prefix cache."""
+        ...
+
+
+EngineFactory = Callable[[KVCacheLayout], KVCacheEngine]
+
+
+@dataclass(frozen=True)
+class KnownDivergence:
+    """A documented engine behaviour that breaks a property (a finding).
+
+    An adapter lists them on its factory (``factory.known_divergences``); the suite
+    does not draw layouts for which ``applies(layout)`` is true, and ``kvconform
+    check`` prints each one with its finding so nothing is hidden.
+    """
+
+    name: str
+    summary: str
+    finding: str
+    applies: Callable[[KVCacheLayout], bool]
+
+
+#: Adapters shipped with kvconform: name -> "module:factory".
+BUILTIN_ENGINES: dict[str, str] = {
+    "reference": "properties.engines.reference:make_engine",
+    "vllm": "properties.engines.vllm:make_engine",
+    "sglang": "properties.engines.sglang:make_engine",
+}
+
+
+def quiet_loggers(*names: str, level: int = logging.ERROR) -> None:
+    """Raise the level of an engine's own loggers (``"vllm"``, ``"sglang"``) so that its
+    warnings (vLLM logs "Failed to reset prefix cache" on every refused reset) do not
+    flood a check's output. Adapters call it once their engine is imported."""
+    for name in names:
+        logging.getLogger(name).setLevel(level)
+
+
+def load_engine_factory(name: str) -> EngineFactory:
+    """Resolve ``reference``/``vllm``/... or an outside ``package.module:factory``.
+
+    An outside module is imported as ``python -m`` would: the current directory is
+    searched too (the ``kvconform`` script alone would not see the caller's project).
+    """
+    target = BUILTIN_ENGINES.get(name, name)
+    if ":" not in target:
+        raise EngineError(
+            f"--engine {name!r} is neither a built-in engine ({', '.join(BUILTIN_ENGINES)}) "
+            "nor of the form 'module:factory'"
+        )
+    module_name, _, attr = target.partition(":")
+    if name not in BUILTIN_ENGINES and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise EngineError(
+            f"--engine {name!r}: cannot import module {module_name!r}: {exc}"
+        ) from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise EngineError(f"--engine {name!r}: {module_name!r} has no callable {attr!r}")
+    return factory

@@ -1,0 +1,534 @@
+"""Hypothesis strategies: layouts, prompts and whole traces (docs/spec.md §11).
+
+Building blocks, smallest first (each is a ``SearchStrategy``):
+
+* ``token_ids()``, ``cache_salts()``, ``lora_names()``: a small vocabulary
+  (``0..VOCAB_SIZE-1``) so that equal content behind different prefixes happens;
+  salts from ``{None, "s1"}``; LoRA names from ``{None, "lora-a"}`` (rare).
+* ``windows(bs)`` / ``chunk_sizes(bs)``: sizes in every category of
+  :func:`window_category` (1, smaller than a block, one block, not a multiple,
+  many blocks).
+* ``specs(bs)``: one full / sliding-window / chunked-local / Mamba spec.
+* ``layouts(...)``: 1 to 6 groups in any order, block sizes 1..32 with
+  ``lcm <= 64``, pools from tiny to roomy; always a valid ``KVCacheLayout``.
+  Shrinks toward one full-attention group with block size 1.
+* ``preset_layouts(...)``: a model preset (:mod:`properties.generate.presets`) with windows
+  scaled down so that they slide within a short trace.
+* ``prefix_pools(layout)``, ``prompts(layout, pool)``, ``request_inputs(...)``:
+  prompts made of a shared prefix (possibly cut short) plus a random suffix.
+* ``token_budgets(layout)``, ``lookaheads(layout)``, ``step_ops(layout)``,
+  ``abort_ops(ids)``, ``preempt_ops(ids)``, ``reset_ops()``: single operations,
+  for the stateful machine's rules.
+* ``operations(layout)``: a whole trace body; ``traces()``: a whole ``Trace``.
+
+Worked example of the block-size rule: sizes ``(16, 4)`` give ``lcm = 16`` and
+``gcd = 4``; a Mamba group in that layout gets block size 4 (= hash block size),
+so partial prefix hits stay disabled as the layout requires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Sequence
+
+from hypothesis import strategies as st
+
+from properties.core.trace import (
+    Abort,
+    Arrive,
+    Operation,
+    Preempt,
+    ResetPrefixCache,
+    Step,
+    Trace,
+)
+from properties.generate.presets import PRESETS
+from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+#: Token ids are drawn from ``range(VOCAB_SIZE)``.
+VOCAB_SIZE = 8
+#: Largest block size of one group.
+MAX_BLOCK_SIZE = 32
+#: Largest ``lcm`` of the group block sizes (the scheduler block size).
+MAX_LCM = 64
+#: Spec kinds in shrinking order (full attention is the simplest).
+SPEC_KINDS = ("full", "sliding_window", "chunked_local", "mamba")
+#: The categories of :func:`window_category`.
+WINDOW_CATEGORIES = ("one", "sub_block", "one_block", "non_multiple", "multi_block")
+#: Presets in shrinking order (fewest, simplest groups first).
+PRESET_ORDER = ("mistral-7b", "gpt-oss", "gemma2", "gemma3", "llama4-scout", "qwen3-next", "jamba")
+#: Mamba state tensor shape used by generated layouts (64 bytes at 2 bytes each).
+_MAMBA_SHAPES = ((4, 8),)
+
+
+# ---------------------------------------------------------------------------
+# Tokens and request extras
+
+
+def token_ids() -> st.SearchStrategy[int]:
+    """A token id in ``0..VOCAB_SIZE-1``."""
+    return st.integers(0, VOCAB_SIZE - 1)
+
+
+def cache_salts() -> st.SearchStrategy[str | None]:
+    """``None`` three times out of four, else ``"s1"``."""
+    return st.sampled_from((None, None, None, "s1"))
+
+
+def lora_names() -> st.SearchStrategy[str | None]:
+    """``None`` seven times out of eight, else ``"lora-a"``."""
+    return st.sampled_from((None,) * 7 + ("lora-a",))
+
+
+def random_tokens(seed: int, length: int) -> tuple[int, ...]:
+    """``length`` tokens from ``random.Random(seed)``: compact to draw, deterministic.
+
+    Drawing one seed instead of ``length`` integers keeps long prompts within
+    Hypothesis's buffer; ``seed`` shrinks to 0.
+    """
+    rng = random.Random(seed)
+    return tuple(rng.randrange(VOCAB_SIZE) for _ in range(length))
+
+
+_seeds = st.integers(0, 2**16 - 1)
+
+
+# ---------------------------------------------------------------------------
+# Windows, chunks, specs
+
+
+def window_category(size: int, block_size: int) -> str:
+    """The category of a window or chunk size relative to the group's block size.
+
+    ``one`` (size 1), ``sub_block`` (1 < size < bs), ``one_block`` (size == bs),
+    ``non_multiple`` (size > bs, not a multiple), ``multi_block`` (a multiple,
+    at least 2 blocks). Examples with bs 4: 1 -> one, 3 -> sub_block,
+    4 -> one_block, 6 -> non_multiple, 8 -> multi_block.
+    """
+    if size == 1:
+        return "one"
+    if size < block_size:
+        return "sub_block"
+    if size == block_size:
+        return "one_block"
+    if size % block_size:
+        return "non_multiple"
+    return "multi_block"
+
+
+def windows(block_size: int) -> st.SearchStrategy[int]:
+    """A sliding window in any :func:`window_category` that exists for ``block_size``."""
+    branches: list[st.SearchStrategy[int]] = [st.just(1)]
+    if block_size > 2:
+        branches.append(st.integers(2, block_size - 1))
+    if block_size > 1:
+        branches.append(st.just(block_size))
+        branches.append(
+            st.builds(
+                lambda k, r: k * block_size + r,
+                st.integers(1, 8),
+                st.integers(1, block_size - 1),
+            )
+        )
+    branches.append(st.integers(2, 16).map(lambda k: k * block_size))
+    return st.one_of(branches)
+
+
+def chunk_sizes(block_size: int) -> st.SearchStrategy[int]:
+    """A local-attention chunk size; the same categories as :func:`windows`."""
+    return windows(block_size)
+
+
+def _attention_fields(block_size: int, head_size: int) -> dict:
+    return {"block_size": block_size, "num_kv_heads": 1, "head_size": head_size, "dtype_bytes": 2}
+
+
+def full_specs(block_size: int, head_size: int = 8) -> st.SearchStrategy[KVCacheSpec]:
+    return st.just(FullAttentionSpec(**_attention_fields(block_size, head_size)))
+
+
+def sliding_window_specs(block_size: int, head_size: int = 8) -> st.SearchStrategy[KVCacheSpec]:
+    fields = _attention_fields(block_size, head_size)
+    return windows(block_size).map(lambda w: SlidingWindowSpec(**fields, sliding_window=w))
+
+
+def chunked_local_specs(block_size: int, head_size: int = 8) -> st.SearchStrategy[KVCacheSpec]:
+    fields = _attention_fields(block_size, head_size)
+    return chunk_sizes(block_size).map(
+        lambda c: ChunkedLocalAttentionSpec(**fields, attention_chunk_size=c)
+    )
+
+
+def mamba_specs(block_size: int, page_size: int | None = None) -> st.SearchStrategy[KVCacheSpec]:
+    """A Mamba spec; ``page_size`` (>= 64) pads its page to match the attention pages."""
+    spec = MambaSpec(block_size=block_size, shapes=_MAMBA_SHAPES, dtype_bytes=2)
+    if page_size is not None and page_size != spec.page_size_bytes:
+        spec = spec.with_padded_page(page_size)
+    return st.just(spec)
+
+
+def _kind_specs(kind: str, block_size: int, page_size: int) -> st.SearchStrategy[KVCacheSpec]:
+    # page = block_size * 1 head * 2 (K, V) * head_size * 2 bytes.
+    head_size = page_size // (4 * block_size)
+    if kind == "full":
+        return full_specs(block_size, head_size)
+    if kind == "sliding_window":
+        return sliding_window_specs(block_size, head_size)
+    if kind == "chunked_local":
+        return chunked_local_specs(block_size, head_size)
+    return mamba_specs(block_size, page_size)
+
+
+def specs(block_size: int) -> st.SearchStrategy[KVCacheSpec]:
+    """Any of the four spec kinds with this block size (full attention first).
+
+    A Mamba spec is only valid in a layout if its block size is the layout's hash
+    block size; :func:`layouts` takes care of that.
+    """
+    page = 64 * block_size
+    return st.one_of([_kind_specs(kind, block_size, page) for kind in SPEC_KINDS])
+
+
+# ---------------------------------------------------------------------------
+# Layouts
+
+
+@st.composite
+def block_size_lists(draw, num_groups: int) -> list[int]:
+    """``num_groups`` block sizes in ``1..MAX_BLOCK_SIZE`` with ``lcm <= MAX_LCM``.
+
+    A quarter of the time every group shares one size (mixed sizes are where hybrid
+    alignment bugs live). Otherwise each next size is drawn
+    from the sizes that keep the running lcm within bounds: after 16, size 12 fits
+    (lcm 48) but 5 does not (lcm 80 > 64).
+    """
+    first = draw(st.integers(1, MAX_BLOCK_SIZE))
+    if draw(st.integers(0, 3)) == 0:
+        return [first] * num_groups
+    sizes = [first]
+    running = first
+    for _ in range(num_groups - 1):
+        fits = [d for d in range(1, MAX_BLOCK_SIZE + 1) if math.lcm(running, d) <= MAX_LCM]
+        size = draw(st.sampled_from(fits))
+        running = math.lcm(running, size)
+        sizes.append(size)
+    return sizes
+
+
+def _blocks_one_request_needs(layout: KVCacheLayout) -> int:
+    return layout.blocks_per_request()
+
+
+@st.composite
+def pool_sizes(
+    draw, layout: KVCacheLayout, min_blocks: int = 5, max_blocks: int | None = None
+) -> int:
+    """``num_blocks`` from tiny to roomy for ``layout``.
+
+    ``need`` = blocks one request of ``max_model_len`` tokens pins (summed over
+    groups). Tiny pools hold ``need + 1 .. 2 * need + 2`` blocks (one full-length
+    request fits, two do not: eviction and ``None`` allocations); roomy pools up
+    to ``8 * need``. Never below ``min_blocks``; ``max_blocks`` caps everything
+    (then even one request may not fit).
+    """
+    if max_blocks is not None and max_blocks < max(2, min_blocks):
+        raise ValueError(
+            f"pool_sizes(max_blocks=...) must be >= max(2, min_blocks={min_blocks}), "
+            f"got {max_blocks}"
+        )
+    need = _blocks_one_request_needs(layout)
+    lo = max(min_blocks, need + 1)
+    hi_tiny = max(lo, 2 * need + 2)
+    hi_roomy = max(hi_tiny, 8 * need)
+    if max_blocks is not None:
+        lo, hi_tiny, hi_roomy = (min(v, max_blocks) for v in (lo, hi_tiny, hi_roomy))
+    return draw(st.one_of(st.integers(lo, hi_tiny), st.integers(hi_tiny, hi_roomy)))
+
+
+@st.composite
+def layouts(
+    draw,
+    max_groups: int = 6,
+    min_blocks: int = 5,
+    max_blocks: int | None = None,
+    max_len: int = 256,
+    kinds: Sequence[str] = SPEC_KINDS,
+    enable_caching: bool = True,
+) -> KVCacheLayout:
+    """A valid ``KVCacheLayout`` of 1..``max_groups`` groups of the given ``kinds``.
+
+    Rules: group kinds in any order (interleaved); block sizes from
+    :func:`block_size_lists`; each Mamba group gets block size ``gcd`` of all sizes
+    (= hash block size, so no partial hits), each chunked-local group of a multi-group
+    layout the lcm (vLLM requires it); every page is ``64 * lcm`` bytes
+    (attention head size ``16 * lcm / bs``, Mamba padded) as after vLLM's page
+    unification; ``max_model_len`` in ``[lcm, max(lcm, max_len)]``; ``num_blocks``
+    from :func:`pool_sizes`. Shrinks toward one full group with block size 1.
+    """
+    if max_groups < 1:
+        raise ValueError(f"layouts(max_groups=...) must be >= 1, got {max_groups}")
+    unknown = [k for k in kinds if k not in SPEC_KINDS]
+    if not kinds or unknown:
+        raise ValueError(
+            f"layouts(kinds=...) must be a non-empty subset of {SPEC_KINDS}, got {tuple(kinds)!r}"
+        )
+    # hybrids of 2-4 groups drawn as often as any count (they are where bugs live);
+    # still shrinks toward 1 group
+    num_groups = draw(
+        st.one_of(st.integers(1, max_groups), st.integers(min(2, max_groups), min(4, max_groups)))
+    )
+    group_kinds = draw(
+        st.lists(st.sampled_from(tuple(kinds)), min_size=num_groups, max_size=num_groups)
+    )
+    sizes = draw(block_size_lists(num_groups))
+    hash_size = math.gcd(*sizes)
+    sizes = [hash_size if k == "mamba" else s for k, s in zip(group_kinds, sizes)]
+    lcm = math.lcm(*sizes)
+    if num_groups > 1 and enable_caching:
+        # vLLM's chunked-local hit search needs the group's block size to be the LCM
+        sizes = [lcm if k == "chunked_local" else s for k, s in zip(group_kinds, sizes)]
+    page = 64 * lcm
+    groups = tuple(
+        KVCacheGroup((f"layer.{i}",), draw(_kind_specs(kind, bs, page)))
+        for i, (kind, bs) in enumerate(zip(group_kinds, sizes))
+    )
+    max_model_len = draw(st.integers(lcm, max(lcm, max_len)))
+    sizing = KVCacheLayout(
+        groups=groups, num_blocks=2, max_model_len=max_model_len, enable_caching=enable_caching
+    )
+    num_blocks = draw(pool_sizes(sizing, min_blocks, max_blocks))
+    return dataclasses.replace(sizing, num_blocks=num_blocks)
+
+
+@st.composite
+def preset_layouts(
+    draw,
+    names: Sequence[str] | None = None,
+    max_len: int = 256,
+    min_blocks: int = 5,
+    max_blocks: int | None = None,
+) -> KVCacheLayout:
+    """A preset's layout with a small block size and windows scaled to a few blocks.
+
+    ``scale_windows = max(1, largest window // target)`` with ``target`` drawn in
+    ``1..8 * bs``: gemma3 (w=1024) with bs 4 and target 16 gets w = 1024 // 64 = 16.
+    """
+    chosen = tuple(PRESET_ORDER if names is None else names)
+    missing = [n for n in chosen if n not in PRESETS]
+    if not chosen or missing:
+        raise ValueError(
+            f"preset_layouts(names=...) must name presets of {sorted(PRESETS)}, got {chosen!r}"
+        )
+    preset = PRESETS[draw(st.sampled_from(chosen))]
+    block_size = draw(st.sampled_from((4, 1, 2, 8, 16)))
+    target = draw(st.integers(1, 8 * block_size))
+    largest = max(preset.windows, default=1)
+    scale = max(1, largest // target)
+    max_model_len = draw(st.integers(block_size, max(block_size, max_len)))
+    sizing = preset.layout(2, max_model_len, block_size=block_size, scale_windows=scale)
+    num_blocks = draw(pool_sizes(sizing, min_blocks, max_blocks))
+    return dataclasses.replace(sizing, num_blocks=num_blocks)
+
+
+def any_layouts(max_len: int = 256) -> st.SearchStrategy[KVCacheLayout]:
+    """Generated layouts or presets, generated first (they shrink better)."""
+    return st.one_of(layouts(max_len=max_len), preset_layouts(max_len=max_len))
+
+
+# ---------------------------------------------------------------------------
+# Prompts and requests
+
+
+def prompt_lengths(layout: KVCacheLayout, max_len: int) -> st.SearchStrategy[int]:
+    """A length in ``1..max_len``: short, near a multiple of the scheduler block size
+    (``k * lcm - 1``, ``k * lcm``, ``k * lcm + 1``), near ``max_len``, or anything."""
+    if max_len < 1:
+        raise ValueError(f"prompt_lengths(max_len=...) must be >= 1, got {max_len}")
+    unit = layout.scheduler_block_size
+    near_multiple = st.builds(
+        lambda k, d: min(max_len, max(1, k * unit + d)),
+        st.integers(1, max(1, max_len // unit)),
+        st.integers(-1, 1),
+    )
+    return st.one_of(
+        st.integers(1, min(max_len, 3 * unit)),
+        near_multiple,
+        st.integers(max(1, max_len - unit), max_len),
+        st.integers(1, max_len),
+    )
+
+
+@st.composite
+def prefix_pools(draw, layout: KVCacheLayout, max_prefixes: int = 3) -> tuple[tuple[int, ...], ...]:
+    """1..``max_prefixes`` shared prefixes; later ones may fork an earlier one.
+
+    A fork keeps ``base[:cut]`` and continues differently, so two prompts share a
+    prefix and then diverge (possibly inside a block).
+    """
+    limit = layout.max_model_len
+    pool: list[tuple[int, ...]] = []
+    for _ in range(draw(st.integers(1, max_prefixes))):
+        length = draw(prompt_lengths(layout, limit))
+        head: tuple[int, ...] = ()
+        if pool and draw(st.booleans()):
+            base = draw(st.sampled_from(pool))
+            head = base[: draw(st.integers(0, min(len(base), length)))]
+        pool.append(head + random_tokens(draw(_seeds), length - len(head)))
+    return tuple(pool)
+
+
+@st.composite
+def prompts(
+    draw,
+    layout: KVCacheLayout,
+    prefix_pool: Sequence[tuple[int, ...]] = (),
+    max_len: int | None = None,
+) -> tuple[int, ...]:
+    """A prompt of ``1..max_len`` tokens (default ``max_model_len``): half the time a
+    pool prefix (whole, or cut anywhere) followed by random tokens."""
+    limit = layout.max_model_len if max_len is None else max_len
+    length = draw(prompt_lengths(layout, limit))
+    head: tuple[int, ...] = ()
+    if prefix_pool and draw(st.booleans()):
+        prefix = draw(st.sampled_from(tuple(prefix_pool)))
+        cut = draw(st.one_of(st.just(len(prefix)), st.integers(0, len(prefix))))
+        head = prefix[: min(cut, length)]
+    return head + random_tokens(draw(_seeds), length - len(head))
+
+
+@st.composite
+def outputs(draw, layout: KVCacheLayout, max_len: int) -> tuple[int, ...]:
+    """The tokens a request will decode: ``0..min(max_len, 2 * lcm + 4)`` tokens."""
+    longest = max(0, min(max_len, 2 * layout.scheduler_block_size + 4))
+    length = draw(st.integers(0, longest))
+    return random_tokens(draw(_seeds), length)
+
+
+@st.composite
+def request_inputs(
+    draw, layout: KVCacheLayout, prefix_pool: Sequence[tuple[int, ...]], request_id: str
+) -> Arrive:
+    """An arrival with ``len(prompt) >= 1`` and ``len(prompt) + len(output) <= max_model_len``."""
+    output = draw(outputs(layout, layout.max_model_len - 1))
+    prompt = draw(prompts(layout, prefix_pool, layout.max_model_len - len(output)))
+    return Arrive(
+        request_id=request_id,
+        prompt=prompt,
+        output=output,
+        cache_salt=draw(cache_salts()),
+        lora_name=draw(lora_names()),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Single operations
+
+
+def token_budgets(layout: KVCacheLayout) -> st.SearchStrategy[int]:
+    """A step's token budget: ``max_model_len`` (the shrink target), 1 to a few
+    scheduler blocks (chunked prefill, drawn twice as often), or anything up to
+    ``2 * max_model_len``."""
+    small = st.integers(1, 3 * layout.scheduler_block_size)
+    return st.one_of(
+        st.just(layout.max_model_len),
+        small,
+        small,
+        st.integers(1, 2 * layout.max_model_len),
+    )
+
+
+def lookaheads(layout: KVCacheLayout) -> st.SearchStrategy[int]:
+    """Speculative lookahead slots: 0 mostly, 1..4 sometimes; always 0 with a Mamba
+    group (its spec has no speculative blocks)."""
+    if any(isinstance(s, MambaSpec) for s in layout.specs):
+        return st.just(0)
+    return st.sampled_from((0, 0, 0, 0, 1, 2, 3, 4))
+
+
+def step_ops(layout: KVCacheLayout) -> st.SearchStrategy[Step]:
+    return st.builds(Step, token_budgets(layout), lookaheads(layout))
+
+
+def abort_ops(request_ids: Sequence[str]) -> st.SearchStrategy[Abort]:
+    """Abort one of ``request_ids`` (must be non-empty)."""
+    return st.sampled_from(tuple(request_ids)).map(Abort)
+
+
+def preempt_ops(request_ids: Sequence[str]) -> st.SearchStrategy[Preempt]:
+    """Preempt one of ``request_ids`` (must be non-empty)."""
+    return st.sampled_from(tuple(request_ids)).map(Preempt)
+
+
+def reset_ops() -> st.SearchStrategy[ResetPrefixCache]:
+    return st.just(ResetPrefixCache())
+
+
+_OP_CHOICES = (
+    "step",
+    "arrive",
+    "step",
+    "step",
+    "arrive",
+    "step",
+    "preempt",
+    "abort",
+    "reset_prefix_cache",
+)
+
+
+@st.composite
+def operations(
+    draw, layout: KVCacheLayout, max_ops: int = 40, max_requests: int = 8
+) -> tuple[Operation, ...]:
+    """A whole trace body: ``Arrive("r0", ...)`` first, then ``1..max_ops`` ops in all.
+
+    Arrivals are named ``r0, r1, ...`` in order (at most ``max_requests``);
+    ``Abort``/``Preempt`` name an arrived, not yet aborted id (it may have finished
+    or be waiting). Steps outnumber the other operations. The result always passes
+    :func:`properties.core.trace.validate_references`.
+    """
+    if max_ops < 1 or max_requests < 1:
+        raise ValueError(
+            f"operations(max_ops={max_ops}, max_requests={max_requests}) must both be >= 1"
+        )
+    pool = draw(prefix_pools(layout))
+    count = draw(st.integers(1, max_ops))
+    ops: list[Operation] = [draw(request_inputs(layout, pool, "r0"))]
+    num_arrived = 1
+    live = ["r0"]  # arrived and not aborted
+    for _ in range(count - 1):
+        kind = draw(st.sampled_from(_OP_CHOICES))
+        if kind == "arrive" and num_arrived < max_requests:
+            request_id = f"r{num_arrived}"
+            ops.append(draw(request_inputs(layout, pool, request_id)))
+            num_arrived += 1
+            live.append(request_id)
+        elif kind == "preempt" and live:
+            ops.append(draw(preempt_ops(live)))
+        elif kind == "abort" and live:
+            op = draw(abort_ops(live))
+            live.remove(op.request_id)
+            ops.append(op)
+        elif kind == "reset_prefix_cache":
+            ops.append(ResetPrefixCache())
+        else:
+            ops.append(draw(step_ops(layout)))
+    return tuple(ops)
+
+
+@st.composite
+def traces(
+    draw, layout_strategy: st.SearchStrategy[KVCacheLayout] | None = None, max_ops: int = 40
+) -> Trace:
+    """A ``Trace`` (no seed, nothing observed) over generated or preset layouts."""
+    layout = draw(any_layouts() if layout_strategy is None else layout_strategy)
+    return Trace(layout=layout, operations=draw(operations(layout, max_ops=max_ops)))

@@ -1,0 +1,543 @@
+"""Mutant engines: the reference with ONE realistic bug each.
+
+Every mutant is a factory ``make_<name>(layout) -> KVCacheEngine`` usable as
+``--engine properties.mutants.reference_mutants:make_<name>``. Each subclasses one reference class
+(block pool, single-type manager, hybrid coordinator or request-level manager) and
+overrides the least it can; the line carrying the bug is marked ``# BUG``.
+:data:`MUTANTS` maps the name to its ``module:factory``, :data:`MUTANT_INFO` says
+what the bug is, which level of the suite catches it and which checks fire.
+
+Worked example, ``swa_off_by_one``: window ``w = 4``, block size 2. Before the step
+that starts at 6 computed tokens the reference frees the blocks before token
+``num_skipped_tokens(6) = 3`` (block 0); the mutant frees those before token 4
+(blocks 0 and 1). The query at 6 reads keys ``[3, 6]``, and token 3 was in block 1:
+``window_liveness`` reports it.
+
+The mutants are assembled by :func:`mutated_manager`, which replaces, in a freshly
+built :class:`reference.kv_cache_manager.KVCacheManager`, the block pool, some
+manager classes or the hybrid coordinator before any call is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from properties.engines.reference import ReferenceEngine
+from reference.block_pool import BlockPool, KVCacheBlock
+from reference.coordinator import HybridCoordinator
+from reference.hashing import block_extra_keys, hash_block_tokens
+from reference.kv_cache_manager import ComputedBlocks, KVCacheManager
+from reference.layout import KVCacheLayout
+from reference.managers import (
+    ChunkedLocalAttentionManager,
+    MambaManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+)
+from reference.managers.base import BlockList
+from reference.request import Request
+from reference.specs import KVCacheSpec
+
+ManagerClass = type[SingleTypeKVCacheManager]
+
+
+# ---------------------------------------------------------------------------
+# Assembly
+
+
+class MutantEngine(ReferenceEngine):
+    """The reference engine driving a mutated :class:`KVCacheManager`."""
+
+    def __init__(self, layout: KVCacheLayout, manager: KVCacheManager, name: str) -> None:
+        super().__init__(layout)
+        self.manager = manager
+        self.name = f"mutant:{name}"
+
+
+def mutated_manager(
+    layout: KVCacheLayout,
+    manager_cls: type[KVCacheManager] = KVCacheManager,
+    pool_cls: type[BlockPool] | None = None,
+    managers: Mapping[ManagerClass, ManagerClass] | None = None,
+    hybrid_coordinator_cls: type[HybridCoordinator] | None = None,
+) -> KVCacheManager:
+    """A fresh ``manager_cls(layout)`` with its pool, some single-type manager classes
+    (``{reference class: mutant class}``) or its hybrid coordinator replaced.
+
+    The hybrid coordinator is replaced only when the layout builds one (caching on,
+    several groups); other layouts keep the reference behaviour.
+    """
+    kv = manager_cls(layout)
+    if hybrid_coordinator_cls is not None and isinstance(kv.coordinator, HybridCoordinator):
+        kv.coordinator = hybrid_coordinator_cls(layout)
+        kv.block_pool = kv.coordinator.block_pool
+    coord = kv.coordinator
+    if pool_cls is not None:
+        pool = pool_cls(layout.num_blocks, layout.enable_caching, layout.hash_block_size)
+        coord.block_pool = kv.block_pool = pool
+        for m in coord.managers:
+            m.block_pool = pool
+    if managers:
+        coord.managers = [
+            managers.get(type(m), type(m))(
+                m.spec, m.block_pool, m.group_id, m.enable_caching, m.cache_hit_alignment
+            )
+            for m in coord.managers
+        ]
+        if isinstance(coord, HybridCoordinator):
+            for sg in coord.spec_groups:
+                sg.manager_cls = type(coord.managers[sg.group_ids[0]])
+    return kv
+
+
+# ---------------------------------------------------------------------------
+# Single-type managers
+
+
+class SlidingWindowOffByOne(SlidingWindowManager):
+    """Frees out-of-window blocks as if one more token had left the window."""
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        super().remove_skipped_blocks(request_id, num_computed_tokens + 1)  # BUG: + 1
+
+
+class SlidingWindowDoubleFree(SlidingWindowManager):
+    """Frees out-of-window blocks but leaves them in the table (not nulled), so they are
+    freed again at the next step and when the request is freed."""
+
+    def _remove_blocks_in_range(self, request_id: str, first: int, last: int) -> None:
+        blocks = self.req_to_blocks.get(request_id, [])
+        leaving = [b for b in reversed(blocks[first:last]) if not b.is_null]
+        self.block_pool.free_blocks(leaving)  # BUG: the table entries are not nulled
+
+
+class ChunkedLocalEarly(ChunkedLocalAttentionManager):
+    """Moves to the next chunk one token early: when the computed tokens end one token
+    before a chunk boundary, the whole current chunk is freed although the chunk's last
+    query still reads it. Example, C 4, bs 2: at 7 computed tokens blocks 2, 3 go."""
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        super().remove_skipped_blocks(request_id, num_computed_tokens + 1)  # BUG: + 1
+
+
+class MambaSameStepHit(MambaManager):
+    """Does not remember the states cached in the current step, so a hit on a state the
+    running step has not written yet is accepted instead of refused."""
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        SingleTypeKVCacheManager.cache_blocks(self, request, num_tokens)  # BUG: no record
+
+
+class MambaLeftmostHit(MambaManager):
+    """Returns the leftmost cached state instead of the rightmost one."""
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        pool: BlockPool,
+        spec: KVCacheSpec,
+        alignment: int,
+    ) -> tuple[list[BlockList], int]:
+        for length in range(spec.block_size, max_length + 1, spec.block_size):  # BUG: upwards
+            found, hit = super().find_longest_cache_hit(
+                block_hashes, length, group_ids, pool, spec, alignment
+            )
+            if hit:
+                return found, hit
+        return [[] for _ in group_ids], 0
+
+
+# ---------------------------------------------------------------------------
+# Block pools
+
+
+class EvictInUsePool(BlockPool):
+    """``touch`` revives a cached free block without taking it out of the free queue, so a
+    later allocation can evict and hand out a block a request is still using."""
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        for block in blocks:
+            if not block.is_null:
+                block.ref_cnt += 1  # BUG: a block with ref 0 stays in the free queue
+
+
+class NullBlockInQueuePool(BlockPool):
+    """Builds the free queue with the null block still in it (at the back), so the last
+    free "block" an allocation takes is block 0."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool, hash_block_size: int) -> None:
+        super().__init__(num_blocks, enable_caching, hash_block_size)
+        self.free_block_queue.append_n([self.null_block])  # BUG
+
+
+class ResetWhileHeldPool(BlockPool):
+    """``reset_prefix_cache`` forgets every key even while requests hold blocks."""
+
+    def reset_prefix_cache(self) -> bool:
+        for block in self.blocks:  # BUG: no check that every block is free
+            self._evict(block)
+        return True
+
+
+# ---------------------------------------------------------------------------
+# Hybrid coordinators
+
+
+class SkipLastSpecGroupCoordinator(HybridCoordinator):
+    """The hybrid hit search forgets its last spec group (the loop stops one short):
+    that group's hit is empty whatever the length agreed by the others."""
+
+    def __init__(self, layout: KVCacheLayout) -> None:
+        super().__init__(layout)
+        if len(self.spec_groups) > 1:
+            del self.spec_groups[-1]  # BUG
+
+
+class UnalignedHybridCoordinator(HybridCoordinator):
+    """Hybrid hits aligned to the hash block size (the gcd) instead of the LCM."""
+
+    def cache_hit_alignment(self) -> int:
+        return self.layout.hash_block_size  # BUG: should be the scheduler block size
+
+
+# ---------------------------------------------------------------------------
+# Requests and the request-level manager
+
+
+def extend_hashes_without_parent(
+    hashes: list[bytes],
+    token_ids: Sequence[int],
+    hash_block_size: int,
+    cache_salt: str | None,
+    lora_name: str | None,
+) -> None:
+    """Like :func:`reference.hashing.extend_block_hashes` but every link hashes only its
+    own tokens: equal blocks behind different prefixes get equal hashes."""
+    h = hash_block_size
+    while (len(hashes) + 1) * h <= len(token_ids):
+        j = len(hashes)
+        hashes.append(
+            hash_block_tokens(
+                None,
+                token_ids[j * h : (j + 1) * h],  # BUG: None
+                block_extra_keys(j, cache_salt, lora_name),
+            )
+        )
+
+
+class ParentlessHashRequest(Request):
+    """A request whose block hashes ignore the parent hash."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        hash_block_size: int,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> None:
+        super().__init__(request_id, prompt_token_ids, hash_block_size, cache_salt, lora_name)
+        self.block_hashes = []
+        self._extend_hashes()
+
+    def append_output_token_ids(self, token_ids: Sequence[int]) -> None:
+        self.output_token_ids.extend(int(t) for t in token_ids)
+        self._extend_hashes()
+
+    def _extend_hashes(self) -> None:
+        extend_hashes_without_parent(
+            self.block_hashes,
+            self.all_token_ids,
+            self.hash_block_size,
+            self.cache_salt,
+            self.lora_name,
+        )
+
+
+class ParentlessHashManager(KVCacheManager):
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> Request:
+        super().make_request(request_id, prompt_token_ids, cache_salt, lora_name)  # validation
+        return ParentlessHashRequest(
+            request_id, prompt_token_ids, self.layout.hash_block_size, cache_salt, lora_name
+        )
+
+
+class SaltIgnoredManager(KVCacheManager):
+    """Builds every request's hashes without its cache salt."""
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> Request:
+        return super().make_request(request_id, prompt_token_ids, None, lora_name)  # BUG
+
+
+class UncappedLookupManager(KVCacheManager):
+    """Looks up ``num_tokens`` tokens instead of ``num_tokens - 1``: a whole cached prompt
+    hits, leaving no token to compute for the logits."""
+
+    def get_computed_blocks(self, request: Request) -> tuple[ComputedBlocks, int]:
+        if not self.enable_caching:
+            return self.empty_computed_blocks(), 0
+        blocks, hit = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens
+        )  # BUG: no -1
+        return ComputedBlocks(tuple(tuple(b) for b in blocks)), hit
+
+
+class HeadFirstFreeManager(KVCacheManager):
+    """Frees a request's blocks head first: the chain's head reaches the eviction end of
+    the free queue before its tail."""
+
+    def free(self, request: Request) -> None:
+        held = [m.pop_blocks_for_free(request.request_id) for m in self.coordinator.managers]
+        super().free(request)  # the tables are already empty: frees nothing
+        for blocks in held:
+            self.block_pool.free_blocks(blocks)  # BUG: not reversed
+
+
+class LeakyFailedAllocationManager(KVCacheManager):
+    """Takes references on the hit blocks before the capacity check and, when the check
+    fails and ``None`` is returned, does not give them back (observably the same as
+    touching on the failure path, which is how it is written here)."""
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: ComputedBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[list[KVCacheBlock]] | None:
+        new = super().allocate_slots(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+        )
+        if new is None and new_computed_blocks is not None:
+            hit = [b for group in new_computed_blocks.blocks for b in group]
+            self.block_pool.touch(hit)  # BUG: the hit's references leak
+        return new
+
+
+# ---------------------------------------------------------------------------
+# Factories
+
+
+def _engine(name: str, layout: KVCacheLayout, **parts) -> MutantEngine:
+    return MutantEngine(layout, mutated_manager(layout, **parts), name)
+
+
+def make_swa_off_by_one(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("swa_off_by_one", layout, managers={SlidingWindowManager: SlidingWindowOffByOne})
+
+
+def make_hybrid_group_skipped(layout: KVCacheLayout) -> MutantEngine:
+    return _engine(
+        "hybrid_group_skipped", layout, hybrid_coordinator_cls=SkipLastSpecGroupCoordinator
+    )
+
+
+def make_no_hit_cap(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("no_hit_cap", layout, manager_cls=UncappedLookupManager)
+
+
+def make_free_head_first(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("free_head_first", layout, manager_cls=HeadFirstFreeManager)
+
+
+def make_hash_no_parent(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("hash_no_parent", layout, manager_cls=ParentlessHashManager)
+
+
+def make_double_free(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("double_free", layout, managers={SlidingWindowManager: SlidingWindowDoubleFree})
+
+
+def make_leaky_failed_allocation(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("leaky_failed_allocation", layout, manager_cls=LeakyFailedAllocationManager)
+
+
+def make_lcm_forgotten(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("lcm_forgotten", layout, hybrid_coordinator_cls=UnalignedHybridCoordinator)
+
+
+def make_evict_in_use(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("evict_in_use", layout, pool_cls=EvictInUsePool)
+
+
+def make_null_block_handed_out(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("null_block_handed_out", layout, pool_cls=NullBlockInQueuePool)
+
+
+def make_chunked_early(layout: KVCacheLayout) -> MutantEngine:
+    return _engine(
+        "chunked_early", layout, managers={ChunkedLocalAttentionManager: ChunkedLocalEarly}
+    )
+
+
+def make_mamba_same_step(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("mamba_same_step", layout, managers={MambaManager: MambaSameStepHit})
+
+
+def make_mamba_leftmost(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("mamba_leftmost", layout, managers={MambaManager: MambaLeftmostHit})
+
+
+def make_salt_ignored(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("salt_ignored", layout, manager_cls=SaltIgnoredManager)
+
+
+def make_reset_while_held(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("reset_while_held", layout, pool_cls=ResetWhileHeldPool)
+
+
+# ---------------------------------------------------------------------------
+# The catalogue
+
+
+@dataclass(frozen=True)
+class MutantInfo:
+    """One mutant: its bug, the level that catches it and the checks seen firing.
+
+    ``caught_by`` names :class:`properties.checks.invariants.PropertyViolation` names
+    (``exact_match`` at the exact level) observed as the first failure under the
+    ``ci`` profile; the test accepts any of them.
+    """
+
+    name: str
+    description: str
+    level: str
+    caught_by: frozenset[str]
+
+    factory: Callable[[KVCacheLayout], MutantEngine]
+
+    @property
+    def target(self) -> str:
+        """``module:factory``, as ``--engine`` takes it."""
+        return f"{__name__}:{self.factory.__name__}"
+
+
+def _info(
+    factory: Callable[[KVCacheLayout], MutantEngine],
+    level: str,
+    caught_by: Sequence[str],
+    description: str,
+) -> MutantInfo:
+    name = factory.__name__.removeprefix("make_")
+    return MutantInfo(name, description, level, frozenset(caught_by), factory)
+
+
+MUTANT_INFO: dict[str, MutantInfo] = {
+    m.name: m
+    for m in (
+        _info(
+            make_swa_off_by_one,
+            "universal",
+            ["window_liveness"],
+            "sliding window frees blocks one token early (a block still in the window)",
+        ),
+        _info(
+            make_hybrid_group_skipped,
+            "universal",
+            ["hit_soundness"],
+            "hybrid hit search skips its last spec group (its hit blocks are empty)",
+        ),
+        _info(
+            make_no_hit_cap,
+            "universal",
+            ["hit_bounds"],
+            "prefix lookup not capped at num_tokens - 1 (a whole prompt can hit)",
+        ),
+        _info(
+            make_free_head_first,
+            "exact",
+            ["exact_match"],
+            "a request's blocks are freed head first instead of tail first",
+        ),
+        _info(
+            make_hash_no_parent,
+            "universal",
+            ["hit_soundness"],
+            "block hashes ignore the parent hash (equal blocks behind other prefixes hit)",
+        ),
+        _info(
+            make_double_free,
+            "universal",
+            ["ref_counts_match_owners", "pool_accounting", "free_queue_contents"],
+            "sliding window frees out-of-window blocks without nulling them (freed twice)",
+        ),
+        _info(
+            make_leaky_failed_allocation,
+            "universal",
+            ["failed_allocation"],
+            "a failed allocation keeps the references it took on its hit blocks",
+        ),
+        _info(
+            make_lcm_forgotten,
+            "exact",
+            ["exact_match", "hit_bounds"],
+            "hybrid hits aligned to the gcd of the block sizes, not their LCM",
+        ),
+        _info(
+            make_evict_in_use,
+            "universal",
+            ["pool_accounting", "free_queue_contents"],
+            "a revived cached block stays in the free queue (evictable while in use)",
+        ),
+        _info(
+            make_null_block_handed_out,
+            "universal",
+            ["pool_accounting", "window_liveness", "reset_prefix_cache"],
+            "the null block sits in the free queue and can be allocated",
+        ),
+        _info(
+            make_chunked_early,
+            "universal",
+            ["window_liveness"],
+            "chunked local attention frees the current chunk one token early",
+        ),
+        _info(
+            make_mamba_same_step,
+            "universal",
+            ["window_liveness"],
+            "Mamba accepts a hit on a state cached in the current step (not yet written)",
+        ),
+        _info(
+            make_mamba_leftmost,
+            "universal",
+            ["hit_maximality"],
+            "Mamba hit returns the leftmost cached state instead of the rightmost",
+        ),
+        _info(
+            make_salt_ignored,
+            "universal",
+            ["hit_soundness"],
+            "the cache salt is left out of block hashes (salted prefixes hit each other)",
+        ),
+        _info(
+            make_reset_while_held,
+            "universal",
+            ["reset_prefix_cache"],
+            "reset_prefix_cache succeeds (and forgets keys) while blocks are held",
+        ),
+    )
+}
+
+#: Mutant name -> ``module:factory`` (for ``--engine``).
+MUTANTS: dict[str, str] = {name: info.target for name, info in MUTANT_INFO.items()}

@@ -1,0 +1,293 @@
+"""The stateful machine: an engine driven through generated traces, checked at every step.
+
+:class:`TraceRun` runs trace operations through the scheduler against a
+:class:`properties.checks.lockstep.LockstepEngine` (the engine under test, plus the
+reference at the ``exact`` level) and, when asked, the attention check.
+:class:`KVCacheMachine` is the Hypothesis ``RuleBasedStateMachine`` over it:
+rules arrive, resend (an earlier prompt, possibly extended by its output: a
+retry or the next chat turn), step, abort, preempt and reset the prefix cache. Levels:
+
+* ``universal``: the invariants, hit soundness and maximality, window liveness;
+  holds for any correct engine whatever its allocation policy;
+* ``exact``: additionally the same hits, block ids and free counts as the
+  reference (engines that claim vLLM's policy).
+
+Every failing run keeps its trace (the operations so far, the calls observed and the
+failure) in memory, in the machine class's :class:`RunStats`; Hypothesis' final run is
+the shrunk one, so ``stats.last_failure`` then holds the minimal trace.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hypothesis import assume, note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from properties.checks.lockstep import LockstepEngine
+from properties.checks.registry import PropertyViolation
+from properties.core.engine import UnsupportedLayoutError, load_engine_factory
+from properties.core.trace import Arrive, Operation, ResetPrefixCache, Trace
+from properties.generate import strategies as kvst
+from properties.runner.config import CheckConfig
+from properties.runner.scheduler import Scheduler, StepRecord
+from reference.errors import KVConformError
+from reference.layout import KVCacheLayout
+
+
+@dataclass
+class RunStats:
+    """Counts of one machine class's runs; its first failure as it happened,
+    ``(step number, examples so far, time.perf_counter(), check name)``; and the trace
+    of its last failing run (the shrunk one once Hypothesis is done)."""
+
+    examples: int = 0
+    steps: int = 0
+    first_failure: tuple[int, int, float, str] | None = None
+    last_failure: Trace | None = None
+
+
+class TraceRun:
+    """One engine (and the reference at ``exact``) under one layout, driven op by op."""
+
+    def __init__(
+        self, config: CheckConfig, layout: KVCacheLayout, factory: Callable | None = None
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        factory = factory or load_engine_factory(config.engine)
+        engine = factory(layout)
+        reference = None
+        if config.level == "exact":
+            from properties.engines.reference import make_engine as make_reference
+
+            reference = make_reference(layout)
+        self.lockstep = LockstepEngine(engine, layout, reference, config.disabled)
+        self.attention = None
+        if config.attention:
+            from properties.checks.attention import AttentionChecker
+
+            self.attention = AttentionChecker(layout)
+        self.scheduler = Scheduler(self.lockstep, layout, on_scheduled=self._on_scheduled)
+        self.operations: list[Operation] = []
+
+    def apply(self, op: Operation) -> StepRecord | None:
+        self.operations.append(op)
+        return self.scheduler.apply(op)
+
+    def _on_scheduled(self, scheduler: Scheduler, record: StepRecord) -> None:
+        if self.attention is None or not record.scheduled:
+            return
+        from properties.checks.attention import AttentionMismatch, ScheduledChunk
+
+        chunks = []
+        for item in record.scheduled:
+            state = scheduler.requests[item.request_id]
+            chunks.append(
+                ScheduledChunk(
+                    request=state.input,
+                    token_ids=state.token_ids,
+                    num_computed_before=item.start,
+                    num_scheduled=item.num_tokens,
+                    block_ids=tuple(tuple(g) for g in self.lockstep.get_block_ids(item.request_id)),
+                )
+            )
+        try:
+            self.attention.check_step(chunks)
+        except AttentionMismatch as exc:
+            raise PropertyViolation("attention", str(exc)) from exc
+
+    def to_trace(self, failure: BaseException | None = None, seed: int | None = None) -> Trace:
+        info = None
+        if failure is not None:
+            info = {
+                "property": getattr(failure, "name", type(failure).__name__),
+                "message": str(failure),
+                "engine": self.config.engine,
+                "level": self.config.level,
+            }
+        return Trace(
+            layout=self.layout,
+            operations=tuple(self.operations),
+            seed=seed,
+            observed=tuple(self.lockstep.log),
+            failure=info,
+        )
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    """Rules over one generated layout; configure with :func:`machine_for`."""
+
+    config: CheckConfig = CheckConfig()
+    factory: Callable | None = None
+    stats: RunStats = RunStats()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.run: TraceRun | None = None
+        self.next_id = 0
+        self.pool: tuple[tuple[int, ...], ...] = ()
+        self.sent: list[Arrive] = []
+
+    def _guard(self, fn: Callable[[], object]) -> object:
+        assert self.run is not None
+        try:
+            return fn()
+        except (AssertionError, KVConformError) as exc:  # violations and engine errors
+            type(self).stats.last_failure = self.run.to_trace(exc)
+            raise
+
+    @initialize(data=st.data())
+    def build(self, data: st.DataObject) -> None:
+        strategy = layout_strategy(self.config, self.factory)
+        layout = data.draw(strategy, label="layout")
+        note(f"layout: {layout.describe()}")
+        try:
+            self.run = TraceRun(self.config, layout, self.factory)
+        except UnsupportedLayoutError:
+            assume(False)
+        self.pool = data.draw(kvst.prefix_pools(layout), label="prefix pool")
+        type(self).stats.examples += 1
+
+    def _apply(self, op: Operation) -> None:
+        assert self.run is not None
+        note(f"op: {op!r}")
+        stats = type(self).stats
+        try:
+            self._guard(lambda: self.run.apply(op))
+        except Exception as exc:
+            if stats.first_failure is None:
+                stats.first_failure = (
+                    stats.steps + 1,
+                    stats.examples,
+                    time.perf_counter(),
+                    getattr(exc, "name", type(exc).__name__),
+                )
+            raise
+        stats.steps += 1
+
+    @rule(data=st.data())
+    def arrive(self, data: st.DataObject) -> None:
+        assert self.run is not None
+        op = data.draw(
+            kvst.request_inputs(self.run.layout, self.pool, f"r{self.next_id}"), label="arrive"
+        )
+        self.next_id += 1
+        self.sent.append(op)
+        self._apply(op)
+
+    @precondition(lambda self: bool(self.sent))
+    @rule(data=st.data())
+    def resend(self, data: st.DataObject) -> None:
+        """An earlier prompt again (a retry, or the next turn of a chat: the old prompt
+        and its output plus a few new tokens), with the same or another salt."""
+        assert self.run is not None
+        old = data.draw(st.sampled_from(self.sent), label="resent request")
+        layout = self.run.layout
+        room = layout.max_model_len - len(old.prompt)
+        turn = data.draw(
+            st.sampled_from(((), old.output, old.output + (1, 2, 3))), label="extension"
+        )[: max(0, room - 1)]
+        prompt = old.prompt + turn
+        room = layout.max_model_len - len(prompt)
+        op = Arrive(
+            f"r{self.next_id}",
+            prompt,
+            old.output[: max(0, min(room, 4))],
+            data.draw(st.sampled_from((old.cache_salt, None, "s2")), label="salt"),
+            old.lora_name,
+        )
+        self.next_id += 1
+        self.sent.append(op)
+        self._apply(op)
+
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        assert self.run is not None
+        self._apply(data.draw(kvst.step_ops(self.run.layout), label="step"))
+
+    @rule(data=st.data())
+    def step_again(self, data: st.DataObject) -> None:
+        """Steps outnumber other operations, so requests make progress."""
+        self.step(data)
+
+    @precondition(lambda self: self.run is not None and bool(self.run.scheduler.requests))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        assert self.run is not None
+        live = sorted(self.run.scheduler.requests)
+        self._apply(data.draw(kvst.abort_ops(live), label="abort"))
+
+    @precondition(lambda self: self.run is not None and bool(self.run.scheduler.running))
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        assert self.run is not None
+        self._apply(data.draw(kvst.preempt_ops(list(self.run.scheduler.running)), label="preempt"))
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self._apply(ResetPrefixCache())
+
+
+def layout_strategy(config: CheckConfig, factory: Callable | None = None):
+    """Layouts to draw: the engine's own ``layout_strategy`` if it has one, else a preset
+    (``--preset``) or any generated layout."""
+    own = getattr(factory, "layout_strategy", None) if factory is not None else None
+    if own is not None:
+        strategy = own()
+    elif config.preset is not None:
+        strategy = kvst.preset_layouts(names=[config.preset], max_len=config.max_len)
+    else:
+        strategy = kvst.any_layouts(max_len=config.max_len)
+    known = known_divergences(factory)
+    if known:
+        strategy = strategy.filter(lambda layout: not any(d.applies(layout) for d in known))
+    return strategy
+
+
+def known_divergences(factory: Callable | None) -> tuple:
+    """The factory's documented divergences (:class:`properties.core.engine.KnownDivergence`)."""
+    return tuple(getattr(factory, "known_divergences", ()) or ())
+
+
+def machine_for(
+    config: CheckConfig, factory: Callable | None = None, name: str = "InvariantsMachine"
+) -> type[KVCacheMachine]:
+    """A machine class bound to ``config`` (a plain subclass with class attributes).
+
+    Under a derandomized profile the examples drawn depend on ``name`` only (Hypothesis
+    digests the class name), so every engine sees the same stream for one name:
+    ``kvconform check`` names its machines after the property.
+    """
+    factory = factory or load_engine_factory(config.engine)
+    return type(
+        name,
+        (KVCacheMachine,),
+        {"config": config, "factory": staticmethod(factory), "stats": RunStats()},
+    )
+
+
+def replay_trace(
+    trace: Trace, config: CheckConfig, factory: Callable | None = None
+) -> tuple[TraceRun, BaseException | None]:
+    """Replay ``trace`` with every check; returns the run and the first failure (or None)."""
+    run = TraceRun(config, trace.layout, factory)
+    try:
+        for op in trace.operations:
+            run.apply(op)
+    except (AssertionError, KVConformError) as exc:  # violations and engine errors
+        return run, exc
+    return run, None
+
+
+__all__ = [
+    "KVCacheMachine",
+    "RunStats",
+    "TraceRun",
+    "layout_strategy",
+    "machine_for",
+    "replay_trace",
+]

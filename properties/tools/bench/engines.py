@@ -1,0 +1,558 @@
+"""Bench: scheduler-step speed of real KV cache managers against the reference.
+
+Two recorded traces (seeded, built in code, cached as JSON under ``.kvconform/bench/``)
+replay through :class:`properties.runner.scheduler.Scheduler` on each engine, with no checks and
+no lockstep: only the engine's speed. Every ``Step`` operation is timed with
+``time.perf_counter``; ``Arrive`` operations (which build and hash the request) are not.
+
+The traces (``scale=1``):
+
+* ``decode-heavy``: 256 requests, each a 2048-token prompt of random token ids (no
+  sharing) and 24..40 output tokens, on the ``gemma3`` preset (5 sliding groups with
+  w = 1024 + 1 full group, block size 16, ``max_model_len`` 4096, blocks for about 32
+  concurrent requests, see :func:`pool_blocks`); steps with a token budget of 8192.
+* ``prefix-heavy``: 256 requests, each one of 4 shared 1024-token system prompts plus a
+  random 64..256-token suffix and 12..20 output tokens, on the ``gpt-oss`` preset (a
+  sliding group with w = 128 + a full group, block size 16, ``max_model_len`` 2048);
+  budget 4096.
+
+Requests arrive 1..4 at a time between steps; the trace ends with as many ``Step``
+operations as the reference needs to finish every request (found by replaying on the
+reference while the trace is built). ``scale=k`` divides request counts, prompt lengths,
+windows, budgets and the concurrency target by ``k`` (each at least 1) for quick tests.
+
+Per engine and trace a row gives: steps, busy steps (steps that scheduled something), hit
+tokens and preemptions summed over the replay (the same on every engine that matches the
+reference), mean / p50 / p99 milliseconds per step, total step seconds, and the ratio of
+its total to the baseline's (the first engine, normally the reference). Example::
+
+    print(format_engine_bench(bench_engines(("reference", "vllm"))))
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from properties.core.constants import DEFAULT_BENCH_DIR
+from properties.core.engine import BUILTIN_ENGINES, EngineError, KVCacheEngine, load_engine_factory
+from properties.core.trace import (
+    Arrive,
+    Operation,
+    Step,
+    Trace,
+    TraceFormatError,
+    load_trace,
+    write_trace,
+)
+from properties.engines.reference import make_engine as make_reference_engine
+from properties.generate.presets import get_preset
+from properties.runner.scheduler import Scheduler, StepRecord
+from reference.errors import KVConformError
+from reference.layout import KVCacheLayout
+from reference.specs import cdiv
+
+#: Token ids are drawn from ``[0, VOCAB_SIZE)``.
+VOCAB_SIZE = 32_000
+#: Longest run of Step operations a drain may take before the recipe is declared broken.
+MAX_DRAIN_STEPS = 100_000
+
+
+class BenchError(KVConformError):
+    """A bench recipe or argument is invalid."""
+
+
+# ---------------------------------------------------------------------------
+# Trace recipes
+
+
+@dataclass(frozen=True)
+class TraceRecipe:
+    """How one bench trace is built (all lengths in tokens, ranges inclusive).
+
+    A prompt is ``system_prompt_len`` tokens of one of ``num_system_prompts`` shared system
+    prompts (none when 0) followed by a random suffix of ``suffix_len`` tokens. Example:
+    ``num_system_prompts=4, system_prompt_len=1024, suffix_len=(64, 256)`` gives prompts of
+    1088..1280 tokens whose first 1024 tokens are one of 4 sequences.
+    """
+
+    name: str
+    preset: str
+    seed: int
+    num_requests: int
+    num_system_prompts: int
+    system_prompt_len: int
+    suffix_len: tuple[int, int]
+    output_len: tuple[int, int]
+    token_budget: int
+    max_model_len: int
+    concurrency: int
+    arrivals_per_step: tuple[int, int] = (1, 4)
+    block_size: int = 16
+    scale_windows: int = 1
+
+    def __post_init__(self) -> None:
+        for field_name in ("num_requests", "token_budget", "max_model_len", "concurrency"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or value < 1:
+                raise BenchError(f"TraceRecipe.{field_name} must be an integer >= 1, got {value!r}")
+        for field_name in ("suffix_len", "output_len", "arrivals_per_step"):
+            lo, hi = getattr(self, field_name)
+            if not 0 <= lo <= hi:
+                raise BenchError(
+                    f"TraceRecipe.{field_name} must be a range (lo, hi) with 0 <= lo <= hi, "
+                    f"got {(lo, hi)!r}"
+                )
+        if self.system_prompt_len + self.suffix_len[0] < 1:
+            raise BenchError(
+                f"TraceRecipe {self.name!r}: prompts must hold at least 1 token, got "
+                f"system_prompt_len {self.system_prompt_len} + suffix_len {self.suffix_len}"
+            )
+        longest = self.system_prompt_len + self.suffix_len[1] + self.output_len[1]
+        if longest > self.max_model_len:
+            raise BenchError(
+                f"TraceRecipe {self.name!r}: longest request ({longest} tokens) exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+
+    def scaled(self, scale: int) -> TraceRecipe:
+        """Counts, prompt lengths, budget, windows and ``max_model_len`` divided by ``scale``
+        (each at least 1 where it was; ``max_model_len`` still fits the longest request);
+        output lengths stay, so that tiny traces still decode for several steps.
+
+        Example: ``decode-heavy`` at scale 32 has 8 requests of 64-token prompts and 24..40
+        output tokens, budget 256, window 1024 // 32 = 32, ``max_model_len`` 128.
+        """
+        if not isinstance(scale, int) or scale < 1:
+            raise BenchError(f"scale must be an integer >= 1, got {scale!r}")
+        if scale == 1:
+            return self
+
+        def down(n: int) -> int:
+            return max(1, n // scale) if n > 0 else 0
+
+        system_prompt_len = down(self.system_prompt_len)
+        suffix_len = (down(self.suffix_len[0]), down(self.suffix_len[1]))
+        longest = system_prompt_len + suffix_len[1] + self.output_len[1]
+        return replace(
+            self,
+            num_requests=down(self.num_requests),
+            system_prompt_len=system_prompt_len,
+            suffix_len=suffix_len,
+            token_budget=down(self.token_budget),
+            max_model_len=max(self.block_size, down(self.max_model_len), longest),
+            concurrency=max(2, down(self.concurrency)),
+            scale_windows=self.scale_windows * scale,
+        )
+
+    def digest(self) -> str:
+        """8 hex digits of the recipe; names its cache file, so a changed recipe rebuilds."""
+        return hashlib.sha256(repr(self).encode("utf-8")).hexdigest()[:8]
+
+
+DECODE_HEAVY = TraceRecipe(
+    name="decode-heavy",
+    preset="gemma3",
+    seed=1,
+    num_requests=256,
+    num_system_prompts=0,
+    system_prompt_len=0,
+    suffix_len=(2048, 2048),
+    output_len=(24, 40),
+    token_budget=8192,
+    max_model_len=4096,
+    concurrency=32,
+)
+
+PREFIX_HEAVY = TraceRecipe(
+    name="prefix-heavy",
+    preset="gpt-oss",
+    seed=2,
+    num_requests=256,
+    num_system_prompts=4,
+    system_prompt_len=1024,
+    suffix_len=(64, 256),
+    output_len=(12, 20),
+    token_budget=4096,
+    max_model_len=2048,
+    concurrency=32,
+)
+
+#: The recorded traces, in bench order.
+RECIPES: tuple[TraceRecipe, ...] = (DECODE_HEAVY, PREFIX_HEAVY)
+
+
+def pool_blocks(recipe: TraceRecipe) -> int:
+    """Pool size (null block included) for ``recipe.concurrency`` requests of the longest kind.
+
+    A decoding request of ``T = longest prompt + longest output`` tokens holds
+    ``cdiv(T, bs)`` blocks in a full group and ``min(cdiv(T, bs), cdiv(w - 1, bs) + 1)`` in
+    a sliding group of window ``w`` (the steady state); right after its prefill every group
+    holds ``cdiv(P, bs)`` blocks for a prompt of ``P`` tokens (the peak, until the next step
+    frees the blocks out of the window). The pool is ``1 + concurrency * steady +
+    prefills * (peak - steady)`` with ``prefills = cdiv(budget, P)`` prompts per step.
+
+    Worked example, ``decode-heavy`` (gemma3, 5 sliding w=1024 + 1 full, bs 16, P=2048,
+    T=2088): steady = 5 * 65 + 131 = 456, peak = 6 * 128 = 768, prefills = 4, so
+    ``1 + 32 * 456 + 4 * 312 = 15841`` blocks.
+    """
+    layout = _layout(recipe, num_blocks=2)
+    prompt = recipe.system_prompt_len + recipe.suffix_len[1]
+    total = prompt + recipe.output_len[1]
+    steady = 0
+    peak = 0
+    for group in layout.groups:
+        spec = group.spec
+        bs = spec.block_size
+        window = getattr(spec, "sliding_window", None)
+        held = cdiv(total, bs)
+        if window is not None:
+            held = min(held, cdiv(window - 1, bs) + 1)
+        steady += held
+        peak += cdiv(prompt, bs)
+    prefills = cdiv(recipe.token_budget, prompt)
+    return 1 + recipe.concurrency * steady + prefills * max(0, peak - steady)
+
+
+def _layout(recipe: TraceRecipe, num_blocks: int) -> KVCacheLayout:
+    return get_preset(recipe.preset).layout(
+        num_blocks=num_blocks,
+        max_model_len=recipe.max_model_len,
+        block_size=recipe.block_size,
+        scale_windows=recipe.scale_windows,
+    )
+
+
+def recipe_layout(recipe: TraceRecipe) -> KVCacheLayout:
+    """The recipe's preset layout with :func:`pool_blocks` blocks."""
+    return _layout(recipe, pool_blocks(recipe))
+
+
+def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(VOCAB_SIZE) for _ in range(n))
+
+
+def _arrivals(recipe: TraceRecipe, rng: random.Random) -> list[Arrive]:
+    systems = [_tokens(rng, recipe.system_prompt_len) for _ in range(recipe.num_system_prompts)]
+    out = []
+    for i in range(recipe.num_requests):
+        prefix = systems[rng.randrange(len(systems))] if systems else ()
+        suffix = _tokens(rng, rng.randint(*recipe.suffix_len))
+        output = _tokens(rng, rng.randint(*recipe.output_len))
+        out.append(Arrive(f"{recipe.name}-{i}", prefix + suffix, output))
+    return out
+
+
+def build_trace(recipe: TraceRecipe) -> Trace:
+    """The recipe's trace: arrivals in groups of ``arrivals_per_step`` with one ``Step`` after
+    each group, then ``Step``s until the reference has finished every request.
+
+    Deterministic: the same recipe gives an equal trace (one ``random.Random(seed)``).
+    """
+    layout = recipe_layout(recipe)
+    rng = random.Random(recipe.seed)
+    arrivals = _arrivals(recipe, rng)
+    scheduler = Scheduler(make_reference_engine(layout), layout)
+    operations: list[Operation] = []
+
+    def emit(op: Operation) -> None:
+        operations.append(op)
+        scheduler.apply(op)
+
+    i = 0
+    while i < len(arrivals):
+        k = rng.randint(*recipe.arrivals_per_step)
+        for op in arrivals[i : i + k]:
+            emit(op)
+        i += k
+        emit(Step(recipe.token_budget))
+    for _ in range(MAX_DRAIN_STEPS):
+        if scheduler.is_idle():
+            break
+        emit(Step(recipe.token_budget))
+    else:
+        raise BenchError(
+            f"trace {recipe.name!r}: requests still pending after {MAX_DRAIN_STEPS} drain steps"
+        )
+    return Trace(layout=layout, operations=tuple(operations), seed=recipe.seed)
+
+
+def _cache_path(recipe: TraceRecipe, directory: Path) -> Path:
+    return directory / f"{recipe.name}-{recipe.digest()}.json"
+
+
+def recorded_traces(
+    scale: int = 1, directory: str | Path | None = DEFAULT_BENCH_DIR
+) -> dict[str, Trace]:
+    """``{"decode-heavy": Trace, "prefix-heavy": Trace}`` (see the module docstring).
+
+    With a ``directory``, each trace is read from ``<directory>/<name>-<recipe digest>.json``
+    when that file exists and is written there otherwise (first use); ``None`` always
+    builds in memory. An unreadable cache file is rebuilt and overwritten.
+    """
+    out: dict[str, Trace] = {}
+    for base in RECIPES:
+        recipe = base.scaled(scale)
+        if directory is None:
+            out[recipe.name] = build_trace(recipe)
+            continue
+        path = _cache_path(recipe, Path(directory))
+        trace = None
+        if path.exists():
+            try:
+                trace = load_trace(path)
+            except TraceFormatError:
+                trace = None
+        if trace is None:
+            trace = build_trace(recipe)
+            write_trace(trace, path, compact=True)
+        out[recipe.name] = trace
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Timing
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile: the ``ceil(p / 100 * n)``-th smallest value (1-based).
+
+    Examples: ``percentile([4, 1, 3, 2], 50) == 2``; of ``1..100``, p50 is 50 and p99 is
+    99; of a single value, every percentile is that value.
+    """
+    if not values:
+        raise BenchError("percentile of an empty list")
+    if not 0 < p <= 100:
+        raise BenchError(f"percentile p must be in (0, 100], got {p!r}")
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What one replay measured: seconds per Step, and sanity counters."""
+
+    step_seconds: tuple[float, ...]
+    busy_steps: int
+    hit_tokens: int
+    preemptions: int
+    finished: int
+
+
+def replay_timed(engine: KVCacheEngine, trace: Trace) -> Replay:
+    """Apply ``trace`` to a fresh scheduler over ``engine``, timing every ``Step``."""
+    scheduler = Scheduler(engine, trace.layout)
+    seconds: list[float] = []
+    busy = hits = preempted = 0
+    clock = time.perf_counter
+    for op in trace.operations:
+        if isinstance(op, Step):
+            start = clock()
+            record: StepRecord = scheduler.step(op.token_budget, op.num_lookahead_tokens)
+            seconds.append(clock() - start)
+            if record.scheduled:
+                busy += 1
+            hits += sum(s.hit_tokens for s in record.scheduled)
+            preempted += len(record.preempted)
+        else:
+            scheduler.apply(op)
+    return Replay(tuple(seconds), busy, hits, preempted, len(scheduler.finished))
+
+
+@dataclass(frozen=True)
+class EngineBenchRow:
+    """One engine on one trace. ``status`` is ``"ok"`` or why nothing was measured (then
+    every measured field is None). ``ratio`` = ``total_s / baseline total_s``."""
+
+    trace: str
+    engine: str
+    status: str
+    steps: int | None = None
+    busy_steps: int | None = None
+    hit_tokens: int | None = None
+    preemptions: int | None = None
+    finished: int | None = None
+    mean_ms: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    total_s: float | None = None
+    ratio: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def _not_installed(name: str, exc: BaseException) -> str:
+    if name in BUILTIN_ENGINES:
+        return f"not installed: run ci/engines/{name}"
+    return f"not installed: {exc}"
+
+
+def _caused_by_import(exc: BaseException) -> bool:
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, ImportError):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+def _measure(name: str, trace_name: str, trace: Trace, repeat: int) -> EngineBenchRow:
+    """The fastest of ``repeat`` replays (by total step time); errors become the status."""
+    try:
+        factory = load_engine_factory(name)
+    except EngineError as exc:
+        status = _not_installed(name, exc) if _caused_by_import(exc) else f"error: {exc}"
+        return EngineBenchRow(trace_name, name, status)
+    best: Replay | None = None
+    for _ in range(repeat):
+        try:
+            engine = factory(trace.layout)
+        except (EngineError, ImportError) as exc:
+            status = _not_installed(name, exc) if _caused_by_import(exc) else f"error: {exc}"
+            return EngineBenchRow(trace_name, name, status)
+        gc.collect()
+        try:
+            result = replay_timed(engine, trace)
+        except KVConformError as exc:
+            return EngineBenchRow(trace_name, name, f"error: {exc}")
+        if best is None or sum(result.step_seconds) < sum(best.step_seconds):
+            best = result
+    assert best is not None
+    total = sum(best.step_seconds)
+    steps = len(best.step_seconds)
+    return EngineBenchRow(
+        trace=trace_name,
+        engine=name,
+        status="ok",
+        steps=steps,
+        busy_steps=best.busy_steps,
+        hit_tokens=best.hit_tokens,
+        preemptions=best.preemptions,
+        finished=best.finished,
+        mean_ms=1000 * total / steps if steps else 0.0,
+        p50_ms=1000 * percentile(best.step_seconds, 50) if steps else 0.0,
+        p99_ms=1000 * percentile(best.step_seconds, 99) if steps else 0.0,
+        total_s=total,
+    )
+
+
+def with_ratios(rows: Sequence[EngineBenchRow]) -> list[EngineBenchRow]:
+    """Each ok row's ``ratio`` = its ``total_s`` / the first ok row's ``total_s`` of the same
+    trace. Example: reference 2.0 s, vllm 3.0 s -> ratios 1.0 and 1.5."""
+    baseline: dict[str, float] = {}
+    out = []
+    for row in rows:
+        if not row.ok or row.total_s is None:
+            out.append(row)
+            continue
+        base = baseline.setdefault(row.trace, row.total_s)
+        ratio = row.total_s / base if base > 0 else math.inf
+        out.append(replace(row, ratio=ratio))
+    return out
+
+
+def bench_engines(
+    engines: Sequence[str] = ("reference", "vllm"),
+    traces: dict[str, Trace] | None = None,
+    repeat: int = 1,
+) -> list[EngineBenchRow]:
+    """One row per trace and engine, in that order; ``traces`` defaults to
+    :func:`recorded_traces`. The first engine is the baseline of the ratios."""
+    if not engines:
+        raise BenchError("engines must name at least one engine, got ()")
+    if not isinstance(repeat, int) or repeat < 1:
+        raise BenchError(f"repeat must be an integer >= 1, got {repeat!r}")
+    if traces is None:
+        traces = recorded_traces()
+    rows = [
+        _measure(name, trace_name, trace, repeat)
+        for trace_name, trace in traces.items()
+        for name in engines
+    ]
+    return with_ratios(rows)
+
+
+_SANITY_FIELDS = ("steps", "busy_steps", "hit_tokens", "preemptions", "finished")
+
+
+def engine_mismatches(rows: Sequence[EngineBenchRow]) -> list[str]:
+    """One warning per trace and counter where an ok engine differs from the trace's first ok
+    row. Example: ``"WARNING: prefix-heavy: vllm hit_tokens 1024 != reference 2048"``."""
+    first: dict[str, EngineBenchRow] = {}
+    warnings = []
+    for row in rows:
+        if not row.ok:
+            continue
+        base = first.setdefault(row.trace, row)
+        for field_name in _SANITY_FIELDS:
+            mine, theirs = getattr(row, field_name), getattr(base, field_name)
+            if mine != theirs:
+                warnings.append(
+                    f"WARNING: {row.trace}: {row.engine} {field_name} {mine} != "
+                    f"{base.engine} {theirs}"
+                )
+    return warnings
+
+
+def _cell(value: object, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def format_engine_bench(rows: Sequence[EngineBenchRow]) -> str:
+    """An aligned table (one line per row, a ``note`` column holding any non-ok status),
+    followed by :func:`engine_mismatches` warnings."""
+    header = (
+        "trace",
+        "engine",
+        "steps",
+        "busy",
+        "hit tok",
+        "preempt",
+        "mean ms",
+        "p50 ms",
+        "p99 ms",
+        "total s",
+        "ratio",
+        "note",
+    )
+    table = [header]
+    for r in rows:
+        table.append(
+            (
+                r.trace,
+                r.engine,
+                _cell(r.steps),
+                _cell(r.busy_steps),
+                _cell(r.hit_tokens),
+                _cell(r.preemptions),
+                _cell(r.mean_ms),
+                _cell(r.p50_ms),
+                _cell(r.p99_ms),
+                _cell(r.total_s),
+                _cell(r.ratio, 2),
+                "" if r.ok else r.status,
+            )
+        )
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    lines = []
+    for line in table:
+        cells = [
+            cell.ljust(w) if i in (0, 1, len(header) - 1) else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(line, widths))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    lines.extend(engine_mismatches(rows))
+    return "\n".join(lines)

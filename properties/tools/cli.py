@@ -1,0 +1,270 @@
+"""The ``kvconform`` command line.
+
+* ``kvconform check --engine NAME|module:factory [--level universal|exact]
+  [--profile dev|ci|nightly|gpu] [--preset NAME] [--no-attention]``: runs the
+  properties and prints a table (property, examples, steps, time, result); exit 1
+  on any failure, after writing the shrunk trace and printing its replay command.
+* ``kvconform fuzz --engine ... --minutes N [--workers K]``: a campaign with a live
+  progress line, the Hypothesis database under ``.kvconform/``, Ctrl-C stops cleanly.
+* ``kvconform replay TRACE --engine ...``: replays one trace, shows the first failure
+  or divergence (operation, group, expected and observed tables).
+* ``kvconform bench suite|engines|attention``: speed figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+from properties.core.constants import (
+    DEFAULT_FAILURE_DIR,
+    DEFAULT_LEVEL,
+    DEFAULT_PROFILE,
+    EXIT_FAILED,
+    EXIT_PASSED,
+    LEVELS,
+    PROFILES,
+    PROPERTIES,
+)
+from properties.core.engine import EngineError
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from hypothesis import settings as hsettings
+
+    from properties.core.engine import load_engine_factory
+    from properties.runner.check import replay_command, run_property
+    from properties.runner.config import CheckConfig
+    from properties.runner.machine import known_divergences
+    from properties.runner.profiles import load_profile
+
+    profile = load_profile(args.profile)
+    settings = hsettings(profile, max_examples=args.max_examples or profile.max_examples)
+    seed = args.seed
+    if seed is None and not profile.derandomize:
+        seed = random.SystemRandom().randrange(2**32)
+    print(
+        f"kvconform check: engine={args.engine} level={args.level} profile={args.profile} "
+        f"preset={args.preset or '-'} seed={seed if seed is not None else 'derandomized'}",
+        flush=True,
+    )
+    factory = load_engine_factory(args.engine)
+    for d in known_divergences(factory):
+        print(
+            f"  known divergence {d.name}: {d.summary}\n    layouts where it applies are "
+            f"not drawn; see {d.finding}"
+        )
+    config = CheckConfig(
+        engine=args.engine, level=args.level, preset=args.preset, failure_dir=args.failure_dir
+    )
+    wanted = [p for p in PROPERTIES if not (p == "attention" and args.no_attention)]
+    if args.only:
+        wanted = [p for p in wanted if p in args.only]
+    results = []
+    for name in wanted:
+        r = run_property(name, config, settings, seed, factory)
+        results.append(r)
+        print(
+            f"  {r.name:<12} {'PASS' if r.passed else 'FAIL'} "
+            f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s)",
+            flush=True,
+        )
+    print(format_results(results))
+    failed = [r for r in results if not r.passed]
+    for r in failed:
+        print(f"\nFAILED {r.name}: {r.failure[:4000]}")
+        if r.trace_path is not None:
+            command = replay_command(r.trace_path, args.engine, args.level, r.name == "attention")
+            print(f"  trace: {r.trace_path}\n  replay: {command}")
+    return EXIT_FAILED if failed else EXIT_PASSED
+
+
+def format_results(results: list) -> str:
+    """A table of :class:`properties.runner.check.PropertyResult` rows."""
+    rows = [("property", "examples", "steps", "time", "result")]
+    for r in results:
+        rows.append(
+            (
+                r.name,
+                str(r.examples),
+                str(r.steps),
+                f"{r.seconds:.1f}s",
+                "pass" if r.failure is None else "FAIL",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from properties.core.trace import load_trace
+    from properties.runner.check import config_for
+    from properties.runner.config import CheckConfig
+    from properties.runner.machine import replay_trace
+
+    trace = load_trace(Path(args.trace))
+    config = config_for(
+        "attention" if args.attention else "invariants",
+        CheckConfig(engine=args.engine, level=args.level, failure_dir=args.failure_dir),
+    )
+    print(
+        f"replaying {args.trace}: {len(trace.operations)} operations on {trace.layout.describe()}"
+    )
+    if trace.failure:
+        print(
+            f"recorded failure: [{trace.failure.get('property')}] on "
+            f"{trace.failure.get('engine')} ({trace.failure.get('level')})"
+        )
+    run, exc = replay_trace(trace, config)
+    if exc is None:
+        print(f"no failure: {args.engine} passes every check on this trace ({args.level})")
+        return EXIT_PASSED
+    op_index = len(run.operations) - 1
+    print(f"FAILED at operation {op_index}: {run.operations[op_index]!r}")
+    print(f"  {type(exc).__name__}: {exc}")
+    calls = run.lockstep.log[-6:]
+    if calls:
+        print("  last calls (engine under test):")
+        for c in calls:
+            print(f"    {json.dumps(c)}")
+    if run.lockstep.reference is not None:
+        print("  block tables now, per request (reference | engine):")
+        for rid, tracked in run.lockstep.checker.requests.items():
+            if not tracked.holds_blocks:
+                continue
+            try:
+                exp = run.lockstep.reference.get_block_ids(rid)
+                got = run.lockstep.engine.get_block_ids(rid)
+            except Exception as err:  # noqa: BLE001
+                print(f"    {rid}: cannot read tables: {err}")
+                continue
+            for gid, (e, g) in enumerate(zip(exp, got)):
+                mark = "  " if list(e) == list(g) else "!="
+                print(f"    {rid} group {gid}: {list(e)} {mark} {list(g)}")
+    return EXIT_FAILED
+
+
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    from properties.tools.fuzz import run_campaign
+
+    return run_campaign(
+        engine=args.engine,
+        level=args.level,
+        minutes=args.minutes,
+        workers=args.workers,
+        preset=args.preset,
+        attention=args.attention,
+        seed=args.seed,
+        failure_dir=args.failure_dir,
+    )
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "suite":
+        from properties.tools.bench.suite import bench_suite, format_suite
+
+        print(format_suite(bench_suite(profile=args.profile)))
+    elif args.what == "engines":
+        from properties.tools.bench.engines import (
+            bench_engines,
+            engine_mismatches,
+            format_engine_bench,
+            recorded_traces,
+        )
+
+        rows = bench_engines(
+            engines=tuple(args.engines),
+            traces=recorded_traces(scale=args.scale),
+            repeat=args.repeat,
+        )
+        print(format_engine_bench(rows))
+        return 1 if engine_mismatches(rows) else 0
+    else:
+        from properties.tools.bench.attention import bench_attention, format_bench
+
+        for backend in ("torch", "sdpa"):
+            print(
+                format_bench(
+                    bench_attention(
+                        args.device, args.seed, backend=backend, num_threads=args.threads
+                    )
+                )
+            )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvconform", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def engine_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--engine",
+            default="reference",
+            help="reference, optimized, vllm, sglang, or module:factory",
+        )
+        p.add_argument("--level", default=DEFAULT_LEVEL, choices=LEVELS)
+        p.add_argument("--failure-dir", default=DEFAULT_FAILURE_DIR)
+
+    p = sub.add_parser("check", help="run the properties once and print a table")
+    engine_args(p)
+    p.add_argument("--profile", default=DEFAULT_PROFILE, choices=PROFILES)
+    p.add_argument("--preset", default=None, help="draw layouts from this model preset")
+    p.add_argument("--no-attention", action="store_true", help="skip the attention property")
+    p.add_argument("--only", nargs="*", choices=PROPERTIES, help="run only these properties")
+    p.add_argument("--max-examples", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("fuzz", help="a long campaign with a live progress line")
+    engine_args(p)
+    p.add_argument("--minutes", type=float, required=True)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--preset", default=None)
+    p.add_argument("--attention", action="store_true")
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=cmd_fuzz)
+
+    p = sub.add_parser("replay", help="replay one trace and show the first failure")
+    p.add_argument("trace")
+    engine_args(p)
+    p.add_argument("--attention", action="store_true", help="check attention outputs only")
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("bench", help="speed figures")
+    p.add_argument("what", choices=("suite", "engines", "attention"))
+    p.add_argument("--profile", default=DEFAULT_PROFILE, choices=PROFILES)
+    p.add_argument("--engines", nargs="*", default=["reference", "vllm"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=1, help="engines: keep the fastest of N")
+    p.add_argument("--scale", type=int, default=1, help="engines: shrink the traces k times")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EngineError as exc:
+        print(f"kvconform: engine error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nkvconform: interrupted", file=sys.stderr)
+        return 130
+    except ValueError as exc:
+        print(f"kvconform: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

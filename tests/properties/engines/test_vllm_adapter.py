@@ -1,0 +1,224 @@
+"""Hand-written scenarios for the vLLM 0.33.0 adapter (``properties/engines/vllm.py``).
+
+Run with ``.engines/vllm/bin/python -m pytest tests/properties/engines/test_vllm_adapter.py``;
+``conftest.py`` skips the module when vLLM is not installed or importable. Every
+expected value below is derived by hand from the rules in ``docs/vllm-behaviour.md``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from properties.core.engine import (
+    CacheHit,
+    EngineError,
+    ExposesCachedBlocks,
+    ExposesFreeQueue,
+    ExposesRefCounts,
+    KVCacheEngine,
+    RequestInput,
+)
+from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+pytestmark = pytest.mark.engine
+
+
+def make(groups: tuple, num_blocks: int, max_model_len: int = 256):
+    from properties.engines.vllm import make_engine
+
+    layout = KVCacheLayout(
+        groups=tuple(KVCacheGroup((f"l{i}",), spec) for i, spec in enumerate(groups)),
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+    )
+    return make_engine(layout)
+
+
+def full_swa(num_blocks: int = 20):
+    """Full attention + SWA(w=4), both bs 2 (hash 2, scheduler block 2)."""
+    return make(
+        (FullAttentionSpec(block_size=2), SlidingWindowSpec(block_size=2, sliding_window=4)),
+        num_blocks,
+    )
+
+
+def run_prompt(engine, request_id: str, tokens: tuple[int, ...], chunk: int | None = None):
+    """Add a request and compute its whole prompt (optionally in chunks); return rows."""
+    engine.add_request(RequestInput(request_id, tokens))
+    hit = engine.get_computed_blocks(request_id)
+    done = hit.num_tokens
+    first = True
+    while done < len(tokens):
+        n = min(chunk or len(tokens), len(tokens) - done)
+        if first:
+            assert engine.allocate_slots(request_id, n, hit.num_tokens, hit) is not None
+            first = False
+        else:
+            assert engine.allocate_slots(request_id, n) is not None
+        done += n
+        engine.set_num_computed_tokens(request_id, done)
+    return engine.get_block_ids(request_id)
+
+
+def test_capabilities_and_13_token_prompt_rows_then_window_frees():
+    engine = full_swa()
+    assert isinstance(engine, KVCacheEngine)
+    assert isinstance(engine, ExposesRefCounts)
+    assert isinstance(engine, ExposesFreeQueue)
+    assert isinstance(engine, ExposesCachedBlocks)
+    engine.add_request(RequestInput("a", tuple(range(13))))
+    hit = engine.get_computed_blocks("a")
+    assert hit == CacheHit(((), ()), 0)
+    # cdiv(13, 2) = 7 blocks per group, popped in order from the queue 1..19.
+    new = engine.allocate_slots("a", 13, 0, hit)
+    assert new == ((1, 2, 3, 4, 5, 6, 7), (8, 9, 10, 11, 12, 13, 14))
+    assert engine.num_free_blocks() == 19 - 14
+    engine.set_num_computed_tokens("a", 13)
+    engine.append_output_tokens("a", [99])
+    # Decode at 13: skipped = 13 - 4 + 1 = 10 tokens -> SWA columns 0..4 become null.
+    assert engine.allocate_slots("a", 1) == ((), ())
+    assert engine.get_block_ids("a") == (
+        (1, 2, 3, 4, 5, 6, 7),
+        (0, 0, 0, 0, 0, 13, 14),
+    )
+    assert engine.num_free_blocks() == 5 + 5
+    assert engine.ref_counts()[8] == 0 and engine.ref_counts()[13] == 1
+
+
+def test_shared_10_token_prefix_hits_10_with_swa_nulls():
+    engine = full_swa()
+    run_prompt(engine, "a", tuple(range(13)))
+    engine.add_request(RequestInput("b", tuple(range(10)) + (50, 51, 52)))
+    hit = engine.get_computed_blocks("b")
+    # Full: blocks 0..4 match (10 tokens). SWA w 4 needs cdiv(3, 2) = 2 blocks ending
+    # at 10: columns 3, 4 (ids 11, 12); columns 0..2 are null.
+    assert hit == CacheHit(((1, 2, 3, 4, 5), (0, 0, 0, 11, 12)), 10)
+    # 13 tokens -> 7 columns: 2 new blocks per group from the queue front 15..19.
+    assert engine.allocate_slots("b", 3, 10, hit) == ((15, 16), (17, 18))
+    assert engine.get_block_ids("b") == ((1, 2, 3, 4, 5, 15, 16), (0, 0, 0, 11, 12, 17, 18))
+    assert engine.ref_counts()[1] == 2 and engine.ref_counts()[11] == 2
+    assert engine.num_free_blocks() == 1
+
+
+def test_free_order_tail_first_unhashed_front_hashed_back():
+    engine = full_swa()
+    run_prompt(engine, "a", tuple(range(13)))
+    engine.free("a")
+    # Group 0 freed first: 7 (partial, unhashed) to the front, 6..1 (hashed) to the
+    # back; then group 1: 14 to the front, 13..8 to the back.
+    assert engine.free_queue() == [
+        14,
+        7,
+        15,
+        16,
+        17,
+        18,
+        19,
+        6,
+        5,
+        4,
+        3,
+        2,
+        1,
+        13,
+        12,
+        11,
+        10,
+        9,
+        8,
+    ]
+    assert engine.num_free_blocks() == 19
+    cached = {(c.block_id, c.group_id, c.num_tokens) for c in engine.cached_blocks()}
+    assert cached == {(b, 0, 2 * b) for b in range(1, 7)} | {
+        (b, 1, 2 * (b - 7)) for b in range(8, 14)
+    }
+    assert engine.reset_prefix_cache() is True
+    assert engine.cached_blocks() == []
+
+
+def test_cache_salt_and_lora_name_reach_the_hash():
+    engine = make((FullAttentionSpec(block_size=2),), 40)
+    prompt = tuple(range(8))
+    for rid, salt, lora in (("a", "s1", None), ("b", None, "L1")):
+        engine.add_request(RequestInput(rid, prompt, cache_salt=salt, lora_name=lora))
+        hit = engine.get_computed_blocks(rid)
+        engine.allocate_slots(rid, 8, 0, hit)
+        engine.set_num_computed_tokens(rid, 8)
+    cases = {
+        "plain": (None, None, 0),
+        "same_salt": ("s1", None, 6),  # max hit = 7 tokens -> 3 full blocks
+        "other_salt": ("s2", None, 0),
+        "same_lora": (None, "L1", 6),
+        "other_lora": (None, "L2", 0),
+    }
+    for rid, (salt, lora, expected) in cases.items():
+        engine.add_request(RequestInput(rid, prompt, cache_salt=salt, lora_name=lora))
+        assert engine.get_computed_blocks(rid).num_tokens == expected, rid
+
+
+def test_foreign_hit_and_vllm_errors_become_engine_errors_and_pool_full_is_none():
+    engine = make((FullAttentionSpec(block_size=2),), 5)
+    engine.add_request(RequestInput("a", tuple(range(10))))
+    with pytest.raises(EngineError, match="did not return"):
+        engine.allocate_slots("a", 10, 0, CacheHit(((),), 0))
+    with pytest.raises(EngineError, match=r"vllm: allocate_slots\('a', 0, 0, 0\) raised"):
+        engine.allocate_slots("a", 0)
+    with pytest.raises(EngineError, match="unknown request"):
+        engine.get_computed_blocks("zz")
+    # 10 tokens need 5 blocks; only 4 are free -> None, nothing changes.
+    hit = engine.get_computed_blocks("a")
+    assert engine.allocate_slots("a", 10, 0, hit) is None
+    assert engine.num_free_blocks() == 4
+    assert engine.get_block_ids("a") == ((),)
+
+
+def test_mamba_align_rows_per_chunk_and_same_step_refusal():
+    engine = make((FullAttentionSpec(block_size=4), MambaSpec(block_size=4)), 40)
+    engine.add_request(RequestInput("a", tuple(range(20))))
+    hit = engine.get_computed_blocks("a")
+    engine.new_step()
+    # [0, 8): Mamba needs column cdiv(8, 4) - 1 = 1 only; the null padding is not new.
+    assert engine.allocate_slots("a", 8, 0, hit) == ((1, 2), (3,))
+    engine.set_num_computed_tokens("a", 8)
+    engine.new_step()
+    assert engine.allocate_slots("a", 8) == ((4, 5), (6,))
+    assert engine.get_block_ids("a")[1] == (0, 3, 0, 6)
+    engine.set_num_computed_tokens("a", 16)
+    engine.new_step()
+    # The state read two allocations ago (column 1, id 3) is freed first.
+    assert engine.allocate_slots("a", 4) == ((7,), (8,))
+    assert engine.get_block_ids("a")[1] == (0, 0, 0, 6, 8)
+    engine.set_num_computed_tokens("a", 20)
+    # A request hitting a Mamba state registered in this same step is refused.
+    engine.add_request(RequestInput("b", tuple(range(8)) + (7, 7)))
+    hit_b = engine.get_computed_blocks("b")
+    assert hit_b == CacheHit(((1, 2), (0, 3)), 8)
+    free_before = engine.num_free_blocks()
+    engine.add_request(RequestInput("c", tuple(range(16)) + (5,)))
+    hit_c = engine.get_computed_blocks("c")
+    assert hit_c.num_tokens == 16
+    assert engine.allocate_slots("c", 1, 16, hit_c) is not None  # 6 cached last step
+    engine.add_request(RequestInput("d", tuple(range(20)) + (5, 5)))
+    hit_d = engine.get_computed_blocks("d")
+    assert hit_d == CacheHit(((1, 2, 4, 5, 7), (0, 0, 0, 0, 8)), 20)
+    assert engine.allocate_slots("d", 2, 20, hit_d) is None  # 8 cached this step
+    engine.new_step()
+    hit_d = engine.get_computed_blocks("d")
+    assert engine.allocate_slots("d", 2, 20, hit_d) is not None
+    assert free_before > engine.num_free_blocks()
+
+
+def test_chunked_local_hits_whole_chunks_without_lookup():
+    engine = make((ChunkedLocalAttentionSpec(block_size=2, attention_chunk_size=4),), 20)
+    engine.add_request(RequestInput("a", tuple(range(9))))
+    # max hit 8 = two whole chunks before the query: nulls, nothing looked up.
+    hit = engine.get_computed_blocks("a")
+    assert hit == CacheHit(((0, 0, 0, 0),), 8)
+    assert engine.allocate_slots("a", 1, 8, hit) == ((1,),)
+    assert engine.num_free_blocks() == 18
