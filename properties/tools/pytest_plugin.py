@@ -1,10 +1,17 @@
 """pytest plugin of kvconform: ``--kv-engine``, ``--kv-level``, ``--kv-profile``.
 
-Loaded through ``addopts = "-p properties.tools.pytest_plugin"``. It registers and loads
-our Hypothesis profile explicitly (``--kv-profile``, default ``ci`` under
-``CI=true`` and ``dev`` otherwise), so Hypothesis' built-in ``ci`` profile never
-silently applies, and exposes the engine under test to
-``tests/properties/runner/test_machine.py``.
+Registered through the ``pytest11`` entry point of the ``kvconform`` package, so any
+project that installs kvconform gets the options. The entry point is named after the
+module: an explicit ``-p properties.tools.pytest_plugin`` finds it registered already,
+and ``-p no:properties.tools.pytest_plugin`` turns it off. It never changes Hypothesis'
+global settings on its own: our profile is loaded only when ``--kv-profile`` is given or
+the project opts in with the ini setting ``kv_hypothesis_profile`` (this repository sets
+``auto``: ``ci`` under ``CI=true``, ``dev`` otherwise; a profile name loads that one).
+The conformance tests (:mod:`properties.tools.conformance`) pass their settings
+explicitly and need neither.
+
+Fixtures: ``kv_engine`` (the engine name), ``kv_level``, ``kv_profile_name`` (the profile
+the conformance tests use: ``--kv-profile``, else ``ci`` under ``CI=true``, else ``dev``).
 """
 
 from __future__ import annotations
@@ -14,7 +21,15 @@ import os
 import pytest
 
 from properties.core.constants import DEFAULT_LEVEL, LEVELS, PROFILES
-from properties.runner.profiles import load_profile
+
+
+def _ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def default_profile() -> str:
+    """``ci`` under ``CI=true``, ``dev`` otherwise."""
+    return "ci" if _ci() else "dev"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -22,7 +37,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--kv-engine",
         default="reference",
-        help="engine under test: a built-in name or module:factory",
+        help="engine under test: a built-in name, module:factory or exec:COMMAND",
     )
     group.addoption(
         "--kv-level",
@@ -34,16 +49,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--kv-profile",
         default=None,
         choices=PROFILES,
-        help="Hypothesis profile (default: ci when CI=true, else dev)",
+        help="kvconform's Hypothesis profile (default: ci when CI=true, else dev)",
+    )
+    parser.addini(
+        "kv_hypothesis_profile",
+        default="",
+        help="load a kvconform Hypothesis profile globally: 'auto' (ci when CI=true, else "
+        "dev) or a profile name; empty (default): only when --kv-profile is given",
     )
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    profile = config.getoption("--kv-profile") or (
-        "ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev"
-    )
-    load_profile(profile)
-    config.kv_profile = profile  # type: ignore[attr-defined]
+    explicit = config.getoption("--kv-profile")
+    wanted = config.getini("kv_hypothesis_profile").strip()
+    if wanted and wanted != "auto" and wanted not in PROFILES:
+        raise pytest.UsageError(
+            f"ini kv_hypothesis_profile must be 'auto' or one of {', '.join(PROFILES)}, "
+            f"got {wanted!r}"
+        )
+    profile = explicit or (default_profile() if wanted == "auto" else wanted)
+    config.kv_profile = profile or default_profile()  # type: ignore[attr-defined]
+    if profile:
+        from properties.runner.profiles import load_profile
+
+        load_profile(profile)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -62,3 +91,8 @@ def kv_engine(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def kv_level(request: pytest.FixtureRequest) -> str:
     return request.config.getoption("--kv-level")
+
+
+@pytest.fixture
+def kv_profile_name(request: pytest.FixtureRequest) -> str:
+    return getattr(request.config, "kv_profile", None) or default_profile()
