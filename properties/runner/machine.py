@@ -29,7 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from properties.checks.lockstep import LockstepEngine
 from properties.checks.registry import PropertyViolation
-from properties.core.engine import UnsupportedLayoutError, load_engine_factory
+from properties.core.engine import KVCacheEngine, UnsupportedLayoutError, load_engine_factory
 from properties.core.trace import Arrive, Operation, ResetPrefixCache, Trace
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
@@ -54,17 +54,26 @@ class TraceRun:
     """One engine (and the reference at ``exact``) under one layout, driven op by op."""
 
     def __init__(
-        self, config: CheckConfig, layout: KVCacheLayout, factory: Callable | None = None
+        self,
+        config: CheckConfig,
+        layout: KVCacheLayout,
+        factory: Callable | None = None,
+        expected: KVCacheEngine | None = None,
     ) -> None:
+        """``expected`` (exact level): what the engine is compared with instead of a fresh
+        reference, e.g. the recorded results of a corpus case."""
         self.config = config
         self.layout = layout
         factory = factory or load_engine_factory(config.engine)
         engine = factory(layout)
         reference = None
         if config.level == "exact":
-            from properties.engines.reference import make_engine as make_reference
+            if expected is not None:
+                reference = expected
+            else:
+                from properties.engines.reference import make_engine as make_reference
 
-            reference = make_reference(layout)
+                reference = make_reference(layout)
         self.lockstep = LockstepEngine(engine, layout, reference, config.disabled)
         self.attention = None
         if config.attention:

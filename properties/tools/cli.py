@@ -8,6 +8,9 @@
   progress line, the Hypothesis database under ``.kvconform/``, Ctrl-C stops cleanly.
 * ``kvconform replay TRACE --engine ...``: replays one trace, shows the first failure
   or divergence (operation, group, expected and observed tables).
+* ``kvconform corpus export DIR`` / ``corpus run DIR --engine ... [--level]``: the
+  conformance corpus (traces with the reference's expected results), replayed without
+  Hypothesis (:mod:`properties.tools.corpus`, ``docs/corpus-format.md``).
 * ``kvconform bench suite|engines|attention``: speed figures.
 """
 
@@ -26,6 +29,7 @@ from properties.core.constants import (
     DEFAULT_PROFILE,
     EXIT_FAILED,
     EXIT_PASSED,
+    EXIT_USAGE,
     LEVELS,
     PROFILES,
     PROPERTIES,
@@ -165,6 +169,49 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_corpus(args: argparse.Namespace) -> int:
+    from properties.tools.corpus import CorpusError
+
+    try:
+        return _corpus(args)
+    except CorpusError as exc:
+        print(f"kvconform corpus: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _corpus(args: argparse.Namespace) -> int:
+    from properties.tools.corpus import export_corpus, run_corpus
+
+    if args.action == "export":
+        manifest = export_corpus(args.directory, per_mode=args.per_mode)
+        print(
+            f"kvconform corpus: {len(manifest['cases'])} cases in {args.directory} "
+            f"({manifest['format']}; modes: {', '.join(manifest['modes'])})"
+        )
+        print(f"  coverage: {json.dumps(manifest['coverage'])}")
+        return EXIT_PASSED
+    print(f"kvconform corpus run: {args.directory} engine={args.engine} level={args.level}")
+
+    def show(result) -> None:
+        line = f"  {result.status.upper():<4} {result.name}"
+        if result.message:
+            line += (
+                f" ({result.file}): {result.message[:2000]}"
+                if result.status == "fail"
+                else (f": {result.message}")
+            )
+        print(line, flush=True)
+
+    report = run_corpus(args.directory, args.engine, args.level, on_result=show)
+    print(
+        f"{report.count('pass')} passed, {report.count('fail')} failed, "
+        f"{report.count('skip')} skipped"
+    )
+    if not report.count("pass") and not report.count("fail"):
+        print("kvconform corpus run: no case ran (every one was skipped)", file=sys.stderr)
+    return EXIT_PASSED if report.passed else EXIT_FAILED
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "suite":
         from properties.tools.bench.suite import bench_suite, format_suite
@@ -236,6 +283,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine_args(p)
     p.add_argument("--attention", action="store_true", help="check attention outputs only")
     p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("corpus", help="export or run the conformance corpus (no Hypothesis)")
+    corpus = p.add_subparsers(dest="action", required=True)
+    q = corpus.add_parser("export", help="write the corpus (traces and expected results)")
+    q.add_argument("directory")
+    q.add_argument("--per-mode", type=int, default=4, help="traces per mode (default 4)")
+    q.set_defaults(func=cmd_corpus)
+    q = corpus.add_parser("run", help="replay a corpus on an engine")
+    q.add_argument("directory")
+    engine_args(q)
+    q.set_defaults(func=cmd_corpus)
 
     p = sub.add_parser("bench", help="speed figures")
     p.add_argument("what", choices=("suite", "engines", "attention"))
