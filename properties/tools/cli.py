@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from properties.core.constants import (
+    DEFAULT_DATABASE_DIR,
     DEFAULT_FAILURE_DIR,
     DEFAULT_LEVEL,
     DEFAULT_PROFILE,
@@ -166,6 +167,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         attention=args.attention,
         seed=args.seed,
         failure_dir=args.failure_dir,
+        database=args.database,
     )
 
 
@@ -276,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default=None)
     p.add_argument("--attention", action="store_true")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--database",
+        default=None,
+        help="example database shared by the workers: redis://HOST:PORT[/DB] (one Redis "
+        f"for many machines) or a directory (default {DEFAULT_DATABASE_DIR})",
+    )
     p.set_defaults(func=cmd_fuzz)
 
     p = sub.add_parser("replay", help="replay one trace and show the first failure")

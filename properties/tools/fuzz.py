@@ -1,11 +1,21 @@
 """``kvconform fuzz``: a time-boxed campaign over many seeds, in ``--workers`` processes.
 
-Each worker runs the stateful machine in rounds (one Hypothesis run of 50 examples per
-round, a fresh seed per round: ``base_seed + 1000 * worker + round``), sharing the
-Hypothesis example database under ``.kvconform/hypothesis`` so failures found once are
-replayed first next time. The parent prints a live progress line (elapsed, examples,
-steps/s, failures) and a summary; Ctrl-C stops the workers cleanly. Every failure is
-saved as a replayable trace and its replay command is printed.
+Each worker first replays every example the database holds for this engine and level
+(a failure found there is reported as *replayed from the example database*), then runs
+the stateful machine in rounds (one Hypothesis run of 50 examples per round, a fresh
+seed per round: ``base_seed + 1000 * worker + round``). The parent prints a live
+progress line (elapsed, examples, steps/s, failures) and a summary; Ctrl-C stops the
+workers cleanly. Every failure is saved as a replayable trace and its replay command is
+printed.
+
+The example database (``--database``) is where Hypothesis keeps failing examples and
+its example corpus: by default the directory ``.kvconform/hypothesis``; with
+``redis://HOST:PORT[/DB]`` it is Hypothesis' own ``RedisExampleDatabase`` on that
+server, so every worker of every machine pointing at the same Redis shares failures:
+one found on machine A is replayed first by machine B. Keys are prefixed with the
+engine and level (``kvconform:ENGINE:LEVEL:``), so campaigns on different engines do
+not mix. Example: ``kvconform fuzz --engine vllm --minutes 60 --workers 8 --database
+redis://10.0.0.5:6379``.
 """
 
 from __future__ import annotations
@@ -20,24 +30,79 @@ from properties.core.constants import DEFAULT_DATABASE_DIR, DEFAULT_FAILURE_DIR,
 from properties.core.engine import load_engine_factory
 from properties.runner.check import replay_command, run_property
 from properties.runner.config import CheckConfig
+from reference.errors import KVConformError
+
+REDIS_SCHEME = "redis://"
+
+
+def _redis_client(url: str):
+    try:
+        import redis
+    except ImportError:
+        raise KVConformError(
+            f"--database {url}: the redis package is not installed (pip install 'kvconform[redis]')"
+        ) from None
+    try:
+        return redis.Redis.from_url(url, socket_connect_timeout=5)
+    except ValueError as exc:
+        raise KVConformError(f"--database {url}: {exc}") from None
+
+
+def example_database(spec: str | None, engine: str, level: str):
+    """The Hypothesis example database of ``--database``: ``redis://HOST:PORT[/DB]`` (a
+    ``RedisExampleDatabase`` whose keys start with ``kvconform:ENGINE:LEVEL:``), a
+    directory, or (None) :data:`DEFAULT_DATABASE_DIR`."""
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    if spec is None:
+        return DirectoryBasedExampleDatabase(DEFAULT_DATABASE_DIR)
+    if spec.startswith(REDIS_SCHEME):
+        from hypothesis.extra.redis import RedisExampleDatabase
+
+        prefix = f"kvconform:{engine}:{level}:".encode()
+        return RedisExampleDatabase(_redis_client(spec), key_prefix=prefix)
+    if "://" in spec:
+        raise KVConformError(
+            f"--database {spec!r}: only redis://HOST:PORT or a directory is supported"
+        )
+    return DirectoryBasedExampleDatabase(spec)
+
+
+def check_database(spec: str | None) -> None:
+    """Fail early, with one line, when a Redis database cannot be reached."""
+    if spec is None or not spec.startswith(REDIS_SCHEME):
+        return
+    client = _redis_client(spec)
+    try:
+        client.ping()
+    except Exception as exc:  # noqa: BLE001 - any connection failure is reported
+        raise KVConformError(f"--database {spec}: cannot reach the Redis server: {exc}") from None
 
 
 def _worker(
-    index: int, base_seed: int, deadline: float, config: CheckConfig, prop: str, out: mp.Queue
+    index: int,
+    base_seed: int,
+    deadline: float,
+    config: CheckConfig,
+    prop: str,
+    database: str | None,
+    out: mp.Queue,
 ) -> None:
-    from hypothesis import settings
-    from hypothesis.database import DirectoryBasedExampleDatabase
+    from hypothesis import Phase, settings
 
     from properties.runner.profiles import load_profile
 
     profile = load_profile("nightly")
-    db = DirectoryBasedExampleDatabase(DEFAULT_DATABASE_DIR)
+    db = example_database(database, config.engine, config.level)
+    # round 0 replays what the database holds (failures other workers or machines found)
+    replay = settings(profile, database=db, phases=(Phase.explicit, Phase.reuse, Phase.shrink))
     round_no = 0
-    while time.time() < deadline:
+    while round_no == 0 or time.time() < deadline:
         seed = base_seed + 1000 * index + round_no
-        round_no += 1
-        s = settings(profile, max_examples=50, database=db)
+        s = replay if round_no == 0 else settings(profile, max_examples=50, database=db)
         result = run_property(prop, config, s, seed)
+        if round_no == 0 and result.examples == 0:
+            result.failure = None  # nothing to replay (Hypothesis says it ran no example)
         out.put(
             (
                 "progress",
@@ -46,9 +111,10 @@ def _worker(
                 result.steps,
                 None
                 if result.failure is None
-                else (seed, result.failure[:2000], str(result.trace_path or "")),
+                else (seed, result.failure[:2000], str(result.trace_path or ""), round_no == 0),
             )
         )
+        round_no += 1
     out.put(("done", index, 0, 0, None))
 
 
@@ -61,8 +127,10 @@ def run_campaign(
     attention: bool = False,
     seed: int | None = None,
     failure_dir: str = DEFAULT_FAILURE_DIR,
+    database: str | None = None,
 ) -> int:
-    """Fuzz ``engine`` for ``minutes`` in ``workers`` processes; the exit code."""
+    """Fuzz ``engine`` for ``minutes`` in ``workers`` processes; the exit code.
+    ``database``: see the module docstring."""
     if minutes <= 0 or workers < 1:
         print(
             f"kvconform fuzz: --minutes must be > 0 and --workers >= 1, got "
@@ -71,12 +139,17 @@ def run_campaign(
         )
         return 2
     load_engine_factory(engine)  # a bad --engine fails here, with a clear message
+    try:
+        check_database(database)
+    except KVConformError as exc:
+        print(f"kvconform fuzz: {exc}", file=sys.stderr)
+        return 2
     config = CheckConfig(engine=engine, level=level, preset=preset, failure_dir=failure_dir)
     prop = "attention" if attention else "invariants"
     base_seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
     print(
         f"kvconform fuzz: engine={engine} level={level} workers={workers} "
-        f"minutes={minutes} base seed={base_seed}",
+        f"minutes={minutes} base seed={base_seed} database={database or DEFAULT_DATABASE_DIR}",
         flush=True,
     )
     start = time.time()
@@ -84,7 +157,9 @@ def run_campaign(
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(i, base_seed, deadline, config, prop, out), daemon=True)
+        ctx.Process(
+            target=_worker, args=(i, base_seed, deadline, config, prop, database, out), daemon=True
+        )
         for i in range(workers)
     ]
     for p in procs:
@@ -106,10 +181,15 @@ def run_campaign(
                 examples += ex
                 steps += st
                 if failure is not None:
-                    failures.append(failure)
+                    failures.append(failure[:3])
                     command = replay_command(failure[2], engine, level, attention)
+                    origin = (
+                        f"replayed from the example database by worker {_idx}"
+                        if failure[3]
+                        else f"seed {failure[0]}"
+                    )
                     print(
-                        f"\nFAILURE (seed {failure[0]}): {failure[1][:300]}\n  replay: {command}",
+                        f"\nFAILURE ({origin}): {failure[1][:300]}\n  replay: {command}",
                         flush=True,
                     )
             elapsed = time.time() - start
