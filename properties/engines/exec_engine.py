@@ -178,7 +178,7 @@ class ExecProcess:
             ) from None
         os.set_blocking(self._proc.stdin.fileno(), False)
         os.set_blocking(self._proc.stdout.fileno(), False)
-        self._finalizer = weakref.finalize(self, _kill_quietly, self._proc)
+        self._finalizer = weakref.finalize(self, _stop, self._proc)
         hello = self.call(
             "hello",
             {"protocol": PROTOCOL_VERSION, "client": "kvconform"},
@@ -368,6 +368,17 @@ class ExecProcess:
             how = "closed its stdout (killed)"
         self._broken = f"{how} during {what}"
         raise ExecCrashError(self._with_stderr(f"exec engine {self.label!r} {how} during {what}"))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """At garbage collection or exit: close the child's stdin (it exits), then kill it
+    if it has not exited within a second."""
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        _kill_quietly(proc)
 
 
 def _kill_quietly(proc: subprocess.Popen | None) -> None:
