@@ -332,7 +332,8 @@ def mode_strategy(mode: str, max_len: int):
 def draw_traces(mode: str, count: int, max_ops: int = 40, max_len: int = 64) -> list[Trace]:
     """``count`` traces of ``mode``, the same every time: Hypothesis generation from a
     seed derived from the mode's name, no example database, traces of at least 6
-    operations with at least 2 requests kept in the order drawn."""
+    operations with at least 2 requests kept in the order drawn, each extended by
+    :func:`with_resends`."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
 
@@ -357,7 +358,25 @@ def draw_traces(mode: str, count: int, max_ops: int = 40, max_len: int = 64) -> 
     collect()
     if len(drawn) < count:
         raise CorpusError(f"mode {mode}: drew only {len(drawn)} usable traces of {count}")
-    return drawn
+    return [with_resends(trace) for trace in drawn]
+
+
+#: Steps appended after the resent requests (each with a budget of ``max_model_len``).
+RESEND_STEPS = 6
+
+
+def with_resends(trace: Trace, count: int = 2) -> Trace:
+    """``trace`` followed by its first ``count`` requests sent again (same prompt, output,
+    salt and LoRA, new ids) and :data:`RESEND_STEPS` steps, so that every case exercises
+    prefix hits (a retry, or the same system prompt again). Example: a trace whose
+    arrivals are ``r0, r1, r2`` gets ``r3`` (= r0) and ``r4`` (= r1) at its end."""
+    arrivals = [op for op in trace.operations if isinstance(op, Arrive)]
+    extra: list = [
+        Arrive(f"r{len(arrivals) + i}", op.prompt, op.output, op.cache_salt, op.lora_name)
+        for i, op in enumerate(arrivals[:count])
+    ]
+    extra += [Step(trace.layout.max_model_len)] * RESEND_STEPS
+    return Trace(trace.layout, trace.operations + tuple(extra), trace.seed)
 
 
 def record_case(trace: Trace) -> list[dict[str, Any]]:
