@@ -256,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--engine",
             default="reference",
-            help="reference, optimized, vllm, sglang, or module:factory",
+            help="reference, vllm, sglang, module:factory, or exec:COMMAND (an engine in "
+            "any language speaking docs/exec-protocol.md)",
         )
         p.add_argument("--level", default=DEFAULT_LEVEL, choices=LEVELS)
         p.add_argument("--failure-dir", default=DEFAULT_FAILURE_DIR)
