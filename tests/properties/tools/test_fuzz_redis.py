@@ -69,7 +69,7 @@ def test_failure_found_by_one_worker_is_replayed_by_another(redis_url, tmp_path,
 
     first = run_campaign(
         engine=MUTANT,
-        minutes=0.05,
+        minutes=0.2,  # room for the worker to start on a busy machine
         workers=1,
         seed=11,
         failure_dir=str(tmp_path / "machine-a"),
