@@ -243,6 +243,7 @@ class ExecProcess:
             )
         if call == "create":
             self._clear_stderr()
+            self.generation += 1  # earlier engines retire, even if this create fails
         self._next_id += 1
         message_id = self._next_id
         line = json.dumps({"id": message_id, "call": call, "args": args}, separators=(",", ":"))
@@ -274,8 +275,6 @@ class ExecProcess:
             )
         if "result" not in response:
             self._fail(ExecProtocolError, f"{what} answered without result or error: {_clip(raw)}")
-        if call == "create":
-            self.generation += 1
         return response["result"]
 
     # -- the wire ---------------------------------------------------------------------
