@@ -58,6 +58,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         flush=True,
     )
     factory = load_engine_factory(args.engine)
+    if getattr(factory, "spec_types", None) is not None:
+        print(
+            "  spec types the engine supports (only these are drawn): "
+            f"{', '.join(factory.spec_types)}"
+        )
     for d in known_divergences(factory):
         print(
             f"  known divergence {d.name}: {d.summary}\n    layouts where it applies are "
