@@ -384,7 +384,9 @@ def record_case(trace: Trace) -> list[dict[str, Any]]:
     from properties.engines.reference import make_engine
 
     recorder = RecordingEngine(make_engine(trace.layout))
-    run = TraceRun(CheckConfig(engine="reference", level="exact"), trace.layout, None, recorder)
+    run = TraceRun(
+        CheckConfig(engine="reference", level="exact"), trace.layout, None, expected=recorder
+    )
     for op in trace.operations:
         run.apply(op)
     return recorder.expected
@@ -557,7 +559,7 @@ def run_case(
     disabled = frozenset(set(INVARIANTS) - set(checks))
     config = CheckConfig(engine=engine, level=level, disabled=disabled)
     try:
-        run = TraceRun(config, trace.layout, factory, expected)
+        run = TraceRun(config, trace.layout, factory, expected=expected)
     except UnsupportedLayoutError as exc:
         return CaseResult(name, str(path), "skip", f"unsupported layout: {exc}")
     op_index = -1
