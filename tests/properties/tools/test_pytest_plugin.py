@@ -27,7 +27,8 @@ def test_profile():
 
 
 def _pytest(folder: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CI": ""}
+    env = {k: v for k, v in os.environ.items() if k != "CI"}  # ci/test runs with CI=true
+    env["PYTHONPATH"] = str(ROOT)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "properties.tools.pytest_plugin",
          "-p", "no:cacheprovider", "-s", *args],
