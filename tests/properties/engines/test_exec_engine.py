@@ -35,9 +35,9 @@ from properties.engines.exec_engine import (
     ExecTimeoutError,
 )
 from properties.generate.presets import PRESETS
+from properties.runner import profiles as _profiles  # noqa: F401 - registers the profiles
 from properties.runner.check import run_property
 from properties.runner.config import CheckConfig
-from properties.runner.profiles import load_profile
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec, MambaSpec
 
@@ -59,7 +59,7 @@ def _misbehaving(mode: str, call: str, timeout: float = 30.0) -> ExecEngineFacto
 
 
 def _settings(n: int) -> settings:
-    return settings(load_profile("ci"), max_examples=n)
+    return settings(settings.get_profile("ci"), max_examples=n)
 
 
 @pytest.fixture(scope="module")
@@ -265,12 +265,18 @@ def _layout_json() -> dict:
     return layout_to_json(_layout())
 
 
-def test_cli_reports_a_crashed_engine(tmp_path) -> None:
+def test_cli_reports_a_crashed_engine(tmp_path, capsys) -> None:
     from properties.tools.cli import main
 
-    engine = f"exec:{sys.executable} {MISBEHAVING} crash allocate_slots"
+    # every example builds an engine, so every example meets the crash
+    engine = f"exec:{sys.executable} {MISBEHAVING} crash create"
+    current = settings.get_current_profile_name()  # the CLI loads its profile globally
     code = main(
-        ["check", "--engine", engine, "--profile", "dev", "--only", "invariants",
+        ["check", "--engine", engine, "--profile", "ci", "--only", "invariants",
          "--max-examples", "3", "--failure-dir", str(tmp_path)]
     )  # fmt: skip
-    assert code != 0
+    settings.load_profile(current)
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "exited with status 7 during create()" in out
+    assert "misbehaving at create" in out
