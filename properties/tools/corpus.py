@@ -419,6 +419,11 @@ def _coverage(trace: Trace, expected: list[dict[str, Any]]) -> dict[str, int]:
 def export_corpus(directory: str | Path, per_mode: int = 4, modes: Sequence[str] = MODES) -> dict:
     """Write the corpus to ``directory`` (created; existing case files are replaced) and
     return its manifest."""
+    if per_mode < 1:
+        raise CorpusError(f"--per-mode must be >= 1, got {per_mode}")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise CorpusError(f"unknown corpus modes {unknown}; known: {', '.join(MODES)}")
     root = Path(directory)
     cases_dir = root / "cases"
     cases_dir.mkdir(parents=True, exist_ok=True)

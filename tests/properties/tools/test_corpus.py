@@ -123,3 +123,4 @@ def test_other_versions_and_broken_files_are_refused(corpus: Path, tmp_path) -> 
     with pytest.raises(CorpusError, match="no such corpus manifest"):
         run_corpus(tmp_path / "missing", "reference")
     assert main(["corpus", "run", str(tmp_path / "missing")]) == 2
+    assert main(["corpus", "export", str(tmp_path / "x"), "--per-mode", "0"]) == 2
