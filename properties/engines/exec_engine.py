@@ -101,9 +101,10 @@ def describe_call(call: str, args: Mapping[str, Any]) -> str:
     for key, value in args.items():
         if key in ("request_id", "layout", "hit"):
             continue
-        if isinstance(value, list) and len(value) > 8:
-            value = f"[{len(value)} items]"
-        parts.append(f"{key}={value!r}" if not isinstance(value, str) else f"{key}={value!r}")
+        shown = (
+            f"[{len(value)} items]" if isinstance(value, list) and len(value) > 8 else repr(value)
+        )
+        parts.append(f"{key}={shown}")
     return f"{call}({', '.join(parts)})"
 
 
