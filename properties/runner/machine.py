@@ -29,7 +29,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from properties.checks.lockstep import LockstepEngine
 from properties.checks.registry import PropertyViolation
-from properties.core.engine import KVCacheEngine, UnsupportedLayoutError, load_engine_factory
+from properties.core.engine import (
+    ExposesDataPlane,
+    KVCacheEngine,
+    UnsupportedLayoutError,
+    load_engine_factory,
+)
 from properties.core.trace import Arrive, Operation, ResetPrefixCache, Trace
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
@@ -79,7 +84,8 @@ class TraceRun:
         if config.attention:
             from properties.checks.attention import AttentionChecker
 
-            self.attention = AttentionChecker(layout)
+            plane = engine if isinstance(engine, ExposesDataPlane) else None
+            self.attention = AttentionChecker(layout, data_plane=plane)
         self.scheduler = Scheduler(self.lockstep, layout, on_scheduled=self._on_scheduled)
         self.operations: list[Operation] = []
 
