@@ -217,14 +217,20 @@ class RecordedEngine:
     """The recorded answers of the reference, served in order (exact level of ``run``).
 
     A state-changing call must be the next entry (same call, same identifying
-    arguments); queries are answered from the entry's ``after``. Anything else raises
-    :class:`CorpusMismatch` naming the entry."""
+    arguments). Queries are answered from the state the consumed entries recorded: a
+    request's table is the one recorded after its own latest allocation (only its own
+    calls change it), the free count and free queue are those recorded after the latest
+    allocation or free (no other call changes the pool). So the answers do not depend
+    on when the lockstep engine asks (per call, or after a batch of allocations for an
+    engine with ``schedule_step``). Anything else raises :class:`CorpusMismatch`."""
 
     name = "the corpus"
 
     def __init__(self, expected: Sequence[dict[str, Any]]) -> None:
         self.expected = list(expected)
         self.cursor = 0  # entries consumed
+        self.tables: dict[str, list[list[int]]] = {}
+        self.pool: dict[str, Any] = {}
 
     def _next(self, call: str, *args) -> Any:
         wanted = _call_args(call, args)
@@ -240,16 +246,17 @@ class RecordedEngine:
                 f"the run makes {call}({wanted})"
             )
         self.cursor += 1
+        after = entry.get("after", {})
+        if call == "free":
+            self.tables.pop(wanted["request_id"], None)
+        self.tables.update(after.get("block_ids", {}))
+        self.pool.update({k: after[k] for k in ("num_free_blocks", "free_queue") if k in after})
         return entry.get("result")
 
-    def _query(self, what: str, key: str, request_id: str | None = None) -> Any:
-        after = self.expected[self.cursor - 1].get("after", {}) if self.cursor else {}
-        value = after.get(key)
-        if request_id is not None and value is not None:
-            value = value.get(request_id)
+    def _query(self, what: str, value: Any) -> Any:
         if value is None:
             raise CorpusMismatch(
-                f"the corpus has no {what} after expected call {self.cursor - 1} "
+                f"the corpus has no {what} at expected call {self.cursor - 1} "
                 f"({self.expected[self.cursor - 1]['call'] if self.cursor else 'none'})"
             )
         return value
@@ -299,14 +306,14 @@ class RecordedEngine:
         return bool(self._next("reset_prefix_cache"))
 
     def get_block_ids(self, request_id: str) -> BlockIds:
-        table = self._query(f"block table of {request_id!r}", "block_ids", request_id)
+        table = self._query(f"block table of {request_id!r}", self.tables.get(request_id))
         return tuple(tuple(row) for row in table)
 
     def num_free_blocks(self) -> int:
-        return self._query("free block count", "num_free_blocks")
+        return self._query("free block count", self.pool.get("num_free_blocks"))
 
     def free_queue(self) -> list[int]:
-        return list(self._query("free queue", "free_queue"))
+        return list(self._query("free queue", self.pool.get("free_queue")))
 
 
 # ---------------------------------------------------------------------------

@@ -76,6 +76,14 @@ def test_reference_passes_its_corpus(corpus: Path, level: str) -> None:
     assert report.count("pass") == 2 * len(MODES), [r.message for r in report.results]
 
 
+def test_batching_engine_passes_exact(corpus: Path) -> None:
+    """The optimized engine allocates a step's running requests in one batch: the
+    lockstep engine then asks for the tables after the whole batch, and the corpus still
+    answers with the state of that moment."""
+    report = run_corpus(corpus, "optimized", "exact")
+    assert report.count("pass") == 2 * len(MODES), [r.message for r in report.results]
+
+
 def test_reference_behind_the_exec_protocol_passes_exact(corpus: Path) -> None:
     engine = f"exec:{sys.executable} -m properties.engines.serve reference"
     report = run_corpus(corpus, engine, "exact")
