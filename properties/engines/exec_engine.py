@@ -272,7 +272,10 @@ class ExecProcess:
             if kind == "unsupported_layout":
                 raise UnsupportedLayoutError(f"exec engine {self.label!r}: {message}")
             raise EngineError(
-                f"exec engine {self.label!r}: {what} failed: {kind or 'error'}: {message}"
+                self._with_stderr(
+                    f"exec engine {self.label!r}: {what} failed: {kind or 'error'}: {message}",
+                    quiet_if_empty=True,
+                )
             )
         if "result" not in response:
             self._fail(ExecProtocolError, f"{what} answered without result or error: {_clip(raw)}")
@@ -335,10 +338,12 @@ class ExecProcess:
         lines = text.splitlines()[-_STDERR_TAIL_LINES:]
         return "\n".join(lines)
 
-    def _with_stderr(self, message: str) -> str:
+    def _with_stderr(self, message: str, quiet_if_empty: bool = False) -> str:
         tail = self.stderr_tail()
         if not tail.strip():
-            return f"{message}\n  (the engine wrote nothing to stderr)"
+            return (
+                message if quiet_if_empty else f"{message}\n  (the engine wrote nothing to stderr)"
+            )
         body = "\n".join(f"    {line}" for line in tail.splitlines())
         return f"{message}\n  stderr of the engine (last lines):\n{body}"
 

@@ -211,8 +211,9 @@ def test_bad_answers_are_protocol_violations(mode: str, expected: str) -> None:
 def test_error_answer_names_the_call() -> None:
     engine = _misbehaving("error", "free")(_layout())
     engine.add_request(RequestInput("r0", (1, 2, 3)))
-    with pytest.raises(EngineError, match=r"free\('r0'\) failed: engine_error: nope"):
+    with pytest.raises(EngineError, match=r"free\('r0'\) failed: engine_error: nope") as info:
         engine.free("r0")
+    assert "misbehaving at free" in str(info.value)  # the engine's stderr comes along
     assert engine.num_free_blocks() == 7  # the engine keeps serving after an error answer
 
 
