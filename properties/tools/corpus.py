@@ -74,18 +74,6 @@ MODES: tuple[str, ...] = (
     "preset:qwen3-next",
     "preset:jamba",
 )
-#: The reference's calls the lockstep engine makes that change state, in the corpus.
-MUTATING_CALLS = (
-    "add_request",
-    "append_output_tokens",
-    "set_num_computed_tokens",
-    "new_step",
-    "get_computed_blocks",
-    "allocate_slots",
-    "free",
-    "remove_request",
-    "reset_prefix_cache",
-)
 
 
 class CorpusError(KVConformError):
