@@ -36,7 +36,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from properties.core.engine import (
     BlockIds,
@@ -347,13 +347,13 @@ class ExecProcess:
         body = "\n".join(f"    {line}" for line in tail.splitlines())
         return f"{message}\n  stderr of the engine (last lines):\n{body}"
 
-    def _fail(self, error: type[EngineError], message: str) -> None:
+    def _fail(self, error: type[EngineError], message: str) -> NoReturn:
         """The child broke the protocol: kill it and raise ``error`` naming the call."""
         self._broken = message
         _kill_quietly(self._proc)
         raise error(self._with_stderr(f"exec engine {self.label!r}: {message}"))
 
-    def _timed_out(self, what: str, how: str) -> None:
+    def _timed_out(self, what: str, how: str) -> NoReturn:
         seconds = f"{self.timeout:g}"
         self._broken = f"{what} timed out"
         _kill_quietly(self._proc)
@@ -364,7 +364,7 @@ class ExecProcess:
             )
         )
 
-    def _crashed(self, what: str) -> None:
+    def _crashed(self, what: str) -> NoReturn:
         try:
             code = self._proc.wait(timeout=EXIT_GRACE_S)
             how = _exit_description(code)
