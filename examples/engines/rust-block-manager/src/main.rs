@@ -127,6 +127,7 @@ fn parse_layout(value: &Json) -> Result<Layout, Failure> {
         }
     };
     let num_blocks = int(value.get("num_blocks"), "num_blocks")?;
+    let max_model_len = int(value.get("max_model_len"), "max_model_len")?;
     let enable_caching = value
         .get("enable_caching")
         .and_then(Json::as_bool)
@@ -163,6 +164,7 @@ fn parse_layout(value: &Json) -> Result<Layout, Failure> {
     }
     Ok(Layout {
         num_blocks,
+        max_model_len,
         enable_caching,
         groups: out,
     })

@@ -21,7 +21,8 @@
 //!   is 12, the window group needs `ceil(5/4) = 2` blocks ending at 12 (blocks 1 and 2), so
 //!   the hit is 12 tokens with table `[0, b1, b2]`.
 //! * **Allocation.** `allocate_slots(n, n_hit, hit, lookahead)` makes the table of every
-//!   group cover `start + n + lookahead` tokens, `start = computed + n_hit`. First, sliding
+//!   group cover `max(start + n, min(start + n + lookahead, max_model_len))` tokens,
+//!   `start = computed + n_hit` (lookahead slots never reach past `max_model_len`). First, sliding
 //!   window blocks wholly before `start - w + 1` are released (replaced by the null block
 //!   0): no query from `start` on reads them. Then, if the new blocks plus the free blocks
 //!   the hit would take out of the free queue exceed the free blocks, it returns `None`
@@ -51,6 +52,7 @@ pub struct Group {
 #[derive(Clone, Debug)]
 pub struct Layout {
     pub num_blocks: usize,
+    pub max_model_len: usize,
     pub enable_caching: bool,
     pub groups: Vec<Group>,
 }
@@ -337,7 +339,8 @@ impl Manager {
             }
         }
         let start = req.num_computed + num_new_computed_tokens;
-        let total = start + num_new_tokens + num_lookahead_tokens;
+        let main = start + num_new_tokens;
+        let total = main.max((main + num_lookahead_tokens).min(self.layout.max_model_len));
         if hit.is_none() {
             self.drop_out_of_window(request_id, start);
         }
@@ -482,6 +485,7 @@ mod tests {
     fn one_group(bs: usize, attention: Attention, num_blocks: usize) -> Manager {
         Manager::new(Layout {
             num_blocks,
+            max_model_len: 64,
             enable_caching: true,
             groups: vec![Group {
                 block_size: bs,
@@ -558,6 +562,18 @@ mod tests {
         let table = &m.get_block_ids("a").unwrap()[0];
         assert_eq!(&table[..2], &[0, 0]);
         assert!(table[2] != 0 && table[3] != 0);
+    }
+
+    #[test]
+    fn lookahead_stops_at_max_model_len() {
+        // bs 1, max_model_len 64 (one_group): 60 + 2 tokens + 8 lookahead -> 64 slots
+        let mut m = one_group(1, Attention::Full, 80);
+        m.add_request("a", (0..62).collect(), None, None).unwrap();
+        let hit = m.get_computed_blocks("a").unwrap();
+        m.allocate_slots("a", 60, 0, Some(hit), 0).unwrap().unwrap();
+        m.set_num_computed_tokens("a", 60).unwrap();
+        let new = m.allocate_slots("a", 2, 0, None, 8).unwrap().unwrap();
+        assert_eq!(new[0].len(), 4);
     }
 
     #[test]
