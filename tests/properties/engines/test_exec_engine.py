@@ -277,7 +277,8 @@ def test_cli_reports_a_crashed_engine(tmp_path, capsys) -> None:
          "--max-examples", "3", "--failure-dir", str(tmp_path)]
     )  # fmt: skip
     settings.load_profile(current)
-    out = capsys.readouterr().out
-    assert code == 1, out
-    assert "exited with status 7 during create()" in out
-    assert "misbehaving at create" in out
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert code != 0, text  # a failed property (1) or an engine error (2, 3 with issue 10)
+    assert "exited with status 7 during create()" in text
+    assert "misbehaving at create" in text
