@@ -183,45 +183,28 @@ class BlockPool:
         return blocks
 
     def _evict_many(self, hashed: np.ndarray) -> None:
-        """:meth:`_evict` of several hashed blocks: map updates per block, arrays at once."""
+        """:meth:`_evict` of several hashed blocks: map updates per block, arrays at once.
+
+        In a group with no duplicate keys every registered block is its key's head
+        (``cached[g][key] == b``), so its eviction is one ``del``; other groups take
+        :meth:`_evict`'s general rule (promote the next duplicate).
+        """
         block_hash = self.block_hash
-        groups = self.block_group[hashed].tolist()
-        ids = hashed.tolist()
-        if len(set(groups)) == 1 and not self.duplicates[groups[0]]:
-            # one group, every key held by one block: each popped block is its key's head
-            cached = self.cached[groups[0]]
-            for b in ids:
-                del cached[block_hash[b]]
-                block_hash[b] = None
-            self.block_group[hashed] = -1
-            self.num_cached_tokens[hashed] = 0
-            return
-        for b, g in zip(ids, groups):
-            key = block_hash[b]
-            cached = self.cached[g]
-            if cached.get(key) == b:
-                later = self.duplicates[g].get(key)
-                if later:
-                    cached[key] = later.pop(0)
-                    if not later:
-                        del self.duplicates[g][key]
-                else:
-                    del cached[key]
+        cached_by_group = self.cached
+        duplicates = self.duplicates
+        for b, g in zip(hashed.tolist(), self.block_group[hashed].tolist()):
+            if duplicates[g]:
+                self._evict_key(b, g)
             else:
-                later = self.duplicates[g].get(key)
-                if later is not None and b in later:
-                    later.remove(b)
-                    if not later:
-                        del self.duplicates[g][key]
+                del cached_by_group[g][block_hash[b]]
             block_hash[b] = None
         self.block_group[hashed] = -1
         self.num_cached_tokens[hashed] = 0
 
-    def _evict(self, block_id: int) -> bool:
+    def _evict_key(self, block_id: int, g: int) -> None:
+        """Take ``block_id`` off its key in group ``g``: the head is replaced by the next
+        duplicate in registration order (:meth:`reference.block_pool.BlockPool._evict`)."""
         key = self.block_hash[block_id]
-        if key is None:
-            return False
-        g = int(self.block_group[block_id])
         cached, dupes = self.cached[g], self.duplicates[g]
         if cached.get(key) == block_id:
             later = dupes.get(key)
@@ -237,6 +220,11 @@ class BlockPool:
                 later.remove(block_id)
                 if not later:
                     del dupes[key]
+
+    def _evict(self, block_id: int) -> bool:
+        if self.block_hash[block_id] is None:
+            return False
+        self._evict_key(block_id, int(self.block_group[block_id]))
         self.block_hash[block_id] = None
         self.block_group[block_id] = -1
         self.num_cached_tokens[block_id] = 0

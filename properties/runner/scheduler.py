@@ -32,10 +32,12 @@ from dataclasses import dataclass, field
 from properties.core.engine import (
     BlockIds,
     CacheHit,
+    CommitsSteps,
     KVCacheEngine,
     PlansSteps,
     RequestInput,
     SlotRequest,
+    StepUpdate,
 )
 from properties.core.trace import Abort, Arrive, Operation, Preempt, ResetPrefixCache, Step
 from reference.errors import KVConformError
@@ -111,6 +113,8 @@ class Scheduler:
         self.num_steps = 0
         #: Running requests are allocated in batches when the engine plans steps.
         self.batched = isinstance(engine, PlansSteps)
+        #: The end of a step goes to the engine in one call when it commits steps.
+        self.commits = isinstance(engine, CommitsSteps)
 
     # -- operations --------------------------------------------------------------
     def apply(self, op: Operation) -> StepRecord | None:
@@ -251,21 +255,37 @@ class Scheduler:
         return (start + n) // bs * bs - start
 
     def _run(self, record: StepRecord) -> None:
+        """Rule 4. The engine sees, per scheduled request in order,
+        ``set_num_computed_tokens``, ``append_output_tokens`` (when it decoded a token) and
+        ``free`` (when it finished); an engine with ``commit_step`` gets the first two for
+        the whole step in one call, before the frees (same state: each touches one request)."""
+        updates: list[StepUpdate] = []
+        finishing: list[bool] = []
         for item in record.scheduled:
             state = self.requests[item.request_id]
             state.num_computed_tokens = item.start + item.num_tokens
-            self.engine.set_num_computed_tokens(item.request_id, state.num_computed_tokens)
-            if state.num_computed_tokens < state.num_tokens:
-                continue
-            if state.num_generated < len(state.output):
-                token = state.output[state.num_generated]
-                state.num_generated += 1
-                self.engine.append_output_tokens(item.request_id, [token])
-            if state.num_generated >= len(state.output):
-                self.engine.free(item.request_id)
-                self._forget(item.request_id)
-                self.finished.append(item.request_id)
-                record.finished.append(item.request_id)
+            token = None
+            done = False
+            if state.num_computed_tokens >= state.num_tokens:
+                if state.num_generated < len(state.output):
+                    token = state.output[state.num_generated]
+                    state.num_generated += 1
+                done = state.num_generated >= len(state.output)
+            updates.append(StepUpdate(item.request_id, state.num_computed_tokens, token))
+            finishing.append(done)
+        if self.commits:
+            self.engine.commit_step(updates)
+        for update, done in zip(updates, finishing):
+            rid = update.request_id
+            if not self.commits:
+                self.engine.set_num_computed_tokens(rid, update.num_computed_tokens)
+                if update.output_token is not None:
+                    self.engine.append_output_tokens(rid, [update.output_token])
+            if done:
+                self.engine.free(rid)
+                self._forget(rid)
+                self.finished.append(rid)
+                record.finished.append(rid)
 
     # -- helpers -------------------------------------------------------------------
     def _state(self, request_id: str, what: str) -> RequestState:
