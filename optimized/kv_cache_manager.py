@@ -28,8 +28,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from optimized.batched_decode import apply_decode_items
+from optimized.batched_decode import apply_decode_item, apply_decode_items
 from optimized.coordinator import DEFAULT_MAX_NUM_REQS, make_coordinator
+from optimized.managers.mamba import MambaManager
 from optimized.request import Request
 from reference.errors import InvalidRequestError
 from reference.kv_cache_manager import PrefixCacheStats
@@ -82,6 +83,10 @@ class KVCacheManager:
         self.num_groups = len(layout.groups)
         self.stats = PrefixCacheStats()
         self._scheduler_block_size = layout.scheduler_block_size
+        #: Working decode items may go through ``apply_decode_item`` (no Mamba group).
+        self._per_group_apply = not any(
+            isinstance(m, MambaManager) for m in self.coordinator.managers
+        )
         self._known: set[str] = set()
         self._empty = ComputedBlocks(tuple(() for _ in range(self.num_groups)))
         #: ``schedule_step``'s result for an item that gets no new block (shared, immutable).
@@ -212,10 +217,12 @@ class KVCacheManager:
         n = len(items)
         fast_idx, gathered = self._gather(items)
         idle = np.zeros(n, dtype=bool)
+        single: dict[int, tuple] = {}
         if fast_idx:
             fast_items = [items[i] for i in fast_idx]
             row_arr = gathered[0]
-            work, total, slots, raw_cache_tokens = self._pending_work(gathered)
+            flags, total, main, slots, cache_tokens, raw_cache_tokens = self._pending_work(gathered)
+            work = flags.any(axis=0)
             idle[fast_idx] = ~work
             busy = np.flatnonzero(work)
             if len(fast_idx) == n and not busy.size:
@@ -236,19 +243,33 @@ class KVCacheManager:
                         out[i] = new_blocks
                     self._settle_idle_all([items[i] for i in np.flatnonzero(~work).tolist()])
                     return out
+            if self._per_group_apply:
+                for k in busy.tolist():
+                    single[fast_idx[k]] = (
+                        int(row_arr[k]),
+                        int(total[k]),
+                        int(main[k]),
+                        int(slots[k]),
+                        int(cache_tokens[k]),
+                        np.flatnonzero(flags[:, k]).tolist(),
+                    )
         results: list[list[list[int]] | None] = []
         for i, item in enumerate(items):
             if idle[i]:
                 self._settle_idle(item.request)
                 results.append(self.no_new_blocks)
                 continue
-            new_blocks = self.allocate_slots(
-                item.request,
-                item.num_new_tokens,
-                item.num_new_computed_tokens,
-                item.new_computed_blocks,
-                item.num_lookahead_tokens,
-            )
+            args = single.get(i)
+            if args is not None:
+                new_blocks = apply_decode_item(self, item.request, *args)
+            else:
+                new_blocks = self.allocate_slots(
+                    item.request,
+                    item.num_new_tokens,
+                    item.num_new_computed_tokens,
+                    item.new_computed_blocks,
+                    item.num_lookahead_tokens,
+                )
             results.append(new_blocks)
             if new_blocks is None:
                 break
@@ -320,9 +341,9 @@ class KVCacheManager:
             request.status = running
 
     def _pending_work(self, gathered: tuple[np.ndarray, ...]):
-        """Per gathered item (no hit, has a row): would ``allocate_slots`` change any
-        group? Also returns the items' ``total``, ``slots`` and (unrounded) tokens to
-        cache."""
+        """Per group and gathered item (no hit, has a row): would ``allocate_slots`` change
+        that group (``flags[g, k]``)? Also returns the items' ``total``, ``main``,
+        ``slots`` and tokens to cache (rounded as the coordinator rounds them, and raw)."""
         rows, computed, new, lookahead, num_tokens, num_hashed, boundary = gathered
         mml = self.max_model_len
         total = np.minimum(computed, mml)
@@ -332,12 +353,13 @@ class KVCacheManager:
         if self.enable_caching and self.num_groups > 1:
             lcm = self._scheduler_block_size
             cache_tokens = cache_tokens // lcm * lcm  # HybridCoordinator.num_cacheable_tokens
-        work = np.zeros(len(rows), dtype=bool)
-        for manager in self.coordinator.managers:
-            work |= manager.pending_work(
+        managers = self.coordinator.managers
+        flags = np.empty((len(managers), len(rows)), dtype=bool)
+        for g, manager in enumerate(managers):
+            flags[g] = manager.pending_work(
                 rows, total, main, slots, cache_tokens, num_hashed, boundary
             )
-        return work, total, slots, raw_cache_tokens
+        return flags, total, main, slots, cache_tokens, raw_cache_tokens
 
     # -- freeing ---------------------------------------------------------------
     def free(self, request: Request) -> None:
