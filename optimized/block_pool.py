@@ -68,6 +68,19 @@ class FreeBlockQueue:
         self.prev_free[nxt] = chain[-1]
         self.num_free_blocks += n
 
+    def link_one(self, block_id: int, at_back: bool) -> None:
+        """Link one block at the back (``append_n``) or at the front (``prepend_n``)."""
+        prv, nxt = self.prev_free, self.next_free
+        if at_back:
+            before, after = prv.item(self.tail), self.tail
+        else:
+            before, after = self.head, nxt.item(self.head)
+        prv[block_id] = before
+        nxt[block_id] = after
+        nxt[before] = block_id
+        prv[after] = block_id
+        self.num_free_blocks += 1
+
     def append_n(self, blocks: np.ndarray) -> None:
         """Link ``blocks`` at the back, in order (hashed blocks: LRU)."""
         self._link_chain(int(self.prev_free[self.tail]), self.tail, blocks)
@@ -92,12 +105,12 @@ class FreeBlockQueue:
             raise PoolExhaustedError(f"cannot pop {n} blocks, {self.num_free_blocks} are free")
         if n == 0:
             return []
-        nxt = self.next_free
+        item = self.next_free.item  # a Python int per read, faster than int(arr[i])
         out = [0] * n
-        block = int(nxt[self.head])
+        block = item(self.head)
         for i in range(n):
             out[i] = block
-            block = int(nxt[block])
+            block = item(block)
         self.next_free[self.head] = block
         self.prev_free[block] = self.head
         if n <= SMALL_FREE:
@@ -263,6 +276,18 @@ class BlockPool:
         hashed = self.block_group[zero] >= 0
         self.free_block_queue.prepend_n(zero[~hashed])
         self.free_block_queue.append_n(zero[hashed])
+
+    def free_block(self, block_id: int) -> None:
+        """:meth:`free_blocks` of one block (a window dropping one block in a decode step):
+        at ref count 0 it goes to the back when hashed, to the front otherwise."""
+        if block_id == NULL_BLOCK_ID:
+            return
+        count = self.ref_cnt.item(block_id) - 1
+        if count < 0:
+            raise KVConformError(f"block {block_id} freed more often than allocated")
+        self.ref_cnt[block_id] = count
+        if count == 0:
+            self.free_block_queue.link_one(block_id, at_back=self.block_group[block_id] >= 0)
 
     def _free_few(self, ordered_blocks: Sequence[int]) -> None:
         """:meth:`free_blocks` for a few blocks (a decode step's): scalar steps, same order."""
