@@ -341,6 +341,10 @@ class BlockPool:
         """:meth:`cache_block` of ``blocks[k]`` under ``hashes[k]`` for the prefix of
         ``(first_index + k + 1) * block_size`` tokens, for every ``k`` (nulls and masked
         blocks skipped), with the array writes done at once."""
+        if len(blocks) == 1:  # a decode step completing one block: the scalar rule
+            if mask is None or mask[0]:
+                self.cache_block(blocks[0], hashes[0], group_id, (first_index + 1) * block_size)
+            return
         block_hash = self.block_hash
         nct = self.num_cached_tokens
         cached = self.cached[group_id]
