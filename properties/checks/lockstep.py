@@ -57,6 +57,8 @@ class LockstepEngine:
             raise EngineError(
                 f"{self.engine_name}: {what} raised {type(exc).__name__}: {exc}"
             ) from exc
+        finally:
+            self.checker.state.invalidate()  # what the checks read of the engine is stale
 
     def _record(self, call: str, args: dict, result: Any) -> None:
         self.log.append({"call": call, **args, "result": result})
@@ -76,21 +78,19 @@ class LockstepEngine:
             and self.checker.requests[request_id].holds_blocks
         ):
             exp = _ids(self.reference.get_block_ids(request_id))
-            got = _ids(
-                self._call(f"get_block_ids({request_id!r})", self.engine.get_block_ids, request_id)
-            )
+            got = _ids(self.checker.state.table_of(request_id))
             if exp != got:
                 self._diverge(
                     f"block table of {request_id!r} after {after} (group by group)", exp, got
                 )
         exp_free = self.reference.num_free_blocks()
-        got_free = self._call("num_free_blocks()", self.engine.num_free_blocks)
+        got_free = self.checker.state.num_free()
         if exp_free != got_free:
             self._diverge(f"free block count after {after}", exp_free, got_free)
         if isinstance(self.engine, ExposesFreeQueue) and isinstance(
             self.reference, ExposesFreeQueue
         ):
-            exp_q, got_q = self.reference.free_queue(), self.engine.free_queue()
+            exp_q, got_q = self.reference.free_queue(), self.checker.state.free_queue()
             if exp_q != got_q:
                 self._diverge(f"free queue (front first) after {after}", exp_q, got_q)
 
@@ -171,7 +171,7 @@ class LockstepEngine:
         before = self.checker.snapshot()
         tracked = self.checker.requests.get(request_id)
         tables_before = (
-            self.engine.get_block_ids(request_id)
+            self.checker.state.table_of(request_id)
             if tracked is not None and tracked.holds_blocks
             else None
         )
@@ -300,16 +300,18 @@ class LockstepEngine:
                     )
                 if expected is not None and _ids(expected) != _ids(result):
                     self._diverge(f"new blocks of {call}", _ids(expected), _ids(result))
-        for item, result in zip(items, results):
+        taken = 0  # blocks the earlier items of the batch got: a lower bound of the free
+        for item, result in zip(items, results):  # count each later item met (A2)
             self.checker.on_allocate(
                 item.request_id,
                 item.num_new_tokens,
                 None,
                 result,
-                before,
+                (before[0] - taken, *before[1:]),
                 tables_before.get(item.request_id),
                 item.num_lookahead_tokens,
             )
+            taken += sum(len(g) for g in result or ())
             self._compare_state(f"{what} (request {item.request_id!r})", item.request_id)
         return results
 

@@ -30,20 +30,16 @@ from properties.core.constants import (
     PROFILES,
     PROPERTIES,
 )
-from properties.core.engine import EngineError
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from hypothesis import settings as hsettings
-
     from properties.core.engine import load_engine_factory
-    from properties.runner.check import replay_command, run_property
+    from properties.runner.check import replay_command
     from properties.runner.config import CheckConfig
     from properties.runner.machine import known_divergences
     from properties.runner.profiles import load_profile
 
     profile = load_profile(args.profile)
-    settings = hsettings(profile, max_examples=args.max_examples or profile.max_examples)
     seed = args.seed
     if seed is None and not profile.derandomize:
         seed = random.SystemRandom().randrange(2**32)
@@ -64,23 +60,87 @@ def cmd_check(args: argparse.Namespace) -> int:
     wanted = [p for p in PROPERTIES if not (p == "attention" and args.no_attention)]
     if args.only:
         wanted = [p for p in wanted if p in args.only]
-    results = []
-    for name in wanted:
-        r = run_property(name, config, settings, seed, factory)
-        results.append(r)
-        print(
-            f"  {r.name:<12} {'PASS' if r.passed else 'FAIL'} "
-            f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s)",
-            flush=True,
-        )
+    print(format_active_checks(factory, config))
+    results = run_checks(args, config, wanted, seed, factory)
     print(format_results(results))
     failed = [r for r in results if not r.passed]
     for r in failed:
         print(f"\nFAILED {r.name}: {r.failure[:4000]}")
+        if getattr(r, "first", None) is not None:
+            print(f"  {r.first.describe()}")
         if r.trace_path is not None:
             command = replay_command(r.trace_path, args.engine, args.level, r.name == "attention")
             print(f"  trace: {r.trace_path}\n  replay: {command}")
     return EXIT_FAILED if failed else EXIT_PASSED
+
+
+def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, factory) -> list:
+    """The properties, in ``--workers`` processes (default: the cores), with the rule
+    coverage report (``--coverage``) as one more row that fails on a gated gap
+    (``--coverage-gate``)."""
+    from properties.tools.parallel import PropertyTask, default_workers, run_task, run_tasks
+
+    workers = args.workers if args.workers is not None else default_workers()
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    tasks = [
+        PropertyTask(name, config, args.profile, args.max_examples, seed, args.shrink_seconds)
+        for name in wanted
+    ]
+    if not args.coverage and (workers == 1 or len(tasks) == 1):
+        results = []
+        for task in tasks:  # in this process: each line as soon as it is known
+            results.append(run_task(task, factory=factory))
+            print_result_line(results[-1])
+        return results
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kvconform-cov-") as tmp:
+        results = run_tasks(tasks, workers, tmp if args.coverage else None)
+        for r in results:
+            print_result_line(r)
+        if args.coverage:
+            results.append(coverage_result(tmp, args.coverage_gate))
+    return results
+
+
+def coverage_result(data_dir: str, gate: bool):
+    """Print the rule coverage report of the workers' data; its row in the table fails
+    with ``gate`` when a branch of a gated module is unreached."""
+    from properties.runner.check import PropertyResult
+    from properties.tools.rule_coverage import analyse, combine, format_rule_coverage
+
+    result = analyse(combine([str(p) for p in Path(data_dir).glob(".coverage*")]))
+    print(format_rule_coverage(result), flush=True)
+    gaps = result.unreached_in()
+    failure = None
+    if gate and gaps:
+        failure = f"{len(gaps)} branches of the gated modules are unreached: " + ", ".join(
+            u.where for u in gaps
+        )
+    return PropertyResult("coverage", 0, 0, 0.0, failure)
+
+
+def print_result_line(r) -> None:
+    print(
+        f"  {r.name:<12} {'PASS' if r.passed else 'FAIL'} "
+        f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s)",
+        flush=True,
+    )
+
+
+def format_active_checks(factory, config) -> str:
+    """Which invariants run for this engine's capabilities (and which it loses)."""
+    from properties.checks.registry import INVARIANTS
+    from properties.runner.machine import active_checks_for
+
+    active, capabilities = active_checks_for(factory, config)
+    lost = [n for n in INVARIANTS if n not in active and n not in config.disabled]
+    return (
+        f"  capabilities: {', '.join(sorted(capabilities)) or 'none'}\n"
+        f"  checks: {', '.join(active)}"
+        + (f"\n  not run (capabilities missing): {', '.join(lost)}" if lost else "")
+    )
 
 
 def format_results(results: list) -> str:
@@ -162,6 +222,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         attention=args.attention,
         seed=args.seed,
         failure_dir=args.failure_dir,
+        shrink_seconds=args.shrink_seconds,
+        coverage=args.coverage,
     )
 
 
@@ -205,6 +267,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def shrink_args(p: argparse.ArgumentParser) -> None:
+    from properties.runner.check import DEFAULT_SHRINK_SECONDS
+
+    p.add_argument(
+        "--shrink-seconds",
+        type=float,
+        default=DEFAULT_SHRINK_SECONDS,
+        help=f"stop shrinking a failure after this long (default {DEFAULT_SHRINK_SECONDS:.0f})",
+    )
+
+
+def coverage_args(p: argparse.ArgumentParser, gate: bool = True) -> None:
+    p.add_argument(
+        "--coverage",
+        action="store_true",
+        help="report which rules of reference/ the run exercised (branch coverage)",
+    )
+    if not gate:
+        return
+    p.add_argument(
+        "--coverage-gate",
+        action="store_true",
+        help="with --coverage: fail if a branch of the gated modules is unreached",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvconform", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -226,6 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="*", choices=PROPERTIES, help="run only these properties")
     p.add_argument("--max-examples", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="properties run in N processes (default: the number of cores)",
+    )
+    shrink_args(p)
+    coverage_args(p)
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("fuzz", help="a long campaign with a live progress line")
@@ -235,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default=None)
     p.add_argument("--attention", action="store_true")
     p.add_argument("--seed", type=int, default=None)
+    shrink_args(p)
+    coverage_args(p, gate=False)
     p.set_defaults(func=cmd_fuzz)
 
     p = sub.add_parser("replay", help="replay one trace and show the first failure")
@@ -264,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTHONHASHSEED", "0")
+    # imported here, not at the top: a --coverage worker re-imports this module before
+    # it starts measuring, and must not have imported the reference yet
+    from properties.core.engine import EngineError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -10,11 +10,16 @@ saved as a replayable trace and its replay command is printed.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import queue
 import random
+import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from properties.core.constants import DEFAULT_DATABASE_DIR, DEFAULT_FAILURE_DIR, DEFAULT_LEVEL
 from properties.core.engine import load_engine_factory
@@ -23,7 +28,14 @@ from properties.runner.config import CheckConfig
 
 
 def _worker(
-    index: int, base_seed: int, deadline: float, config: CheckConfig, prop: str, out: mp.Queue
+    config: CheckConfig,
+    index: int,
+    base_seed: int,
+    deadline: float,
+    prop: str,
+    out: mp.Queue,
+    shrink_seconds: float | None = None,
+    after_round: Callable[[], None] | None = None,
 ) -> None:
     from hypothesis import settings
     from hypothesis.database import DirectoryBasedExampleDatabase
@@ -37,7 +49,9 @@ def _worker(
         seed = base_seed + 1000 * index + round_no
         round_no += 1
         s = settings(profile, max_examples=50, database=db)
-        result = run_property(prop, config, s, seed)
+        result = run_property(prop, config, s, seed, shrink_seconds=shrink_seconds)
+        if after_round is not None:
+            after_round()
         out.put(
             (
                 "progress",
@@ -52,6 +66,34 @@ def _worker(
     out.put(("done", index, 0, 0, None))
 
 
+def _worker_process(ctx, coverage_dir: str | None, args: tuple, shrink_seconds: float | None):
+    """A campaign worker; with ``coverage_dir``, measured from its start."""
+    index, base_seed, deadline, config, prop, out = args
+    worker_args = (index, base_seed, deadline, prop, out, shrink_seconds)
+    if coverage_dir is None:
+        return ctx.Process(target=_worker, args=(config, *worker_args), daemon=True)
+    from properties.tools.parallel import measured_worker
+
+    fields = dataclasses.asdict(config)
+    return ctx.Process(
+        target=measured_worker,
+        args=(coverage_dir, f"{__name__}:_worker", fields, *worker_args),
+        daemon=True,
+    )
+
+
+def print_campaign_coverage(coverage_dir: str) -> None:
+    """The rule coverage of every worker's data, then the data is removed."""
+    from properties.tools.rule_coverage import analyse, combine, format_rule_coverage
+
+    files = [str(p) for p in Path(coverage_dir).glob(".coverage*")]
+    if files:
+        print(format_rule_coverage(analyse(combine(files))))
+    else:
+        print("kvconform fuzz: no coverage data (no worker finished a round)")
+    shutil.rmtree(coverage_dir, ignore_errors=True)
+
+
 def run_campaign(
     engine: str,
     minutes: float,
@@ -61,8 +103,11 @@ def run_campaign(
     attention: bool = False,
     seed: int | None = None,
     failure_dir: str = DEFAULT_FAILURE_DIR,
+    shrink_seconds: float | None = None,
+    coverage: bool = False,
 ) -> int:
-    """Fuzz ``engine`` for ``minutes`` in ``workers`` processes; the exit code."""
+    """Fuzz ``engine`` for ``minutes`` in ``workers`` processes; the exit code. With
+    ``coverage`` the rule coverage of the whole campaign is printed at the end."""
     if minutes <= 0 or workers < 1:
         print(
             f"kvconform fuzz: --minutes must be > 0 and --workers >= 1, got "
@@ -83,8 +128,11 @@ def run_campaign(
     deadline = start + minutes * 60
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
+    coverage_dir = tempfile.mkdtemp(prefix="kvconform-cov-") if coverage else None
     procs = [
-        ctx.Process(target=_worker, args=(i, base_seed, deadline, config, prop, out), daemon=True)
+        _worker_process(
+            ctx, coverage_dir, (i, base_seed, deadline, config, prop, out), shrink_seconds
+        )
         for i in range(workers)
     ]
     for p in procs:
@@ -142,4 +190,6 @@ def run_campaign(
     )
     for seed, message, path in failures:
         print(f"  seed {seed}: {message.splitlines()[0][:200]}\n    trace: {path}")
+    if coverage_dir is not None:
+        print_campaign_coverage(coverage_dir)
     return 1 if failures or crashed else 0
