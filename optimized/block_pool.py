@@ -289,6 +289,42 @@ class BlockPool:
         if count == 0:
             self.free_block_queue.link_one(block_id, at_back=self.block_group[block_id] >= 0)
 
+    def free_block_lists(self, lists: Sequence[np.ndarray]) -> None:
+        """``free_blocks(lists[0])``, ``free_blocks(lists[1])``, ... in one pass (a request's
+        groups on ``free``: :meth:`reference.coordinator.KVCacheCoordinator.free`). Ids are
+        distinct across lists (a block belongs to one group). Same queue as the successive
+        calls: hashed blocks reaching 0 go to the back in list order; unhashed ones go to the
+        front list by list, so a later list's blocks end up before an earlier list's.
+        Example: lists ``[a1, a2]``, ``[b1]``, all unhashed -> queue ``[b1, a1, a2, ...]``.
+        """
+        lengths = [len(ids) for ids in lists]
+        if sum(lengths) <= SMALL_FREE or len(lists) == 1:
+            for ids in lists:
+                self.free_blocks(ids)
+            return
+        ids = np.concatenate(lists).astype(np.int64, copy=False)
+        which = np.repeat(np.arange(len(lists)), lengths)
+        real = ids != NULL_BLOCK_ID
+        ids, which = ids[real], which[real]
+        if ids.size == 0:
+            return
+        self.ref_cnt[ids] -= 1
+        after = self.ref_cnt[ids]
+        if (after < 0).any():
+            bad = int(ids[after < 0][0])
+            raise KVConformError(f"block {bad} freed more often than allocated")
+        zero = after == 0
+        ids, which = ids[zero], which[zero]
+        if ids.size == 0:
+            return
+        hashed = self.block_group[ids] >= 0
+        front, front_list = ids[~hashed], which[~hashed]
+        if front.size:
+            # later lists first, each keeping its own order (a stable sort on -list index)
+            self.free_block_queue.prepend_n(front[np.argsort(-front_list, kind="stable")])
+        if hashed.any():
+            self.free_block_queue.append_n(ids[hashed])
+
     def _free_few(self, ordered_blocks: Sequence[int]) -> None:
         """:meth:`free_blocks` for a few blocks (a decode step's): scalar steps, same order."""
         ref = self.ref_cnt
