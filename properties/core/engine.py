@@ -30,7 +30,9 @@ protocols below) enable more invariants when an engine offers them:
 queue in eviction order: I2, A3), ``ExposesCachedBlocks`` (which blocks hold a
 cached prefix: hit maximality at the universal level), ``PlansSteps`` (a batched
 ``schedule_step`` for the running requests of a step: the scheduler then drives it, and
-the lockstep compares it with the reference's per-request calls), ``ExposesDataPlane``
+the lockstep compares it with the reference's per-request calls), ``CommitsSteps`` (a
+batched ``commit_step`` for the end of a step: the scheduler then hands it every scheduled
+request's computed tokens and new output token in one call), ``ExposesDataPlane``
 (the engine's own device block tables, slot mapping, paged caches and attention: the
 ``attention`` property then runs through them instead of the harness's copies).
 
@@ -51,7 +53,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
@@ -188,6 +190,29 @@ class PlansSteps(Protocol):
         """``allocate_slots`` of every item in order, in one call; stops after the first
         ``None`` (the list ends with it; later items are not applied). Must equal the
         per-request calls exactly (same results, same state)."""
+        ...
+
+
+class StepUpdate(NamedTuple):
+    """One scheduled request at the end of a step: ``set_num_computed_tokens(request_id,
+    num_computed_tokens)``, then ``append_output_tokens(request_id, [output_token])`` when
+    ``output_token`` is not None. Example: a decode step of request ``"a"`` at 2049 computed
+    tokens that decoded token 7 is ``StepUpdate("a", 2049, 7)``."""
+
+    request_id: str
+    num_computed_tokens: int
+    output_token: int | None
+
+
+@runtime_checkable
+class CommitsSteps(Protocol):
+    """The batched end of a step, the companion of :class:`PlansSteps`."""
+
+    def commit_step(self, updates: Sequence[StepUpdate]) -> None:
+        """For every update in order: ``set_num_computed_tokens`` then, when it has one,
+        ``append_output_tokens`` of its token; in one call. Must equal those per-request
+        calls exactly. The scheduler calls it once per step, before the step's ``free``
+        calls of finished requests (a request's update never depends on another's)."""
         ...
 
 
