@@ -11,6 +11,15 @@
   for exactly one full and one other spec group, where one pass suffices. Full
   attention lists are then cut to the final length.
 
+  ``uncached = longest - hit``, where ``longest`` is the longest answer any queried
+  spec group gave: a shared prefix some group caches but another does not (the
+  manager turns it into the request's ``shared_prefix_boundary``).
+
+  EAGLE: a spec group that drops looks ``bs`` tokens beyond the candidate (capped at
+  the hashed tokens) and drops them, proving the block past the boundary exists; it
+  drops at most once per candidate length (``verified``, cleared when a group without
+  the drop shrinks the candidate).
+
   Worked example: full (bs 4) + SWA (w 5, bs 4), ``max 15``. Full hits 12 (3 blocks).
   SWA, asked for ``<= 12``, needs blocks 1 and 2 (``cdiv(4, 4) = 1``... one block
   before 12: block 2): if block 2 was freed after caching, SWA may answer 8, and the
@@ -35,11 +44,12 @@ from reference.specs import FullAttentionSpec, KVCacheSpec, cdiv
 
 @dataclass
 class SpecGroup:
-    """Groups with one spec, looked up together."""
+    """Groups with one spec, looked up together (``use_eagle``: any member drops)."""
 
     spec: KVCacheSpec
     group_ids: list[int]
     manager_cls: type[SingleTypeKVCacheManager]
+    use_eagle: bool = False
 
 
 class KVCacheCoordinator:
@@ -54,10 +64,23 @@ class KVCacheCoordinator:
         alignment = self.cache_hit_alignment()
         self.managers: list[SingleTypeKVCacheManager] = [
             manager_class_for(g.spec)(
-                g.spec, self.block_pool, gid, layout.enable_caching, alignment
+                g.spec,
+                self.block_pool,
+                gid,
+                layout.enable_caching,
+                alignment,
+                layout.prefix_cache_retention_interval,
+                layout.scheduler_block_size,
             )
             for gid, g in enumerate(layout.groups)
         ]
+        drop = layout.drop_eagle_group_ids if layout.enable_caching else frozenset()
+        for gid, m in enumerate(self.managers):
+            m.max_admission_blocks = m.spec.max_admission_blocks(
+                layout.admission_in_flight_tokens(), layout.max_model_len
+            )
+            m.use_eagle = gid in drop
+            m.eagle_replay = bool(drop)
 
     def cache_hit_alignment(self) -> int:
         """Hit lengths are multiples of this (:attr:`KVCacheLayout.cache_hit_alignment`)."""
@@ -65,10 +88,12 @@ class KVCacheCoordinator:
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
-    ) -> tuple[list[BlockList], int]:
+    ) -> tuple[list[BlockList], int, int]:
+        """``(blocks per group, hit, uncached)``: ``uncached`` > 0 when some group
+        caches a longer prefix than the reconciled hit (hybrid only)."""
         raise NotImplementedError
 
-    def num_cacheable_tokens(self, num_tokens: int) -> int:
+    def num_cacheable_tokens(self, num_tokens: int, group_id: int) -> int:
         return num_tokens
 
     def get_num_blocks_to_allocate(
@@ -78,22 +103,47 @@ class KVCacheCoordinator:
         hit_blocks: Sequence[Sequence],
         total_computed: int,
         num_tokens_main: int,
+        apply_admission_cap: bool = False,
     ) -> int:
         return sum(
             m.get_num_blocks_to_allocate(
-                request_id, num_tokens, hit_blocks[i], total_computed, num_tokens_main
+                request_id,
+                num_tokens,
+                hit_blocks[i],
+                total_computed,
+                num_tokens_main,
+                apply_admission_cap,
             )
             for i, m in enumerate(self.managers)
         )
 
     def allocate_new_computed_blocks(
-        self, request_id: str, hit_blocks: Sequence[Sequence], num_local_computed_tokens: int
-    ) -> None:
-        """Adopt a hit in every group; nothing for a request that already holds blocks."""
+        self,
+        request_id: str,
+        hit_blocks: Sequence[Sequence],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int = 0,
+    ) -> list[BlockList]:
+        """Adopt a hit in every group, in two phases: first every group touches its
+        local hit blocks, then every group allocates blocks for the external tokens
+        (so no group's allocation can evict another group's untouched hit). Nothing
+        for a request that already holds blocks. Returns the external blocks."""
         if any(request_id in m.num_cached_block for m in self.managers):  # pragma: no cover
-            return  # a request holding blocks is never offered a hit (it is not waiting)
+            return [[] for _ in self.managers]  # a request holding blocks is never offered a hit
         for i, m in enumerate(self.managers):
-            m.add_local_computed_blocks(request_id, hit_blocks[i], num_local_computed_tokens)
+            m.add_local_computed_blocks(
+                request_id, hit_blocks[i], num_local_computed_tokens, num_external_computed_tokens
+            )
+        if num_external_computed_tokens <= 0:  # pragma: no branch - see below
+            return [[] for _ in self.managers]
+        # external computed tokens: tests/reference/test_production_modes.py; the machine
+        # does not drive a KV connector yet (docs/vllm-behaviour.md section (p))
+        return [  # pragma: no cover
+            m.allocate_external_computed_blocks(
+                request_id, num_local_computed_tokens, num_external_computed_tokens
+            )
+            for m in self.managers
+        ]
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main: int
@@ -105,9 +155,8 @@ class KVCacheCoordinator:
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_caching:
             return
-        cacheable = self.num_cacheable_tokens(num_tokens)
-        for m in self.managers:
-            m.cache_blocks(request, cacheable)
+        for gid, m in enumerate(self.managers):
+            m.cache_blocks(request, self.num_cacheable_tokens(num_tokens, gid))
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for m in self.managers:
@@ -128,18 +177,25 @@ class KVCacheCoordinator:
 class NoPrefixCacheCoordinator(KVCacheCoordinator):
     def find_longest_cache_hit(  # pragma: no cover - no lookup without caching (manager)
         self, block_hashes: Sequence[bytes], max_length: int
-    ) -> tuple[list[BlockList], int]:
-        return [[] for _ in self.managers], 0
+    ) -> tuple[list[BlockList], int, int]:
+        return [[] for _ in self.managers], 0, 0
 
 
 class UnitaryCoordinator(KVCacheCoordinator):
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
-    ) -> tuple[list[BlockList], int]:
+    ) -> tuple[list[BlockList], int, int]:
         m = self.managers[0]
-        return m.find_longest_cache_hit(
-            block_hashes, max_length, [0], self.block_pool, m.spec, self.cache_hit_alignment()
+        blocks, hit = m.find_longest_cache_hit(
+            block_hashes,
+            max_length,
+            [0],
+            self.block_pool,
+            m.spec,
+            self.cache_hit_alignment(),
+            m.use_eagle,
         )
+        return blocks, hit, 0
 
 
 class HybridCoordinator(KVCacheCoordinator):
@@ -150,18 +206,30 @@ class HybridCoordinator(KVCacheCoordinator):
             for sg in self.spec_groups:
                 if sg.spec == m.spec and sg.manager_cls is type(m):
                     sg.group_ids.append(gid)
+                    sg.use_eagle = sg.use_eagle or m.use_eagle
                     break
             else:
-                self.spec_groups.append(SpecGroup(m.spec, [gid], type(m)))
+                self.spec_groups.append(SpecGroup(m.spec, [gid], type(m), m.use_eagle))
         self.spec_groups.sort(key=lambda sg: not isinstance(sg.spec, FullAttentionSpec))
+        for sg in self.spec_groups:
+            for gid in sg.group_ids:
+                self.managers[gid].use_eagle = sg.use_eagle
 
-    def num_cacheable_tokens(self, num_tokens: int) -> int:
+    def num_cacheable_tokens(self, num_tokens: int, group_id: int) -> int:
+        """Rounded down to the scheduler block size; an EAGLE group caches one block
+        more (its hits read one block past the boundary, then drop it): ``min(n,
+        floor(n/S)*S + bs)`` when ``floor(n/S)*S > 0``. Example: S 4, bs 2, n 11 -> 8,
+        EAGLE 10."""
         s = self.layout.scheduler_block_size
-        return num_tokens // s * s
+        aligned = num_tokens // s * s
+        m = self.managers[group_id]
+        if m.use_eagle and aligned > 0:
+            return min(num_tokens, aligned + m.block_size)
+        return aligned
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
-    ) -> tuple[list[BlockList], int]:
+    ) -> tuple[list[BlockList], int, int]:
         alignment = self.cache_hit_alignment()
         num_groups = len(self.managers)
         blocks_of: list[BlockList | None] = [None] * num_groups
@@ -170,19 +238,32 @@ class HybridCoordinator(KVCacheCoordinator):
             self.spec_groups[0].spec, FullAttentionSpec
         )
         hit = max_length
+        longest = 0
+        verified: set[int] = set()
+        hashed = len(block_hashes) * self.layout.hash_block_size
         while True:
             candidate = hit
-            for sg in self.spec_groups:
+            for idx, sg in enumerate(self.spec_groups):
                 first = sg.group_ids[0]
                 if isinstance(sg.spec, FullAttentionSpec) and blocks_of[first] is not None:
                     candidate = min(candidate, length_of[first])
                     continue
-                found, candidate = sg.manager_cls.find_longest_cache_hit(
-                    block_hashes, candidate, sg.group_ids, self.block_pool, sg.spec, alignment
+                drop = sg.use_eagle and idx not in verified
+                limit = candidate
+                if drop:
+                    limit = min(candidate + sg.spec.block_size, hashed)
+                found, new = sg.manager_cls.find_longest_cache_hit(
+                    block_hashes, limit, sg.group_ids, self.block_pool, sg.spec, alignment, drop
                 )
+                if drop:
+                    verified.add(idx)
+                elif new < candidate:
+                    verified.clear()
+                candidate = new
                 for gid, lst in zip(sg.group_ids, found):
                     blocks_of[gid] = lst
                     length_of[gid] = candidate
+                longest = max(longest, candidate)
             if candidate >= hit:
                 break
             hit = candidate
@@ -195,7 +276,7 @@ class HybridCoordinator(KVCacheCoordinator):
             for gid in sg.group_ids:
                 if blocks_of[gid] is not None:  # pragma: no branch - full groups search first
                     blocks_of[gid] = blocks_of[gid][:keep]
-        return [lst if lst is not None else [] for lst in blocks_of], hit
+        return [lst if lst is not None else [] for lst in blocks_of], hit, longest - hit
 
 
 def make_coordinator(layout: KVCacheLayout) -> KVCacheCoordinator:

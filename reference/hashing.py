@@ -58,17 +58,25 @@ def extend_block_hashes(
     hash_block_size: int,
     cache_salt: str | None = None,
     lora_name: str | None = None,
+    num_lookahead_tokens: int = 0,
 ) -> None:
-    """Append the hashes of every full hash block of ``token_ids`` not hashed yet."""
+    """Append the hashes of every full hash block of ``token_ids`` not hashed yet.
+
+    Lookahead hashes (``num_lookahead_tokens = L > 0``, EAGLE without the block
+    drop): block ``j`` is hashed only once the ``L`` tokens after it exist, and its
+    extra keys become ``(E, t_1, ..., t_L)`` (``E`` the block's own extra keys, the
+    ``t`` the next tokens). Example, H 4, L 1, tokens 1..8: block 0 -> extra keys
+    ``(None, 5)``; block 1 waits for a ninth token.
+    """
     h = hash_block_size
     j = len(hashes)
-    while (j + 1) * h <= len(token_ids):
+    while (j + 1) * h + num_lookahead_tokens <= len(token_ids):
         parent = hashes[-1] if hashes else None
-        hashes.append(
-            hash_block_tokens(
-                parent, token_ids[j * h : (j + 1) * h], block_extra_keys(j, cache_salt, lora_name)
-            )
-        )
+        extra = block_extra_keys(j, cache_salt, lora_name)
+        if num_lookahead_tokens:
+            end = (j + 1) * h
+            extra = (extra, *(int(t) for t in token_ids[end : end + num_lookahead_tokens]))
+        hashes.append(hash_block_tokens(parent, token_ids[j * h : (j + 1) * h], extra))
         j += 1
 
 

@@ -3,15 +3,25 @@
 ``allocate_slots`` follows this order (spec 6.3; token layout
 ``| computed | new hit | new | lookahead |``):
 
-1. nothing to do (no new token, no hit) -> error;
-2. ``total = min(num_computed + num_new_computed, max_model_len)``;
-   ``main = total + num_new_tokens``; ``slots = min(main + lookahead, max_model_len)``;
-3. out-of-window blocks are freed **first** (``remove_skipped_blocks(total)``), even
-   if the allocation then fails;
-4. ``need = sum over groups of blocks to allocate`` (evictable hit blocks count);
+1. nothing to do (no new token, no hit, no external token) -> error;
+2. ``total = min(num_computed + num_new_computed + external, max_model_len)``;
+3. admission gate (``full_sequence_must_fit``): the blocks the whole sequence
+   (``min(num_tokens, max_model_len)``) needs, each sliding-window or chunked group
+   capped at its ``max_admission_blocks``; more than free -> return ``None``;
+4. ``main = total + num_new_tokens``; ``slots = min(main + lookahead, max_model_len)``;
+5. out-of-window blocks are freed **first**, on the *processed* basis
+   ``remove_skipped_blocks(max(0, total - num_in_flight_tokens))`` (a token still in
+   flight reads its window), even if the allocation then fails;
+6. ``need = sum over groups of blocks to allocate`` (evictable hit blocks count);
    ``need > free`` -> return ``None``: no ref count of a hit changed;
-5. adopt the hit (touch), allocate new blocks, then cache every full block of
-   ``[0, min(total + num_new_tokens, num_tokens))`` (hybrid: rounded down to the LCM).
+7. adopt the hit (touch, every group), then allocate blocks for the external
+   tokens (every group), then the new blocks; unless ``delay_cache_blocks``, cache
+   every full block of ``[0, min(total + num_new_tokens, num_tokens))`` (drafts past
+   ``num_tokens`` never; hybrid: rounded down to the LCM).
+
+Worked example (SWA w 4, bs 2, async): a request computed 8 tokens, 2 of them still
+in flight; the next step frees on ``8 - 2 = 6`` processed tokens: skipped
+``6 - 4 + 1 = 3`` -> block 0 only (tokens 0, 1), not blocks 0 and 1 (skipped 5 at 8).
 
 ``get_computed_blocks`` looks up at most ``num_tokens - 1`` tokens (the last prompt
 token is always recomputed for its logits) and changes nothing.
@@ -81,17 +91,31 @@ class KVCacheManager:
                 f"than max_model_len {self.max_model_len}"
             )
         return Request(
-            request_id, prompt_token_ids, self.layout.hash_block_size, cache_salt, lora_name
+            request_id,
+            prompt_token_ids,
+            self.layout.hash_block_size,
+            cache_salt,
+            lora_name,
+            self.layout.num_hash_lookahead_tokens,
         )
 
     # -- lookup ----------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[ComputedBlocks, int]:
-        """Longest prefix hit (``<= num_tokens - 1``) every group can serve; no side effects."""
+        """Longest prefix hit (``<= num_tokens - 1``) every group can serve.
+
+        The pool is untouched. The lookup records the junction on the request (vLLM's
+        scheduler stores it right after each lookup): ``shared_prefix_boundary =
+        hit + uncached`` when some group caches ``uncached > 0`` tokens more than
+        the reconciled hit, else 0. Sparse retention keeps that junction's tail.
+        Example: full attention caches 16 tokens, SWA only 8 -> hit 8, junction 16.
+        """
         if not self.enable_caching:
+            request.shared_prefix_boundary = 0
             return self.empty_computed_blocks(), 0
-        blocks, hit = self.coordinator.find_longest_cache_hit(
+        blocks, hit, uncached = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
+        request.shared_prefix_boundary = hit + uncached if uncached else 0
         return ComputedBlocks(tuple(tuple(b) for b in blocks)), hit
 
     def empty_computed_blocks(self) -> ComputedBlocks:
@@ -121,31 +145,49 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: ComputedBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
     ) -> list[list[KVCacheBlock]] | None:
-        """Give ``request`` slots for its next tokens; the new blocks per group, or None."""
+        """Give ``request`` slots for its next tokens; the new blocks per group, or None.
+
+        ``num_external_computed_tokens`` follow the local hit (a KV connector loads
+        them: blocks are allocated, nothing is touched); ``delay_cache_blocks`` skips
+        caching (the load is still in flight); ``full_sequence_must_fit`` first
+        refuses the request unless its whole sequence fits (the admission gate).
+        """
         rid = request.request_id
         if request.is_finished:
             raise InvalidRequestError(f"allocate_slots: request {rid!r} is finished")
-        if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
+        counts = {
+            "num_new_tokens": num_new_tokens,
+            "num_new_computed_tokens": num_new_computed_tokens,
+            "num_lookahead_tokens": num_lookahead_tokens,
+            "num_external_computed_tokens": num_external_computed_tokens,
+        }
+        if any(v < 0 for v in counts.values()):
             raise InvalidRequestError(
-                f"allocate_slots({rid!r}): token counts must be >= 0, got num_new_tokens="
-                f"{num_new_tokens}, num_new_computed_tokens={num_new_computed_tokens}, "
-                f"num_lookahead_tokens={num_lookahead_tokens}"
+                f"allocate_slots({rid!r}): token counts must be >= 0, got "
+                + ", ".join(f"{k}={v}" for k, v in counts.items())
             )
-        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+        if (
+            num_new_tokens == 0
+            and num_new_computed_tokens == 0
+            and num_external_computed_tokens == 0
+        ):
             raise InvalidRequestError(
                 f"allocate_slots({rid!r}): num_new_tokens must be > 0 when there is no "
                 f"prefix hit to adopt, got {num_new_tokens}"
             )
-        if (
-            request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-            > request.num_tokens
-            or request.num_tokens > self.max_model_len
-        ):
+        local = request.num_computed_tokens + num_new_computed_tokens
+        reach = local + num_external_computed_tokens + num_new_tokens
+        if reach > request.num_tokens_with_pending or request.num_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"allocate_slots({rid!r}): computed {request.num_computed_tokens} + hit "
-                f"{num_new_computed_tokens} + new {num_new_tokens} exceeds the request's "
-                f"{request.num_tokens} tokens (max_model_len {self.max_model_len})"
+                f"{num_new_computed_tokens} + external {num_external_computed_tokens} + new "
+                f"{num_new_tokens} exceeds the request's {request.num_tokens} tokens (+ "
+                f"{request.num_tokens_with_pending - request.num_tokens} in flight or draft; "
+                f"max_model_len {self.max_model_len})"
             )
         hits = (new_computed_blocks or self.empty_computed_blocks()).blocks
         if len(hits) != self.num_groups:
@@ -154,22 +196,39 @@ class KVCacheManager:
                 f"the layout has {self.num_groups}"
             )
         self._known.add(rid)
-        local = request.num_computed_tokens + num_new_computed_tokens
-        total = min(local, self.max_model_len)
+        total = min(local + num_external_computed_tokens, self.max_model_len)
+        if full_sequence_must_fit:
+            whole = min(request.num_tokens, self.max_model_len)
+            need = self.coordinator.get_num_blocks_to_allocate(
+                rid, whole, hits, total, whole, apply_admission_cap=True
+            )
+            if need > self.block_pool.get_num_free_blocks():
+                return None
         main = total + num_new_tokens
         slots = min(main + num_lookahead_tokens, self.max_model_len)
 
-        self.coordinator.remove_skipped_blocks(rid, total)
-        need = self.coordinator.get_num_blocks_to_allocate(rid, slots, hits, local, main)
+        self.coordinator.remove_skipped_blocks(rid, max(0, total - request.num_in_flight_tokens))
+        need = self.coordinator.get_num_blocks_to_allocate(rid, slots, hits, total, main)
         if need > self.block_pool.get_num_free_blocks():
             return None
-        if new_computed_blocks is not None and any(hits):
-            self.coordinator.allocate_new_computed_blocks(rid, hits, local)
+        if (new_computed_blocks is not None and any(hits)) or num_external_computed_tokens > 0:
+            self.coordinator.allocate_new_computed_blocks(
+                rid, hits, local, num_external_computed_tokens
+            )
         new_blocks = self.coordinator.allocate_new_blocks(rid, slots, main)
-        self.coordinator.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
+        # delay_cache_blocks (a connector's load in flight): tests/reference only
+        if not delay_cache_blocks:  # pragma: no branch - the machine drives no connector
+            self.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         if request.status is not RequestStatus.FINISHED:  # pragma: no branch - checked above
             request.status = RequestStatus.RUNNING
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the full blocks of ``[0, num_tokens)`` (hybrid: rounded down to the
+        scheduler block size). The scheduler also calls it when a step's output is
+        processed under async scheduling or drafts, with ``num_computed -
+        num_in_flight`` tokens (rejected drafts already rolled back)."""
+        self.coordinator.cache_blocks(request, num_tokens)
 
     # -- freeing ---------------------------------------------------------------
     def free(self, request: Request) -> None:

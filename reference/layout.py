@@ -23,12 +23,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from reference.errors import InvalidLayoutError
+from reference.retention import validate_retention_interval
 from reference.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    SlidingWindowSpec,
     cdiv,
 )
 
@@ -39,6 +41,7 @@ class KVCacheGroup:
 
     layer_names: tuple[str, ...]
     spec: KVCacheSpec
+    is_eagle_group: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,14 @@ class KVCacheLayout:
     ``num_blocks`` counts the null block (id 0). ``max_in_flight_tokens`` feeds
     the admission cap of sliding-window and chunked groups; ``None`` means
     ``max_model_len`` (the cap then has no effect).
+    ``prefix_cache_retention_interval``: which sliding-window and Mamba blocks are
+    registered in the prefix cache (:mod:`reference.retention`): ``None`` dense (a
+    hand-built vLLM config), ``0`` sparse (vLLM's production default), ``k > 0`` one
+    tail per ``k`` tokens plus the sparse ones.
+    ``use_eagle``: EAGLE speculative decoding; a hit drops its last block in the
+    EAGLE groups (those flagged ``is_eagle_group``, or all when none is flagged),
+    unless ``num_hash_lookahead_tokens > 0`` (lookahead hashes prove the boundary,
+    so nothing is dropped).
     """
 
     groups: tuple[KVCacheGroup, ...]
@@ -55,6 +66,9 @@ class KVCacheLayout:
     max_model_len: int
     enable_caching: bool = True
     max_in_flight_tokens: int | None = None
+    prefix_cache_retention_interval: int | None = None
+    use_eagle: bool = False
+    num_hash_lookahead_tokens: int = 0
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -87,12 +101,39 @@ class KVCacheLayout:
                     f"{g.spec.block_size}; with prefix caching it must equal the scheduler "
                     f"block size (lcm of the group block sizes) {lcm}"
                 )
+        validate_retention_interval(
+            self.prefix_cache_retention_interval,
+            self.scheduler_block_size,
+            any(isinstance(s, (SlidingWindowSpec, MambaSpec)) for s in self.specs),
+        )
+        if self.num_hash_lookahead_tokens < 0:
+            raise InvalidLayoutError(
+                "KVCacheLayout.num_hash_lookahead_tokens must be >= 0, got "
+                f"{self.num_hash_lookahead_tokens}"
+            )
+        if self.use_eagle and any(
+            isinstance(s, (ChunkedLocalAttentionSpec, MambaSpec)) for s in self.specs
+        ):
+            raise InvalidLayoutError(
+                "KVCacheLayout.use_eagle with a chunked-local or Mamba group is out of scope "
+                "(vLLM turns the hybrid manager off with chunked local attention and EAGLE; "
+                "Mamba's EAGLE checkpoints are not modelled)"
+            )
         if self.enable_caching and self.partial_hits_enabled:
             raise InvalidLayoutError(
                 "KVCacheLayout.groups enable partial (sub-block) prefix hits: a Mamba group "
                 f"with block_size > hash_block_size {self.hash_block_size}; partial hits are "
                 "out of scope (give the Mamba group the smallest block size)"
             )
+
+    @property
+    def drop_eagle_group_ids(self) -> frozenset[int]:
+        """Groups whose hits drop their last block: with ``use_eagle`` and no lookahead
+        hashes, the flagged EAGLE groups, or every group when none is flagged."""
+        if not self.use_eagle or self.num_hash_lookahead_tokens > 0:
+            return frozenset()
+        flagged = frozenset(i for i, g in enumerate(self.groups) if g.is_eagle_group)
+        return flagged or frozenset(range(len(self.groups)))
 
     @property
     def specs(self) -> tuple[KVCacheSpec, ...]:
@@ -166,10 +207,18 @@ class KVCacheLayout:
                 extra = f" w={s.sliding_window}"
             elif hasattr(s, "attention_chunk_size"):
                 extra = f" C={s.attention_chunk_size}"
-            parts.append(f"g{gid}:{s.type_name}(bs={s.block_size}{extra})")
+            eagle = "*" if g.is_eagle_group else ""
+            parts.append(f"g{gid}{eagle}:{s.type_name}(bs={s.block_size}{extra})")
+        retention = ""
+        if self.prefix_cache_retention_interval is not None:
+            retention = f" retention={self.prefix_cache_retention_interval}"
+        if self.use_eagle:
+            retention += " eagle"
+        if self.num_hash_lookahead_tokens:
+            retention += f" lookahead_hashes={self.num_hash_lookahead_tokens}"
         return (
             f"{' '.join(parts)} num_blocks={self.num_blocks} "
-            f"max_model_len={self.max_model_len} caching={self.enable_caching}"
+            f"max_model_len={self.max_model_len} caching={self.enable_caching}{retention}"
         )
 
 

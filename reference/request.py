@@ -4,7 +4,18 @@
 caller after each step (0 again after a preemption). ``block_hashes`` holds the
 chained hash of every full ``hash_block_size`` block of all tokens and grows as
 outputs are appended: a prompt of 10 tokens with H=4 has 2 hashes; appending 2
-outputs makes 12 tokens and 3 hashes.
+outputs makes 12 tokens and 3 hashes. ``shared_prefix_boundary`` is the junction
+the last prefix lookup found (see :mod:`reference.retention`; 0 when none).
+
+Asynchronous scheduling and drafts (set by the scheduler, read by the manager):
+``num_in_flight_tokens`` counts tokens scheduled in steps whose output has not been
+processed yet (``num_computed_tokens`` already includes them; out-of-window blocks
+are freed on ``num_computed_tokens - num_in_flight_tokens``);
+``num_output_placeholders`` counts sampled tokens not appended yet, and
+``spec_token_ids`` the draft tokens proposed for the next step. A step may compute
+up to ``num_tokens_with_pending = num_tokens + placeholders + drafts`` tokens.
+Example: prompt 8, async: after the prefill step is planned, computed 8, in flight
+8, one placeholder; the next step schedules the placeholder's position 8.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ class Request:
         hash_block_size: int,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError(
@@ -45,10 +57,20 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_name = lora_name
         self.hash_block_size = hash_block_size
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.status = RequestStatus.WAITING
+        self.shared_prefix_boundary = 0
+        self.num_in_flight_tokens = 0
+        self.num_output_placeholders = 0
+        self.spec_token_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         extend_block_hashes(
-            self.block_hashes, self.prompt_token_ids, hash_block_size, cache_salt, lora_name
+            self.block_hashes,
+            self.prompt_token_ids,
+            hash_block_size,
+            cache_salt,
+            lora_name,
+            num_hash_lookahead_tokens,
         )
 
     @property
@@ -64,6 +86,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_tokens_with_pending(self) -> int:
+        """Tokens a step may reach: known tokens, in-flight outputs and drafts."""
+        return self.num_tokens + self.num_output_placeholders + len(self.spec_token_ids)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
@@ -76,6 +103,7 @@ class Request:
             self.hash_block_size,
             self.cache_salt,
             self.lora_name,
+            self.num_hash_lookahead_tokens,
         )
 
     def __repr__(self) -> str:

@@ -63,6 +63,11 @@ class KVCacheSpec:
         """Most bytes one request of ``max_model_len`` tokens can pin in this group."""
         return cdiv(max_model_len, self.block_size) * self.page_size_bytes
 
+    def max_admission_blocks(self, max_in_flight_tokens: int, max_model_len: int) -> int | None:
+        """The per-request admission cap in blocks (sliding window and chunked local
+        recycle blocks, so a request never holds more); ``None``: no cap."""
+        return None
+
 
 @dataclass(frozen=True)
 class AttentionSpec(KVCacheSpec):

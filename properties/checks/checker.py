@@ -47,6 +47,9 @@ class Checker:
         validate_disabled(disabled)
         self.state = CheckState(engine, layout)
         self.disabled = frozenset(disabled)
+        #: request id -> slots written before their token was known (group, block,
+        #: offset or -1 for a Mamba state, position)
+        self.deferred_writes: dict[str, list[tuple[int, int, int, int]]] = {}
         capabilities = self.state.capabilities()
         self._by_event: dict[str, tuple[CheckInfo, ...]] = {
             event: tuple(
@@ -95,15 +98,17 @@ class Checker:
         before: Snapshot,
         tables_before: BlockIds | None,
         num_lookahead_tokens: int,
+        full_sequence_must_fit: bool = False,
     ) -> None:
         if result is None:
             tracked = self.state.requests.get(request_id)
             computed = tracked.num_computed_tokens if tracked is not None else 0
             hit_tokens = hit.num_tokens if hit is not None else 0
-            slots = min(
-                computed + hit_tokens + num_new_tokens + num_lookahead_tokens,
-                self.state.layout.max_model_len,
-            )
+            slots = computed + hit_tokens + num_new_tokens + num_lookahead_tokens
+            if full_sequence_must_fit and tracked is not None:
+                # the admission gate asks for the whole sequence first
+                slots = max(slots, len(tracked.token_ids))
+            slots = min(slots, self.state.layout.max_model_len)
             failed = FailedAllocationEvent(request_id, hit, before, tables_before, slots)
             self._run("failed_allocation", failed)
             self.check_pool()
@@ -120,6 +125,7 @@ class Checker:
         for gid, row in enumerate(table):
             self._run("group_write", GroupWriteEvent(req, gid, row, start, end, others))
             self._record_writes(req, gid, row, start, end)
+        self.state.last_reads[request_id] = self._reads(table, start, end)
         self._run("allocate", allocated)
         self.check_pool()
 
@@ -127,35 +133,97 @@ class Checker:
         self, req: TrackedRequest, gid: int, row: Sequence[int], start: int, end: int
     ) -> None:
         """The shadow learns what the step writes: attention KV now (a later request of
-        the same step may read it), Mamba states once the step runs (on_set_computed)."""
+        the same step may read it), Mamba states once the step runs (on_set_computed).
+        Under asynchronous scheduling a step may write the position of a token sampled
+        but not appended yet: that slot is written once the token is known
+        (:meth:`on_append`)."""
         spec = self.state.layout.groups[gid].spec
         bs = spec.block_size
         if isinstance(spec, MambaSpec):
             if end > 0 and cdiv(end, bs) <= len(row):
+                prefix = req.ids[end - 1] if end - 1 < len(req.ids) else -1
                 self.state.pending_states.setdefault(req.request_id, []).append(
-                    (gid, row[cdiv(end, bs) - 1], req.ids[end - 1])
+                    (gid, row[cdiv(end, bs) - 1], prefix, end)
                 )
             return
         for p in range(start, min(end, len(row) * bs)):
-            self.state.shadow.write(gid, row[p // bs], p % bs, req.ids[p])
+            if p < len(req.ids):
+                self.state.shadow.write(gid, row[p // bs], p % bs, req.ids[p])
+            else:
+                self.deferred_writes.setdefault(req.request_id, []).append(
+                    (gid, row[p // bs], p % bs, p)
+                )
+
+    def _reads(self, table: BlockIds, start: int, end: int) -> frozenset[tuple[int, int, int]]:
+        """The ``(group, index, block)`` entries the tokens ``[start, end)`` read: from
+        the first key of ``start``'s window (Mamba: the state before ``start``) to the
+        block of ``end - 1``; null entries excluded."""
+        out = set()
+        for gid, row in enumerate(table):
+            spec = self.state.layout.groups[gid].spec
+            bs = spec.block_size
+            if isinstance(spec, MambaSpec):
+                first = max(0, cdiv(start, bs) - 1)
+            else:
+                first = spec.hit_context_start(start) // bs
+            for i in range(first, min(cdiv(end, bs), len(row))):
+                if row[i] != 0:
+                    out.add((gid, i, row[i]))
+        return frozenset(out)
+
+    def on_in_flight(self, request_id: str, num_in_flight_tokens: int) -> None:
+        """Asynchronous scheduling: a planned step's tokens join the flight (they read
+        what the request's last allocation gave them), processed steps leave it
+        (oldest first)."""
+        chunks = self.state.in_flight_reads.setdefault(request_id, [])
+        total = sum(n for n, _ in chunks)
+        if num_in_flight_tokens > total:
+            reads = self.state.last_reads.get(request_id, frozenset())
+            chunks.append((num_in_flight_tokens - total, reads))
+        while chunks and total > num_in_flight_tokens:
+            total -= chunks.pop(0)[0]
+        if not chunks:
+            self.state.in_flight_reads.pop(request_id, None)
 
     def on_set_computed(self, request_id: str, num_computed_tokens: int) -> None:
         """The step ran: Mamba states it computed now exist (unless it was preempted)."""
-        self.state.requests[request_id].num_computed_tokens = num_computed_tokens
-        for gid, block, prefix in self.state.pending_states.pop(request_id, ()):
+        req = self.state.requests[request_id]
+        req.num_computed_tokens = num_computed_tokens
+        if request_id in self.deferred_writes:
+            # positions at or past the computed count are recomputed later (rejected
+            # drafts roll back; a preemption starts over): their pending writes lapse
+            self.deferred_writes[request_id] = [
+                w for w in self.deferred_writes[request_id] if w[3] < num_computed_tokens
+            ]
+        for gid, block, _, end in self.state.pending_states.pop(request_id, ()):
             if num_computed_tokens > 0:
-                self.state.shadow.write(gid, block, -1, prefix)
+                if end - 1 < len(req.ids):
+                    self.state.shadow.write(gid, block, -1, req.ids[end - 1])
+                else:
+                    self.deferred_writes.setdefault(request_id, []).append(
+                        (gid, block, -1, end - 1)
+                    )
 
     def on_append(self, request_id: str, token_ids: Sequence[int]) -> None:
-        self.state.requests[request_id].token_ids.extend(int(t) for t in token_ids)
+        req = self.state.requests[request_id]
+        req.token_ids.extend(int(t) for t in token_ids)
+        deferred = self.deferred_writes.get(request_id)
+        if deferred:
+            req.refresh_ids()
+            for gid, block, offset, position in [w for w in deferred if w[3] < len(req.ids)]:
+                self.state.shadow.write(gid, block, offset, req.ids[position])
+            self.deferred_writes[request_id] = [w for w in deferred if w[3] >= len(req.ids)]
 
     def on_free(self, request_id: str) -> None:
+        self.deferred_writes.pop(request_id, None)
         self._run("free", FreeEvent(request_id))
         self.state.requests[request_id].holds_blocks = False
         self.check_pool()
 
     def on_remove(self, request_id: str) -> None:
         self.state.requests.pop(request_id, None)
+        self.deferred_writes.pop(request_id, None)
+        self.state.last_reads.pop(request_id, None)
 
     def on_reset(self, ok: bool) -> None:
         self._run("reset", ResetEvent(ok))

@@ -90,7 +90,7 @@ def _state_pending(state: CheckState, gid: int, table, ids, length: int) -> bool
     return any(
         g == gid and b == table[col] and prefix == ids[length - 1]
         for writes in state.pending_states.values()
-        for g, b, prefix in writes
+        for g, b, prefix, _ in writes
     )
 
 
@@ -125,8 +125,13 @@ def hit_soundness(state: CheckState, event: LookupEvent) -> str | None:
 
 def hit_maximality(state: CheckState, event: LookupEvent) -> str | None:
     """H3: no longer aligned hit is servable by every group from the cached blocks
-    (with prefix caching off there is no hit to find)."""
-    if not state.layout.enable_caching:
+    (with prefix caching off there is no hit to find).
+
+    Not asserted for EAGLE layouts (``use_eagle``): the drop needs one block past the
+    hit, and lookahead hashes key a block by the tokens after it, which the cached
+    contents do not show; the exact level compares those hits with the reference.
+    """
+    if not state.layout.enable_caching or state.layout.use_eagle:
         return None
     req = event.request
     best = brute_force_longest_hit(
@@ -252,7 +257,8 @@ def allocation_fits(state: CheckState, event: FailedAllocationEvent) -> str | No
     sum over groups must not exceed ``num_free_blocks()`` before the call.
 
     Example: one full group, bs 4, a row of 2 blocks, 3 free: 12 slots need at most
-    ``3 - 2 = 1`` block, so ``None`` is a violation.
+    ``3 - 2 = 1`` block, so ``None`` is a violation. Under the admission gate the slots
+    are the whole sequence's (the gate's capped need is at most that).
     """
     if event.hit is not None and event.hit.num_tokens > 0:
         return None  # adopting a hit may cost more (evictable blocks; Mamba same step)
@@ -345,6 +351,31 @@ def ref_counts_match_owners(state: CheckState, event: PoolEvent) -> str | None:
                 (rid, g) for rid, t in event.tables.items() for g, row in enumerate(t) if b in row
             ]
             return f"block {b} has ref count {c} but is held by {holders}"
+    return None
+
+
+def in_flight_reads_held(state: CheckState, event: PoolEvent) -> str | None:
+    """W3 under asynchronous scheduling: every block a step still in flight reads (the
+    window of its tokens, as planned) stays in the request's table until that step's
+    output is processed: never freed, nulled or replaced meanwhile.
+
+    Example: SWA w 4, bs 2, a request planned tokens 8..9 (they read tokens 5..9,
+    blocks 2..4); freeing block 2 on the optimistic count 10 (skipped 7 -> blocks 0..2)
+    before the step is processed breaks it.
+    """
+    for rid, chunks in state.in_flight_reads.items():
+        table = event.tables.get(rid)
+        for n, reads in chunks:
+            for gid, index, block in sorted(reads):
+                row = table[gid] if table is not None else ()
+                if index >= len(row) or row[index] != block:
+                    now = "freed with the request"
+                    if table is not None:
+                        now = f"now {row[index]}" if index < len(row) else "row shortened"
+                    return (
+                        f"request {rid!r}: block {block} (group {gid}, index {index}) is read "
+                        f"by {n} tokens still in flight but was released ({now})"
+                    )
     return None
 
 

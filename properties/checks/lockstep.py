@@ -169,8 +169,11 @@ class LockstepEngine:
         num_new_computed_tokens: int = 0,
         hit: CacheHit | None = None,
         num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
     ) -> BlockIds | None:
         before = self.checker.snapshot()
+        # the keyword goes only to engines driven with the gate (SupportsServingModes)
+        gate = {"full_sequence_must_fit": True} if full_sequence_must_fit else {}
         tracked = self.checker.requests.get(request_id)
         tables_before = (
             self.checker.state.table_of(request_id)
@@ -180,16 +183,19 @@ class LockstepEngine:
         what = (
             f"allocate_slots({request_id!r}, num_new_tokens={num_new_tokens}, "
             f"num_new_computed_tokens={num_new_computed_tokens}, "
-            f"num_lookahead_tokens={num_lookahead_tokens})"
+            f"num_lookahead_tokens={num_lookahead_tokens}"
+            + (", full_sequence_must_fit=True)" if gate else ")")
         )
         result = self._call(
             what,
-            self.engine.allocate_slots,
-            request_id,
-            num_new_tokens,
-            num_new_computed_tokens,
-            hit,
-            num_lookahead_tokens,
+            lambda: self.engine.allocate_slots(
+                request_id,
+                num_new_tokens,
+                num_new_computed_tokens,
+                hit,
+                num_lookahead_tokens,
+                **gate,
+            ),
         )
         if result is not None and (
             not isinstance(result, tuple) or len(result) != len(self.layout.groups)
@@ -205,13 +211,19 @@ class LockstepEngine:
                 "num_new_tokens": num_new_tokens,
                 "num_new_computed_tokens": num_new_computed_tokens,
                 "num_lookahead_tokens": num_lookahead_tokens,
+                **gate,
             },
             None if result is None else _ids(result),
         )
         if self.reference is not None:
             ref_hit = self._ref_hits.pop(request_id, None) if hit is not None else None
             expected = self.reference.allocate_slots(
-                request_id, num_new_tokens, num_new_computed_tokens, ref_hit, num_lookahead_tokens
+                request_id,
+                num_new_tokens,
+                num_new_computed_tokens,
+                ref_hit,
+                num_lookahead_tokens,
+                **gate,
             )
             if (expected is None) != (result is None):
                 self._diverge(
@@ -222,10 +234,37 @@ class LockstepEngine:
             if expected is not None and _ids(expected) != _ids(result):
                 self._diverge(f"new blocks of {what}", _ids(expected), _ids(result))
         self.checker.on_allocate(
-            request_id, num_new_tokens, hit, result, before, tables_before, num_lookahead_tokens
+            request_id,
+            num_new_tokens,
+            hit,
+            result,
+            before,
+            tables_before,
+            num_lookahead_tokens,
+            full_sequence_must_fit,
         )
         self._compare_state(what, request_id)
         return result
+
+    # -- serving modes ----------------------------------------------------------------
+    def set_in_flight(
+        self, request_id: str, num_in_flight_tokens: int, num_pending_tokens: int
+    ) -> None:
+        self._call(
+            f"set_in_flight({request_id!r}, {num_in_flight_tokens}, {num_pending_tokens})",
+            lambda: self.engine.set_in_flight(request_id, num_in_flight_tokens, num_pending_tokens),
+        )
+        if self.reference is not None:
+            self.reference.set_in_flight(request_id, num_in_flight_tokens, num_pending_tokens)
+        self.checker.on_in_flight(request_id, num_in_flight_tokens)
+
+    def cache_blocks(self, request_id: str, num_tokens: int) -> None:
+        what = f"cache_blocks({request_id!r}, {num_tokens})"
+        self._call(what, lambda: self.engine.cache_blocks(request_id, num_tokens))
+        self._record("cache_blocks", {"request_id": request_id, "num_tokens": num_tokens}, None)
+        if self.reference is not None:
+            self.reference.cache_blocks(request_id, num_tokens)
+        self._compare_state(what, None)
 
     def schedule_step(self, items: Sequence[SlotRequest]) -> list[BlockIds | None]:
         """A batch of running requests' allocations (see :class:`PlansSteps`).

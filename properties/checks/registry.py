@@ -100,6 +100,12 @@ _REGISTRY: tuple[CheckInfo, ...] = (
         "reset succeeds iff no blocks are held",
         needs=["shared_pool"],
     ),
+    _check(
+        inv.in_flight_reads_held,
+        "pool",
+        "W3",
+        "no block an in-flight token reads is released before its step is processed",
+    ),
     _check(inv.pool_accounting, "pool", "I1", "free + in use == num_blocks - 1", ["shared_pool"]),
     _check(inv.idle_pool_free, "pool", "I7", "nothing held: every block free or reclaimable"),
     _check(

@@ -61,8 +61,14 @@ class CheckState:
         self.shared_pool = not getattr(engine, "separate_group_pools", False)
         self.shadow = ShadowCache(layout, self.shared_pool)
         self.requests: dict[str, TrackedRequest] = {}
-        #: request id -> Mamba states its step will write: (group, block, prefix id).
-        self.pending_states: dict[str, list[tuple[int, int, int]]] = {}
+        #: request id -> Mamba states its step will write: (group, block, prefix id or
+        #: -1 while the last token is not known yet, end position).
+        self.pending_states: dict[str, list[tuple[int, int, int, int]]] = {}
+        #: request id -> its steps still in flight (asynchronous scheduling), oldest
+        #: first: (tokens, the (group, index, block) entries of its table they read).
+        self.in_flight_reads: dict[str, list[tuple[int, frozenset[tuple[int, int, int]]]]] = {}
+        #: request id -> what its last successful allocation's tokens read.
+        self.last_reads: dict[str, frozenset[tuple[int, int, int]]] = {}
         self.has_ref_counts = isinstance(engine, ExposesRefCounts)
         self.has_free_queue = isinstance(engine, ExposesFreeQueue)
         self.has_cached = isinstance(engine, ExposesCachedBlocks)

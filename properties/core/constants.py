@@ -1,6 +1,6 @@
 """Names and defaults that every part of kvconform shares, defined once.
 
-* :data:`PROPERTIES`: ``invariants``, ``attention``, ``determinism``.
+* :data:`PROPERTIES`: ``invariants``, ``attention``, ``determinism``, ``production``.
 * :data:`LEVELS`: ``universal`` (holds for any correct engine, whatever its allocation
   policy) and ``exact`` (the same hits, block ids and free counts as the reference:
   engines that claim vLLM's policy). :data:`DEFAULT_LEVEL` is the CLI's and the pytest
@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 #: The properties ``kvconform check`` runs (:mod:`properties.runner.check`).
-PROPERTIES: tuple[str, ...] = ("invariants", "attention", "determinism")
+PROPERTIES: tuple[str, ...] = ("invariants", "attention", "determinism", "production")
 
 LEVELS: tuple[str, ...] = ("universal", "exact")
 DEFAULT_LEVEL = "universal"

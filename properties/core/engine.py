@@ -30,9 +30,19 @@ protocols below) enable more invariants when an engine offers them:
 queue in eviction order: I2, A3), ``ExposesCachedBlocks`` (which blocks hold a
 cached prefix: hit maximality at the universal level), ``PlansSteps`` (a batched
 ``schedule_step`` for the running requests of a step: the scheduler then drives it, and
-the lockstep compares it with the reference's per-request calls), ``ExposesDataPlane``
+the lockstep compares it with the reference's per-request calls), ``CommitsSteps`` (a
+batched ``commit_step`` for the end of a step: the scheduler then hands it every scheduled
+request's computed tokens and new output token in one call), ``ExposesDataPlane``
 (the engine's own device block tables, slot mapping, paged caches and attention: the
 ``attention`` property then runs through them instead of the harness's copies).
+
+Serving modes (:mod:`properties.core.modes`) need ``SupportsServingModes``:
+``set_in_flight(id, num_in_flight_tokens, num_pending_tokens)`` (asynchronous
+scheduling: tokens planned but not processed, sampled tokens not appended yet),
+``cache_blocks(id, num_tokens)`` (the scheduler commits the processed tokens when a
+step's output is processed, as vLLM's ``update_from_output`` does) and the keyword
+``full_sequence_must_fit`` of ``allocate_slots`` (the admission gate). An engine
+without them is only driven in the default (synchronous, ungated) mode.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
@@ -130,6 +140,20 @@ class KVCacheEngine(Protocol):
 
 
 @runtime_checkable
+class SupportsServingModes(Protocol):
+    """Optional calls for :class:`properties.core.modes.ServingMode` (module docstring).
+
+    ``allocate_slots`` must also accept ``full_sequence_must_fit: bool = False``.
+    """
+
+    def set_in_flight(
+        self, request_id: str, num_in_flight_tokens: int, num_pending_tokens: int
+    ) -> None: ...
+
+    def cache_blocks(self, request_id: str, num_tokens: int) -> None: ...
+
+
+@runtime_checkable
 class ExposesRefCounts(Protocol):
     def ref_counts(self) -> Mapping[int, int]:
         """Ref count of every non-null block id in ``[1, num_blocks)``."""
@@ -166,6 +190,29 @@ class PlansSteps(Protocol):
         """``allocate_slots`` of every item in order, in one call; stops after the first
         ``None`` (the list ends with it; later items are not applied). Must equal the
         per-request calls exactly (same results, same state)."""
+        ...
+
+
+class StepUpdate(NamedTuple):
+    """One scheduled request at the end of a step: ``set_num_computed_tokens(request_id,
+    num_computed_tokens)``, then ``append_output_tokens(request_id, [output_token])`` when
+    ``output_token`` is not None. Example: a decode step of request ``"a"`` at 2049 computed
+    tokens that decoded token 7 is ``StepUpdate("a", 2049, 7)``."""
+
+    request_id: str
+    num_computed_tokens: int
+    output_token: int | None
+
+
+@runtime_checkable
+class CommitsSteps(Protocol):
+    """The batched end of a step, the companion of :class:`PlansSteps`."""
+
+    def commit_step(self, updates: Sequence[StepUpdate]) -> None:
+        """For every update in order: ``set_num_computed_tokens`` then, when it has one,
+        ``append_output_tokens`` of its token; in one call. Must equal those per-request
+        calls exactly. The scheduler calls it once per step, before the step's ``free``
+        calls of finished requests (a request's update never depends on another's)."""
         ...
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from properties.core.constants import DEFAULT_FAILURE_DIR
+from properties.core.modes import ServingMode
 from reference.errors import KVConformError
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import (
@@ -232,6 +233,7 @@ class Trace:
     seed: int | None = None
     observed: tuple[dict, ...] = ()
     failure: dict | None = None
+    mode: ServingMode = ServingMode()
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVCacheLayout):
@@ -245,6 +247,8 @@ class Trace:
                 raise TraceFormatError(
                     f"Trace.operations[{index}] must be an Operation, got {op!r}"
                 )
+        if not isinstance(self.mode, ServingMode):
+            raise TraceFormatError(f"Trace.mode must be a ServingMode, got {self.mode!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise TraceFormatError(f"Trace.seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.observed, tuple):
@@ -339,8 +343,15 @@ def layout_to_json(layout: KVCacheLayout) -> dict:
         "max_model_len": layout.max_model_len,
         "enable_caching": layout.enable_caching,
         "max_in_flight_tokens": layout.max_in_flight_tokens,
+        "prefix_cache_retention_interval": layout.prefix_cache_retention_interval,
+        "use_eagle": layout.use_eagle,
+        "num_hash_lookahead_tokens": layout.num_hash_lookahead_tokens,
         "groups": [
-            {"layer_names": list(g.layer_names), "spec": spec_to_json(g.spec)}
+            {
+                "layer_names": list(g.layer_names),
+                "spec": spec_to_json(g.spec),
+                "is_eagle_group": g.is_eagle_group,
+            }
             for g in layout.groups
         ],
     }
@@ -377,10 +388,18 @@ def layout_from_json(data: Any, where: str = "layout") -> KVCacheLayout:
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise TraceFormatError(f"{gwhere}.layer_names must be a list of strings, got {names!r}")
         spec = spec_from_json(_require(g, "spec", gwhere), f"{gwhere}.spec")
-        groups.append(KVCacheGroup(tuple(names), spec))
+        eagle_group = g.get("is_eagle_group", False)
+        if not isinstance(eagle_group, bool):
+            raise TraceFormatError(
+                f"{gwhere}.is_eagle_group must be a boolean, got {eagle_group!r}"
+            )
+        groups.append(KVCacheGroup(tuple(names), spec, eagle_group))
     enable_caching = data.get("enable_caching", True)
     if not isinstance(enable_caching, bool):
         raise TraceFormatError(f"{where}.enable_caching must be a boolean, got {enable_caching!r}")
+    use_eagle = data.get("use_eagle", False)
+    if not isinstance(use_eagle, bool):
+        raise TraceFormatError(f"{where}.use_eagle must be a boolean, got {use_eagle!r}")
     name = data.get("name", "")
     if not isinstance(name, str):
         raise TraceFormatError(f"{where}.name must be a string, got {name!r}")
@@ -391,6 +410,14 @@ def layout_from_json(data: Any, where: str = "layout") -> KVCacheLayout:
             max_model_len=_require_int(data, "max_model_len", where),
             enable_caching=enable_caching,
             max_in_flight_tokens=_require_int(data, "max_in_flight_tokens", where, optional=True),
+            prefix_cache_retention_interval=_require_int(
+                data, "prefix_cache_retention_interval", where, optional=True
+            ),
+            use_eagle=use_eagle,
+            num_hash_lookahead_tokens=_require_int(
+                data, "num_hash_lookahead_tokens", where, optional=True
+            )
+            or 0,
             name=name,
         )
     except KVConformError as exc:
@@ -444,12 +471,28 @@ def operation_from_json(data: Any, where: str = "operation") -> Operation:
 # Trace <-> JSON
 
 
+def mode_from_json(data: Any, where: str = "mode") -> ServingMode:
+    """A :class:`ServingMode` from ``{"async_scheduling": bool, "admission_gate": bool}``
+    (missing fields: their defaults; unknown fields are an error)."""
+    if not isinstance(data, Mapping):
+        raise TraceFormatError(f"{where} must be an object, got {data!r}")
+    known = {f.name for f in dataclasses.fields(ServingMode)}
+    for key in data:
+        if key not in known:
+            raise TraceFormatError(f"{where}.{key}: unknown field of ServingMode")
+    try:
+        return ServingMode(**dict(data))
+    except KVConformError as exc:
+        raise TraceFormatError(f"{where}: {exc}") from exc
+
+
 def trace_to_json(trace: Trace) -> dict:
     """The whole trace as JSON data, tagged ``"format": "kvconform-trace/1"``."""
     return {
         "format": TRACE_FORMAT,
         "seed": trace.seed,
         "layout": layout_to_json(trace.layout),
+        "mode": dataclasses.asdict(trace.mode),
         "operations": [operation_to_json(op) for op in trace.operations],
         "observed": [dict(r) for r in trace.observed],
         "failure": trace.failure,
@@ -477,6 +520,7 @@ def trace_from_json(data: Any, where: str = "trace") -> Trace:
         raise TraceFormatError(f"{where} must be a JSON object, got {type(data).__name__}")
     _check_format(data, where)
     layout = layout_from_json(_require(data, "layout", where), f"{where}.layout")
+    mode = mode_from_json(data.get("mode", {}), f"{where}.mode")
     ops_data = _require(data, "operations", where)
     if not isinstance(ops_data, list):
         raise TraceFormatError(f"{where}.operations must be a list, got {ops_data!r}")
@@ -495,6 +539,7 @@ def trace_from_json(data: Any, where: str = "trace") -> Trace:
     try:
         return Trace(
             layout=layout,
+            mode=mode,
             operations=operations,
             seed=seed,
             observed=tuple(observed),

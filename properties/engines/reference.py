@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from properties.core.engine import BlockIds, CachedBlock, CacheHit, EngineError, RequestInput
+from properties.core.modes import PRODUCTION_SETTINGS
 from reference.errors import KVConformError
 from reference.kv_cache_manager import ComputedBlocks, KVCacheManager
 from reference.layout import KVCacheLayout
@@ -64,6 +65,7 @@ class ReferenceEngine:
         num_new_computed_tokens: int = 0,
         hit: CacheHit | None = None,
         num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
     ) -> BlockIds | None:
         computed = None
         if hit is not None:
@@ -81,12 +83,24 @@ class ReferenceEngine:
                 num_new_computed_tokens,
                 computed,
                 num_lookahead_tokens,
+                **({"full_sequence_must_fit": True} if full_sequence_must_fit else {}),
             )
         except KVConformError as exc:
             raise EngineError(f"reference: allocate_slots({request_id!r}): {exc}") from exc
         if new is None:
             return None
         return tuple(tuple(b.block_id for b in group) for group in new)
+
+    # serving modes (properties.core.engine.SupportsServingModes)
+    def set_in_flight(
+        self, request_id: str, num_in_flight_tokens: int, num_pending_tokens: int
+    ) -> None:
+        req = self._request(request_id)
+        req.num_in_flight_tokens = num_in_flight_tokens
+        req.num_output_placeholders = num_pending_tokens
+
+    def cache_blocks(self, request_id: str, num_tokens: int) -> None:
+        self.manager.cache_blocks(self._request(request_id), num_tokens)
 
     def free(self, request_id: str) -> None:
         self.manager.free(self._request(request_id))
@@ -123,3 +137,7 @@ class ReferenceEngine:
 
 def make_engine(layout: KVCacheLayout) -> ReferenceEngine:
     return ReferenceEngine(layout)
+
+
+#: Every production layout setting (``properties.core.modes.PRODUCTION_SETTINGS``).
+make_engine.production_settings = PRODUCTION_SETTINGS  # type: ignore[attr-defined]

@@ -145,6 +145,14 @@ def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
             f"sglang adapter supports block_size in {SUPPORTED_PAGE_SIZES}, got layout "
             f"{layout.describe()}"
         )
+    if layout.use_eagle or layout.num_hash_lookahead_tokens:
+        # SGLang's radix cache has no EAGLE block drop or lookahead keys to drive
+        raise UnsupportedLayoutError(
+            "sglang adapter: EAGLE block drop and lookahead hashes are not bridged, got "
+            f"layout {layout.describe()}"
+        )
+    # prefix_cache_retention_interval is vLLM's caching policy; SGLang has its own
+    # (universal level only), so the field does not apply to it.
     window = specs[swa[0]].sliding_window
     if window < 2:
         raise UnsupportedLayoutError(

@@ -40,11 +40,19 @@ Not bridged / differences
 * vLLM's Mamba "align" manager returns the null padding it appended in a step as
   part of its new blocks (e.g. ``[0, 3]``); ``allocate_slots`` drops the ``0`` ids, so
   the result lists only real new blocks. ``get_block_ids`` is vLLM's row unchanged.
-* ``num_in_flight_tokens`` stays 0 (synchronous stepping), so skipped blocks are
-  freed on the full computed count.
-* The per-request admission cap (``max_in_flight_tokens``) only acts in vLLM when
-  ``allocate_slots(full_sequence_must_fit=True)``; the protocol call does not set
-  it, as vLLM's default does not.
+* Production settings of the layout: ``prefix_cache_retention_interval`` goes to
+  ``KVCacheConfig``; ``use_eagle`` and ``num_hash_lookahead_tokens`` to
+  ``KVCacheManager(use_eagle=use_eagle and not lookahead, num_hash_lookahead_tokens)``
+  (vLLM's scheduler turns the drop off under lookahead hashes) and to the request
+  hasher; ``is_eagle_group`` to ``KVCacheGroupSpec``. After each lookup the adapter
+  stores the returned ``shared_prefix_boundary`` on the request, as vLLM's scheduler
+  does (sparse retention keeps that junction).
+* Serving modes: ``set_in_flight`` sets ``request.num_in_flight_tokens`` and
+  ``num_output_placeholders`` (asynchronous scheduling; skipped blocks are then freed
+  on the processed count), ``cache_blocks`` is ``KVCacheManager.cache_blocks`` (what
+  vLLM's ``update_from_output`` calls for requests with placeholders), and
+  ``allocate_slots(full_sequence_must_fit=True)`` is the admission gate with the
+  per-group caps from ``max_in_flight_tokens``.
 * vLLM's exact rules, with worked examples, are in ``docs/vllm-behaviour.md``.
 """
 
@@ -63,6 +71,7 @@ from properties.core.engine import (
     RequestInput,
     quiet_loggers,
 )
+from properties.core.modes import PRODUCTION_SETTINGS
 from reference.layout import KVCacheLayout
 from reference.specs import (
     ChunkedLocalAttentionSpec,
@@ -193,12 +202,19 @@ class VLLMEngine:
         self.layout = layout
         self._v = v
         groups = [
-            v.kvi.KVCacheGroupSpec(list(g.layer_names), to_vllm_spec(v, g.spec))
+            v.kvi.KVCacheGroupSpec(
+                list(g.layer_names), to_vllm_spec(v, g.spec), is_eagle_group=g.is_eagle_group
+            )
             for g in layout.groups
         ]
         config = v.kvi.KVCacheConfig(
-            num_blocks=layout.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
+            num_blocks=layout.num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=groups,
+            prefix_cache_retention_interval=layout.prefix_cache_retention_interval,
         )
+        # vLLM's scheduler turns the block drop off when lookahead hashes are on
+        drop_eagle = layout.use_eagle and layout.num_hash_lookahead_tokens == 0
         self.manager = _call(
             "KVCacheManager",
             (layout.describe(),),
@@ -209,9 +225,13 @@ class VLLMEngine:
             hash_block_size=layout.hash_block_size,
             max_in_flight_tokens=layout.max_in_flight_tokens,
             enable_caching=layout.enable_caching,
+            use_eagle=drop_eagle,
+            num_hash_lookahead_tokens=layout.num_hash_lookahead_tokens,
         )
         self._hasher = (
-            v.get_request_block_hasher(layout.hash_block_size, v.sha256)
+            v.get_request_block_hasher(
+                layout.hash_block_size, v.sha256, layout.num_hash_lookahead_tokens
+            )
             if layout.enable_caching
             else None
         )
@@ -269,10 +289,11 @@ class VLLMEngine:
 
     def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
         req = self._request(request_id)
-        if num_computed_tokens < 0 or num_computed_tokens > req.num_tokens:
+        limit = req.num_tokens + req.num_output_placeholders
+        if num_computed_tokens < 0 or num_computed_tokens > limit:
             raise EngineError(
                 f"vllm: set_num_computed_tokens({request_id!r}, {num_computed_tokens}): "
-                f"num_computed_tokens must be in [0, {req.num_tokens}]"
+                f"num_computed_tokens must be in [0, {limit}] (tokens + placeholders)"
             )
         req.num_computed_tokens = num_computed_tokens
         if num_computed_tokens == 0:
@@ -283,9 +304,11 @@ class VLLMEngine:
 
     def get_computed_blocks(self, request_id: str) -> CacheHit:
         req = self._request(request_id)
-        blocks, num_tokens, _ = _call(
+        blocks, num_tokens, junction = _call(
             "get_computed_blocks", (request_id,), self.manager.get_computed_blocks, req
         )
+        # vLLM's scheduler keeps the junction on the request after every lookup
+        req.shared_prefix_boundary = junction
         ids = blocks.get_block_ids()
         hit = CacheHit(tuple(tuple(group) for group in ids), num_tokens)
         self._hits[request_id] = (hit, blocks)
@@ -298,6 +321,7 @@ class VLLMEngine:
         num_new_computed_tokens: int = 0,
         hit: CacheHit | None = None,
         num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
     ) -> BlockIds | None:
         req = self._request(request_id)
         blocks = None
@@ -319,10 +343,25 @@ class VLLMEngine:
             num_new_computed_tokens,
             blocks,
             num_lookahead_tokens,
+            full_sequence_must_fit=full_sequence_must_fit,
         )
         if new is None:
             return None
         return tuple(tuple(b for b in group if b != 0) for group in new.get_block_ids())
+
+    # -- serving modes (SupportsServingModes) -------------------------------------
+    def set_in_flight(
+        self, request_id: str, num_in_flight_tokens: int, num_pending_tokens: int
+    ) -> None:
+        """``request.num_in_flight_tokens`` and ``num_output_placeholders``, as vLLM's
+        scheduler keeps them under asynchronous scheduling."""
+        req = self._request(request_id)
+        req.num_in_flight_tokens = num_in_flight_tokens
+        req.num_output_placeholders = num_pending_tokens
+
+    def cache_blocks(self, request_id: str, num_tokens: int) -> None:
+        req = self._request(request_id)
+        _call("cache_blocks", (request_id, num_tokens), self.manager.cache_blocks, req, num_tokens)
 
     def free(self, request_id: str) -> None:
         req = self._request(request_id)
@@ -391,8 +430,26 @@ def _chunk_not_multiple_of_block(layout: KVCacheLayout) -> bool:
     )
 
 
+def _lookahead_past_the_hashes(layout: KVCacheLayout) -> bool:
+    """Lookahead hashes of 2+ tokens with no full-attention group: a sliding-window,
+    chunked or Mamba lookup indexes a block hash that does not exist yet."""
+    return (
+        layout.enable_caching
+        and layout.num_hash_lookahead_tokens >= 2
+        and not any(isinstance(g.spec, FullAttentionSpec) for g in layout.groups)
+    )
+
+
 #: vLLM 0.33 behaviours that break a property; see findings/vllm/.
 KNOWN_DIVERGENCES = (
+    KnownDivergence(
+        name="vllm-lookahead-hash-index-error",
+        summary="get_computed_blocks raises IndexError with num_hash_lookahead_tokens >= 2 "
+        "when no full-attention group bounds the lookup (sliding-window-only or "
+        "sliding-window + Mamba models with multi-token MTP)",
+        finding="findings/vllm/lookahead-hash-index-error.md",
+        applies=_lookahead_past_the_hashes,
+    ),
     KnownDivergence(
         name="vllm-chunked-hit-in-previous-chunk",
         summary="chunked-local hit lands in the previous chunk with its tokens nulled "
@@ -402,3 +459,5 @@ KNOWN_DIVERGENCES = (
     ),
 )
 make_engine.known_divergences = KNOWN_DIVERGENCES  # type: ignore[attr-defined]
+#: The adapter bridges every production layout setting (retention, EAGLE, caps).
+make_engine.production_settings = PRODUCTION_SETTINGS  # type: ignore[attr-defined]

@@ -101,6 +101,9 @@ class ModelPreset:
     mamba_shapes: tuple[tuple[int, ...], ...] = ()
     #: Number of KV cache groups the spec's grouping rule gives (written by hand).
     expected_num_groups: int = 1
+    #: ``prefix_cache_retention_interval`` the family is served with: vLLM 0.33's
+    #: production default is 0 (sparse retention) for every model.
+    retention_interval: int | None = 0
 
     def __post_init__(self) -> None:
         if not self.pattern:
@@ -135,7 +138,8 @@ class ModelPreset:
         enable_caching: bool = True,
         max_in_flight_tokens: int | None = None,
     ) -> KVCacheLayout:
-        """The preset's layout; windows and chunks divided by ``scale_windows`` (min 1).
+        """The preset's layout; windows and chunks divided by ``scale_windows`` (min 1),
+        with the retention interval the family is served with (sparse: 0).
 
         Example: ``PRESETS["gpt-oss"].layout(64, 128, block_size=4, scale_windows=32)``
         gives a sliding group (w = 128 // 32 = 4) and a full group, both bs 4.
@@ -149,6 +153,7 @@ class ModelPreset:
             max_model_len=max_model_len,
             enable_caching=enable_caching,
             max_in_flight_tokens=max_in_flight_tokens,
+            prefix_cache_retention_interval=self.retention_interval,
             name=f"{self.name}{suffix}",
         )
 

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
+from properties.core.modes import PRODUCTION_SETTINGS, ServingMode
 from properties.core.trace import (
     Abort,
     Arrive,
@@ -317,8 +318,10 @@ def preset_layouts(
     max_len: int = 256,
     min_blocks: int = 5,
     max_blocks: int | None = None,
+    served: bool = False,
 ) -> KVCacheLayout:
-    """A preset's layout with a small block size and windows scaled to a few blocks.
+    """A preset's layout with a small block size and windows scaled to a few blocks;
+    dense retention unless ``served`` (then the retention the family is served with).
 
     ``scale_windows = max(1, largest window // target)`` with ``target`` drawn in
     ``1..8 * bs``: gemma3 (w=1024) with bs 4 and target 16 gets w = 1024 // 64 = 16.
@@ -337,7 +340,99 @@ def preset_layouts(
     max_model_len = draw(st.integers(block_size, max(block_size, max_len)))
     sizing = preset.layout(2, max_model_len, block_size=block_size, scale_windows=scale)
     num_blocks = draw(pool_sizes(sizing, min_blocks, max_blocks))
-    return dataclasses.replace(sizing, num_blocks=num_blocks)
+    # ``served``: the retention the family is served with (sparse); else the textbook
+    # dense retention (the production property draws retention on top)
+    retention = sizing.prefix_cache_retention_interval if served else None
+    return dataclasses.replace(
+        sizing, num_blocks=num_blocks, prefix_cache_retention_interval=retention
+    )
+
+
+def retention_intervals(layout: KVCacheLayout) -> st.SearchStrategy[int | None]:
+    """A retention interval valid for ``layout``: dense (``None``, the shrink target),
+    sparse (``0``) or ``k * S`` for ``k`` in 1..3 (``S`` the scheduler block size; only
+    with a sliding-window or Mamba group, as vLLM requires)."""
+    sparse_groups = any(isinstance(s, (SlidingWindowSpec, MambaSpec)) for s in layout.specs)
+    unit = layout.scheduler_block_size
+    if not sparse_groups:
+        return st.sampled_from((None, 0))
+    return st.sampled_from((None, 0, 0, unit, 2 * unit, 3 * unit))
+
+
+def _without_chunked_and_mamba(layout: KVCacheLayout) -> KVCacheLayout:
+    """``layout`` with its chunked-local and Mamba groups left out (one full-attention
+    group of the smallest block size when nothing is left): EAGLE is modelled only
+    with full and sliding-window groups."""
+    kept = tuple(
+        g for g in layout.groups if not isinstance(g.spec, (ChunkedLocalAttentionSpec, MambaSpec))
+    )
+    if len(kept) == len(layout.groups):
+        return layout
+    if not kept:
+        bs = min(layout.block_sizes)
+        kept = (KVCacheGroup(("layer.0",), FullAttentionSpec(block_size=bs)),)
+    return dataclasses.replace(layout, groups=kept, name="")
+
+
+@st.composite
+def production_layouts(
+    draw,
+    base: st.SearchStrategy[KVCacheLayout],
+    max_len: int = 128,
+    settings: frozenset[str] = PRODUCTION_SETTINGS,
+) -> KVCacheLayout:
+    """``base`` with the production settings drawn on top, each with its own draws
+    (after the base layout's, so the base stays as it was):
+
+    * EAGLE, two times in three: ``use_eagle``, the groups flagged as EAGLE groups (none
+      flagged: all drop), and lookahead hashes ``L`` in ``{0, 1, 2}`` (``L > 0`` turns
+      the drop off). EAGLE is modelled without chunked-local and Mamba groups (vLLM
+      turns the hybrid manager off with chunked local attention), so such groups
+      are left out of an EAGLE layout;
+    * the retention interval (:func:`retention_intervals`);
+    * ``max_in_flight_tokens`` (``None``, or 1 or 2 scheduler blocks): the bound of
+      the per-request admission caps of windowed groups (the pool is then redrawn
+      with those bounds, as vLLM sizes it at startup).
+
+    Only the ``settings`` named (:data:`properties.core.modes.PRODUCTION_SETTINGS`: the
+    ones the engine declares) are drawn. Example: gpt-oss (SWA + full) may come out
+    sparse, EAGLE on the full group only, ``L = 0``.
+    """
+    layout = draw(base)
+    eagle = "eagle" in settings and draw(st.sampled_from((False, True, True)), label="eagle")
+    if eagle:
+        layout = _without_chunked_and_mamba(layout)
+    if "retention" in settings:
+        retention = draw(retention_intervals(layout), label="retention interval")
+        layout = dataclasses.replace(layout, prefix_cache_retention_interval=retention)
+    unit = layout.scheduler_block_size
+    in_flight = None
+    if "admission_cap" in settings:
+        in_flight = draw(
+            st.sampled_from((unit, None, 2 * unit, unit)), label="max in-flight tokens"
+        )
+        layout = dataclasses.replace(layout, max_in_flight_tokens=in_flight)
+    if in_flight is not None:
+        # a tight pool sized as vLLM sizes it: one request of max_model_len fits with
+        # its windowed groups at their admission bound, two do not
+        need = _blocks_one_request_needs(layout)
+        layout = dataclasses.replace(
+            layout,
+            num_blocks=draw(st.integers(max(5, need + 1), max(5, 2 * need + 2)), label="pool"),
+        )
+    if eagle:
+        flags = [draw(st.booleans(), label="is_eagle_group") for _ in layout.groups]
+        layout = dataclasses.replace(
+            layout,
+            groups=tuple(
+                dataclasses.replace(g, is_eagle_group=f) for g, f in zip(layout.groups, flags)
+            ),
+            use_eagle=True,
+            num_hash_lookahead_tokens=draw(
+                st.sampled_from((0, 1, 2, 1, 0, 1)), label="lookahead hashes"
+            ),
+        )
+    return layout
 
 
 @st.composite
@@ -509,6 +604,31 @@ def any_layouts(
             )
         )
     return st.one_of(parts)
+
+
+def serving_modes() -> st.SearchStrategy[ServingMode]:
+    """Synchronous or asynchronous scheduling, with or without the admission gate, or
+    synchronous with 2 or 3 draft tokens per decode step (speculative decoding);
+    shrinks toward the synchronous, ungated mode."""
+    gated_async = ServingMode(async_scheduling=True, admission_gate=True)
+    return st.sampled_from(
+        (
+            ServingMode(),
+            ServingMode(async_scheduling=True),
+            ServingMode(admission_gate=True),
+            gated_async,
+            ServingMode(admission_gate=True),
+            gated_async,
+            ServingMode(num_draft_tokens=2),
+            ServingMode(admission_gate=True, num_draft_tokens=3),
+            ServingMode(num_draft_tokens=4),
+        )
+    )
+
+
+#: The serving mode of a deployed vLLM 0.33 (``--preset`` runs of the production
+#: property): asynchronous scheduling, admission gate on (``scheduler_reserve_full_isl``).
+PRODUCTION_MODE = ServingMode(async_scheduling=True, admission_gate=True)
 
 
 # ---------------------------------------------------------------------------

@@ -23,14 +23,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from properties.core.modes import PRODUCTION_SETTINGS
 from properties.engines.reference import ReferenceEngine
 from reference.block_pool import BlockPool, KVCacheBlock
 from reference.coordinator import HybridCoordinator
-from reference.hashing import block_extra_keys, hash_block_tokens
+from reference.hashing import block_extra_keys, extend_block_hashes, hash_block_tokens
 from reference.kv_cache_manager import ComputedBlocks, KVCacheManager
 from reference.layout import KVCacheLayout
 from reference.managers import (
     ChunkedLocalAttentionManager,
+    FullAttentionManager,
     MambaManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
@@ -79,12 +81,21 @@ def mutated_manager(
         for m in coord.managers:
             m.block_pool = pool
     if managers:
-        coord.managers = [
-            managers.get(type(m), type(m))(
-                m.spec, m.block_pool, m.group_id, m.enable_caching, m.cache_hit_alignment
+        replaced = []
+        for m in coord.managers:
+            r = managers.get(type(m), type(m))(
+                m.spec,
+                m.block_pool,
+                m.group_id,
+                m.enable_caching,
+                m.cache_hit_alignment,
+                m.retention_interval,
+                m.scheduler_block_size,
             )
-            for m in coord.managers
-        ]
+            r.max_admission_blocks = m.max_admission_blocks
+            r.use_eagle, r.eagle_replay = m.use_eagle, m.eagle_replay
+            replaced.append(r)
+        coord.managers = replaced
         if isinstance(coord, HybridCoordinator):
             for sg in coord.spec_groups:
                 sg.manager_cls = type(coord.managers[sg.group_ids[0]])
@@ -141,6 +152,7 @@ class MambaLeftmostHit(MambaManager):
         pool: BlockPool,
         spec: KVCacheSpec,
         alignment: int,
+        drop_eagle: bool = False,
     ) -> tuple[list[BlockList], int]:
         for length in range(spec.block_size, max_length + 1, spec.block_size):  # BUG: upwards
             found, hit = super().find_longest_cache_hit(
@@ -292,9 +304,10 @@ class UncappedLookupManager(KVCacheManager):
     def get_computed_blocks(self, request: Request) -> tuple[ComputedBlocks, int]:
         if not self.enable_caching:
             return self.empty_computed_blocks(), 0
-        blocks, hit = self.coordinator.find_longest_cache_hit(
+        blocks, hit, uncached = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens
         )  # BUG: no -1
+        request.shared_prefix_boundary = hit + uncached if uncached else 0
         return ComputedBlocks(tuple(tuple(b) for b in blocks)), hit
 
 
@@ -335,12 +348,180 @@ class LeakyFailedAllocationManager(KVCacheManager):
         return new
 
 
+class FalsySparseRetentionSlidingWindow(SlidingWindowManager):
+    """Reads the retention interval with ``or``: sparse (``0``) becomes dense."""
+
+    def cacheable_block_mask(self, request: Request, start: int, end: int):
+        saved = self.retention_interval
+        self.retention_interval = saved or None  # BUG: 0 is falsy -> dense retention
+        try:
+            return super().cacheable_block_mask(request, start, end)
+        finally:
+            self.retention_interval = saved
+
+
+class FalsySparseRetentionMamba(MambaManager):
+    """The Mamba side of the same bug."""
+
+    def cacheable_block_mask(self, request: Request, start: int, end: int):
+        saved = self.retention_interval
+        self.retention_interval = saved or None  # BUG: 0 is falsy -> dense retention
+        try:
+            return super().cacheable_block_mask(request, start, end)
+        finally:
+            self.retention_interval = saved
+
+
+class OptimisticFreeManager(KVCacheManager):
+    """Frees out-of-window blocks on the optimistic computed count, ignoring the tokens
+    still in flight (vLLM before PR #47728)."""
+
+    def allocate_slots(self, request: Request, *args, **kwargs):
+        in_flight, request.num_in_flight_tokens = request.num_in_flight_tokens, 0  # BUG
+        try:
+            return super().allocate_slots(request, *args, **kwargs)
+        finally:
+            request.num_in_flight_tokens = in_flight
+
+
+class UncappedAdmissionManager(KVCacheManager):
+    """The admission gate reserves a windowed group's whole sequence instead of its
+    recycling bound (issue #39734: long prompts never admitted on SWA models)."""
+
+    def __init__(self, layout: KVCacheLayout) -> None:
+        super().__init__(layout)
+        for m in self.coordinator.managers:
+            m.max_admission_blocks = None  # BUG: no per-request admission cap
+
+
+class EagleDropIgnoredFull(FullAttentionManager):
+    """Lookup that forgets the EAGLE drop (its last block is reused although EAGLE must
+    recompute it): the full-attention side."""
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls, block_hashes, max_length, group_ids, pool, spec, alignment, drop_eagle=False
+    ):
+        return super().find_longest_cache_hit(
+            block_hashes,
+            max_length,
+            group_ids,
+            pool,
+            spec,
+            alignment,
+            False,  # BUG
+        )
+
+
+class EagleDropIgnoredSlidingWindow(SlidingWindowManager):
+    """The sliding-window side of the same bug."""
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls, block_hashes, max_length, group_ids, pool, spec, alignment, drop_eagle=False
+    ):
+        return super().find_longest_cache_hit(
+            block_hashes,
+            max_length,
+            group_ids,
+            pool,
+            spec,
+            alignment,
+            False,  # BUG
+        )
+
+
+class LookaheadIgnoredRequest(Request):
+    """Hashes blocks as if there were no lookahead tokens (the next tokens are not keyed)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_hash_lookahead_tokens = 0  # BUG: lookahead hashes dropped
+        self.block_hashes.clear()
+        extend_block_hashes(
+            self.block_hashes,
+            self.prompt_token_ids,
+            self.hash_block_size,
+            self.cache_salt,
+            self.lora_name,
+        )
+
+
+class LookaheadIgnoredManager(KVCacheManager):
+    def make_request(self, request_id, prompt_token_ids, cache_salt=None, lora_name=None):
+        base = super().make_request(request_id, prompt_token_ids, cache_salt, lora_name)
+        return LookaheadIgnoredRequest(
+            request_id,
+            prompt_token_ids,
+            base.hash_block_size,
+            cache_salt,
+            lora_name,
+            base.num_hash_lookahead_tokens,
+        )
+
+
 # ---------------------------------------------------------------------------
 # Factories
 
 
 def _engine(name: str, layout: KVCacheLayout, **parts) -> MutantEngine:
     return MutantEngine(layout, mutated_manager(layout, **parts), name)
+
+
+def make_sparse_retention_as_dense(layout: KVCacheLayout) -> MutantEngine:
+    return _engine(
+        "sparse_retention_as_dense",
+        layout,
+        managers={
+            SlidingWindowManager: FalsySparseRetentionSlidingWindow,
+            MambaManager: FalsySparseRetentionMamba,
+        },
+    )
+
+
+class RollbackIgnoredEngine(MutantEngine):
+    """Keeps the optimistic computed count when drafts are rejected: the manager then
+    frees and allocates as if the rejected drafts had been computed."""
+
+    def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
+        req = self._request(request_id)
+        if 0 < num_computed_tokens < req.num_computed_tokens:
+            return  # BUG: the rollback of rejected drafts is lost
+        super().set_num_computed_tokens(request_id, num_computed_tokens)
+
+    def allocate_slots(self, request_id, num_new_tokens, *args, **kwargs):
+        req = self._request(request_id)
+        out = super().allocate_slots(request_id, num_new_tokens, *args, **kwargs)
+        if out is not None and num_new_tokens > 1 and req.num_output_placeholders:
+            req.num_computed_tokens += num_new_tokens  # the optimistic count of the step
+        return out
+
+
+def make_draft_rollback_ignored(layout: KVCacheLayout) -> MutantEngine:
+    return RollbackIgnoredEngine(layout, mutated_manager(layout), "draft_rollback_ignored")
+
+
+def make_async_optimistic_free(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("async_optimistic_free", layout, manager_cls=OptimisticFreeManager)
+
+
+def make_admission_cap_ignored(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("admission_cap_ignored", layout, manager_cls=UncappedAdmissionManager)
+
+
+def make_eagle_drop_ignored(layout: KVCacheLayout) -> MutantEngine:
+    return _engine(
+        "eagle_drop_ignored",
+        layout,
+        managers={
+            FullAttentionManager: EagleDropIgnoredFull,
+            SlidingWindowManager: EagleDropIgnoredSlidingWindow,
+        },
+    )
+
+
+def make_lookahead_hashes_ignored(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("lookahead_hashes_ignored", layout, manager_cls=LookaheadIgnoredManager)
 
 
 def make_swa_off_by_one(layout: KVCacheLayout) -> MutantEngine:
@@ -480,6 +661,9 @@ class MutantInfo:
     caught_by: frozenset[str]
 
     factory: Callable[[KVCacheLayout], MutantEngine]
+    #: the ``kvconform check`` property whose machine catches it: ``invariants``, or
+    #: ``production`` for bugs of the deployed settings (retention, EAGLE, async, gate)
+    prop: str = "invariants"
 
     @property
     def target(self) -> str:
@@ -492,9 +676,10 @@ def _info(
     level: str,
     caught_by: Sequence[str],
     description: str,
+    prop: str = "invariants",
 ) -> MutantInfo:
     name = factory.__name__.removeprefix("make_")
-    return MutantInfo(name, description, level, frozenset(caught_by), factory)
+    return MutantInfo(name, description, level, frozenset(caught_by), factory, prop)
 
 
 MUTANT_INFO: dict[str, MutantInfo] = {
@@ -585,6 +770,49 @@ MUTANT_INFO: dict[str, MutantInfo] = {
             "the cache salt is left out of block hashes (salted prefixes hit each other)",
         ),
         _info(
+            make_sparse_retention_as_dense,
+            "exact",
+            ["exact_match"],
+            "retention interval read with `or`: sparse (0) caches like dense (None)",
+            "production",
+        ),
+        _info(
+            make_eagle_drop_ignored,
+            "exact",
+            ["exact_match"],
+            "prefix lookup forgets the EAGLE drop of its last block",
+            "production",
+        ),
+        _info(
+            make_lookahead_hashes_ignored,
+            "exact",
+            ["exact_match"],
+            "lookahead hashes left out: a block is keyed without the tokens after it",
+            "production",
+        ),
+        _info(
+            make_async_optimistic_free,
+            "universal",
+            ["in_flight_reads_held", "window_liveness"],
+            "asynchronous scheduling: out-of-window blocks freed on the optimistic count "
+            "while tokens that read them are in flight",
+            "production",
+        ),
+        _info(
+            make_draft_rollback_ignored,
+            "exact",
+            ["exact_match", "EngineError"],
+            "rejected draft tokens are not rolled back (the optimistic count stays)",
+            "production",
+        ),
+        _info(
+            make_admission_cap_ignored,
+            "exact",
+            ["exact_match"],
+            "admission gate without the per-request cap of windowed groups",
+            "production",
+        ),
+        _info(
             make_reset_while_held,
             "universal",
             ["reset_prefix_cache"],
@@ -599,6 +827,10 @@ MUTANT_INFO: dict[str, MutantInfo] = {
         ),
     )
 }
+
+for _mutant in MUTANT_INFO.values():
+    # a mutant is the reference with one bug: it takes every production setting
+    _mutant.factory.production_settings = PRODUCTION_SETTINGS  # type: ignore[attr-defined]
 
 #: Mutant name -> ``module:factory`` (for ``--engine``).
 MUTANTS: dict[str, str] = {name: info.target for name, info in MUTANT_INFO.items()}

@@ -1,12 +1,15 @@
 """Running the properties: what ``kvconform check`` does, as library calls.
 
-Three properties (:data:`PROPERTIES`):
+Four properties (:data:`PROPERTIES`):
 
 * ``invariants``: the stateful machine with every invariant after every call (and, at
   the exact level, the lockstep comparison with the reference);
 * ``attention``: the same machine with the attention check instead of the invariants;
 * ``determinism``: the same trace twice on fresh engines gives the same calls and
-  results (H6).
+  results (H6);
+* ``production``: the invariants machine with the deployed settings drawn on top
+  (retention interval, EAGLE and lookahead hashes per layout; asynchronous scheduling
+  and the admission gate per trace, for engines with ``SupportsServingModes``).
 
 :func:`run_property` runs one under Hypothesis settings and returns a
 :class:`PropertyResult`; a failure's shrunk trace is taken from memory (the machine's
@@ -92,6 +95,8 @@ class PropertyResult:
     failure: str | None = None
     trace_path: Path | None = None
     first: FirstFailure | None = None
+    #: production property: mode tag -> (examples, steps)
+    modes: dict[str, tuple[int, int]] | None = None
 
     @property
     def passed(self) -> bool:
@@ -103,6 +108,8 @@ def config_for(name: str, config: CheckConfig) -> CheckConfig:
     for the attention check."""
     if name == "attention":
         return replace(config, attention=True, disabled=disabled_all_but(()))
+    if name == "production":
+        return replace(config, production=True)
     return config
 
 
@@ -218,6 +225,7 @@ def _run_machine(
     except BaseException as exc:  # noqa: BLE001 - every failure is reported
         failure = _failure_text(exc)
         path = _save(stats.last_failure, config, seed)
+    modes = {tag: (e, n) for tag, (e, n) in sorted(stats.modes.items())} or None
     return PropertyResult(
         name,
         stats.examples,
@@ -226,6 +234,7 @@ def _run_machine(
         failure,
         path,
         found[0] if found else None,
+        modes,
     )
 
 

@@ -15,7 +15,10 @@ class CheckConfig:
 
     ``attention`` adds the attention check to every scheduled step; ``disabled`` names
     invariants to skip (``properties.checks.registry.INVARIANTS``); ``max_len`` bounds the
-    ``max_model_len`` of generated layouts. Example: ``CheckConfig("vllm", "exact")``.
+    ``max_model_len`` of generated layouts. ``production`` draws the deployed settings
+    on top (retention interval, EAGLE, lookahead hashes, and a
+    :class:`properties.core.modes.ServingMode` for engines that support it).
+    Example: ``CheckConfig("vllm", "exact")``.
     """
 
     engine: str = "reference"
@@ -25,6 +28,7 @@ class CheckConfig:
     disabled: frozenset[str] = frozenset()
     max_len: int = 128
     failure_dir: str = DEFAULT_FAILURE_DIR
+    production: bool = False
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:

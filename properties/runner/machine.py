@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hypothesis import assume, note, target
 from hypothesis import strategies as st
@@ -34,9 +34,11 @@ from properties.checks.registry import PropertyViolation
 from properties.core.engine import (
     ExposesDataPlane,
     KVCacheEngine,
+    SupportsServingModes,
     UnsupportedLayoutError,
     load_engine_factory,
 )
+from properties.core.modes import SYNC, ServingMode, production_settings
 from properties.core.trace import (
     Abort,
     Arrive,
@@ -67,6 +69,27 @@ class RunStats:
     first_trace: Trace | None = None
     #: called once with this object when the first failure happens (before shrinking)
     on_first_failure: Callable[[RunStats], None] | None = None
+    #: production modes drawn: tag -> [examples, steps] (:func:`mode_tags`)
+    modes: dict[str, list[int]] = field(default_factory=dict)
+
+
+def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
+    """The production modes a run exercises, for the counts ``kvconform check`` prints:
+    ``retention=dense|sparse|interval``, ``eagle-drop``, ``lookahead-hashes``,
+    ``async``, ``admission-gate``, ``drafts``."""
+    r = layout.prefix_cache_retention_interval
+    tags = [f"retention={'dense' if r is None else 'sparse' if r == 0 else 'interval'}"]
+    if layout.drop_eagle_group_ids:
+        tags.append("eagle-drop")
+    if layout.num_hash_lookahead_tokens:
+        tags.append("lookahead-hashes")
+    if mode.async_scheduling:
+        tags.append("async")
+    if mode.admission_gate:
+        tags.append("admission-gate")
+    if mode.num_draft_tokens:
+        tags.append("drafts")
+    return tags
 
 
 class TraceRun:
@@ -77,12 +100,14 @@ class TraceRun:
         config: CheckConfig,
         layout: KVCacheLayout,
         factory: Callable | None = None,
+        mode: ServingMode = SYNC,
         expected: KVCacheEngine | None = None,
     ) -> None:
         """``expected`` (exact level): what the engine is compared with instead of a fresh
         reference, e.g. the recorded results of a corpus case."""
         self.config = config
         self.layout = layout
+        self.mode = mode
         factory = factory or load_engine_factory(config.engine)
         engine = factory(layout)
         reference = None
@@ -100,8 +125,28 @@ class TraceRun:
 
             plane = engine if isinstance(engine, ExposesDataPlane) else None
             self.attention = AttentionChecker(layout, data_plane=plane)
+        self.mode = SYNC
         self.scheduler = Scheduler(self.lockstep, layout, on_scheduled=self._on_scheduled)
         self.operations: list[Operation] = []
+        if not mode.is_default:
+            self.set_mode(mode)
+
+    def set_mode(self, mode: ServingMode) -> None:
+        """Drive the run in ``mode`` (before its first operation)."""
+        if self.operations:
+            raise KVConformError("TraceRun.set_mode: the run has started already")
+        if not mode.is_default and not self.supports_serving_modes():
+            raise UnsupportedLayoutError(
+                f"{self.lockstep.engine_name} does not offer the calls of serving mode "
+                f"{mode.describe()} (properties.core.engine.SupportsServingModes)"
+            )
+        self.mode = mode
+        self.scheduler = Scheduler(
+            self.lockstep, self.layout, on_scheduled=self._on_scheduled, mode=mode
+        )
+
+    def supports_serving_modes(self) -> bool:
+        return isinstance(self.lockstep.engine, SupportsServingModes)
 
     def apply(self, op: Operation) -> StepRecord | None:
         self.operations.append(op)
@@ -144,6 +189,7 @@ class TraceRun:
             seed=seed,
             observed=tuple(self.lockstep.log),
             failure=info,
+            mode=self.mode,
         )
 
 
@@ -160,6 +206,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.pool: tuple[tuple[int, ...], ...] = ()
         self.sent: list[Arrive] = []
+        self.tags: list[str] = []
         self.reach = Reach()
         # strategies of this run's layout, built once (building one per draw costs more
         # than the engine call it feeds)
@@ -183,10 +230,21 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.run = TraceRun(self.config, layout, self.factory)
         except UnsupportedLayoutError:
             assume(False)
+        if self.config.production and self.run.supports_serving_modes():
+            if self.config.preset is not None:
+                mode = kvst.PRODUCTION_MODE
+            else:
+                mode = data.draw(kvst.serving_modes(), label="serving mode")
+            note(f"serving mode: {mode.describe()}")
+            self.run.set_mode(mode)
         self.pool = data.draw(kvst.prefix_pools(layout), label="prefix pool")
         self.arrivals = kvst.request_inputs(layout, self.pool, "r")
         self.steps = kvst.step_ops(layout)
-        type(self).stats.examples += 1
+        stats = type(self).stats
+        stats.examples += 1
+        self.tags = mode_tags(layout, self.run.mode) if self.config.production else []
+        for tag in self.tags:
+            stats.modes.setdefault(tag, [0, 0])[0] += 1
 
     def _apply(self, op: Operation) -> None:
         assert self.run is not None
@@ -208,6 +266,8 @@ class KVCacheMachine(RuleBasedStateMachine):
                     stats.on_first_failure(stats)
             raise
         stats.steps += 1
+        for tag in self.tags:
+            stats.modes[tag][1] += 1
         if record is not None:
             self.reach.observe(record, self.run)
 
@@ -322,9 +382,16 @@ def layout_strategy(config: CheckConfig, factory: Callable | None = None):
                 f"engine supports ({', '.join(kinds)}); those are: "
                 f"{', '.join(kvst.presets_of_kinds(kinds)) or 'none'}"
             )
-        strategy = kvst.preset_layouts(names=[config.preset], max_len=config.max_len)
+        # a preset run of the production property keeps the retention it is served with
+        strategy = kvst.preset_layouts(
+            names=[config.preset], max_len=config.max_len, served=config.production
+        )
     else:
         strategy = kvst.any_layouts(max_len=config.max_len, kinds=kinds)
+    if config.production and config.preset is None:
+        strategy = kvst.production_layouts(
+            strategy, max_len=config.max_len, settings=production_settings(factory)
+        )
     known = known_divergences(factory)
     if known:
         strategy = strategy.filter(lambda layout: not any(d.applies(layout) for d in known))
@@ -406,8 +473,9 @@ def machine_for(
 def replay_trace(
     trace: Trace, config: CheckConfig, factory: Callable | None = None
 ) -> tuple[TraceRun, BaseException | None]:
-    """Replay ``trace`` with every check; returns the run and the first failure (or None)."""
-    run = TraceRun(config, trace.layout, factory)
+    """Replay ``trace`` (in its serving mode) with every check; returns the run and the
+    first failure (or None)."""
+    run = TraceRun(config, trace.layout, factory, trace.mode)
     try:
         for op in trace.operations:
             run.apply(op)

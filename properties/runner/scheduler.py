@@ -22,21 +22,45 @@ Rules of one ``Step(token_budget, num_lookahead_tokens)``:
 ``Preempt`` frees a running request and puts it first in the waiting queue;
 ``Abort`` frees a request wherever it is and forgets it; ``ResetPrefixCache``
 calls ``reset_prefix_cache()`` (it fails while any request holds blocks).
+
+Serving modes (:class:`properties.core.modes.ServingMode`):
+
+* ``admission_gate``: step 3 calls ``allocate_slots(..., full_sequence_must_fit=True)``.
+* ``num_draft_tokens``: a decoding running request schedules its next token plus up to
+  that many drafts (:meth:`Scheduler._drafts`); after the step the accepted ones
+  (:meth:`Scheduler.accepted_drafts`) and a bonus token are appended, the rejected
+  ones roll ``num_computed_tokens`` back, and ``cache_blocks`` commits the result.
+* ``async_scheduling``: step 4 is split. After planning, each scheduled request's
+  computed tokens advance at once (optimistically) and its tokens join the flight; a
+  chunk that reaches the last known token samples an output, which stays *pending*
+  (a placeholder the next step can already schedule) until processed
+  (``set_in_flight(id, in_flight, pending)``). Then the *previous* step's output is
+  processed: its tokens leave the flight, its sampled tokens are appended, the
+  processed tokens are committed (``cache_blocks(id, computed - in_flight)``, as
+  vLLM's ``update_from_output`` does for requests with placeholders) and requests
+  that finished are freed. A request is never freed, preempted or aborted while
+  tokens of it are in flight: a finish or an ``Abort`` is deferred until its last
+  step is processed, a ``Preempt`` of it is ignored, and allocation failures only
+  preempt requests with nothing in flight (otherwise the request waits a step).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from properties.core.engine import (
     BlockIds,
     CacheHit,
+    CommitsSteps,
     KVCacheEngine,
     PlansSteps,
     RequestInput,
     SlotRequest,
+    StepUpdate,
 )
+from properties.core.modes import SYNC, ServingMode
 from properties.core.trace import Abort, Arrive, Operation, Preempt, ResetPrefixCache, Step
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
@@ -57,6 +81,11 @@ class RequestState:
     num_computed_tokens: int = 0
     holds_blocks: bool = False
     num_preemptions: int = 0
+    #: asynchronous scheduling: tokens planned but not processed, sampled tokens not
+    #: appended yet, and a deferred release ("finish" or "abort") waiting for the flight
+    num_in_flight: int = 0
+    num_pending: int = 0
+    release: str | None = None
 
     @property
     def request_id(self) -> str:
@@ -80,6 +109,8 @@ class ScheduledRequest:
     num_tokens: int
     hit_tokens: int
     new_block_ids: BlockIds
+    samples: bool = False
+    num_drafts: int = 0
 
 
 @dataclass
@@ -97,9 +128,16 @@ class Scheduler:
     """Turns trace operations into engine calls (see the module docstring)."""
 
     def __init__(
-        self, engine: KVCacheEngine, layout: KVCacheLayout, on_scheduled: StepObserver | None = None
+        self,
+        engine: KVCacheEngine,
+        layout: KVCacheLayout,
+        on_scheduled: StepObserver | None = None,
+        mode: ServingMode = SYNC,
     ) -> None:
         self.engine = engine
+        self.mode = mode
+        #: asynchronous scheduling: the planned step whose output is not processed yet
+        self.in_flight: StepRecord | None = None
         self.layout = layout
         self.on_scheduled = on_scheduled
         self.requests: dict[str, RequestState] = {}
@@ -111,6 +149,8 @@ class Scheduler:
         self.num_steps = 0
         #: Running requests are allocated in batches when the engine plans steps.
         self.batched = isinstance(engine, PlansSteps)
+        #: The end of a step goes to the engine in one call when it commits steps.
+        self.commits = isinstance(engine, CommitsSteps)
 
     # -- operations --------------------------------------------------------------
     def apply(self, op: Operation) -> StepRecord | None:
@@ -146,12 +186,19 @@ class Scheduler:
         if request_id in self.finished:
             return
         state = self._state(request_id, "Abort")
+        if state.num_in_flight > 0:
+            # asynchronous scheduling: released once its last step is processed
+            state.release = "abort"
+            for queue in (self.running, self.waiting):
+                if request_id in queue:
+                    queue.remove(request_id)
+            return
         if state.holds_blocks:
             self.engine.free(request_id)
         self._forget(request_id)
 
     def preempt(self, request_id: str) -> None:
-        if request_id not in self.running:
+        if request_id not in self.running or self.requests[request_id].num_in_flight > 0:
             return
         self._preempt(request_id)
 
@@ -172,6 +219,10 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            drafts = self._drafts(state, n, budget)
+            if drafts:
+                n += drafts
+                self.engine.set_in_flight(rid, 0, drafts)
             new = None
             first_try = True
             while True:
@@ -184,14 +235,20 @@ class Scheduler:
                 first_try = False
                 if new is not None:
                     break
-                victim = self.running[-1]
+                victim = self._victim(i)
+                if victim is None:
+                    break
                 self._preempt(victim)
                 record.preempted.append(victim)
                 if victim == rid:
                     break
             if new is None:
+                if rid in self.running:
+                    i += 1  # asynchronous scheduling: no victim, the request waits a step
                 continue
-            record.scheduled.append(ScheduledRequest(rid, state.num_computed_tokens, n, 0, new))
+            record.scheduled.append(
+                ScheduledRequest(rid, state.num_computed_tokens, n, 0, new, num_drafts=drafts)
+            )
             budget -= n
             i += 1
         if not record.preempted:
@@ -202,7 +259,10 @@ class Scheduler:
                 n = self._chunk(state, hit.num_tokens, budget)
                 if n <= 0:
                     break
-                new = self.engine.allocate_slots(rid, n, hit.num_tokens, hit, num_lookahead_tokens)
+                gate = {"full_sequence_must_fit": True} if self.mode.admission_gate else {}
+                new = self.engine.allocate_slots(
+                    rid, n, hit.num_tokens, hit, num_lookahead_tokens, **gate
+                )
                 if new is None:
                     break
                 self.waiting.pop(0)
@@ -215,8 +275,87 @@ class Scheduler:
                 budget -= n
         if self.on_scheduled is not None:
             self.on_scheduled(self, record)
-        self._run(record)
+        if self.mode.async_scheduling:
+            record = self._plan(record)
+            previous, self.in_flight = self.in_flight, record
+            if previous is not None:
+                self._process(previous, record)
+        else:
+            self._run(record)
         return record
+
+    def _victim(self, current: int) -> str | None:
+        """The request to preempt: the newest running one (asynchronous scheduling: the
+        newest with nothing in flight among those not scheduled yet in this step, from
+        index ``current`` on, or None)."""
+        if not self.mode.async_scheduling:
+            return self.running[-1]
+        idle = [r for r in self.running[current:] if self.requests[r].num_in_flight == 0]
+        return idle[-1] if idle else None
+
+    def _end(self, state: RequestState) -> int:
+        """The position scheduling may reach: every known token (synchronous), plus the
+        pending sampled ones (asynchronous; none once every output is sampled)."""
+        if not self.mode.async_scheduling:
+            return state.num_tokens
+        if state.release is not None:
+            return state.num_computed_tokens
+        if not state.output:
+            return len(state.input.prompt_token_ids)
+        if state.num_generated + state.num_pending < len(state.output):
+            return state.num_tokens + state.num_pending
+        return state.num_computed_tokens
+
+    def _plan(self, record: StepRecord) -> StepRecord:
+        """Asynchronous scheduling: computed tokens advance now, the tokens join the
+        flight, a chunk reaching the last known (or pending) token samples an output."""
+        planned = []
+        for item in record.scheduled:
+            state = self.requests[item.request_id]
+            end = item.start + item.num_tokens
+            samples = (
+                bool(state.output)
+                and end == state.num_tokens + state.num_pending
+                and state.num_generated + state.num_pending < len(state.output)
+            )
+            state.num_in_flight += item.num_tokens
+            state.num_pending += int(samples)
+            self.engine.set_in_flight(item.request_id, state.num_in_flight, state.num_pending)
+            state.num_computed_tokens = end
+            self.engine.set_num_computed_tokens(item.request_id, end)
+            planned.append(replace(item, samples=samples))
+        record.scheduled = planned
+        return record
+
+    def _process(self, previous: StepRecord, record: StepRecord) -> None:
+        """Asynchronous scheduling: the previous step's output is processed (its finished
+        requests are reported in ``record``, the step being planned now)."""
+        for item in previous.scheduled:
+            rid = item.request_id
+            state = self.requests[rid]
+            state.num_in_flight -= item.num_tokens
+            if item.samples:
+                state.num_pending -= 1
+                if state.release is None:
+                    token = state.output[state.num_generated]
+                    state.num_generated += 1
+                    self.engine.append_output_tokens(rid, [token])
+            self.engine.set_in_flight(rid, state.num_in_flight, state.num_pending)
+            if item.samples and state.release is None:
+                self.engine.cache_blocks(rid, state.num_computed_tokens - state.num_in_flight)
+            if (
+                state.release is None
+                and state.num_generated >= len(state.output)
+                and state.num_computed_tokens >= len(state.input.prompt_token_ids)
+            ):
+                state.release = "finish"
+            if state.release is not None and state.num_in_flight == 0:
+                if state.holds_blocks:
+                    self.engine.free(rid)
+                self._forget(rid)
+                if state.release == "finish":
+                    self.finished.append(rid)
+                    record.finished.append(rid)
 
     def _plan_running(self, first: int, budget: int, lookahead: int) -> dict:
         """Batched allocation (engines with ``schedule_step``) of the running requests from
@@ -230,8 +369,11 @@ class Scheduler:
             state = self.requests[rid]
             n = self._chunk(state, state.num_computed_tokens, budget)
             if n > 0:
-                items.append(SlotRequest(rid, n, lookahead))
-                budget -= n
+                drafts = self._drafts(state, n, budget)
+                if drafts:
+                    self.engine.set_in_flight(rid, 0, drafts)
+                items.append(SlotRequest(rid, n + drafts, lookahead))
+                budget -= n + drafts
         results = self.engine.schedule_step(items)
         return {item.request_id: r for item, r in zip(items, results)}
 
@@ -241,7 +383,7 @@ class Scheduler:
         Mamba block size (possibly to 0: the request waits for a larger budget), so
         that every state the manager caches at a block boundary is really written
         there. Example: Mamba bs 4, prefill from 0 with budget 6 -> 4 tokens."""
-        n = min(state.num_tokens - start, budget)
+        n = min(self._end(state) - start, budget)
         if self.mamba_block_size is None:
             return n
         prefill_end = max(len(state.input.prompt_token_ids), state.num_tokens - 1)
@@ -250,22 +392,83 @@ class Scheduler:
         bs = self.mamba_block_size
         return (start + n) // bs * bs - start
 
+    def _drafts(self, state: RequestState, n: int, budget: int) -> int:
+        """Draft tokens a decode step adds (speculative decoding): up to
+        ``num_draft_tokens``, never past the request's last output or the budget, and
+        none with a Mamba group."""
+        k = self.mode.num_draft_tokens
+        decoding = state.num_computed_tokens == state.num_tokens - 1 and state.num_generated > 0
+        if not k or not decoding or n != 1 or self.mamba_block_size is not None:
+            return 0
+        room = min(
+            len(state.output) - state.num_generated - 1,
+            budget - 1,
+            self.layout.max_model_len - state.num_tokens,
+        )
+        return max(0, min(k, room))
+
+    @staticmethod
+    def accepted_drafts(request_id: str, position: int, num_drafts: int) -> int:
+        """How many of ``num_drafts`` drafts the step accepts: a deterministic function of
+        the request and the position (``sha256``), uniform over ``0..num_drafts``."""
+        digest = hashlib.sha256(f"{request_id}:{position}".encode()).digest()
+        return int.from_bytes(digest[:4], "big") % (num_drafts + 1)
+
     def _run(self, record: StepRecord) -> None:
+        """Rule 4. The engine sees, per scheduled request in order,
+        ``set_num_computed_tokens``, ``append_output_tokens`` (when it decoded a token) and
+        ``free`` (when it finished); an engine with ``commit_step`` gets the first two for
+        the whole step in one call, before the frees (same state: each touches one request)."""
+        plan: list[tuple[ScheduledRequest, StepUpdate | None, bool]] = []
         for item in record.scheduled:
             state = self.requests[item.request_id]
-            state.num_computed_tokens = item.start + item.num_tokens
-            self.engine.set_num_computed_tokens(item.request_id, state.num_computed_tokens)
-            if state.num_computed_tokens < state.num_tokens:
+            if item.num_drafts:
+                plan.append((item, None, False))  # applied in order below
                 continue
-            if state.num_generated < len(state.output):
-                token = state.output[state.num_generated]
-                state.num_generated += 1
-                self.engine.append_output_tokens(item.request_id, [token])
-            if state.num_generated >= len(state.output):
-                self.engine.free(item.request_id)
-                self._forget(item.request_id)
-                self.finished.append(item.request_id)
-                record.finished.append(item.request_id)
+            state.num_computed_tokens = item.start + item.num_tokens
+            token = None
+            done = False
+            if state.num_computed_tokens >= state.num_tokens:
+                if state.num_generated < len(state.output):
+                    token = state.output[state.num_generated]
+                    state.num_generated += 1
+                done = state.num_generated >= len(state.output)
+            plan.append((item, StepUpdate(item.request_id, state.num_computed_tokens, token), done))
+        if self.commits:
+            self.engine.commit_step([u for _, u, _ in plan if u is not None])
+        for item, update, done in plan:
+            if update is None:
+                self._run_drafts(item, self.requests[item.request_id], record)
+                continue
+            rid = update.request_id
+            if not self.commits:
+                self.engine.set_num_computed_tokens(rid, update.num_computed_tokens)
+                if update.output_token is not None:
+                    self.engine.append_output_tokens(rid, [update.output_token])
+            if update.output_token is not None and self.mode.num_draft_tokens:
+                self.engine.cache_blocks(rid, update.num_computed_tokens)
+            if done:
+                self.engine.free(rid)
+                self._forget(rid)
+                self.finished.append(rid)
+                record.finished.append(rid)
+
+    def _run_drafts(self, item: ScheduledRequest, state: RequestState, record: StepRecord) -> None:
+        """A decode step with drafts ran: ``a`` accepted, the rest rolled back."""
+        rid = item.request_id
+        accepted = self.accepted_drafts(rid, item.start, item.num_drafts)
+        state.num_computed_tokens = item.start + 1 + accepted
+        self.engine.set_num_computed_tokens(rid, state.num_computed_tokens)
+        self.engine.set_in_flight(rid, 0, 0)
+        new = state.output[state.num_generated : state.num_generated + accepted + 1]
+        state.num_generated += len(new)
+        self.engine.append_output_tokens(rid, list(new))
+        self.engine.cache_blocks(rid, state.num_computed_tokens)
+        if state.num_generated >= len(state.output):
+            self.engine.free(rid)
+            self._forget(rid)
+            self.finished.append(rid)
+            record.finished.append(rid)
 
     # -- helpers -------------------------------------------------------------------
     def _state(self, request_id: str, what: str) -> RequestState:
@@ -292,7 +495,11 @@ class Scheduler:
                 queue.remove(request_id)
 
     def is_idle(self) -> bool:
-        return not self.running and not self.waiting
+        return not self.running and not self.waiting and not self.in_flight_requests()
+
+    def in_flight_requests(self) -> list[str]:
+        """Requests with tokens in flight (asynchronous scheduling)."""
+        return [r for r, s in self.requests.items() if s.num_in_flight > 0]
 
     def drain(self, token_budget: int, max_steps: int = 10_000) -> None:
         """Run steps until every request has finished (a trace's natural end)."""

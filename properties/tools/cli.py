@@ -137,6 +137,9 @@ def print_result_line(r) -> None:
         f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s)",
         flush=True,
     )
+    if getattr(r, "modes", None):
+        drawn = ", ".join(f"{tag} {e}/{n}" for tag, (e, n) in r.modes.items())
+        print(f"    modes drawn (examples/steps): {drawn}", flush=True)
 
 
 def format_active_checks(factory, config) -> str:
@@ -234,6 +237,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         failure_dir=args.failure_dir,
         shrink_seconds=args.shrink_seconds,
         coverage=args.coverage,
+        production=args.production,
         database=args.database,
     )
 
@@ -385,6 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--preset", default=None)
     p.add_argument("--attention", action="store_true")
+    p.add_argument(
+        "--production",
+        action="store_true",
+        help="fuzz the production property (deployed settings and serving modes)",
+    )
     p.add_argument("--seed", type=int, default=None)
     shrink_args(p)
     coverage_args(p, gate=False)

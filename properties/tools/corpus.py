@@ -21,6 +21,7 @@ expected call and both values, e.g.::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zlib
 from collections.abc import Callable, Sequence
@@ -371,7 +372,7 @@ def with_resends(trace: Trace, count: int = 2) -> Trace:
         for i, op in enumerate(arrivals[:count])
     ]
     extra += [Step(trace.layout.max_model_len)] * RESEND_STEPS
-    return Trace(trace.layout, trace.operations + tuple(extra), trace.seed)
+    return dataclasses.replace(trace, operations=trace.operations + tuple(extra))
 
 
 def record_case(trace: Trace) -> list[dict[str, Any]]:
@@ -380,7 +381,11 @@ def record_case(trace: Trace) -> list[dict[str, Any]]:
 
     recorder = RecordingEngine(make_engine(trace.layout))
     run = TraceRun(
-        CheckConfig(engine="reference", level="exact"), trace.layout, None, expected=recorder
+        CheckConfig(engine="reference", level="exact"),
+        trace.layout,
+        None,
+        mode=trace.mode,
+        expected=recorder,
     )
     for op in trace.operations:
         run.apply(op)
@@ -559,7 +564,7 @@ def run_case(
     disabled = frozenset(set(INVARIANTS) - set(checks))
     config = CheckConfig(engine=engine, level=level, disabled=disabled)
     try:
-        run = TraceRun(config, trace.layout, factory, expected=expected)
+        run = TraceRun(config, trace.layout, factory, mode=trace.mode, expected=expected)
     except UnsupportedLayoutError as exc:
         return CaseResult(name, str(path), "skip", f"unsupported layout: {exc}")
     op_index = -1

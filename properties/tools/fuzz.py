@@ -172,6 +172,7 @@ def run_campaign(
     failure_dir: str = DEFAULT_FAILURE_DIR,
     shrink_seconds: float | None = None,
     coverage: bool = False,
+    production: bool = False,
     database: str | None = None,
 ) -> int:
     """Fuzz ``engine`` for ``minutes`` in ``workers`` processes; the exit code. With
@@ -191,7 +192,7 @@ def run_campaign(
         print(f"kvconform fuzz: {exc}", file=sys.stderr)
         return 2
     config = CheckConfig(engine=engine, level=level, preset=preset, failure_dir=failure_dir)
-    prop = "attention" if attention else "invariants"
+    prop = "attention" if attention else "production" if production else "invariants"
     base_seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
     print(
         f"kvconform fuzz: engine={engine} level={level} workers={workers} "

@@ -9,10 +9,11 @@ cache; its presence marks a request that has been allocated, the "running" path)
   at the first null (earlier ones were removed before), so blocks are freed tail
   first. Example, bs 2, w 4, blocks [a b c d], n = 7: skipped 4 -> blocks 0, 1 ->
   table [0 0 c d], free order b, a.
-* ``get_num_blocks_to_allocate``: ``cdiv(num_tokens, bs)`` minus what the request
-  holds; a new request's prefix-hit blocks count as held, its skipped blocks need
-  nothing, and hit blocks that sit evictable in the free queue count as taken
-  (touching them removes them from the queue).
+* ``get_num_blocks_to_allocate``: ``cdiv(num_tokens, bs)`` (capped at
+  ``max_admission_blocks`` for the admission gate) minus what the request holds; a
+  new request's prefix-hit blocks count as held, its skipped blocks need nothing,
+  and hit blocks that sit evictable in the free queue count as taken (touching them
+  removes them from the queue).
 * ``free(r)``: leading nulls dropped, the rest freed in reverse order.
 """
 
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from reference.block_pool import BlockPool, KVCacheBlock
 from reference.hashing import hashes_at_block_size
 from reference.request import Request
+from reference.retention import reachable_boundaries
 from reference.specs import KVCacheSpec, cdiv
 
 BlockList = list[KVCacheBlock]
@@ -38,13 +40,20 @@ class SingleTypeKVCacheManager:
         group_id: int,
         enable_caching: bool,
         cache_hit_alignment: int,
+        retention_interval: int | None = None,
+        scheduler_block_size: int | None = None,
     ) -> None:
         self.spec = spec
+        self.retention_interval = retention_interval
+        self.scheduler_block_size = scheduler_block_size or cache_hit_alignment
         self.block_size = spec.block_size
         self.block_pool = block_pool
         self.group_id = group_id
         self.enable_caching = enable_caching
         self.cache_hit_alignment = cache_hit_alignment
+        self.max_admission_blocks: int | None = None
+        self.use_eagle = False
+        self.eagle_replay = False
         self.req_to_blocks: dict[str, BlockList] = {}
         self.num_cached_block: dict[str, int] = {}
 
@@ -65,9 +74,11 @@ class SingleTypeKVCacheManager:
         pool: BlockPool,
         spec: KVCacheSpec,
         alignment: int,
+        drop_eagle: bool = False,
     ) -> tuple[list[BlockList], int]:
         """Longest hit ``<= max_length`` (a multiple of ``alignment``) in every group of
-        ``group_ids``; returns one block list per group (nulls where not needed)."""
+        ``group_ids``; returns one block list per group (nulls where not needed).
+        ``drop_eagle``: the last matched block is dropped (EAGLE recomputes it)."""
         raise NotImplementedError
 
     @staticmethod
@@ -84,8 +95,11 @@ class SingleTypeKVCacheManager:
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int,
         num_tokens_main: int,
+        apply_admission_cap: bool = False,
     ) -> int:
         required = cdiv(num_tokens, self.block_size)
+        if apply_admission_cap and self.max_admission_blocks is not None:
+            required = min(required, self.max_admission_blocks)
         held = len(self.req_to_blocks.get(request_id, ()))
         if request_id in self.num_cached_block:
             return max(required - held, 0)
@@ -103,18 +117,47 @@ class SingleTypeKVCacheManager:
         request_id: str,
         new_computed_blocks: Sequence[KVCacheBlock],
         num_local_computed_tokens: int,
+        num_external_computed_tokens: int = 0,
     ) -> None:
-        """Adopt a prefix hit (first allocation only): skipped hit blocks become nulls,
-        the others are touched and appended."""
+        """Adopt a prefix hit (first allocation only): the blocks skipped at
+        ``local + external`` tokens become nulls, the other hit blocks are touched and
+        appended."""
         blocks = self.blocks_of(request_id)
         assert not blocks, f"request {request_id} already has blocks in group {self.group_id}"
-        skipped = self.spec.num_skipped_tokens(num_local_computed_tokens) // self.block_size
+        total = num_local_computed_tokens + num_external_computed_tokens
+        skipped = self.spec.num_skipped_tokens(total) // self.block_size
         kept = list(new_computed_blocks[skipped:])
         if self.enable_caching:  # pragma: no branch - no hits to adopt without caching
             self.block_pool.touch(kept)
         blocks.extend([self.null_block] * skipped)
         blocks.extend(kept)
         self.num_cached_block[request_id] = len(blocks)
+
+    def allocate_external_computed_blocks(  # pragma: no cover - see the docstring
+        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
+    ) -> BlockList:
+        """Fresh blocks for tokens a KV connector loads (after every group adopted its
+        local hit, so these pops cannot evict another group's hit blocks).
+
+        External tokens below the window start need nothing: ``external = min(external,
+        total - skipped)``; then the table grows to ``cdiv(local + external, bs)``
+        blocks (never shrinks). Example: SWA w 3, bs 2, local 0, external 8 -> skipped
+        6 -> external 2 -> table [0, 0, 0] grows to 4 blocks: one new block.
+        Tested in tests/reference/test_production_modes.py; the machine does not drive
+        a KV connector yet, so the rule-coverage gate does not count it.
+        """
+        total = num_local_computed_tokens + num_external_computed_tokens
+        skipped = self.spec.num_skipped_tokens(total)
+        external = num_external_computed_tokens
+        if skipped > 0:
+            external = min(total - skipped, external)
+        if external <= 0:
+            return []
+        blocks = self.blocks_of(request_id)
+        num_new = max(0, cdiv(total, self.block_size) - len(blocks))
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        blocks.extend(new_blocks)
+        return new_blocks
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main: int
@@ -129,9 +172,21 @@ class SingleTypeKVCacheManager:
         return new_blocks
 
     # -- caching -----------------------------------------------------------------
-    def cacheable_block_mask(self, start: int, end: int) -> list[bool] | None:
-        """Which blocks of ``[start, end)`` ``cache_blocks`` registers (None: all)."""
+    def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
+        """Which blocks of ``[start, end)`` ``cache_blocks`` registers (None: all;
+        sliding window and Mamba apply :mod:`reference.retention`)."""
         return None
+
+    def reachable_boundaries(self, request: Request) -> list[int]:
+        """The replay boundaries of ``request``'s prompt and its junction, if any."""
+        return reachable_boundaries(
+            request.num_prompt_tokens,
+            request.shared_prefix_boundary,
+            self.scheduler_block_size,
+            self.block_size,
+            self.use_eagle,
+            self.eagle_replay,
+        )
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the full blocks of ``[0, num_tokens)`` not registered yet."""
@@ -140,7 +195,7 @@ class SingleTypeKVCacheManager:
         num_full = min(num_tokens, num_hashed) // self.block_size
         if num_cached >= num_full:
             return
-        mask = self.cacheable_block_mask(num_cached, num_full)
+        mask = self.cacheable_block_mask(request, num_cached, num_full)
         hashes = hashes_at_block_size(
             request.block_hashes, request.hash_block_size, self.block_size
         )

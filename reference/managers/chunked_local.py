@@ -37,6 +37,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         pool: BlockPool,
         spec: KVCacheSpec,
         alignment: int,
+        drop_eagle: bool = False,
     ) -> tuple[list[BlockList], int]:
         assert isinstance(spec, ChunkedLocalAttentionSpec)
         bs = spec.block_size
@@ -45,7 +46,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
             start = spec.num_skipped_tokens(max_length)
             start_block = start // bs
             out: list[BlockList] = [[pool.null_block] * start_block for _ in group_ids]
-            for i in range(start_block, max_length // bs):
+            for i in range(start_block, min(max_length // bs, len(hashes))):
                 cached = pool.get_cached_block(hashes[i], group_ids)
                 if cached is None:
                     break

@@ -3,13 +3,16 @@
 Hit rule: scan blocks ``0, 1, ...`` up to ``max_length // bs`` and stop at the first
 block missing in any group; round the hit down to the alignment. Full attention is
 downward closed: if block ``i`` hits, every block before it hits too (the chain).
+EAGLE drop: the hit loses ``min(A, bs)`` tokens before the rounding (bs 4, A 4, 3
+blocks cached, max 15 -> 12 -> 8).
 
 Partial tail entry (only when ``bs != hash_block_size``): after caching, the prompt
-boundary ``floor(min(P - 1, hashed) / H) * H`` that falls inside a block (not on a
-block boundary) is registered on that block, keyed by the chained hash at the
-boundary. It makes the block "hashed" (freed to the back of the queue) until the
-block is promoted to its full key. Example: bs 8, H 4, P 13: boundary 12 lies
-inside block 1 ([8, 16)), which gets the key of the 12-token prefix.
+boundary ``floor(min(P - 1, hashed) / H) * H`` (``P`` instead of ``P - 1`` under
+EAGLE) that falls inside a block (not on a block boundary) is registered on that
+block, keyed by the chained hash at the boundary. It makes the block "hashed" (freed
+to the back of the queue) until the block is promoted to its full key. Example: bs 8,
+H 4, P 13: boundary 12 lies inside block 1 ([8, 16)), which gets the key of the
+12-token prefix.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         pool: BlockPool,
         spec: KVCacheSpec,
         alignment: int,
+        drop_eagle: bool = False,
     ) -> tuple[list[BlockList], int]:
         bs = spec.block_size
         hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
@@ -43,6 +47,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             for lst, block in zip(out, found):
                 lst.append(block)
         hit = len(out[0]) * bs
+        if drop_eagle and hit > 0:
+            hit -= min(alignment, bs)
         hit -= hit % alignment
         keep = -(-hit // bs)
         return [lst[:keep] for lst in out], hit
@@ -52,7 +58,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         h = request.hash_block_size
         if self.block_size == h:
             return
-        boundary = min((request.num_prompt_tokens - 1) // h, len(request.block_hashes)) * h
+        limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
+        boundary = min(limit // h, len(request.block_hashes)) * h
         if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
             return
         blocks = self.blocks_of(request.request_id)

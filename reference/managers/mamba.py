@@ -17,6 +17,10 @@ Hit rule: the rightmost cached state at an aligned boundary ``(i+1)*bs <= max``:
 ``[null] * i + [state]``, hit ``(i + 1) * bs``. A hit on a state cached during the
 current step is refused (``allocate_slots`` returns None) until ``new_step_starts``:
 the state is only written when the step runs.
+
+Which states are registered: :func:`reference.retention.mamba_block_mask` (every one
+under dense retention; under sparse retention only the state on the prompt's replay
+boundary and on a shared-prefix junction).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Sequence
 from reference.block_pool import BlockPool, KVCacheBlock
 from reference.managers.base import BlockList, SingleTypeKVCacheManager
 from reference.request import Request
+from reference.retention import mamba_block_mask
 from reference.specs import KVCacheSpec, MambaSpec, cdiv
 
 
@@ -46,11 +51,12 @@ class MambaManager(SingleTypeKVCacheManager):
         pool: BlockPool,
         spec: KVCacheSpec,
         alignment: int,
+        drop_eagle: bool = False,
     ) -> tuple[list[BlockList], int]:
         assert isinstance(spec, MambaSpec)
         bs = spec.block_size
         hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
-        for i in range(max_length // bs - 1, -1, -1):
+        for i in range(min(max_length // bs, len(hashes)) - 1, -1, -1):
             cached = pool.get_cached_block(hashes[i], group_ids)
             if cached is None:
                 continue
@@ -66,6 +72,7 @@ class MambaManager(SingleTypeKVCacheManager):
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int,
         num_tokens_main: int,
+        apply_admission_cap: bool = False,
     ) -> int:
         if new_computed_blocks and new_computed_blocks[-1].cache_key in self.cached_keys_this_step:
             return self.block_pool.num_blocks + 1
@@ -91,6 +98,16 @@ class MambaManager(SingleTypeKVCacheManager):
         blocks.extend(new_blocks)
         self.allocated_requests.add(request_id)
         return new_blocks
+
+    def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
+        return mamba_block_mask(
+            start,
+            end,
+            self.cache_hit_alignment,
+            self.block_size,
+            self.retention_interval,
+            self.reachable_boundaries(request),
+        )
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         before = self.num_cached_block.get(request.request_id, 0)

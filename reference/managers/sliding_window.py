@@ -17,12 +17,21 @@ cached, M = 4): need 2 -> result [null, null, b2, b3], hit 16. With ``w = 1``,
 ``need = 0`` but the scan still takes one cached block, so a hit ends on a cached
 block (vLLM 0.33 behaviour; see ``cacheable_block_mask``: such a group caches none).
 
-Not downward closed: a hit at ``L`` says nothing about shorter lengths.
+Not downward closed: a hit at ``L`` says nothing about shorter lengths. Only hashed
+blocks are scanned (with lookahead hashes the last blocks of a prompt have no hash
+yet; vLLM 0.33 indexes past the list there, see findings/vllm).
 
-Which blocks are cached (dense retention, alignment ``A`` a multiple of ``bs``):
-only the ``need`` tail blocks of every ``A``-token segment, since a hit can only end
-on an aligned boundary: block ``i`` iff ``i % (A/bs) >= A/bs - need``; every block
-when ``need >= A/bs``. Example: bs 2, A 8, w 3 -> need 1 -> blocks 3, 7, 11, ...
+EAGLE drop: the run needs one block more (``need + 1``), a run may start only where
+it ends aligned *after* the drop (``i * bs % A == 0``), and the last block of the
+result is dropped (then re-aligned). The cache mask keeps ``need + 1`` blocks per
+tail, shifted one block up.
+
+Which blocks are cached: :func:`reference.retention.sliding_window_block_mask`.
+Dense retention (alignment ``A`` a multiple of ``bs``): only the ``need`` tail blocks
+of every ``A``-token segment, since a hit can only end on an aligned boundary: block
+``i`` iff ``i % (A/bs) >= A/bs - need``; every block when ``need >= A/bs``. Example:
+bs 2, A 8, w 3 -> need 1 -> blocks 3, 7, 11, ... Sparse retention keeps only the
+tails ending on the prompt's replay boundary and its shared-prefix junction.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ from collections.abc import Sequence
 
 from reference.block_pool import BlockPool
 from reference.managers.base import BlockList, SingleTypeKVCacheManager
+from reference.request import Request
+from reference.retention import sliding_window_block_mask
 from reference.specs import KVCacheSpec, SlidingWindowSpec, cdiv
 
 
@@ -49,12 +60,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         pool: BlockPool,
         spec: KVCacheSpec,
         alignment: int,
+        drop_eagle: bool = False,
     ) -> tuple[list[BlockList], int]:
         assert isinstance(spec, SlidingWindowSpec)
         bs = spec.block_size
         hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
-        need = blocks_needed_for_hit(spec)
-        num_blocks = max_length // bs
+        need = blocks_needed_for_hit(spec) + (1 if drop_eagle else 0)
+        num_blocks = min(max_length // bs, len(hashes))
         out: list[BlockList] = [[pool.null_block] * num_blocks for _ in group_ids]
         run = 0
         found_run = False
@@ -63,7 +75,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if cached is None:
                 run = 0
                 continue
-            if run == 0 and bs != alignment and ((i + 1) * bs) % alignment != 0:
+            end = i if drop_eagle else i + 1
+            if run == 0 and bs != alignment and (end * bs) % alignment != 0:
                 continue
             for lst, block in zip(out, cached):
                 lst[i] = block
@@ -76,15 +89,22 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             out = [lst[:run] for lst in out]
             # a run starts only on an aligned block end (above), so [0, run) is aligned
             while bs != alignment and (len(out[0]) * bs) % alignment != 0:
-                out = [lst[:-1] for lst in out]  # pragma: no cover - see above
+                out = [lst[:-1] for lst in out]
+        if drop_eagle and out[0]:
+            out = [lst[:-1] for lst in out]
+            while bs != alignment and (len(out[0]) * bs) % alignment != 0:
+                out = [lst[:-1] for lst in out]
         return out, len(out[0]) * bs
 
-    def cacheable_block_mask(self, start: int, end: int) -> list[bool] | None:
+    def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
         assert isinstance(self.spec, SlidingWindowSpec)
-        if self.cache_hit_alignment % self.block_size != 0:  # pragma: no cover - lcm of sizes
-            return None
-        per_segment = self.cache_hit_alignment // self.block_size
-        need = blocks_needed_for_hit(self.spec)
-        if need >= per_segment:
-            return None
-        return [i % per_segment >= per_segment - need for i in range(start, end)]
+        return sliding_window_block_mask(
+            start,
+            end,
+            self.cache_hit_alignment,
+            self.block_size,
+            blocks_needed_for_hit(self.spec) + (1 if self.use_eagle else 0),
+            self.retention_interval,
+            self.reachable_boundaries(request),
+            shift=1 if self.use_eagle else 0,
+        )

@@ -104,9 +104,19 @@ def run_machine(
     hyp_settings: settings,
     name: str,
     description: str = "",
+    property_name: str = "invariants",
 ) -> SuiteRow:
-    """Run the stateful machine once; record the first failure (if any) as it happens."""
-    machine = machine_for(config, factory, name="InvariantsMachine")  # as kvconform check
+    """Run the stateful machine once; record the first failure (if any) as it happens.
+
+    ``property_name`` is ``invariants`` or ``production``: the machine is built and named
+    exactly as ``kvconform check`` builds that property's (same derandomized examples).
+    """
+    from properties.runner.check import config_for, settings_for
+
+    config = config_for(property_name, config)
+    hyp_settings = settings_for(property_name, hyp_settings)
+    # as kvconform check
+    machine = machine_for(config, factory, name=f"{property_name.capitalize()}Machine")
     started = time.perf_counter()
     try:
         run_state_machine_as_test(machine, settings=hyp_settings)

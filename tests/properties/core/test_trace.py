@@ -104,6 +104,9 @@ def test_small_trace_json_is_the_documented_encoding():
             "max_model_len": 16,
             "enable_caching": True,
             "max_in_flight_tokens": None,
+            "prefix_cache_retention_interval": None,
+            "use_eagle": False,
+            "num_hash_lookahead_tokens": 0,
             "groups": [
                 {
                     "layer_names": ["layer.0"],
@@ -115,9 +118,11 @@ def test_small_trace_json_is_the_documented_encoding():
                         "dtype_bytes": 2,
                         "page_size_padded": None,
                     },
+                    "is_eagle_group": False,
                 }
             ],
         },
+        "mode": {"async_scheduling": False, "admission_gate": False, "num_draft_tokens": 0},
         "operations": [
             {
                 "op": "arrive",
@@ -161,6 +166,7 @@ def test_every_spec_field_is_written():
             "page_size_padded": None,
             "sliding_window": 3,
         },
+        "is_eagle_group": False,
     }
     assert data["groups"][2]["spec"] == {
         "type": "mamba",
@@ -306,3 +312,35 @@ def test_load_errors_name_the_path(tmp_path):
     listing.write_text("[]")
     with pytest.raises(TraceFormatError, match=r"list.json.*must be a JSON object"):
         load_trace(listing)
+
+
+def test_production_fields_and_mode_round_trip():
+    """Retention, EAGLE, lookahead hashes, EAGLE groups and the serving mode survive JSON."""
+    import dataclasses
+
+    from properties.core.modes import ServingMode
+    from properties.core.trace import trace_from_json
+
+    layout = tiny_layout()
+    layout = dataclasses.replace(
+        layout,
+        groups=(dataclasses.replace(layout.groups[0], is_eagle_group=True),),
+        prefix_cache_retention_interval=0,
+        use_eagle=True,
+        num_hash_lookahead_tokens=1,
+    )
+    mode = ServingMode(async_scheduling=True, admission_gate=True)
+    trace = Trace(layout=layout, operations=(Step(4),), mode=mode)
+    data = trace_to_json(trace)
+    assert data["mode"] == {
+        "async_scheduling": True,
+        "admission_gate": True,
+        "num_draft_tokens": 0,
+    }
+    assert data["layout"]["prefix_cache_retention_interval"] == 0
+    back = trace_from_json(json.loads(json.dumps(data)))
+    assert back.layout == layout and back.mode == mode
+    assert back.layout.groups[0].is_eagle_group
+    data["mode"]["async"] = True
+    with pytest.raises(TraceFormatError, match="trace.mode.async: unknown field"):
+        trace_from_json(data)

@@ -24,13 +24,23 @@ from properties.tools.bench.suite import DETECTION_EXAMPLES, detection_settings,
 #: Mutant -> why the detection run misses it: a gap in the suite, not in the mutant.
 
 
-def run_like_check(info: MutantInfo | None, level: str, failure_dir: str):
-    """The ``invariants`` property exactly as ``kvconform check --profile ci`` draws it
-    (same machine name, so the same derandomized examples), shrinking off."""
+def run_like_check(
+    info: MutantInfo | None, level: str, failure_dir: str, property_name: str = "invariants"
+):
+    """The mutant's property (``invariants`` or ``production``) exactly as ``kvconform
+    check --profile ci`` draws it (same machine name, so the same derandomized
+    examples), shrinking off."""
     engine = "reference" if info is None else info.target
     factory = load_engine_factory(engine)
     config = CheckConfig(engine=engine, level=level, failure_dir=failure_dir)
-    return run_machine(config, factory, detection_settings("ci", DETECTION_EXAMPLES), engine)
+    prop = property_name if info is None else info.prop
+    return run_machine(
+        config,
+        factory,
+        detection_settings("ci", DETECTION_EXAMPLES),
+        engine,
+        property_name=prop,
+    )
 
 
 @pytest.mark.parametrize("name", list(MUTANT_INFO))
@@ -43,9 +53,10 @@ def test_mutant_is_caught(name: str, tmp_path) -> None:
     )
 
 
+@pytest.mark.parametrize("prop", ["invariants", "production"])
 @pytest.mark.parametrize("level", ["universal", "exact"])
-def test_reference_passes(level: str, tmp_path) -> None:
-    row = run_like_check(None, level, str(tmp_path))
+def test_reference_passes(level: str, prop: str, tmp_path) -> None:
+    row = run_like_check(None, level, str(tmp_path), prop)
     assert not row.caught, row
     assert row.examples > 0 and row.steps > 0
 

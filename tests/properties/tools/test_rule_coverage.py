@@ -2,7 +2,9 @@
 the report names what is unreached (file:line, function, source line).
 
 The gate runs ``kvconform check --engine reference --level exact --profile ci --only
-invariants --coverage --coverage-gate`` as its own process, exactly as a user would: the
+invariants production --coverage --coverage-gate`` as its own process (the production
+property reaches the retention, EAGLE, asynchronous, draft and admission rules),
+exactly as a user would: the
 derandomized examples depend on the local modules loaded (Hypothesis draws integers from
 the constants of local code), so only the check's own process sees the check's examples.
 """
@@ -38,6 +40,7 @@ def test_ci_profile_reaches_every_gated_branch(tmp_path) -> None:
         "ci",
         "--only",
         "invariants",
+        "production",
         "--coverage",
         "--coverage-gate",
         "--failure-dir",
