@@ -5,8 +5,8 @@ After ``pip install kvconform``::
     pytest --pyargs properties.tools.conformance \
         --kv-engine mypkg.adapter:make_engine --kv-level universal
 
-runs the three properties of ``kvconform check`` (:data:`PROPERTIES`: invariants,
-attention, determinism), one test each, under kvconform's Hypothesis profile
+runs the properties of ``kvconform check`` (:data:`PROPERTIES`: invariants, attention,
+determinism, ...), one test each, under kvconform's Hypothesis profile
 (``--kv-profile``; default ``ci`` under ``CI=true``, else ``dev``). ``--kv-engine`` takes
 what ``kvconform check --engine`` takes (a built-in name, ``module:factory`` importable
 from the current directory, or ``exec:COMMAND``). A failure is reported with its
