@@ -74,13 +74,11 @@ _REGISTRY: tuple[CheckInfo, ...] = (
     # lookups, in the order they run
     _check(inv.lookup_no_side_effects, "lookup", "H5", "a lookup changes nothing"),
     _check(inv.hit_bounds, "lookup", "H1", "0 <= hit <= num_tokens - 1, aligned"),
-    _check(inv.hit_shape, "lookup", "P1", "a hit has one block list per group"),
     _check(inv.hit_soundness, "lookup", "H2", "the hit's blocks hold the request's prefix"),
     _check(
         inv.hit_maximality, "lookup", "H3", "no longer hit is servable", needs=["cached_blocks"]
     ),
     # successful allocations
-    _check(inv.table_shape, "table", "P1", "a block table has one row per group"),
     _check(inv.window_liveness, "group_write", "W3", "every key a token reads is live"),
     _check(inv.exclusive_write, "group_write", "I6", "a written block has one owner"),
     _check(inv.no_block_shared, "allocate", "I5", "no block twice in a request's table"),

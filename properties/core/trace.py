@@ -525,15 +525,23 @@ def write_trace(trace: Trace, path: str | Path, compact: bool = False) -> Path:
 
 
 def save_trace(trace: Trace, directory: str | Path = DEFAULT_FAILURE_DIR) -> Path:
-    """Write ``<directory>/<UTC time>-<8 hex of the content's sha256>.json``.
+    """Write ``<directory>/<UTC time>-<8 hex of the content's sha256>.json``, once.
 
-    Example name: ``20250101T120000Z-1a2b3c4d.json``. The directory is created.
-    Returns the path written.
+    Example name: ``20250101T120000Z-1a2b3c4d.json``. The digest leaves the seed out, so
+    the same failure found again (by another seed of a fuzz campaign, or a second run) is
+    not written again: the path already there is returned. The directory is created.
+    Returns the path of the trace.
     """
-    text = trace_to_text(trace)
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:8]
+    digest = hashlib.sha256(
+        trace_to_text(dataclasses.replace(trace, seed=None)).encode("utf-8")
+    ).hexdigest()[:8]
+    directory = Path(directory)
+    if directory.is_dir():
+        existing = sorted(directory.glob(f"*-{digest}.json"))
+        if existing:
+            return existing[0]
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return write_trace(trace, Path(directory) / f"{stamp}-{digest}.json")
+    return write_trace(trace, directory / f"{stamp}-{digest}.json")
 
 
 def load_trace(path: str | Path) -> Trace:

@@ -14,7 +14,9 @@ retry or the next chat turn), step, abort, preempt and reset the prefix cache. L
 
 Every failing run keeps its trace (the operations so far, the calls observed and the
 failure) in memory, in the machine class's :class:`RunStats`; Hypothesis' final run is
-the shrunk one, so ``stats.last_failure`` then holds the minimal trace.
+the shrunk one, so ``stats.last_failure`` then holds the minimal trace. A call that runs
+past its deadline is not shrunk (every attempt would cost the deadline again): the run
+stops with :class:`RunStopped` and the trace so far is kept.
 """
 
 from __future__ import annotations
@@ -27,10 +29,17 @@ from hypothesis import assume, note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from properties.checks.boundary import build_engine
 from properties.checks.lockstep import LockstepEngine
 from properties.checks.registry import PropertyViolation
-from properties.core.engine import UnsupportedLayoutError, load_engine_factory
+from properties.core.engine import (
+    CallTimeoutError,
+    EngineError,
+    UnsupportedLayoutError,
+    load_engine_factory,
+)
 from properties.core.trace import Arrive, Operation, ResetPrefixCache, Trace
+from properties.core.versions import versions
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
 from properties.runner.scheduler import Scheduler, StepRecord
@@ -50,6 +59,33 @@ class RunStats:
     last_failure: Trace | None = None
 
 
+class RunStopped(BaseException):
+    """Ends a Hypothesis run at once, without shrinking (a call ran past its deadline).
+
+    A ``BaseException`` so that Hypothesis does not treat it as a failure to shrink;
+    ``error`` is the :class:`CallTimeoutError`."""
+
+    def __init__(self, error: CallTimeoutError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def failure_kind(exc: BaseException) -> str:
+    """``"property"`` (a check failed: exit 1), ``"engine"`` (the engine broke the
+    protocol: an exception, a malformed answer, a timeout: exit 3) or ``"internal"``."""
+    if isinstance(exc, (RunStopped, EngineError)):
+        return "engine"
+    if isinstance(exc, AssertionError):
+        return "property"
+    return "internal"
+
+
+def engine_factory(config: CheckConfig) -> Callable:
+    """The factory ``config.engine`` names, run in a child process when
+    ``config.isolation`` asks for it (:mod:`properties.engines.isolation`)."""
+    return load_engine_factory(config.engine)
+
+
 class TraceRun:
     """One engine (and the reference at ``exact``) under one layout, driven op by op."""
 
@@ -58,14 +94,17 @@ class TraceRun:
     ) -> None:
         self.config = config
         self.layout = layout
-        factory = factory or load_engine_factory(config.engine)
-        engine = factory(layout)
+        factory = factory or engine_factory(config)
+        # an engine in a child process has its own deadline, which kills the child
+        timeout = 0.0 if getattr(factory, "enforces_call_timeout", False) else config.call_timeout
+        engine = build_engine(factory, layout, timeout)
+        self.versions = versions(engine, factory)
         reference = None
         if config.level == "exact":
             from properties.engines.reference import make_engine as make_reference
 
             reference = make_reference(layout)
-        self.lockstep = LockstepEngine(engine, layout, reference, config.disabled)
+        self.lockstep = LockstepEngine(engine, layout, reference, config.disabled, timeout)
         self.attention = None
         if config.attention:
             from properties.checks.attention import AttentionChecker
@@ -101,14 +140,7 @@ class TraceRun:
             raise PropertyViolation("attention", str(exc)) from exc
 
     def to_trace(self, failure: BaseException | None = None, seed: int | None = None) -> Trace:
-        info = None
-        if failure is not None:
-            info = {
-                "property": getattr(failure, "name", type(failure).__name__),
-                "message": str(failure),
-                "engine": self.config.engine,
-                "level": self.config.level,
-            }
+        info = None if failure is None else failure_info(failure, self.config, self.versions)
         return Trace(
             layout=self.layout,
             operations=tuple(self.operations),
@@ -116,6 +148,21 @@ class TraceRun:
             observed=tuple(self.lockstep.log),
             failure=info,
         )
+
+
+def failure_info(
+    failure: BaseException, config: CheckConfig, found_versions: dict | None = None
+) -> dict:
+    """The ``failure`` record of a trace: the check, the message, whether the engine broke
+    the protocol (``kind``), the engine, level and the versions."""
+    return {
+        "property": getattr(failure, "name", type(failure).__name__),
+        "kind": failure_kind(failure),
+        "message": str(failure),
+        "engine": config.engine,
+        "level": config.level,
+        "versions": found_versions if found_versions is not None else versions(),
+    }
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -138,6 +185,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             return fn()
         except (AssertionError, KVConformError) as exc:  # violations and engine errors
             type(self).stats.last_failure = self.run.to_trace(exc)
+            if isinstance(exc, CallTimeoutError):
+                raise RunStopped(exc) from exc
             raise
 
     @initialize(data=st.data())
@@ -149,6 +198,12 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.run = TraceRun(self.config, layout, self.factory)
         except UnsupportedLayoutError:
             assume(False)
+        except EngineError as exc:  # the factory failed: the trace is the layout alone
+            info = failure_info(exc, self.config)
+            type(self).stats.last_failure = Trace(layout, (), failure=info)
+            if isinstance(exc, CallTimeoutError):
+                raise RunStopped(exc) from exc
+            raise
         self.pool = data.draw(kvst.prefix_pools(layout), label="prefix pool")
         type(self).stats.examples += 1
 
@@ -262,7 +317,7 @@ def machine_for(
     digests the class name), so every engine sees the same stream for one name:
     ``kvconform check`` names its machines after the property.
     """
-    factory = factory or load_engine_factory(config.engine)
+    factory = factory or engine_factory(config)
     return type(
         name,
         (KVCacheMachine,),
@@ -286,6 +341,9 @@ def replay_trace(
 __all__ = [
     "KVCacheMachine",
     "RunStats",
+    "RunStopped",
+    "engine_factory",
+    "failure_kind",
     "TraceRun",
     "layout_strategy",
     "machine_for",

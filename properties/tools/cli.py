@@ -9,6 +9,13 @@
 * ``kvconform replay TRACE --engine ...``: replays one trace, shows the first failure
   or divergence (operation, group, expected and observed tables).
 * ``kvconform bench suite|engines|attention``: speed figures.
+
+Exit codes (:mod:`properties.core.constants`): 0 passed, 1 a property failed, 2 usage or
+configuration error (bad option, unknown preset, an adapter that cannot be loaded, an
+engine that rejects every layout), 3 the engine broke the protocol (an exception, a
+malformed answer, a call past ``--call-timeout``), 130 interrupted. When several
+properties end differently the code is the first of 2, 3, 1. Errors are one line; a
+traceback only with ``--verbose``.
 """
 
 from __future__ import annotations
@@ -18,32 +25,82 @@ import json
 import os
 import random
 import sys
+import traceback
 from pathlib import Path
 
 from properties.core.constants import (
+    DEFAULT_CALL_TIMEOUT_S,
     DEFAULT_FAILURE_DIR,
+    DEFAULT_ISOLATION,
     DEFAULT_LEVEL,
     DEFAULT_PROFILE,
+    EXIT_ENGINE,
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_PASSED,
+    EXIT_USAGE,
+    ISOLATION_MODES,
     LEVELS,
     PROFILES,
     PROPERTIES,
 )
-from properties.core.engine import EngineError
+from properties.core.engine import EngineError, EngineLoadError
+from reference.errors import KVConformError
+
+#: A result's kind -> the exit code it gives (PropertyResult.kind).
+EXIT_FOR_KIND = {
+    "no_layout": EXIT_USAGE,
+    "engine": EXIT_ENGINE,
+    "property": EXIT_FAILED,
+    "internal": EXIT_FAILED,
+}
+
+
+def exit_code(kinds: list[str | None]) -> int:
+    """The exit code of several results: the first of 2, 3, 1 that occurs, else 0."""
+    codes = {EXIT_FOR_KIND[k] for k in kinds if k is not None}
+    for code in (EXIT_USAGE, EXIT_ENGINE, EXIT_FAILED):
+        if code in codes:
+            return code
+    return EXIT_PASSED
+
+
+def usage_error(message: str) -> KVConformError:
+    return KVConformError(message)
+
+
+def check_count(option: str, value: int | None, lowest: int) -> None:
+    if value is not None and value < lowest:
+        raise usage_error(f"{option} must be >= {lowest}, got {value}")
+
+
+def config_from_args(args: argparse.Namespace, **extra):
+    from properties.runner.config import CheckConfig
+
+    return CheckConfig(
+        engine=args.engine,
+        level=args.level,
+        failure_dir=args.failure_dir,
+        call_timeout=args.call_timeout,
+        isolation=args.isolation,
+        **extra,
+    )
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     from hypothesis import settings as hsettings
 
-    from properties.core.engine import load_engine_factory
     from properties.runner.check import replay_command, run_property
-    from properties.runner.config import CheckConfig
-    from properties.runner.machine import known_divergences
+    from properties.runner.machine import engine_factory, known_divergences
     from properties.runner.profiles import load_profile
 
+    check_count("--max-examples", args.max_examples, 1)
+    check_count("--seed", args.seed, 0)
+    config = config_from_args(args, preset=args.preset)
     profile = load_profile(args.profile)
     settings = hsettings(profile, max_examples=args.max_examples or profile.max_examples)
+    if args.seed is not None:  # a seed reproduces a run exactly: no example database
+        settings = hsettings(settings, database=None)
     seed = args.seed
     if seed is None and not profile.derandomize:
         seed = random.SystemRandom().randrange(2**32)
@@ -52,15 +109,12 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"preset={args.preset or '-'} seed={seed if seed is not None else 'derandomized'}",
         flush=True,
     )
-    factory = load_engine_factory(args.engine)
+    factory = engine_factory(config)
     for d in known_divergences(factory):
         print(
             f"  known divergence {d.name}: {d.summary}\n    layouts where it applies are "
             f"not drawn; see {d.finding}"
         )
-    config = CheckConfig(
-        engine=args.engine, level=args.level, preset=args.preset, failure_dir=args.failure_dir
-    )
     wanted = [p for p in PROPERTIES if not (p == "attention" and args.no_attention)]
     if args.only:
         wanted = [p for p in wanted if p in args.only]
@@ -69,18 +123,37 @@ def cmd_check(args: argparse.Namespace) -> int:
         r = run_property(name, config, settings, seed, factory)
         results.append(r)
         print(
-            f"  {r.name:<12} {'PASS' if r.passed else 'FAIL'} "
+            f"  {r.name:<12} {result_word(r)} "
             f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s)",
             flush=True,
         )
+        if r.kind in ("no_layout", "engine"):
+            break  # the engine cannot be checked: the other properties would say the same
     print(format_results(results))
     failed = [r for r in results if not r.passed]
     for r in failed:
-        print(f"\nFAILED {r.name}: {r.failure[:4000]}")
+        print(f"\n{FAILURE_TITLE[r.kind]} in {r.name}: {r.failure[:4000]}")
+        if r.note:
+            print(f"  note: {r.note}")
         if r.trace_path is not None:
             command = replay_command(r.trace_path, args.engine, args.level, r.name == "attention")
             print(f"  trace: {r.trace_path}\n  replay: {command}")
-    return EXIT_FAILED if failed else EXIT_PASSED
+    return exit_code([r.kind for r in results])
+
+
+#: How a failed result is announced, by its kind.
+FAILURE_TITLE = {
+    "property": "FAILED",
+    "engine": "ENGINE ERROR (the engine broke the protocol)",
+    "no_layout": "NO LAYOUT",
+    "internal": "INTERNAL ERROR (please report it)",
+}
+
+
+def result_word(result) -> str:
+    if result.passed:
+        return "PASS"
+    return {"engine": "ENGINE ERROR", "no_layout": "NO LAYOUT"}.get(result.kind, "FAIL")
 
 
 def format_results(results: list) -> str:
@@ -93,7 +166,7 @@ def format_results(results: list) -> str:
                 str(r.examples),
                 str(r.steps),
                 f"{r.seconds:.1f}s",
-                "pass" if r.failure is None else "FAIL",
+                result_word(r).lower() if r.passed else result_word(r),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
@@ -105,14 +178,11 @@ def format_results(results: list) -> str:
 def cmd_replay(args: argparse.Namespace) -> int:
     from properties.core.trace import load_trace
     from properties.runner.check import config_for
-    from properties.runner.config import CheckConfig
-    from properties.runner.machine import replay_trace
+    from properties.runner.machine import engine_factory, failure_kind, replay_trace
 
     trace = load_trace(Path(args.trace))
-    config = config_for(
-        "attention" if args.attention else "invariants",
-        CheckConfig(engine=args.engine, level=args.level, failure_dir=args.failure_dir),
-    )
+    config = config_for("attention" if args.attention else "invariants", config_from_args(args))
+    factory = engine_factory(config)
     print(
         f"replaying {args.trace}: {len(trace.operations)} operations on {trace.layout.describe()}"
     )
@@ -121,7 +191,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             f"recorded failure: [{trace.failure.get('property')}] on "
             f"{trace.failure.get('engine')} ({trace.failure.get('level')})"
         )
-    run, exc = replay_trace(trace, config)
+    run, exc = replay_trace(trace, config, factory)
     if exc is None:
         print(f"no failure: {args.engine} passes every check on this trace ({args.level})")
         return EXIT_PASSED
@@ -147,21 +217,23 @@ def cmd_replay(args: argparse.Namespace) -> int:
             for gid, (e, g) in enumerate(zip(exp, got)):
                 mark = "  " if list(e) == list(g) else "!="
                 print(f"    {rid} group {gid}: {list(e)} {mark} {list(g)}")
-    return EXIT_FAILED
+    return EXIT_ENGINE if failure_kind(exc) == "engine" else EXIT_FAILED
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
     from properties.tools.fuzz import run_campaign
 
+    check_count("--workers", args.workers, 1)
+    check_count("--seed", args.seed, 0)
+    if not args.minutes > 0:
+        raise usage_error(f"--minutes must be > 0, got {args.minutes}")
     return run_campaign(
-        engine=args.engine,
-        level=args.level,
+        config_from_args(args, preset=args.preset),
         minutes=args.minutes,
         workers=args.workers,
-        preset=args.preset,
         attention=args.attention,
         seed=args.seed,
-        failure_dir=args.failure_dir,
+        progress_seconds=args.progress_seconds,
     )
 
 
@@ -211,6 +283,24 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--level", default=DEFAULT_LEVEL, choices=LEVELS)
         p.add_argument("--failure-dir", default=DEFAULT_FAILURE_DIR)
+        p.add_argument(
+            "--call-timeout",
+            type=float,
+            default=DEFAULT_CALL_TIMEOUT_S,
+            metavar="SECONDS",
+            help=f"deadline of one engine call (default {DEFAULT_CALL_TIMEOUT_S:g}; 0: none)",
+        )
+        p.add_argument(
+            "--isolation",
+            default=DEFAULT_ISOLATION,
+            choices=ISOLATION_MODES,
+            help="run the engine in a child process: auto (module:factory adapters), "
+            "process (always), none (never)",
+        )
+        verbose_arg(p)
+
+    def verbose_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--verbose", action="store_true", help="tracebacks for errors")
 
     p = sub.add_parser("check", help="run the properties once and print a table")
     engine_args(p)
@@ -229,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default=None)
     p.add_argument("--attention", action="store_true")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--progress-seconds",
+        type=float,
+        default=30.0,
+        help="when the output is not a terminal, one progress line per this many seconds",
+    )
     p.set_defaults(func=cmd_fuzz)
 
     p = sub.add_parser("replay", help="replay one trace and show the first failure")
@@ -246,24 +342,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeat", type=int, default=1, help="engines: keep the fastest of N")
     p.add_argument("--scale", type=int, default=1, help="engines: shrink the traces k times")
+    verbose_arg(p)
     p.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # bad options: argparse exits 2
     try:
         return args.func(args)
-    except EngineError as exc:
-        print(f"kvconform: engine error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("\nkvconform: interrupted", file=sys.stderr)
-        return 130
-    except ValueError as exc:
-        print(f"kvconform: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_INTERRUPTED
+    except BaseException as exc:  # noqa: BLE001 - every error becomes one line and a code
+        code, line = classify_error(exc)
+        if getattr(args, "verbose", False):
+            traceback.print_exc()
+        print(f"kvconform: {line}", file=sys.stderr)
+        return code
+
+
+def classify_error(exc: BaseException) -> tuple[int, str]:
+    """The exit code and the one line for an error that ended a command."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, EngineLoadError):
+        return EXIT_USAGE, first
+    if isinstance(exc, EngineError):
+        return EXIT_ENGINE, f"engine error: {first}"
+    if isinstance(exc, (KVConformError, ValueError)):
+        return EXIT_USAGE, first
+    if isinstance(exc, SystemExit):
+        raise exc
+    return EXIT_FAILED, (
+        f"internal error: {type(exc).__name__}: {first} (--verbose shows the traceback)"
+    )
 
 
 if __name__ == "__main__":

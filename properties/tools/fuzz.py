@@ -3,9 +3,12 @@
 Each worker runs the stateful machine in rounds (one Hypothesis run of 50 examples per
 round, a fresh seed per round: ``base_seed + 1000 * worker + round``), sharing the
 Hypothesis example database under ``.kvconform/hypothesis`` so failures found once are
-replayed first next time. The parent prints a live progress line (elapsed, examples,
-steps/s, failures) and a summary; Ctrl-C stops the workers cleanly. Every failure is
-saved as a replayable trace and its replay command is printed.
+replayed first next time. The parent prints progress (on a terminal a live line; else
+one line per ``--progress-seconds``, no carriage returns) and a summary. Ctrl-C
+(SIGINT) or SIGTERM stops the workers, prints the summary and exits 130, or the failure
+code when something was found (1 a property failed, 3 the engine broke the protocol).
+Every failure is saved as a replayable trace, once (the same shrunk trace found again is
+not saved again), and its replay command is printed.
 """
 
 from __future__ import annotations
@@ -13,18 +16,28 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import random
+import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from properties.core.constants import DEFAULT_DATABASE_DIR, DEFAULT_FAILURE_DIR, DEFAULT_LEVEL
-from properties.core.engine import load_engine_factory
+from properties.core.constants import (
+    DEFAULT_DATABASE_DIR,
+    EXIT_ENGINE,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_PASSED,
+)
 from properties.runner.check import replay_command, run_property
 from properties.runner.config import CheckConfig
+from properties.runner.machine import engine_factory
 
 
 def _worker(
     index: int, base_seed: int, deadline: float, config: CheckConfig, prop: str, out: mp.Queue
 ) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers
     from hypothesis import settings
     from hypothesis.database import DirectoryBasedExampleDatabase
 
@@ -46,36 +59,66 @@ def _worker(
                 result.steps,
                 None
                 if result.failure is None
-                else (seed, result.failure[:2000], str(result.trace_path or "")),
+                else (seed, result.failure[:2000], str(result.trace_path or ""), result.kind),
             )
         )
     out.put(("done", index, 0, 0, None))
 
 
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt in the parent, like Ctrl-C."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Progress:
+    """Progress lines: a live line on a terminal, one plain line per ``every`` seconds
+    otherwise (a CI log then gets short lines, never a ``\\r``)."""
+
+    def __init__(self, start: float, every: float, tty: bool | None = None) -> None:
+        self.start = start
+        self.every = every
+        self.tty = sys.stdout.isatty() if tty is None else tty
+        self.last = start
+
+    def show(self, examples: int, steps: int, failures: int, now: float) -> None:
+        if not self.tty and now - self.last < self.every:
+            return
+        self.last = now
+        elapsed = now - self.start
+        rate = steps / elapsed if elapsed else 0.0
+        line = (
+            f"[{elapsed:7.0f}s] examples {examples}  steps {steps}  "
+            f"{rate:7.1f} steps/s  failures {failures}"
+        )
+        if self.tty:
+            print(f"\r{line}", end="", flush=True)
+        else:
+            print(line, flush=True)
+
+
 def run_campaign(
-    engine: str,
+    config: CheckConfig,
     minutes: float,
-    level: str = DEFAULT_LEVEL,
     workers: int = 1,
-    preset: str | None = None,
     attention: bool = False,
     seed: int | None = None,
-    failure_dir: str = DEFAULT_FAILURE_DIR,
+    progress_seconds: float = 30.0,
 ) -> int:
-    """Fuzz ``engine`` for ``minutes`` in ``workers`` processes; the exit code."""
-    if minutes <= 0 or workers < 1:
-        print(
-            f"kvconform fuzz: --minutes must be > 0 and --workers >= 1, got "
-            f"{minutes} and {workers}",
-            file=sys.stderr,
-        )
-        return 2
-    load_engine_factory(engine)  # a bad --engine fails here, with a clear message
-    config = CheckConfig(engine=engine, level=level, preset=preset, failure_dir=failure_dir)
+    """Fuzz ``config.engine`` for ``minutes`` in ``workers`` processes; the exit code."""
+    engine_factory(config)  # a bad --engine fails here, with a clear message
     prop = "attention" if attention else "invariants"
     base_seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
     print(
-        f"kvconform fuzz: engine={engine} level={level} workers={workers} "
+        f"kvconform fuzz: engine={config.engine} level={config.level} workers={workers} "
         f"minutes={minutes} base seed={base_seed}",
         flush=True,
     )
@@ -87,46 +130,44 @@ def run_campaign(
         ctx.Process(target=_worker, args=(i, base_seed, deadline, config, prop, out), daemon=True)
         for i in range(workers)
     ]
-    for p in procs:
-        p.start()
     examples = steps = 0
-    failures: list[tuple] = []
+    failures: dict[str, tuple] = {}  # trace path (or message) -> failure, each once
+    progress = Progress(start, progress_seconds)
     done = 0
-    try:
-        while done < len(procs):
-            try:
-                kind, _idx, ex, st, failure = out.get(timeout=1.0)
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs):
-                    break
-                kind = None
-            if kind == "done":
-                done += 1
-            elif kind == "progress":
-                examples += ex
-                steps += st
-                if failure is not None:
-                    failures.append(failure)
-                    command = replay_command(failure[2], engine, level, attention)
-                    print(
-                        f"\nFAILURE (seed {failure[0]}): {failure[1][:300]}\n  replay: {command}",
-                        flush=True,
-                    )
-            elapsed = time.time() - start
-            rate = steps / elapsed if elapsed else 0.0
-            print(
-                f"\r[{elapsed:7.0f}s] examples {examples}  steps {steps}  "
-                f"{rate:7.1f} steps/s  failures {len(failures)}",
-                end="",
-                flush=True,
-            )
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping workers", flush=True)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-            p.join(timeout=5)
+    interrupted = False
+    with _sigterm_interrupts():
+        try:
+            for p in procs:
+                p.start()
+            while done < len(procs):
+                try:
+                    kind, _idx, ex, st, failure = out.get(timeout=1.0)
+                except queue.Empty:
+                    if not any(p.is_alive() for p in procs):
+                        break
+                    kind = None
+                if kind == "done":
+                    done += 1
+                elif kind == "progress":
+                    examples += ex
+                    steps += st
+                    if failure is not None and (failure[2] or failure[1]) not in failures:
+                        failures[failure[2] or failure[1]] = failure
+                        command = replay_command(failure[2], config.engine, config.level, attention)
+                        print(
+                            f"\nFAILURE (seed {failure[0]}): {failure[1][:300]}\n"
+                            f"  trace: {failure[2]}\n  replay: {command}",
+                            flush=True,
+                        )
+                progress.show(examples, steps, len(failures), time.time())
+        except KeyboardInterrupt:
+            interrupted = True
+            print("\ninterrupted: stopping workers", flush=True)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                p.join(timeout=5)
     # a worker that died (not one we terminated) must not pass as a clean campaign
     crashed = [i for i, p in enumerate(procs) if p.exitcode not in (0, None, -15)]
     for i in crashed:
@@ -139,7 +180,14 @@ def run_campaign(
     print(
         f"\nsummary: {elapsed:.0f}s, {examples} examples, {steps} steps "
         f"({steps / max(elapsed, 1e-9):.1f} steps/s), {len(failures)} failures"
+        f"{' (interrupted)' if interrupted else ''}",
+        flush=True,
     )
-    for seed, message, path in failures:
-        print(f"  seed {seed}: {message.splitlines()[0][:200]}\n    trace: {path}")
-    return 1 if failures or crashed else 0
+    for seed_, message, path, _kind in failures.values():
+        print(f"  seed {seed_}: {message.splitlines()[0][:200]}\n    trace: {path}")
+    kinds = {f[3] for f in failures.values()}
+    if "engine" in kinds:
+        return EXIT_ENGINE
+    if kinds or crashed:
+        return EXIT_FAILED
+    return EXIT_INTERRUPTED if interrupted else EXIT_PASSED
