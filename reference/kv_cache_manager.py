@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 from reference.block_pool import KVCacheBlock
 from reference.coordinator import make_coordinator
-from reference.errors import InvalidRequestError
+from reference.errors import InvalidLayoutError, InvalidRequestError
 from reference.layout import KVCacheLayout
 from reference.request import Request, RequestStatus
+from reference.validation import require_int
 
 BlockIdLists = tuple[tuple[int, ...], ...]
 
@@ -57,6 +58,10 @@ class KVCacheManager:
     """The reference hybrid KV cache manager (vLLM 0.33 policy, core scope)."""
 
     def __init__(self, layout: KVCacheLayout) -> None:
+        if not isinstance(layout, KVCacheLayout):
+            raise InvalidLayoutError(
+                f"KVCacheManager.layout must be a KVCacheLayout, got {layout!r}"
+            )
         self.layout = layout
         self.max_model_len = layout.max_model_len
         self.enable_caching = layout.enable_caching
@@ -65,6 +70,8 @@ class KVCacheManager:
         self.num_groups = len(layout.groups)
         self.stats = PrefixCacheStats()
         self._known: set[str] = set()
+        #: request id -> the request that holds blocks under it (one request per id)
+        self._holders: dict[str, Request] = {}
 
     # -- requests --------------------------------------------------------------
     def make_request(
@@ -74,7 +81,14 @@ class KVCacheManager:
         cache_salt: str | None = None,
         lora_name: str | None = None,
     ) -> Request:
-        """A request whose hashes use this layout's hash block size."""
+        """A request whose hashes use this layout's hash block size. An id may not be
+        reused while a request holding blocks under it is not freed (the two would share
+        one block table)."""
+        if request_id in self._holders:
+            raise InvalidRequestError(
+                f"make_request: request id {request_id!r} is used twice (the request holding "
+                "blocks under it has not been freed)"
+            )
         if len(prompt_token_ids) > self.max_model_len:
             raise InvalidRequestError(
                 f"request {request_id!r}: prompt of {len(prompt_token_ids)} tokens is longer "
@@ -123,7 +137,20 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
     ) -> list[list[KVCacheBlock]] | None:
         """Give ``request`` slots for its next tokens; the new blocks per group, or None."""
+        _check_allocate_args(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+        )
         rid = request.request_id
+        holder = self._holders.get(rid)
+        if holder is not None and holder is not request:
+            raise InvalidRequestError(
+                f"allocate_slots: request id {rid!r} is used twice (another request holds "
+                "blocks under it)"
+            )
         if request.is_finished:
             raise InvalidRequestError(f"allocate_slots: request {rid!r} is finished")
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
@@ -154,6 +181,7 @@ class KVCacheManager:
                 f"the layout has {self.num_groups}"
             )
         self._known.add(rid)
+        self._holders[rid] = request
         local = request.num_computed_tokens + num_new_computed_tokens
         total = min(local, self.max_model_len)
         main = total + num_new_tokens
@@ -174,11 +202,14 @@ class KVCacheManager:
     # -- freeing ---------------------------------------------------------------
     def free(self, request: Request) -> None:
         """Free every block of ``request``, tail first per group (leading nulls dropped)."""
+        if not isinstance(request, Request):
+            raise InvalidRequestError(f"free: request must be a Request, got {request!r}")
         if request.request_id not in self._known:
             raise InvalidRequestError(
                 f"free: unknown request {request.request_id!r} (never allocated or freed twice)"
             )
         self._known.discard(request.request_id)
+        self._holders.pop(request.request_id, None)
         self.coordinator.free(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
@@ -205,3 +236,26 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.block_pool.get_usage()
+
+
+def _check_allocate_args(
+    request: object,
+    num_new_tokens: object,
+    num_new_computed_tokens: object,
+    new_computed_blocks: object,
+    num_lookahead_tokens: object,
+) -> None:
+    """Types of ``allocate_slots``' arguments (ranges are checked by the call itself)."""
+    if not isinstance(request, Request):
+        raise InvalidRequestError(f"allocate_slots: request must be a Request, got {request!r}")
+    for field, value in (
+        ("num_new_tokens", num_new_tokens),
+        ("num_new_computed_tokens", num_new_computed_tokens),
+        ("num_lookahead_tokens", num_lookahead_tokens),
+    ):
+        require_int(InvalidRequestError, "allocate_slots", field, value)
+    if new_computed_blocks is not None and not isinstance(new_computed_blocks, ComputedBlocks):
+        raise InvalidRequestError(
+            "allocate_slots.new_computed_blocks must be ComputedBlocks or None, got "
+            f"{new_computed_blocks!r}"
+        )
