@@ -192,12 +192,27 @@ def quiet_loggers(*names: str, level: int = logging.ERROR) -> None:
         logging.getLogger(name).setLevel(level)
 
 
+#: Engines named ``scheme:ARGUMENT``: scheme -> "module:function" building the factory
+#: from ARGUMENT. ``exec:COMMAND`` runs an engine in any language as a child process
+#: (``docs/exec-protocol.md``).
+ENGINE_SCHEMES: dict[str, str] = {
+    "exec": "properties.engines.exec_engine:factory_from_command",
+}
+
+
 def load_engine_factory(name: str) -> EngineFactory:
-    """Resolve ``reference``/``vllm``/... or an outside ``package.module:factory``.
+    """Resolve ``reference``/``vllm``/..., ``exec:COMMAND`` or an outside
+    ``package.module:factory``.
 
     An outside module is imported as ``python -m`` would: the current directory is
     searched too (the ``kvconform`` script alone would not see the caller's project).
+    Example: ``load_engine_factory("exec:./my-manager")`` is the factory of a child
+    process running ``./my-manager``.
     """
+    scheme, _, argument = name.partition(":")
+    if scheme in ENGINE_SCHEMES:
+        module_name, _, attr = ENGINE_SCHEMES[scheme].partition(":")
+        return getattr(importlib.import_module(module_name), attr)(argument)
     target = BUILTIN_ENGINES.get(name, name)
     if ":" not in target:
         raise EngineLoadError(

@@ -339,9 +339,24 @@ def preset_layouts(
     return dataclasses.replace(sizing, num_blocks=num_blocks)
 
 
-def any_layouts(max_len: int = 256) -> st.SearchStrategy[KVCacheLayout]:
-    """Generated layouts or presets, generated first (they shrink better)."""
-    return st.one_of(layouts(max_len=max_len), preset_layouts(max_len=max_len))
+def presets_of_kinds(kinds: Sequence[str] = SPEC_KINDS) -> tuple[str, ...]:
+    """The presets (in :data:`PRESET_ORDER`) whose layers are all of ``kinds``:
+    ``("full", "sliding_window")`` -> mistral-7b, gpt-oss, gemma2, gemma3."""
+    return tuple(
+        name for name in PRESET_ORDER if {k.kind for k in PRESETS[name].pattern} <= set(kinds)
+    )
+
+
+def any_layouts(
+    max_len: int = 256, kinds: Sequence[str] = SPEC_KINDS
+) -> st.SearchStrategy[KVCacheLayout]:
+    """Generated layouts or presets, generated first (they shrink better); only layouts
+    made of ``kinds`` (an engine's ``spec_types``)."""
+    names = presets_of_kinds(kinds)
+    generated = layouts(max_len=max_len, kinds=kinds)
+    if not names:
+        return generated
+    return st.one_of(generated, preset_layouts(names=names, max_len=max_len))
 
 
 # ---------------------------------------------------------------------------

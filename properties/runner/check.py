@@ -265,3 +265,15 @@ def replay_command(path: Path | str, engine: str, level: str, attention: bool) -
         f"kvconform replay {path} --engine {engine} --level {level}"
         f"{' --attention' if attention else ''}"
     )
+
+
+def failure_report(result: PropertyResult, engine: str, level: str) -> str:
+    """What a failed property reports under pytest: the failure, where its trace was
+    saved (and why elsewhere) and the command that replays it."""
+    lines = [f"[{result.name}] ({result.kind}) {(result.failure or '')[:4000]}"]
+    if result.note:
+        lines.append(f"note: {result.note}")
+    if result.trace_path is not None:
+        command = replay_command(result.trace_path, engine, level, result.name == "attention")
+        lines += [f"trace: {result.trace_path}", f"replay: {command}"]
+    return "\n".join(lines)

@@ -289,18 +289,41 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 def layout_strategy(config: CheckConfig, factory: Callable | None = None):
     """Layouts to draw: the engine's own ``layout_strategy`` if it has one, else a preset
-    (``--preset``) or any generated layout."""
+    (``--preset``) or any generated layout, made only of the spec types the factory
+    supports when it says so (``factory.spec_types``, e.g. an exec engine's ``hello``)."""
     own = getattr(factory, "layout_strategy", None) if factory is not None else None
+    kinds = spec_types(factory)
     if own is not None:
         strategy = own()
     elif config.preset is not None:
+        if config.preset not in kvst.presets_of_kinds(kinds):
+            raise KVConformError(
+                f"--preset {config.preset!r} is not a preset made of the spec types the "
+                f"engine supports ({', '.join(kinds)}); those are: "
+                f"{', '.join(kvst.presets_of_kinds(kinds)) or 'none'}"
+            )
         strategy = kvst.preset_layouts(names=[config.preset], max_len=config.max_len)
     else:
-        strategy = kvst.any_layouts(max_len=config.max_len)
+        strategy = kvst.any_layouts(max_len=config.max_len, kinds=kinds)
     known = known_divergences(factory)
     if known:
         strategy = strategy.filter(lambda layout: not any(d.applies(layout) for d in known))
     return strategy
+
+
+def spec_types(factory: Callable | None) -> tuple[str, ...]:
+    """The spec types the factory's engines support (``factory.spec_types``), all four by
+    default. Example: the Rust example engine -> ``("full", "sliding_window")``."""
+    declared = getattr(factory, "spec_types", None) if factory is not None else None
+    if declared is None:
+        return kvst.SPEC_KINDS
+    unknown = [k for k in declared if k not in kvst.SPEC_KINDS]
+    if unknown or not declared:
+        raise KVConformError(
+            f"the engine declares spec types {list(declared)!r}; known: "
+            f"{', '.join(kvst.SPEC_KINDS)}"
+        )
+    return tuple(declared)
 
 
 def known_divergences(factory: Callable | None) -> tuple:
