@@ -75,6 +75,18 @@ def _block_id(value: Any, what: str, where: str, layout: KVCacheLayout, lowest: 
     return block
 
 
+def _ids(
+    row: Sequence, what: str, where: str, layout: KVCacheLayout, lowest: int
+) -> tuple[int, ...]:
+    """A row of block ids, each checked by :func:`_block_id` (plain ints in range take a
+    fast path: this runs on every answer)."""
+    if all(type(b) is int for b in row) and (
+        not row or (min(row) >= lowest and max(row) < layout.num_blocks)
+    ):
+        return tuple(row)
+    return tuple(_block_id(b, what, where, layout, lowest) for b in row)
+
+
 def _rows(value: Any, what: str, layout: KVCacheLayout) -> Sequence:
     groups = len(layout.groups)
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
@@ -102,9 +114,7 @@ def check_table(what: str, value: Any, layout: KVCacheLayout) -> BlockIds:
     a full-attention group."""
     out = []
     for gid, row in enumerate(_rows(value, what, layout)):
-        ids = tuple(
-            _block_id(b, what, f" for group {gid}", layout, 0) for b in _row(row, what, gid)
-        )
+        ids = _ids(_row(row, what, gid), what, f" for group {gid}", layout, 0)
         if isinstance(layout.groups[gid].spec, FullAttentionSpec) and 0 in ids:
             raise AnswerError(
                 f"{what} returned the null block 0 at position {ids.index(0)} of group {gid} "
@@ -122,10 +132,7 @@ def check_hit(what: str, value: Any, layout: KVCacheLayout) -> CacheHit:
     if num_tokens < 0:
         raise AnswerError(f"{what} returned a hit of {num_tokens} tokens (must be >= 0)")
     block_ids = tuple(
-        tuple(
-            _block_id(b, what, f" in the hit for group {gid}", layout, 0)
-            for b in _row(r, what, gid)
-        )
+        _ids(_row(r, what, gid), what, f" in the hit for group {gid}", layout, 0)
         for gid, r in enumerate(_rows(value.block_ids, what, layout))
     )
     return CacheHit(block_ids, num_tokens)
@@ -136,7 +143,7 @@ def check_new_blocks(what: str, value: Any, layout: KVCacheLayout) -> BlockIds |
     if value is None:
         return None
     return tuple(
-        tuple(_block_id(b, what, f" for group {gid}", layout, 1) for b in _row(row, what, gid))
+        _ids(_row(row, what, gid), what, f" for group {gid}", layout, 1)
         for gid, row in enumerate(_rows(value, what, layout))
     )
 
@@ -175,6 +182,13 @@ def check_ref_counts(what: str, value: Any, layout: KVCacheLayout) -> dict[int, 
     """Block id in ``[1, num_blocks)`` -> ref count ``>= 0``."""
     if not isinstance(value, Mapping):
         raise AnswerError(f"{what} returned {_short(value)}, not a mapping block id -> count")
+    keys, counts = value.keys(), value.values()
+    if (
+        all(type(k) is int for k in keys)
+        and all(type(c) is int for c in counts)
+        and (not value or (min(keys) >= 1 and max(keys) < layout.num_blocks and min(counts) >= 0))
+    ):
+        return dict(value)
     out = {}
     for block, count in value.items():
         block = _block_id(block, what, " as a key", layout, 1)
@@ -189,6 +203,10 @@ def check_free_queue(what: str, value: Any, layout: KVCacheLayout) -> list[int]:
     """Free block ids, front first, each in ``[1, num_blocks)``."""
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
         raise AnswerError(f"{what} returned {_short(value)}, not a sequence of block ids")
+    if all(type(b) is int for b in value) and (
+        not value or (min(value) >= 1 and max(value) < layout.num_blocks)
+    ):
+        return list(value)
     return [_block_id(b, what, f" at position {i}", layout, 1) for i, b in enumerate(value)]
 
 

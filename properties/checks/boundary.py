@@ -24,11 +24,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from properties.checks import answers
-from properties.core.deadline import call_deadline
+from properties.core.deadline import DeadlinePassed, call_deadline
 from properties.core.engine import (
     BlockIds,
     CachedBlock,
     CacheHit,
+    CallTimeoutError,
     EngineError,
     ExposesCachedBlocks,
     ExposesFreeQueue,
@@ -51,6 +52,8 @@ def call_engine(name: str, what: str, timeout: float, fn: Callable, *args: Any) 
     try:
         with call_deadline(timeout, f"{name}: {what}"):
             return fn(*args)
+    except DeadlinePassed:  # the deadline passed just as the call returned
+        raise CallTimeoutError(f"{name}: {what} did not return within {timeout:g} s") from None
     except EngineError:
         raise
     except Exception as exc:  # noqa: BLE001 - any engine failure is reported

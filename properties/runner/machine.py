@@ -83,7 +83,12 @@ def failure_kind(exc: BaseException) -> str:
 def engine_factory(config: CheckConfig) -> Callable:
     """The factory ``config.engine`` names, run in a child process when
     ``config.isolation`` asks for it (:mod:`properties.engines.isolation`)."""
-    return load_engine_factory(config.engine)
+    from properties.engines.isolation import isolated_factory, wants_isolation
+
+    factory = load_engine_factory(config.engine)
+    if wants_isolation(config.engine, config.isolation, config.call_timeout):
+        return isolated_factory(config.engine, factory, config.call_timeout)
+    return factory
 
 
 class TraceRun:
