@@ -42,7 +42,11 @@ from reference.specs import FullAttentionSpec
 
 
 class AnswerError(EngineError):
-    """The engine answered a call with a value of the wrong type, shape or range."""
+    """The engine answered a call with a value of the wrong type, shape or range.
+
+    ``name`` is the registered check (:data:`properties.checks.registry.CHECKS`)."""
+
+    name = "answers"
 
 
 def _short(value: Any, limit: int = 200) -> str:

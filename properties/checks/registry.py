@@ -3,7 +3,8 @@
 A failure always carries the name of the check that found it
 (:class:`PropertyViolation`), and that name is one of :data:`CHECKS`. Each entry says
 when the check runs (``on``: the event of :mod:`properties.checks.state`, or
-``lockstep``/``attention``/``determinism`` for the checks that are not invariants), the
+``boundary``/``lockstep``/``attention``/``determinism`` for the checks that are not
+invariants; ``answers`` is :mod:`properties.checks.answers` at the engine boundary), the
 label of the rule it guards in ``docs/spec.md``, and the optional engine capabilities it
 needs (``ref_counts``, ``free_queue``, ``cached_blocks``; ``shared_pool``: the groups
 share one block pool). A check whose capabilities the engine lacks does not run.
@@ -107,6 +108,13 @@ _REGISTRY: tuple[CheckInfo, ...] = (
         ["shared_pool", "ref_counts", "free_queue"],
     ),
     # the checks that are not invariants
+    _check(
+        None,
+        "boundary",
+        "P1",
+        "every answer of the engine is well formed (a protocol error: exit code 3)",
+        name="answers",
+    ),
     _check(
         None,
         "lockstep",

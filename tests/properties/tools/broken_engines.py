@@ -273,6 +273,16 @@ for _name in BROKEN:
     globals()[f"make_{_name}"] = _factory(_name)
 
 
+def make_miscounts_free_blocks(layout: KVCacheLayout) -> Broken:
+    """A well-formed but wrong answer: one free block too few once any is in use (a
+    property failure, pool accounting I1, not a protocol error)."""
+
+    def rewrite(answer, engine):
+        return answer - 1 if 0 < answer < layout.num_blocks - 1 else answer
+
+    return Broken(layout, "num_free_blocks", rewrite)
+
+
 def make_factory_raises(layout: KVCacheLayout):
     raise RuntimeError("cannot allocate the pool")
 
