@@ -40,6 +40,9 @@ from properties.core.engine import BlockIds, CachedBlock, CacheHit, EngineError
 from reference.layout import KVCacheLayout
 from reference.specs import FullAttentionSpec
 
+#: The fast path of the validators: every value is exactly an ``int``.
+_PLAIN_INT = frozenset({int})
+
 
 class AnswerError(EngineError):
     """The engine answered a call with a value of the wrong type, shape or range.
@@ -84,7 +87,7 @@ def _ids(
 ) -> tuple[int, ...]:
     """A row of block ids, each checked by :func:`_block_id` (plain ints in range take a
     fast path: this runs on every answer)."""
-    if all(type(b) is int for b in row) and (
+    if set(map(type, row)) <= _PLAIN_INT and (
         not row or (min(row) >= lowest and max(row) < layout.num_blocks)
     ):
         return tuple(row)
@@ -188,8 +191,8 @@ def check_ref_counts(what: str, value: Any, layout: KVCacheLayout) -> dict[int, 
         raise AnswerError(f"{what} returned {_short(value)}, not a mapping block id -> count")
     keys, counts = value.keys(), value.values()
     if (
-        all(type(k) is int for k in keys)
-        and all(type(c) is int for c in counts)
+        set(map(type, keys)) <= _PLAIN_INT
+        and set(map(type, counts)) <= _PLAIN_INT
         and (not value or (min(keys) >= 1 and max(keys) < layout.num_blocks and min(counts) >= 0))
     ):
         return dict(value)
@@ -207,7 +210,7 @@ def check_free_queue(what: str, value: Any, layout: KVCacheLayout) -> list[int]:
     """Free block ids, front first, each in ``[1, num_blocks)``."""
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
         raise AnswerError(f"{what} returned {_short(value)}, not a sequence of block ids")
-    if all(type(b) is int for b in value) and (
+    if set(map(type, value)) <= _PLAIN_INT and (
         not value or (min(value) >= 1 and max(value) < layout.num_blocks)
     ):
         return list(value)

@@ -60,9 +60,16 @@ def call_engine(name: str, what: str, timeout: float, fn: Callable, *args: Any) 
         raise EngineError(f"{name}: {what} raised {type(exc).__name__}: {exc}") from exc
 
 
+#: A factory call gets at least this many seconds: the first one may import the engine.
+MIN_FACTORY_TIMEOUT_S = 120.0
+
+
 def build_engine(factory: Callable, layout: KVCacheLayout, timeout: float) -> Any:
-    """``factory(layout)`` under the deadline; UnsupportedLayoutError passes through."""
+    """``factory(layout)`` under the deadline (at least :data:`MIN_FACTORY_TIMEOUT_S`
+    when there is one); UnsupportedLayoutError passes through."""
     name = getattr(factory, "__name__", type(factory).__name__)
+    if timeout > 0:
+        timeout = max(timeout, MIN_FACTORY_TIMEOUT_S)
     try:
         with call_deadline(timeout, f"factory {name}(layout)"):
             engine = factory(layout)

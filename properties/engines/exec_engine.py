@@ -609,7 +609,12 @@ class ExecEngineFactory:
 
     def __call__(self, layout: KVCacheLayout) -> ExecEngine:
         process = self._live_process()
-        created = process.call("create", {"layout": layout_to_json(layout)})
+        # building an engine may import the engine's own modules: the start-up allowance
+        created = process.call(
+            "create",
+            {"layout": layout_to_json(layout)},
+            timeout=max(self.timeout, MIN_STARTUP_TIMEOUT_S),
+        )
         capabilities = created.get("capabilities", []) if isinstance(created, dict) else []
         unknown = [c for c in capabilities if c not in CAPABILITIES]
         if not isinstance(capabilities, list) or unknown:
