@@ -73,6 +73,14 @@ class PagedKVCache:
             )
         keep = slots != PAD_SLOT_ID
         slots = slots[keep]
+        self.check_slots(slots)
+        flat_k = self.key.view(-1, self.shape.num_kv_heads, self.shape.head_size)
+        flat_v = self.value.view(-1, self.shape.num_kv_heads, self.shape.head_size)
+        flat_k[slots] = key[keep].to(flat_k)
+        flat_v[slots] = value[keep].to(flat_v)
+
+    def check_slots(self, slots: torch.Tensor) -> None:
+        """Raise unless every slot (padding removed) is past the null block and in the cache."""
         bs = self.shape.block_size
         limit = self.shape.num_blocks * bs
         bad = (slots < bs) | (slots >= limit)
@@ -81,10 +89,6 @@ class PagedKVCache:
                 f"slot {int(slots[bad][0])} is in the null block or past the cache of "
                 f"{self.shape.num_blocks} blocks of {bs}"
             )
-        flat_k = self.key.view(-1, self.shape.num_kv_heads, self.shape.head_size)
-        flat_v = self.value.view(-1, self.shape.num_kv_heads, self.shape.head_size)
-        flat_k[slots] = key[keep].to(flat_k)
-        flat_v[slots] = value[keep].to(flat_v)
 
 
 class PagedStateCache:

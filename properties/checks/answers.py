@@ -155,6 +155,20 @@ def check_new_blocks(what: str, value: Any, layout: KVCacheLayout) -> BlockIds |
     )
 
 
+def check_batch(what: str, value: Any, num_items: int, layout: KVCacheLayout) -> list:
+    """``schedule_step``'s answer: a list of one :func:`check_new_blocks` answer per item,
+    in order, stopping right after the first ``None`` (later items are not applied)."""
+    if not isinstance(value, list) or not value or len(value) > num_items:
+        raise AnswerError(
+            f"{what} returned {_short(value)}, not a list of 1 to {num_items} results"
+        )
+    if any(r is None for r in value[:-1]) or (len(value) < num_items and value[-1] is not None):
+        raise AnswerError(
+            f"{what} returned {_short(value)}: one result per item, stopping only after a None"
+        )
+    return [check_new_blocks(f"{what} (item {i})", r, layout) for i, r in enumerate(value)]
+
+
 def check_new_blocks_are_tail(what: str, new: BlockIds, table: BlockIds) -> None:
     """The ids ``allocate_slots`` returned end the request's table, group by group.
 

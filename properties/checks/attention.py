@@ -45,7 +45,7 @@ import torch
 
 from optimized.paged_attention import RequestQueries, paged_attention
 from optimized.paged_cache import CacheShape, PagedKVCache, PagedStateCache
-from properties.core.engine import BlockIds, RequestInput
+from properties.core.engine import BlockIds, ExposesDataPlane, RequestInput
 from reference.attention import dense_attention
 from reference.block_table import NULL_BLOCK_ID, BlockTable
 from reference.content import ContentModel
@@ -111,8 +111,21 @@ class AttentionChecker:
         dtype: torch.dtype = torch.float32,
         backend: str = "torch",
         state_size: int = 8,
+        data_plane: ExposesDataPlane | None = None,
     ) -> None:
         self.layout = layout
+        #: The engine's own data plane, when it exposes one: slot mapping, K/V writes,
+        #: attention and Mamba states then go through the engine (end to end), and the
+        #: harness keeps only the content model and the dense reference.
+        self.data_plane = data_plane
+        if data_plane is not None:
+            data_plane.attach_data_plane(
+                num_kv_heads=num_kv_heads,
+                head_size=head_size,
+                state_size=state_size,
+                dtype=dtype,
+                device=device,
+            )
         self.device = device
         self.atol = atol
         self.rtol = rtol
@@ -143,7 +156,10 @@ class AttentionChecker:
             if isinstance(group.spec, MambaSpec):
                 self._check_mamba(gid, chunks)
             else:
-                observed = self.run_group(gid, self.prepare_group(gid, chunks))
+                if self.data_plane is not None:
+                    observed = self.run_engine_group(gid, chunks)
+                else:
+                    observed = self.run_group(gid, self.prepare_group(gid, chunks))
                 expected = self.dense_outputs(gid, chunks)
                 self.compare(gid, chunks, expected, observed)
 
@@ -220,6 +236,33 @@ class AttentionChecker:
         spec = self.layout.groups[gid].spec
         return paged_attention(cache, spec, step.requests, backend=self.backend)
 
+    def run_engine_group(self, gid: int, chunks: Sequence[ScheduledChunk]) -> list[torch.Tensor]:
+        """The engine's data plane: the step's K/V and queries of group ``gid`` go in, its
+        slot mapping, cache writes and paged attention produce the outputs. An error it
+        raises (a slot in the null block, a missing row) is a mismatch."""
+        assert self.data_plane is not None
+        keys: list = []
+        values: list = []
+        queries: list[torch.Tensor] = []
+        for chunk in chunks:
+            hashes = self.hashes(chunk)
+            positions = list(chunk.positions)
+            keys += [self.content.key(hashes, p, gid) for p in positions]
+            values += [self.content.value(hashes, p, gid) for p in positions]
+            queries.append(torch.tensor([self.content.query(hashes, p, gid) for p in positions]))
+        try:
+            return self.data_plane.data_plane_attention(
+                gid,
+                [c.request.request_id for c in chunks],
+                [c.num_computed_before for c in chunks],
+                [c.num_scheduled for c in chunks],
+                torch.tensor(keys),
+                torch.tensor(values),
+                queries,
+            )
+        except KVConformError as exc:
+            raise AttentionMismatch(f"group {gid}: the engine's data plane failed: {exc}") from exc
+
     def dense_outputs(self, gid: int, chunks: Sequence[ScheduledChunk]) -> list[list]:
         """The float64 reference outputs of group ``gid`` for every scheduled query."""
         spec = self.layout.groups[gid].spec
@@ -248,7 +291,50 @@ class AttentionChecker:
             )
         return chunk.num_scheduled > 0
 
+    def _check_mamba_engine(self, gid: int, chunks: Sequence[ScheduledChunk]) -> None:
+        """Mamba through the engine's data plane: the state read before the step is the
+        content model's state of ``tokens[0:before]``; the step's final state is stored."""
+        assert self.data_plane is not None
+        for chunk in chunks:
+            before = chunk.num_computed_before
+            if before == 0:
+                continue
+            rid = chunk.request.request_id
+            try:
+                block, observed = self.data_plane.data_plane_read_state(gid, rid, before)
+            except KVConformError as exc:
+                raise AttentionMismatch(
+                    f"request {rid!r}, group {gid} (mamba), position {before}: the engine's "
+                    f"data plane failed: {exc}"
+                ) from exc
+            expected = torch.tensor(
+                self.content.state(self.hashes(chunk), before, gid), dtype=torch.float64
+            )
+            self._raise_if_far(
+                rid,
+                gid,
+                before,
+                expected,
+                observed.to(device="cpu", dtype=torch.float64),
+                what=f"state of tokens[0:{before}] from block {block}",
+            )
+        for chunk in chunks:
+            rid = chunk.request.request_id
+            state = self.content.state(self.hashes(chunk), chunk.end, gid)
+            try:
+                self.data_plane.data_plane_write_state(
+                    gid, rid, chunk.end, torch.tensor(state, dtype=torch.float64)
+                )
+            except KVConformError as exc:
+                raise AttentionMismatch(
+                    f"request {rid!r}, group {gid} (mamba), position {chunk.end}: the engine's "
+                    f"data plane failed: {exc}"
+                ) from exc
+
     def _check_mamba(self, gid: int, chunks: Sequence[ScheduledChunk]) -> None:
+        if self.data_plane is not None:
+            self._check_mamba_engine(gid, chunks)
+            return
         cache = self.caches[gid]
         assert isinstance(cache, PagedStateCache)
         bs = self.layout.groups[gid].spec.block_size

@@ -35,7 +35,9 @@ from properties.core.engine import (
     ExposesFreeQueue,
     ExposesRefCounts,
     KVCacheEngine,
+    PlansSteps,
     RequestInput,
+    SlotRequest,
     UnsupportedLayoutError,
 )
 from reference.layout import KVCacheLayout
@@ -209,6 +211,18 @@ def allocate_text(
     )
 
 
+def schedule_text(items: Sequence[SlotRequest]) -> str:
+    """``schedule_step([('r0', 8), ('r1', 1)])``."""
+    return f"schedule_step({[(i.request_id, i.num_new_tokens) for i in items]})"
+
+
+class _PlansSteps:
+    def schedule_step(self, items: Sequence[SlotRequest]) -> list[BlockIds | None]:
+        what = schedule_text(items)
+        raw = self._call(what, self.inner.schedule_step, list(items))
+        return answers.check_batch(f"{self.name}: {what}", raw, len(items), self.layout)
+
+
 class _RefCounts:
     def ref_counts(self) -> dict[int, int]:
         raw = self._call("ref_counts()", self.inner.ref_counts)
@@ -231,6 +245,7 @@ _CAPABILITIES = (
     (ExposesRefCounts, _RefCounts),
     (ExposesFreeQueue, _FreeQueue),
     (ExposesCachedBlocks, _CachedBlocks),
+    (PlansSteps, _PlansSteps),
 )
 _CLASSES: dict[tuple[type, ...], type] = {}
 

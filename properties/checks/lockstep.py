@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from properties.checks.answers import check_new_blocks_are_tail
-from properties.checks.boundary import allocate_text, engine_name, guard_engine
+from properties.checks.boundary import allocate_text, engine_name, guard_engine, schedule_text
 from properties.checks.checker import Checker
 from properties.checks.registry import PropertyViolation
 from properties.core.engine import (
@@ -24,7 +24,9 @@ from properties.core.engine import (
     CacheHit,
     ExposesFreeQueue,
     KVCacheEngine,
+    PlansSteps,
     RequestInput,
+    SlotRequest,
 )
 from reference.layout import KVCacheLayout
 
@@ -184,6 +186,79 @@ class LockstepEngine:
         )
         self._compare_state(what, request_id)
         return result
+
+    def schedule_step(self, items: Sequence[SlotRequest]) -> list[BlockIds | None]:
+        """A batch of running requests' allocations (see :class:`PlansSteps`).
+
+        An engine with ``schedule_step`` gets the whole batch in one call; the reference
+        (``exact``) answers the same items one ``allocate_slots`` at a time and every
+        result must agree, so the batched path is compared with per-request calls. The
+        checker then sees each item as one allocation (batch items carry no hit, so the
+        snapshot before the batch serves the failed-allocation check). Engines without
+        the capability get per-request calls.
+        """
+        if not isinstance(self.engine, PlansSteps):
+            out: list[BlockIds | None] = []
+            for item in items:
+                out.append(
+                    self.allocate_slots(
+                        item.request_id, item.num_new_tokens, 0, None, item.num_lookahead_tokens
+                    )
+                )
+                if out[-1] is None:
+                    break
+            return out
+        before = self.checker.snapshot()
+        tables_before = {}
+        for item in items:
+            tracked = self.checker.requests.get(item.request_id)
+            if tracked is not None and tracked.holds_blocks:
+                tables_before[item.request_id] = self.engine.get_block_ids(item.request_id)
+        what = schedule_text(items)
+        results = self.engine.schedule_step(list(items))
+        for item, result in zip(items, results):
+            call = (
+                f"allocate_slots({item.request_id!r}, num_new_tokens={item.num_new_tokens}, "
+                f"num_lookahead_tokens={item.num_lookahead_tokens}) in {what}"
+            )
+            if result is not None:
+                table = self.engine.get_block_ids(item.request_id)
+                check_new_blocks_are_tail(f"{self.engine_name}: {call}", result, table)
+            self._record(
+                "allocate_slots",
+                {
+                    "request_id": item.request_id,
+                    "num_new_tokens": item.num_new_tokens,
+                    "num_new_computed_tokens": 0,
+                    "num_lookahead_tokens": item.num_lookahead_tokens,
+                    "batched": True,
+                },
+                None if result is None else _ids(result),
+            )
+            if self.reference is not None:
+                expected = self.reference.allocate_slots(
+                    item.request_id, item.num_new_tokens, 0, None, item.num_lookahead_tokens
+                )
+                if (expected is None) != (result is None):
+                    self._diverge(
+                        call,
+                        "None" if expected is None else _ids(expected),
+                        "None" if result is None else _ids(result),
+                    )
+                if expected is not None and _ids(expected) != _ids(result):
+                    self._diverge(f"new blocks of {call}", _ids(expected), _ids(result))
+        for item, result in zip(items, results):
+            self.checker.on_allocate(
+                item.request_id,
+                item.num_new_tokens,
+                None,
+                result,
+                before,
+                tables_before.get(item.request_id),
+                item.num_lookahead_tokens,
+            )
+            self._compare_state(f"{what} (request {item.request_id!r})", item.request_id)
+        return results
 
     def free(self, request_id: str) -> None:
         self.engine.free(request_id)

@@ -28,7 +28,11 @@ Optional capabilities (checked with ``isinstance`` against the runtime-checkable
 protocols below) enable more invariants when an engine offers them:
 ``ExposesRefCounts`` (ref count per block: I3), ``ExposesFreeQueue`` (the free
 queue in eviction order: I2, A3), ``ExposesCachedBlocks`` (which blocks hold a
-cached prefix: hit maximality at the universal level).
+cached prefix: hit maximality at the universal level), ``PlansSteps`` (a batched
+``schedule_step`` for the running requests of a step: the scheduler then drives it, and
+the lockstep compares it with the reference's per-request calls), ``ExposesDataPlane``
+(the engine's own device block tables, slot mapping, paged caches and attention: the
+``attention`` property then runs through them instead of the harness's copies).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
@@ -158,6 +162,64 @@ class ExposesCachedBlocks(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class SlotRequest:
+    """One running request's share of a batched step: the arguments of
+    ``allocate_slots(request_id, num_new_tokens, 0, None, num_lookahead_tokens)``."""
+
+    request_id: str
+    num_new_tokens: int
+    num_lookahead_tokens: int = 0
+
+
+@runtime_checkable
+class PlansSteps(Protocol):
+    def schedule_step(self, items: Sequence[SlotRequest]) -> list[BlockIds | None]:
+        """``allocate_slots`` of every item in order, in one call; stops after the first
+        ``None`` (the list ends with it; later items are not applied). Must equal the
+        per-request calls exactly (same results, same state)."""
+        ...
+
+
+@runtime_checkable
+class ExposesDataPlane(Protocol):
+    """The engine's own data plane, driven by the ``attention`` property.
+
+    ``attach_data_plane`` builds the paged caches (called once, before the first step).
+    Per step and attention group ``gid``, ``data_plane_attention`` maps the scheduled
+    tokens (request ``i``: positions ``starts[i] .. starts[i] + counts[i] - 1``) to slots
+    through the engine's device block table, writes ``keys``/``values`` (``[tokens,
+    heads, head_size]``, request order) into its paged cache and returns each request's
+    attention output (``[counts[i], heads, head_size]``) read through the same tables.
+    Mamba groups: ``data_plane_read_state`` returns ``(block id, state)`` of the state of
+    ``tokens[0:num_tokens]``; ``data_plane_write_state`` stores it and returns its block.
+    Errors (a slot in the null block, a missing row) raise ``KVConformError``.
+    """
+
+    def attach_data_plane(
+        self, *, num_kv_heads: int, head_size: int, state_size: int, dtype: Any, device: str
+    ) -> None: ...
+
+    def data_plane_attention(
+        self,
+        gid: int,
+        request_ids: Sequence[str],
+        starts: Sequence[int],
+        counts: Sequence[int],
+        keys: Any,
+        values: Any,
+        queries: Sequence[Any],
+    ) -> list[Any]: ...
+
+    def data_plane_read_state(
+        self, gid: int, request_id: str, num_tokens: int
+    ) -> tuple[int, Any]: ...
+
+    def data_plane_write_state(
+        self, gid: int, request_id: str, num_tokens: int, state: Any
+    ) -> int: ...
+
+
 EngineFactory = Callable[[KVCacheLayout], KVCacheEngine]
 
 
@@ -179,6 +241,7 @@ class KnownDivergence:
 #: Adapters shipped with kvconform: name -> "module:factory".
 BUILTIN_ENGINES: dict[str, str] = {
     "reference": "properties.engines.reference:make_engine",
+    "optimized": "properties.engines.optimized:make_engine",
     "vllm": "properties.engines.vllm:make_engine",
     "sglang": "properties.engines.sglang:make_engine",
 }

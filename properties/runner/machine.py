@@ -35,6 +35,7 @@ from properties.checks.registry import PropertyViolation
 from properties.core.engine import (
     CallTimeoutError,
     EngineError,
+    ExposesDataPlane,
     UnsupportedLayoutError,
     load_engine_factory,
 )
@@ -114,7 +115,8 @@ class TraceRun:
         if config.attention:
             from properties.checks.attention import AttentionChecker
 
-            self.attention = AttentionChecker(layout)
+            plane = engine if isinstance(engine, ExposesDataPlane) else None
+            self.attention = AttentionChecker(layout, data_plane=plane)
         self.scheduler = Scheduler(self.lockstep, layout, on_scheduled=self._on_scheduled)
         self.operations: list[Operation] = []
 

@@ -3,7 +3,8 @@
 Rules of one ``Step(token_budget, num_lookahead_tokens)``:
 
 1. ``new_step()``.
-2. Running requests first, in admission order. Each gets
+2. Running requests first, in admission order (an engine with ``schedule_step`` gets
+   them in batches, which stop after the first None: the same calls, batched). Each gets
    ``n = min(tokens left to compute, budget left)`` (layouts with a Mamba group cut a
    prefill chunk back to a Mamba block boundary, see ``_chunk``). When
    ``allocate_slots`` returns None, the newest running request is preempted
@@ -28,7 +29,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from properties.core.engine import BlockIds, CacheHit, KVCacheEngine, RequestInput
+from properties.core.engine import (
+    BlockIds,
+    CacheHit,
+    KVCacheEngine,
+    PlansSteps,
+    RequestInput,
+    SlotRequest,
+)
 from properties.core.trace import Abort, Arrive, Operation, Preempt, ResetPrefixCache, Step
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
@@ -101,6 +109,8 @@ class Scheduler:
         mamba_sizes = [s.block_size for s in layout.specs if isinstance(s, MambaSpec)]
         self.mamba_block_size = max(mamba_sizes) if mamba_sizes else None
         self.num_steps = 0
+        #: Running requests are allocated in batches when the engine plans steps.
+        self.batched = isinstance(engine, PlansSteps)
 
     # -- operations --------------------------------------------------------------
     def apply(self, op: Operation) -> StepRecord | None:
@@ -154,6 +164,7 @@ class Scheduler:
         record = StepRecord()
         budget = token_budget
         i = 0
+        planned: dict[str, BlockIds | None] = {}
         while i < len(self.running) and budget > 0:
             rid = self.running[i]
             state = self.requests[rid]
@@ -162,8 +173,15 @@ class Scheduler:
                 i += 1
                 continue
             new = None
+            first_try = True
             while True:
-                new = self.engine.allocate_slots(rid, n, 0, None, num_lookahead_tokens)
+                if first_try and self.batched and rid not in planned:
+                    planned = self._plan_running(i, budget, num_lookahead_tokens)
+                if first_try and rid in planned:
+                    new = planned.pop(rid)
+                else:
+                    new = self.engine.allocate_slots(rid, n, 0, None, num_lookahead_tokens)
+                first_try = False
                 if new is not None:
                     break
                 victim = self.running[-1]
@@ -199,6 +217,23 @@ class Scheduler:
             self.on_scheduled(self, record)
         self._run(record)
         return record
+
+    def _plan_running(self, first: int, budget: int, lookahead: int) -> dict:
+        """Batched allocation (engines with ``schedule_step``) of the running requests from
+        index ``first`` on, each with the chunk the loop above would give it if every
+        earlier one succeeds; the engine stops after the first None, which the loop then
+        handles (preemption and per-request retry) exactly as without batching."""
+        items = []
+        for rid in self.running[first:]:
+            if budget <= 0:
+                break
+            state = self.requests[rid]
+            n = self._chunk(state, state.num_computed_tokens, budget)
+            if n > 0:
+                items.append(SlotRequest(rid, n, lookahead))
+                budget -= n
+        results = self.engine.schedule_step(items)
+        return {item.request_id: r for item, r in zip(items, results)}
 
     def _chunk(self, state: RequestState, start: int, budget: int) -> int:
         """Tokens to schedule from ``start``: ``min(left, budget)``; with a Mamba group, a

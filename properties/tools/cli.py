@@ -244,16 +244,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(format_suite(bench_suite(profile=args.profile)))
     elif args.what == "engines":
         from properties.tools.bench.engines import (
+            ALL_RECIPES,
             bench_engines,
             engine_mismatches,
             format_engine_bench,
             recorded_traces,
         )
 
+        recipes = [r for r in ALL_RECIPES if not args.traces or r.name in args.traces]
+        if not recipes:
+            known = ", ".join(r.name for r in ALL_RECIPES)
+            raise SystemExit(f"kvconform bench engines: --traces names none of: {known}")
         rows = bench_engines(
             engines=tuple(args.engines),
-            traces=recorded_traces(scale=args.scale),
+            traces=recorded_traces(scale=args.scale, recipes=recipes),
             repeat=args.repeat,
+            memory=args.memory,
         )
         print(format_engine_bench(rows))
         return 1 if engine_mismatches(rows) else 0
@@ -342,6 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeat", type=int, default=1, help="engines: keep the fastest of N")
     p.add_argument("--scale", type=int, default=1, help="engines: shrink the traces k times")
+    p.add_argument(
+        "--traces", nargs="*", default=None, help="engines: run only these traces (default all)"
+    )
+    p.add_argument(
+        "--memory", action="store_true", help="engines: also measure control-plane KiB/request"
+    )
     verbose_arg(p)
     p.set_defaults(func=cmd_bench)
     return parser

@@ -36,12 +36,19 @@ import hashlib
 import math
 import random
 import time
+import tracemalloc
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from properties.core.constants import DEFAULT_BENCH_DIR
-from properties.core.engine import BUILTIN_ENGINES, EngineError, KVCacheEngine, load_engine_factory
+from properties.core.engine import (
+    BUILTIN_ENGINES,
+    EngineError,
+    KVCacheEngine,
+    PlansSteps,
+    load_engine_factory,
+)
 from properties.core.trace import (
     Arrive,
     Operation,
@@ -52,7 +59,14 @@ from properties.core.trace import (
     write_trace,
 )
 from properties.engines.reference import make_engine as make_reference_engine
-from properties.generate.presets import get_preset
+from properties.generate.presets import (
+    FULL,
+    MAMBA,
+    ModelPreset,
+    chunked,
+    get_preset,
+    sliding,
+)
 from properties.runner.scheduler import Scheduler, StepRecord
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
@@ -187,6 +201,52 @@ PREFIX_HEAVY = TraceRecipe(
 #: The recorded traces, in bench order.
 RECIPES: tuple[TraceRecipe, ...] = (DECODE_HEAVY, PREFIX_HEAVY)
 
+HYBRID_6 = TraceRecipe(
+    name="hybrid-6",
+    preset="hybrid6",
+    seed=3,
+    num_requests=128,
+    num_system_prompts=2,
+    system_prompt_len=2048,
+    suffix_len=(512, 2048),
+    output_len=(24, 40),
+    token_budget=8192,
+    max_model_len=8192,
+    concurrency=32,
+)
+
+
+def sweep_recipe(num_requests: int, context: int) -> TraceRecipe:
+    """``num_requests`` prompts of ``context`` tokens arriving at once and prefilled in
+    one step (the budget and the pool hold them all), then 16 decode steps with every
+    request running: the decode steps measure the cost per request-step at that
+    concurrency.
+    Example: ``sweep_recipe(64, 2048)`` is the trace ``sweep-64x2k``."""
+    return TraceRecipe(
+        name=f"sweep-{num_requests}x{context // 1024}k",
+        preset="gpt-oss",
+        seed=4,
+        num_requests=num_requests,
+        num_system_prompts=0,
+        system_prompt_len=0,
+        suffix_len=(context, context),
+        output_len=(16, 16),
+        token_budget=num_requests * context,
+        max_model_len=context + 16,
+        concurrency=num_requests,
+        arrivals_per_step=(num_requests, num_requests),
+    )
+
+
+#: The scale sweep: concurrency 64..4096 at 2k context, and context 2k..128k at 64 requests.
+SWEEP_RECIPES: tuple[TraceRecipe, ...] = tuple(
+    sweep_recipe(n, c)
+    for n, c in ((64, 2048), (256, 2048), (1024, 2048), (4096, 2048), (64, 32768), (64, 131072))
+)
+
+#: Every bench trace, in bench order (``kvconform bench engines`` runs them all).
+ALL_RECIPES: tuple[TraceRecipe, ...] = (*RECIPES, HYBRID_6, *SWEEP_RECIPES)
+
 
 def pool_blocks(recipe: TraceRecipe) -> int:
     """Pool size (null block included) for ``recipe.concurrency`` requests of the longest kind.
@@ -220,8 +280,24 @@ def pool_blocks(recipe: TraceRecipe) -> int:
     return 1 + recipe.concurrency * steady + prefills * max(0, peak - steady)
 
 
+#: A 6-group hybrid for the bench only (not a model family, so not in the presets the
+#: strategies draw from): full attention, two sliding windows, chunked local and two
+#: Mamba groups (the two Mamba layers form one bucket of 2 -> 2 groups of 1).
+HYBRID6 = ModelPreset(
+    name="hybrid6",
+    description="bench: full + sliding 1024 + sliding 4096 + chunked 2048 + 2 Mamba",
+    pattern=(FULL, sliding(1024), sliding(4096), chunked(2048), MAMBA, MAMBA),
+    num_kv_heads=8,
+    head_size=128,
+    mamba_shapes=((16, 64),),
+    expected_num_groups=6,
+)
+BENCH_PRESETS: dict[str, ModelPreset] = {HYBRID6.name: HYBRID6}
+
+
 def _layout(recipe: TraceRecipe, num_blocks: int) -> KVCacheLayout:
-    return get_preset(recipe.preset).layout(
+    preset = BENCH_PRESETS.get(recipe.preset) or get_preset(recipe.preset)
+    return preset.layout(
         num_blocks=num_blocks,
         max_model_len=recipe.max_model_len,
         block_size=recipe.block_size,
@@ -288,7 +364,9 @@ def _cache_path(recipe: TraceRecipe, directory: Path) -> Path:
 
 
 def recorded_traces(
-    scale: int = 1, directory: str | Path | None = DEFAULT_BENCH_DIR
+    scale: int = 1,
+    directory: str | Path | None = DEFAULT_BENCH_DIR,
+    recipes: Sequence[TraceRecipe] = RECIPES,
 ) -> dict[str, Trace]:
     """``{"decode-heavy": Trace, "prefix-heavy": Trace}`` (see the module docstring).
 
@@ -297,7 +375,7 @@ def recorded_traces(
     builds in memory. An unreadable cache file is rebuilt and overwritten.
     """
     out: dict[str, Trace] = {}
-    for base in RECIPES:
+    for base in recipes:
         recipe = base.scaled(scale)
         if directory is None:
             out[recipe.name] = build_trace(recipe)
@@ -337,33 +415,165 @@ def percentile(values: Sequence[float], p: float) -> float:
 
 @dataclass(frozen=True)
 class Replay:
-    """What one replay measured: seconds per Step, and sanity counters."""
+    """What one replay measured: seconds per Step, and sanity counters.
+
+    Steps are split by what they schedule: a **decode step** schedules only requests past
+    their prompt (``decode_seconds``, ``decode_items`` request-steps in all); every other
+    busy step holds a prefill chunk, and its time counts towards the prefills
+    (``prefill_seconds``, ``prefills`` = prompts whose last chunk it scheduled). Both
+    count the engine's time only (:class:`TimedEngine`); ``step_seconds`` is wall time.
+    """
 
     step_seconds: tuple[float, ...]
     busy_steps: int
     hit_tokens: int
     preemptions: int
     finished: int
+    decode_seconds: tuple[float, ...] = ()
+    decode_items: int = 0
+    prefill_seconds: float = 0.0
+    prefills: int = 0
+    max_running: int = 0
+
+
+class TimedEngine:
+    """Forwards every protocol call to ``engine`` and adds the time spent inside it to
+    ``seconds``: the engine's own cost, without the scheduler's bookkeeping around it."""
+
+    def __init__(self, engine: KVCacheEngine) -> None:
+        self.engine = engine
+        self.seconds = 0.0
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def add_request(self, request):
+        return self._timed(self.engine.add_request, request)
+
+    def append_output_tokens(self, request_id, token_ids):
+        return self._timed(self.engine.append_output_tokens, request_id, token_ids)
+
+    def set_num_computed_tokens(self, request_id, num_computed_tokens):
+        return self._timed(self.engine.set_num_computed_tokens, request_id, num_computed_tokens)
+
+    def new_step(self):
+        return self._timed(self.engine.new_step)
+
+    def get_computed_blocks(self, request_id):
+        return self._timed(self.engine.get_computed_blocks, request_id)
+
+    def allocate_slots(
+        self,
+        request_id,
+        num_new_tokens,
+        num_new_computed_tokens=0,
+        hit=None,
+        num_lookahead_tokens=0,
+    ):
+        return self._timed(
+            self.engine.allocate_slots,
+            request_id,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hit,
+            num_lookahead_tokens,
+        )
+
+    def free(self, request_id):
+        return self._timed(self.engine.free, request_id)
+
+    def remove_request(self, request_id):
+        return self._timed(self.engine.remove_request, request_id)
+
+    def reset_prefix_cache(self):
+        return self._timed(self.engine.reset_prefix_cache)
+
+    def get_block_ids(self, request_id):
+        return self._timed(self.engine.get_block_ids, request_id)
+
+    def num_free_blocks(self):
+        return self._timed(self.engine.num_free_blocks)
+
+
+class TimedPlanningEngine(TimedEngine):
+    """:class:`TimedEngine` for an engine with a batched ``schedule_step``."""
+
+    def schedule_step(self, items):
+        return self._timed(self.engine.schedule_step, items)
+
+
+def timed(engine: KVCacheEngine) -> TimedEngine:
+    return TimedPlanningEngine(engine) if isinstance(engine, PlansSteps) else TimedEngine(engine)
 
 
 def replay_timed(engine: KVCacheEngine, trace: Trace) -> Replay:
-    """Apply ``trace`` to a fresh scheduler over ``engine``, timing every ``Step``."""
+    """Apply ``trace`` to a fresh scheduler over ``engine``, timing every ``Step`` (wall
+    time in ``step_seconds``; the split into decode and prefill counts the time spent
+    inside the engine's calls only, see :class:`TimedEngine`)."""
+    engine = timed(engine)
     scheduler = Scheduler(engine, trace.layout)
     seconds: list[float] = []
-    busy = hits = preempted = 0
+    decode_seconds: list[float] = []
+    busy = hits = preempted = decode_items = prefills = max_running = 0
+    prefill_seconds = 0.0
+    prompt_len: dict[str, int] = {}
     clock = time.perf_counter
     for op in trace.operations:
         if isinstance(op, Step):
             start = clock()
+            inside = engine.seconds
             record: StepRecord = scheduler.step(op.token_budget, op.num_lookahead_tokens)
             seconds.append(clock() - start)
+            elapsed = engine.seconds - inside
             if record.scheduled:
                 busy += 1
+                in_prefill = [s for s in record.scheduled if s.start < prompt_len[s.request_id]]
+                if in_prefill:
+                    prefill_seconds += elapsed
+                    prefills += sum(
+                        1 for s in in_prefill if s.start + s.num_tokens >= prompt_len[s.request_id]
+                    )
+                else:
+                    decode_seconds.append(elapsed)
+                    decode_items += len(record.scheduled)
+            max_running = max(max_running, len(scheduler.running))
             hits += sum(s.hit_tokens for s in record.scheduled)
             preempted += len(record.preempted)
         else:
+            if isinstance(op, Arrive):
+                prompt_len[op.request_id] = len(op.prompt)
             scheduler.apply(op)
-    return Replay(tuple(seconds), busy, hits, preempted, len(scheduler.finished))
+    return Replay(
+        tuple(seconds),
+        busy,
+        hits,
+        preempted,
+        len(scheduler.finished),
+        tuple(decode_seconds),
+        decode_items,
+        prefill_seconds,
+        prefills,
+        max_running,
+    )
+
+
+def control_plane_bytes_per_request(engine: KVCacheEngine, trace: Trace) -> float:
+    """Peak memory the engine allocates while ``trace`` replays (``tracemalloc``: Python
+    objects and numpy buffers), divided by the most requests running at once. Slow: run
+    apart from the timed replays."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        replay = replay_timed(engine, trace)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return (peak - base) / max(1, replay.max_running)
 
 
 @dataclass(frozen=True)
@@ -384,6 +594,12 @@ class EngineBenchRow:
     p99_ms: float | None = None
     total_s: float | None = None
     ratio: float | None = None
+    decode_ms: float | None = None
+    decode_us_per_req: float | None = None
+    prefill_ms_per_req: float | None = None
+    kib_per_req: float | None = None
+    decode_speedup: float | None = None
+    prefill_speedup: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -405,7 +621,9 @@ def _caused_by_import(exc: BaseException) -> bool:
     return False
 
 
-def _measure(name: str, trace_name: str, trace: Trace, repeat: int) -> EngineBenchRow:
+def _measure(
+    name: str, trace_name: str, trace: Trace, repeat: int, memory: bool = False
+) -> EngineBenchRow:
     """The fastest of ``repeat`` replays (by total step time); errors become the status."""
     try:
         factory = load_engine_factory(name)
@@ -429,7 +647,15 @@ def _measure(name: str, trace_name: str, trace: Trace, repeat: int) -> EngineBen
     assert best is not None
     total = sum(best.step_seconds)
     steps = len(best.step_seconds)
+    kib = None
+    if memory:
+        kib = control_plane_bytes_per_request(factory(trace.layout), trace) / 1024
+    decode_total = sum(best.decode_seconds)
     return EngineBenchRow(
+        decode_ms=1000 * decode_total / len(best.decode_seconds) if best.decode_seconds else None,
+        decode_us_per_req=1e6 * decode_total / best.decode_items if best.decode_items else None,
+        prefill_ms_per_req=1000 * best.prefill_seconds / best.prefills if best.prefills else None,
+        kib_per_req=kib,
         trace=trace_name,
         engine=name,
         status="ok",
@@ -460,10 +686,38 @@ def with_ratios(rows: Sequence[EngineBenchRow]) -> list[EngineBenchRow]:
     return out
 
 
+def with_speedups(rows: Sequence[EngineBenchRow], baseline: str = "vllm") -> list[EngineBenchRow]:
+    """Each ok row's speedup over the ``baseline`` engine's row of the same trace:
+    ``decode_speedup = baseline decode_ms / decode_ms`` and ``prefill_speedup`` likewise
+    (None where either side is missing). Example: vllm 2.0 ms, optimized 0.1 ms -> 20.0."""
+    base = {r.trace: r for r in rows if r.ok and r.engine == baseline}
+
+    def speedup(theirs: float | None, mine: float | None) -> float | None:
+        if theirs is None or mine is None or mine <= 0:
+            return None
+        return theirs / mine
+
+    out = []
+    for row in rows:
+        ref = base.get(row.trace)
+        if not row.ok or ref is None:
+            out.append(row)
+            continue
+        out.append(
+            replace(
+                row,
+                decode_speedup=speedup(ref.decode_ms, row.decode_ms),
+                prefill_speedup=speedup(ref.prefill_ms_per_req, row.prefill_ms_per_req),
+            )
+        )
+    return out
+
+
 def bench_engines(
     engines: Sequence[str] = ("reference", "vllm"),
     traces: dict[str, Trace] | None = None,
     repeat: int = 1,
+    memory: bool = False,
 ) -> list[EngineBenchRow]:
     """One row per trace and engine, in that order; ``traces`` defaults to
     :func:`recorded_traces`. The first engine is the baseline of the ratios."""
@@ -474,11 +728,11 @@ def bench_engines(
     if traces is None:
         traces = recorded_traces()
     rows = [
-        _measure(name, trace_name, trace, repeat)
+        _measure(name, trace_name, trace, repeat, memory)
         for trace_name, trace in traces.items()
         for name in engines
     ]
-    return with_ratios(rows)
+    return with_speedups(with_ratios(rows))
 
 
 _SANITY_FIELDS = ("steps", "busy_steps", "hit_tokens", "preemptions", "finished")
@@ -526,6 +780,12 @@ def format_engine_bench(rows: Sequence[EngineBenchRow]) -> str:
         "p99 ms",
         "total s",
         "ratio",
+        "dec ms",
+        "us/req-step",
+        "prefill ms/req",
+        "KiB/req",
+        "x vllm dec",
+        "x vllm pre",
         "note",
     )
     table = [header]
@@ -543,6 +803,12 @@ def format_engine_bench(rows: Sequence[EngineBenchRow]) -> str:
                 _cell(r.p99_ms),
                 _cell(r.total_s),
                 _cell(r.ratio, 2),
+                _cell(r.decode_ms),
+                _cell(r.decode_us_per_req, 1),
+                _cell(r.prefill_ms_per_req),
+                _cell(r.kib_per_req, 1),
+                _cell(r.decode_speedup, 1),
+                _cell(r.prefill_speedup, 1),
                 "" if r.ok else r.status,
             )
         )

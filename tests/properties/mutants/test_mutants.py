@@ -15,7 +15,9 @@ from __future__ import annotations
 import pytest
 
 from properties.core.engine import load_engine_factory
+from properties.mutants.optimized_mutants import OPTIMIZED_MUTANT_INFO, OPTIMIZED_MUTANTS
 from properties.mutants.reference_mutants import MUTANT_INFO, MUTANTS, MutantInfo
+from properties.runner.check import run_property
 from properties.runner.config import CheckConfig
 from properties.tools.bench.suite import DETECTION_EXAMPLES, detection_settings, run_machine
 
@@ -55,3 +57,35 @@ def test_catalogue_entries_load_as_engines() -> None:
         assert load_engine_factory(target) is MUTANT_INFO[name].factory
         assert MUTANT_INFO[name].level in ("universal", "exact")
         assert MUTANT_INFO[name].description
+
+
+# -- the optimized engine's mutants ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZED_MUTANT_INFO))
+def test_optimized_mutant_is_caught(name: str, tmp_path) -> None:
+    """Each optimized mutant fails its property exactly as ``kvconform check --engine
+    <mutant> --level exact --profile ci`` runs it (shrinking off)."""
+    info = OPTIMIZED_MUTANT_INFO[name]
+    config = CheckConfig(engine=info.target, level=info.level, failure_dir=str(tmp_path))
+    result = run_property(info.prop, config, detection_settings("ci", None), None, info.factory)
+    assert result.failure is not None, f"{name} escaped the ci profile ({info.prop})"
+    assert any(c in result.failure for c in info.caught_by), (
+        f"{name} failed for another reason than {sorted(info.caught_by)}: {result.failure}"
+    )
+
+
+def test_optimized_engine_passes(tmp_path) -> None:
+    """The unmutated optimized engine passes both properties the mutants fail."""
+    config = CheckConfig(engine="optimized", level="exact", failure_dir=str(tmp_path))
+    for prop in ("invariants", "attention"):
+        result = run_property(prop, config, detection_settings("ci", 40), None)
+        assert result.failure is None, result.failure
+        assert result.examples > 0 and result.steps > 0
+
+
+def test_optimized_catalogue_loads_as_engines() -> None:
+    assert len(OPTIMIZED_MUTANTS) >= 5
+    for name, target in OPTIMIZED_MUTANTS.items():
+        assert target == f"properties.mutants.optimized_mutants:make_{name}"
+        assert load_engine_factory(target) is OPTIMIZED_MUTANT_INFO[name].factory

@@ -1,0 +1,154 @@
+"""The working items of a decode step, applied together (exactly as one by one).
+
+:meth:`optimized.kv_cache_manager.KVCacheManager.schedule_step` settles idle items
+without touching anything; the items left (a request that crosses a block boundary, whose
+window or chunk drops a block, or that completes a block to cache) are applied here in one
+pass when the step is a plain decode step, else one by one through ``allocate_slots``.
+
+Per item the reference does, in order: free the blocks that left the window
+(``remove_skipped_blocks``: tail first, hashed ones to the back of the queue), check
+``need <= free``, pop the new blocks from the front, cache the full blocks. Done for all
+items at once this gives the same state when
+
+* every freed block reaching ref count 0 is hashed (it goes to the back, never to the
+  front where a later pop would take it) and no block is freed twice in the step;
+* the pops stay within the blocks free before the step (``sum(pops) <= free``), so they
+  never reach a block appended by this step; then the queue ends as
+  ``queue[pops:] + freed blocks in item order``;
+* every item's ``need`` fits what would be free at its turn;
+* no group is Mamba (its state retirement is per step and per request).
+
+Caching still goes item by item, after every pop: registering a held block and evicting
+a popped block's key commute (each key's blocks form a list; appending one block and
+removing another give the same list in either order). When a condition fails nothing has
+changed and the caller falls back. Example: 3 decode items on full + SWA (w 32, bs 16), the
+first crossing into a new block and dropping its oldest SWA block: SWA frees that block
+(to the back), two pops (one per group) come from the front, then its completed block is
+cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from optimized.block_pool import NULL_BLOCK_ID
+from optimized.managers.mamba import MambaManager
+from reference.request import RequestStatus
+
+
+def apply_decode_items(
+    manager,
+    requests: Sequence,
+    rows: np.ndarray,
+    total: np.ndarray,
+    slots: np.ndarray,
+    cache_tokens: np.ndarray,
+) -> list[list[list[int]]] | None:
+    """New block ids per item and group, or None (nothing changed) when a condition of the
+    module docstring fails. ``requests`` have no hit and hold ``rows``; arrays per item."""
+    coord = manager.coordinator
+    pool = manager.block_pool
+    managers = coord.managers
+    if any(isinstance(m, MambaManager) for m in managers):
+        return None
+    m = len(requests)
+    num_groups = len(managers)
+    pops = np.zeros((m, num_groups), dtype=np.int64)
+    first_free = np.zeros((m, num_groups), dtype=np.int64)
+    last_free = np.zeros((m, num_groups), dtype=np.int64)
+    for g, mg in enumerate(managers):
+        bs = mg.block_size
+        held = mg.row_len[rows].astype(np.int64)
+        alloc = np.maximum(-(-slots // bs) - held, 0)
+        skipped = mg._skipped_tokens(total)
+        skipped_blocks = 0 if skipped is None else skipped // bs
+        running = mg.num_cached_block[rows] >= 0
+        if not running.all():
+            need = np.maximum(-(-slots // bs) - np.maximum(skipped_blocks, held), 0)
+            if (need != alloc)[~running].any():
+                return None
+        pops[:, g] = alloc
+        if skipped is not None:
+            lead = mg.num_leading_null[rows].astype(np.int64)
+            first_free[:, g] = lead
+            last_free[:, g] = np.maximum(np.minimum(skipped_blocks, held), lead)
+    # the freed blocks in the reference's order: item, group, tail first
+    freed_parts: list[np.ndarray] = []
+    freed_per_item = np.zeros(m, dtype=np.int64)
+    has_frees = np.flatnonzero((last_free > first_free).any(axis=1))
+    for i in has_frees.tolist():
+        for g, mg in enumerate(managers):
+            a, b = int(first_free[i, g]), int(last_free[i, g])
+            if b > a:
+                part = mg.table[rows[i], a:b][::-1].astype(np.int64)
+                freed_parts.append(part[part != NULL_BLOCK_ID])
+    freed = np.concatenate(freed_parts) if freed_parts else np.zeros(0, dtype=np.int64)
+    zero = np.zeros(0, dtype=bool)
+    if freed.size:
+        if np.unique(freed).size != freed.size:
+            return None
+        after = pool.ref_cnt[freed] - 1
+        if (after < 0).any():
+            return None
+        zero = after == 0
+        if (pool.block_group[freed[zero]] < 0).any():
+            return None
+        k = 0
+        for i in has_frees.tolist():
+            count = 0
+            for g in range(num_groups):
+                a, b = int(first_free[i, g]), int(last_free[i, g])
+                if b > a:
+                    seg = mg_table_nonnull(managers[g], int(rows[i]), a, b)
+                    count += int(zero[k : k + seg].sum())
+                    k += seg
+            freed_per_item[i] = count
+    pops_per_item = pops.sum(axis=1)
+    free_before = pool.get_num_free_blocks()
+    free_at_turn = (
+        free_before + np.cumsum(freed_per_item) - (np.cumsum(pops_per_item) - pops_per_item)
+    )
+    if (pops_per_item > free_at_turn).any() or pops_per_item.sum() > free_before:
+        return None
+    # -- apply: frees, pops, tables, caching -------------------------------------------
+    if freed.size:
+        pool.ref_cnt[freed] -= 1
+        for i in has_frees.tolist():
+            row = int(rows[i])
+            for g, mg in enumerate(managers):
+                a, b = int(first_free[i, g]), int(last_free[i, g])
+                if b > a:
+                    mg.table[row, a:b] = NULL_BLOCK_ID
+                    mg.num_leading_null[row] = b
+                    mg.dirty_rows[row] = True
+        pool.free_block_queue.append_n(freed[zero])
+    total_pops = int(pops_per_item.sum())
+    popped = pool.get_new_blocks(total_pops) if total_pops else []
+    results: list[list[list[int]]] = []
+    k = 0
+    for i in range(m):
+        row = int(rows[i])
+        per_group: list[list[int]] = []
+        for g, mg in enumerate(managers):
+            n = int(pops[i, g])
+            if n:
+                ids = popped[k : k + n]
+                k += n
+                mg._append(row, ids)
+                per_group.append(ids)
+            else:
+                per_group.append([])
+        results.append(per_group)
+    for i, request in enumerate(requests):
+        coord.cache_blocks(request, int(rows[i]), int(cache_tokens[i]))
+        manager._known.add(request.request_id)
+        if request.status is not RequestStatus.FINISHED:
+            request.status = RequestStatus.RUNNING
+    return results
+
+
+def mg_table_nonnull(mg, row: int, a: int, b: int) -> int:
+    """How many non-null entries ``table[row, a:b]`` holds."""
+    return int(np.count_nonzero(mg.table[row, a:b]))

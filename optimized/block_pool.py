@@ -1,0 +1,383 @@
+"""The block pool in arrays: ref counts, an index-linked free queue, the cache map.
+
+Implements the rules of :mod:`reference.block_pool` (vLLM 0.33 order) on block ids:
+
+* block 0 is the null block, never free, never cached;
+* ``get_new_blocks`` pops from the front and drops any key the block still carries;
+* ``free_blocks`` decrements; blocks reaching 0 go, in the given order, unhashed to the
+  **front** (one chain before the old front) and hashed to the **back**;
+* ``touch`` takes a cached free block out of the queue and counts a reference;
+* several blocks may share a key; a lookup returns the earliest registered one.
+
+The free queue is a doubly linked list over ``prev_free`` / ``next_free`` int32 arrays
+with two sentinels (ids ``num_blocks`` = head, ``num_blocks + 1`` = tail); ``-1`` marks a
+block that is not in the queue. Pop, remove, append and prepend are O(1) per block and
+chains are linked with vectorised writes. Example: queue ``[1, 2, 3]``; ``free([5, 4])``
+(unhashed) -> ``[5, 4, 1, 2, 3]``; ``popleft_n(2)`` -> ``[5, 4]``, queue ``[1, 2, 3]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from reference.block_pool import PoolExhaustedError
+from reference.errors import KVConformError
+
+NULL_BLOCK_ID = 0
+NOT_QUEUED = -1
+#: ``free_blocks`` of at most this many blocks takes the scalar path (numpy's per-call
+#: overhead is larger than the work).
+SMALL_FREE = 8
+
+
+class FreeBlockQueue:
+    """The free list of :class:`reference.block_pool.FreeBlockQueue`, in index arrays."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.head = num_blocks
+        self.tail = num_blocks + 1
+        self.prev_free = np.full(num_blocks + 2, NOT_QUEUED, dtype=np.int32)
+        self.next_free = np.full(num_blocks + 2, NOT_QUEUED, dtype=np.int32)
+        self.next_free[self.head] = self.tail
+        self.prev_free[self.tail] = self.head
+        self.num_free_blocks = 0
+        self.append_n(np.arange(num_blocks, dtype=np.int64))
+
+    def _link_chain(self, prev: int, nxt: int, chain: np.ndarray) -> None:
+        """Insert ``chain`` (in order) between the linked nodes ``prev`` and ``nxt``."""
+        n = len(chain)
+        if n == 0:
+            return
+        if n <= SMALL_FREE:
+            prv, nxt_arr = self.prev_free, self.next_free
+            for b in chain.tolist():
+                prv[b] = prev
+                nxt_arr[prev] = b
+                prev = b
+            nxt_arr[prev] = nxt
+            prv[nxt] = prev
+            self.num_free_blocks += n
+            return
+        self.prev_free[chain[0]] = prev
+        self.prev_free[chain[1:]] = chain[:-1]
+        self.next_free[chain[:-1]] = chain[1:]
+        self.next_free[chain[-1]] = nxt
+        self.next_free[prev] = chain[0]
+        self.prev_free[nxt] = chain[-1]
+        self.num_free_blocks += n
+
+    def append_n(self, blocks: np.ndarray) -> None:
+        """Link ``blocks`` at the back, in order (hashed blocks: LRU)."""
+        self._link_chain(int(self.prev_free[self.tail]), self.tail, blocks)
+
+    def prepend_n(self, blocks: np.ndarray) -> None:
+        """Link ``blocks`` at the front, keeping their order (reused first)."""
+        self._link_chain(self.head, int(self.next_free[self.head]), blocks)
+
+    def remove(self, block_id: int) -> None:
+        prev = int(self.prev_free[block_id])
+        nxt = int(self.next_free[block_id])
+        if prev == NOT_QUEUED or nxt == NOT_QUEUED:
+            raise KVConformError(f"block {block_id} is not in the free queue")
+        self.next_free[prev] = nxt
+        self.prev_free[nxt] = prev
+        self.prev_free[block_id] = self.next_free[block_id] = NOT_QUEUED
+        self.num_free_blocks -= 1
+
+    def popleft_n(self, n: int) -> list[int]:
+        """Unlink the first ``n`` blocks (one walk, then one relink of the head)."""
+        if n > self.num_free_blocks:
+            raise PoolExhaustedError(f"cannot pop {n} blocks, {self.num_free_blocks} are free")
+        if n == 0:
+            return []
+        nxt = self.next_free
+        out = [0] * n
+        block = int(nxt[self.head])
+        for i in range(n):
+            out[i] = block
+            block = int(nxt[block])
+        self.next_free[self.head] = block
+        self.prev_free[block] = self.head
+        if n <= SMALL_FREE:
+            for b in out:
+                self.prev_free[b] = self.next_free[b] = NOT_QUEUED
+        else:
+            popped = np.asarray(out, dtype=np.int64)
+            self.prev_free[popped] = NOT_QUEUED
+            self.next_free[popped] = NOT_QUEUED
+        self.num_free_blocks -= n
+        return out
+
+    def popleft(self) -> int:
+        if self.num_free_blocks == 0:
+            raise PoolExhaustedError("no free blocks available")
+        return self.popleft_n(1)[0]
+
+    def block_ids(self) -> list[int]:
+        """Free block ids from the front (allocated / evicted next) to the back."""
+        out = []
+        nxt = self.next_free.tolist()
+        block = nxt[self.head]
+        limit = self.head  # num_blocks: no walk may be longer
+        while block != self.tail:
+            if block == NOT_QUEUED or len(out) >= limit:
+                raise KVConformError(
+                    f"free queue is corrupt: the walk from the head reached {block} after "
+                    f"{len(out)} blocks without meeting the tail"
+                )
+            out.append(block)
+            block = nxt[block]
+        return out
+
+
+class BlockPool:
+    """Ref counts, free queue and prefix-cache map of ``num_blocks`` blocks (null included).
+
+    Cache map: per group, ``cached[g][hash]`` is the earliest registered block of that key,
+    and ``duplicates[g][hash]`` the later ones in registration order. A block's own key is
+    ``block_hash[b]`` in group ``block_group[b]`` over ``num_cached_tokens[b]`` tokens.
+    """
+
+    def __init__(
+        self, num_blocks: int, enable_caching: bool, hash_block_size: int, num_groups: int = 1
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.hash_block_size = hash_block_size
+        self.enable_caching = enable_caching
+        self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
+        self.num_cached_tokens = np.zeros(num_blocks, dtype=np.int64)
+        self.block_group = np.full(num_blocks, -1, dtype=np.int32)
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.free_block_queue = FreeBlockQueue(num_blocks)
+        self.null_block = self.free_block_queue.popleft()
+        self.cached: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
+        self.duplicates: list[dict[bytes, list[int]]] = [{} for _ in range(num_groups)]
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
+
+    def get_new_blocks(self, n: int) -> list[int]:
+        """Pop ``n`` blocks from the front, evicting keys (:meth:`reference...get_new_blocks`)."""
+        if n > self.get_num_free_blocks():
+            raise PoolExhaustedError(
+                f"cannot get {n} free blocks from the pool ({self.get_num_free_blocks()} free)"
+            )
+        blocks = self.free_block_queue.popleft_n(n)
+        if n == 1:
+            b = blocks[0]
+            if self.enable_caching and self.block_group[b] >= 0:
+                self._evict(b)
+            self.ref_cnt[b] = 1
+            return blocks
+        ids = np.asarray(blocks, dtype=np.int64)
+        if self.enable_caching:
+            hashed = ids[self.block_group[ids] >= 0]
+            if hashed.size:
+                self._evict_many(hashed)
+        self.ref_cnt[ids] = 1
+        return blocks
+
+    def _evict_many(self, hashed: np.ndarray) -> None:
+        """:meth:`_evict` of several hashed blocks: map updates per block, arrays at once."""
+        block_hash = self.block_hash
+        groups = self.block_group[hashed].tolist()
+        for b, g in zip(hashed.tolist(), groups):
+            key = block_hash[b]
+            cached = self.cached[g]
+            if cached.get(key) == b:
+                later = self.duplicates[g].get(key)
+                if later:
+                    cached[key] = later.pop(0)
+                    if not later:
+                        del self.duplicates[g][key]
+                else:
+                    del cached[key]
+            else:
+                later = self.duplicates[g].get(key)
+                if later is not None and b in later:
+                    later.remove(b)
+                    if not later:
+                        del self.duplicates[g][key]
+            block_hash[b] = None
+        self.block_group[hashed] = -1
+        self.num_cached_tokens[hashed] = 0
+
+    def _evict(self, block_id: int) -> bool:
+        key = self.block_hash[block_id]
+        if key is None:
+            return False
+        g = int(self.block_group[block_id])
+        cached, dupes = self.cached[g], self.duplicates[g]
+        if cached.get(key) == block_id:
+            later = dupes.get(key)
+            if later:
+                cached[key] = later.pop(0)
+                if not later:
+                    del dupes[key]
+            else:
+                del cached[key]
+        else:
+            later = dupes.get(key)
+            if later is not None and block_id in later:
+                later.remove(block_id)
+                if not later:
+                    del dupes[key]
+        self.block_hash[block_id] = None
+        self.block_group[block_id] = -1
+        self.num_cached_tokens[block_id] = 0
+        return True
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """One more reference each; a free cached block leaves the queue (null skipped)."""
+        ref = self.ref_cnt
+        for b in blocks:
+            if b == NULL_BLOCK_ID:
+                continue
+            if ref[b] == 0:
+                self.free_block_queue.remove(b)
+            ref[b] += 1
+
+    def free_blocks(self, ordered_blocks: Sequence[int]) -> None:
+        """Drop one reference each (distinct ids); at 0: unhashed to the front, hashed back.
+
+        Vectorised form of :meth:`reference.block_pool.BlockPool.free_blocks`.
+        """
+        if len(ordered_blocks) <= SMALL_FREE:
+            self._free_few(ordered_blocks)
+            return
+        ids = np.asarray(ordered_blocks, dtype=np.int64)
+        ids = ids[ids != NULL_BLOCK_ID]
+        if ids.size == 0:
+            return
+        self.ref_cnt[ids] -= 1
+        after = self.ref_cnt[ids]
+        if (after < 0).any():
+            bad = int(ids[after < 0][0])
+            raise KVConformError(f"block {bad} freed more often than allocated")
+        zero = ids[after == 0]
+        if zero.size == 0:
+            return
+        hashed = self.block_group[zero] >= 0
+        self.free_block_queue.prepend_n(zero[~hashed])
+        self.free_block_queue.append_n(zero[hashed])
+
+    def _free_few(self, ordered_blocks: Sequence[int]) -> None:
+        """:meth:`free_blocks` for a few blocks (a decode step's): scalar steps, same order."""
+        ref = self.ref_cnt
+        group = self.block_group
+        front: list[int] = []
+        back: list[int] = []
+        for b in ordered_blocks:
+            b = int(b)
+            if b == NULL_BLOCK_ID:
+                continue
+            count = int(ref[b]) - 1
+            if count < 0:
+                raise KVConformError(f"block {b} freed more often than allocated")
+            ref[b] = count
+            if count == 0:
+                (back if group[b] >= 0 else front).append(b)
+        queue = self.free_block_queue
+        if front:
+            queue.prepend_n(np.asarray(front, dtype=np.int64))
+        if back:
+            queue.append_n(np.asarray(back, dtype=np.int64))
+
+    def cache_block(self, block_id: int, block_hash: bytes, group_id: int, num_tokens: int) -> None:
+        """Register a block under ``block_hash`` (:meth:`reference...cache_block`: a shorter
+        key is promoted, a key covering ``num_tokens`` or more is kept)."""
+        if block_id == NULL_BLOCK_ID:
+            return
+        if self.block_hash[block_id] is not None:
+            if self.num_cached_tokens[block_id] >= num_tokens:
+                return
+            self._evict(block_id)
+        self.block_hash[block_id] = block_hash
+        self.block_group[block_id] = group_id
+        self.num_cached_tokens[block_id] = num_tokens
+        cached = self.cached[group_id]
+        if block_hash in cached:
+            self.duplicates[group_id].setdefault(block_hash, []).append(block_id)
+        else:
+            cached[block_hash] = block_id
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[int],
+        hashes: Sequence[bytes],
+        group_id: int,
+        first_index: int,
+        block_size: int,
+        mask: Sequence[bool] | None = None,
+    ) -> None:
+        """:meth:`cache_block` of ``blocks[k]`` under ``hashes[k]`` for the prefix of
+        ``(first_index + k + 1) * block_size`` tokens, for every ``k`` (nulls and masked
+        blocks skipped), with the array writes done at once."""
+        block_hash = self.block_hash
+        nct = self.num_cached_tokens
+        cached = self.cached[group_id]
+        fresh: list[int] = []
+        fresh_tokens: list[int] = []
+        for k, b in enumerate(blocks):
+            if b == NULL_BLOCK_ID or (mask is not None and not mask[k]):
+                continue
+            tokens = (first_index + k + 1) * block_size
+            if block_hash[b] is not None:
+                if nct[b] >= tokens:
+                    continue
+                self._evict(b)
+            h = hashes[k]
+            block_hash[b] = h
+            fresh.append(b)
+            fresh_tokens.append(tokens)
+            if h in cached:
+                self.duplicates[group_id].setdefault(h, []).append(b)
+            else:
+                cached[h] = b
+        if fresh:
+            ids = np.asarray(fresh, dtype=np.int64)
+            self.block_group[ids] = group_id
+            nct[ids] = fresh_tokens
+
+    def get_cached_block(self, block_hash: bytes, group_ids: Sequence[int]) -> list[int] | None:
+        """The earliest cached block of ``block_hash`` in each group, or None if any misses."""
+        found = []
+        for g in group_ids:
+            b = self.cached[g].get(block_hash)
+            if b is None:
+                return None
+            found.append(b)
+        return found
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            self._evict(b)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every key; only when no request holds a block."""
+        if self.num_blocks - self.get_num_free_blocks() != 1:
+            return False
+        for g in range(len(self.cached)):
+            self.cached[g].clear()
+            self.duplicates[g].clear()
+        self.block_hash = [None] * self.num_blocks
+        self.block_group[:] = -1
+        self.num_cached_tokens[:] = 0
+        return True
+
+    def ref_counts(self) -> dict[int, int]:
+        """Ref count of every non-null block."""
+        return dict(enumerate(self.ref_cnt.tolist()[1:], start=1))
+
+    def cached_block_entries(self) -> list[tuple[int, int, int]]:
+        """``(block_id, group_id, num_tokens)`` of every registered block."""
+        out = []
+        for b, key in enumerate(self.block_hash):
+            if key is not None:
+                out.append((b, int(self.block_group[b]), int(self.num_cached_tokens[b])))
+        return out

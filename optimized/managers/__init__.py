@@ -1,0 +1,41 @@
+"""One manager per attention type (:mod:`reference.managers`), on array-backed rows."""
+
+from __future__ import annotations
+
+from optimized.managers.base import SingleTypeKVCacheManager
+from optimized.managers.chunked_local import ChunkedLocalAttentionManager
+from optimized.managers.full import FullAttentionManager
+from optimized.managers.mamba import MambaManager
+from optimized.managers.sliding_window import SlidingWindowManager
+from reference.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+_MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+    MambaSpec: MambaManager,
+}
+
+
+def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
+    """The manager class that serves ``spec`` (looked up along the spec's MRO)."""
+    for cls in type(spec).__mro__:
+        if cls in _MANAGERS:
+            return _MANAGERS[cls]
+    raise TypeError(f"no KV cache manager for spec type {type(spec).__name__}")
+
+
+__all__ = [
+    "ChunkedLocalAttentionManager",
+    "FullAttentionManager",
+    "MambaManager",
+    "SingleTypeKVCacheManager",
+    "SlidingWindowManager",
+    "manager_class_for",
+]

@@ -1,0 +1,259 @@
+"""Rules shared by every single-type manager (:mod:`reference.managers.base`), on arrays.
+
+Each manager keeps its group's block table as a preallocated int32 array
+``table[max_num_reqs, max_blocks_per_req]`` (0 = null) with ``row_len[row]`` valid entries;
+the coordinator gives each request one row index for all groups and reuses rows of finished
+requests. ``num_cached_block[row]`` is ``-1`` while the reference would have no entry for
+the request (its presence marks the "running" path of ``get_num_blocks_to_allocate``).
+
+Attention rows always read ``[null] * num_leading_null[row] + [real blocks]``: hits are
+``[nulls, reals]`` and only the leading entries are ever nulled, so the reference's
+backwards walk of ``remove_skipped_blocks`` (stop at the first null) frees exactly
+``row[num_leading_null : last]``, tail first. Example, bs 2, w 4, row ``[a b c d]``,
+``n = 7``: skipped 4 tokens -> 2 blocks -> free ``b, a``, row ``[0 0 c d]``, leading 2.
+
+``pending_work`` is the vectorised test of the batched step: for running rows, is any of
+remove_skipped / allocate / cache_blocks going to change anything? Rows where it is False
+are skipped by :meth:`optimized.kv_cache_manager.KVCacheManager.schedule_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from optimized.block_pool import NULL_BLOCK_ID, BlockPool
+from optimized.hashing import hashes_at_block_size
+from optimized.request import Request
+from reference.specs import KVCacheSpec, cdiv
+
+BlockList = list[int]
+
+
+class SingleTypeKVCacheManager:
+    """Block tables of one KV cache group."""
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        block_pool: BlockPool,
+        group_id: int,
+        enable_caching: bool,
+        cache_hit_alignment: int,
+        max_model_len: int,
+        max_num_reqs: int,
+    ) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.block_pool = block_pool
+        self.group_id = group_id
+        self.enable_caching = enable_caching
+        self.cache_hit_alignment = cache_hit_alignment
+        self.max_blocks_per_req = cdiv(max_model_len, spec.block_size)
+        self.table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        self.row_len = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_cached_block = np.full(max_num_reqs, -1, dtype=np.int32)
+        self.num_leading_null = np.zeros(max_num_reqs, dtype=np.int32)
+        #: Rows written since the data plane last uploaded them (delta uploads).
+        self.dirty_rows = np.zeros(max_num_reqs, dtype=bool)
+
+    # -- rows --------------------------------------------------------------------
+    def grow(self, max_num_reqs: int) -> None:
+        """Make room for ``max_num_reqs`` rows (existing rows keep their content)."""
+        old = self.row_len.shape[0]
+        if max_num_reqs <= old:
+            return
+        table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        table[:old] = self.table
+        self.table = table
+        for name in self._row_arrays():
+            arr = getattr(self, name)
+            fill = -1 if name in self._absent_minus_one() else 0
+            grown = np.full(max_num_reqs, fill, dtype=arr.dtype)
+            grown[:old] = arr
+            setattr(self, name, grown)
+
+    def _row_arrays(self) -> tuple[str, ...]:
+        return ("row_len", "num_cached_block", "num_leading_null", "dirty_rows")
+
+    def _absent_minus_one(self) -> tuple[str, ...]:
+        return ("num_cached_block",)
+
+    def release_row(self, row: int) -> None:
+        """Forget a row (its blocks were freed); the table row is reused later."""
+        self.table[row, : self.row_len[row]] = NULL_BLOCK_ID
+        self.dirty_rows[row] = True
+        self.row_len[row] = 0
+        self.num_cached_block[row] = -1
+        self.num_leading_null[row] = 0
+
+    def blocks(self, row: int) -> BlockList:
+        return self.table[row, : self.row_len[row]].tolist()
+
+    def _append(self, row: int, ids: Sequence[int]) -> None:
+        n = int(self.row_len[row])
+        self.table[row, n : n + len(ids)] = ids
+        self.row_len[row] = n + len(ids)
+        self.dirty_rows[row] = True
+
+    @property
+    def null_block(self) -> int:
+        return NULL_BLOCK_ID
+
+    # -- lookup ------------------------------------------------------------------
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        pool: BlockPool,
+        spec: KVCacheSpec,
+        alignment: int,
+    ) -> tuple[list[BlockList], int]:
+        raise NotImplementedError
+
+    @staticmethod
+    def coarse_hashes(
+        block_hashes: Sequence[bytes], pool_hash_block_size: int, spec: KVCacheSpec
+    ) -> Sequence[bytes]:
+        return hashes_at_block_size(block_hashes, pool_hash_block_size, spec.block_size)
+
+    # -- allocation --------------------------------------------------------------
+    def get_num_blocks_to_allocate(
+        self,
+        row: int,
+        num_tokens: int,
+        new_computed_blocks: Sequence[int],
+        total_computed_tokens: int,
+        num_tokens_main: int,
+    ) -> int:
+        """:meth:`reference.managers.base.SingleTypeKVCacheManager.get_num_blocks_to_allocate`."""
+        required = cdiv(num_tokens, self.block_size)
+        held = int(self.row_len[row])
+        if self.num_cached_block[row] >= 0:
+            return max(required - held, 0)
+        skipped_blocks = self.spec.num_skipped_tokens(total_computed_tokens) // self.block_size
+        local_blocks = len(new_computed_blocks) + held
+        num_new = max(required - max(skipped_blocks, local_blocks), 0)
+        skip_in_hits = max(0, skipped_blocks - held)
+        ref = self.block_pool.ref_cnt
+        evictable = sum(
+            1 for b in new_computed_blocks[skip_in_hits:] if b != NULL_BLOCK_ID and ref[b] == 0
+        )
+        return num_new + evictable
+
+    def add_local_computed_blocks(
+        self, row: int, new_computed_blocks: Sequence[int], num_local_computed_tokens: int
+    ) -> None:
+        """Adopt a hit: skipped hit blocks become nulls, the others are touched."""
+        assert self.row_len[row] == 0, f"row {row} already has blocks in group {self.group_id}"
+        skipped = self.spec.num_skipped_tokens(num_local_computed_tokens) // self.block_size
+        kept = list(new_computed_blocks[skipped:])
+        if self.enable_caching:
+            self.block_pool.touch(kept)
+        self._append(row, [NULL_BLOCK_ID] * skipped + kept)
+        self.num_cached_block[row] = self.row_len[row]
+        leading = skipped
+        for b in kept:
+            if b != NULL_BLOCK_ID:
+                break
+            leading += 1
+        self.num_leading_null[row] = leading
+
+    def allocate_new_blocks(self, row: int, num_tokens: int, num_tokens_main: int) -> BlockList:
+        """Append fresh blocks until the row covers ``num_tokens`` slots."""
+        num_new = cdiv(num_tokens, self.block_size) - int(self.row_len[row])
+        if num_new <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        self._append(row, new_blocks)
+        return new_blocks
+
+    # -- caching -----------------------------------------------------------------
+    def cacheable_block_mask(self, start: int, end: int) -> list[bool] | None:
+        return None
+
+    def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
+        """Register the full blocks of ``[0, num_tokens)`` not registered yet."""
+        num_cached = max(int(self.num_cached_block[row]), 0)
+        num_hashed = len(request.block_hashes) * request.hash_block_size
+        num_full = min(num_tokens, num_hashed) // self.block_size
+        if num_cached >= num_full:
+            return
+        mask = self.cacheable_block_mask(num_cached, num_full)
+        hashes = hashes_at_block_size(
+            request.block_hashes, request.hash_block_size, self.block_size
+        )
+        self.block_pool.cache_full_blocks(
+            self.table[row, num_cached:num_full].tolist(),
+            hashes[num_cached:num_full],
+            self.group_id,
+            num_cached,
+            self.block_size,
+            mask,
+        )
+        self.num_cached_block[row] = num_full
+
+    # -- freeing -----------------------------------------------------------------
+    def remove_skipped_blocks(self, row: int, num_computed_tokens: int) -> None:
+        skipped = self.spec.num_skipped_tokens(num_computed_tokens)
+        if skipped <= 0:
+            return
+        self._remove_blocks_in_range(
+            row, 0, min(skipped // self.block_size, int(self.row_len[row]))
+        )
+
+    def _remove_blocks_in_range(self, row: int, first: int, last: int) -> None:
+        """Free ``row[max(first, leading) : last]`` tail first and null it."""
+        start = max(first, int(self.num_leading_null[row]))
+        if start >= last:
+            return
+        freed = self.table[row, start:last][::-1].copy()
+        self.table[row, start:last] = NULL_BLOCK_ID
+        self.dirty_rows[row] = True
+        self.num_leading_null[row] = last
+        self.block_pool.free_blocks(freed)
+
+    def free(self, row: int) -> None:
+        """Free the row's blocks in reverse order (nulls skipped); release the row."""
+        n = int(self.row_len[row])
+        if n:
+            self.block_pool.free_blocks(self.table[row, :n][::-1])
+        self.release_row(row)
+
+    def new_step_starts(self) -> None:
+        """A scheduler step begins (only Mamba keeps per-step state)."""
+
+    # -- batched step ------------------------------------------------------------
+    def pending_work(
+        self,
+        rows: np.ndarray,
+        total: np.ndarray,
+        main: np.ndarray,
+        slots: np.ndarray,
+        cache_tokens: np.ndarray,
+        num_hashed: np.ndarray,
+        boundary: np.ndarray,
+    ) -> np.ndarray:
+        """Rows for which this step's allocate_slots changes something in this group.
+
+        remove_skipped: ``min(skipped // bs, len) > leading``; allocation: ``cdiv(slots, bs)
+        > len`` (a row with no hit needs a block only then, running or not); caching:
+        ``min(cache_tokens, hashed) // bs > num_cached``.
+        """
+        bs = self.block_size
+        held = self.row_len[rows]
+        work = -(-slots // bs) > held
+        skipped = self._skipped_tokens(total)
+        if skipped is not None:
+            work |= np.minimum(skipped // bs, held) > self.num_leading_null[rows]
+        if self.enable_caching:
+            num_full = np.minimum(cache_tokens, num_hashed) // bs
+            work |= num_full > np.maximum(self.num_cached_block[rows], 0)
+        return work
+
+    def _skipped_tokens(self, total: np.ndarray) -> np.ndarray | None:
+        """Vectorised ``spec.num_skipped_tokens`` (None: never skips)."""
+        return None

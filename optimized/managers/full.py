@@ -1,0 +1,93 @@
+"""Full attention (:mod:`reference.managers.full`): scan from block 0 to the first miss,
+round down to the alignment; partial tail entry when ``bs != hash_block_size``.
+
+Example: bs 8, H 4, prompt 13: the 12-token boundary lies inside block 1, which gets the
+key of the 12-token prefix until it is promoted to its full key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from optimized.block_pool import NULL_BLOCK_ID, BlockPool
+from optimized.managers.base import BlockList, SingleTypeKVCacheManager
+from optimized.request import Request
+from reference.specs import KVCacheSpec
+
+
+def partial_tail_boundary(num_prompt_tokens: int, num_hashes: int, hash_block_size: int) -> int:
+    """``floor(min(P - 1, hashed) / H) * H``: the prompt boundary a partial key marks."""
+    return min((num_prompt_tokens - 1) // hash_block_size, num_hashes) * hash_block_size
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        pool: BlockPool,
+        spec: KVCacheSpec,
+        alignment: int,
+    ) -> tuple[list[BlockList], int]:
+        bs = spec.block_size
+        hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
+        out: list[BlockList] = [[] for _ in group_ids]
+        if len(group_ids) == 1:
+            cached = pool.cached[group_ids[0]]
+            lst = out[0]
+            for block_hash in hashes[: max_length // bs]:
+                b = cached.get(block_hash)
+                if b is None:
+                    break
+                lst.append(b)
+        else:
+            for block_hash in hashes[: max_length // bs]:
+                found = pool.get_cached_block(block_hash, group_ids)
+                if found is None:
+                    break
+                for lst, block in zip(out, found):
+                    lst.append(block)
+        hit = len(out[0]) * bs
+        hit -= hit % alignment
+        keep = -(-hit // bs)
+        return [lst[:keep] for lst in out], hit
+
+    def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
+        super().cache_blocks(request, row, num_tokens)
+        h = request.hash_block_size
+        if self.block_size == h:
+            return
+        boundary = partial_tail_boundary(request.num_prompt_tokens, len(request.block_hashes), h)
+        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
+            return
+        index = boundary // self.block_size
+        if index >= self.row_len[row]:
+            return
+        self.block_pool.cache_block(
+            int(self.table[row, index]),
+            request.block_hashes[boundary // h - 1],
+            self.group_id,
+            boundary,
+        )
+
+    def pending_work(self, rows, total, main, slots, cache_tokens, num_hashed, boundary):
+        """Base test plus the partial tail: a block at the boundary whose key is shorter."""
+        work = super().pending_work(rows, total, main, slots, cache_tokens, num_hashed, boundary)
+        h = self.block_pool.hash_block_size
+        if not self.enable_caching or self.block_size == h:
+            return work
+        bs = self.block_size
+        index = boundary // bs
+        live = (boundary > 0) & (boundary <= cache_tokens) & (boundary % bs != 0)
+        live &= index < self.row_len[rows]
+        if live.any():
+            blocks = self.table[rows[live], index[live]]
+            short = (blocks != NULL_BLOCK_ID) & (
+                self.block_pool.num_cached_tokens[blocks] < boundary[live]
+            )
+            work[np.flatnonzero(live)[short]] = True
+        return work

@@ -1,0 +1,146 @@
+"""Mamba state in "align" mode (:mod:`reference.managers.mamba`), on arrays.
+
+The row is position indexed: allocation fills ``[len, c)`` with nulls and appends one
+block at ``c = cdiv(main, bs) - 1``; ``num_retired_blocks[row]`` columns were retired
+(never revisited), ``last_state_block_index[row]`` (``-1``: none) is the previous state,
+freed once a later step is past it. Hit: the rightmost cached state at an aligned
+boundary; a state cached during the current step is refused until ``new_step_starts``.
+
+Example, bs 4: prefill 10 tokens -> row ``[0, 0, s]``; the step computing token 13 appends
+a block at column 3 and remembers column 2; the step after frees ``s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from optimized.block_pool import NULL_BLOCK_ID, BlockPool
+from optimized.managers.base import BlockList, SingleTypeKVCacheManager
+from optimized.request import Request
+from reference.specs import KVCacheSpec, MambaSpec, cdiv
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        n = self.row_len.shape[0]
+        self.cached_keys_this_step: set[bytes] = set()
+        self.last_state_block_index = np.full(n, -1, dtype=np.int32)
+        self.num_retired_blocks = np.zeros(n, dtype=np.int32)
+
+    def _row_arrays(self) -> tuple[str, ...]:
+        return (*super()._row_arrays(), "last_state_block_index", "num_retired_blocks")
+
+    def _absent_minus_one(self) -> tuple[str, ...]:
+        return (*super()._absent_minus_one(), "last_state_block_index")
+
+    def release_row(self, row: int) -> None:
+        super().release_row(row)
+        self.last_state_block_index[row] = -1
+        self.num_retired_blocks[row] = 0
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        pool: BlockPool,
+        spec: KVCacheSpec,
+        alignment: int,
+    ) -> tuple[list[BlockList], int]:
+        assert isinstance(spec, MambaSpec)
+        bs = spec.block_size
+        hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
+        for i in range(max_length // bs - 1, -1, -1):
+            cached = pool.get_cached_block(hashes[i], group_ids)
+            if cached is None:
+                continue
+            if bs != alignment and ((i + 1) * bs) % alignment != 0:
+                continue
+            return [[0] * i + [block] for block in cached], (i + 1) * bs
+        return [[] for _ in group_ids], 0
+
+    def get_num_blocks_to_allocate(
+        self,
+        row: int,
+        num_tokens: int,
+        new_computed_blocks: Sequence[int],
+        total_computed_tokens: int,
+        num_tokens_main: int,
+    ) -> int:
+        if new_computed_blocks:
+            key = self.block_pool.block_hash[new_computed_blocks[-1]]
+            if key is not None and key in self.cached_keys_this_step:
+                return self.block_pool.num_blocks + 1
+        required = cdiv(num_tokens_main, self.block_size)
+        num_new = required - len(new_computed_blocks) - int(self.row_len[row])
+        if num_new > 0:
+            num_new = min(num_new, 1)
+        ref = self.block_pool.ref_cnt
+        evictable = sum(1 for b in new_computed_blocks if b != NULL_BLOCK_ID and ref[b] == 0)
+        return num_new + evictable
+
+    def allocate_new_blocks(self, row: int, num_tokens: int, num_tokens_main: int) -> BlockList:
+        held = int(self.row_len[row])
+        required = cdiv(num_tokens_main, self.block_size)
+        if required <= held:
+            return []
+        if held:
+            self.last_state_block_index[row] = held - 1
+        gap = max(0, required - 1 - held)
+        new_blocks = self.block_pool.get_new_blocks(required - held - gap)
+        self._append(row, [NULL_BLOCK_ID] * gap + new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
+        before = max(int(self.num_cached_block[row]), 0)
+        super().cache_blocks(request, row, num_tokens)
+        after = max(int(self.num_cached_block[row]), 0)
+        block_hash = self.block_pool.block_hash
+        for block in self.table[row, before:after].tolist():
+            if block != NULL_BLOCK_ID and block_hash[block] is not None:
+                self.cached_keys_this_step.add(block_hash[block])
+
+    def remove_skipped_blocks(self, row: int, num_computed_tokens: int) -> None:
+        super().remove_skipped_blocks(row, num_computed_tokens)
+        last = int(self.last_state_block_index[row])
+        if last >= 0 and last < cdiv(num_computed_tokens, self.block_size) - 1:
+            block = int(self.table[row, last])
+            if block != NULL_BLOCK_ID:
+                self.block_pool.free_blocks([block])
+                self.table[row, last] = NULL_BLOCK_ID
+                self.dirty_rows[row] = True
+
+    def _remove_blocks_in_range(self, row: int, first: int, last: int) -> None:
+        first = max(first, int(self.num_retired_blocks[row]))
+        last = min(last, int(self.row_len[row]))
+        if first >= last:
+            return
+        freed = self.table[row, first:last][::-1].copy()
+        self.table[row, first:last] = NULL_BLOCK_ID
+        self.dirty_rows[row] = True
+        self.block_pool.free_blocks(freed)
+        self.num_retired_blocks[row] = last
+
+    def new_step_starts(self) -> None:
+        self.cached_keys_this_step.clear()
+
+    def pending_work(self, rows, total, main, slots, cache_tokens, num_hashed, boundary):
+        """Mamba: a new state column, a retirement, or the previous state to free."""
+        bs = self.block_size
+        held = self.row_len[rows]
+        work = -(-main // bs) > held
+        skipped = np.maximum(total - 1, 0)
+        work |= (skipped > 0) & (np.minimum(skipped // bs, held) > self.num_retired_blocks[rows])
+        last = self.last_state_block_index[rows]
+        stale = (last >= 0) & (last < -(-total // bs) - 1)
+        if stale.any():
+            idx = np.flatnonzero(stale)
+            work[idx[self.table[rows[idx], last[idx]] != NULL_BLOCK_ID]] = True
+        if self.enable_caching:
+            num_full = np.minimum(cache_tokens, num_hashed) // bs
+            work |= num_full > np.maximum(self.num_cached_block[rows], 0)
+        return work

@@ -1,0 +1,107 @@
+"""The request as the optimized manager sees it (:mod:`reference.request`, array backed).
+
+Tokens live in a growable int64 array; ``block_hashes`` grows as outputs complete blocks.
+Example: a prompt of 10 tokens with ``H = 4`` has 2 hashes; 2 more outputs make 3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from optimized.hashing import TOKEN_DTYPE, extend_block_hashes
+from reference.errors import InvalidRequestError
+from reference.request import RequestStatus
+
+
+class Request:
+    """Prompt and outputs in one array, computed tokens, salt, LoRA, block hashes."""
+
+    __slots__ = (
+        "request_id",
+        "num_prompt_tokens",
+        "num_tokens",
+        "num_computed_tokens",
+        "cache_salt",
+        "lora_name",
+        "hash_block_size",
+        "status",
+        "block_hashes",
+        "_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] | np.ndarray,
+        hash_block_size: int,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> None:
+        tokens = np.asarray(prompt_token_ids, dtype=TOKEN_DTYPE)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise InvalidRequestError(
+                f"Request.prompt_token_ids of {request_id!r} must be a non-empty 1-d "
+                f"sequence, got shape {tokens.shape}"
+            )
+        self.request_id = request_id
+        self._tokens = tokens.copy()
+        self.num_prompt_tokens = int(tokens.size)
+        self.num_tokens = int(tokens.size)
+        self.num_computed_tokens = 0
+        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        self.hash_block_size = hash_block_size
+        self.status = RequestStatus.WAITING
+        self.block_hashes: list[bytes] = []
+        extend_block_hashes(
+            self.block_hashes, self._tokens, self.num_tokens, hash_block_size, cache_salt, lora_name
+        )
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._tokens[: self.num_tokens].tolist()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token_ids(self, token_ids: Sequence[int]) -> None:
+        """Append decoded tokens and hash every block they complete."""
+        if len(token_ids) == 1 and self.num_tokens < self._tokens.size:
+            # decode: one token, room in the array; hash only when it completes a block
+            self._tokens[self.num_tokens] = token_ids[0]
+            self.num_tokens += 1
+            if self.num_tokens % self.hash_block_size == 0:
+                extend_block_hashes(
+                    self.block_hashes,
+                    self._tokens,
+                    self.num_tokens,
+                    self.hash_block_size,
+                    self.cache_salt,
+                    self.lora_name,
+                )
+            return
+        new = np.asarray(token_ids, dtype=TOKEN_DTYPE).reshape(-1)
+        end = self.num_tokens + new.size
+        if end > self._tokens.size:
+            grown = np.empty(max(end, 2 * self._tokens.size), dtype=TOKEN_DTYPE)
+            grown[: self.num_tokens] = self._tokens[: self.num_tokens]
+            self._tokens = grown
+        self._tokens[self.num_tokens : end] = new
+        self.num_tokens = end
+        extend_block_hashes(
+            self.block_hashes,
+            self._tokens,
+            end,
+            self.hash_block_size,
+            self.cache_salt,
+            self.lora_name,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.value})"
+        )

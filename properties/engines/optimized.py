@@ -1,0 +1,181 @@
+"""The optimized engine: :class:`optimized.kv_cache_manager.KVCacheManager` behind the
+engine protocol, with every optional capability of the reference adapter (ref counts, free
+queue, cached blocks) plus ``PlansSteps`` (its batched ``schedule_step``) and
+``ExposesDataPlane`` (its device block tables, slot mapping, paged caches and attention,
+:class:`optimized.data_plane.DataPlane`). ``kvconform check --engine optimized --level
+exact`` holds it to the reference call by call.
+
+The data plane runs on CUDA when ``KVCONFORM_DEVICE=cuda`` (or ``cuda:N``) is set and a
+GPU is present, on the CPU otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from optimized.data_plane import DataPlane
+from optimized.kv_cache_manager import ComputedBlocks, KVCacheManager, StepItem
+from optimized.request import Request
+from properties.core.engine import (
+    BlockIds,
+    CachedBlock,
+    CacheHit,
+    EngineError,
+    RequestInput,
+    SlotRequest,
+)
+from reference.errors import KVConformError
+from reference.layout import KVCacheLayout
+from reference.request import RequestStatus
+
+#: Environment variable naming the data plane's device (``cpu`` when unset).
+DEVICE_ENV = "KVCONFORM_DEVICE"
+
+
+class OptimizedEngine:
+    """Drives the optimized manager; keeps the ComputedBlocks of each lookup."""
+
+    name = "optimized"
+    manager_cls = KVCacheManager
+    data_plane_cls = DataPlane
+
+    def __init__(self, layout: KVCacheLayout) -> None:
+        self.layout = layout
+        self.manager = self.manager_cls(layout)
+        self.requests: dict[str, Request] = {}
+        self._hits: dict[str, tuple[CacheHit, ComputedBlocks]] = {}
+        self.data_plane: DataPlane | None = None
+
+    def _request(self, request_id: str) -> Request:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise EngineError(f"optimized: unknown request {request_id!r}") from None
+
+    def add_request(self, request: RequestInput) -> None:
+        if request.request_id in self.requests:
+            raise EngineError(f"optimized: request {request.request_id!r} added twice")
+        self.requests[request.request_id] = self.manager.make_request(
+            request.request_id, request.prompt_token_ids, request.cache_salt, request.lora_name
+        )
+
+    def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._request(request_id).append_output_token_ids(token_ids)
+
+    def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
+        req = self._request(request_id)
+        req.num_computed_tokens = num_computed_tokens
+        if num_computed_tokens == 0:
+            req.status = RequestStatus.PREEMPTED
+
+    def new_step(self) -> None:
+        self.manager.new_step_starts()
+
+    def get_computed_blocks(self, request_id: str) -> CacheHit:
+        computed, num_tokens = self.manager.get_computed_blocks(self._request(request_id))
+        hit = CacheHit(computed.block_ids(), num_tokens)
+        self._hits[request_id] = (hit, computed)
+        return hit
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        hit: CacheHit | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> BlockIds | None:
+        computed = None
+        if hit is not None:
+            kept = self._hits.pop(request_id, None)
+            if kept is None or kept[0] != hit:
+                raise EngineError(
+                    f"optimized: allocate_slots({request_id!r}) got a hit this engine did not "
+                    "return from its last get_computed_blocks"
+                )
+            computed = kept[1]
+        try:
+            new = self.manager.allocate_slots(
+                self._request(request_id),
+                num_new_tokens,
+                num_new_computed_tokens,
+                computed,
+                num_lookahead_tokens,
+            )
+        except KVConformError as exc:
+            raise EngineError(f"optimized: allocate_slots({request_id!r}): {exc}") from exc
+        if new is None:
+            return None
+        return tuple(tuple(group) for group in new)
+
+    def schedule_step(self, items: Sequence[SlotRequest]) -> list[BlockIds | None]:
+        """The batched step (:meth:`optimized.kv_cache_manager.KVCacheManager.schedule_step`)."""
+        step = [
+            StepItem(self._request(i.request_id), i.num_new_tokens, 0, None, i.num_lookahead_tokens)
+            for i in items
+        ]
+        try:
+            results = self.manager.schedule_step(step)
+        except KVConformError as exc:
+            raise EngineError(f"optimized: schedule_step: {exc}") from exc
+        return [None if r is None else tuple(tuple(g) for g in r) for r in results]
+
+    def free(self, request_id: str) -> None:
+        self.manager.free(self._request(request_id))
+        self._hits.pop(request_id, None)
+
+    def remove_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self._hits.pop(request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.manager.reset_prefix_cache()
+
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        return self.manager.get_block_ids(request_id)
+
+    def num_free_blocks(self) -> int:
+        return self.manager.get_num_free_blocks()
+
+    # optional capabilities -------------------------------------------------------------
+    def ref_counts(self) -> dict[int, int]:
+        return self.manager.block_pool.ref_counts()
+
+    def free_queue(self) -> list[int]:
+        return self.manager.block_pool.free_block_queue.block_ids()
+
+    def cached_blocks(self) -> list[CachedBlock]:
+        return [CachedBlock(b, g, n) for b, g, n in self.manager.block_pool.cached_block_entries()]
+
+    # the data plane ------------------------------------------------------------------
+    def attach_data_plane(
+        self, *, num_kv_heads: int, head_size: int, state_size: int, dtype, device: str
+    ) -> None:
+        self.data_plane = self.data_plane_cls(
+            self.manager,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            state_size=state_size,
+            dtype=dtype,
+            device=os.environ.get(DEVICE_ENV, device),
+        )
+
+    def _plane(self) -> DataPlane:
+        if self.data_plane is None:
+            raise EngineError("optimized: attach_data_plane() was not called")
+        self.data_plane.begin_step()
+        return self.data_plane
+
+    def data_plane_attention(self, gid, request_ids, starts, counts, keys, values, queries):
+        return self._plane().attention(gid, request_ids, starts, counts, keys, values, queries)
+
+    def data_plane_read_state(self, gid: int, request_id: str, num_tokens: int):
+        return self._plane().read_state(gid, request_id, num_tokens)
+
+    def data_plane_write_state(self, gid: int, request_id: str, num_tokens: int, state) -> int:
+        return self._plane().write_state(gid, request_id, num_tokens, state)
+
+
+def make_engine(layout: KVCacheLayout) -> OptimizedEngine:
+    return OptimizedEngine(layout)

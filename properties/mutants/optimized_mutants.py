@@ -1,0 +1,250 @@
+"""Mutant engines: the optimized engine with ONE realistic bug each.
+
+Every mutant is a factory ``make_<name>(layout)`` usable as
+``--engine properties.mutants.optimized_mutants:make_<name>``. Each replaces one class of
+the optimized engine (a single-type manager, the free queue, the device tables or the
+data plane) before any call; the line carrying the bug is marked ``# BUG``.
+:data:`OPTIMIZED_MUTANT_INFO` says what the bug is, which property of ``kvconform check``
+(``invariants`` at ``exact``, or ``attention``) catches it and which checks fire.
+
+Worked example, ``vectorised_window_off_by_one``: window ``w = 4``, bs 2, a request in
+decode at 6 computed tokens. The per-request rule frees the blocks before token
+``6 - 4 + 1 = 3`` (block 0); the batched step's vectorised test computes ``6 - 4 = 2``
+skipped tokens, finds no block to free and settles the request without calling the
+per-request path, so block 0 stays allocated: the free count differs from the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from optimized.block_pool import NOT_QUEUED, FreeBlockQueue
+from optimized.coordinator import HybridCoordinator
+from optimized.data_plane import DataPlane
+from optimized.device_tables import DeviceBlockTables
+from optimized.kv_cache_manager import KVCacheManager
+from optimized.managers import (
+    ChunkedLocalAttentionManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+)
+from properties.engines.optimized import OptimizedEngine
+from reference.layout import KVCacheLayout
+from reference.specs import SlidingWindowSpec
+
+ManagerClass = type[SingleTypeKVCacheManager]
+
+
+class OptimizedMutantEngine(OptimizedEngine):
+    """The optimized engine with some of its parts replaced (see :func:`mutated`)."""
+
+    def __init__(self, layout: KVCacheLayout, name: str) -> None:
+        super().__init__(layout)
+        self.name = f"mutant:{name}"
+
+
+def replace_managers(manager: KVCacheManager, classes: Mapping[ManagerClass, ManagerClass]) -> None:
+    """Rebuild the single-type managers whose class is a key of ``classes`` (before any
+    call, so no state is lost) and point the hybrid spec groups at the new classes."""
+    coord = manager.coordinator
+    coord.managers = [
+        classes.get(type(m), type(m))(
+            m.spec,
+            m.block_pool,
+            m.group_id,
+            m.enable_caching,
+            m.cache_hit_alignment,
+            manager.max_model_len,
+            coord.max_num_reqs,
+        )
+        for m in coord.managers
+    ]
+    if isinstance(coord, HybridCoordinator):
+        for sg in coord.spec_groups:
+            sg.manager_cls = type(coord.managers[sg.group_ids[0]])
+
+
+# ---------------------------------------------------------------------------
+# The bugs
+
+
+class VectorisedWindowOffByOne(SlidingWindowManager):
+    """The batched step's window test counts one token too few as out of window."""
+
+    def _skipped_tokens(self, total: np.ndarray) -> np.ndarray:
+        assert isinstance(self.spec, SlidingWindowSpec)
+        return np.maximum(total - self.spec.sliding_window, 0)  # BUG: + 1 missing
+
+
+def _forget_leading_nulls(cls: ManagerClass) -> ManagerClass:
+    class StaleRow(cls):  # type: ignore[valid-type,misc]
+        """Releasing a finished request's row keeps its leading-null count: the next
+        request on that row inherits it."""
+
+        def release_row(self, row: int) -> None:
+            leading = int(self.num_leading_null[row])
+            super().release_row(row)
+            self.num_leading_null[row] = leading  # BUG: stale state of the old request
+
+    StaleRow.__name__ = f"StaleRow{cls.__name__}"
+    return StaleRow
+
+
+class UnlinkedRemoveQueue(FreeBlockQueue):
+    """``remove`` (a cached free block touched by a hit) fixes the forward link only."""
+
+    def remove(self, block_id: int) -> None:
+        prev = int(self.prev_free[block_id])
+        nxt = int(self.next_free[block_id])
+        if prev == NOT_QUEUED or nxt == NOT_QUEUED:
+            raise ValueError(f"block {block_id} is not in the free queue")
+        self.next_free[prev] = nxt
+        # BUG: self.prev_free[nxt] = prev is missing
+        self.prev_free[block_id] = self.next_free[block_id] = NOT_QUEUED
+        self.num_free_blocks -= 1
+
+
+class SkippingDeviceTables(DeviceBlockTables):
+    """The delta upload drops the last changed row when several rows changed."""
+
+    def dirty_rows(self, manager) -> np.ndarray:
+        rows = np.flatnonzero(manager.dirty_rows)
+        return rows[:-1] if rows.size > 1 else rows  # BUG: the last changed row is skipped
+
+
+class SkippingDataPlane(DataPlane):
+    def __init__(self, manager, **kwargs) -> None:
+        super().__init__(manager, **kwargs)
+        self.tables = SkippingDeviceTables(manager.coordinator.managers, self.device)
+
+
+class OffByOneBlockSlotMapping(DataPlane):
+    """The slot mapping takes the block of ``pos - 1`` (the previous block at a block's
+    first position)."""
+
+    def slot_mapping(self, table, token_rows, positions, bs):
+        col = torch.clamp(positions - 1, min=0) // bs  # BUG: should be positions // bs
+        return table[token_rows, col].to(torch.int64) * bs + positions % bs
+
+
+# ---------------------------------------------------------------------------
+# Factories
+
+
+def make_vectorised_window_off_by_one(layout: KVCacheLayout) -> OptimizedMutantEngine:
+    engine = OptimizedMutantEngine(layout, "vectorised_window_off_by_one")
+    replace_managers(engine.manager, {SlidingWindowManager: VectorisedWindowOffByOne})
+    return engine
+
+
+def make_stale_row_after_finish(layout: KVCacheLayout) -> OptimizedMutantEngine:
+    engine = OptimizedMutantEngine(layout, "stale_row_after_finish")
+    replace_managers(
+        engine.manager,
+        {
+            cls: _forget_leading_nulls(cls)
+            for cls in (SlidingWindowManager, ChunkedLocalAttentionManager)
+        },
+    )
+    return engine
+
+
+def make_free_queue_remove_unlinked(layout: KVCacheLayout) -> OptimizedMutantEngine:
+    engine = OptimizedMutantEngine(layout, "free_queue_remove_unlinked")
+    queue = UnlinkedRemoveQueue(layout.num_blocks)
+    queue.popleft()  # the null block, as BlockPool does
+    engine.manager.block_pool.free_block_queue = queue
+    return engine
+
+
+class _SkippingUploadEngine(OptimizedMutantEngine):
+    data_plane_cls = SkippingDataPlane
+
+
+class _OffByOneSlotEngine(OptimizedMutantEngine):
+    data_plane_cls = OffByOneBlockSlotMapping
+
+
+def make_delta_upload_skips_row(layout: KVCacheLayout) -> OptimizedMutantEngine:
+    return _SkippingUploadEngine(layout, "delta_upload_skips_row")
+
+
+def make_slot_mapping_off_by_one_block(layout: KVCacheLayout) -> OptimizedMutantEngine:
+    return _OffByOneSlotEngine(layout, "slot_mapping_off_by_one_block")
+
+
+# ---------------------------------------------------------------------------
+# Catalogue
+
+
+@dataclass(frozen=True)
+class OptimizedMutantInfo:
+    """One mutant: its bug, the property and level that catch it, the checks seen firing."""
+
+    name: str
+    description: str
+    prop: str
+    level: str
+    #: Property names (``exact_match``, ``attention``...) or message fragments, any of
+    #: which the first failure under the ``ci`` profile shows.
+    caught_by: frozenset[str]
+    factory: Callable[[KVCacheLayout], OptimizedMutantEngine]
+
+    @property
+    def target(self) -> str:
+        return f"{__name__}:{self.factory.__name__}"
+
+
+def _info(
+    factory: Callable[[KVCacheLayout], OptimizedMutantEngine],
+    prop: str,
+    caught_by: Sequence[str],
+    description: str,
+) -> OptimizedMutantInfo:
+    name = factory.__name__.removeprefix("make_")
+    return OptimizedMutantInfo(name, description, prop, "exact", frozenset(caught_by), factory)
+
+
+OPTIMIZED_MUTANT_INFO: dict[str, OptimizedMutantInfo] = {
+    m.name: m
+    for m in (
+        _info(
+            make_vectorised_window_off_by_one,
+            "invariants",
+            ["exact_match"],
+            "the batched step's vectorised window test is one token short: an "
+            "out-of-window block is not freed",
+        ),
+        _info(
+            make_stale_row_after_finish,
+            "invariants",
+            ["exact_match"],
+            "a released block-table row keeps the finished request's leading-null count",
+        ),
+        _info(
+            make_free_queue_remove_unlinked,
+            "invariants",
+            ["exact_match", "free queue is corrupt"],
+            "removing a block from the free queue leaves its successor's back link stale",
+        ),
+        _info(
+            make_delta_upload_skips_row,
+            "attention",
+            ["attention"],
+            "the device block-table delta upload skips one changed row",
+        ),
+        _info(
+            make_slot_mapping_off_by_one_block,
+            "attention",
+            ["attention"],
+            "the device slot mapping uses the previous block at a block's first position",
+        ),
+    )
+}
+OPTIMIZED_MUTANTS: dict[str, str] = {
+    name: info.target for name, info in OPTIMIZED_MUTANT_INFO.items()
+}

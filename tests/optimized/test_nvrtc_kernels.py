@@ -1,0 +1,54 @@
+"""The NVRTC kernels: compiled on any machine with cuda-python (no GPU needed), and on
+CUDA compared with their torch twins (slot mapping, K/V write)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optimized.nvrtc_kernels import KERNEL_NAMES, NvrtcUnavailableError, compile_ptx
+from optimized.paged_cache import CacheShape, PagedKVCache
+from optimized.slot_mapping import slot_mapping, step_positions
+
+
+def _ptx_or_skip() -> bytes:
+    try:
+        return compile_ptx("compute_80")
+    except NvrtcUnavailableError as exc:
+        pytest.skip(f"NVRTC unavailable: {exc}")
+
+
+def test_kernels_compile_to_ptx() -> None:
+    ptx = _ptx_or_skip().decode()
+    assert ".target sm_80" in ptx
+    for name in KERNEL_NAMES:
+        assert f".entry {name}(" in ptx
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_kernels_match_torch() -> None:
+    from optimized.nvrtc_kernels import CudaKernels
+
+    _ptx_or_skip()
+    device = torch.device("cuda")
+    kernels = CudaKernels(device)
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randint(1, 64, (8, 16), generator=gen, dtype=torch.int32).to(device)
+    rows, positions = step_positions([0, 3, 7, 5], [0, 17, 40, 63], [5, 9, 1, 1], device)
+    got = kernels.slot_mapping(table, rows, positions, 4)
+    want = slot_mapping(table, rows, positions, 4)
+    assert torch.equal(got, want)
+    # K/V write: the same pages as PagedKVCache.write, padding skipped
+    shape = CacheShape(num_blocks=64, block_size=4, num_kv_heads=2, head_size=8)
+    torch_cache = PagedKVCache(shape, device=device)
+    nvrtc_cache = PagedKVCache(shape, device=device)
+    slots = torch.randperm(60 * 4, generator=gen)[:16].to(device) + 4
+    slots[3] = -1
+    key = torch.randn(16, 2, 8, generator=gen).to(device)
+    value = torch.randn(16, 2, 8, generator=gen).to(device)
+    torch_cache.write(slots, key, value)
+    kernels.kv_write(slots, key, value, nvrtc_cache.key, nvrtc_cache.value)
+    torch.cuda.synchronize()
+    assert torch.equal(torch_cache.key.nan_to_num(7.0), nvrtc_cache.key.nan_to_num(7.0))
+    assert torch.equal(torch_cache.value.nan_to_num(7.0), nvrtc_cache.value.nan_to_num(7.0))
