@@ -44,6 +44,7 @@ from properties.core.engine import (
     CacheHit,
     CallTimeoutError,
     EngineError,
+    EngineLoadError,
     RequestInput,
     UnsupportedLayoutError,
 )
@@ -174,7 +175,7 @@ class ExecProcess:
         except OSError as exc:
             self._stderr.close()
             self._stderr = None
-            raise EngineError(
+            raise EngineLoadError(
                 f"exec engine {self.label!r}: cannot start {self.argv[0]!r}: {exc}"
             ) from None
         os.set_blocking(self._proc.stdin.fileno(), False)
@@ -638,9 +639,9 @@ def factory_from_command(command: str) -> ExecEngineFactory:
     try:
         argv = shlex.split(command)
     except ValueError as exc:
-        raise EngineError(f"--engine exec:{command}: cannot split the command: {exc}") from None
+        raise EngineLoadError(f"--engine exec:{command}: cannot split the command: {exc}") from None
     if not argv:
-        raise EngineError("--engine exec: needs a command after 'exec:'")
+        raise EngineLoadError("--engine exec: needs a command after 'exec:'")
     if argv[0] == "python":
         argv[0] = sys.executable
     key = (command, call_timeout_from_env())

@@ -35,6 +35,7 @@ from properties.checks.registry import PropertyViolation
 from properties.core.engine import (
     CallTimeoutError,
     EngineError,
+    EngineLoadError,
     ExposesDataPlane,
     UnsupportedLayoutError,
     load_engine_factory,
@@ -73,7 +74,10 @@ class RunStopped(BaseException):
 
 def failure_kind(exc: BaseException) -> str:
     """``"property"`` (a check failed: exit 1), ``"engine"`` (the engine broke the
-    protocol: an exception, a malformed answer, a timeout: exit 3) or ``"internal"``."""
+    protocol: an exception, a malformed answer, a timeout: exit 3), ``"usage"`` (the
+    engine cannot be started at all: exit 2) or ``"internal"``."""
+    if isinstance(exc, EngineLoadError):
+        return "usage"
     if isinstance(exc, (RunStopped, EngineError)):
         return "engine"
     if isinstance(exc, AssertionError):

@@ -49,6 +49,7 @@ from reference.errors import KVConformError
 
 #: A result's kind -> the exit code it gives (PropertyResult.kind).
 EXIT_FOR_KIND = {
+    "usage": EXIT_USAGE,
     "no_layout": EXIT_USAGE,
     "engine": EXIT_ENGINE,
     "property": EXIT_FAILED,
@@ -127,7 +128,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s)",
             flush=True,
         )
-        if r.kind in ("no_layout", "engine"):
+        if r.kind in ("no_layout", "engine", "usage"):
             break  # the engine cannot be checked: the other properties would say the same
     print(format_results(results))
     failed = [r for r in results if not r.passed]
@@ -146,6 +147,7 @@ FAILURE_TITLE = {
     "property": "FAILED",
     "engine": "ENGINE ERROR (the engine broke the protocol)",
     "no_layout": "NO LAYOUT",
+    "usage": "CONFIGURATION ERROR (the engine cannot be started)",
     "internal": "INTERNAL ERROR (please report it)",
 }
 
@@ -153,7 +155,8 @@ FAILURE_TITLE = {
 def result_word(result) -> str:
     if result.passed:
         return "PASS"
-    return {"engine": "ENGINE ERROR", "no_layout": "NO LAYOUT"}.get(result.kind, "FAIL")
+    words = {"engine": "ENGINE ERROR", "no_layout": "NO LAYOUT", "usage": "CONFIG ERROR"}
+    return words.get(result.kind, "FAIL")
 
 
 def format_results(results: list) -> str:

@@ -246,6 +246,17 @@ def test_bad_adapter_is_a_usage_error(engine, adapter, expected, tmp_path):
     assert expected in one_line(err)
 
 
+def test_exec_engine_that_cannot_start_is_a_configuration_error(tmp_path):
+    code, out, err = run_cli(
+        "check", "--engine", "exec:/no/such/binary", "--failure-dir", str(tmp_path), *QUICK
+    )
+    assert code == EXIT_USAGE, out + err
+    assert "cannot start '/no/such/binary'" in out
+    code, out, err = run_cli("check", "--engine", "exec:", *QUICK)
+    assert code == EXIT_USAGE, out + err
+    assert "needs a command after 'exec:'" in one_line(err)
+
+
 def test_verbose_shows_the_traceback(tmp_path):
     _write_adapter(tmp_path, "raises_on_import", "raise RuntimeError('boom')\n")
     code, _out, err = run_cli(
