@@ -475,6 +475,47 @@ def test_interrupted_fuzz_stops_workers_and_exits_130(signum, tmp_path):
 # pytest gate
 
 
+def _pytest(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "properties.tools.pytest_plugin",
+            "-p",
+            "no:cacheprovider",
+            *args,
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_pytest_failure_prints_the_trace_and_the_replay_command(tmp_path):
+    engine = f"{BROKEN_MODULE}:make_free_count_str"
+    proc = _pytest(
+        "tests/properties/runner/test_machine.py",
+        "--basetemp",
+        str(tmp_path / "inner"),
+        "-k",
+        "invariants",
+        "--kv-profile",
+        "dev",
+        "--kv-engine",
+        engine,
+    )
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, proc.stdout + proc.stderr
+    trace_line = next(x for x in proc.stdout.splitlines() if x.startswith("trace: "))
+    assert Path(trace_line.removeprefix("trace: ")).is_file()
+    assert f"replay: kvconform replay {trace_line.removeprefix('trace: ')} --engine {engine}" in (
+        proc.stdout
+    )
+
+
 def test_pytest_with_a_bad_engine_fails_and_never_skips():
     proc = subprocess.run(
         [
