@@ -49,6 +49,7 @@ class LockstepEngine:
         self.log: list[dict[str, Any]] = []
         self._ref_hits: dict[str, CacheHit] = {}
         self.engine_name = engine_name(engine)
+        self.reference_name = getattr(reference, "name", "reference")
 
     # -- plumbing -------------------------------------------------------------------
     def _record(self, call: str, args: dict, result: Any) -> None:
@@ -57,7 +58,8 @@ class LockstepEngine:
     def _diverge(self, what: str, expected: Any, observed: Any) -> None:
         raise PropertyViolation(
             "exact_match",
-            f"{what}: reference gives {expected!r}, {self.engine_name} gives {observed!r}",
+            f"{what}: {self.reference_name} gives {expected!r}, {self.engine_name} gives "
+            f"{observed!r}",
         )
 
     def _compare_state(self, after: str, request_id: str | None) -> None:

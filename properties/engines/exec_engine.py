@@ -103,9 +103,10 @@ def describe_call(call: str, args: Mapping[str, Any]) -> str:
     for key, value in args.items():
         if key in ("request_id", "layout", "hit"):
             continue
-        if isinstance(value, list) and len(value) > 8:
-            value = f"[{len(value)} items]"
-        parts.append(f"{key}={value!r}" if not isinstance(value, str) else f"{key}={value!r}")
+        shown = (
+            f"[{len(value)} items]" if isinstance(value, list) and len(value) > 8 else repr(value)
+        )
+        parts.append(f"{key}={shown}")
     return f"{call}({', '.join(parts)})"
 
 
@@ -180,7 +181,7 @@ class ExecProcess:
             ) from None
         os.set_blocking(self._proc.stdin.fileno(), False)
         os.set_blocking(self._proc.stdout.fileno(), False)
-        self._finalizer = weakref.finalize(self, _kill_quietly, self._proc)
+        self._finalizer = weakref.finalize(self, _stop, self._proc)
         hello = self.call(
             "hello",
             {"protocol": PROTOCOL_VERSION, "client": "kvconform"},
@@ -245,6 +246,7 @@ class ExecProcess:
             )
         if call == "create":
             self._clear_stderr()
+            self.generation += 1  # earlier engines retire, even if this create fails
         self._next_id += 1
         message_id = self._next_id
         line = json.dumps({"id": message_id, "call": call, "args": args}, separators=(",", ":"))
@@ -272,12 +274,13 @@ class ExecProcess:
             if kind == "unsupported_layout":
                 raise UnsupportedLayoutError(f"exec engine {self.label!r}: {message}")
             raise EngineError(
-                f"exec engine {self.label!r}: {what} failed: {kind or 'error'}: {message}"
+                self._with_stderr(
+                    f"exec engine {self.label!r}: {what} failed: {kind or 'error'}: {message}",
+                    quiet_if_empty=True,
+                )
             )
         if "result" not in response:
             self._fail(ExecProtocolError, f"{what} answered without result or error: {_clip(raw)}")
-        if call == "create":
-            self.generation += 1
         return response["result"]
 
     # -- the wire ---------------------------------------------------------------------
@@ -337,10 +340,12 @@ class ExecProcess:
         lines = text.splitlines()[-_STDERR_TAIL_LINES:]
         return "\n".join(lines)
 
-    def _with_stderr(self, message: str) -> str:
+    def _with_stderr(self, message: str, quiet_if_empty: bool = False) -> str:
         tail = self.stderr_tail()
         if not tail.strip():
-            return f"{message}\n  (the engine wrote nothing to stderr)"
+            return (
+                message if quiet_if_empty else f"{message}\n  (the engine wrote nothing to stderr)"
+            )
         body = "\n".join(f"    {line}" for line in tail.splitlines())
         return f"{message}\n  stderr of the engine (last lines):\n{body}"
 
@@ -370,6 +375,17 @@ class ExecProcess:
             how = "closed its stdout (killed)"
         self._broken = f"{how} during {what}"
         raise ExecCrashError(self._with_stderr(f"exec engine {self.label!r} {how} during {what}"))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """At garbage collection or exit: close the child's stdin (it exits), then kill it
+    if it has not exited within a second."""
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        _kill_quietly(proc)
 
 
 def _kill_quietly(proc: subprocess.Popen | None) -> None:

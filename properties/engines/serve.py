@@ -11,6 +11,10 @@ lists of lists, ref counts as ``[block, count]`` pairs, cached blocks as
 ``engine_error`` answer naming its type; :class:`UnsupportedLayoutError` from the factory
 becomes ``unsupported_layout``.
 
+What does not travel: a factory's ``layout_strategy`` and ``known_divergences`` are
+Python objects; the client sees only ``spec_types`` (sent in ``hello``) and
+``unsupported_layout`` answers.
+
 Worked example: ``kvconform check --engine "exec:python -m properties.engines.serve
 reference" --level exact`` runs the reference in a child process and compares it call by
 call with the in-process reference: every result, the free queue order included,

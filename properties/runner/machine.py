@@ -37,6 +37,7 @@ from properties.core.engine import (
     EngineError,
     EngineLoadError,
     ExposesDataPlane,
+    KVCacheEngine,
     UnsupportedLayoutError,
     load_engine_factory,
 )
@@ -100,8 +101,14 @@ class TraceRun:
     """One engine (and the reference at ``exact``) under one layout, driven op by op."""
 
     def __init__(
-        self, config: CheckConfig, layout: KVCacheLayout, factory: Callable | None = None
+        self,
+        config: CheckConfig,
+        layout: KVCacheLayout,
+        factory: Callable | None = None,
+        expected: KVCacheEngine | None = None,
     ) -> None:
+        """``expected`` (exact level): what the engine is compared with instead of a fresh
+        reference, e.g. the recorded results of a corpus case."""
         self.config = config
         self.layout = layout
         factory = factory or engine_factory(config)
@@ -111,9 +118,12 @@ class TraceRun:
         self.versions = versions(engine, factory)
         reference = None
         if config.level == "exact":
-            from properties.engines.reference import make_engine as make_reference
+            if expected is not None:
+                reference = expected
+            else:
+                from properties.engines.reference import make_engine as make_reference
 
-            reference = make_reference(layout)
+                reference = make_reference(layout)
         self.lockstep = LockstepEngine(engine, layout, reference, config.disabled, timeout)
         self.attention = None
         if config.attention:

@@ -8,6 +8,9 @@
   progress line, the Hypothesis database under ``.kvconform/``, Ctrl-C stops cleanly.
 * ``kvconform replay TRACE --engine ...``: replays one trace, shows the first failure
   or divergence (operation, group, expected and observed tables).
+* ``kvconform corpus export DIR`` / ``corpus run DIR --engine ... [--level]``: the
+  conformance corpus (traces with the reference's expected results), replayed without
+  Hypothesis (:mod:`properties.tools.corpus`, ``docs/corpus-format.md``).
 * ``kvconform bench suite|engines|attention``: speed figures.
 
 Exit codes (:mod:`properties.core.constants`): 0 passed, 1 a property failed, 2 usage or
@@ -30,6 +33,7 @@ from pathlib import Path
 
 from properties.core.constants import (
     DEFAULT_CALL_TIMEOUT_S,
+    DEFAULT_DATABASE_DIR,
     DEFAULT_FAILURE_DIR,
     DEFAULT_ISOLATION,
     DEFAULT_LEVEL,
@@ -111,6 +115,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         flush=True,
     )
     factory = engine_factory(config)
+    if getattr(factory, "spec_types", None) is not None:
+        print(
+            "  spec types the engine supports (only these are drawn): "
+            f"{', '.join(factory.spec_types)}"
+        )
     for d in known_divergences(factory):
         print(
             f"  known divergence {d.name}: {d.summary}\n    layouts where it applies are "
@@ -230,14 +239,64 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     check_count("--seed", args.seed, 0)
     if not args.minutes > 0:
         raise usage_error(f"--minutes must be > 0, got {args.minutes}")
+    config = config_from_args(args, preset=args.preset)  # every value checked up front
     return run_campaign(
-        config_from_args(args, preset=args.preset),
+        engine=config.engine,
         minutes=args.minutes,
+        level=config.level,
         workers=args.workers,
+        preset=config.preset,
         attention=args.attention,
         seed=args.seed,
+        failure_dir=config.failure_dir,
+        database=args.database,
+        call_timeout=config.call_timeout,
+        isolation=config.isolation,
         progress_seconds=args.progress_seconds,
     )
+
+
+def cmd_corpus(args: argparse.Namespace) -> int:
+    from properties.tools.corpus import CorpusError
+
+    try:
+        return _corpus(args)
+    except CorpusError as exc:
+        print(f"kvconform corpus: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _corpus(args: argparse.Namespace) -> int:
+    from properties.tools.corpus import export_corpus, run_corpus
+
+    if args.action == "export":
+        manifest = export_corpus(args.directory, per_mode=args.per_mode)
+        print(
+            f"kvconform corpus: {len(manifest['cases'])} cases in {args.directory} "
+            f"({manifest['format']}; modes: {', '.join(manifest['modes'])})"
+        )
+        print(f"  coverage: {json.dumps(manifest['coverage'])}")
+        return EXIT_PASSED
+    print(f"kvconform corpus run: {args.directory} engine={args.engine} level={args.level}")
+
+    def show(result) -> None:
+        line = f"  {result.status.upper():<4} {result.name}"
+        if result.message:
+            line += (
+                f" ({result.file}): {result.message[:2000]}"
+                if result.status == "fail"
+                else (f": {result.message}")
+            )
+        print(line, flush=True)
+
+    report = run_corpus(args.directory, args.engine, args.level, on_result=show)
+    print(
+        f"{report.count('pass')} passed, {report.count('fail')} failed, "
+        f"{report.count('skip')} skipped"
+    )
+    if not report.count("pass") and not report.count("fail"):
+        print("kvconform corpus run: no case ran (every one was skipped)", file=sys.stderr)
+    return EXIT_PASSED if report.passed else EXIT_FAILED
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -288,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--engine",
             default="reference",
-            help="reference, optimized, vllm, sglang, or module:factory",
+            help="reference, vllm, sglang, module:factory, or exec:COMMAND (an engine in "
+            "any language speaking docs/exec-protocol.md)",
         )
         p.add_argument("--level", default=DEFAULT_LEVEL, choices=LEVELS)
         p.add_argument("--failure-dir", default=DEFAULT_FAILURE_DIR)
@@ -334,6 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="when the output is not a terminal, one progress line per this many seconds",
     )
+    p.add_argument(
+        "--database",
+        default=None,
+        help="example database shared by the workers: redis://HOST:PORT[/DB] (one Redis "
+        f"for many machines) or a directory (default {DEFAULT_DATABASE_DIR})",
+    )
     p.set_defaults(func=cmd_fuzz)
 
     p = sub.add_parser("replay", help="replay one trace and show the first failure")
@@ -341,6 +407,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine_args(p)
     p.add_argument("--attention", action="store_true", help="check attention outputs only")
     p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("corpus", help="export or run the conformance corpus (no Hypothesis)")
+    corpus = p.add_subparsers(dest="action", required=True)
+    q = corpus.add_parser("export", help="write the corpus (traces and expected results)")
+    q.add_argument("directory")
+    q.add_argument("--per-mode", type=int, default=4, help="traces per mode (default 4)")
+    q.set_defaults(func=cmd_corpus)
+    q = corpus.add_parser("run", help="replay a corpus on an engine")
+    q.add_argument("directory")
+    engine_args(q)
+    q.set_defaults(func=cmd_corpus)
 
     p = sub.add_parser("bench", help="speed figures")
     p.add_argument("what", choices=("suite", "engines", "attention"))

@@ -35,9 +35,9 @@ from properties.engines.exec_engine import (
     ExecTimeoutError,
 )
 from properties.generate.presets import PRESETS
+from properties.runner import profiles as _profiles  # noqa: F401 - registers the profiles
 from properties.runner.check import run_property
 from properties.runner.config import CheckConfig
-from properties.runner.profiles import load_profile
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec, MambaSpec
 
@@ -59,7 +59,7 @@ def _misbehaving(mode: str, call: str, timeout: float = 30.0) -> ExecEngineFacto
 
 
 def _settings(n: int) -> settings:
-    return settings(load_profile("ci"), max_examples=n)
+    return settings(settings.get_profile("ci"), max_examples=n)
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +167,9 @@ def _drive_to_allocation(factory: ExecEngineFactory):
 
 
 def test_hung_engine_is_killed_and_reported_with_the_call() -> None:
-    factory = _misbehaving("hang", "allocate_slots", timeout=1.0)
+    factory = _misbehaving("hang", "allocate_slots")
     engine, hit = _drive_to_allocation(factory)
+    engine.process.timeout = 1.0  # only the call that hangs gets the short deadline
     start = time.monotonic()
     with pytest.raises(ExecTimeoutError) as info:
         engine.allocate_slots("r0", 3, 0, hit, 0)
@@ -210,8 +211,9 @@ def test_bad_answers_are_protocol_violations(mode: str, expected: str) -> None:
 def test_error_answer_names_the_call() -> None:
     engine = _misbehaving("error", "free")(_layout())
     engine.add_request(RequestInput("r0", (1, 2, 3)))
-    with pytest.raises(EngineError, match=r"free\('r0'\) failed: engine_error: nope"):
+    with pytest.raises(EngineError, match=r"free\('r0'\) failed: engine_error: nope") as info:
         engine.free("r0")
+    assert "misbehaving at free" in str(info.value)  # the engine's stderr comes along
     assert engine.num_free_blocks() == 7  # the engine keeps serving after an error answer
 
 
@@ -264,12 +266,18 @@ def _layout_json() -> dict:
     return layout_to_json(_layout())
 
 
-def test_cli_reports_a_crashed_engine(tmp_path) -> None:
+def test_cli_reports_a_crashed_engine(tmp_path, capsys) -> None:
     from properties.tools.cli import main
 
-    engine = f"exec:{sys.executable} {MISBEHAVING} crash allocate_slots"
+    # every example builds an engine, so every example meets the crash
+    engine = f"exec:{sys.executable} {MISBEHAVING} crash create"
+    current = settings.get_current_profile_name()  # the CLI loads its profile globally
     code = main(
-        ["check", "--engine", engine, "--profile", "dev", "--only", "invariants",
+        ["check", "--engine", engine, "--profile", "ci", "--only", "invariants",
          "--max-examples", "3", "--failure-dir", str(tmp_path)]
     )  # fmt: skip
-    assert code != 0
+    settings.load_profile(current)
+    out = capsys.readouterr().out
+    assert code == 3, out  # a crashed engine broke the protocol (issue 10: exit code 3)
+    assert "exited with status 7 during create()" in out
+    assert "misbehaving at create" in out

@@ -251,7 +251,7 @@ def test_exec_engine_that_cannot_start_is_a_configuration_error(tmp_path):
         "check", "--engine", "exec:/no/such/binary", "--failure-dir", str(tmp_path), *QUICK
     )
     assert code == EXIT_USAGE, out + err
-    assert "cannot start '/no/such/binary'" in out
+    assert "cannot start '/no/such/binary'" in out + err
     code, out, err = run_cli("check", "--engine", "exec:", *QUICK)
     assert code == EXIT_USAGE, out + err
     assert "needs a command after 'exec:'" in one_line(err)

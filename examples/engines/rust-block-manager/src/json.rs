@@ -129,7 +129,11 @@ fn write_string(s: &str, out: &mut String) {
 
 /// Parse one complete JSON text; the error names the byte offset.
 pub fn parse(text: &str) -> Result<Json, String> {
-    let mut p = Parser { bytes: text.as_bytes(), pos: 0, depth: 0 };
+    let mut p = Parser {
+        bytes: text.as_bytes(),
+        pos: 0,
+        depth: 0,
+    };
     p.skip_ws();
     let value = p.value()?;
     p.skip_ws();
@@ -153,7 +157,9 @@ impl Parser<'_> {
     }
 
     fn skip_ws(&mut self) {
-        while self.pos < self.bytes.len() && matches!(self.bytes[self.pos], b' ' | b'\t' | b'\n' | b'\r') {
+        while self.pos < self.bytes.len()
+            && matches!(self.bytes[self.pos], b' ' | b'\t' | b'\n' | b'\r')
+        {
             self.pos += 1;
         }
     }
@@ -262,7 +268,8 @@ impl Parser<'_> {
             return self.err("truncated \\u escape");
         }
         let text = std::str::from_utf8(&self.bytes[self.pos..end]).map_err(|_| "bad \\u escape")?;
-        let v = u32::from_str_radix(text, 16).map_err(|_| format!("bad \\u escape at byte {}", self.pos))?;
+        let v = u32::from_str_radix(text, 16)
+            .map_err(|_| format!("bad \\u escape at byte {}", self.pos))?;
         self.pos = end;
         Ok(v)
     }
@@ -272,10 +279,14 @@ impl Parser<'_> {
         let mut out = String::new();
         loop {
             let start = self.pos;
-            while self.pos < self.bytes.len() && !matches!(self.bytes[self.pos], b'"' | b'\\' | 0..=0x1f) {
+            while self.pos < self.bytes.len()
+                && !matches!(self.bytes[self.pos], b'"' | b'\\' | 0..=0x1f)
+            {
                 self.pos += 1;
             }
-            out.push_str(std::str::from_utf8(&self.bytes[start..self.pos]).map_err(|_| "invalid UTF-8")?);
+            out.push_str(
+                std::str::from_utf8(&self.bytes[start..self.pos]).map_err(|_| "invalid UTF-8")?,
+            );
             match self.peek() {
                 None => return self.err("unterminated string"),
                 Some(b'"') => {
@@ -357,7 +368,9 @@ impl Parser<'_> {
                 return Ok(Json::Int(v));
             }
         }
-        text.parse::<f64>().map(Json::Float).map_err(|_| format!("bad number {text:?} at byte {start}"))
+        text.parse::<f64>()
+            .map(Json::Float)
+            .map_err(|_| format!("bad number {text:?} at byte {start}"))
     }
 }
 
@@ -367,15 +380,32 @@ mod tests {
 
     #[test]
     fn round_trip() {
-        let v = parse(r#" {"a": [1, -2, "x\n\u00e9\ud83d\ude00"], "b": null, "c": true, "d": 1.5} "#).unwrap();
+        let v =
+            parse(r#" {"a": [1, -2, "x\n\u00e9\ud83d\ude00"], "b": null, "c": true, "d": 1.5} "#)
+                .unwrap();
         assert_eq!(v.get("a").unwrap().as_array().unwrap()[1], Json::Int(-2));
-        assert_eq!(v.get("a").unwrap().as_array().unwrap()[2].as_str().unwrap(), "x\né😀");
-        assert_eq!(v.to_text(), "{\"a\":[1,-2,\"x\\né😀\"],\"b\":null,\"c\":true,\"d\":1.5}");
+        assert_eq!(
+            v.get("a").unwrap().as_array().unwrap()[2].as_str().unwrap(),
+            "x\né😀"
+        );
+        assert_eq!(
+            v.to_text(),
+            "{\"a\":[1,-2,\"x\\né😀\"],\"b\":null,\"c\":true,\"d\":1.5}"
+        );
     }
 
     #[test]
     fn rejects_garbage() {
-        for bad in ["", "{", "[1,]", "{\"a\" 1}", "tru", "\"\\x\"", "1 2", "[\"\u{1}\"]"] {
+        for bad in [
+            "",
+            "{",
+            "[1,]",
+            "{\"a\" 1}",
+            "tru",
+            "\"\\x\"",
+            "1 2",
+            "[\"\u{1}\"]",
+        ] {
             assert!(parse(bad).is_err(), "{bad:?} should not parse");
         }
     }

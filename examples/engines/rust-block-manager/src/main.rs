@@ -32,12 +32,18 @@ struct Failure {
 
 impl From<CallError> for Failure {
     fn from(e: CallError) -> Failure {
-        Failure { kind: "engine_error", message: e.0 }
+        Failure {
+            kind: "engine_error",
+            message: e.0,
+        }
     }
 }
 
 fn protocol_error<T>(message: String) -> Result<T, Failure> {
-    Err(Failure { kind: "protocol_error", message })
+    Err(Failure {
+        kind: "protocol_error",
+        message,
+    })
 }
 
 fn arg<'a>(args: &'a Json, name: &str) -> Result<&'a Json, Failure> {
@@ -84,10 +90,14 @@ fn token_list(value: &Json, name: &str) -> Result<Vec<i64>, Failure> {
 
 fn block_table(value: &Json, name: &str) -> Result<Vec<Vec<usize>>, Failure> {
     let bad = || protocol_error(format!("{name} must be a list of lists of block ids"));
-    let Some(groups) = value.as_array() else { return bad() };
+    let Some(groups) = value.as_array() else {
+        return bad();
+    };
     let mut out = Vec::with_capacity(groups.len());
     for g in groups {
-        let Some(ids) = g.as_array() else { return bad() };
+        let Some(ids) = g.as_array() else {
+            return bad();
+        };
         let mut row = Vec::with_capacity(ids.len());
         for b in ids {
             match b.as_i64() {
@@ -117,7 +127,10 @@ fn parse_layout(value: &Json) -> Result<Layout, Failure> {
         }
     };
     let num_blocks = int(value.get("num_blocks"), "num_blocks")?;
-    let enable_caching = value.get("enable_caching").and_then(Json::as_bool).unwrap_or(true);
+    let enable_caching = value
+        .get("enable_caching")
+        .and_then(Json::as_bool)
+        .unwrap_or(true);
     let Some(groups) = value.get("groups").and_then(Json::as_array) else {
         return protocol_error("layout.groups must be a list".into());
     };
@@ -125,7 +138,10 @@ fn parse_layout(value: &Json) -> Result<Layout, Failure> {
     for (gid, g) in groups.iter().enumerate() {
         let spec = g.get("spec").unwrap_or(&Json::Null);
         let kind = spec.get("type").and_then(Json::as_str).unwrap_or("");
-        let block_size = int(spec.get("block_size"), &format!("groups[{gid}].spec.block_size"))?;
+        let block_size = int(
+            spec.get("block_size"),
+            &format!("groups[{gid}].spec.block_size"),
+        )?;
         let attention = match kind {
             "full" => Attention::Full,
             "sliding_window" => Attention::SlidingWindow {
@@ -140,9 +156,16 @@ fn parse_layout(value: &Json) -> Result<Layout, Failure> {
                 })
             }
         };
-        out.push(Group { block_size, attention });
+        out.push(Group {
+            block_size,
+            attention,
+        });
     }
-    Ok(Layout { num_blocks, enable_caching, groups: out })
+    Ok(Layout {
+        num_blocks,
+        enable_caching,
+        groups: out,
+    })
 }
 
 fn parse_hit(value: &Json) -> Result<Option<Hit>, Failure> {
@@ -151,7 +174,10 @@ fn parse_hit(value: &Json) -> Result<Option<Hit>, Failure> {
     }
     let num_tokens = usize_arg(value, "num_tokens")?;
     let block_ids = block_table(arg(value, "block_ids")?, "hit.block_ids")?;
-    Ok(Some(Hit { num_tokens, block_ids }))
+    Ok(Some(Hit {
+        num_tokens,
+        block_ids,
+    }))
 }
 
 struct Server {
@@ -175,7 +201,9 @@ impl Server {
                         "this engine speaks protocol {PROTOCOL}, the client asked for {version:?}"
                     ));
                 }
-                let strings = |items: &[&str]| Json::Array(items.iter().map(|s| Json::Str(s.to_string())).collect());
+                let strings = |items: &[&str]| {
+                    Json::Array(items.iter().map(|s| Json::Str(s.to_string())).collect())
+                };
                 Ok(object(vec![
                     ("protocol", Json::Int(PROTOCOL)),
                     ("name", Json::Str("rust-block-manager".into())),
@@ -230,7 +258,10 @@ impl Server {
                 let n_hit = usize_arg(args, "num_new_computed_tokens")?;
                 let lookahead = usize_arg(args, "num_lookahead_tokens")?;
                 let hit = parse_hit(args.get("hit").unwrap_or(&Json::Null))?;
-                match self.manager()?.allocate_slots(&id, n, n_hit, hit, lookahead)? {
+                match self
+                    .manager()?
+                    .allocate_slots(&id, n, n_hit, hit, lookahead)?
+                {
                     Some(new) => Ok(table_json(&new)),
                     None => Ok(Json::Null),
                 }
@@ -282,7 +313,13 @@ fn answer(id: Json, outcome: Result<Json, Failure>) -> Json {
         Ok(result) => object(vec![("id", id), ("result", result)]),
         Err(f) => object(vec![
             ("id", id),
-            ("error", object(vec![("kind", Json::Str(f.kind.into())), ("message", Json::Str(f.message))])),
+            (
+                "error",
+                object(vec![
+                    ("kind", Json::Str(f.kind.into())),
+                    ("message", Json::Str(f.message)),
+                ]),
+            ),
         ]),
     }
 }
@@ -304,11 +341,19 @@ fn main() {
             continue;
         }
         let (id, call, reply) = match json::parse(&line) {
-            Err(e) => (Json::Null, String::new(), protocol_error(format!("invalid JSON: {e}"))),
+            Err(e) => (
+                Json::Null,
+                String::new(),
+                protocol_error(format!("invalid JSON: {e}")),
+            ),
             Ok(msg) => {
                 let id = msg.get("id").cloned().unwrap_or(Json::Null);
                 match msg.get("call").and_then(Json::as_str) {
-                    None => (id, String::new(), protocol_error("a message needs a string \"call\"".into())),
+                    None => (
+                        id,
+                        String::new(),
+                        protocol_error("a message needs a string \"call\"".into()),
+                    ),
                     Some(call) => {
                         let empty = Json::Object(Default::default());
                         let args = msg.get("args").unwrap_or(&empty);

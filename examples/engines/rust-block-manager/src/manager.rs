@@ -116,7 +116,10 @@ impl Manager {
             return fail("the layout has no KV cache group".into());
         }
         if layout.num_blocks < 2 {
-            return fail(format!("num_blocks must be >= 2, got {}", layout.num_blocks));
+            return fail(format!(
+                "num_blocks must be >= 2, got {}",
+                layout.num_blocks
+            ));
         }
         let mut alignment = 1;
         for (gid, g) in layout.groups.iter().enumerate() {
@@ -177,9 +180,17 @@ impl Manager {
         Ok(())
     }
 
-    pub fn append_output_tokens(&mut self, request_id: &str, tokens: &[i64]) -> Result<(), CallError> {
+    pub fn append_output_tokens(
+        &mut self,
+        request_id: &str,
+        tokens: &[i64],
+    ) -> Result<(), CallError> {
         self.request(request_id)?;
-        self.requests.get_mut(request_id).unwrap().tokens.extend_from_slice(tokens);
+        self.requests
+            .get_mut(request_id)
+            .unwrap()
+            .tokens
+            .extend_from_slice(tokens);
         Ok(())
     }
 
@@ -209,7 +220,12 @@ impl Manager {
             let i = req.keys[group].len();
             let parent = if i == 0 { 0 } else { req.keys[group][i - 1] };
             let salt = if i == 0 { req.salt.clone() } else { None };
-            let parts = (parent, req.tokens[i * bs..(i + 1) * bs].to_vec(), salt, req.lora.clone());
+            let parts = (
+                parent,
+                req.tokens[i * bs..(i + 1) * bs].to_vec(),
+                salt,
+                req.lora.clone(),
+            );
             let next_id = self.interner.len() as u64 + 1;
             let key = *self.interner.entry(parts).or_insert(next_id);
             req.keys[group].push(key);
@@ -236,7 +252,10 @@ impl Manager {
     pub fn get_computed_blocks(&mut self, request_id: &str) -> Result<Hit, CallError> {
         self.request(request_id)?;
         let groups = self.layout.groups.len();
-        let mut hit = Hit { num_tokens: 0, block_ids: vec![Vec::new(); groups] };
+        let mut hit = Hit {
+            num_tokens: 0,
+            block_ids: vec![Vec::new(); groups],
+        };
         if self.layout.enable_caching {
             for g in 0..groups {
                 self.extend_keys(request_id, g);
@@ -248,7 +267,10 @@ impl Manager {
                 let tables: Option<Vec<Vec<usize>>> =
                     (0..groups).map(|g| self.serve(req, g, length)).collect();
                 if let Some(block_ids) = tables {
-                    hit = Hit { num_tokens: length, block_ids };
+                    hit = Hit {
+                        num_tokens: length,
+                        block_ids,
+                    };
                     break;
                 }
                 length -= self.alignment;
@@ -262,7 +284,9 @@ impl Manager {
     fn drop_out_of_window(&mut self, request_id: &str, start: usize) {
         let req = self.requests.get_mut(request_id).unwrap();
         for (gid, g) in self.layout.groups.iter().enumerate() {
-            let Attention::SlidingWindow { window } = g.attention else { continue };
+            let Attention::SlidingWindow { window } = g.attention else {
+                continue;
+            };
             let dead = (start + 1).saturating_sub(window) / g.block_size;
             for slot in req.tables[gid].iter_mut().take(dead) {
                 if *slot != 0 {
@@ -284,7 +308,9 @@ impl Manager {
         let req = self.request(request_id)?;
         if let Some(h) = &hit {
             if req.holds_blocks() {
-                return fail(format!("request {request_id:?} got a hit but already holds blocks"));
+                return fail(format!(
+                    "request {request_id:?} got a hit but already holds blocks"
+                ));
             }
             if req.last_hit.as_ref() != Some(h) {
                 return fail(format!(
@@ -300,7 +326,9 @@ impl Manager {
             for (gid, table) in h.block_ids.iter().enumerate() {
                 for (i, &b) in table.iter().enumerate() {
                     let want = req.keys[gid].get(i).copied();
-                    if b != 0 && self.pool.entry(b).map(|e| (e.group, e.key)) != want.map(|k| (gid, k)) {
+                    if b != 0
+                        && self.pool.entry(b).map(|e| (e.group, e.key)) != want.map(|k| (gid, k))
+                    {
                         return fail(format!(
                             "request {request_id:?}: hit block {b} (group {gid}) was evicted since the lookup"
                         ));
@@ -323,7 +351,12 @@ impl Manager {
             needed += cdiv(total, g.block_size).saturating_sub(tables[gid].len());
         }
         if let Some(h) = &hit {
-            needed += h.block_ids.iter().flatten().filter(|&&b| b != 0 && self.pool.ref_count(b) == 0).count();
+            needed += h
+                .block_ids
+                .iter()
+                .flatten()
+                .filter(|&&b| b != 0 && self.pool.ref_count(b) == 0)
+                .count();
         }
         if needed > self.pool.num_free() {
             return Ok(None);
@@ -368,7 +401,11 @@ impl Manager {
             let entries: Vec<(usize, CacheEntry)> = (from..full)
                 .filter(|&i| req.tables[gid][i] != 0)
                 .map(|i| {
-                    let entry = CacheEntry { group: gid, key: req.keys[gid][i], num_tokens: (i + 1) * bs };
+                    let entry = CacheEntry {
+                        group: gid,
+                        key: req.keys[gid][i],
+                        num_tokens: (i + 1) * bs,
+                    };
                     (req.tables[gid][i], entry)
                 })
                 .collect();
@@ -398,7 +435,9 @@ impl Manager {
     pub fn remove_request(&mut self, request_id: &str) -> Result<(), CallError> {
         if let Some(req) = self.requests.get(request_id) {
             if req.holds_blocks() {
-                return fail(format!("remove_request({request_id:?}) while it holds blocks"));
+                return fail(format!(
+                    "remove_request({request_id:?}) while it holds blocks"
+                ));
             }
         }
         self.requests.remove(request_id);
@@ -422,7 +461,9 @@ impl Manager {
     }
 
     pub fn ref_counts(&self) -> Vec<(usize, u32)> {
-        (1..self.pool.num_blocks()).map(|b| (b, self.pool.ref_count(b))).collect()
+        (1..self.pool.num_blocks())
+            .map(|b| (b, self.pool.ref_count(b)))
+            .collect()
     }
 
     pub fn free_queue(&self) -> Vec<usize> {
@@ -442,7 +483,10 @@ mod tests {
         Manager::new(Layout {
             num_blocks,
             enable_caching: true,
-            groups: vec![Group { block_size: bs, attention }],
+            groups: vec![Group {
+                block_size: bs,
+                attention,
+            }],
         })
         .unwrap()
     }
@@ -453,7 +497,9 @@ mod tests {
         m.add_request(id, tokens, None, None).unwrap();
         let hit = m.get_computed_blocks(id).unwrap();
         let l = hit.num_tokens;
-        m.allocate_slots(id, n - l, l, Some(hit), 0).unwrap().unwrap();
+        m.allocate_slots(id, n - l, l, Some(hit), 0)
+            .unwrap()
+            .unwrap();
         m.set_num_computed_tokens(id, n).unwrap();
         m.free(id).unwrap();
     }
@@ -484,7 +530,8 @@ mod tests {
     fn salt_separates_prefixes() {
         let mut m = one_group(2, Attention::Full, 10);
         prefill_and_free(&mut m, "a", vec![1, 2, 3, 4, 5]);
-        m.add_request("b", vec![1, 2, 3, 4, 5], Some("s".into()), None).unwrap();
+        m.add_request("b", vec![1, 2, 3, 4, 5], Some("s".into()), None)
+            .unwrap();
         assert_eq!(m.get_computed_blocks("b").unwrap().num_tokens, 0);
     }
 

@@ -122,7 +122,10 @@ impl BlockPool {
 
     /// One holder fewer; at 0 the block goes to the back of the free queue, still cached.
     pub fn release(&mut self, block: usize) {
-        assert!(block != 0 && self.ref_count[block] > 0, "release of a block nobody holds");
+        assert!(
+            block != 0 && self.ref_count[block] > 0,
+            "release of a block nobody holds"
+        );
         self.ref_count[block] -= 1;
         if self.ref_count[block] == 0 {
             self.push_back(block);
@@ -180,7 +183,9 @@ impl BlockPool {
 
     /// Every cached block: `(block, entry)`, in block order.
     pub fn cached_blocks(&self) -> Vec<(usize, CacheEntry)> {
-        (1..self.num_blocks()).filter_map(|b| self.entry[b].map(|e| (b, e))).collect()
+        (1..self.num_blocks())
+            .filter_map(|b| self.entry[b].map(|e| (b, e)))
+            .collect()
     }
 }
 
@@ -206,7 +211,14 @@ mod tests {
     fn allocation_evicts() {
         let mut pool = BlockPool::new(2);
         let b = pool.allocate().unwrap();
-        pool.cache(b, CacheEntry { group: 0, key: 7, num_tokens: 4 });
+        pool.cache(
+            b,
+            CacheEntry {
+                group: 0,
+                key: 7,
+                num_tokens: 4,
+            },
+        );
         pool.release(b);
         assert_eq!(pool.lookup(0, 7), Some(b));
         assert_eq!(pool.allocate(), Some(b));
