@@ -296,7 +296,10 @@ def _corpus(args: argparse.Namespace) -> int:
     )
     if not report.count("pass") and not report.count("fail"):
         print("kvconform corpus run: no case ran (every one was skipped)", file=sys.stderr)
-    return EXIT_PASSED if report.passed else EXIT_FAILED
+    if report.passed:
+        return EXIT_PASSED
+    failed = [r.kind or "property" for r in report.results if r.status == "fail"]
+    return exit_code(failed) if failed else EXIT_FAILED  # none failed: no case ran
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -71,6 +71,14 @@ def saved_traces(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.json")) if directory.is_dir() else []
 
 
+@pytest.fixture(autouse=True)
+def keep_hypothesis_profile():
+    """``cli.main`` loads its profile globally: put the session's back afterwards."""
+    current = settings.get_current_profile_name()
+    yield
+    settings.load_profile(current)
+
+
 @pytest.fixture
 def no_shrink(monkeypatch):
     """``kvconform check`` in this process with shrinking off."""
