@@ -87,8 +87,8 @@ def apply_decode_items(
     freed = np.concatenate(freed_parts) if freed_parts else np.zeros(0, dtype=np.int64)
     zero = np.zeros(0, dtype=bool)
     if freed.size:
-        if np.unique(freed).size != freed.size:
-            return None
+        if np.bincount(freed, minlength=pool.num_blocks).max() > 1:
+            return None  # a block shared by two requests: its last free decides its place
         after = pool.ref_cnt[freed] - 1
         if (after < 0).any():
             return None
@@ -101,7 +101,7 @@ def apply_decode_items(
             for g in range(num_groups):
                 a, b = int(first_free[i, g]), int(last_free[i, g])
                 if b > a:
-                    seg = mg_table_nonnull(managers[g], int(rows[i]), a, b)
+                    seg = count_real_blocks(managers[g], int(rows[i]), a, b)
                     count += int(zero[k : k + seg].sum())
                     k += seg
             freed_per_item[i] = count
@@ -149,6 +149,6 @@ def apply_decode_items(
     return results
 
 
-def mg_table_nonnull(mg, row: int, a: int, b: int) -> int:
+def count_real_blocks(mg, row: int, a: int, b: int) -> int:
     """How many non-null entries ``table[row, a:b]`` holds."""
     return int(np.count_nonzero(mg.table[row, a:b]))

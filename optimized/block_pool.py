@@ -186,7 +186,17 @@ class BlockPool:
         """:meth:`_evict` of several hashed blocks: map updates per block, arrays at once."""
         block_hash = self.block_hash
         groups = self.block_group[hashed].tolist()
-        for b, g in zip(hashed.tolist(), groups):
+        ids = hashed.tolist()
+        if len(set(groups)) == 1 and not self.duplicates[groups[0]]:
+            # one group, every key held by one block: each popped block is its key's head
+            cached = self.cached[groups[0]]
+            for b in ids:
+                del cached[block_hash[b]]
+                block_hash[b] = None
+            self.block_group[hashed] = -1
+            self.num_cached_tokens[hashed] = 0
+            return
+        for b, g in zip(ids, groups):
             key = block_hash[b]
             cached = self.cached[g]
             if cached.get(key) == b:
@@ -321,6 +331,25 @@ class BlockPool:
         block_hash = self.block_hash
         nct = self.num_cached_tokens
         cached = self.cached[group_id]
+        if mask is None and blocks and NULL_BLOCK_ID not in blocks:
+            ids = np.asarray(blocks, dtype=np.int64)
+            keys = list(hashes)
+            if (
+                (self.block_group[ids] < 0).all()
+                and cached.keys().isdisjoint(keys)
+                and len(set(keys)) == len(keys)
+            ):
+                # fresh blocks, new distinct keys: one dict update, array writes at once
+                cached.update(zip(keys, blocks))
+                for b, h in zip(blocks, keys):
+                    block_hash[b] = h
+                self.block_group[ids] = group_id
+                nct[ids] = np.arange(
+                    (first_index + 1) * block_size,
+                    (first_index + len(blocks) + 1) * block_size,
+                    block_size,
+                )
+                return
         fresh: list[int] = []
         fresh_tokens: list[int] = []
         for k, b in enumerate(blocks):

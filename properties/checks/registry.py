@@ -84,6 +84,13 @@ _REGISTRY: tuple[CheckInfo, ...] = (
     _check(inv.exclusive_write, "group_write", "I6", "a written block has one owner"),
     _check(inv.no_block_shared, "allocate", "I5", "no block twice in a request's table"),
     _check(inv.failed_allocation, "failed_allocation", "A1", "None changes nothing"),
+    _check(
+        inv.allocation_fits,
+        "failed_allocation",
+        "A2",
+        "an allocation that fits the free count does not fail",
+        ["shared_pool"],
+    ),
     _check(inv.freed_on_free, "free", "F1", "free() leaves no block behind"),
     _check(
         inv.reset_prefix_cache,
@@ -93,6 +100,7 @@ _REGISTRY: tuple[CheckInfo, ...] = (
         needs=["shared_pool"],
     ),
     _check(inv.pool_accounting, "pool", "I1", "free + in use == num_blocks - 1", ["shared_pool"]),
+    _check(inv.idle_pool_free, "pool", "I7", "nothing held: every block free or reclaimable"),
     _check(
         inv.ref_counts_match_owners,
         "pool",

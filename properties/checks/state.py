@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from properties.checks.oracles import ShadowCache, prefix_ids
+from properties.checks.oracles import ShadowCache, extend_prefix_ids
 from properties.core.engine import (
     BlockIds,
     CacheHit,
@@ -43,8 +43,9 @@ class TrackedRequest:
     ids: list[int] = field(default_factory=list)
 
     def refresh_ids(self) -> None:
-        if len(self.ids) != len(self.token_ids):
-            self.ids = prefix_ids(self.token_ids, self.cache_salt, self.lora_name)
+        """Extend ``ids`` over tokens appended since (decodes add one token a step)."""
+        if len(self.ids) < len(self.token_ids):
+            self.ids = extend_prefix_ids(self.ids, self.token_ids, self.cache_salt, self.lora_name)
 
 
 #: ``(num_free_blocks, ref counts or None, free queue or None)`` at one moment.
@@ -66,6 +67,10 @@ class CheckState:
         self.has_free_queue = isinstance(engine, ExposesFreeQueue)
         self.has_cached = isinstance(engine, ExposesCachedBlocks)
         self.alignment = layout.cache_hit_alignment
+        #: the free count of the fresh engine: every block free or reclaimable
+        self.initial_free = engine.num_free_blocks()
+        self._reads: dict[str, object] = {}
+        self._tables: dict[str, BlockIds] = {}
 
     def capabilities(self) -> frozenset[str]:
         """The optional capabilities the engine offers (names as in the registry)."""
@@ -77,19 +82,47 @@ class CheckState:
         )
         return frozenset(name for name, present in names if present)
 
+    # -- reads of the engine, once per engine call ------------------------------------
+    def invalidate(self) -> None:
+        """The engine was called: everything read from it may have changed. Until the
+        next call, each read below asks the engine once (the checks of one event, the
+        lockstep comparison and the next call's snapshot share it)."""
+        self._reads.clear()
+        self._tables.clear()
+
+    def _read(self, what: str, fn):
+        if what not in self._reads:
+            self._reads[what] = fn()
+        return self._reads[what]
+
+    def num_free(self) -> int:
+        return self._read("num_free", self.engine.num_free_blocks)
+
+    def ref_counts(self) -> dict[int, int]:
+        return self._read("ref_counts", lambda: dict(self.engine.ref_counts()))
+
+    def free_queue(self) -> list[int]:
+        return self._read("free_queue", lambda: list(self.engine.free_queue()))
+
+    def cached_blocks(self) -> list:
+        return self._read("cached_blocks", lambda: list(self.engine.cached_blocks()))
+
+    def table_of(self, request_id: str) -> BlockIds:
+        table = self._tables.get(request_id)
+        if table is None:
+            table = tuple(tuple(g) for g in self.engine.get_block_ids(request_id))
+            self._tables[request_id] = table
+        return table
+
     def tables(self) -> dict[str, BlockIds]:
         """The block table of every request that holds blocks."""
-        return {
-            rid: tuple(tuple(g) for g in self.engine.get_block_ids(rid))
-            for rid, r in self.requests.items()
-            if r.holds_blocks
-        }
+        return {rid: self.table_of(rid) for rid, r in self.requests.items() if r.holds_blocks}
 
     def snapshot(self) -> Snapshot:
         return (
-            self.engine.num_free_blocks(),
-            dict(self.engine.ref_counts()) if self.has_ref_counts else None,
-            list(self.engine.free_queue()) if self.has_free_queue else None,
+            self.num_free(),
+            self.ref_counts() if self.has_ref_counts else None,
+            self.free_queue() if self.has_free_queue else None,
         )
 
 
@@ -120,10 +153,14 @@ class AllocateEvent:
 
 @dataclass(frozen=True)
 class FailedAllocationEvent:
+    """``allocate_slots`` returned None; ``num_slots`` is the slot count it asked for
+    (computed + hit + new + lookahead tokens, at most ``max_model_len``)."""
+
     request_id: str
     hit: CacheHit | None
     before: Snapshot
     tables_before: BlockIds | None
+    num_slots: int = 0
 
 
 @dataclass(frozen=True)

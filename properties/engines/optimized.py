@@ -119,7 +119,8 @@ class OptimizedEngine:
             results = self.manager.schedule_step(step)
         except KVConformError as exc:
             raise EngineError(f"optimized: schedule_step: {exc}") from exc
-        return [None if r is None else tuple(tuple(g) for g in r) for r in results]
+        empty = self.manager.no_new_blocks
+        return [r if r is None or r is empty else tuple(tuple(g) for g in r) for r in results]
 
     def free(self, request_id: str) -> None:
         self.manager.free(self._request(request_id))

@@ -29,6 +29,7 @@ so partial prefix hits stay disabled as the layout requires.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 from collections.abc import Sequence
@@ -339,6 +340,137 @@ def preset_layouts(
     return dataclasses.replace(sizing, num_blocks=num_blocks)
 
 
+@st.composite
+def small_block_hybrids(draw, max_len: int = 256) -> KVCacheLayout:
+    """A hybrid where a windowed group's block size is smaller than the hit alignment.
+
+    One "coarse" group (full attention, or a second sliding window, or nothing) has
+    block size ``A`` in ``{4, 8, 16}``; a sliding-window group has ``A / k`` (``k`` in
+    ``{2, 4}``), so its hit search must stop at aligned ends and its cached blocks are
+    masked per segment; a Mamba group (block size ``gcd``) joins a third of the time.
+    Example: full bs 8 + sliding window bs 2 (w 5): alignment 8, the window's hit must
+    end on a block whose end is a multiple of 8.
+    """
+    coarse = draw(st.sampled_from((4, 8, 16)))
+    fine = coarse // draw(st.sampled_from((2, 4)))
+    partners = (("full",), ("sliding_window",), ("sliding_window", "mamba"), ("full", "mamba"))
+    kinds = ["sliding_window", *draw(st.sampled_from(partners))]
+    # the partner attention group has the coarse size; Mamba the hash block size
+    sizes = [fine, coarse] + [fine] * (len(kinds) - 2)
+    if kinds[1] != "sliding_window":  # two windows: the fine one searches first
+        order = draw(st.permutations(range(len(kinds))))
+        kinds = [kinds[i] for i in order]
+        sizes = [sizes[i] for i in order]
+    tight = draw(st.booleans())  # eviction takes a segment's blocks tail first
+    layout = draw(_layout_of(kinds, sizes, max_len, min_len=2 * coarse))
+    # The fine window is either wider than the alignment (every block of a segment is
+    # cached, so a hit search can meet a cached block that ends off the alignment) or
+    # at most one block past it (only each segment's last block is cached: the mask).
+    width = draw(st.one_of(st.integers(coarse + 1, 3 * coarse), st.integers(1, fine + 1)))
+    groups = tuple(
+        dataclasses.replace(g, spec=dataclasses.replace(g.spec, sliding_window=width))
+        if isinstance(g.spec, SlidingWindowSpec) and g.spec.block_size == fine
+        else g
+        for g in layout.groups
+    )
+    return draw(_sized(groups, max_len, 2 * coarse, tight_pool=tight))
+
+
+@st.composite
+def _layout_of(
+    draw,
+    kinds: Sequence[str],
+    sizes: Sequence[int],
+    max_len: int,
+    min_len: int = 1,
+    enable_caching: bool = True,
+    tight_pool: bool = False,
+) -> KVCacheLayout:
+    """A layout with these group kinds and block sizes (pages unified as in
+    :func:`layouts`); ``tight_pool`` draws only pools that fit about one request."""
+    page = 64 * math.lcm(*sizes)
+    groups = tuple(
+        KVCacheGroup((f"layer.{i}",), draw(_kind_specs(kind, bs, page)))
+        for i, (kind, bs) in enumerate(zip(kinds, sizes))
+    )
+    return draw(_sized(groups, max_len, min_len, enable_caching, tight_pool))
+
+
+@st.composite
+def _sized(
+    draw,
+    groups: tuple[KVCacheGroup, ...],
+    max_len: int,
+    min_len: int = 1,
+    enable_caching: bool = True,
+    tight_pool: bool = False,
+) -> KVCacheLayout:
+    """``groups`` with a ``max_model_len`` in ``[max(lcm, min_len), max_len]`` and a pool
+    from :func:`pool_sizes` (``tight_pool``: room for about one request only)."""
+    lcm = math.lcm(*(g.spec.block_size for g in groups))
+    low = max(lcm, min(min_len, max_len))
+    max_model_len = draw(st.integers(low, max(low, max_len)))
+    sizing = KVCacheLayout(
+        groups=groups, num_blocks=2, max_model_len=max_model_len, enable_caching=enable_caching
+    )
+    if tight_pool:
+        need = _blocks_one_request_needs(sizing)
+        num_blocks = draw(st.integers(max(5, need + 1), max(5, need + 3)))
+    else:
+        num_blocks = draw(pool_sizes(sizing))
+    return dataclasses.replace(sizing, num_blocks=num_blocks)
+
+
+@st.composite
+def tight_pool_layouts(draw, max_len: int = 256) -> KVCacheLayout:
+    """One or two groups with a pool that holds about one request: cached blocks must
+    be evicted for new ones and hits re-adopted from the free queue (the
+    allocation-failure and eviction paths)."""
+    kinds = draw(
+        st.sampled_from(
+            (("full",), ("sliding_window",), ("full", "sliding_window"), ("full", "mamba"))
+        )
+    )
+    bs = draw(st.sampled_from((1, 2, 4)))
+    return draw(_layout_of(kinds, [bs] * len(kinds), min(max_len, 48), tight_pool=True))
+
+
+@st.composite
+def chunked_layouts(draw, max_len: int = 256) -> KVCacheLayout:
+    """One chunked-local group whose chunk is not a multiple of its block size (the hit
+    search must retry from an earlier chunk), alone or beside full attention of the same
+    block size. Example: bs 4, chunk 6: a hit search up to 19 starts the chunk at 18,
+    inside block 4."""
+    bs = draw(st.sampled_from((2, 4, 8)))
+    chunk = draw(st.integers(1, 4)) * bs + draw(st.integers(1, bs - 1))
+    fields = _attention_fields(bs, 16)
+    groups = [
+        KVCacheGroup(("layer.0",), ChunkedLocalAttentionSpec(**fields, attention_chunk_size=chunk))
+    ]
+    if draw(st.booleans()):
+        groups.insert(0, KVCacheGroup(("layer.1",), FullAttentionSpec(**fields)))
+    return draw(_sized(tuple(groups), max_len, min_len=4 * bs))
+
+
+def uncached_layouts(max_len: int = 256) -> st.SearchStrategy[KVCacheLayout]:
+    """Layouts with prefix caching off (no hits, nothing registered)."""
+    return layouts(max_groups=3, max_len=max_len, enable_caching=False)
+
+
+def targeted_layouts(max_len: int = 256) -> st.SearchStrategy[KVCacheLayout]:
+    """Layouts built to reach particular rules on purpose: sliding windows finer than
+    the hit alignment, tight pools, prefix caching off."""
+    fine = small_block_hybrids(max_len=max_len)
+    return st.one_of(
+        fine,
+        tight_pool_layouts(max_len=max_len),
+        fine,
+        chunked_layouts(max_len=max_len),
+        fine,
+        uncached_layouts(max_len=max_len),
+    )
+
+
 def presets_of_kinds(kinds: Sequence[str] = SPEC_KINDS) -> tuple[str, ...]:
     """The presets (in :data:`PRESET_ORDER`) whose layers are all of ``kinds``:
     ``("full", "sliding_window")`` -> mistral-7b, gpt-oss, gemma2, gemma3."""
@@ -350,13 +482,18 @@ def presets_of_kinds(kinds: Sequence[str] = SPEC_KINDS) -> tuple[str, ...]:
 def any_layouts(
     max_len: int = 256, kinds: Sequence[str] = SPEC_KINDS
 ) -> st.SearchStrategy[KVCacheLayout]:
-    """Generated layouts or presets, generated first (they shrink better); only layouts
-    made of ``kinds`` (an engine's ``spec_types``)."""
-    names = presets_of_kinds(kinds)
-    generated = layouts(max_len=max_len, kinds=kinds)
-    if not names:
-        return generated
-    return st.one_of(generated, preset_layouts(names=names, max_len=max_len))
+    """The scenario mix: generated layouts half the time (drawn first: they shrink
+    best), presets and :func:`targeted_layouts` a quarter each. An engine that supports
+    only some spec types (``kinds``, its ``spec_types``) gets generated layouts and the
+    presets made of those types only."""
+    if set(kinds) != set(SPEC_KINDS):
+        names = presets_of_kinds(kinds)
+        only = layouts(max_len=max_len, kinds=kinds)
+        return only if not names else st.one_of(only, preset_layouts(names=names, max_len=max_len))
+    generated = layouts(max_len=max_len)
+    return st.one_of(
+        generated, preset_layouts(max_len=max_len), generated, targeted_layouts(max_len)
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -365,10 +502,17 @@ def any_layouts(
 
 def prompt_lengths(layout: KVCacheLayout, max_len: int) -> st.SearchStrategy[int]:
     """A length in ``1..max_len``: short, near a multiple of the scheduler block size
-    (``k * lcm - 1``, ``k * lcm``, ``k * lcm + 1``), near ``max_len``, or anything."""
+    (``k * lcm - 1``, ``k * lcm``, ``k * lcm + 1``), near ``max_len``, or anything.
+
+    One strategy object per ``(scheduler block size, max_len)``: the stateful machine
+    draws thousands of prompts, and a strategy built anew is validated anew."""
+    return _prompt_lengths(layout.scheduler_block_size, max_len)
+
+
+@functools.lru_cache(maxsize=4096)
+def _prompt_lengths(unit: int, max_len: int) -> st.SearchStrategy[int]:
     if max_len < 1:
         raise ValueError(f"prompt_lengths(max_len=...) must be >= 1, got {max_len}")
-    unit = layout.scheduler_block_size
     near_multiple = st.builds(
         lambda k, d: min(max_len, max(1, k * unit + d)),
         st.integers(1, max(1, max_len // unit)),
@@ -414,17 +558,31 @@ def prompts(
     length = draw(prompt_lengths(layout, limit))
     head: tuple[int, ...] = ()
     if prefix_pool and draw(st.booleans()):
-        prefix = draw(st.sampled_from(tuple(prefix_pool)))
-        cut = draw(st.one_of(st.just(len(prefix)), st.integers(0, len(prefix))))
+        prefix = prefix_pool[draw(st.integers(0, len(prefix_pool) - 1))]
+        cut = draw(_cuts(len(prefix)))
         head = prefix[: min(cut, length)]
     return head + random_tokens(draw(_seeds), length - len(head))
 
 
+@functools.lru_cache(maxsize=4096)
+def _cuts(length: int) -> st.SearchStrategy[int]:
+    """Where to cut a pool prefix: the whole prefix, or anywhere."""
+    return st.one_of(st.just(length), st.integers(0, length))
+
+
+@functools.lru_cache(maxsize=4096)
+def _output_lengths(longest: int, long_cap: int) -> st.SearchStrategy[int]:
+    short = st.integers(0, longest)
+    return st.one_of(short, short, short, st.integers(0, long_cap))
+
+
 @st.composite
 def outputs(draw, layout: KVCacheLayout, max_len: int) -> tuple[int, ...]:
-    """The tokens a request will decode: ``0..min(max_len, 2 * lcm + 4)`` tokens."""
+    """The tokens a request will decode: ``0..min(max_len, 2 * lcm + 4)`` tokens, or a
+    quarter of the time a long decode of up to ``min(max_len, 24)`` tokens (it crosses
+    windows, chunks and Mamba state blocks one token per step)."""
     longest = max(0, min(max_len, 2 * layout.scheduler_block_size + 4))
-    length = draw(st.integers(0, longest))
+    length = draw(_output_lengths(longest, max(0, min(max_len, 24))))
     return random_tokens(draw(_seeds), length)
 
 
@@ -442,6 +600,61 @@ def request_inputs(
         cache_salt=draw(cache_salts()),
         lora_name=draw(lora_names()),
     )
+
+
+_RESEND_KINDS = st.sampled_from(("same", "turn", "turn+", "cut"))
+
+
+@functools.lru_cache(maxsize=4096)
+def boundaries(layout: KVCacheLayout, length: int) -> tuple[int, ...]:
+    """Cut points ``1..length`` at and next to every group's block boundary and the hit
+    alignment. Example: block sizes 2 and 4, length 9 -> 1, 2, 3, 4, 5, 6, 7, 8, 9."""
+    sizes = {g.spec.block_size for g in layout.groups} | {layout.cache_hit_alignment}
+    cuts = {
+        k * bs + d
+        for bs in sizes
+        for k in range(1, length // bs + 1)
+        for d in (-1, 0, 1)
+        if 1 <= k * bs + d <= length
+    }
+    return tuple(sorted(cuts)) or (length,)
+
+
+@st.composite
+def resend_ops(draw, layout: KVCacheLayout, old: Arrive, request_id: str) -> Arrive:
+    """An earlier prompt again: a retry (the same prompt), the next turn of a chat (the
+    prompt, its output and a few new tokens), or the prompt cut at or next to a block
+    boundary (:func:`boundaries`), with the same or another salt."""
+    room = layout.max_model_len - len(old.prompt)
+    kind = draw(_RESEND_KINDS)
+    if kind == "cut" and len(old.prompt) > 1:
+        cuts = boundaries(layout, len(old.prompt))
+        prompt = old.prompt[: cuts[draw(st.integers(0, len(cuts) - 1))]]
+    else:
+        extension = {"turn": old.output, "turn+": old.output + (1, 2, 3)}.get(kind, ())
+        prompt = old.prompt + extension[: max(0, room - 1)]
+    room = layout.max_model_len - len(prompt)
+    return Arrive(
+        request_id,
+        prompt,
+        old.output[: max(0, min(room, 4))],
+        (old.cache_salt, None, "s2")[draw(st.integers(0, 2))],
+        old.lora_name,
+    )
+
+
+def burst_ops(layout: KVCacheLayout, old: Arrive, first_id: int) -> tuple[Arrive, ...]:
+    """Two arrivals from ``old``: its prompt cut at the largest multiple of the hit
+    alignment below its length, then that cut plus 3 new tokens (the next chat turn).
+    Example: alignment 8, a 21-token prompt -> 16 tokens, then those 16 and 3 more.
+    Nothing when the prompt is not longer than the alignment."""
+    unit = layout.cache_hit_alignment
+    cut = (len(old.prompt) - 1) // unit * unit
+    if cut < unit or cut + 3 > layout.max_model_len:
+        return ()
+    first = Arrive(f"r{first_id}", old.prompt[:cut], (), old.cache_salt, old.lora_name)
+    turn = old.prompt[:cut] + (1, 2, 3)
+    return (first, Arrive(f"r{first_id + 1}", turn, (), old.cache_salt, old.lora_name))
 
 
 # ---------------------------------------------------------------------------

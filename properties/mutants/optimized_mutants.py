@@ -228,7 +228,7 @@ OPTIMIZED_MUTANT_INFO: dict[str, OptimizedMutantInfo] = {
         _info(
             make_free_queue_remove_unlinked,
             "invariants",
-            ["exact_match", "free queue is corrupt"],
+            ["exact_match", "free queue is corrupt", "free_queue_contents"],
             "removing a block from the free queue leaves its successor's back link stale",
         ),
         _info(

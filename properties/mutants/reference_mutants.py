@@ -407,6 +407,60 @@ def make_reset_while_held(layout: KVCacheLayout) -> MutantEngine:
     return _engine("reset_while_held", layout, pool_cls=ResetWhileHeldPool)
 
 
+class LeakyFreePool(BlockPool):
+    """Freeing a request forgets to release its last block."""
+
+    def free_blocks(self, ordered_blocks) -> None:
+        blocks = list(ordered_blocks)
+        super().free_blocks(blocks[1:])  # BUG: the tail block keeps its reference
+
+
+class BareEngine:
+    """An engine answering only the calls every engine answers (no ref counts, free
+    queue or cached blocks), over another engine."""
+
+    def __init__(self, inner: MutantEngine) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def add_request(self, request) -> None:
+        self.inner.add_request(request)
+
+    def append_output_tokens(self, request_id, token_ids) -> None:
+        self.inner.append_output_tokens(request_id, token_ids)
+
+    def set_num_computed_tokens(self, request_id, num_computed_tokens) -> None:
+        self.inner.set_num_computed_tokens(request_id, num_computed_tokens)
+
+    def new_step(self) -> None:
+        self.inner.new_step()
+
+    def get_computed_blocks(self, request_id):
+        return self.inner.get_computed_blocks(request_id)
+
+    def allocate_slots(self, *args, **kwargs):
+        return self.inner.allocate_slots(*args, **kwargs)
+
+    def free(self, request_id) -> None:
+        self.inner.free(request_id)
+
+    def remove_request(self, request_id) -> None:
+        self.inner.remove_request(request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.inner.reset_prefix_cache()
+
+    def get_block_ids(self, request_id):
+        return self.inner.get_block_ids(request_id)
+
+    def num_free_blocks(self) -> int:
+        return self.inner.num_free_blocks()
+
+
+def make_bare_leaky_free(layout: KVCacheLayout) -> BareEngine:
+    return BareEngine(_engine("bare_leaky_free", layout, pool_cls=LeakyFreePool))
+
+
 # ---------------------------------------------------------------------------
 # The catalogue
 
@@ -503,7 +557,8 @@ MUTANT_INFO: dict[str, MutantInfo] = {
         _info(
             make_null_block_handed_out,
             "universal",
-            ["pool_accounting", "window_liveness", "reset_prefix_cache"],
+            # its free queue holds block 0: a malformed answer (P1) as soon as it is read
+            ["answers", "pool_accounting", "window_liveness", "reset_prefix_cache"],
             "the null block sits in the free queue and can be allocated",
         ),
         _info(
@@ -535,6 +590,13 @@ MUTANT_INFO: dict[str, MutantInfo] = {
             "universal",
             ["reset_prefix_cache"],
             "reset_prefix_cache succeeds (and forgets keys) while blocks are held",
+        ),
+        _info(
+            make_bare_leaky_free,
+            "universal",
+            ["idle_pool_free", "allocation_fits"],
+            "no optional capabilities, and free() keeps a reference to each freed "
+            "tail block (only the capability-free checks see it)",
         ),
     )
 }

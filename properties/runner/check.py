@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from properties.core.trace import Trace, save_trace
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
 from properties.runner.machine import (
+    RunStats,
     RunStopped,
     TraceRun,
     engine_factory,
@@ -52,12 +54,46 @@ from properties.runner.machine import (
     failure_kind,
     layout_strategy,
     machine_for,
+    replay_trace,
 )
+
+#: Default bound of the shrink phase, seconds: a failure found in CI reaches its replay
+#: command within a minute of the start (the first failing trace is saved before it).
+DEFAULT_SHRINK_SECONDS = 30.0
+
+
+@dataclass
+class FirstFailure:
+    """When a property first failed (before shrinking) and the trace saved for it:
+    ``seconds`` since the property started, after ``examples`` examples and ``steps``
+    machine steps; ``trace_path`` is ``None`` when the trace did not fail again on
+    replay (a failure that depends on more than the operations)."""
+
+    prop: str
+    check: str
+    seconds: float
+    examples: int
+    steps: int
+    trace_path: Path | None
+    engine: str
+    level: str
+
+    def describe(self) -> str:
+        return (
+            f"{self.prop}: first failure [{self.check}] after {self.seconds:.1f}s, "
+            f"example {self.examples}, step {self.steps}"
+        )
+
+    def replay(self) -> str | None:
+        if self.trace_path is None:
+            return None
+        return replay_command(self.trace_path, self.engine, self.level, self.prop == "attention")
 
 
 @dataclass
 class PropertyResult:
-    """One property's run: counts, time, and the failure with its saved trace."""
+    """One property's run: counts, time, the failure with its saved (shrunk) trace and
+    the first failure as found."""
 
     name: str
     examples: int
@@ -67,6 +103,7 @@ class PropertyResult:
     trace_path: Path | None = None
     kind: str | None = None
     note: str | None = None
+    first: FirstFailure | None = None
 
     @property
     def passed(self) -> bool:
@@ -94,15 +131,63 @@ def run_property(
     hyp_settings: settings,
     seed: int | None,
     factory: Callable | None = None,
+    shrink_seconds: float | None = DEFAULT_SHRINK_SECONDS,
+    on_first_failure: Callable[[FirstFailure], None] | None = None,
 ) -> PropertyResult:
-    """Run property ``name`` (one of :data:`PROPERTIES`) and save a failure's trace."""
+    """Run property ``name`` (one of :data:`PROPERTIES`) and save a failure's trace.
+
+    Shrinking stops after ``shrink_seconds`` (``None``: Hypothesis' own bound) with the
+    best trace found so far. The first failure's trace is replayed and saved as soon
+    as it is found, and ``on_first_failure`` hears of it then (before any shrinking).
+    """
     if name not in PROPERTIES:
         raise ValueError(f"unknown property {name!r}; known: {', '.join(PROPERTIES)}")
+    if shrink_seconds is not None and shrink_seconds < 0:
+        raise ValueError(f"--shrink-seconds must be >= 0, got {shrink_seconds}")
     config = config_for(name, config)
     hyp_settings = settings_for(name, hyp_settings)
-    if name == "determinism":
-        return _run_determinism(config, hyp_settings, seed, factory)
-    return _run_machine(name, config, hyp_settings, seed, factory)
+    with bounded_shrinking(shrink_seconds):
+        if name == "determinism":
+            return _run_determinism(config, hyp_settings, seed, factory)
+        return _run_machine(name, config, hyp_settings, seed, factory, on_first_failure)
+
+
+@contextmanager
+def bounded_shrinking(seconds: float | None) -> Iterator[None]:
+    """Hypothesis stops shrinking after ``seconds`` and reports the best example so far.
+
+    Hypothesis documents its shrink time bound (``MAX_SHRINKING_SECONDS``) as the
+    setting to patch for this; it is restored afterwards."""
+    from hypothesis.internal.conjecture import engine
+
+    old = engine.MAX_SHRINKING_SECONDS
+    if seconds is not None:
+        engine.MAX_SHRINKING_SECONDS = seconds
+    try:
+        yield
+    finally:
+        engine.MAX_SHRINKING_SECONDS = old
+
+
+def save_first_failure(
+    prop: str,
+    stats: RunStats,
+    started: float,
+    config: CheckConfig,
+    seed: int | None,
+    factory: Callable | None,
+) -> FirstFailure:
+    """Replay the first failing trace (before shrinking) and save it if it fails again."""
+    step, examples, when, check = stats.first_failure
+    path = None
+    trace = stats.first_trace
+    if trace is not None:
+        _run, exc = replay_trace(trace, config, factory)
+        if exc is not None:
+            path, _note = _save(trace, config, seed)
+    return FirstFailure(
+        prop, check, when - started, examples, step, path, config.engine, config.level
+    )
 
 
 def _first_error(exc: BaseException) -> BaseException:
@@ -159,23 +244,40 @@ def _run_machine(
     hyp_settings: settings,
     seed: int | None,
     factory: Callable | None,
+    on_first_failure: Callable[[FirstFailure], None] | None = None,
 ) -> PropertyResult:
     # Under a derandomized profile the examples depend on the machine's class name only.
     machine = machine_for(config, factory, name=f"{name.capitalize()}Machine")
+    stats = machine.stats
+    start = time.perf_counter()
+    found: list[FirstFailure] = []
+
+    def first_failure(stats: RunStats) -> None:
+        found.append(save_first_failure(name, stats, start, config, seed, machine.factory))
+        if on_first_failure is not None:
+            on_first_failure(found[0])
+
+    stats.on_first_failure = first_failure
     if seed is not None:
         machine = hseed(seed)(machine)
-    start = time.perf_counter()
     failure = path = kind = note = None
     try:
         run_state_machine_as_test(machine, settings=hyp_settings)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure is reported
-        kind, failure = _classify(exc, machine.stats.examples)
-        path, note = _save(machine.stats.last_failure, config, seed)
-    stats = machine.stats
+        kind, failure = _classify(exc, stats.examples)
+        path, note = _save(stats.last_failure, config, seed)
     return PropertyResult(
-        name, stats.examples, stats.steps, time.perf_counter() - start, failure, path, kind, note
+        name,
+        stats.examples,
+        stats.steps,
+        time.perf_counter() - start,
+        failure,
+        path,
+        kind,
+        note,
+        found[0] if found else None,
     )
 
 

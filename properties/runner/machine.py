@@ -21,12 +21,14 @@ stops with :class:`RunStopped` and the trace so far is kept.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hypothesis import assume, note
+from hypothesis import assume, note, target
 from hypothesis import strategies as st
+from hypothesis.control import current_build_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from properties.checks.boundary import build_engine
@@ -41,7 +43,15 @@ from properties.core.engine import (
     UnsupportedLayoutError,
     load_engine_factory,
 )
-from properties.core.trace import Arrive, Operation, ResetPrefixCache, Trace
+from properties.core.trace import (
+    Abort,
+    Arrive,
+    Operation,
+    Preempt,
+    ResetPrefixCache,
+    Step,
+    Trace,
+)
 from properties.core.versions import versions
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
@@ -60,6 +70,10 @@ class RunStats:
     steps: int = 0
     first_failure: tuple[int, int, float, str] | None = None
     last_failure: Trace | None = None
+    #: the trace of the first failing run, as it was found (before any shrinking)
+    first_trace: Trace | None = None
+    #: called once with this object when the first failure happens (before shrinking)
+    on_first_failure: Callable[[RunStats], None] | None = None
 
 
 class RunStopped(BaseException):
@@ -199,6 +213,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.pool: tuple[tuple[int, ...], ...] = ()
         self.sent: list[Arrive] = []
+        self.reach = Reach()
+        # strategies of this run's layout, built once (building one per draw costs more
+        # than the engine call it feeds)
+        self.arrivals: st.SearchStrategy[Arrive] | None = None
+        self.steps: st.SearchStrategy[Operation] | None = None
 
     def _guard(self, fn: Callable[[], object]) -> object:
         assert self.run is not None
@@ -226,14 +245,17 @@ class KVCacheMachine(RuleBasedStateMachine):
                 raise RunStopped(exc) from exc
             raise
         self.pool = data.draw(kvst.prefix_pools(layout), label="prefix pool")
+        self.arrivals = kvst.request_inputs(layout, self.pool, "r")
+        self.steps = kvst.step_ops(layout)
         type(self).stats.examples += 1
 
     def _apply(self, op: Operation) -> None:
         assert self.run is not None
-        note(f"op: {op!r}")
+        if current_build_context().is_final:
+            note(f"op: {op!r}")
         stats = type(self).stats
         try:
-            self._guard(lambda: self.run.apply(op))
+            record = self._guard(lambda: self.run.apply(op))
         except Exception as exc:
             if stats.first_failure is None:
                 stats.first_failure = (
@@ -242,15 +264,24 @@ class KVCacheMachine(RuleBasedStateMachine):
                     time.perf_counter(),
                     getattr(exc, "name", type(exc).__name__),
                 )
+                stats.first_trace = stats.last_failure
+                if stats.on_first_failure is not None:
+                    stats.on_first_failure(stats)
             raise
         stats.steps += 1
+        if record is not None:
+            self.reach.observe(record, self.run)
+
+    def teardown(self) -> None:
+        """Guide the search (``hypothesis.target``) toward runs that stress the pool."""
+        if self.run is not None:
+            self.reach.report(self.run.layout)
 
     @rule(data=st.data())
     def arrive(self, data: st.DataObject) -> None:
-        assert self.run is not None
-        op = data.draw(
-            kvst.request_inputs(self.run.layout, self.pool, f"r{self.next_id}"), label="arrive"
-        )
+        assert self.run is not None and self.arrivals is not None
+        op = data.draw(self.arrivals, label="arrive")
+        op = dataclasses.replace(op, request_id=f"r{self.next_id}")
         self.next_id += 1
         self.sent.append(op)
         self._apply(op)
@@ -261,29 +292,31 @@ class KVCacheMachine(RuleBasedStateMachine):
         """An earlier prompt again (a retry, or the next turn of a chat: the old prompt
         and its output plus a few new tokens), with the same or another salt."""
         assert self.run is not None
-        old = data.draw(st.sampled_from(self.sent), label="resent request")
-        layout = self.run.layout
-        room = layout.max_model_len - len(old.prompt)
-        turn = data.draw(
-            st.sampled_from(((), old.output, old.output + (1, 2, 3))), label="extension"
-        )[: max(0, room - 1)]
-        prompt = old.prompt + turn
-        room = layout.max_model_len - len(prompt)
-        op = Arrive(
-            f"r{self.next_id}",
-            prompt,
-            old.output[: max(0, min(room, 4))],
-            data.draw(st.sampled_from((old.cache_salt, None, "s2")), label="salt"),
-            old.lora_name,
-        )
+        old = self.sent[data.draw(st.integers(0, len(self.sent) - 1), label="resent request")]
+        op = data.draw(kvst.resend_ops(self.run.layout, old, f"r{self.next_id}"), label="resend")
         self.next_id += 1
         self.sent.append(op)
         self._apply(op)
 
+    @precondition(lambda self: bool(self.sent))
+    @rule(data=st.data())
+    def burst(self, data: st.DataObject) -> None:
+        """An earlier prompt cut at a multiple of the hit alignment, then that prompt and
+        a few new tokens, scheduled in one step with a budget for both: the second looks
+        up what the first registers in the same step (a same-step Mamba state must be
+        refused; two blocks end up under one key)."""
+        assert self.run is not None
+        old = self.sent[data.draw(st.integers(0, len(self.sent) - 1), label="burst of")]
+        for op in kvst.burst_ops(self.run.layout, old, self.next_id):
+            self.next_id += 1
+            self.sent.append(op)
+            self._apply(op)
+        self._apply(Step(2 * self.run.layout.max_model_len))
+
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
-        assert self.run is not None
-        self._apply(data.draw(kvst.step_ops(self.run.layout), label="step"))
+        assert self.run is not None and self.steps is not None
+        self._apply(data.draw(self.steps, label="step"))
 
     @rule(data=st.data())
     def step_again(self, data: st.DataObject) -> None:
@@ -295,17 +328,44 @@ class KVCacheMachine(RuleBasedStateMachine):
     def abort(self, data: st.DataObject) -> None:
         assert self.run is not None
         live = sorted(self.run.scheduler.requests)
-        self._apply(data.draw(kvst.abort_ops(live), label="abort"))
+        self._apply(Abort(live[data.draw(st.integers(0, len(live) - 1), label="abort")]))
 
     @precondition(lambda self: self.run is not None and bool(self.run.scheduler.running))
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
         assert self.run is not None
-        self._apply(data.draw(kvst.preempt_ops(list(self.run.scheduler.running)), label="preempt"))
+        running = self.run.scheduler.running
+        self._apply(Preempt(running[data.draw(st.integers(0, len(running) - 1), label="preempt")]))
 
     @rule()
     def reset_prefix_cache(self) -> None:
         self._apply(ResetPrefixCache())
+
+
+class Reach:
+    """How hard one run pushed the engine, fed to ``hypothesis.target`` at its end:
+    the pool pressure (the largest share of blocks in use after a step), the longest
+    hit relative to ``max_model_len``, and the free-queue churn (blocks handed out per
+    block of the pool: above 1, cached blocks were evicted and reused)."""
+
+    def __init__(self) -> None:
+        self.min_free: int | None = None
+        self.longest_hit = 0
+        self.blocks_allocated = 0
+
+    def observe(self, record: StepRecord, run: TraceRun) -> None:
+        for item in record.scheduled:
+            self.longest_hit = max(self.longest_hit, item.hit_tokens)
+            self.blocks_allocated += sum(len(g) for g in item.new_block_ids)
+        free = run.lockstep.checker.state.num_free()
+        self.min_free = free if self.min_free is None else min(self.min_free, free)
+
+    def report(self, layout: KVCacheLayout) -> None:
+        usable = max(1, layout.num_blocks - 1)
+        if self.min_free is not None:
+            target(1.0 - self.min_free / usable, label="pool pressure")
+        target(self.longest_hit / layout.max_model_len, label="hit length")
+        target(self.blocks_allocated / usable, label="free-queue churn")
 
 
 def layout_strategy(config: CheckConfig, factory: Callable | None = None):
@@ -352,6 +412,41 @@ def known_divergences(factory: Callable | None) -> tuple:
     return tuple(getattr(factory, "known_divergences", ()) or ())
 
 
+def _probe_layouts() -> tuple[KVCacheLayout, ...]:
+    """Small layouts to build an engine on when only its capabilities are wanted: one
+    full-attention group, then full attention with a sliding window (bs 4, w 8)."""
+    from reference.layout import KVCacheGroup
+    from reference.specs import FullAttentionSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype_bytes=2)
+    window = SlidingWindowSpec(
+        block_size=4, num_kv_heads=1, head_size=8, dtype_bytes=2, sliding_window=8
+    )
+    one = KVCacheLayout(groups=(KVCacheGroup(("l0",), full),), num_blocks=16, max_model_len=64)
+    two = dataclasses.replace(
+        one, groups=(KVCacheGroup(("l0",), full), KVCacheGroup(("l1",), window))
+    )
+    return (one, two)
+
+
+def active_checks_for(
+    factory: Callable | None, config: CheckConfig
+) -> tuple[list[str], frozenset[str]]:
+    """The invariants that run for this engine (its optional capabilities decide) and
+    the capabilities, read from an engine built on a small probe layout."""
+    from properties.checks.checker import Checker
+
+    factory = factory or engine_factory(config)
+    for layout in _probe_layouts():
+        try:
+            engine = build_engine(factory, layout, config.call_timeout)
+        except UnsupportedLayoutError:
+            continue
+        checker = Checker(engine, layout, config.disabled)
+        return checker.active_checks(), checker.state.capabilities()
+    return [], frozenset()
+
+
 def machine_for(
     config: CheckConfig, factory: Callable | None = None, name: str = "InvariantsMachine"
 ) -> type[KVCacheMachine]:
@@ -389,6 +484,7 @@ __all__ = [
     "engine_factory",
     "failure_kind",
     "TraceRun",
+    "active_checks_for",
     "layout_strategy",
     "machine_for",
     "replay_trace",

@@ -93,9 +93,7 @@ def config_from_args(args: argparse.Namespace, **extra):
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from hypothesis import settings as hsettings
-
-    from properties.runner.check import replay_command, run_property
+    from properties.runner.check import replay_command
     from properties.runner.machine import engine_factory, known_divergences
     from properties.runner.profiles import load_profile
 
@@ -103,9 +101,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     check_count("--seed", args.seed, 0)
     config = config_from_args(args, preset=args.preset)
     profile = load_profile(args.profile)
-    settings = hsettings(profile, max_examples=args.max_examples or profile.max_examples)
-    if args.seed is not None:  # a seed reproduces a run exactly: no example database
-        settings = hsettings(settings, database=None)
     seed = args.seed
     if seed is None and not profile.derandomize:
         seed = random.SystemRandom().randrange(2**32)
@@ -128,27 +123,40 @@ def cmd_check(args: argparse.Namespace) -> int:
     wanted = [p for p in PROPERTIES if not (p == "attention" and args.no_attention)]
     if args.only:
         wanted = [p for p in wanted if p in args.only]
-    results = []
-    for name in wanted:
-        r = run_property(name, config, settings, seed, factory)
-        results.append(r)
-        print(
-            f"  {r.name:<12} {result_word(r)} "
-            f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s)",
-            flush=True,
-        )
-        if r.kind in ("no_layout", "engine", "usage"):
-            break  # the engine cannot be checked: the other properties would say the same
+    print(format_active_checks_or_why(factory, config))
+    results = run_checks(args, config, wanted, seed, factory)
     print(format_results(results))
     failed = [r for r in results if not r.passed]
     for r in failed:
-        print(f"\n{FAILURE_TITLE[r.kind]} in {r.name}: {r.failure[:4000]}")
+        print(f"\n{FAILURE_TITLE[result_kind(r)]} in {r.name}: {r.failure[:4000]}")
         if r.note:
             print(f"  note: {r.note}")
+        if getattr(r, "first", None) is not None:
+            print(f"  {r.first.describe()}")
         if r.trace_path is not None:
             command = replay_command(r.trace_path, args.engine, args.level, r.name == "attention")
             print(f"  trace: {r.trace_path}\n  replay: {command}")
-    return exit_code([r.kind for r in results])
+    return exit_code([result_kind(r) for r in results])
+
+
+def result_kind(result) -> str | None:
+    """A result's kind; a failed row without one (the coverage gate) is a failure."""
+    if result.passed:
+        return None
+    return getattr(result, "kind", None) or "property"
+
+
+def format_active_checks_or_why(factory, config) -> str:
+    """:func:`format_active_checks`, or why the engine's capabilities are unknown (its
+    factory failed on the probe layouts: the properties report that as an engine error
+    with a trace)."""
+    try:
+        return format_active_checks(factory, config)
+    except EngineLoadError:
+        raise
+    except EngineError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"  capabilities: unknown (the engine could not be built: {first})"
 
 
 #: How a failed result is announced, by its kind.
@@ -165,7 +173,76 @@ def result_word(result) -> str:
     if result.passed:
         return "PASS"
     words = {"engine": "ENGINE ERROR", "no_layout": "NO LAYOUT", "usage": "CONFIG ERROR"}
-    return words.get(result.kind, "FAIL")
+    return words.get(getattr(result, "kind", None), "FAIL")
+
+
+def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, factory) -> list:
+    """The properties, in ``--workers`` processes (default: the cores), with the rule
+    coverage report (``--coverage``) as one more row that fails on a gated gap
+    (``--coverage-gate``)."""
+    from properties.tools.parallel import PropertyTask, default_workers, run_task, run_tasks
+
+    workers = args.workers if args.workers is not None else default_workers()
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    tasks = [
+        PropertyTask(name, config, args.profile, args.max_examples, seed, args.shrink_seconds)
+        for name in wanted
+    ]
+    if not args.coverage and (workers == 1 or len(tasks) == 1):
+        results = []
+        for task in tasks:  # in this process: each line as soon as it is known
+            results.append(run_task(task, factory=factory))
+            print_result_line(results[-1])
+        return results
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kvconform-cov-") as tmp:
+        results = run_tasks(tasks, workers, tmp if args.coverage else None)
+        for r in results:
+            print_result_line(r)
+        if args.coverage:
+            results.append(coverage_result(tmp, args.coverage_gate))
+    return results
+
+
+def coverage_result(data_dir: str, gate: bool):
+    """Print the rule coverage report of the workers' data; its row in the table fails
+    with ``gate`` when a branch of a gated module is unreached."""
+    from properties.runner.check import PropertyResult
+    from properties.tools.rule_coverage import analyse, combine, format_rule_coverage
+
+    result = analyse(combine([str(p) for p in Path(data_dir).glob(".coverage*")]))
+    print(format_rule_coverage(result), flush=True)
+    gaps = result.unreached_in()
+    failure = None
+    if gate and gaps:
+        failure = f"{len(gaps)} branches of the gated modules are unreached: " + ", ".join(
+            u.where for u in gaps
+        )
+    return PropertyResult("coverage", 0, 0, 0.0, failure)
+
+
+def print_result_line(r) -> None:
+    print(
+        f"  {r.name:<12} {result_word(r)} "
+        f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s)",
+        flush=True,
+    )
+
+
+def format_active_checks(factory, config) -> str:
+    """Which invariants run for this engine's capabilities (and which it loses)."""
+    from properties.checks.registry import INVARIANTS
+    from properties.runner.machine import active_checks_for
+
+    active, capabilities = active_checks_for(factory, config)
+    lost = [n for n in INVARIANTS if n not in active and n not in config.disabled]
+    return (
+        f"  capabilities: {', '.join(sorted(capabilities)) or 'none'}\n"
+        f"  checks: {', '.join(active)}"
+        + (f"\n  not run (capabilities missing): {', '.join(lost)}" if lost else "")
+    )
 
 
 def format_results(results: list) -> str:
@@ -253,6 +330,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         call_timeout=config.call_timeout,
         isolation=config.isolation,
         progress_seconds=args.progress_seconds,
+        shrink_seconds=args.shrink_seconds,
+        coverage=args.coverage,
     )
 
 
@@ -342,6 +421,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def shrink_args(p: argparse.ArgumentParser) -> None:
+    from properties.runner.check import DEFAULT_SHRINK_SECONDS
+
+    p.add_argument(
+        "--shrink-seconds",
+        type=float,
+        default=DEFAULT_SHRINK_SECONDS,
+        help=f"stop shrinking a failure after this long (default {DEFAULT_SHRINK_SECONDS:.0f})",
+    )
+
+
+def coverage_args(p: argparse.ArgumentParser, gate: bool = True) -> None:
+    p.add_argument(
+        "--coverage",
+        action="store_true",
+        help="report which rules of reference/ the run exercised (branch coverage)",
+    )
+    if not gate:
+        return
+    p.add_argument(
+        "--coverage-gate",
+        action="store_true",
+        help="with --coverage: fail if a branch of the gated modules is unreached",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvconform", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -382,6 +487,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="*", choices=PROPERTIES, help="run only these properties")
     p.add_argument("--max-examples", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="properties run in N processes (default: the number of cores)",
+    )
+    shrink_args(p)
+    coverage_args(p)
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("fuzz", help="a long campaign with a live progress line")
@@ -403,6 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="example database shared by the workers: redis://HOST:PORT[/DB] (one Redis "
         f"for many machines) or a directory (default {DEFAULT_DATABASE_DIR})",
     )
+    shrink_args(p)
+    coverage_args(p, gate=False)
     p.set_defaults(func=cmd_fuzz)
 
     p = sub.add_parser("replay", help="replay one trace and show the first failure")
@@ -444,6 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTHONHASHSEED", "0")
+    # imported here, not at the top: a --coverage worker re-imports this module before
+    # it starts measuring, and must not have imported the reference yet
+
     args = build_parser().parse_args(argv)  # bad options: argparse exits 2
     try:
         return args.func(args)

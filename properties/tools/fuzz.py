@@ -22,14 +22,18 @@ redis://10.0.0.5:6379``.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import queue
 import random
+import shutil
 import signal
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from properties.core.constants import (
     DEFAULT_CALL_TIMEOUT_S,
@@ -96,13 +100,15 @@ def check_database(spec: str | None) -> None:
 
 
 def _worker(
+    config: CheckConfig,
     index: int,
     base_seed: int,
     deadline: float,
-    config: CheckConfig,
     prop: str,
-    database: str | None,
     out: mp.Queue,
+    shrink_seconds: float | None = None,
+    database: str | None = None,
+    after_round: Callable[[], None] | None = None,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers
     from hypothesis import Phase, settings
@@ -117,8 +123,10 @@ def _worker(
     while round_no == 0 or time.time() < deadline:
         seed = base_seed + 1000 * index + round_no
         s = replay if round_no == 0 else settings(profile, max_examples=50, database=db)
-        result = run_property(prop, config, s, seed)
-        if round_no == 0 and result.examples == 0:
+        result = run_property(prop, config, s, seed, shrink_seconds=shrink_seconds)
+        if after_round is not None:
+            after_round()
+        if round_no == 0 and result.kind not in ("property", "engine"):
             result.failure = None  # nothing to replay (Hypothesis says it ran no example)
         out.put(
             (
@@ -139,6 +147,36 @@ def _worker(
         )
         round_no += 1
     out.put(("done", index, 0, 0, None))
+
+
+def _worker_process(
+    ctx, coverage_dir: str | None, args: tuple, shrink_seconds: float | None, database
+):
+    """A campaign worker; with ``coverage_dir``, measured from its start."""
+    index, base_seed, deadline, config, prop, out = args
+    worker_args = (index, base_seed, deadline, prop, out, shrink_seconds, database)
+    if coverage_dir is None:
+        return ctx.Process(target=_worker, args=(config, *worker_args), daemon=True)
+    from properties.tools.parallel import measured_worker
+
+    fields = dataclasses.asdict(config)
+    return ctx.Process(
+        target=measured_worker,
+        args=(coverage_dir, f"{__name__}:_worker", fields, *worker_args),
+        daemon=True,
+    )
+
+
+def print_campaign_coverage(coverage_dir: str) -> None:
+    """The rule coverage of every worker's data, then the data is removed."""
+    from properties.tools.rule_coverage import analyse, combine, format_rule_coverage
+
+    files = [str(p) for p in Path(coverage_dir).glob(".coverage*")]
+    if files:
+        print(format_rule_coverage(analyse(combine(files))))
+    else:
+        print("kvconform fuzz: no coverage data (no worker finished a round)")
+    shutil.rmtree(coverage_dir, ignore_errors=True)
 
 
 @contextmanager
@@ -194,9 +232,12 @@ def run_campaign(
     call_timeout: float = DEFAULT_CALL_TIMEOUT_S,
     isolation: str = DEFAULT_ISOLATION,
     progress_seconds: float = 30.0,
+    shrink_seconds: float | None = None,
+    coverage: bool = False,
 ) -> int:
     """Fuzz ``engine`` for ``minutes`` in ``workers`` processes; the exit code.
-    ``database``: see the module docstring."""
+    ``database``: see the module docstring. With ``coverage`` the rule coverage of the
+    whole campaign is printed at the end."""
     if minutes <= 0 or workers < 1:
         print(
             f"kvconform fuzz: --minutes must be > 0 and --workers >= 1, got "
@@ -229,9 +270,10 @@ def run_campaign(
     deadline = start + minutes * 60
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
+    coverage_dir = tempfile.mkdtemp(prefix="kvconform-cov-") if coverage else None
     procs = [
-        ctx.Process(
-            target=_worker, args=(i, base_seed, deadline, config, prop, database, out), daemon=True
+        _worker_process(
+            ctx, coverage_dir, (i, base_seed, deadline, config, prop, out), shrink_seconds, database
         )
         for i in range(workers)
     ]
@@ -286,6 +328,8 @@ def run_campaign(
     )
     for seed_, message, path, _kind, _replayed in failures.values():
         print(f"  seed {seed_}: {message.splitlines()[0][:200]}\n    trace: {path}")
+    if coverage_dir is not None:
+        print_campaign_coverage(coverage_dir)
     kinds = {f[3] for f in failures.values()}
     if "engine" in kinds:
         return EXIT_ENGINE

@@ -110,7 +110,7 @@ class SingleTypeKVCacheManager:
         assert not blocks, f"request {request_id} already has blocks in group {self.group_id}"
         skipped = self.spec.num_skipped_tokens(num_local_computed_tokens) // self.block_size
         kept = list(new_computed_blocks[skipped:])
-        if self.enable_caching:
+        if self.enable_caching:  # pragma: no branch - no hits to adopt without caching
             self.block_pool.touch(kept)
         blocks.extend([self.null_block] * skipped)
         blocks.extend(kept)

@@ -74,13 +74,14 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 break
         if not found_run:
             out = [lst[:run] for lst in out]
+            # a run starts only on an aligned block end (above), so [0, run) is aligned
             while bs != alignment and (len(out[0]) * bs) % alignment != 0:
-                out = [lst[:-1] for lst in out]
+                out = [lst[:-1] for lst in out]  # pragma: no cover - see above
         return out, len(out[0]) * bs
 
     def cacheable_block_mask(self, start: int, end: int) -> list[bool] | None:
         assert isinstance(self.spec, SlidingWindowSpec)
-        if self.cache_hit_alignment % self.block_size != 0:
+        if self.cache_hit_alignment % self.block_size != 0:  # pragma: no cover - lcm of sizes
             return None
         per_segment = self.cache_hit_alignment // self.block_size
         need = blocks_needed_for_hit(self.spec)

@@ -107,7 +107,7 @@ class Pair:
                 break  # schedule_step stops after the first None
             self.held.add(rid)
         items = [StepItem(self.opt_reqs[rid], new, 0, None, la) for rid, new, la in batch]
-        o_out = self.opt.schedule_step(items)
+        o_out = [None if r is None else [list(g) for g in r] for r in self.opt.schedule_step(items)]
         self.same("schedule_step results", r_out, o_out)
         self.check_state()
         return r_out

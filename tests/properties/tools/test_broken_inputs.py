@@ -340,7 +340,7 @@ def test_property_failure_exits_1_with_a_replayable_trace(tmp_path, capsys, no_s
     broken = f"{BROKEN_MODULE}:make_table_none"
     code, out, err = run_cli("replay", str(path), "--engine", broken, "--isolation", "none")
     assert code == EXIT_ENGINE, out + err
-    assert "get_block_ids('r0') returned None" in out
+    assert "get_block_ids('r" in out and "') returned None, not a sequence" in out
 
 
 def test_unwritable_failure_dir_keeps_the_failure(tmp_path, capsys, no_shrink):
