@@ -96,6 +96,18 @@ class EngineError(KVConformError):
     """The engine under test raised, returned garbage, or cannot be built."""
 
 
+class EngineLoadError(EngineError):
+    """The adapter cannot be loaded: unknown name, a module that cannot be imported (missing,
+    syntax error, raising on import), or no callable factory. A usage error (exit 2)."""
+
+
+class CallTimeoutError(EngineError):
+    """A call to the engine under test ran past its deadline (``--call-timeout``).
+
+    The run stops at once (a hang is not shrunk: each attempt would cost the whole
+    deadline again); the trace so far is saved."""
+
+
 class UnsupportedLayoutError(EngineError):
     """The engine cannot be built for this layout (the suite skips such examples).
 
@@ -313,7 +325,7 @@ def load_engine_factory(name: str) -> EngineFactory:
         return getattr(importlib.import_module(module_name), attr)(argument)
     target = BUILTIN_ENGINES.get(name, name)
     if ":" not in target:
-        raise EngineError(
+        raise EngineLoadError(
             f"--engine {name!r} is neither a built-in engine ({', '.join(BUILTIN_ENGINES)}) "
             "nor of the form 'module:factory'"
         )
@@ -322,11 +334,16 @@ def load_engine_factory(name: str) -> EngineFactory:
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise EngineError(
-            f"--engine {name!r}: cannot import module {module_name!r}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - missing, syntax error, raising on import
+        raise EngineLoadError(
+            f"--engine {name!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
         ) from exc
     factory = getattr(module, attr, None)
+    if factory is None:
+        raise EngineLoadError(f"--engine {name!r}: module {module_name!r} has no {attr!r}")
     if not callable(factory):
-        raise EngineError(f"--engine {name!r}: {module_name!r} has no callable {attr!r}")
+        raise EngineLoadError(
+            f"--engine {name!r}: {module_name}.{attr} is a {type(factory).__name__}, "
+            "not a callable factory"
+        )
     return factory

@@ -42,7 +42,9 @@ from properties.core.engine import (
     BlockIds,
     CachedBlock,
     CacheHit,
+    CallTimeoutError,
     EngineError,
+    EngineLoadError,
     RequestInput,
     UnsupportedLayoutError,
 )
@@ -66,7 +68,7 @@ _STDERR_TAIL_BYTES = 4000
 _STDERR_TAIL_LINES = 20
 
 
-class ExecTimeoutError(EngineError):
+class ExecTimeoutError(CallTimeoutError):
     """The child did not answer a call in time (it has been killed)."""
 
 
@@ -174,7 +176,7 @@ class ExecProcess:
         except OSError as exc:
             self._stderr.close()
             self._stderr = None
-            raise EngineError(
+            raise EngineLoadError(
                 f"exec engine {self.label!r}: cannot start {self.argv[0]!r}: {exc}"
             ) from None
         os.set_blocking(self._proc.stdin.fileno(), False)
@@ -624,7 +626,12 @@ class ExecEngineFactory:
 
     def __call__(self, layout: KVCacheLayout) -> ExecEngine:
         process = self._live_process()
-        created = process.call("create", {"layout": layout_to_json(layout)})
+        # building an engine may import the engine's own modules: the start-up allowance
+        created = process.call(
+            "create",
+            {"layout": layout_to_json(layout)},
+            timeout=max(self.timeout, MIN_STARTUP_TIMEOUT_S),
+        )
         capabilities = created.get("capabilities", []) if isinstance(created, dict) else []
         unknown = [c for c in capabilities if c not in CAPABILITIES]
         if not isinstance(capabilities, list) or unknown:
@@ -648,9 +655,9 @@ def factory_from_command(command: str) -> ExecEngineFactory:
     try:
         argv = shlex.split(command)
     except ValueError as exc:
-        raise EngineError(f"--engine exec:{command}: cannot split the command: {exc}") from None
+        raise EngineLoadError(f"--engine exec:{command}: cannot split the command: {exc}") from None
     if not argv:
-        raise EngineError("--engine exec: needs a command after 'exec:'")
+        raise EngineLoadError("--engine exec: needs a command after 'exec:'")
     if argv[0] == "python":
         argv[0] = sys.executable
     key = (command, call_timeout_from_env())

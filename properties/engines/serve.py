@@ -24,12 +24,14 @@ travels through the protocol.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import sys
 import traceback
 from typing import Any, BinaryIO
 
 from properties.core.engine import (
+    CachedBlock,
     CacheHit,
     EngineFactory,
     ExposesCachedBlocks,
@@ -67,6 +69,24 @@ def _tokens(args: dict, name: str) -> tuple[int, ...]:
 
 def _table(block_ids) -> list[list[int]]:
     return [[int(b) for b in group] for group in block_ids]
+
+
+def _plain(value: Any) -> Any:
+    """An engine's answer as JSON data, unconverted: tuples become lists and integer
+    types (numpy's too) ints, nothing else changes, so the client sees a float, a
+    string or a None exactly where the engine gave one and reports it
+    (:mod:`properties.checks.answers`). Example: ``((1, 2.0), None)`` -> ``[[1, 2.0], None]``.
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"returned {value!r} ({type(value).__name__}), not JSON data") from None
 
 
 class EngineServer:
@@ -148,8 +168,10 @@ class EngineServer:
         if call == "get_computed_blocks":
             request_id = _arg(args, "request_id", str)
             hit = engine.get_computed_blocks(request_id)
+            if not isinstance(hit, CacheHit):
+                raise TypeError(f"returned {hit!r}, not a CacheHit")
             self.hits[request_id] = hit
-            return {"num_tokens": int(hit.num_tokens), "block_ids": _table(hit.block_ids)}
+            return {"num_tokens": _plain(hit.num_tokens), "block_ids": _plain(hit.block_ids)}
         if call == "allocate_slots":
             request_id = _arg(args, "request_id", str)
             result = engine.allocate_slots(
@@ -159,7 +181,7 @@ class EngineServer:
                 self._hit(request_id, args.get("hit")),
                 _arg(args, "num_lookahead_tokens", int),
             )
-            return None if result is None else _table(result)
+            return _plain(result)
         if call == "free":
             engine.free(_arg(args, "request_id", str))
             return None
@@ -169,17 +191,25 @@ class EngineServer:
             self.hits.pop(request_id, None)
             return None
         if call == "reset_prefix_cache":
-            return bool(engine.reset_prefix_cache())
+            return _plain(engine.reset_prefix_cache())
         if call == "get_block_ids":
-            return _table(engine.get_block_ids(_arg(args, "request_id", str)))
+            return _plain(engine.get_block_ids(_arg(args, "request_id", str)))
         if call == "num_free_blocks":
-            return int(engine.num_free_blocks())
+            return _plain(engine.num_free_blocks())
         if call == "ref_counts" and isinstance(engine, ExposesRefCounts):
-            return [[int(b), int(c)] for b, c in sorted(engine.ref_counts().items())]
+            counts = engine.ref_counts()
+            if not hasattr(counts, "items"):
+                raise TypeError(f"returned {counts!r}, not a mapping block id -> count")
+            return [[_plain(b), _plain(c)] for b, c in counts.items()]
         if call == "free_queue" and isinstance(engine, ExposesFreeQueue):
-            return [int(b) for b in engine.free_queue()]
+            return _plain(engine.free_queue())
         if call == "cached_blocks" and isinstance(engine, ExposesCachedBlocks):
-            return [[c.block_id, c.group_id, c.num_tokens] for c in engine.cached_blocks()]
+            blocks = engine.cached_blocks()
+            if not isinstance(blocks, (list, tuple)) or not all(
+                isinstance(c, CachedBlock) for c in blocks
+            ):
+                raise TypeError(f"returned {blocks!r}, not a list of CachedBlock")
+            return [_plain([c.block_id, c.group_id, c.num_tokens]) for c in blocks]
         raise ProtocolViolation(f"unknown call {call!r}")
 
     def _hit(self, request_id: str, data: Any) -> CacheHit | None:
@@ -213,7 +243,9 @@ def answer(message: Any, server: EngineServer) -> dict:
             raise ProtocolViolation('a message needs a string "call"')
         if not isinstance(args, dict):
             raise ProtocolViolation('"args" must be an object')
-        return {"id": message_id, "result": server.dispatch(call, args)}
+        result = server.dispatch(call, args)
+        json.dumps(result)  # not JSON data: an engine error, answered as one
+        return {"id": message_id, "result": result}
     except ProtocolViolation as exc:
         kind, text = "protocol_error", str(exc)
     except UnsupportedLayoutError as exc:

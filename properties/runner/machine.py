@@ -14,7 +14,9 @@ retry or the next chat turn), step, abort, preempt and reset the prefix cache. L
 
 Every failing run keeps its trace (the operations so far, the calls observed and the
 failure) in memory, in the machine class's :class:`RunStats`; Hypothesis' final run is
-the shrunk one, so ``stats.last_failure`` then holds the minimal trace.
+the shrunk one, so ``stats.last_failure`` then holds the minimal trace. A call that runs
+past its deadline is not shrunk (every attempt would cost the deadline again): the run
+stops with :class:`RunStopped` and the trace so far is kept.
 """
 
 from __future__ import annotations
@@ -29,9 +31,13 @@ from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from properties.checks.boundary import build_engine
 from properties.checks.lockstep import LockstepEngine
 from properties.checks.registry import PropertyViolation
 from properties.core.engine import (
+    CallTimeoutError,
+    EngineError,
+    EngineLoadError,
     ExposesDataPlane,
     KVCacheEngine,
     SupportsServingModes,
@@ -48,6 +54,7 @@ from properties.core.trace import (
     Step,
     Trace,
 )
+from properties.core.versions import versions
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
 from properties.runner.scheduler import Scheduler, StepRecord
@@ -92,6 +99,41 @@ def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
     return tags
 
 
+class RunStopped(BaseException):
+    """Ends a Hypothesis run at once, without shrinking (a call ran past its deadline).
+
+    A ``BaseException`` so that Hypothesis does not treat it as a failure to shrink;
+    ``error`` is the :class:`CallTimeoutError`."""
+
+    def __init__(self, error: CallTimeoutError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def failure_kind(exc: BaseException) -> str:
+    """``"property"`` (a check failed: exit 1), ``"engine"`` (the engine broke the
+    protocol: an exception, a malformed answer, a timeout: exit 3), ``"usage"`` (the
+    engine cannot be started at all: exit 2) or ``"internal"``."""
+    if isinstance(exc, EngineLoadError):
+        return "usage"
+    if isinstance(exc, (RunStopped, EngineError)):
+        return "engine"
+    if isinstance(exc, AssertionError):
+        return "property"
+    return "internal"
+
+
+def engine_factory(config: CheckConfig) -> Callable:
+    """The factory ``config.engine`` names, run in a child process when
+    ``config.isolation`` asks for it (:mod:`properties.engines.isolation`)."""
+    from properties.engines.isolation import isolated_factory, wants_isolation
+
+    factory = load_engine_factory(config.engine)
+    if wants_isolation(config.engine, config.isolation, config.call_timeout):
+        return isolated_factory(config.engine, factory, config.call_timeout)
+    return factory
+
+
 class TraceRun:
     """One engine (and the reference at ``exact``) under one layout, driven op by op."""
 
@@ -108,8 +150,11 @@ class TraceRun:
         self.config = config
         self.layout = layout
         self.mode = mode
-        factory = factory or load_engine_factory(config.engine)
-        engine = factory(layout)
+        factory = factory or engine_factory(config)
+        # an engine in a child process has its own deadline, which kills the child
+        timeout = 0.0 if getattr(factory, "enforces_call_timeout", False) else config.call_timeout
+        engine = build_engine(factory, layout, timeout)
+        self.versions = versions(engine, factory)
         reference = None
         if config.level == "exact":
             if expected is not None:
@@ -118,7 +163,7 @@ class TraceRun:
                 from properties.engines.reference import make_engine as make_reference
 
                 reference = make_reference(layout)
-        self.lockstep = LockstepEngine(engine, layout, reference, config.disabled)
+        self.lockstep = LockstepEngine(engine, layout, reference, config.disabled, timeout)
         self.attention = None
         if config.attention:
             from properties.checks.attention import AttentionChecker
@@ -175,14 +220,7 @@ class TraceRun:
             raise PropertyViolation("attention", str(exc)) from exc
 
     def to_trace(self, failure: BaseException | None = None, seed: int | None = None) -> Trace:
-        info = None
-        if failure is not None:
-            info = {
-                "property": getattr(failure, "name", type(failure).__name__),
-                "message": str(failure),
-                "engine": self.config.engine,
-                "level": self.config.level,
-            }
+        info = None if failure is None else failure_info(failure, self.config, self.versions)
         return Trace(
             layout=self.layout,
             operations=tuple(self.operations),
@@ -191,6 +229,21 @@ class TraceRun:
             failure=info,
             mode=self.mode,
         )
+
+
+def failure_info(
+    failure: BaseException, config: CheckConfig, found_versions: dict | None = None
+) -> dict:
+    """The ``failure`` record of a trace: the check, the message, whether the engine broke
+    the protocol (``kind``), the engine, level and the versions."""
+    return {
+        "property": getattr(failure, "name", type(failure).__name__),
+        "kind": failure_kind(failure),
+        "message": str(failure),
+        "engine": config.engine,
+        "level": config.level,
+        "versions": found_versions if found_versions is not None else versions(),
+    }
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -219,6 +272,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             return fn()
         except (AssertionError, KVConformError) as exc:  # violations and engine errors
             type(self).stats.last_failure = self.run.to_trace(exc)
+            if isinstance(exc, CallTimeoutError):
+                raise RunStopped(exc) from exc
             raise
 
     @initialize(data=st.data())
@@ -230,6 +285,12 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.run = TraceRun(self.config, layout, self.factory)
         except UnsupportedLayoutError:
             assume(False)
+        except EngineError as exc:  # the factory failed: the trace is the layout alone
+            info = failure_info(exc, self.config)
+            type(self).stats.last_failure = Trace(layout, (), failure=info)
+            if isinstance(exc, CallTimeoutError):
+                raise RunStopped(exc) from exc
+            raise
         if self.config.production and self.run.supports_serving_modes():
             if self.config.preset is not None:
                 mode = kvst.PRODUCTION_MODE
@@ -442,10 +503,10 @@ def active_checks_for(
     the capabilities, read from an engine built on a small probe layout."""
     from properties.checks.checker import Checker
 
-    factory = factory or load_engine_factory(config.engine)
+    factory = factory or engine_factory(config)
     for layout in _probe_layouts():
         try:
-            engine = factory(layout)
+            engine = build_engine(factory, layout, config.call_timeout)
         except UnsupportedLayoutError:
             continue
         checker = Checker(engine, layout, config.disabled)
@@ -462,7 +523,7 @@ def machine_for(
     digests the class name), so every engine sees the same stream for one name:
     ``kvconform check`` names its machines after the property.
     """
-    factory = factory or load_engine_factory(config.engine)
+    factory = factory or engine_factory(config)
     return type(
         name,
         (KVCacheMachine,),
@@ -487,6 +548,9 @@ def replay_trace(
 __all__ = [
     "KVCacheMachine",
     "RunStats",
+    "RunStopped",
+    "engine_factory",
+    "failure_kind",
     "TraceRun",
     "active_checks_for",
     "layout_strategy",

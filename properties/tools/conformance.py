@@ -28,28 +28,23 @@ import pytest
 from hypothesis import settings
 
 from properties.core.constants import DEFAULT_FAILURE_DIR, PROPERTIES
-from properties.core.engine import load_engine_factory
 from properties.runner import profiles as _profiles  # noqa: F401 - registers the profiles
-from properties.runner.check import replay_command, run_property
+from properties.runner.check import failure_report, run_property
 from properties.runner.config import CheckConfig
+from properties.runner.machine import engine_factory
 
 
 @pytest.mark.parametrize("prop", PROPERTIES)
 def test_property(prop: str, kv_engine: str, kv_level: str, kv_profile_name: str) -> None:
     profile = settings.get_profile(kv_profile_name)
     seed = None if profile.derandomize else random.SystemRandom().randrange(2**32)
-    factory = load_engine_factory(kv_engine)
     config = CheckConfig(engine=kv_engine, level=kv_level, failure_dir=DEFAULT_FAILURE_DIR)
-    result = run_property(prop, config, profile, seed, factory)
+    result = run_property(prop, config, profile, seed, engine_factory(config))
     print(
         f"kvconform {prop}: {result.examples} examples, {result.steps} steps, "
         f"{result.seconds:.1f}s (engine {kv_engine}, level {kv_level}, profile "
         f"{kv_profile_name}, seed {seed if seed is not None else 'derandomized'})"
     )
     if result.failure is not None:
-        lines = [f"[{prop}] {result.failure[:4000]}"]
-        if result.trace_path is not None:
-            command = replay_command(result.trace_path, kv_engine, kv_level, prop == "attention")
-            lines += [f"trace: {result.trace_path}", f"replay: {command}"]
-        pytest.fail("\n".join(lines), pytrace=False)
+        pytest.fail(failure_report(result, kv_engine, kv_level), pytrace=False)
     assert result.examples > 0, f"[{prop}] ran no example (every layout unsupported?)"

@@ -50,7 +50,7 @@ from properties.core.trace import (
     trace_to_json,
 )
 from properties.runner.config import CheckConfig
-from properties.runner.machine import TraceRun, known_divergences, spec_types
+from properties.runner.machine import TraceRun, failure_kind, known_divergences, spec_types
 from reference.errors import KVConformError
 
 #: The value of ``"format"`` in a corpus manifest and in each case file.
@@ -523,6 +523,8 @@ class CaseResult:
     file: str
     status: str  # "pass", "fail", "skip"
     message: str = ""
+    #: a failure's kind (properties.runner.machine.failure_kind): "property" or "engine"
+    kind: str = ""
 
 
 @dataclass
@@ -582,7 +584,7 @@ def run_case(
         if expected is not None:
             where += f", {expected.current}"
         kind = "engine error" if isinstance(exc, EngineError) else type(exc).__name__
-        return CaseResult(name, str(path), "fail", f"{where}: {kind}: {exc}")
+        return CaseResult(name, str(path), "fail", f"{where}: {kind}: {exc}", failure_kind(exc))
     return CaseResult(name, str(path), "pass")
 
 

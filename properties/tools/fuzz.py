@@ -3,10 +3,12 @@
 Each worker first replays every example the database holds for this engine and level
 (a failure found there is reported as *replayed from the example database*), then runs
 the stateful machine in rounds (one Hypothesis run of 50 examples per round, a fresh
-seed per round: ``base_seed + 1000 * worker + round``). The parent prints a live
-progress line (elapsed, examples, steps/s, failures) and a summary; Ctrl-C stops the
-workers cleanly. Every failure is saved as a replayable trace and its replay command is
-printed.
+seed per round: ``base_seed + 1000 * worker + round``). The parent prints progress (on a
+terminal a live line; else one line per ``--progress-seconds``, no carriage returns) and
+a summary. Ctrl-C (SIGINT) or SIGTERM stops the workers, prints the summary and exits
+130, or the failure code when something was found (1 a property failed, 3 the engine
+broke the protocol). Every failure is saved as a replayable trace, once (the same shrunk
+trace found again is not saved again), and its replay command is printed.
 
 The example database (``--database``) is where Hypothesis keeps failing examples and
 its example corpus: by default the directory ``.kvconform/hypothesis``; with
@@ -25,16 +27,29 @@ import multiprocessing as mp
 import queue
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from properties.core.constants import DEFAULT_DATABASE_DIR, DEFAULT_FAILURE_DIR, DEFAULT_LEVEL
-from properties.core.engine import load_engine_factory
+from properties.core.constants import (
+    DEFAULT_CALL_TIMEOUT_S,
+    DEFAULT_DATABASE_DIR,
+    DEFAULT_FAILURE_DIR,
+    DEFAULT_ISOLATION,
+    DEFAULT_LEVEL,
+    EXIT_ENGINE,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_PASSED,
+    EXIT_USAGE,
+)
 from properties.runner.check import replay_command, run_property
 from properties.runner.config import CheckConfig
+from properties.runner.machine import engine_factory
 from reference.errors import KVConformError
 
 REDIS_SCHEME = "redis://"
@@ -95,6 +110,7 @@ def _worker(
     database: str | None = None,
     after_round: Callable[[], None] | None = None,
 ) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers
     from hypothesis import Phase, settings
 
     from properties.runner.profiles import load_profile
@@ -108,10 +124,10 @@ def _worker(
         seed = base_seed + 1000 * index + round_no
         s = replay if round_no == 0 else settings(profile, max_examples=50, database=db)
         result = run_property(prop, config, s, seed, shrink_seconds=shrink_seconds)
-        if round_no == 0 and result.examples == 0:
-            result.failure = None  # nothing to replay (Hypothesis says it ran no example)
         if after_round is not None:
             after_round()
+        if round_no == 0 and result.kind not in ("property", "engine"):
+            result.failure = None  # nothing to replay (Hypothesis says it ran no example)
         out.put(
             (
                 "progress",
@@ -120,7 +136,13 @@ def _worker(
                 result.steps,
                 None
                 if result.failure is None
-                else (seed, result.failure[:2000], str(result.trace_path or ""), round_no == 0),
+                else (
+                    seed,
+                    result.failure[:2000],
+                    str(result.trace_path or ""),
+                    result.kind,
+                    round_no == 0,
+                ),
             )
         )
         round_no += 1
@@ -161,6 +183,46 @@ def print_campaign_coverage(coverage_dir: str) -> None:
     shutil.rmtree(coverage_dir, ignore_errors=True)
 
 
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt in the parent, like Ctrl-C."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Progress:
+    """Progress lines: a live line on a terminal, one plain line per ``every`` seconds
+    otherwise (a CI log then gets short lines, never a ``\\r``)."""
+
+    def __init__(self, start: float, every: float, tty: bool | None = None) -> None:
+        self.start = start
+        self.every = every
+        self.tty = sys.stdout.isatty() if tty is None else tty
+        self.last = start
+
+    def show(self, examples: int, steps: int, failures: int, now: float) -> None:
+        if not self.tty and now - self.last < self.every:
+            return
+        self.last = now
+        elapsed = now - self.start
+        rate = steps / elapsed if elapsed else 0.0
+        line = (
+            f"[{elapsed:7.0f}s] examples {examples}  steps {steps}  "
+            f"{rate:7.1f} steps/s  failures {failures}"
+        )
+        if self.tty:
+            print(f"\r{line}", end="", flush=True)
+        else:
+            print(line, flush=True)
+
+
 def run_campaign(
     engine: str,
     minutes: float,
@@ -170,28 +232,39 @@ def run_campaign(
     attention: bool = False,
     seed: int | None = None,
     failure_dir: str = DEFAULT_FAILURE_DIR,
+    database: str | None = None,
+    call_timeout: float = DEFAULT_CALL_TIMEOUT_S,
+    isolation: str = DEFAULT_ISOLATION,
+    progress_seconds: float = 30.0,
     shrink_seconds: float | None = None,
     coverage: bool = False,
     production: bool = False,
-    database: str | None = None,
 ) -> int:
-    """Fuzz ``engine`` for ``minutes`` in ``workers`` processes; the exit code. With
-    ``coverage`` the rule coverage of the whole campaign is printed at the end;
-    ``database``: see the module docstring."""
+    """Fuzz ``engine`` for ``minutes`` in ``workers`` processes; the exit code.
+    ``database``: see the module docstring. With ``coverage`` the rule coverage of the
+    whole campaign is printed at the end; ``production`` fuzzes the production
+    property."""
     if minutes <= 0 or workers < 1:
         print(
             f"kvconform fuzz: --minutes must be > 0 and --workers >= 1, got "
             f"{minutes} and {workers}",
             file=sys.stderr,
         )
-        return 2
-    load_engine_factory(engine)  # a bad --engine fails here, with a clear message
+        return EXIT_USAGE
+    config = CheckConfig(
+        engine=engine,
+        level=level,
+        preset=preset,
+        failure_dir=failure_dir,
+        call_timeout=call_timeout,
+        isolation=isolation,
+    )
+    engine_factory(config)  # a bad --engine fails here, with a clear message
     try:
         check_database(database)
     except KVConformError as exc:
         print(f"kvconform fuzz: {exc}", file=sys.stderr)
-        return 2
-    config = CheckConfig(engine=engine, level=level, preset=preset, failure_dir=failure_dir)
+        return EXIT_USAGE
     prop = "attention" if attention else "production" if production else "invariants"
     base_seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
     print(
@@ -214,51 +287,40 @@ def run_campaign(
         )
         for i in range(workers)
     ]
-    for p in procs:
-        p.start()
     examples = steps = 0
-    failures: list[tuple] = []
+    failures: dict[str, tuple] = {}  # trace path (or message) -> failure, each once
+    progress = Progress(start, progress_seconds)
     done = 0
-    try:
-        while done < len(procs):
-            try:
-                kind, _idx, ex, st, failure = out.get(timeout=1.0)
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs):
-                    break
-                kind = None
-            if kind == "done":
-                done += 1
-            elif kind == "progress":
-                examples += ex
-                steps += st
-                if failure is not None:
-                    failures.append(failure[:3])
-                    command = replay_command(failure[2], engine, level, attention)
-                    origin = (
-                        f"replayed from the example database by worker {_idx}"
-                        if failure[3]
-                        else f"seed {failure[0]}"
-                    )
-                    print(
-                        f"\nFAILURE ({origin}): {failure[1][:300]}\n  replay: {command}",
-                        flush=True,
-                    )
-            elapsed = time.time() - start
-            rate = steps / elapsed if elapsed else 0.0
-            print(
-                f"\r[{elapsed:7.0f}s] examples {examples}  steps {steps}  "
-                f"{rate:7.1f} steps/s  failures {len(failures)}",
-                end="",
-                flush=True,
-            )
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping workers", flush=True)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-            p.join(timeout=5)
+    interrupted = False
+    with _sigterm_interrupts():
+        try:
+            for p in procs:
+                p.start()
+            while done < len(procs):
+                try:
+                    kind, idx, ex, st, failure = out.get(timeout=1.0)
+                except queue.Empty:
+                    if not any(p.is_alive() for p in procs):
+                        break
+                    kind = None
+                if kind == "done":
+                    done += 1
+                elif kind == "progress":
+                    examples += ex
+                    steps += st
+                    key = None if failure is None else (failure[2] or failure[1])
+                    if key is not None and key not in failures:
+                        failures[key] = failure
+                        _print_failure(failure, idx, engine, level, attention)
+                progress.show(examples, steps, len(failures), time.time())
+        except KeyboardInterrupt:
+            interrupted = True
+            print("\ninterrupted: stopping workers", flush=True)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                p.join(timeout=5)
     # a worker that died (not one we terminated) must not pass as a clean campaign
     crashed = [i for i, p in enumerate(procs) if p.exitcode not in (0, None, -15)]
     for i in crashed:
@@ -271,9 +333,28 @@ def run_campaign(
     print(
         f"\nsummary: {elapsed:.0f}s, {examples} examples, {steps} steps "
         f"({steps / max(elapsed, 1e-9):.1f} steps/s), {len(failures)} failures"
+        f"{' (interrupted)' if interrupted else ''}",
+        flush=True,
     )
-    for seed, message, path in failures:
-        print(f"  seed {seed}: {message.splitlines()[0][:200]}\n    trace: {path}")
+    for seed_, message, path, _kind, _replayed in failures.values():
+        print(f"  seed {seed_}: {message.splitlines()[0][:200]}\n    trace: {path}")
     if coverage_dir is not None:
         print_campaign_coverage(coverage_dir)
-    return 1 if failures or crashed else 0
+    kinds = {f[3] for f in failures.values()}
+    if "engine" in kinds:
+        return EXIT_ENGINE
+    if kinds or crashed:
+        return EXIT_FAILED
+    return EXIT_INTERRUPTED if interrupted else EXIT_PASSED
+
+
+def _print_failure(failure: tuple, worker: int, engine: str, level: str, attention: bool) -> None:
+    seed, message, path, _kind, replayed = failure
+    origin = (
+        f"replayed from the example database by worker {worker}" if replayed else f"seed {seed}"
+    )
+    command = replay_command(path, engine, level, attention)
+    print(
+        f"\nFAILURE ({origin}): {message[:300]}\n  trace: {path}\n  replay: {command}",
+        flush=True,
+    )

@@ -12,15 +12,22 @@ explicitly and need neither.
 
 Fixtures: ``kv_engine`` (the engine name), ``kv_level``, ``kv_profile_name`` (the profile
 the conformance tests use: ``--kv-profile``, else ``ci`` under ``CI=true``, else ``dev``).
+
+A ``--kv-engine`` that cannot be loaded stops the run at once with a usage error (pytest
+exit code 4), never a skip. The ``kv_check`` fixture runs a property of
+:mod:`properties.runner.check` and fails the test with the failure, the saved trace and
+the command that replays it (:func:`properties.runner.check.failure_report`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 
 from properties.core.constants import DEFAULT_LEVEL, LEVELS, PROFILES
+from properties.core.engine import EngineLoadError
 
 
 def _ci() -> bool:
@@ -73,6 +80,15 @@ def pytest_configure(config: pytest.Config) -> None:
         from properties.runner.profiles import load_profile
 
         load_profile(profile)
+    engine = config.getoption("--kv-engine")
+    if engine != "reference":  # a bad engine fails the run, it never skips
+        from properties.runner.config import CheckConfig
+        from properties.runner.machine import engine_factory
+
+        try:
+            engine_factory(CheckConfig(engine=engine))
+        except EngineLoadError as exc:
+            raise pytest.UsageError(f"--kv-engine: {exc}") from None
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -96,3 +112,24 @@ def kv_level(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def kv_profile_name(request: pytest.FixtureRequest) -> str:
     return getattr(request.config, "kv_profile", None) or default_profile()
+
+
+@pytest.fixture
+def kv_check(request: pytest.FixtureRequest, kv_profile_name: str, tmp_path) -> Callable:
+    """``kv_check("invariants", level=...)``: run a property on the engine under test
+    with kvconform's profile; a failure fails the test with the trace and replay command."""
+    from hypothesis import settings
+
+    from properties.runner.check import failure_report, run_property
+    from properties.runner.config import CheckConfig
+
+    def run(name: str, level: str | None = None, **extra):
+        engine = request.config.getoption("--kv-engine")
+        level = level or request.config.getoption("--kv-level")
+        config = CheckConfig(engine=engine, level=level, failure_dir=str(tmp_path), **extra)
+        result = run_property(name, config, settings.get_profile(kv_profile_name), seed=None)
+        if not result.passed:
+            pytest.fail(failure_report(result, engine, level), pytrace=False)
+        return result
+
+    return run

@@ -279,6 +279,6 @@ def test_cli_reports_a_crashed_engine(tmp_path, capsys) -> None:
     settings.load_profile(current)
     captured = capsys.readouterr()
     text = captured.out + captured.err
-    assert code != 0, text  # a failed property (1) or an engine error (2, 3 with issue 10)
+    assert code == 3, text  # a crashed engine broke the protocol (exit code 3)
     assert "exited with status 7 during create()" in text
     assert "misbehaving at create" in text

@@ -76,9 +76,10 @@ def test_failure_found_by_one_worker_is_replayed_by_another(redis_url, tmp_path,
         database=redis_url,
     )
     out_a = capsys.readouterr().out
-    assert first == 1, out_a
+    # the mutant's free count includes the null block: a malformed answer, exit code 3
+    assert first == 3, out_a
     found = next(line for line in out_a.splitlines() if line.startswith("FAILURE (seed"))
-    check = found.split("]")[0].split("[")[-1]  # the check that fired, e.g. reset_prefix_cache
+    check = found.split("): ", 1)[1].split(":")[0]  # what fired, e.g. AnswerError
     keys = redis.Redis.from_url(redis_url).keys(f"kvconform:{MUTANT}:universal:*")
     assert keys, "the failing example was not stored in Redis"
 
@@ -91,9 +92,9 @@ def test_failure_found_by_one_worker_is_replayed_by_another(redis_url, tmp_path,
         database=redis_url,
     )
     out_b = capsys.readouterr().out
-    assert second == 1, out_b
+    assert second == 3, out_b
     replayed = [line for line in out_b.splitlines() if "replayed from the example database" in line]
-    assert replayed and f"[{check}]" in replayed[0], out_b
+    assert replayed and f"): {check}:" in replayed[0], out_b
     assert list((tmp_path / "machine-b").glob("*.json")), "the replayed failure has no trace"
 
 
