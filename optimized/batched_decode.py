@@ -149,6 +149,48 @@ def apply_decode_items(
     return results
 
 
+def apply_decode_item(
+    manager,
+    request,
+    row: int,
+    total: int,
+    main: int,
+    slots: int,
+    cache_tokens: int,
+    groups: Sequence[int],
+) -> list[list[int]] | None:
+    """``allocate_slots`` of one working item with no hit on a request that has a row
+    (:meth:`reference.kv_cache_manager.KVCacheManager.allocate_slots`: free what left the
+    window, ``need > free`` -> None, allocate, cache), calling only the managers of
+    ``groups``: those whose ``pending_work`` flagged the item. Exact because an
+    unflagged group frees, allocates and caches nothing and needs 0 blocks (with no hit,
+    ``need <= max(cdiv(slots, bs) - held, 0)``, which the flag tests). ``cache_tokens`` is
+    already rounded by the coordinator's ``num_cacheable_tokens``. No Mamba group (its
+    per-step state goes through ``allocate_slots``).
+
+    Example: full + 5 SWA groups, an item whose windows each drop a block but which
+    needs no new block: only the 5 SWA managers run ``remove_skipped_blocks``.
+    """
+    managers = manager.coordinator.managers
+    for g in groups:
+        managers[g].remove_skipped_blocks(row, total)
+    need = 0
+    for g in groups:
+        need += managers[g].get_num_blocks_to_allocate(row, slots, (), total, main)
+    if need > manager.block_pool.get_num_free_blocks():
+        return None
+    new_blocks: list[list[int]] = [[] for _ in managers]
+    for g in groups:
+        new_blocks[g] = managers[g].allocate_new_blocks(row, slots, main)
+    if manager.enable_caching:
+        for g in groups:
+            managers[g].cache_blocks(request, row, cache_tokens)
+    manager._known.add(request.request_id)
+    if request.status is not RequestStatus.FINISHED:
+        request.status = RequestStatus.RUNNING
+    return new_blocks
+
+
 def count_real_blocks(mg, row: int, a: int, b: int) -> int:
     """How many non-null entries ``table[row, a:b]`` holds."""
     return int(np.count_nonzero(mg.table[row, a:b]))

@@ -68,6 +68,19 @@ class FreeBlockQueue:
         self.prev_free[nxt] = chain[-1]
         self.num_free_blocks += n
 
+    def link_one(self, block_id: int, at_back: bool) -> None:
+        """Link one block at the back (``append_n``) or at the front (``prepend_n``)."""
+        prv, nxt = self.prev_free, self.next_free
+        if at_back:
+            before, after = prv.item(self.tail), self.tail
+        else:
+            before, after = self.head, nxt.item(self.head)
+        prv[block_id] = before
+        nxt[block_id] = after
+        nxt[before] = block_id
+        prv[after] = block_id
+        self.num_free_blocks += 1
+
     def append_n(self, blocks: np.ndarray) -> None:
         """Link ``blocks`` at the back, in order (hashed blocks: LRU)."""
         self._link_chain(int(self.prev_free[self.tail]), self.tail, blocks)
@@ -92,12 +105,12 @@ class FreeBlockQueue:
             raise PoolExhaustedError(f"cannot pop {n} blocks, {self.num_free_blocks} are free")
         if n == 0:
             return []
-        nxt = self.next_free
+        item = self.next_free.item  # a Python int per read, faster than int(arr[i])
         out = [0] * n
-        block = int(nxt[self.head])
+        block = item(self.head)
         for i in range(n):
             out[i] = block
-            block = int(nxt[block])
+            block = item(block)
         self.next_free[self.head] = block
         self.prev_free[block] = self.head
         if n <= SMALL_FREE:
@@ -183,45 +196,28 @@ class BlockPool:
         return blocks
 
     def _evict_many(self, hashed: np.ndarray) -> None:
-        """:meth:`_evict` of several hashed blocks: map updates per block, arrays at once."""
+        """:meth:`_evict` of several hashed blocks: map updates per block, arrays at once.
+
+        In a group with no duplicate keys every registered block is its key's head
+        (``cached[g][key] == b``), so its eviction is one ``del``; other groups take
+        :meth:`_evict`'s general rule (promote the next duplicate).
+        """
         block_hash = self.block_hash
-        groups = self.block_group[hashed].tolist()
-        ids = hashed.tolist()
-        if len(set(groups)) == 1 and not self.duplicates[groups[0]]:
-            # one group, every key held by one block: each popped block is its key's head
-            cached = self.cached[groups[0]]
-            for b in ids:
-                del cached[block_hash[b]]
-                block_hash[b] = None
-            self.block_group[hashed] = -1
-            self.num_cached_tokens[hashed] = 0
-            return
-        for b, g in zip(ids, groups):
-            key = block_hash[b]
-            cached = self.cached[g]
-            if cached.get(key) == b:
-                later = self.duplicates[g].get(key)
-                if later:
-                    cached[key] = later.pop(0)
-                    if not later:
-                        del self.duplicates[g][key]
-                else:
-                    del cached[key]
+        cached_by_group = self.cached
+        duplicates = self.duplicates
+        for b, g in zip(hashed.tolist(), self.block_group[hashed].tolist()):
+            if duplicates[g]:
+                self._evict_key(b, g)
             else:
-                later = self.duplicates[g].get(key)
-                if later is not None and b in later:
-                    later.remove(b)
-                    if not later:
-                        del self.duplicates[g][key]
+                del cached_by_group[g][block_hash[b]]
             block_hash[b] = None
         self.block_group[hashed] = -1
         self.num_cached_tokens[hashed] = 0
 
-    def _evict(self, block_id: int) -> bool:
+    def _evict_key(self, block_id: int, g: int) -> None:
+        """Take ``block_id`` off its key in group ``g``: the head is replaced by the next
+        duplicate in registration order (:meth:`reference.block_pool.BlockPool._evict`)."""
         key = self.block_hash[block_id]
-        if key is None:
-            return False
-        g = int(self.block_group[block_id])
         cached, dupes = self.cached[g], self.duplicates[g]
         if cached.get(key) == block_id:
             later = dupes.get(key)
@@ -237,6 +233,11 @@ class BlockPool:
                 later.remove(block_id)
                 if not later:
                     del dupes[key]
+
+    def _evict(self, block_id: int) -> bool:
+        if self.block_hash[block_id] is None:
+            return False
+        self._evict_key(block_id, int(self.block_group[block_id]))
         self.block_hash[block_id] = None
         self.block_group[block_id] = -1
         self.num_cached_tokens[block_id] = 0
@@ -275,6 +276,54 @@ class BlockPool:
         hashed = self.block_group[zero] >= 0
         self.free_block_queue.prepend_n(zero[~hashed])
         self.free_block_queue.append_n(zero[hashed])
+
+    def free_block(self, block_id: int) -> None:
+        """:meth:`free_blocks` of one block (a window dropping one block in a decode step):
+        at ref count 0 it goes to the back when hashed, to the front otherwise."""
+        if block_id == NULL_BLOCK_ID:
+            return
+        count = self.ref_cnt.item(block_id) - 1
+        if count < 0:
+            raise KVConformError(f"block {block_id} freed more often than allocated")
+        self.ref_cnt[block_id] = count
+        if count == 0:
+            self.free_block_queue.link_one(block_id, at_back=self.block_group[block_id] >= 0)
+
+    def free_block_lists(self, lists: Sequence[np.ndarray]) -> None:
+        """``free_blocks(lists[0])``, ``free_blocks(lists[1])``, ... in one pass (a request's
+        groups on ``free``: :meth:`reference.coordinator.KVCacheCoordinator.free`). Ids are
+        distinct across lists (a block belongs to one group). Same queue as the successive
+        calls: hashed blocks reaching 0 go to the back in list order; unhashed ones go to the
+        front list by list, so a later list's blocks end up before an earlier list's.
+        Example: lists ``[a1, a2]``, ``[b1]``, all unhashed -> queue ``[b1, a1, a2, ...]``.
+        """
+        lengths = [len(ids) for ids in lists]
+        if sum(lengths) <= SMALL_FREE or len(lists) == 1:
+            for ids in lists:
+                self.free_blocks(ids)
+            return
+        ids = np.concatenate(lists).astype(np.int64, copy=False)
+        which = np.repeat(np.arange(len(lists)), lengths)
+        real = ids != NULL_BLOCK_ID
+        ids, which = ids[real], which[real]
+        if ids.size == 0:
+            return
+        self.ref_cnt[ids] -= 1
+        after = self.ref_cnt[ids]
+        if (after < 0).any():
+            bad = int(ids[after < 0][0])
+            raise KVConformError(f"block {bad} freed more often than allocated")
+        zero = after == 0
+        ids, which = ids[zero], which[zero]
+        if ids.size == 0:
+            return
+        hashed = self.block_group[ids] >= 0
+        front, front_list = ids[~hashed], which[~hashed]
+        if front.size:
+            # later lists first, each keeping its own order (a stable sort on -list index)
+            self.free_block_queue.prepend_n(front[np.argsort(-front_list, kind="stable")])
+        if hashed.any():
+            self.free_block_queue.append_n(ids[hashed])
 
     def _free_few(self, ordered_blocks: Sequence[int]) -> None:
         """:meth:`free_blocks` for a few blocks (a decode step's): scalar steps, same order."""
@@ -328,6 +377,10 @@ class BlockPool:
         """:meth:`cache_block` of ``blocks[k]`` under ``hashes[k]`` for the prefix of
         ``(first_index + k + 1) * block_size`` tokens, for every ``k`` (nulls and masked
         blocks skipped), with the array writes done at once."""
+        if len(blocks) == 1:  # a decode step completing one block: the scalar rule
+            if mask is None or mask[0]:
+                self.cache_block(blocks[0], hashes[0], group_id, (first_index + 1) * block_size)
+            return
         block_hash = self.block_hash
         nct = self.num_cached_tokens
         cached = self.cached[group_id]

@@ -139,8 +139,12 @@ class KVCacheCoordinator:
         row = self.row_of.pop(request_id, None)
         if row is None:
             return
+        # each group's blocks in reverse order (``SingleTypeKVCacheManager.free``), in one pass
+        self.block_pool.free_block_lists(
+            [m.table[row, : m.row_len[row]][::-1] for m in self.managers]
+        )
         for m in self.managers:
-            m.free(row)
+            m.release_row(row)
         heapq.heappush(self._free_rows, row)
 
     def new_step_starts(self) -> None:

@@ -28,9 +28,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from optimized.batched_decode import apply_decode_items
+from optimized.batched_decode import apply_decode_item, apply_decode_items
 from optimized.coordinator import DEFAULT_MAX_NUM_REQS, make_coordinator
-from optimized.managers.full import partial_tail_boundary
+from optimized.managers.mamba import MambaManager
 from optimized.request import Request
 from reference.errors import InvalidRequestError
 from reference.kv_cache_manager import PrefixCacheStats
@@ -61,7 +61,18 @@ class StepItem(NamedTuple):
 
 
 class KVCacheManager:
-    """The optimized hybrid KV cache manager (same policy as the reference)."""
+    """The optimized hybrid KV cache manager (same policy as the reference).
+
+    ``min_batched_apply``: a decode step whose working items (those
+    ``pending_work`` flags) number fewer than this applies them one by one through
+    ``allocate_slots`` (exact by definition) instead of :func:`apply_decode_items`, whose
+    fixed cost of some dozens of numpy calls per group only pays off for many items.
+    Example: 30 decode items on 6 groups, bs 16: about 2 cross a block boundary in a
+    step, so two ``allocate_slots`` calls beat one vectorised pass.
+    """
+
+    #: Fewer working items than this go through ``allocate_slots`` (see the class docstring).
+    min_batched_apply: int = 8
 
     def __init__(self, layout: KVCacheLayout, max_num_reqs: int = DEFAULT_MAX_NUM_REQS) -> None:
         self.layout = layout
@@ -71,6 +82,11 @@ class KVCacheManager:
         self.block_pool = self.coordinator.block_pool
         self.num_groups = len(layout.groups)
         self.stats = PrefixCacheStats()
+        self._scheduler_block_size = layout.scheduler_block_size
+        #: Working decode items may go through ``apply_decode_item`` (no Mamba group).
+        self._per_group_apply = not any(
+            isinstance(m, MambaManager) for m in self.coordinator.managers
+        )
         self._known: set[str] = set()
         self._empty = ComputedBlocks(tuple(() for _ in range(self.num_groups)))
         #: ``schedule_step``'s result for an item that gets no new block (shared, immutable).
@@ -199,38 +215,20 @@ class KVCacheManager:
         request may appear at most once per call.
         """
         n = len(items)
-        results: list[list[list[int]] | None] = []
-        fast_idx: list[int] = []
-        rows: list[int] = []
-        seen: set[str] = set()
-        row_of = self.coordinator.row_of
-        for i, item in enumerate(items):
-            request = item.request
-            hits = (item.new_computed_blocks or self._empty).blocks
-            self._validate(
-                request,
-                item.num_new_tokens,
-                item.num_new_computed_tokens,
-                item.num_lookahead_tokens,
-                hits,
-            )
-            if request.request_id in seen:
-                raise InvalidRequestError(
-                    f"schedule_step: request {request.request_id!r} appears twice in one step"
-                )
-            seen.add(request.request_id)
-            row = row_of.get(request.request_id)
-            if row is not None and item.num_new_computed_tokens == 0 and not any(hits):
-                fast_idx.append(i)
-                rows.append(row)
+        fast_idx, gathered = self._gather(items)
         idle = np.zeros(n, dtype=bool)
+        single: dict[int, tuple] = {}
         if fast_idx:
             fast_items = [items[i] for i in fast_idx]
-            row_arr = np.asarray(rows, dtype=np.int64)
-            work, total, slots, raw_cache_tokens = self._pending_work(fast_items, row_arr)
+            row_arr = gathered[0]
+            flags, total, main, slots, cache_tokens, raw_cache_tokens = self._pending_work(gathered)
+            work = flags.any(axis=0)
             idle[fast_idx] = ~work
-            if len(fast_idx) == n and work.any():
-                busy = np.flatnonzero(work)
+            busy = np.flatnonzero(work)
+            if len(fast_idx) == n and not busy.size:
+                self._settle_idle_all(items)
+                return [self.no_new_blocks] * n
+            if len(fast_idx) == n and busy.size >= self.min_batched_apply:
                 applied = apply_decode_items(
                     self,
                     [fast_items[i].request for i in busy.tolist()],
@@ -243,25 +241,89 @@ class KVCacheManager:
                     out: list = [self.no_new_blocks] * n
                     for i, new_blocks in zip(busy.tolist(), applied):
                         out[i] = new_blocks
-                    for i in np.flatnonzero(~work).tolist():
-                        self._settle_idle(items[i].request)
+                    self._settle_idle_all([items[i] for i in np.flatnonzero(~work).tolist()])
                     return out
+            if self._per_group_apply:
+                for k in busy.tolist():
+                    single[fast_idx[k]] = (
+                        int(row_arr[k]),
+                        int(total[k]),
+                        int(main[k]),
+                        int(slots[k]),
+                        int(cache_tokens[k]),
+                        np.flatnonzero(flags[:, k]).tolist(),
+                    )
+        results: list[list[list[int]] | None] = []
         for i, item in enumerate(items):
             if idle[i]:
                 self._settle_idle(item.request)
                 results.append(self.no_new_blocks)
                 continue
-            new_blocks = self.allocate_slots(
-                item.request,
-                item.num_new_tokens,
-                item.num_new_computed_tokens,
-                item.new_computed_blocks,
-                item.num_lookahead_tokens,
-            )
+            args = single.get(i)
+            if args is not None:
+                new_blocks = apply_decode_item(self, item.request, *args)
+            else:
+                new_blocks = self.allocate_slots(
+                    item.request,
+                    item.num_new_tokens,
+                    item.num_new_computed_tokens,
+                    item.new_computed_blocks,
+                    item.num_lookahead_tokens,
+                )
             results.append(new_blocks)
             if new_blocks is None:
                 break
         return results
+
+    def _gather(self, items: Sequence[StepItem]):
+        """Validate every item (``_validate``'s rules; the full check, with its message,
+        runs only when the inline test fails) and gather, for the items with no hit on a
+        request that has a row, the per-item numbers ``_pending_work`` needs, as int64
+        arrays ``(rows, computed, new, lookahead, num_tokens, hashed tokens, boundary)``."""
+        row_of = self.coordinator.row_of
+        mml = self.max_model_len
+        h = self.layout.hash_block_size
+        empty = self._empty
+        num_groups = self.num_groups
+        finished = RequestStatus.FINISHED
+        seen: set[str] = set()
+        fast_idx: list[int] = []
+        columns: tuple[list[int], ...] = ([], [], [], [], [], [], [])
+        rows, computed, new, lookahead, num_tokens, num_hashed, boundary = columns
+        for i, item in enumerate(items):
+            request, n_new, n_hit, hit_blocks, n_ahead = item
+            req_tokens = request.num_tokens
+            done = request.num_computed_tokens
+            hits = (hit_blocks or empty).blocks
+            if (
+                request.status is finished
+                or n_new < 1
+                or n_hit != 0
+                or n_ahead < 0
+                or done + n_new > req_tokens
+                or req_tokens > mml
+                or len(hits) != num_groups
+            ):
+                self._validate(request, n_new, n_hit, n_ahead, hits)
+            rid = request.request_id
+            if rid in seen:
+                raise InvalidRequestError(
+                    f"schedule_step: request {rid!r} appears twice in one step"
+                )
+            seen.add(rid)
+            row = row_of.get(rid)
+            if row is None or n_hit != 0 or any(hits):
+                continue
+            fast_idx.append(i)
+            rows.append(row)
+            computed.append(done)
+            new.append(n_new)
+            lookahead.append(n_ahead)
+            num_tokens.append(req_tokens)
+            hashed = len(request.block_hashes)
+            num_hashed.append(hashed * h)
+            boundary.append(min((request.num_prompt_tokens - 1) // h, hashed) * h)
+        return fast_idx, tuple(np.asarray(c, dtype=np.int64) for c in columns)
 
     def _settle_idle(self, request: Request) -> None:
         """What ``allocate_slots`` does to an item with nothing to free, allocate or cache."""
@@ -269,40 +331,35 @@ class KVCacheManager:
         if request.status is not RequestStatus.FINISHED:
             request.status = RequestStatus.RUNNING
 
-    def _pending_work(self, items: Sequence[StepItem], rows: np.ndarray):
-        """Per item (no hit, has a row): would ``allocate_slots`` change any group? Also
-        returns the items' ``total``, ``slots`` and (unrounded) tokens to cache."""
-        m = len(items)
-        computed = np.empty(m, dtype=np.int64)
-        new = np.empty(m, dtype=np.int64)
-        lookahead = np.empty(m, dtype=np.int64)
-        num_tokens = np.empty(m, dtype=np.int64)
-        num_hashed = np.empty(m, dtype=np.int64)
-        boundary = np.empty(m, dtype=np.int64)
-        h = self.layout.hash_block_size
-        for k, item in enumerate(items):
-            req = item.request
-            computed[k] = req.num_computed_tokens
-            new[k] = item.num_new_tokens
-            lookahead[k] = item.num_lookahead_tokens
-            num_tokens[k] = req.num_tokens
-            num_hashed[k] = len(req.block_hashes)
-            boundary[k] = partial_tail_boundary(req.num_prompt_tokens, num_hashed[k], h)
-        num_hashed *= h
+    def _settle_idle_all(self, items: Sequence[StepItem]) -> None:
+        """:meth:`_settle_idle` of every item (validated, so none is finished)."""
+        running = RequestStatus.RUNNING
+        known = self._known
+        for item in items:
+            request = item.request
+            known.add(request.request_id)
+            request.status = running
+
+    def _pending_work(self, gathered: tuple[np.ndarray, ...]):
+        """Per group and gathered item (no hit, has a row): would ``allocate_slots`` change
+        that group (``flags[g, k]``)? Also returns the items' ``total``, ``main``,
+        ``slots`` and tokens to cache (rounded as the coordinator rounds them, and raw)."""
+        rows, computed, new, lookahead, num_tokens, num_hashed, boundary = gathered
         mml = self.max_model_len
         total = np.minimum(computed, mml)
         main = total + new
         slots = np.minimum(main + lookahead, mml)
-        cache_tokens = raw_cache_tokens = np.minimum(total + new, num_tokens)
+        cache_tokens = raw_cache_tokens = np.minimum(main, num_tokens)
         if self.enable_caching and self.num_groups > 1:
-            lcm = self.layout.scheduler_block_size
+            lcm = self._scheduler_block_size
             cache_tokens = cache_tokens // lcm * lcm  # HybridCoordinator.num_cacheable_tokens
-        work = np.zeros(m, dtype=bool)
-        for manager in self.coordinator.managers:
-            work |= manager.pending_work(
+        managers = self.coordinator.managers
+        flags = np.empty((len(managers), len(rows)), dtype=bool)
+        for g, manager in enumerate(managers):
+            flags[g] = manager.pending_work(
                 rows, total, main, slots, cache_tokens, num_hashed, boundary
             )
-        return work, total, slots, raw_cache_tokens
+        return flags, total, main, slots, cache_tokens, raw_cache_tokens
 
     # -- freeing ---------------------------------------------------------------
     def free(self, request: Request) -> None:

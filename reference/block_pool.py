@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from reference.errors import KVConformError
 from reference.hashing import cache_key
+from reference.validation import require_bool, require_int
 
 
 class PoolExhaustedError(KVConformError):
@@ -113,6 +114,9 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool, hash_block_size: int) -> None:
+        require_int(KVConformError, "BlockPool", "num_blocks", num_blocks, lowest=2)
+        require_bool(KVConformError, "BlockPool", "enable_caching", enable_caching)
+        require_int(KVConformError, "BlockPool", "hash_block_size", hash_block_size, lowest=1)
         self.num_blocks = num_blocks
         self.hash_block_size = hash_block_size
         self.enable_caching = enable_caching

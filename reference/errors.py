@@ -28,3 +28,10 @@ def require_positive(owner: str, field: str, value: int) -> None:
     """Raise :class:`InvalidSpecError` unless ``value`` is an int >= 1."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise InvalidSpecError(f"{owner}.{field} must be an integer >= 1, got {value!r}")
+
+
+def require_given(owner: str, field: str, value: object) -> None:
+    """Raise :class:`InvalidSpecError` when a field without a sensible default is missing
+    (``SlidingWindowSpec(block_size=16)`` has no window)."""
+    if value is None:
+        raise InvalidSpecError(f"{owner}.{field} is missing (it has no default)")

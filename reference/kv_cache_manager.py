@@ -33,9 +33,10 @@ from dataclasses import dataclass
 
 from reference.block_pool import KVCacheBlock
 from reference.coordinator import make_coordinator
-from reference.errors import InvalidRequestError
+from reference.errors import InvalidLayoutError, InvalidRequestError
 from reference.layout import KVCacheLayout
 from reference.request import Request, RequestStatus
+from reference.validation import require_bool, require_instance, require_int
 
 BlockIdLists = tuple[tuple[int, ...], ...]
 
@@ -67,6 +68,7 @@ class KVCacheManager:
     """The reference hybrid KV cache manager (vLLM 0.33 policy, core scope)."""
 
     def __init__(self, layout: KVCacheLayout) -> None:
+        require_instance(InvalidLayoutError, "KVCacheManager", "layout", layout, KVCacheLayout)
         self.layout = layout
         self.max_model_len = layout.max_model_len
         self.enable_caching = layout.enable_caching
@@ -75,6 +77,8 @@ class KVCacheManager:
         self.num_groups = len(layout.groups)
         self.stats = PrefixCacheStats()
         self._known: set[str] = set()
+        #: request id -> the request that holds blocks under it (one request per id)
+        self._holders: dict[str, Request] = {}
 
     # -- requests --------------------------------------------------------------
     def make_request(
@@ -84,7 +88,14 @@ class KVCacheManager:
         cache_salt: str | None = None,
         lora_name: str | None = None,
     ) -> Request:
-        """A request whose hashes use this layout's hash block size."""
+        """A request whose hashes use this layout's hash block size. An id may not be
+        reused while a request holding blocks under it is not freed (the two would share
+        one block table)."""
+        if request_id in self._holders:
+            raise InvalidRequestError(
+                f"make_request: request id {request_id!r} is used twice (the request holding "
+                "blocks under it has not been freed)"
+            )
         if len(prompt_token_ids) > self.max_model_len:
             raise InvalidRequestError(
                 f"request {request_id!r}: prompt of {len(prompt_token_ids)} tokens is longer "
@@ -156,7 +167,23 @@ class KVCacheManager:
         caching (the load is still in flight); ``full_sequence_must_fit`` first
         refuses the request unless its whole sequence fits (the admission gate).
         """
+        _check_allocate_args(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            full_sequence_must_fit,
+        )
         rid = request.request_id
+        holder = self._holders.get(rid)
+        if holder is not None and holder is not request:
+            raise InvalidRequestError(
+                f"allocate_slots: request id {rid!r} is used twice (another request holds "
+                "blocks under it)"
+            )
         if request.is_finished:
             raise InvalidRequestError(f"allocate_slots: request {rid!r} is finished")
         counts = {
@@ -196,6 +223,7 @@ class KVCacheManager:
                 f"the layout has {self.num_groups}"
             )
         self._known.add(rid)
+        self._holders[rid] = request
         total = min(local + num_external_computed_tokens, self.max_model_len)
         if full_sequence_must_fit:
             whole = min(request.num_tokens, self.max_model_len)
@@ -233,11 +261,14 @@ class KVCacheManager:
     # -- freeing ---------------------------------------------------------------
     def free(self, request: Request) -> None:
         """Free every block of ``request``, tail first per group (leading nulls dropped)."""
+        if not isinstance(request, Request):
+            raise InvalidRequestError(f"free: request must be a Request, got {request!r}")
         if request.request_id not in self._known:
             raise InvalidRequestError(
                 f"free: unknown request {request.request_id!r} (never allocated or freed twice)"
             )
         self._known.discard(request.request_id)
+        self._holders.pop(request.request_id, None)
         self.coordinator.free(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
@@ -264,3 +295,35 @@ class KVCacheManager:
     @property
     def usage(self) -> float:  # pragma: no cover - a metric, not an engine call
         return self.block_pool.get_usage()
+
+
+def _check_allocate_args(
+    request: object,
+    num_new_tokens: object,
+    num_new_computed_tokens: object,
+    new_computed_blocks: object,
+    num_lookahead_tokens: object,
+    num_external_computed_tokens: object = 0,
+    delay_cache_blocks: object = False,
+    full_sequence_must_fit: object = False,
+) -> None:
+    """Types of ``allocate_slots``' arguments (ranges are checked by the call itself)."""
+    if not isinstance(request, Request):
+        raise InvalidRequestError(f"allocate_slots: request must be a Request, got {request!r}")
+    for field, value in (
+        ("num_new_tokens", num_new_tokens),
+        ("num_new_computed_tokens", num_new_computed_tokens),
+        ("num_lookahead_tokens", num_lookahead_tokens),
+        ("num_external_computed_tokens", num_external_computed_tokens),
+    ):
+        require_int(InvalidRequestError, "allocate_slots", field, value)
+    for field, value in (
+        ("delay_cache_blocks", delay_cache_blocks),
+        ("full_sequence_must_fit", full_sequence_must_fit),
+    ):
+        require_bool(InvalidRequestError, "allocate_slots", field, value)
+    if new_computed_blocks is not None and not isinstance(new_computed_blocks, ComputedBlocks):
+        raise InvalidRequestError(
+            "allocate_slots.new_computed_blocks must be ComputedBlocks or None, got "
+            f"{new_computed_blocks!r}"
+        )

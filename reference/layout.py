@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from reference.errors import InvalidLayoutError
+from reference.errors import InvalidLayoutError, InvalidSpecError
 from reference.retention import validate_retention_interval
 from reference.specs import (
     AttentionSpec,
@@ -33,6 +33,7 @@ from reference.specs import (
     SlidingWindowSpec,
     cdiv,
 )
+from reference.validation import require_bool, require_int
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,16 @@ class KVCacheGroup:
     layer_names: tuple[str, ...]
     spec: KVCacheSpec
     is_eagle_group: bool = False
+
+    def __post_init__(self) -> None:
+        names = self.layer_names
+        if not isinstance(names, tuple) or not all(isinstance(n, str) and n for n in names):
+            raise InvalidLayoutError(
+                f"KVCacheGroup.layer_names must be a tuple of non-empty strings, got {names!r}"
+            )
+        if not isinstance(self.spec, KVCacheSpec):
+            raise InvalidSpecError(f"KVCacheGroup.spec must be a KVCacheSpec, got {self.spec!r}")
+        require_bool(InvalidLayoutError, "KVCacheGroup", "is_eagle_group", self.is_eagle_group)
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,7 @@ class KVCacheLayout:
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
+        _check_layout_fields(self)
         if not self.groups:
             raise InvalidLayoutError("KVCacheLayout.groups must not be empty, got ()")
         if self.num_blocks < 2:
@@ -220,6 +232,22 @@ class KVCacheLayout:
             f"{' '.join(parts)} num_blocks={self.num_blocks} "
             f"max_model_len={self.max_model_len} caching={self.enable_caching}{retention}"
         )
+
+
+def _check_layout_fields(layout: KVCacheLayout) -> None:
+    """Types first: ``num_blocks=16.0`` or ``enable_caching="yes"`` name the field."""
+    owner, err = "KVCacheLayout", InvalidLayoutError
+    if not isinstance(layout.groups, tuple) or not all(
+        isinstance(g, KVCacheGroup) for g in layout.groups
+    ):
+        raise err(f"{owner}.groups must be a tuple of KVCacheGroup, got {layout.groups!r}")
+    require_int(err, owner, "num_blocks", layout.num_blocks)
+    require_int(err, owner, "max_model_len", layout.max_model_len)
+    require_bool(err, owner, "enable_caching", layout.enable_caching)
+    if layout.max_in_flight_tokens is not None:
+        require_int(err, owner, "max_in_flight_tokens", layout.max_in_flight_tokens, lowest=1)
+    if not isinstance(layout.name, str):
+        raise err(f"{owner}.name must be a string, got {layout.name!r}")
 
 
 def merge_key(spec: KVCacheSpec) -> KVCacheSpec:

@@ -25,6 +25,7 @@ from enum import Enum
 
 from reference.errors import InvalidRequestError
 from reference.hashing import extend_block_hashes
+from reference.validation import require_int, require_str, require_token_ids
 
 
 class RequestStatus(Enum):
@@ -46,6 +47,12 @@ class Request:
         lora_name: str | None = None,
         num_hash_lookahead_tokens: int = 0,
     ) -> None:
+        err = InvalidRequestError
+        require_str(err, "Request", "request_id", request_id)
+        require_token_ids(err, "Request", "prompt_token_ids", prompt_token_ids)
+        require_int(err, "Request", "hash_block_size", hash_block_size, lowest=1)
+        require_str(err, "Request", "cache_salt", cache_salt, optional=True)
+        require_str(err, "Request", "lora_name", lora_name, optional=True)
         if not prompt_token_ids:
             raise InvalidRequestError(
                 f"Request.prompt_token_ids of {request_id!r} must not be empty, got []"
@@ -96,6 +103,7 @@ class Request:
 
     def append_output_token_ids(self, token_ids: Sequence[int]) -> None:
         """Append decoded tokens and extend the block hashes over every new full block."""
+        require_token_ids(InvalidRequestError, "append_output_token_ids", "token_ids", token_ids)
         self.output_token_ids.extend(int(t) for t in token_ids)
         extend_block_hashes(
             self.block_hashes,

@@ -20,7 +20,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from reference.errors import InvalidSpecError, require_positive
+from reference.errors import InvalidSpecError, require_given, require_positive
 
 
 def cdiv(a: int, b: int) -> int:
@@ -129,10 +129,11 @@ class SlidingWindowSpec(AttentionSpec):
       the ``+ 1`` because the window need not start on a block boundary.
     """
 
-    sliding_window: int = 1
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require_given("SlidingWindowSpec", "sliding_window", self.sliding_window)
         require_positive("SlidingWindowSpec", "sliding_window", self.sliding_window)
 
     @property
@@ -164,10 +165,13 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
     * ``max_memory_usage_bytes = cdiv(min(C + IFT, max_model_len), bs) * page``.
     """
 
-    attention_chunk_size: int = 1
+    attention_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require_given(
+            "ChunkedLocalAttentionSpec", "attention_chunk_size", self.attention_chunk_size
+        )
         require_positive(
             "ChunkedLocalAttentionSpec", "attention_chunk_size", self.attention_chunk_size
         )

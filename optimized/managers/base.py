@@ -210,6 +210,13 @@ class SingleTypeKVCacheManager:
         start = max(first, int(self.num_leading_null[row]))
         if start >= last:
             return
+        if last == start + 1:  # one block (a decode step's window move): scalar path
+            block = self.table.item(row, start)
+            self.table[row, start] = NULL_BLOCK_ID
+            self.dirty_rows[row] = True
+            self.num_leading_null[row] = last
+            self.block_pool.free_block(block)
+            return
         freed = self.table[row, start:last][::-1].copy()
         self.table[row, start:last] = NULL_BLOCK_ID
         self.dirty_rows[row] = True

@@ -29,30 +29,6 @@ from reference.attention import first_visible_key
 from reference.specs import MambaSpec, cdiv
 
 # ---------------------------------------------------------------------------
-# Answer shapes
-
-
-def hit_shape(state: CheckState, event: LookupEvent) -> str | None:
-    """A hit names one block list per group of the layout."""
-    if len(event.hit.block_ids) != len(state.layout.groups):
-        return (
-            f"get_computed_blocks({event.request.request_id!r}) returned "
-            f"{len(event.hit.block_ids)} groups, the layout has {len(state.layout.groups)}"
-        )
-    return None
-
-
-def table_shape(state: CheckState, event: AllocateEvent) -> str | None:
-    """A block table has one row per group of the layout."""
-    if len(event.table) != len(state.layout.groups):
-        return (
-            f"get_block_ids({event.request.request_id!r}) returned {len(event.table)} groups, "
-            f"the layout has {len(state.layout.groups)}"
-        )
-    return None
-
-
-# ---------------------------------------------------------------------------
 # Lookups (H1-H5)
 
 

@@ -1,12 +1,13 @@
 """The lockstep engine: the engine under test, optionally beside the reference.
 
 It implements the engine protocol itself, so the scheduler drives it like any
-engine. Every call goes to the engine under test (its exceptions become
-:class:`EngineError` naming the call) and, at the ``exact`` level, to the
-reference too; results must agree (hit length and blocks, new block ids, the
-request's table, free count, free queue). After every call the
-:class:`properties.checks.checker.Checker` runs. Every call and result is logged; the
-log is the ``observed`` part of a saved trace.
+engine. Every call goes to the engine under test through its boundary
+(:mod:`properties.checks.boundary`: a deadline, exceptions become :class:`EngineError`
+naming the call, every answer validated by :mod:`properties.checks.answers` before any
+check sees it) and, at the ``exact`` level, to the reference too; results must agree
+(hit length and blocks, new block ids, the request's table, free count, free queue).
+After every call the :class:`properties.checks.checker.Checker` runs. Every call and
+result is logged; the log is the ``observed`` part of a saved trace.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from properties.checks.answers import check_new_blocks_are_tail
+from properties.checks.boundary import allocate_text, engine_name, guard_engine, schedule_text
 from properties.checks.checker import Checker
 from properties.checks.registry import PropertyViolation
 from properties.core.engine import (
     BlockIds,
     CacheHit,
-    EngineError,
     ExposesFreeQueue,
     KVCacheEngine,
     PlansSteps,
@@ -38,27 +40,25 @@ class LockstepEngine:
         layout: KVCacheLayout,
         reference: KVCacheEngine | None = None,
         disabled: Iterable[str] = (),
+        call_timeout: float = 0.0,
     ) -> None:
-        self.engine = engine
+        self.engine = guard_engine(engine, layout, call_timeout)
         self.reference = reference
         self.layout = layout
-        self.checker = Checker(engine, layout, disabled)
+        self.checker = Checker(self.engine, layout, disabled)
         self.log: list[dict[str, Any]] = []
         self._ref_hits: dict[str, CacheHit] = {}
-        self.engine_name = getattr(engine, "name", type(engine).__name__)
+        self.engine_name = engine_name(engine)
+        self.reference_name = getattr(reference, "name", "reference")
 
     # -- plumbing -------------------------------------------------------------------
-    def _call(self, what: str, fn, *args):
+    def _call(self, fn, *args):
+        """A call that may change the engine (through its boundary): the checks' cached
+        reads of the engine are stale afterwards."""
         try:
             return fn(*args)
-        except (PropertyViolation, EngineError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - any engine failure is reported
-            raise EngineError(
-                f"{self.engine_name}: {what} raised {type(exc).__name__}: {exc}"
-            ) from exc
         finally:
-            self.checker.state.invalidate()  # what the checks read of the engine is stale
+            self.checker.state.invalidate()
 
     def _record(self, call: str, args: dict, result: Any) -> None:
         self.log.append({"call": call, **args, "result": result})
@@ -66,7 +66,8 @@ class LockstepEngine:
     def _diverge(self, what: str, expected: Any, observed: Any) -> None:
         raise PropertyViolation(
             "exact_match",
-            f"{what}: reference gives {expected!r}, {self.engine_name} gives {observed!r}",
+            f"{what}: {self.reference_name} gives {expected!r}, {self.engine_name} gives "
+            f"{observed!r}",
         )
 
     def _compare_state(self, after: str, request_id: str | None) -> None:
@@ -96,7 +97,7 @@ class LockstepEngine:
 
     # -- the protocol ---------------------------------------------------------------
     def add_request(self, request: RequestInput) -> None:
-        self._call(f"add_request({request.request_id!r})", self.engine.add_request, request)
+        self._call(self.engine.add_request, request)
         if self.reference is not None:
             self.reference.add_request(request)
         self.checker.on_add(
@@ -104,43 +105,26 @@ class LockstepEngine:
         )
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
-        self._call(
-            f"append_output_tokens({request_id!r})",
-            self.engine.append_output_tokens,
-            request_id,
-            token_ids,
-        )
+        self._call(self.engine.append_output_tokens, request_id, token_ids)
         if self.reference is not None:
             self.reference.append_output_tokens(request_id, token_ids)
         self.checker.on_append(request_id, token_ids)
 
     def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
-        self._call(
-            f"set_num_computed_tokens({request_id!r}, {num_computed_tokens})",
-            self.engine.set_num_computed_tokens,
-            request_id,
-            num_computed_tokens,
-        )
+        self._call(self.engine.set_num_computed_tokens, request_id, num_computed_tokens)
         if self.reference is not None:
             self.reference.set_num_computed_tokens(request_id, num_computed_tokens)
         self.checker.on_set_computed(request_id, num_computed_tokens)
 
     def new_step(self) -> None:
-        self._call("new_step()", self.engine.new_step)
+        self._call(self.engine.new_step)
         if self.reference is not None:
             self.reference.new_step()
         self._record("new_step", {}, None)
 
     def get_computed_blocks(self, request_id: str) -> CacheHit:
         before = self.checker.snapshot()
-        hit = self._call(
-            f"get_computed_blocks({request_id!r})", self.engine.get_computed_blocks, request_id
-        )
-        if not isinstance(hit, CacheHit):
-            raise EngineError(
-                f"{self.engine_name}: get_computed_blocks({request_id!r}) returned "
-                f"{type(hit).__name__}, not CacheHit"
-            )
+        hit = self._call(self.engine.get_computed_blocks, request_id)
         self._record(
             "get_computed_blocks",
             {"request_id": request_id},
@@ -184,31 +168,29 @@ class LockstepEngine:
             if tracked is not None and tracked.holds_blocks
             else None
         )
-        what = (
-            f"allocate_slots({request_id!r}, num_new_tokens={num_new_tokens}, "
-            f"num_new_computed_tokens={num_new_computed_tokens}, "
-            f"num_lookahead_tokens={num_lookahead_tokens}"
-            + "".join(f", {k}={v}" for k, v in gate.items())
-            + ")"
+        what = allocate_text(
+            request_id,
+            num_new_tokens,
+            num_new_computed_tokens,
+            num_lookahead_tokens,
+            full_sequence_must_fit,
+            num_external_computed_tokens,
+            delay_cache_blocks,
         )
         result = self._call(
-            what,
-            lambda: self.engine.allocate_slots(
-                request_id,
-                num_new_tokens,
-                num_new_computed_tokens,
-                hit,
-                num_lookahead_tokens,
-                **gate,
-            ),
+            self.engine.allocate_slots,
+            request_id,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hit,
+            num_lookahead_tokens,
+            full_sequence_must_fit,
+            num_external_computed_tokens,
+            delay_cache_blocks,
         )
-        if result is not None and (
-            not isinstance(result, tuple) or len(result) != len(self.layout.groups)
-        ):
-            raise EngineError(
-                f"{self.engine_name}: {what} returned {result!r}, not one tuple "
-                f"of block ids per group ({len(self.layout.groups)})"
-            )
+        if result is not None:
+            table = self.checker.state.table_of(request_id)
+            check_new_blocks_are_tail(f"{self.engine_name}: {what}", result, table)
         self._record(
             "allocate_slots",
             {
@@ -256,17 +238,14 @@ class LockstepEngine:
     def set_in_flight(
         self, request_id: str, num_in_flight_tokens: int, num_pending_tokens: int
     ) -> None:
-        self._call(
-            f"set_in_flight({request_id!r}, {num_in_flight_tokens}, {num_pending_tokens})",
-            lambda: self.engine.set_in_flight(request_id, num_in_flight_tokens, num_pending_tokens),
-        )
+        self._call(self.engine.set_in_flight, request_id, num_in_flight_tokens, num_pending_tokens)
         if self.reference is not None:
             self.reference.set_in_flight(request_id, num_in_flight_tokens, num_pending_tokens)
         self.checker.on_in_flight(request_id, num_in_flight_tokens)
 
     def cache_blocks(self, request_id: str, num_tokens: int) -> None:
         what = f"cache_blocks({request_id!r}, {num_tokens})"
-        self._call(what, lambda: self.engine.cache_blocks(request_id, num_tokens))
+        self._call(self.engine.cache_blocks, request_id, num_tokens)
         self._record("cache_blocks", {"request_id": request_id, "num_tokens": num_tokens}, None)
         if self.reference is not None:
             self.reference.cache_blocks(request_id, num_tokens)
@@ -299,31 +278,16 @@ class LockstepEngine:
             tracked = self.checker.requests.get(item.request_id)
             if tracked is not None and tracked.holds_blocks:
                 tables_before[item.request_id] = self.engine.get_block_ids(item.request_id)
-        what = f"schedule_step({[(i.request_id, i.num_new_tokens) for i in items]})"
-        results = self._call(what, self.engine.schedule_step, list(items))
-        if (
-            not isinstance(results, list)
-            or not results
-            or len(results) > len(items)
-            or (len(results) < len(items) and results[-1] is not None)
-            or any(r is None for r in results[:-1])
-        ):
-            raise EngineError(
-                f"{self.engine_name}: {what} returned {results!r}: one result per item, "
-                "stopping only after a None"
-            )
+        what = schedule_text(items)
+        results = self._call(self.engine.schedule_step, list(items))
         for item, result in zip(items, results):
             call = (
                 f"allocate_slots({item.request_id!r}, num_new_tokens={item.num_new_tokens}, "
                 f"num_lookahead_tokens={item.num_lookahead_tokens}) in {what}"
             )
-            if result is not None and (
-                not isinstance(result, tuple) or len(result) != len(self.layout.groups)
-            ):
-                raise EngineError(
-                    f"{self.engine_name}: {call} returned {result!r}, not one tuple "
-                    f"of block ids per group ({len(self.layout.groups)})"
-                )
+            if result is not None:
+                table = self.checker.state.table_of(item.request_id)
+                check_new_blocks_are_tail(f"{self.engine_name}: {call}", result, table)
             self._record(
                 "allocate_slots",
                 {
@@ -363,7 +327,7 @@ class LockstepEngine:
         return results
 
     def free(self, request_id: str) -> None:
-        self._call(f"free({request_id!r})", self.engine.free, request_id)
+        self._call(self.engine.free, request_id)
         if self.reference is not None:
             self.reference.free(request_id)
         self._record("free", {"request_id": request_id}, None)
@@ -371,26 +335,26 @@ class LockstepEngine:
         self._compare_state(f"free({request_id!r})", None)
 
     def remove_request(self, request_id: str) -> None:
-        self._call(f"remove_request({request_id!r})", self.engine.remove_request, request_id)
+        self._call(self.engine.remove_request, request_id)
         if self.reference is not None:
             self.reference.remove_request(request_id)
         self.checker.on_remove(request_id)
 
     def reset_prefix_cache(self) -> bool:
-        ok = self._call("reset_prefix_cache()", self.engine.reset_prefix_cache)
-        self._record("reset_prefix_cache", {}, bool(ok))
+        ok = self._call(self.engine.reset_prefix_cache)
+        self._record("reset_prefix_cache", {}, ok)
         if self.reference is not None:
             expected = self.reference.reset_prefix_cache()
             if bool(expected) != bool(ok):
                 self._diverge("reset_prefix_cache()", expected, ok)
-        self.checker.on_reset(bool(ok))
-        return bool(ok)
+        self.checker.on_reset(ok)
+        return ok
 
     def get_block_ids(self, request_id: str) -> BlockIds:
-        return self._call(f"get_block_ids({request_id!r})", self.engine.get_block_ids, request_id)
+        return self.engine.get_block_ids(request_id)
 
     def num_free_blocks(self) -> int:
-        return self._call("num_free_blocks()", self.engine.num_free_blocks)
+        return self.engine.num_free_blocks()
 
 
 def _ids(block_ids) -> list[list[int]]:

@@ -3,7 +3,8 @@
 A failure always carries the name of the check that found it
 (:class:`PropertyViolation`), and that name is one of :data:`CHECKS`. Each entry says
 when the check runs (``on``: the event of :mod:`properties.checks.state`, or
-``lockstep``/``attention``/``determinism`` for the checks that are not invariants), the
+``boundary``/``lockstep``/``attention``/``determinism`` for the checks that are not
+invariants; ``answers`` is :mod:`properties.checks.answers` at the engine boundary), the
 label of the rule it guards in ``docs/spec.md``, and the optional engine capabilities it
 needs (``ref_counts``, ``free_queue``, ``cached_blocks``; ``shared_pool``: the groups
 share one block pool). A check whose capabilities the engine lacks does not run.
@@ -75,13 +76,11 @@ _REGISTRY: tuple[CheckInfo, ...] = (
     # lookups, in the order they run
     _check(inv.lookup_no_side_effects, "lookup", "H5", "a lookup changes nothing"),
     _check(inv.hit_bounds, "lookup", "H1", "0 <= hit <= num_tokens - 1, aligned"),
-    _check(inv.hit_shape, "lookup", "P1", "a hit has one block list per group"),
     _check(inv.hit_soundness, "lookup", "H2", "the hit's blocks hold the request's prefix"),
     _check(
         inv.hit_maximality, "lookup", "H3", "no longer hit is servable", needs=["cached_blocks"]
     ),
     # successful allocations
-    _check(inv.table_shape, "table", "P1", "a block table has one row per group"),
     _check(inv.window_liveness, "group_write", "W3", "every key a token reads is live"),
     _check(inv.exclusive_write, "group_write", "I6", "a written block has one owner"),
     _check(inv.no_block_shared, "allocate", "I5", "no block twice in a request's table"),
@@ -126,6 +125,13 @@ _REGISTRY: tuple[CheckInfo, ...] = (
         ["shared_pool", "ref_counts", "free_queue"],
     ),
     # the checks that are not invariants
+    _check(
+        None,
+        "boundary",
+        "P1",
+        "every answer of the engine is well formed (a protocol error: exit code 3)",
+        name="answers",
+    ),
     _check(
         None,
         "lockstep",

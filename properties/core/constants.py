@@ -9,6 +9,10 @@
 * :data:`DEFAULT_FAILURE_DIR`, :data:`DEFAULT_DATABASE_DIR`, :data:`DEFAULT_BENCH_DIR`:
   where failures, the fuzz example database and bench traces go (relative to the
   working directory).
+* :data:`DEFAULT_CALL_TIMEOUT_S`: seconds one call of the engine under test may take
+  (``--call-timeout``; 0 turns the deadline off). :data:`ISOLATION_MODES`: where the
+  engine under test runs (``auto``: outside adapters in a child process, built-in
+  engines in this one; ``process``; ``none``).
 * Exit codes of the ``kvconform`` command: :data:`EXIT_PASSED` 0, :data:`EXIT_FAILED` 1
   (a property failed), :data:`EXIT_USAGE` 2 (bad option or configuration),
   :data:`EXIT_ENGINE` 3 (the engine broke the protocol), :data:`EXIT_INTERRUPTED` 130.
@@ -24,6 +28,10 @@ DEFAULT_LEVEL = "universal"
 
 PROFILES: tuple[str, ...] = ("dev", "ci", "nightly", "gpu")
 DEFAULT_PROFILE = "ci"
+
+DEFAULT_CALL_TIMEOUT_S = 5.0
+ISOLATION_MODES: tuple[str, ...] = ("auto", "process", "none")
+DEFAULT_ISOLATION = "auto"
 
 DEFAULT_FAILURE_DIR = ".kvconform/failures"
 DEFAULT_DATABASE_DIR = ".kvconform/hypothesis"

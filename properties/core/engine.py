@@ -30,7 +30,9 @@ protocols below) enable more invariants when an engine offers them:
 queue in eviction order: I2, A3), ``ExposesCachedBlocks`` (which blocks hold a
 cached prefix: hit maximality at the universal level), ``PlansSteps`` (a batched
 ``schedule_step`` for the running requests of a step: the scheduler then drives it, and
-the lockstep compares it with the reference's per-request calls), ``ExposesDataPlane``
+the lockstep compares it with the reference's per-request calls), ``CommitsSteps`` (a
+batched ``commit_step`` for the end of a step: the scheduler then hands it every scheduled
+request's computed tokens and new output token in one call), ``ExposesDataPlane``
 (the engine's own device block tables, slot mapping, paged caches and attention: the
 ``attention`` property then runs through them instead of the harness's copies).
 
@@ -51,7 +53,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
@@ -92,6 +94,18 @@ class CachedBlock:
 
 class EngineError(KVConformError):
     """The engine under test raised, returned garbage, or cannot be built."""
+
+
+class EngineLoadError(EngineError):
+    """The adapter cannot be loaded: unknown name, a module that cannot be imported (missing,
+    syntax error, raising on import), or no callable factory. A usage error (exit 2)."""
+
+
+class CallTimeoutError(EngineError):
+    """A call to the engine under test ran past its deadline (``--call-timeout``).
+
+    The run stops at once (a hang is not shrunk: each attempt would cost the whole
+    deadline again); the trace so far is saved."""
 
 
 class UnsupportedLayoutError(EngineError):
@@ -191,6 +205,29 @@ class PlansSteps(Protocol):
         ...
 
 
+class StepUpdate(NamedTuple):
+    """One scheduled request at the end of a step: ``set_num_computed_tokens(request_id,
+    num_computed_tokens)``, then ``append_output_tokens(request_id, [output_token])`` when
+    ``output_token`` is not None. Example: a decode step of request ``"a"`` at 2049 computed
+    tokens that decoded token 7 is ``StepUpdate("a", 2049, 7)``."""
+
+    request_id: str
+    num_computed_tokens: int
+    output_token: int | None
+
+
+@runtime_checkable
+class CommitsSteps(Protocol):
+    """The batched end of a step, the companion of :class:`PlansSteps`."""
+
+    def commit_step(self, updates: Sequence[StepUpdate]) -> None:
+        """For every update in order: ``set_num_computed_tokens`` then, when it has one,
+        ``append_output_tokens`` of its token; in one call. Must equal those per-request
+        calls exactly. The scheduler calls it once per step, before the step's ``free``
+        calls of finished requests (a request's update never depends on another's)."""
+        ...
+
+
 @runtime_checkable
 class ExposesDataPlane(Protocol):
     """The engine's own data plane, driven by the ``attention`` property.
@@ -265,15 +302,30 @@ def quiet_loggers(*names: str, level: int = logging.ERROR) -> None:
         logging.getLogger(name).setLevel(level)
 
 
+#: Engines named ``scheme:ARGUMENT``: scheme -> "module:function" building the factory
+#: from ARGUMENT. ``exec:COMMAND`` runs an engine in any language as a child process
+#: (``docs/exec-protocol.md``).
+ENGINE_SCHEMES: dict[str, str] = {
+    "exec": "properties.engines.exec_engine:factory_from_command",
+}
+
+
 def load_engine_factory(name: str) -> EngineFactory:
-    """Resolve ``reference``/``vllm``/... or an outside ``package.module:factory``.
+    """Resolve ``reference``/``vllm``/..., ``exec:COMMAND`` or an outside
+    ``package.module:factory``.
 
     An outside module is imported as ``python -m`` would: the current directory is
     searched too (the ``kvconform`` script alone would not see the caller's project).
+    Example: ``load_engine_factory("exec:./my-manager")`` is the factory of a child
+    process running ``./my-manager``.
     """
+    scheme, _, argument = name.partition(":")
+    if scheme in ENGINE_SCHEMES:
+        module_name, _, attr = ENGINE_SCHEMES[scheme].partition(":")
+        return getattr(importlib.import_module(module_name), attr)(argument)
     target = BUILTIN_ENGINES.get(name, name)
     if ":" not in target:
-        raise EngineError(
+        raise EngineLoadError(
             f"--engine {name!r} is neither a built-in engine ({', '.join(BUILTIN_ENGINES)}) "
             "nor of the form 'module:factory'"
         )
@@ -282,11 +334,16 @@ def load_engine_factory(name: str) -> EngineFactory:
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise EngineError(
-            f"--engine {name!r}: cannot import module {module_name!r}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - missing, syntax error, raising on import
+        raise EngineLoadError(
+            f"--engine {name!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
         ) from exc
     factory = getattr(module, attr, None)
+    if factory is None:
+        raise EngineLoadError(f"--engine {name!r}: module {module_name!r} has no {attr!r}")
     if not callable(factory):
-        raise EngineError(f"--engine {name!r}: {module_name!r} has no callable {attr!r}")
+        raise EngineLoadError(
+            f"--engine {name!r}: {module_name}.{attr} is a {type(factory).__name__}, "
+            "not a callable factory"
+        )
     return factory

@@ -42,6 +42,15 @@ from reference.specs import (
 TRACE_FORMAT = "kvconform-trace/1"
 _FORMAT_PREFIX = "kvconform-trace/"
 
+#: Limits checked when a trace is loaded (:func:`check_limits`): a trace beyond them is a
+#: load error, never a hang or a failure at operation 0.
+MAX_TRACE_BYTES = 64 * 1024 * 1024
+MAX_NUM_BLOCKS = 100_000
+MAX_MODEL_LEN = 131_072
+MAX_GROUPS = 32
+MAX_OPERATIONS = 100_000
+MAX_TOKEN_ID = 2**31 - 1
+
 
 class TraceFormatError(KVConformError):
     """A trace, operation or layout cannot be built, written or read."""
@@ -513,17 +522,69 @@ def _check_format(data: Mapping, where: str) -> None:
     )
 
 
+def check_limits(layout: KVCacheLayout, operations: tuple[Operation, ...], where: str) -> None:
+    """The size and range limits of a loaded trace (``MAX_*`` of this module): the pool,
+    ``max_model_len``, groups, operations, token ids, and every request's prompt plus
+    output within ``max_model_len``.
+
+    Example: ``Arrive("r0", prompt=(1,) * 10, output=(2,) * 10)`` under
+    ``max_model_len = 16`` fails: the request would reach 20 tokens.
+    """
+    bounds = (
+        ("layout.num_blocks", layout.num_blocks, MAX_NUM_BLOCKS),
+        ("layout.max_model_len", layout.max_model_len, MAX_MODEL_LEN),
+        ("layout.groups", len(layout.groups), MAX_GROUPS),
+        ("operations", len(operations), MAX_OPERATIONS),
+    )
+    for name, value, most in bounds:
+        if value > most:
+            raise TraceFormatError(f"{where}.{name} is {value}, more than the limit {most}")
+    for index, op in enumerate(operations):
+        if isinstance(op, Arrive):
+            length = len(op.prompt) + len(op.output)
+            if length > layout.max_model_len:
+                raise TraceFormatError(
+                    f"{where}.operations[{index}] (arrive {op.request_id!r}): prompt "
+                    f"{len(op.prompt)} + output {len(op.output)} tokens exceed max_model_len "
+                    f"{layout.max_model_len}"
+                )
+            big = max(op.prompt + op.output)
+            if big > MAX_TOKEN_ID:
+                raise TraceFormatError(
+                    f"{where}.operations[{index}] (arrive {op.request_id!r}): token id {big} "
+                    f"is above the limit {MAX_TOKEN_ID}"
+                )
+        elif isinstance(op, Step) and op.num_lookahead_tokens > layout.max_model_len:
+            raise TraceFormatError(
+                f"{where}.operations[{index}] (step): num_lookahead_tokens "
+                f"{op.num_lookahead_tokens} exceeds max_model_len {layout.max_model_len}"
+            )
+
+
 def trace_from_json(data: Any, where: str = "trace") -> Trace:
     """Inverse of :func:`trace_to_json`. Also checks request references
-    (:func:`validate_references`)."""
+    (:func:`validate_references`) and the limits (:func:`check_limits`)."""
     if not isinstance(data, Mapping):
         raise TraceFormatError(f"{where} must be a JSON object, got {type(data).__name__}")
     _check_format(data, where)
-    layout = layout_from_json(_require(data, "layout", where), f"{where}.layout")
+    layout_data = _require(data, "layout", where)
+    if isinstance(layout_data, Mapping):  # before building: a huge pool must not be built
+        for key, most in (("num_blocks", MAX_NUM_BLOCKS), ("max_model_len", MAX_MODEL_LEN)):
+            value = layout_data.get(key)
+            if _is_int(value) and value > most:
+                raise TraceFormatError(
+                    f"{where}.layout.{key} is {value}, more than the limit {most}"
+                )
+    layout = layout_from_json(layout_data, f"{where}.layout")
     mode = mode_from_json(data.get("mode", {}), f"{where}.mode")
     ops_data = _require(data, "operations", where)
     if not isinstance(ops_data, list):
         raise TraceFormatError(f"{where}.operations must be a list, got {ops_data!r}")
+    if len(ops_data) > MAX_OPERATIONS:
+        raise TraceFormatError(
+            f"{where}.operations holds {len(ops_data)} operations, more than the limit "
+            f"{MAX_OPERATIONS}"
+        )
     operations = tuple(
         operation_from_json(op, f"{where}.operations[{i}]") for i, op in enumerate(ops_data)
     )
@@ -531,6 +592,7 @@ def trace_from_json(data: Any, where: str = "trace") -> Trace:
         validate_references(operations)
     except TraceFormatError as exc:
         raise TraceFormatError(f"{where}: {exc}") from exc
+    check_limits(layout, operations, where)
     seed = _require_int(data, "seed", where, optional=True)
     observed = data.get("observed", [])
     if not isinstance(observed, list):
@@ -570,20 +632,36 @@ def write_trace(trace: Trace, path: str | Path, compact: bool = False) -> Path:
 
 
 def save_trace(trace: Trace, directory: str | Path = DEFAULT_FAILURE_DIR) -> Path:
-    """Write ``<directory>/<UTC time>-<8 hex of the content's sha256>.json``.
+    """Write ``<directory>/<UTC time>-<8 hex of the content's sha256>.json``, once.
 
-    Example name: ``20250101T120000Z-1a2b3c4d.json``. The directory is created.
-    Returns the path written.
+    Example name: ``20250101T120000Z-1a2b3c4d.json``. The digest leaves the seed out, so
+    the same failure found again (by another seed of a fuzz campaign, or a second run) is
+    not written again: the path already there is returned. The directory is created.
+    Returns the path of the trace.
     """
-    text = trace_to_text(trace)
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:8]
+    digest = hashlib.sha256(
+        trace_to_text(dataclasses.replace(trace, seed=None)).encode("utf-8")
+    ).hexdigest()[:8]
+    directory = Path(directory)
+    if directory.is_dir():
+        existing = sorted(directory.glob(f"*-{digest}.json"))
+        if existing:
+            return existing[0]
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return write_trace(trace, Path(directory) / f"{stamp}-{digest}.json")
+    return write_trace(trace, directory / f"{stamp}-{digest}.json")
 
 
 def load_trace(path: str | Path) -> Trace:
     """Read a trace file; errors name the path (and the field, for format errors)."""
     path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0  # reported by the read below
+    if size > MAX_TRACE_BYTES:
+        raise TraceFormatError(
+            f"trace file {str(path)!r} is {size} bytes, more than the limit {MAX_TRACE_BYTES}"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError as exc:

@@ -1,6 +1,7 @@
 """The optimized engine: :class:`optimized.kv_cache_manager.KVCacheManager` behind the
 engine protocol, with every optional capability of the reference adapter (ref counts, free
-queue, cached blocks) plus ``PlansSteps`` (its batched ``schedule_step``) and
+queue, cached blocks) plus ``PlansSteps`` (its batched ``schedule_step``),
+``CommitsSteps`` (its batched ``commit_step``) and
 ``ExposesDataPlane`` (its device block tables, slot mapping, paged caches and attention,
 :class:`optimized.data_plane.DataPlane`). ``kvconform check --engine optimized --level
 exact`` holds it to the reference call by call.
@@ -24,6 +25,7 @@ from properties.core.engine import (
     EngineError,
     RequestInput,
     SlotRequest,
+    StepUpdate,
 )
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
@@ -68,6 +70,21 @@ class OptimizedEngine:
         req.num_computed_tokens = num_computed_tokens
         if num_computed_tokens == 0:
             req.status = RequestStatus.PREEMPTED
+
+    def commit_step(self, updates: Sequence[StepUpdate]) -> None:
+        """The batched end of a step (``CommitsSteps``): per update, what
+        :meth:`set_num_computed_tokens` and :meth:`append_output_tokens` do."""
+        requests = self.requests
+        preempted = RequestStatus.PREEMPTED
+        for request_id, num_computed_tokens, token in updates:
+            req = requests.get(request_id)
+            if req is None:
+                raise EngineError(f"optimized: unknown request {request_id!r}")
+            req.num_computed_tokens = num_computed_tokens
+            if num_computed_tokens == 0:
+                req.status = preempted
+            if token is not None:
+                req.append_output_token_ids((token,))
 
     def new_step(self) -> None:
         self.manager.new_step_starts()

@@ -566,13 +566,44 @@ def targeted_layouts(max_len: int = 256) -> st.SearchStrategy[KVCacheLayout]:
     )
 
 
-def any_layouts(max_len: int = 256) -> st.SearchStrategy[KVCacheLayout]:
-    """The scenario mix: generated layouts half the time (drawn first: they shrink
-    best), presets and :func:`targeted_layouts` a quarter each."""
-    generated = layouts(max_len=max_len)
-    return st.one_of(
-        generated, preset_layouts(max_len=max_len), generated, targeted_layouts(max_len)
+def presets_of_kinds(kinds: Sequence[str] = SPEC_KINDS) -> tuple[str, ...]:
+    """The presets (in :data:`PRESET_ORDER`) whose layers are all of ``kinds``:
+    ``("full", "sliding_window")`` -> mistral-7b, gpt-oss, gemma2, gemma3."""
+    return tuple(
+        name for name in PRESET_ORDER if {k.kind for k in PRESETS[name].pattern} <= set(kinds)
     )
+
+
+def any_layouts(
+    max_len: int = 256, kinds: Sequence[str] = SPEC_KINDS
+) -> st.SearchStrategy[KVCacheLayout]:
+    """The scenario mix: generated layouts half the time (drawn first: they shrink
+    best), presets and :func:`targeted_layouts` a quarter each.
+
+    ``kinds`` (an engine's ``spec_types``) keeps only layouts made of those spec types:
+    generated ones of those kinds, the presets made of them (:func:`presets_of_kinds`)
+    and, when sliding windows are among them, the targeted layouts that qualify. With
+    all four kinds the mix (and so every derandomized stream) is the unrestricted one.
+    """
+    if set(SPEC_KINDS) <= set(kinds):
+        generated = layouts(max_len=max_len)
+        return st.one_of(
+            generated, preset_layouts(max_len=max_len), generated, targeted_layouts(max_len)
+        )
+    generated = layouts(max_len=max_len, kinds=kinds)
+    parts = [generated]
+    names = presets_of_kinds(kinds)
+    if names:
+        parts.append(preset_layouts(names=names, max_len=max_len))
+    parts.append(generated)
+    if "sliding_window" in kinds:
+        allowed = set(kinds)
+        parts.append(
+            targeted_layouts(max_len).filter(
+                lambda layout: {s.type_name for s in layout.specs} <= allowed
+            )
+        )
+    return st.one_of(parts)
 
 
 def serving_modes() -> st.SearchStrategy[ServingMode]:

@@ -789,7 +789,8 @@ MUTANT_INFO: dict[str, MutantInfo] = {
         _info(
             make_null_block_handed_out,
             "universal",
-            ["pool_accounting", "window_liveness", "reset_prefix_cache"],
+            # its free queue holds block 0: a malformed answer (P1) as soon as it is read
+            ["answers", "pool_accounting", "window_liveness", "reset_prefix_cache"],
             "the null block sits in the free queue and can be allocated",
         ),
         _info(

@@ -14,7 +14,11 @@ Four properties (:data:`PROPERTIES`):
 :func:`run_property` runs one under Hypothesis settings and returns a
 :class:`PropertyResult`; a failure's shrunk trace is taken from memory (the machine's
 :class:`properties.runner.machine.RunStats`) and saved once, with the one trace writer
-(:func:`properties.core.trace.save_trace`). :func:`replay_command` is the command that
+(:func:`properties.core.trace.save_trace`); when the failure directory cannot be
+written, into a fresh temporary directory instead (:func:`save_failure`), never lost.
+A result's ``kind`` says what failed: ``property`` (exit 1), ``engine`` (the engine
+broke the protocol: exit 3), ``no_layout`` (the engine rejected every layout drawn:
+exit 2) or ``internal``. :func:`replay_command` is the command that
 reproduces a saved failure.
 
 Worked example::
@@ -26,25 +30,31 @@ Worked example::
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import seed as hseed
+from hypothesis.errors import Unsatisfiable
 from hypothesis.stateful import run_state_machine_as_test
 
 from properties.checks.registry import PropertyViolation, disabled_all_but
 from properties.core.constants import PROPERTIES
-from properties.core.engine import EngineError, load_engine_factory
+from properties.core.engine import CallTimeoutError, EngineError, UnsupportedLayoutError
 from properties.core.trace import Trace, save_trace
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
 from properties.runner.machine import (
     RunStats,
+    RunStopped,
     TraceRun,
+    engine_factory,
+    failure_info,
+    failure_kind,
     layout_strategy,
     machine_for,
     replay_trace,
@@ -94,6 +104,8 @@ class PropertyResult:
     seconds: float
     failure: str | None = None
     trace_path: Path | None = None
+    kind: str | None = None
+    note: str | None = None
     first: FirstFailure | None = None
     #: production property: mode tag -> (examples, steps)
     modes: dict[str, tuple[int, int]] | None = None
@@ -179,20 +191,58 @@ def save_first_failure(
     if trace is not None:
         _run, exc = replay_trace(trace, config, factory)
         if exc is not None:
-            path = _save(trace, config, seed)
+            path, _note = _save(trace, config, seed)
     return FirstFailure(
         prop, check, when - started, examples, step, path, config.engine, config.level
     )
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The failure itself: a timeout's error, the first of a group Hypothesis raised."""
+    if isinstance(exc, RunStopped):
+        return exc.error
+    inner = getattr(exc, "exceptions", None)  # ExceptionGroup (several distinct bugs)
+    if inner:
+        return _first_error(inner[0])
+    return exc
 
 
 def _failure_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _save(trace: Trace | None, config: CheckConfig, seed: int | None) -> Path | None:
+def _classify(exc: BaseException, examples: int) -> tuple[str, str]:
+    """``(kind, text)`` of a run's exception (see the module docstring)."""
+    error = _first_error(exc)
+    if isinstance(error, Unsatisfiable) and examples == 0:
+        return "no_layout", (
+            "the engine raised UnsupportedLayoutError for every layout drawn (no example "
+            "ran): give its factory a layout_strategy of the layouts it supports, or pick "
+            "a --preset it supports"
+        )
+    return failure_kind(error), _failure_text(error)
+
+
+def save_failure(trace: Trace, directory: str) -> tuple[Path, str | None]:
+    """Save ``trace`` under ``directory``; if that cannot be written, under a new
+    temporary directory. Returns the path and a note saying why it moved (or None)."""
+    try:
+        return save_trace(trace, directory), None
+    except OSError as exc:
+        fallback = tempfile.mkdtemp(prefix="kvconform-failures-")
+        path = save_trace(trace, fallback)
+        return path, (
+            f"cannot write the failure directory {directory!r} "
+            f"({type(exc).__name__}: {exc.strerror or exc}); trace saved to {path} instead"
+        )
+
+
+def _save(
+    trace: Trace | None, config: CheckConfig, seed: int | None
+) -> tuple[Path | None, str | None]:
     if trace is None:
-        return None
-    return save_trace(replace(trace, seed=seed), config.failure_dir)
+        return None, None
+    return save_failure(replace(trace, seed=seed), config.failure_dir)
 
 
 def _run_machine(
@@ -217,14 +267,14 @@ def _run_machine(
     stats.on_first_failure = first_failure
     if seed is not None:
         machine = hseed(seed)(machine)
-    failure, path = None, None
+    failure = path = kind = note = None
     try:
         run_state_machine_as_test(machine, settings=hyp_settings)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure is reported
-        failure = _failure_text(exc)
-        path = _save(stats.last_failure, config, seed)
+        kind, failure = _classify(exc, stats.examples)
+        path, note = _save(stats.last_failure, config, seed)
     modes = {tag: (e, n) for tag, (e, n) in sorted(stats.modes.items())} or None
     return PropertyResult(
         name,
@@ -233,6 +283,8 @@ def _run_machine(
         time.perf_counter() - start,
         failure,
         path,
+        kind,
+        note,
         found[0] if found else None,
         modes,
     )
@@ -242,7 +294,7 @@ def _run_determinism(
     config: CheckConfig, hyp_settings: settings, seed: int | None, factory: Callable | None
 ) -> PropertyResult:
     """H6: the same trace twice on fresh engines gives the same calls and results."""
-    factory = factory or load_engine_factory(config.engine)
+    factory = factory or engine_factory(config)
     counts = {"examples": 0, "steps": 0}
     failing: dict[str, Trace] = {}
 
@@ -251,12 +303,17 @@ def _run_determinism(
     def determinism(trace: Trace) -> None:
         logs = []
         for _ in range(2):
-            run = TraceRun(config, trace.layout, factory)
+            run = _determinism_run(config, trace, factory, failing)
             try:
                 for op in trace.operations:
                     run.apply(op)
-            except (AssertionError, EngineError):
-                pass  # other properties report violations; here only the calls matter
+            except AssertionError:
+                pass  # the invariants property reports violations; here only calls matter
+            except EngineError as exc:  # the engine broke the protocol: reported as such
+                failing["trace"] = run.to_trace(exc)
+                if isinstance(exc, CallTimeoutError):
+                    raise RunStopped(exc) from exc
+                raise
             logs.append(run.lockstep.log)
         counts["examples"] += 1
         counts["steps"] += len(trace.operations)
@@ -270,28 +327,20 @@ def _run_determinism(
                 f"call {first} differs between two runs: "
                 f"{logs[0][first : first + 1]} vs {logs[1][first : first + 1]}",
             )
-            failing["trace"] = replace(
-                trace,
-                failure={
-                    "property": "determinism",
-                    "message": str(violation),
-                    "engine": config.engine,
-                    "level": config.level,
-                },
-            )
+            failing["trace"] = replace(trace, failure=failure_info(violation, config))
             raise violation
 
     if seed is not None:
         determinism = hseed(seed)(determinism)
     start = time.perf_counter()
-    failure, path = None, None
+    failure = path = kind = note = None
     try:
         determinism()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure is reported
-        failure = _failure_text(exc)
-        path = _save(failing.get("trace"), config, seed)
+        kind, failure = _classify(exc, counts["examples"])
+        path, note = _save(failing.get("trace"), config, seed)
     return PropertyResult(
         "determinism",
         counts["examples"],
@@ -299,7 +348,26 @@ def _run_determinism(
         time.perf_counter() - start,
         failure,
         path,
+        kind,
+        note,
     )
+
+
+def _determinism_run(
+    config: CheckConfig, trace: Trace, factory: Callable, failing: dict[str, Trace]
+) -> TraceRun:
+    """A fresh run of ``trace``; a layout the engine does not support is not an example
+    (as in the other properties); a factory that fails is an engine error."""
+    try:
+        return TraceRun(config, trace.layout, factory)
+    except UnsupportedLayoutError:
+        assume(False)
+        raise  # unreachable: assume(False) raises
+    except EngineError as exc:
+        failing["trace"] = replace(trace, operations=(), failure=failure_info(exc, config))
+        if isinstance(exc, CallTimeoutError):
+            raise RunStopped(exc) from exc
+        raise
 
 
 def replay_command(path: Path | str, engine: str, level: str, attention: bool) -> str:
@@ -308,3 +376,15 @@ def replay_command(path: Path | str, engine: str, level: str, attention: bool) -
         f"kvconform replay {path} --engine {engine} --level {level}"
         f"{' --attention' if attention else ''}"
     )
+
+
+def failure_report(result: PropertyResult, engine: str, level: str) -> str:
+    """What a failed property reports under pytest: the failure, where its trace was
+    saved (and why elsewhere) and the command that replays it."""
+    lines = [f"[{result.name}] ({result.kind}) {(result.failure or '')[:4000]}"]
+    if result.note:
+        lines.append(f"note: {result.note}")
+    if result.trace_path is not None:
+        command = replay_command(result.trace_path, engine, level, result.name == "attention")
+        lines += [f"trace: {result.trace_path}", f"replay: {command}"]
+    return "\n".join(lines)

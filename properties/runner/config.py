@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from properties.checks.registry import validate_disabled
-from properties.core.constants import DEFAULT_FAILURE_DIR, DEFAULT_LEVEL, LEVELS
+from properties.core.constants import (
+    DEFAULT_CALL_TIMEOUT_S,
+    DEFAULT_FAILURE_DIR,
+    DEFAULT_ISOLATION,
+    DEFAULT_LEVEL,
+    ISOLATION_MODES,
+    LEVELS,
+)
+from properties.generate.presets import PRESETS
 from reference.errors import KVConformError
 
 
@@ -17,7 +25,9 @@ class CheckConfig:
     invariants to skip (``properties.checks.registry.INVARIANTS``); ``max_len`` bounds the
     ``max_model_len`` of generated layouts. ``production`` draws the deployed settings
     on top (retention interval, EAGLE, lookahead hashes, and a
-    :class:`properties.core.modes.ServingMode` for engines that support it).
+    :class:`properties.core.modes.ServingMode` for engines that support it);
+    ``call_timeout`` is the deadline of one engine call in seconds (0: none) and
+    ``isolation`` where the engine runs (:data:`properties.core.constants.ISOLATION_MODES`).
     Example: ``CheckConfig("vllm", "exact")``.
     """
 
@@ -29,8 +39,23 @@ class CheckConfig:
     max_len: int = 128
     failure_dir: str = DEFAULT_FAILURE_DIR
     production: bool = False
+    call_timeout: float = DEFAULT_CALL_TIMEOUT_S
+    isolation: str = DEFAULT_ISOLATION
 
     def __post_init__(self) -> None:
+        timeout = self.call_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise KVConformError(
+                f"--call-timeout must be a number of seconds >= 0 (0: no deadline), got {timeout!r}"
+            )
+        if self.preset is not None and self.preset not in PRESETS:
+            raise KVConformError(
+                f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}"
+            )
+        if self.isolation not in ISOLATION_MODES:
+            raise KVConformError(
+                f"--isolation must be one of {', '.join(ISOLATION_MODES)}, got {self.isolation!r}"
+            )
         if self.level not in LEVELS:
             raise KVConformError(f"--level must be one of {', '.join(LEVELS)}, got {self.level!r}")
         try:

@@ -14,7 +14,9 @@ retry or the next chat turn), step, abort, preempt and reset the prefix cache. L
 
 Every failing run keeps its trace (the operations so far, the calls observed and the
 failure) in memory, in the machine class's :class:`RunStats`; Hypothesis' final run is
-the shrunk one, so ``stats.last_failure`` then holds the minimal trace.
+the shrunk one, so ``stats.last_failure`` then holds the minimal trace. A call that runs
+past its deadline is not shrunk (every attempt would cost the deadline again): the run
+stops with :class:`RunStopped` and the trace so far is kept.
 """
 
 from __future__ import annotations
@@ -29,10 +31,15 @@ from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from properties.checks.boundary import build_engine
 from properties.checks.lockstep import LockstepEngine
 from properties.checks.registry import PropertyViolation
 from properties.core.engine import (
+    CallTimeoutError,
+    EngineError,
+    EngineLoadError,
     ExposesDataPlane,
+    KVCacheEngine,
     SupportsServingModes,
     UnsupportedLayoutError,
     load_engine_factory,
@@ -47,6 +54,7 @@ from properties.core.trace import (
     Step,
     Trace,
 )
+from properties.core.versions import versions
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
 from properties.runner.scheduler import Scheduler, StepRecord
@@ -96,6 +104,41 @@ def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
     return tags
 
 
+class RunStopped(BaseException):
+    """Ends a Hypothesis run at once, without shrinking (a call ran past its deadline).
+
+    A ``BaseException`` so that Hypothesis does not treat it as a failure to shrink;
+    ``error`` is the :class:`CallTimeoutError`."""
+
+    def __init__(self, error: CallTimeoutError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def failure_kind(exc: BaseException) -> str:
+    """``"property"`` (a check failed: exit 1), ``"engine"`` (the engine broke the
+    protocol: an exception, a malformed answer, a timeout: exit 3), ``"usage"`` (the
+    engine cannot be started at all: exit 2) or ``"internal"``."""
+    if isinstance(exc, EngineLoadError):
+        return "usage"
+    if isinstance(exc, (RunStopped, EngineError)):
+        return "engine"
+    if isinstance(exc, AssertionError):
+        return "property"
+    return "internal"
+
+
+def engine_factory(config: CheckConfig) -> Callable:
+    """The factory ``config.engine`` names, run in a child process when
+    ``config.isolation`` asks for it (:mod:`properties.engines.isolation`)."""
+    from properties.engines.isolation import isolated_factory, wants_isolation
+
+    factory = load_engine_factory(config.engine)
+    if wants_isolation(config.engine, config.isolation, config.call_timeout):
+        return isolated_factory(config.engine, factory, config.call_timeout)
+    return factory
+
+
 class TraceRun:
     """One engine (and the reference at ``exact``) under one layout, driven op by op."""
 
@@ -105,18 +148,27 @@ class TraceRun:
         layout: KVCacheLayout,
         factory: Callable | None = None,
         mode: ServingMode = SYNC,
+        expected: KVCacheEngine | None = None,
     ) -> None:
+        """``expected`` (exact level): what the engine is compared with instead of a fresh
+        reference, e.g. the recorded results of a corpus case."""
         self.config = config
         self.layout = layout
         self.mode = mode
-        factory = factory or load_engine_factory(config.engine)
-        engine = factory(layout)
+        factory = factory or engine_factory(config)
+        # an engine in a child process has its own deadline, which kills the child
+        timeout = 0.0 if getattr(factory, "enforces_call_timeout", False) else config.call_timeout
+        engine = build_engine(factory, layout, timeout)
+        self.versions = versions(engine, factory)
         reference = None
         if config.level == "exact":
-            from properties.engines.reference import make_engine as make_reference
+            if expected is not None:
+                reference = expected
+            else:
+                from properties.engines.reference import make_engine as make_reference
 
-            reference = make_reference(layout)
-        self.lockstep = LockstepEngine(engine, layout, reference, config.disabled)
+                reference = make_reference(layout)
+        self.lockstep = LockstepEngine(engine, layout, reference, config.disabled, timeout)
         self.attention = None
         if config.attention:
             from properties.checks.attention import AttentionChecker
@@ -177,14 +229,7 @@ class TraceRun:
             raise PropertyViolation("attention", str(exc)) from exc
 
     def to_trace(self, failure: BaseException | None = None, seed: int | None = None) -> Trace:
-        info = None
-        if failure is not None:
-            info = {
-                "property": getattr(failure, "name", type(failure).__name__),
-                "message": str(failure),
-                "engine": self.config.engine,
-                "level": self.config.level,
-            }
+        info = None if failure is None else failure_info(failure, self.config, self.versions)
         return Trace(
             layout=self.layout,
             operations=tuple(self.operations),
@@ -193,6 +238,21 @@ class TraceRun:
             failure=info,
             mode=self.mode,
         )
+
+
+def failure_info(
+    failure: BaseException, config: CheckConfig, found_versions: dict | None = None
+) -> dict:
+    """The ``failure`` record of a trace: the check, the message, whether the engine broke
+    the protocol (``kind``), the engine, level and the versions."""
+    return {
+        "property": getattr(failure, "name", type(failure).__name__),
+        "kind": failure_kind(failure),
+        "message": str(failure),
+        "engine": config.engine,
+        "level": config.level,
+        "versions": found_versions if found_versions is not None else versions(),
+    }
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -221,6 +281,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             return fn()
         except (AssertionError, KVConformError) as exc:  # violations and engine errors
             type(self).stats.last_failure = self.run.to_trace(exc)
+            if isinstance(exc, CallTimeoutError):
+                raise RunStopped(exc) from exc
             raise
 
     @initialize(data=st.data())
@@ -232,6 +294,12 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.run = TraceRun(self.config, layout, self.factory)
         except UnsupportedLayoutError:
             assume(False)
+        except EngineError as exc:  # the factory failed: the trace is the layout alone
+            info = failure_info(exc, self.config)
+            type(self).stats.last_failure = Trace(layout, (), failure=info)
+            if isinstance(exc, CallTimeoutError):
+                raise RunStopped(exc) from exc
+            raise
         if self.config.production and self.run.supports_serving_modes():
             if self.config.preset is not None:
                 mode = kvst.PRODUCTION_MODE
@@ -373,17 +441,25 @@ class Reach:
 
 def layout_strategy(config: CheckConfig, factory: Callable | None = None):
     """Layouts to draw: the engine's own ``layout_strategy`` if it has one, else a preset
-    (``--preset``) or any generated layout."""
+    (``--preset``) or any generated layout, made only of the spec types the factory
+    supports when it says so (``factory.spec_types``, e.g. an exec engine's ``hello``)."""
     own = getattr(factory, "layout_strategy", None) if factory is not None else None
+    kinds = spec_types(factory)
     if own is not None:
         strategy = own()
     elif config.preset is not None:
+        if config.preset not in kvst.presets_of_kinds(kinds):
+            raise KVConformError(
+                f"--preset {config.preset!r} is not a preset made of the spec types the "
+                f"engine supports ({', '.join(kinds)}); those are: "
+                f"{', '.join(kvst.presets_of_kinds(kinds)) or 'none'}"
+            )
         # a preset run of the production property keeps the retention it is served with
         strategy = kvst.preset_layouts(
             names=[config.preset], max_len=config.max_len, served=config.production
         )
     else:
-        strategy = kvst.any_layouts(max_len=config.max_len)
+        strategy = kvst.any_layouts(max_len=config.max_len, kinds=kinds)
     if config.production and config.preset is None:
         strategy = kvst.production_layouts(
             strategy, max_len=config.max_len, settings=production_settings(factory)
@@ -392,6 +468,21 @@ def layout_strategy(config: CheckConfig, factory: Callable | None = None):
     if known:
         strategy = strategy.filter(lambda layout: not any(d.applies(layout) for d in known))
     return strategy
+
+
+def spec_types(factory: Callable | None) -> tuple[str, ...]:
+    """The spec types the factory's engines support (``factory.spec_types``), all four by
+    default. Example: the Rust example engine -> ``("full", "sliding_window")``."""
+    declared = getattr(factory, "spec_types", None) if factory is not None else None
+    if declared is None:
+        return kvst.SPEC_KINDS
+    unknown = [k for k in declared if k not in kvst.SPEC_KINDS]
+    if unknown or not declared:
+        raise KVConformError(
+            f"the engine declares spec types {list(declared)!r}; known: "
+            f"{', '.join(kvst.SPEC_KINDS)}"
+        )
+    return tuple(declared)
 
 
 def known_divergences(factory: Callable | None) -> tuple:
@@ -423,10 +514,10 @@ def active_checks_for(
     the capabilities, read from an engine built on a small probe layout."""
     from properties.checks.checker import Checker
 
-    factory = factory or load_engine_factory(config.engine)
+    factory = factory or engine_factory(config)
     for layout in _probe_layouts():
         try:
-            engine = factory(layout)
+            engine = build_engine(factory, layout, config.call_timeout)
         except UnsupportedLayoutError:
             continue
         checker = Checker(engine, layout, config.disabled)
@@ -443,7 +534,7 @@ def machine_for(
     digests the class name), so every engine sees the same stream for one name:
     ``kvconform check`` names its machines after the property.
     """
-    factory = factory or load_engine_factory(config.engine)
+    factory = factory or engine_factory(config)
     return type(
         name,
         (KVCacheMachine,),
@@ -468,6 +559,9 @@ def replay_trace(
 __all__ = [
     "KVCacheMachine",
     "RunStats",
+    "RunStopped",
+    "engine_factory",
+    "failure_kind",
     "TraceRun",
     "active_checks_for",
     "layout_strategy",

@@ -66,10 +66,12 @@ from dataclasses import dataclass, field, replace
 from properties.core.engine import (
     BlockIds,
     CacheHit,
+    CommitsSteps,
     KVCacheEngine,
     PlansSteps,
     RequestInput,
     SlotRequest,
+    StepUpdate,
 )
 from properties.core.modes import SYNC, ServingMode
 from properties.core.trace import Abort, Arrive, Operation, Preempt, ResetPrefixCache, Step
@@ -171,6 +173,8 @@ class Scheduler:
         self.num_steps = 0
         #: Running requests are allocated in batches when the engine plans steps.
         self.batched = isinstance(engine, PlansSteps)
+        #: The end of a step goes to the engine in one call when it commits steps.
+        self.commits = isinstance(engine, CommitsSteps)
 
     # -- operations --------------------------------------------------------------
     def apply(self, op: Operation) -> StepRecord | None:
@@ -481,26 +485,43 @@ class Scheduler:
         return int.from_bytes(digest[:4], "big") % (num_drafts + 1)
 
     def _run(self, record: StepRecord) -> None:
+        """Rule 4. The engine sees, per scheduled request in order,
+        ``set_num_computed_tokens``, ``append_output_tokens`` (when it decoded a token) and
+        ``free`` (when it finished); an engine with ``commit_step`` gets the first two for
+        the whole step in one call, before the frees (same state: each touches one request)."""
+        plan: list[tuple[ScheduledRequest, StepUpdate | None, bool]] = []
         for item in record.scheduled:
             state = self.requests[item.request_id]
             if item.num_drafts:
-                self._run_drafts(item, state, record)
+                plan.append((item, None, False))  # applied in order below
                 continue
             state.num_computed_tokens = item.start + item.num_tokens
-            self.engine.set_num_computed_tokens(item.request_id, state.num_computed_tokens)
-            if state.num_computed_tokens < state.num_tokens:
+            token = None
+            done = False
+            if state.num_computed_tokens >= state.num_tokens:
+                if state.num_generated < len(state.output):
+                    token = state.output[state.num_generated]
+                    state.num_generated += 1
+                done = state.num_generated >= len(state.output)
+            plan.append((item, StepUpdate(item.request_id, state.num_computed_tokens, token), done))
+        if self.commits:
+            self.engine.commit_step([u for _, u, _ in plan if u is not None])
+        for item, update, done in plan:
+            if update is None:
+                self._run_drafts(item, self.requests[item.request_id], record)
                 continue
-            if state.num_generated < len(state.output):
-                token = state.output[state.num_generated]
-                state.num_generated += 1
-                self.engine.append_output_tokens(item.request_id, [token])
-                if self.mode.num_draft_tokens:
-                    self.engine.cache_blocks(item.request_id, state.num_computed_tokens)
-            if state.num_generated >= len(state.output):
-                self._free(state)
-                self._forget(item.request_id)
-                self.finished.append(item.request_id)
-                record.finished.append(item.request_id)
+            rid = update.request_id
+            if not self.commits:
+                self.engine.set_num_computed_tokens(rid, update.num_computed_tokens)
+                if update.output_token is not None:
+                    self.engine.append_output_tokens(rid, [update.output_token])
+            if update.output_token is not None and self.mode.num_draft_tokens:
+                self.engine.cache_blocks(rid, update.num_computed_tokens)
+            if done:
+                self._free(self.requests[rid])
+                self._forget(rid)
+                self.finished.append(rid)
+                record.finished.append(rid)
 
     def _run_drafts(self, item: ScheduledRequest, state: RequestState, record: StepRecord) -> None:
         """A decode step with drafts ran: ``a`` accepted, the rest rolled back."""

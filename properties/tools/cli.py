@@ -8,7 +8,17 @@
   progress line, the Hypothesis database under ``.kvconform/``, Ctrl-C stops cleanly.
 * ``kvconform replay TRACE --engine ...``: replays one trace, shows the first failure
   or divergence (operation, group, expected and observed tables).
+* ``kvconform corpus export DIR`` / ``corpus run DIR --engine ... [--level]``: the
+  conformance corpus (traces with the reference's expected results), replayed without
+  Hypothesis (:mod:`properties.tools.corpus`, ``docs/corpus-format.md``).
 * ``kvconform bench suite|engines|attention``: speed figures.
+
+Exit codes (:mod:`properties.core.constants`): 0 passed, 1 a property failed, 2 usage or
+configuration error (bad option, unknown preset, an adapter that cannot be loaded, an
+engine that rejects every layout), 3 the engine broke the protocol (an exception, a
+malformed answer, a call past ``--call-timeout``), 130 interrupted. When several
+properties end differently the code is the first of 2, 3, 1. Errors are one line; a
+traceback only with ``--verbose``.
 """
 
 from __future__ import annotations
@@ -18,27 +28,78 @@ import json
 import os
 import random
 import sys
+import traceback
 from pathlib import Path
 
 from properties.core.constants import (
+    DEFAULT_CALL_TIMEOUT_S,
+    DEFAULT_DATABASE_DIR,
     DEFAULT_FAILURE_DIR,
+    DEFAULT_ISOLATION,
     DEFAULT_LEVEL,
     DEFAULT_PROFILE,
+    EXIT_ENGINE,
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_PASSED,
+    EXIT_USAGE,
+    ISOLATION_MODES,
     LEVELS,
     PROFILES,
     PROPERTIES,
 )
+from properties.core.engine import EngineError, EngineLoadError
+from reference.errors import KVConformError
+
+#: A result's kind -> the exit code it gives (PropertyResult.kind).
+EXIT_FOR_KIND = {
+    "usage": EXIT_USAGE,
+    "no_layout": EXIT_USAGE,
+    "engine": EXIT_ENGINE,
+    "property": EXIT_FAILED,
+    "internal": EXIT_FAILED,
+}
+
+
+def exit_code(kinds: list[str | None]) -> int:
+    """The exit code of several results: the first of 2, 3, 1 that occurs, else 0."""
+    codes = {EXIT_FOR_KIND[k] for k in kinds if k is not None}
+    for code in (EXIT_USAGE, EXIT_ENGINE, EXIT_FAILED):
+        if code in codes:
+            return code
+    return EXIT_PASSED
+
+
+def usage_error(message: str) -> KVConformError:
+    return KVConformError(message)
+
+
+def check_count(option: str, value: int | None, lowest: int) -> None:
+    if value is not None and value < lowest:
+        raise usage_error(f"{option} must be >= {lowest}, got {value}")
+
+
+def config_from_args(args: argparse.Namespace, **extra):
+    from properties.runner.config import CheckConfig
+
+    return CheckConfig(
+        engine=args.engine,
+        level=args.level,
+        failure_dir=args.failure_dir,
+        call_timeout=args.call_timeout,
+        isolation=args.isolation,
+        **extra,
+    )
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from properties.core.engine import load_engine_factory
     from properties.runner.check import replay_command
-    from properties.runner.config import CheckConfig
-    from properties.runner.machine import known_divergences
+    from properties.runner.machine import engine_factory, known_divergences
     from properties.runner.profiles import load_profile
 
+    check_count("--max-examples", args.max_examples, 1)
+    check_count("--seed", args.seed, 0)
+    config = config_from_args(args, preset=args.preset)
     profile = load_profile(args.profile)
     seed = args.seed
     if seed is None and not profile.derandomize:
@@ -48,30 +109,71 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"preset={args.preset or '-'} seed={seed if seed is not None else 'derandomized'}",
         flush=True,
     )
-    factory = load_engine_factory(args.engine)
+    factory = engine_factory(config)
+    if getattr(factory, "spec_types", None) is not None:
+        print(
+            "  spec types the engine supports (only these are drawn): "
+            f"{', '.join(factory.spec_types)}"
+        )
     for d in known_divergences(factory):
         print(
             f"  known divergence {d.name}: {d.summary}\n    layouts where it applies are "
             f"not drawn; see {d.finding}"
         )
-    config = CheckConfig(
-        engine=args.engine, level=args.level, preset=args.preset, failure_dir=args.failure_dir
-    )
     wanted = [p for p in PROPERTIES if not (p == "attention" and args.no_attention)]
     if args.only:
         wanted = [p for p in wanted if p in args.only]
-    print(format_active_checks(factory, config))
+    print(format_active_checks_or_why(factory, config))
     results = run_checks(args, config, wanted, seed, factory)
     print(format_results(results))
     failed = [r for r in results if not r.passed]
     for r in failed:
-        print(f"\nFAILED {r.name}: {r.failure[:4000]}")
+        print(f"\n{FAILURE_TITLE[result_kind(r)]} in {r.name}: {r.failure[:4000]}")
+        if r.note:
+            print(f"  note: {r.note}")
         if getattr(r, "first", None) is not None:
             print(f"  {r.first.describe()}")
         if r.trace_path is not None:
             command = replay_command(r.trace_path, args.engine, args.level, r.name == "attention")
             print(f"  trace: {r.trace_path}\n  replay: {command}")
-    return EXIT_FAILED if failed else EXIT_PASSED
+    return exit_code([result_kind(r) for r in results])
+
+
+def result_kind(result) -> str | None:
+    """A result's kind; a failed row without one (the coverage gate) is a failure."""
+    if result.passed:
+        return None
+    return getattr(result, "kind", None) or "property"
+
+
+def format_active_checks_or_why(factory, config) -> str:
+    """:func:`format_active_checks`, or why the engine's capabilities are unknown (its
+    factory failed on the probe layouts: the properties report that as an engine error
+    with a trace)."""
+    try:
+        return format_active_checks(factory, config)
+    except EngineLoadError:
+        raise
+    except EngineError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"  capabilities: unknown (the engine could not be built: {first})"
+
+
+#: How a failed result is announced, by its kind.
+FAILURE_TITLE = {
+    "property": "FAILED",
+    "engine": "ENGINE ERROR (the engine broke the protocol)",
+    "no_layout": "NO LAYOUT",
+    "usage": "CONFIGURATION ERROR (the engine cannot be started)",
+    "internal": "INTERNAL ERROR (please report it)",
+}
+
+
+def result_word(result) -> str:
+    if result.passed:
+        return "PASS"
+    words = {"engine": "ENGINE ERROR", "no_layout": "NO LAYOUT", "usage": "CONFIG ERROR"}
+    return words.get(getattr(result, "kind", None), "FAIL")
 
 
 def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, factory) -> list:
@@ -123,7 +225,7 @@ def coverage_result(data_dir: str, gate: bool):
 
 def print_result_line(r) -> None:
     print(
-        f"  {r.name:<12} {'PASS' if r.passed else 'FAIL'} "
+        f"  {r.name:<12} {result_word(r)} "
         f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s)",
         flush=True,
     )
@@ -156,7 +258,7 @@ def format_results(results: list) -> str:
                 str(r.examples),
                 str(r.steps),
                 f"{r.seconds:.1f}s",
-                "pass" if r.failure is None else "FAIL",
+                result_word(r).lower() if r.passed else result_word(r),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
@@ -168,14 +270,11 @@ def format_results(results: list) -> str:
 def cmd_replay(args: argparse.Namespace) -> int:
     from properties.core.trace import load_trace
     from properties.runner.check import config_for
-    from properties.runner.config import CheckConfig
-    from properties.runner.machine import replay_trace
+    from properties.runner.machine import engine_factory, failure_kind, replay_trace
 
     trace = load_trace(Path(args.trace))
-    config = config_for(
-        "attention" if args.attention else "invariants",
-        CheckConfig(engine=args.engine, level=args.level, failure_dir=args.failure_dir),
-    )
+    config = config_for("attention" if args.attention else "invariants", config_from_args(args))
+    factory = engine_factory(config)
     print(
         f"replaying {args.trace}: {len(trace.operations)} operations on {trace.layout.describe()}"
     )
@@ -184,7 +283,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             f"recorded failure: [{trace.failure.get('property')}] on "
             f"{trace.failure.get('engine')} ({trace.failure.get('level')})"
         )
-    run, exc = replay_trace(trace, config)
+    run, exc = replay_trace(trace, config, factory)
     if exc is None:
         print(f"no failure: {args.engine} passes every check on this trace ({args.level})")
         return EXIT_PASSED
@@ -210,25 +309,80 @@ def cmd_replay(args: argparse.Namespace) -> int:
             for gid, (e, g) in enumerate(zip(exp, got)):
                 mark = "  " if list(e) == list(g) else "!="
                 print(f"    {rid} group {gid}: {list(e)} {mark} {list(g)}")
-    return EXIT_FAILED
+    return EXIT_ENGINE if failure_kind(exc) == "engine" else EXIT_FAILED
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
     from properties.tools.fuzz import run_campaign
 
+    check_count("--workers", args.workers, 1)
+    check_count("--seed", args.seed, 0)
+    if not args.minutes > 0:
+        raise usage_error(f"--minutes must be > 0, got {args.minutes}")
+    config = config_from_args(args, preset=args.preset)  # every value checked up front
     return run_campaign(
-        engine=args.engine,
-        level=args.level,
+        engine=config.engine,
         minutes=args.minutes,
+        level=config.level,
         workers=args.workers,
-        preset=args.preset,
+        preset=config.preset,
         attention=args.attention,
         seed=args.seed,
-        failure_dir=args.failure_dir,
+        failure_dir=config.failure_dir,
+        database=args.database,
+        call_timeout=config.call_timeout,
+        isolation=config.isolation,
+        progress_seconds=args.progress_seconds,
         shrink_seconds=args.shrink_seconds,
         coverage=args.coverage,
         production=args.production,
     )
+
+
+def cmd_corpus(args: argparse.Namespace) -> int:
+    from properties.tools.corpus import CorpusError
+
+    try:
+        return _corpus(args)
+    except CorpusError as exc:
+        print(f"kvconform corpus: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _corpus(args: argparse.Namespace) -> int:
+    from properties.tools.corpus import export_corpus, run_corpus
+
+    if args.action == "export":
+        manifest = export_corpus(args.directory, per_mode=args.per_mode)
+        print(
+            f"kvconform corpus: {len(manifest['cases'])} cases in {args.directory} "
+            f"({manifest['format']}; modes: {', '.join(manifest['modes'])})"
+        )
+        print(f"  coverage: {json.dumps(manifest['coverage'])}")
+        return EXIT_PASSED
+    print(f"kvconform corpus run: {args.directory} engine={args.engine} level={args.level}")
+
+    def show(result) -> None:
+        line = f"  {result.status.upper():<4} {result.name}"
+        if result.message:
+            line += (
+                f" ({result.file}): {result.message[:2000]}"
+                if result.status == "fail"
+                else (f": {result.message}")
+            )
+        print(line, flush=True)
+
+    report = run_corpus(args.directory, args.engine, args.level, on_result=show)
+    print(
+        f"{report.count('pass')} passed, {report.count('fail')} failed, "
+        f"{report.count('skip')} skipped"
+    )
+    if not report.count("pass") and not report.count("fail"):
+        print("kvconform corpus run: no case ran (every one was skipped)", file=sys.stderr)
+    if report.passed:
+        return EXIT_PASSED
+    failed = [r.kind or "property" for r in report.results if r.status == "fail"]
+    return exit_code(failed) if failed else EXIT_FAILED  # none failed: no case ran
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -305,10 +459,29 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--engine",
             default="reference",
-            help="reference, optimized, vllm, sglang, or module:factory",
+            help="reference, vllm, sglang, module:factory, or exec:COMMAND (an engine in "
+            "any language speaking docs/exec-protocol.md)",
         )
         p.add_argument("--level", default=DEFAULT_LEVEL, choices=LEVELS)
         p.add_argument("--failure-dir", default=DEFAULT_FAILURE_DIR)
+        p.add_argument(
+            "--call-timeout",
+            type=float,
+            default=DEFAULT_CALL_TIMEOUT_S,
+            metavar="SECONDS",
+            help=f"deadline of one engine call (default {DEFAULT_CALL_TIMEOUT_S:g}; 0: none)",
+        )
+        p.add_argument(
+            "--isolation",
+            default=DEFAULT_ISOLATION,
+            choices=ISOLATION_MODES,
+            help="run the engine in a child process: auto (module:factory adapters), "
+            "process (always), none (never)",
+        )
+        verbose_arg(p)
+
+    def verbose_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--verbose", action="store_true", help="tracebacks for errors")
 
     p = sub.add_parser("check", help="run the properties once and print a table")
     engine_args(p)
@@ -340,6 +513,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="fuzz the production property (deployed settings and serving modes)",
     )
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--progress-seconds",
+        type=float,
+        default=30.0,
+        help="when the output is not a terminal, one progress line per this many seconds",
+    )
+    p.add_argument(
+        "--database",
+        default=None,
+        help="example database shared by the workers: redis://HOST:PORT[/DB] (one Redis "
+        f"for many machines) or a directory (default {DEFAULT_DATABASE_DIR})",
+    )
     shrink_args(p)
     coverage_args(p, gate=False)
     p.set_defaults(func=cmd_fuzz)
@@ -349,6 +534,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine_args(p)
     p.add_argument("--attention", action="store_true", help="check attention outputs only")
     p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("corpus", help="export or run the conformance corpus (no Hypothesis)")
+    corpus = p.add_subparsers(dest="action", required=True)
+    q = corpus.add_parser("export", help="write the corpus (traces and expected results)")
+    q.add_argument("directory")
+    q.add_argument("--per-mode", type=int, default=4, help="traces per mode (default 4)")
+    q.set_defaults(func=cmd_corpus)
+    q = corpus.add_parser("run", help="replay a corpus on an engine")
+    q.add_argument("directory")
+    engine_args(q)
+    q.set_defaults(func=cmd_corpus)
 
     p = sub.add_parser("bench", help="speed figures")
     p.add_argument("what", choices=("suite", "engines", "attention"))
@@ -365,6 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--memory", action="store_true", help="engines: also measure control-plane KiB/request"
     )
+    verbose_arg(p)
     p.set_defaults(func=cmd_bench)
     return parser
 
@@ -373,20 +570,35 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTHONHASHSEED", "0")
     # imported here, not at the top: a --coverage worker re-imports this module before
     # it starts measuring, and must not have imported the reference yet
-    from properties.core.engine import EngineError
 
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # bad options: argparse exits 2
     try:
         return args.func(args)
-    except EngineError as exc:
-        print(f"kvconform: engine error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("\nkvconform: interrupted", file=sys.stderr)
-        return 130
-    except ValueError as exc:
-        print(f"kvconform: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_INTERRUPTED
+    except BaseException as exc:  # noqa: BLE001 - every error becomes one line and a code
+        code, line = classify_error(exc)
+        if getattr(args, "verbose", False):
+            traceback.print_exc()
+        print(f"kvconform: {line}", file=sys.stderr)
+        return code
+
+
+def classify_error(exc: BaseException) -> tuple[int, str]:
+    """The exit code and the one line for an error that ended a command."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, EngineLoadError):
+        return EXIT_USAGE, first
+    if isinstance(exc, EngineError):
+        return EXIT_ENGINE, f"engine error: {first}"
+    if isinstance(exc, (KVConformError, ValueError)):
+        return EXIT_USAGE, first
+    if isinstance(exc, SystemExit):
+        raise exc
+    return EXIT_FAILED, (
+        f"internal error: {type(exc).__name__}: {first} (--verbose shows the traceback)"
+    )
 
 
 if __name__ == "__main__":

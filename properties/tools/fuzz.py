@@ -1,11 +1,23 @@
 """``kvconform fuzz``: a time-boxed campaign over many seeds, in ``--workers`` processes.
 
-Each worker runs the stateful machine in rounds (one Hypothesis run of 50 examples per
-round, a fresh seed per round: ``base_seed + 1000 * worker + round``), sharing the
-Hypothesis example database under ``.kvconform/hypothesis`` so failures found once are
-replayed first next time. The parent prints a live progress line (elapsed, examples,
-steps/s, failures) and a summary; Ctrl-C stops the workers cleanly. Every failure is
-saved as a replayable trace and its replay command is printed.
+Each worker first replays every example the database holds for this engine and level
+(a failure found there is reported as *replayed from the example database*), then runs
+the stateful machine in rounds (one Hypothesis run of 50 examples per round, a fresh
+seed per round: ``base_seed + 1000 * worker + round``). The parent prints progress (on a
+terminal a live line; else one line per ``--progress-seconds``, no carriage returns) and
+a summary. Ctrl-C (SIGINT) or SIGTERM stops the workers, prints the summary and exits
+130, or the failure code when something was found (1 a property failed, 3 the engine
+broke the protocol). Every failure is saved as a replayable trace, once (the same shrunk
+trace found again is not saved again), and its replay command is printed.
+
+The example database (``--database``) is where Hypothesis keeps failing examples and
+its example corpus: by default the directory ``.kvconform/hypothesis``; with
+``redis://HOST:PORT[/DB]`` it is Hypothesis' own ``RedisExampleDatabase`` on that
+server, so every worker of every machine pointing at the same Redis shares failures:
+one found on machine A is replayed first by machine B. Keys are prefixed with the
+engine and level (``kvconform:ENGINE:LEVEL:``), so campaigns on different engines do
+not mix. Example: ``kvconform fuzz --engine vllm --minutes 60 --workers 8 --database
+redis://10.0.0.5:6379``.
 """
 
 from __future__ import annotations
@@ -15,16 +27,76 @@ import multiprocessing as mp
 import queue
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from properties.core.constants import DEFAULT_DATABASE_DIR, DEFAULT_FAILURE_DIR, DEFAULT_LEVEL
-from properties.core.engine import load_engine_factory
+from properties.core.constants import (
+    DEFAULT_CALL_TIMEOUT_S,
+    DEFAULT_DATABASE_DIR,
+    DEFAULT_FAILURE_DIR,
+    DEFAULT_ISOLATION,
+    DEFAULT_LEVEL,
+    EXIT_ENGINE,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_PASSED,
+    EXIT_USAGE,
+)
 from properties.runner.check import replay_command, run_property
 from properties.runner.config import CheckConfig
+from properties.runner.machine import engine_factory
+from reference.errors import KVConformError
+
+REDIS_SCHEME = "redis://"
+
+
+def _redis_client(url: str):
+    try:
+        import redis
+    except ImportError:
+        raise KVConformError(
+            f"--database {url}: the redis package is not installed (pip install 'kvconform[redis]')"
+        ) from None
+    try:
+        return redis.Redis.from_url(url, socket_connect_timeout=5)
+    except ValueError as exc:
+        raise KVConformError(f"--database {url}: {exc}") from None
+
+
+def example_database(spec: str | None, engine: str, level: str):
+    """The Hypothesis example database of ``--database``: ``redis://HOST:PORT[/DB]`` (a
+    ``RedisExampleDatabase`` whose keys start with ``kvconform:ENGINE:LEVEL:``), a
+    directory, or (None) :data:`DEFAULT_DATABASE_DIR`."""
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    if spec is None:
+        return DirectoryBasedExampleDatabase(DEFAULT_DATABASE_DIR)
+    if spec.startswith(REDIS_SCHEME):
+        from hypothesis.extra.redis import RedisExampleDatabase
+
+        prefix = f"kvconform:{engine}:{level}:".encode()
+        return RedisExampleDatabase(_redis_client(spec), key_prefix=prefix)
+    if "://" in spec:
+        raise KVConformError(
+            f"--database {spec!r}: only redis://HOST:PORT or a directory is supported"
+        )
+    return DirectoryBasedExampleDatabase(spec)
+
+
+def check_database(spec: str | None) -> None:
+    """Fail early, with one line, when a Redis database cannot be reached."""
+    if spec is None or not spec.startswith(REDIS_SCHEME):
+        return
+    client = _redis_client(spec)
+    try:
+        client.ping()
+    except Exception as exc:  # noqa: BLE001 - any connection failure is reported
+        raise KVConformError(f"--database {spec}: cannot reach the Redis server: {exc}") from None
 
 
 def _worker(
@@ -35,23 +107,27 @@ def _worker(
     prop: str,
     out: mp.Queue,
     shrink_seconds: float | None = None,
+    database: str | None = None,
     after_round: Callable[[], None] | None = None,
 ) -> None:
-    from hypothesis import settings
-    from hypothesis.database import DirectoryBasedExampleDatabase
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers
+    from hypothesis import Phase, settings
 
     from properties.runner.profiles import load_profile
 
     profile = load_profile("nightly")
-    db = DirectoryBasedExampleDatabase(DEFAULT_DATABASE_DIR)
+    db = example_database(database, config.engine, config.level)
+    # round 0 replays what the database holds (failures other workers or machines found)
+    replay = settings(profile, database=db, phases=(Phase.explicit, Phase.reuse, Phase.shrink))
     round_no = 0
-    while time.time() < deadline:
+    while round_no == 0 or time.time() < deadline:
         seed = base_seed + 1000 * index + round_no
-        round_no += 1
-        s = settings(profile, max_examples=50, database=db)
+        s = replay if round_no == 0 else settings(profile, max_examples=50, database=db)
         result = run_property(prop, config, s, seed, shrink_seconds=shrink_seconds)
         if after_round is not None:
             after_round()
+        if round_no == 0 and result.kind not in ("property", "engine"):
+            result.failure = None  # nothing to replay (Hypothesis says it ran no example)
         out.put(
             (
                 "progress",
@@ -60,16 +136,29 @@ def _worker(
                 result.steps,
                 None
                 if result.failure is None
-                else (seed, result.failure[:2000], str(result.trace_path or "")),
+                else (
+                    seed,
+                    result.failure[:2000],
+                    str(result.trace_path or ""),
+                    result.kind,
+                    round_no == 0,
+                ),
             )
         )
+        round_no += 1
     out.put(("done", index, 0, 0, None))
 
 
-def _worker_process(ctx, coverage_dir: str | None, args: tuple, shrink_seconds: float | None):
+def _worker_process(
+    ctx,
+    coverage_dir: str | None,
+    args: tuple,
+    shrink_seconds: float | None,
+    database: str | None = None,
+):
     """A campaign worker; with ``coverage_dir``, measured from its start."""
     index, base_seed, deadline, config, prop, out = args
-    worker_args = (index, base_seed, deadline, prop, out, shrink_seconds)
+    worker_args = (index, base_seed, deadline, prop, out, shrink_seconds, database)
     if coverage_dir is None:
         return ctx.Process(target=_worker, args=(config, *worker_args), daemon=True)
     from properties.tools.parallel import measured_worker
@@ -94,6 +183,46 @@ def print_campaign_coverage(coverage_dir: str) -> None:
     shutil.rmtree(coverage_dir, ignore_errors=True)
 
 
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt in the parent, like Ctrl-C."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Progress:
+    """Progress lines: a live line on a terminal, one plain line per ``every`` seconds
+    otherwise (a CI log then gets short lines, never a ``\\r``)."""
+
+    def __init__(self, start: float, every: float, tty: bool | None = None) -> None:
+        self.start = start
+        self.every = every
+        self.tty = sys.stdout.isatty() if tty is None else tty
+        self.last = start
+
+    def show(self, examples: int, steps: int, failures: int, now: float) -> None:
+        if not self.tty and now - self.last < self.every:
+            return
+        self.last = now
+        elapsed = now - self.start
+        rate = steps / elapsed if elapsed else 0.0
+        line = (
+            f"[{elapsed:7.0f}s] examples {examples}  steps {steps}  "
+            f"{rate:7.1f} steps/s  failures {failures}"
+        )
+        if self.tty:
+            print(f"\r{line}", end="", flush=True)
+        else:
+            print(line, flush=True)
+
+
 def run_campaign(
     engine: str,
     minutes: float,
@@ -103,26 +232,44 @@ def run_campaign(
     attention: bool = False,
     seed: int | None = None,
     failure_dir: str = DEFAULT_FAILURE_DIR,
+    database: str | None = None,
+    call_timeout: float = DEFAULT_CALL_TIMEOUT_S,
+    isolation: str = DEFAULT_ISOLATION,
+    progress_seconds: float = 30.0,
     shrink_seconds: float | None = None,
     coverage: bool = False,
     production: bool = False,
 ) -> int:
-    """Fuzz ``engine`` for ``minutes`` in ``workers`` processes; the exit code. With
-    ``coverage`` the rule coverage of the whole campaign is printed at the end."""
+    """Fuzz ``engine`` for ``minutes`` in ``workers`` processes; the exit code.
+    ``database``: see the module docstring. With ``coverage`` the rule coverage of the
+    whole campaign is printed at the end; ``production`` fuzzes the production
+    property."""
     if minutes <= 0 or workers < 1:
         print(
             f"kvconform fuzz: --minutes must be > 0 and --workers >= 1, got "
             f"{minutes} and {workers}",
             file=sys.stderr,
         )
-        return 2
-    load_engine_factory(engine)  # a bad --engine fails here, with a clear message
-    config = CheckConfig(engine=engine, level=level, preset=preset, failure_dir=failure_dir)
+        return EXIT_USAGE
+    config = CheckConfig(
+        engine=engine,
+        level=level,
+        preset=preset,
+        failure_dir=failure_dir,
+        call_timeout=call_timeout,
+        isolation=isolation,
+    )
+    engine_factory(config)  # a bad --engine fails here, with a clear message
+    try:
+        check_database(database)
+    except KVConformError as exc:
+        print(f"kvconform fuzz: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     prop = "attention" if attention else "production" if production else "invariants"
     base_seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
     print(
         f"kvconform fuzz: engine={engine} level={level} workers={workers} "
-        f"minutes={minutes} base seed={base_seed}",
+        f"minutes={minutes} base seed={base_seed} database={database or DEFAULT_DATABASE_DIR}",
         flush=True,
     )
     start = time.time()
@@ -132,50 +279,48 @@ def run_campaign(
     coverage_dir = tempfile.mkdtemp(prefix="kvconform-cov-") if coverage else None
     procs = [
         _worker_process(
-            ctx, coverage_dir, (i, base_seed, deadline, config, prop, out), shrink_seconds
+            ctx,
+            coverage_dir,
+            (i, base_seed, deadline, config, prop, out),
+            shrink_seconds,
+            database,
         )
         for i in range(workers)
     ]
-    for p in procs:
-        p.start()
     examples = steps = 0
-    failures: list[tuple] = []
+    failures: dict[str, tuple] = {}  # trace path (or message) -> failure, each once
+    progress = Progress(start, progress_seconds)
     done = 0
-    try:
-        while done < len(procs):
-            try:
-                kind, _idx, ex, st, failure = out.get(timeout=1.0)
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs):
-                    break
-                kind = None
-            if kind == "done":
-                done += 1
-            elif kind == "progress":
-                examples += ex
-                steps += st
-                if failure is not None:
-                    failures.append(failure)
-                    command = replay_command(failure[2], engine, level, attention)
-                    print(
-                        f"\nFAILURE (seed {failure[0]}): {failure[1][:300]}\n  replay: {command}",
-                        flush=True,
-                    )
-            elapsed = time.time() - start
-            rate = steps / elapsed if elapsed else 0.0
-            print(
-                f"\r[{elapsed:7.0f}s] examples {examples}  steps {steps}  "
-                f"{rate:7.1f} steps/s  failures {len(failures)}",
-                end="",
-                flush=True,
-            )
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping workers", flush=True)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-            p.join(timeout=5)
+    interrupted = False
+    with _sigterm_interrupts():
+        try:
+            for p in procs:
+                p.start()
+            while done < len(procs):
+                try:
+                    kind, idx, ex, st, failure = out.get(timeout=1.0)
+                except queue.Empty:
+                    if not any(p.is_alive() for p in procs):
+                        break
+                    kind = None
+                if kind == "done":
+                    done += 1
+                elif kind == "progress":
+                    examples += ex
+                    steps += st
+                    key = None if failure is None else (failure[2] or failure[1])
+                    if key is not None and key not in failures:
+                        failures[key] = failure
+                        _print_failure(failure, idx, engine, level, attention)
+                progress.show(examples, steps, len(failures), time.time())
+        except KeyboardInterrupt:
+            interrupted = True
+            print("\ninterrupted: stopping workers", flush=True)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                p.join(timeout=5)
     # a worker that died (not one we terminated) must not pass as a clean campaign
     crashed = [i for i, p in enumerate(procs) if p.exitcode not in (0, None, -15)]
     for i in crashed:
@@ -188,9 +333,28 @@ def run_campaign(
     print(
         f"\nsummary: {elapsed:.0f}s, {examples} examples, {steps} steps "
         f"({steps / max(elapsed, 1e-9):.1f} steps/s), {len(failures)} failures"
+        f"{' (interrupted)' if interrupted else ''}",
+        flush=True,
     )
-    for seed, message, path in failures:
-        print(f"  seed {seed}: {message.splitlines()[0][:200]}\n    trace: {path}")
+    for seed_, message, path, _kind, _replayed in failures.values():
+        print(f"  seed {seed_}: {message.splitlines()[0][:200]}\n    trace: {path}")
     if coverage_dir is not None:
         print_campaign_coverage(coverage_dir)
-    return 1 if failures or crashed else 0
+    kinds = {f[3] for f in failures.values()}
+    if "engine" in kinds:
+        return EXIT_ENGINE
+    if kinds or crashed:
+        return EXIT_FAILED
+    return EXIT_INTERRUPTED if interrupted else EXIT_PASSED
+
+
+def _print_failure(failure: tuple, worker: int, engine: str, level: str, attention: bool) -> None:
+    seed, message, path, _kind, replayed = failure
+    origin = (
+        f"replayed from the example database by worker {worker}" if replayed else f"seed {seed}"
+    )
+    command = replay_command(path, engine, level, attention)
+    print(
+        f"\nFAILURE ({origin}): {message[:300]}\n  trace: {path}\n  replay: {command}",
+        flush=True,
+    )

@@ -101,6 +101,8 @@ def _run(task: PropertyTask, factory):
 
     profile = load_profile(task.profile)
     hyp = settings(profile, max_examples=task.max_examples or profile.max_examples)
+    if task.seed is not None:  # a seed reproduces a run exactly: no example database
+        hyp = settings(hyp, database=None)
     return run_property(
         task.name,
         task.config,

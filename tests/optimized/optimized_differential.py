@@ -64,10 +64,13 @@ class Divergence(AssertionError):
 class Pair:
     """The two managers and the two request objects of each id."""
 
-    def __init__(self, layout: KVCacheLayout) -> None:
+    def __init__(self, layout: KVCacheLayout, min_batched_apply: int | None = None) -> None:
         self.layout = layout
         self.ref = ReferenceManager(layout)
         self.opt = OptimizedManager(layout, max_num_reqs=2)
+        if min_batched_apply is not None:
+            # 0: every decode step with work goes through the vectorised apply
+            self.opt.min_batched_apply = min_batched_apply
         self.ref_reqs: dict = {}
         self.opt_reqs: dict = {}
         self.held: set[str] = set()

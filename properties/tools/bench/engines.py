@@ -44,6 +44,7 @@ from pathlib import Path
 from properties.core.constants import DEFAULT_BENCH_DIR
 from properties.core.engine import (
     BUILTIN_ENGINES,
+    CommitsSteps,
     EngineError,
     KVCacheEngine,
     PlansSteps,
@@ -506,8 +507,30 @@ class TimedPlanningEngine(TimedEngine):
         return self._timed(self.engine.schedule_step, items)
 
 
+class TimedCommittingEngine(TimedEngine):
+    """:class:`TimedEngine` for an engine with a batched ``commit_step``."""
+
+    def commit_step(self, updates):
+        return self._timed(self.engine.commit_step, updates)
+
+
+class TimedPlanningCommittingEngine(TimedPlanningEngine, TimedCommittingEngine):
+    """:class:`TimedEngine` for an engine with both batched calls."""
+
+
 def timed(engine: KVCacheEngine) -> TimedEngine:
-    return TimedPlanningEngine(engine) if isinstance(engine, PlansSteps) else TimedEngine(engine)
+    """The timing wrapper exposing exactly the engine's batched capabilities, so the
+    scheduler makes the same calls as on the bare engine; every call is timed the same way
+    for every engine (batched calls replace per-request calls, nothing goes untimed)."""
+    plans = isinstance(engine, PlansSteps)
+    commits = isinstance(engine, CommitsSteps)
+    if plans and commits:
+        return TimedPlanningCommittingEngine(engine)
+    if plans:
+        return TimedPlanningEngine(engine)
+    if commits:
+        return TimedCommittingEngine(engine)
+    return TimedEngine(engine)
 
 
 def replay_timed(engine: KVCacheEngine, trace: Trace) -> Replay:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -297,9 +298,15 @@ def test_save_and_load(tmp_path):
     path = save_trace(trace, directory)
     assert path.parent == directory
     assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{8}\.json", path.name)
-    assert path.name[-13:-5] == hashlib.sha256(path.read_bytes()).hexdigest()[:8]
+    unseeded = json.loads(path.read_text())
+    unseeded["seed"] = None  # the name's digest leaves the seed out
+    text = json.dumps(unseeded, indent=2, sort_keys=True) + "\n"
+    assert path.name[-13:-5] == hashlib.sha256(text.encode()).hexdigest()[:8]
     assert json.loads(path.read_text())["format"] == TRACE_FORMAT
     assert load_trace(path) == trace
+    # the same failure found again (another seed) is not saved twice
+    again = save_trace(dataclasses.replace(trace, seed=12345), directory)
+    assert again == path and len(list(directory.iterdir())) == 1
 
 
 def test_load_errors_name_the_path(tmp_path):

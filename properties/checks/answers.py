@@ -1,0 +1,251 @@
+"""Every answer of the engine under test, validated before any check uses it (P1).
+
+The lockstep engine (:mod:`properties.checks.lockstep`) puts the engine behind a
+:class:`properties.checks.boundary.EngineBoundary`, which calls these functions on every
+answer. A malformed answer raises :class:`AnswerError` (an
+:class:`properties.core.engine.EngineError`: exit code 3) naming the call, the value
+and what was expected; it never reaches a check, so it can neither crash the harness
+nor pass. What is checked:
+
+* a hit is a :class:`CacheHit` whose ``num_tokens`` is an integer ``>= 0`` and whose
+  ``block_ids`` has one sequence per group of ids in ``[0, num_blocks)``;
+* a table (``get_block_ids``) has one sequence per group of ids in ``[0, num_blocks)``;
+  a full-attention group never holds the null block ``0`` (it keeps every block);
+* ``allocate_slots`` returns ``None`` or one sequence per group of ids in
+  ``[1, num_blocks)`` (a new block is never the null block), and those ids are the tail
+  of the table the engine then reports (:func:`check_new_blocks_are_tail`);
+* ``num_free_blocks`` is an integer in ``[0, num_blocks - 1]`` (one shared pool);
+* ``reset_prefix_cache`` is a bool;
+* the optional capabilities: ``ref_counts`` maps block ids in ``[1, num_blocks)`` to
+  integers ``>= 0``; ``free_queue`` lists ids in ``[1, num_blocks)``;
+  ``cached_blocks`` lists :class:`CachedBlock` with an id in ``[1, num_blocks)``, a group
+  of the layout and ``num_tokens >= 1``.
+
+Integers may be any ``int`` (numpy integers too), never ``bool``. Valid answers are
+returned normalised (tuples of Python ints).
+
+Worked example, a layout of 2 groups and 16 blocks: ``check_table("get_block_ids('r3')",
+((1, 2), None), layout)`` raises ``AnswerError("get_block_ids('r3') returned None for
+group 1, not a sequence of block ids")``; ``((1, 2), (16,))`` raises for block id 16
+(the pool has ids 0..15).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from properties.core.engine import BlockIds, CachedBlock, CacheHit, EngineError
+from reference.layout import KVCacheLayout
+from reference.specs import FullAttentionSpec
+
+#: The fast path of the validators: every value is exactly an ``int``.
+_PLAIN_INT = frozenset({int})
+
+
+class AnswerError(EngineError):
+    """The engine answered a call with a value of the wrong type, shape or range.
+
+    ``name`` is the registered check (:data:`properties.checks.registry.CHECKS`)."""
+
+    name = "answers"
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def as_int(value: Any, what: str, where: str = "") -> int:
+    """``value`` as a Python int: ints and numpy integers, never bool, float or str."""
+    if isinstance(value, bool):
+        raise AnswerError(f"{what} returned {value!r}{where}, not an integer")
+    if isinstance(value, int):
+        return int(value)
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise AnswerError(
+            f"{what} returned {_short(value)}{where}, not an integer ({type(value).__name__})"
+        ) from None
+
+
+def _block_id(value: Any, what: str, where: str, layout: KVCacheLayout, lowest: int) -> int:
+    block = as_int(value, what, where)
+    if not lowest <= block < layout.num_blocks:
+        null = " (0 is the null block, never a new block)" if block == 0 and lowest == 1 else ""
+        raise AnswerError(
+            f"{what} returned block id {block}{where}, outside [{lowest}, {layout.num_blocks}) "
+            f"(num_blocks {layout.num_blocks}){null}"
+        )
+    return block
+
+
+def _ids(
+    row: Sequence, what: str, where: str, layout: KVCacheLayout, lowest: int
+) -> tuple[int, ...]:
+    """A row of block ids, each checked by :func:`_block_id` (plain ints in range take a
+    fast path: this runs on every answer)."""
+    if set(map(type, row)) <= _PLAIN_INT and (
+        not row or (min(row) >= lowest and max(row) < layout.num_blocks)
+    ):
+        return tuple(row)
+    return tuple(_block_id(b, what, where, layout, lowest) for b in row)
+
+
+def _rows(value: Any, what: str, layout: KVCacheLayout) -> Sequence:
+    groups = len(layout.groups)
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise AnswerError(
+            f"{what} returned {_short(value)}, not a sequence of {groups} block id lists "
+            "(one per group)"
+        )
+    if len(value) != groups:
+        raise AnswerError(
+            f"{what} returned {len(value)} groups, the layout has {groups}: {_short(value)}"
+        )
+    return value
+
+
+def _row(row: Any, what: str, gid: int) -> Sequence:
+    if isinstance(row, (str, bytes, Mapping)) or not isinstance(row, Sequence):
+        raise AnswerError(
+            f"{what} returned {_short(row)} for group {gid}, not a sequence of block ids"
+        )
+    return row
+
+
+def check_table(what: str, value: Any, layout: KVCacheLayout) -> BlockIds:
+    """A request's block table: one row per group, ids in ``[0, num_blocks)``, no null in
+    a full-attention group."""
+    out = []
+    for gid, row in enumerate(_rows(value, what, layout)):
+        ids = _ids(_row(row, what, gid), what, f" for group {gid}", layout, 0)
+        if isinstance(layout.groups[gid].spec, FullAttentionSpec) and 0 in ids:
+            raise AnswerError(
+                f"{what} returned the null block 0 at position {ids.index(0)} of group {gid} "
+                f"(full attention keeps a real block for every position): {_short(ids)}"
+            )
+        out.append(ids)
+    return tuple(out)
+
+
+def check_hit(what: str, value: Any, layout: KVCacheLayout) -> CacheHit:
+    """A prefix hit: a :class:`CacheHit`, ``num_tokens >= 0``, one id list per group."""
+    if not isinstance(value, CacheHit):
+        raise AnswerError(f"{what} returned {_short(value)}, not a CacheHit")
+    num_tokens = as_int(value.num_tokens, what, " as num_tokens")
+    if num_tokens < 0:
+        raise AnswerError(f"{what} returned a hit of {num_tokens} tokens (must be >= 0)")
+    block_ids = tuple(
+        _ids(_row(r, what, gid), what, f" in the hit for group {gid}", layout, 0)
+        for gid, r in enumerate(_rows(value.block_ids, what, layout))
+    )
+    return CacheHit(block_ids, num_tokens)
+
+
+def check_new_blocks(what: str, value: Any, layout: KVCacheLayout) -> BlockIds | None:
+    """``allocate_slots``' answer: None, or one list per group of ids in ``[1, num_blocks)``."""
+    if value is None:
+        return None
+    return tuple(
+        _ids(_row(row, what, gid), what, f" for group {gid}", layout, 1)
+        for gid, row in enumerate(_rows(value, what, layout))
+    )
+
+
+def check_batch(what: str, value: Any, num_items: int, layout: KVCacheLayout) -> list:
+    """``schedule_step``'s answer: a list of one :func:`check_new_blocks` answer per item,
+    in order, stopping right after the first ``None`` (later items are not applied)."""
+    if not isinstance(value, list) or not value or len(value) > num_items:
+        raise AnswerError(
+            f"{what} returned {_short(value)}, not a list of 1 to {num_items} results"
+        )
+    if any(r is None for r in value[:-1]) or (len(value) < num_items and value[-1] is not None):
+        raise AnswerError(
+            f"{what} returned {_short(value)}: one result per item, stopping only after a None"
+        )
+    return [check_new_blocks(f"{what} (item {i})", r, layout) for i, r in enumerate(value)]
+
+
+def check_new_blocks_are_tail(what: str, new: BlockIds, table: BlockIds) -> None:
+    """The ids ``allocate_slots`` returned end the request's table, group by group.
+
+    Example: new ``((7,),)`` and table ``((3, 7),)`` is fine; table ``((7, 3),)`` raises.
+    """
+    for gid, (ids, row) in enumerate(zip(new, table)):
+        if ids and tuple(row[len(row) - len(ids) :]) != tuple(ids):
+            raise AnswerError(
+                f"{what} returned new blocks {list(ids)} for group {gid}, but the engine's "
+                f"table of that group then ends with {list(row[-len(ids) :])} "
+                f"(get_block_ids: {list(row)})"
+            )
+
+
+def check_free_count(what: str, value: Any, layout: KVCacheLayout, shared_pool: bool) -> int:
+    """``num_free_blocks``: an int in ``[0, num_blocks - 1]`` (the null block is never free;
+    engines with one pool per group may count up to ``groups * (num_blocks - 1)``)."""
+    count = as_int(value, what)
+    most = (layout.num_blocks - 1) * (1 if shared_pool else len(layout.groups))
+    if not 0 <= count <= most:
+        raise AnswerError(f"{what} returned {count}, outside [0, {most}]")
+    return count
+
+
+def check_bool(what: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise AnswerError(f"{what} returned {_short(value)}, not a bool")
+    return value
+
+
+def check_ref_counts(what: str, value: Any, layout: KVCacheLayout) -> dict[int, int]:
+    """Block id in ``[1, num_blocks)`` -> ref count ``>= 0``."""
+    if not isinstance(value, Mapping):
+        raise AnswerError(f"{what} returned {_short(value)}, not a mapping block id -> count")
+    keys, counts = value.keys(), value.values()
+    if (
+        set(map(type, keys)) <= _PLAIN_INT
+        and set(map(type, counts)) <= _PLAIN_INT
+        and (not value or (min(keys) >= 1 and max(keys) < layout.num_blocks and min(counts) >= 0))
+    ):
+        return dict(value)
+    out = {}
+    for block, count in value.items():
+        block = _block_id(block, what, " as a key", layout, 1)
+        count = as_int(count, what, f" as the ref count of block {block}")
+        if count < 0:
+            raise AnswerError(f"{what} returned ref count {count} for block {block}")
+        out[block] = count
+    return out
+
+
+def check_free_queue(what: str, value: Any, layout: KVCacheLayout) -> list[int]:
+    """Free block ids, front first, each in ``[1, num_blocks)``."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise AnswerError(f"{what} returned {_short(value)}, not a sequence of block ids")
+    if set(map(type, value)) <= _PLAIN_INT and (
+        not value or (min(value) >= 1 and max(value) < layout.num_blocks)
+    ):
+        return list(value)
+    return [_block_id(b, what, f" at position {i}", layout, 1) for i, b in enumerate(value)]
+
+
+def check_cached_blocks(what: str, value: Any, layout: KVCacheLayout) -> list[CachedBlock]:
+    """Every cached block: a :class:`CachedBlock` naming a real block and a group."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise AnswerError(f"{what} returned {_short(value)}, not a sequence of CachedBlock")
+    out = []
+    for i, c in enumerate(value):
+        if not isinstance(c, CachedBlock):
+            raise AnswerError(f"{what} returned {_short(c)} at position {i}, not a CachedBlock")
+        block = _block_id(c.block_id, what, f" at position {i}", layout, 1)
+        gid = as_int(c.group_id, what, f" as the group of position {i}")
+        tokens = as_int(c.num_tokens, what, f" as num_tokens of position {i}")
+        if not 0 <= gid < len(layout.groups) or tokens < 1:
+            raise AnswerError(
+                f"{what} returned {c!r} at position {i}: group must be in "
+                f"[0, {len(layout.groups)}) and num_tokens >= 1"
+            )
+        out.append(CachedBlock(block, gid, tokens))
+    return out

@@ -1,0 +1,312 @@
+"""The engine boundary: every call to the engine under test goes through here.
+
+:func:`guard_engine` wraps an engine in an :class:`EngineBoundary` that, for each call,
+
+1. runs it under the call deadline (:func:`properties.core.deadline.call_deadline`;
+   engines in a child process have their own, which kills the child);
+2. turns any exception it raises into an :class:`properties.core.engine.EngineError`
+   naming the call and its arguments (``allocate_slots('r3', num_new_tokens=8, ...)
+   raised KeyError: 'r3'``); a :class:`CallTimeoutError` stays one;
+3. validates the answer (:mod:`properties.checks.answers`) and returns it normalised.
+
+The boundary offers exactly the optional capabilities the engine offers (so the
+``isinstance(engine, ExposesRefCounts)`` tests of the checks see the same thing), and
+the hit it returns is the engine's own object when handed back to ``allocate_slots``.
+
+Worked example: ``guard_engine(make_engine(layout), layout, 5.0).get_block_ids("r0")``
+returns ``((1, 2),)``; had the engine returned ``[[1, None]]`` it would raise
+``AnswerError("...get_block_ids('r0') returned None for group 0, not an integer")``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from properties.checks import answers
+from properties.core.deadline import DeadlinePassed, call_deadline
+from properties.core.engine import (
+    BlockIds,
+    CachedBlock,
+    CacheHit,
+    CallTimeoutError,
+    EngineError,
+    ExposesCachedBlocks,
+    ExposesFreeQueue,
+    ExposesRefCounts,
+    KVCacheEngine,
+    PlansSteps,
+    RequestInput,
+    SlotRequest,
+    SupportsServingModes,
+    UnsupportedLayoutError,
+)
+from reference.layout import KVCacheLayout
+
+
+def engine_name(engine: object) -> str:
+    name = getattr(engine, "name", None)
+    return name if isinstance(name, str) and name else type(engine).__name__
+
+
+def call_engine(name: str, what: str, timeout: float, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` under the deadline; any exception becomes an EngineError naming
+    ``what`` (the call as text) and the engine."""
+    try:
+        with call_deadline(timeout, f"{name}: {what}"):
+            return fn(*args)
+    except DeadlinePassed:  # the deadline passed just as the call returned
+        raise CallTimeoutError(f"{name}: {what} did not return within {timeout:g} s") from None
+    except EngineError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any engine failure is reported
+        raise EngineError(f"{name}: {what} raised {type(exc).__name__}: {exc}") from exc
+
+
+#: A factory call gets at least this many seconds: the first one may import the engine.
+MIN_FACTORY_TIMEOUT_S = 120.0
+
+
+def build_engine(factory: Callable, layout: KVCacheLayout, timeout: float) -> Any:
+    """``factory(layout)`` under the deadline (at least :data:`MIN_FACTORY_TIMEOUT_S`
+    when there is one); UnsupportedLayoutError passes through."""
+    name = getattr(factory, "__name__", type(factory).__name__)
+    if timeout > 0:
+        timeout = max(timeout, MIN_FACTORY_TIMEOUT_S)
+    try:
+        with call_deadline(timeout, f"factory {name}(layout)"):
+            engine = factory(layout)
+    except (UnsupportedLayoutError, EngineError):
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise EngineError(
+            f"factory {name}(layout) raised {type(exc).__name__}: {exc} "
+            f"(layout {layout.describe()})"
+        ) from exc
+    missing = [m for m in _REQUIRED if not callable(getattr(engine, m, None))]
+    if missing:
+        raise EngineError(
+            f"factory {name}(layout) returned a {type(engine).__name__} without "
+            f"{', '.join(missing)} (the engine protocol: properties/core/engine.py)"
+        )
+    return engine
+
+
+_REQUIRED = (
+    "add_request",
+    "append_output_tokens",
+    "set_num_computed_tokens",
+    "new_step",
+    "get_computed_blocks",
+    "allocate_slots",
+    "free",
+    "remove_request",
+    "reset_prefix_cache",
+    "get_block_ids",
+    "num_free_blocks",
+)
+
+
+class EngineBoundary:
+    """See the module docstring. Built by :func:`guard_engine`."""
+
+    def __init__(self, engine: KVCacheEngine, layout: KVCacheLayout, timeout: float) -> None:
+        self.inner = engine
+        self.layout = layout
+        self.timeout = timeout
+        self.name = engine_name(engine)
+        self.separate_group_pools = bool(getattr(engine, "separate_group_pools", False))
+        #: request id -> (the validated hit, the engine's own hit object)
+        self._hits: dict[str, tuple[CacheHit, Any]] = {}
+
+    def _call(self, what: str, fn: Callable, *args: Any) -> Any:
+        return call_engine(self.name, what, self.timeout, fn, *args)
+
+    def add_request(self, request: RequestInput) -> None:
+        self._call(f"add_request({request.request_id!r})", self.inner.add_request, request)
+
+    def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._call(
+            f"append_output_tokens({request_id!r}, {list(token_ids)})",
+            self.inner.append_output_tokens,
+            request_id,
+            token_ids,
+        )
+
+    def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
+        self._call(
+            f"set_num_computed_tokens({request_id!r}, {num_computed_tokens})",
+            self.inner.set_num_computed_tokens,
+            request_id,
+            num_computed_tokens,
+        )
+
+    def new_step(self) -> None:
+        self._call("new_step()", self.inner.new_step)
+
+    def get_computed_blocks(self, request_id: str) -> CacheHit:
+        what = f"get_computed_blocks({request_id!r})"
+        raw = self._call(what, self.inner.get_computed_blocks, request_id)
+        hit = answers.check_hit(f"{self.name}: {what}", raw, self.layout)
+        self._hits[request_id] = (hit, raw)
+        return hit
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        hit: CacheHit | None = None,
+        num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> BlockIds | None:
+        what = allocate_text(
+            request_id,
+            num_new_tokens,
+            num_new_computed_tokens,
+            num_lookahead_tokens,
+            full_sequence_must_fit,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+        )
+        own_hit = hit
+        kept = self._hits.pop(request_id, None)
+        if hit is not None and kept is not None and kept[0] is hit:
+            own_hit = kept[1]
+        args = [request_id, num_new_tokens, num_new_computed_tokens, own_hit, num_lookahead_tokens]
+        # the keywords go only to engines driven in those modes (SupportsServingModes)
+        keywords: dict[str, Any] = {}
+        if full_sequence_must_fit:
+            keywords["full_sequence_must_fit"] = True
+        if num_external_computed_tokens:
+            keywords["num_external_computed_tokens"] = num_external_computed_tokens
+        if delay_cache_blocks:
+            keywords["delay_cache_blocks"] = True
+        if keywords:
+            raw = self._call(what, self._allocate_with, keywords, *args)
+        else:
+            raw = self._call(what, self.inner.allocate_slots, *args)
+        return answers.check_new_blocks(f"{self.name}: {what}", raw, self.layout)
+
+    def _allocate_with(self, keywords: dict[str, Any], *args: Any) -> Any:
+        return self.inner.allocate_slots(*args, **keywords)
+
+    def free(self, request_id: str) -> None:
+        self._hits.pop(request_id, None)
+        self._call(f"free({request_id!r})", self.inner.free, request_id)
+
+    def remove_request(self, request_id: str) -> None:
+        self._hits.pop(request_id, None)
+        self._call(f"remove_request({request_id!r})", self.inner.remove_request, request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        raw = self._call("reset_prefix_cache()", self.inner.reset_prefix_cache)
+        return answers.check_bool(f"{self.name}: reset_prefix_cache()", raw)
+
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        what = f"get_block_ids({request_id!r})"
+        raw = self._call(what, self.inner.get_block_ids, request_id)
+        return answers.check_table(f"{self.name}: {what}", raw, self.layout)
+
+    def num_free_blocks(self) -> int:
+        raw = self._call("num_free_blocks()", self.inner.num_free_blocks)
+        return answers.check_free_count(
+            f"{self.name}: num_free_blocks()", raw, self.layout, not self.separate_group_pools
+        )
+
+
+def allocate_text(
+    request_id: str,
+    num_new_tokens: int,
+    num_new_computed_tokens: int,
+    num_lookahead_tokens: int,
+    full_sequence_must_fit: bool = False,
+    num_external_computed_tokens: int = 0,
+    delay_cache_blocks: bool = False,
+) -> str:
+    """``allocate_slots('r0', num_new_tokens=8, num_new_computed_tokens=0, ...)``."""
+    return (
+        f"allocate_slots({request_id!r}, num_new_tokens={num_new_tokens}, "
+        f"num_new_computed_tokens={num_new_computed_tokens}, "
+        f"num_lookahead_tokens={num_lookahead_tokens}"
+        + (", full_sequence_must_fit=True" if full_sequence_must_fit else "")
+        + (
+            f", num_external_computed_tokens={num_external_computed_tokens}"
+            if num_external_computed_tokens
+            else ""
+        )
+        + (", delay_cache_blocks=True" if delay_cache_blocks else "")
+        + ")"
+    )
+
+
+def schedule_text(items: Sequence[SlotRequest]) -> str:
+    """``schedule_step([('r0', 8), ('r1', 1)])``."""
+    return f"schedule_step({[(i.request_id, i.num_new_tokens) for i in items]})"
+
+
+class _PlansSteps:
+    def schedule_step(self, items: Sequence[SlotRequest]) -> list[BlockIds | None]:
+        what = schedule_text(items)
+        raw = self._call(what, self.inner.schedule_step, list(items))
+        return answers.check_batch(f"{self.name}: {what}", raw, len(items), self.layout)
+
+
+class _ServingModes:
+    def set_in_flight(
+        self, request_id: str, num_in_flight_tokens: int, num_pending_tokens: int
+    ) -> None:
+        self._call(
+            f"set_in_flight({request_id!r}, {num_in_flight_tokens}, {num_pending_tokens})",
+            self.inner.set_in_flight,
+            request_id,
+            num_in_flight_tokens,
+            num_pending_tokens,
+        )
+
+    def cache_blocks(self, request_id: str, num_tokens: int) -> None:
+        self._call(
+            f"cache_blocks({request_id!r}, {num_tokens})",
+            self.inner.cache_blocks,
+            request_id,
+            num_tokens,
+        )
+
+
+class _RefCounts:
+    def ref_counts(self) -> dict[int, int]:
+        raw = self._call("ref_counts()", self.inner.ref_counts)
+        return answers.check_ref_counts(f"{self.name}: ref_counts()", raw, self.layout)
+
+
+class _FreeQueue:
+    def free_queue(self) -> list[int]:
+        raw = self._call("free_queue()", self.inner.free_queue)
+        return answers.check_free_queue(f"{self.name}: free_queue()", raw, self.layout)
+
+
+class _CachedBlocks:
+    def cached_blocks(self) -> list[CachedBlock]:
+        raw = self._call("cached_blocks()", self.inner.cached_blocks)
+        return answers.check_cached_blocks(f"{self.name}: cached_blocks()", raw, self.layout)
+
+
+_CAPABILITIES = (
+    (ExposesRefCounts, _RefCounts),
+    (ExposesFreeQueue, _FreeQueue),
+    (ExposesCachedBlocks, _CachedBlocks),
+    (PlansSteps, _PlansSteps),
+    (SupportsServingModes, _ServingModes),
+)
+_CLASSES: dict[tuple[type, ...], type] = {}
+
+
+def guard_engine(engine: KVCacheEngine, layout: KVCacheLayout, timeout: float) -> EngineBoundary:
+    """``engine`` behind an :class:`EngineBoundary` offering the same capabilities."""
+    mixins = tuple(mixin for protocol, mixin in _CAPABILITIES if isinstance(engine, protocol))
+    if mixins not in _CLASSES:
+        name = "EngineBoundary" + "".join(m.__name__.replace("_", "") for m in mixins)
+        _CLASSES[mixins] = type(name, (*mixins, EngineBoundary), {})
+    return _CLASSES[mixins](engine, layout, timeout)

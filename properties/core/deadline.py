@@ -1,0 +1,110 @@
+"""A deadline on one call of an engine that runs in this process.
+
+``with call_deadline(seconds, what): ...`` marks a call as running until
+``time.monotonic() + seconds``. A ``SIGALRM`` interval timer, started at the first
+deadline and then left running, ticks every :data:`TICK_S` seconds; a tick that finds
+the running call past its deadline raises :class:`DeadlinePassed` inside it, which
+:class:`call_deadline` turns into a :class:`properties.core.engine.CallTimeoutError`
+naming the call. Entering and leaving a call only stores two values (a timer per call
+cost about 10 us, a tenth of a step of the reference); a timeout fires between
+``seconds`` and ``seconds + TICK_S`` after the call began. ``DeadlinePassed`` derives
+from ``BaseException`` so an engine's ``except Exception`` cannot swallow it, and the
+next tick raises it again if something does.
+
+What it can interrupt: Python code (a ``while True``), ``time.sleep`` and other calls
+that wait in the kernel, and C code that checks for signals (the regular expression
+engine does: ``re.match(r'(a+)+$', 'a' * 40 + 'b')`` stops at the deadline). What it
+cannot: C code that holds the GIL and never checks for signals (for example
+``sum(itertools.repeat(1, 10**12))``); such engines need a child process
+(``--isolation process``, :mod:`properties.engines.isolation`), whose deadline kills
+the child. It works only in the main thread (Python delivers signals there); anywhere
+else the call runs without a deadline. It owns ``SIGALRM``: do not combine it with
+another user of that signal (pytest-timeout's signal method).
+
+Worked example::
+
+    with call_deadline(2.0, "allocate_slots('r0', num_new_tokens=8)"):
+        engine.allocate_slots("r0", 8)   # raises CallTimeoutError 2 to 2.1 s later
+"""
+
+from __future__ import annotations
+
+import atexit
+import signal
+import threading
+import time
+
+from properties.core.engine import CallTimeoutError
+
+#: Seconds between two ticks of the timer that enforces deadlines.
+TICK_S = 0.1
+
+
+class DeadlinePassed(BaseException):
+    """Raised inside an engine call at its deadline (never seen outside this module)."""
+
+
+class _Running:
+    """The call running now: its description and deadline (``what`` None: none)."""
+
+    what: str | None = None
+    deadline: float = 0.0
+    ticking: bool = False
+
+
+def _on_tick(signum, frame) -> None:
+    if _Running.what is not None and time.monotonic() >= _Running.deadline:
+        raise DeadlinePassed()
+
+
+_HAS_TIMER = hasattr(signal, "setitimer")
+
+
+def deadline_available() -> bool:
+    """True where :func:`call_deadline` can interrupt a call (main thread, SIGALRM)."""
+    return _HAS_TIMER and threading.current_thread() is threading.main_thread()
+
+
+def _start_ticking() -> None:
+    if signal.getsignal(signal.SIGALRM) is not _on_tick:
+        signal.signal(signal.SIGALRM, _on_tick)
+    signal.setitimer(signal.ITIMER_REAL, TICK_S, TICK_S)
+    _Running.ticking = True
+    atexit.register(stop_ticking)  # at shutdown the default action would kill the process
+
+
+def stop_ticking() -> None:
+    """Stop the timer (at exit; deadlines start it again when needed)."""
+    if _Running.ticking:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        _Running.ticking = False
+
+
+class call_deadline:  # noqa: N801 - used as a function: ``with call_deadline(...)``
+    """Run the body under a deadline of ``seconds`` (0 or less: no deadline)."""
+
+    __slots__ = ("seconds", "what", "armed")
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self.seconds = seconds
+        self.what = what
+        self.armed = False
+
+    def __enter__(self) -> None:
+        if self.seconds > 0 and deadline_available():
+            if not _Running.ticking:
+                _start_ticking()
+            _Running.deadline = time.monotonic() + self.seconds
+            _Running.what = self.what
+            self.armed = True
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.armed:
+            return
+        _Running.what = None
+        self.armed = False
+        if exc_type is DeadlinePassed:
+            raise CallTimeoutError(
+                f"{self.what} did not return within {self.seconds:g} s (--call-timeout; an "
+                "engine that holds the GIL in C code needs --isolation process)"
+            ) from None

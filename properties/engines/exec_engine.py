@@ -1,0 +1,666 @@
+"""Engines in any language: a child process speaking the exec protocol (``exec:COMMAND``).
+
+The protocol (``docs/exec-protocol.md``, version 1) is line-delimited JSON over the
+child's stdin and stdout: one request per engine call, one response, errors as
+messages, a ``hello`` handshake first, then ``create`` with a layout to build an
+engine (replacing the previous one). Three layers, each usable on its own:
+
+* :class:`ExecProcess`: the child and the wire. ``call(name, args)`` sends one request
+  and waits for its response until a deadline; a hung child is killed and reported,
+  a crashed child is reported with its exit status, a bad line is reported as a
+  protocol violation, each as an :class:`properties.core.engine.EngineError` that
+  names the call and shows the tail of the child's stderr.
+* :class:`ExecEngine`: the engine protocol (:class:`properties.core.engine.KVCacheEngine`)
+  over an :class:`ExecProcess`, with the optional capabilities the engine announced.
+* :class:`ExecEngineFactory`: ``factory(layout) -> ExecEngine``; one child per factory,
+  reused from engine to engine (``create`` replaces the engine), restarted after a
+  failure. ``exec:COMMAND`` on the command line resolves to :func:`factory_from_command`.
+
+Worked example: ``ExecProcess(["./rust-block-manager"]).start()`` returns the
+``hello`` result ``{"protocol": 1, "name": "rust-block-manager", ...}``; then
+``call("create", {"layout": layout_to_json(layout)})`` builds an engine and
+``call("num_free_blocks", {})`` returns ``num_blocks - 1`` for a fresh pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
+
+from properties.core.engine import (
+    BlockIds,
+    CachedBlock,
+    CacheHit,
+    CallTimeoutError,
+    EngineError,
+    EngineLoadError,
+    RequestInput,
+    UnsupportedLayoutError,
+)
+from properties.core.trace import layout_to_json
+from reference.layout import KVCacheLayout
+
+#: The protocol version this client speaks (``hello``'s ``protocol``).
+PROTOCOL_VERSION = 1
+#: Seconds a call may take unless ``KVCONFORM_EXEC_TIMEOUT`` says otherwise.
+DEFAULT_CALL_TIMEOUT_S = 60.0
+#: The first message also covers the child's start-up (imports, JIT, ...).
+MIN_STARTUP_TIMEOUT_S = 120.0
+#: Environment variable giving the per-call timeout in seconds.
+TIMEOUT_ENV = "KVCONFORM_EXEC_TIMEOUT"
+#: Seconds a closing child gets to exit after its stdin is closed.
+EXIT_GRACE_S = 5.0
+#: The optional calls an engine may announce in ``create``'s ``capabilities``.
+CAPABILITIES = ("ref_counts", "free_queue", "cached_blocks")
+
+_STDERR_TAIL_BYTES = 4000
+_STDERR_TAIL_LINES = 20
+
+
+class ExecTimeoutError(CallTimeoutError):
+    """The child did not answer a call in time (it has been killed)."""
+
+
+class ExecCrashError(EngineError):
+    """The child exited (or closed its stdout) while a call was pending."""
+
+
+class ExecProtocolError(EngineError):
+    """The child answered with something that is not a protocol response."""
+
+
+def call_timeout_from_env() -> float:
+    """The per-call timeout: ``$KVCONFORM_EXEC_TIMEOUT`` seconds, else 60."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_CALL_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise EngineError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {raw!r}")
+    return value
+
+
+def describe_call(call: str, args: Mapping[str, Any]) -> str:
+    """``allocate_slots('r3', num_new_tokens=8, ...)``: a call as reports show it (long
+    lists shortened, ``request_id`` first and unnamed, the hit and layout left out)."""
+    parts = []
+    if "request_id" in args:
+        parts.append(repr(args["request_id"]))
+    for key, value in args.items():
+        if key in ("request_id", "layout", "hit"):
+            continue
+        shown = (
+            f"[{len(value)} items]" if isinstance(value, list) and len(value) > 8 else repr(value)
+        )
+        parts.append(f"{key}={shown}")
+    return f"{call}({', '.join(parts)})"
+
+
+def _exit_description(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with status {returncode}"
+
+
+class ExecProcess:
+    """One child process speaking the exec protocol (see the module docstring).
+
+    ``argv`` is the command; ``timeout`` the seconds each call may take (default:
+    :func:`call_timeout_from_env`); ``label`` names the engine in messages (default: the
+    command). Not thread-safe: one call at a time, as the protocol requires.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        timeout: float | None = None,
+        label: str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> None:
+        if not argv:
+            raise EngineError("exec engine: empty command")
+        self.argv = list(argv)
+        self.timeout = call_timeout_from_env() if timeout is None else float(timeout)
+        if not self.timeout > 0:
+            raise EngineError(f"exec engine: the call timeout must be > 0, got {timeout!r}")
+        self.label = label or shlex.join(self.argv)
+        self._env = dict(env) if env is not None else None
+        self._cwd = cwd
+        self._proc: subprocess.Popen | None = None
+        self._stderr = None
+        self._buffer = b""
+        self._next_id = 0
+        self._broken: str | None = None
+        self._finalizer = None
+        self.hello: dict[str, Any] = {}
+        #: Incremented at each ``create``: engines built earlier are retired.
+        self.generation = 0
+
+    # -- life cycle -------------------------------------------------------------------
+    def start(self) -> dict[str, Any]:
+        """Spawn the child and shake hands; returns the ``hello`` result."""
+        if self._proc is not None:
+            raise EngineError(f"exec engine {self.label!r}: already started")
+        # kept open for the child's life; closed by close()
+        self._stderr = tempfile.TemporaryFile(prefix="kvconform-exec-stderr-")  # noqa: SIM115
+        try:
+            self._proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._stderr,
+                env=self._env,
+                cwd=self._cwd,
+                bufsize=0,
+                start_new_session=False,
+            )
+        except OSError as exc:
+            self._stderr.close()
+            self._stderr = None
+            raise EngineLoadError(
+                f"exec engine {self.label!r}: cannot start {self.argv[0]!r}: {exc}"
+            ) from None
+        os.set_blocking(self._proc.stdin.fileno(), False)
+        os.set_blocking(self._proc.stdout.fileno(), False)
+        self._finalizer = weakref.finalize(self, _stop, self._proc)
+        hello = self.call(
+            "hello",
+            {"protocol": PROTOCOL_VERSION, "client": "kvconform"},
+            timeout=max(self.timeout, MIN_STARTUP_TIMEOUT_S),
+        )
+        if not isinstance(hello, dict):
+            self._fail(ExecProtocolError, f"hello answered {hello!r}, not an object")
+        version = hello.get("protocol")
+        if version != PROTOCOL_VERSION:
+            self.close()
+            raise ExecProtocolError(
+                f"exec engine {self.label!r} speaks protocol version {version!r}; "
+                f"kvconform speaks version {PROTOCOL_VERSION} (docs/exec-protocol.md)"
+            )
+        if isinstance(hello.get("name"), str) and hello["name"]:
+            self.label = hello["name"]
+        self.hello = hello
+        return hello
+
+    @property
+    def alive(self) -> bool:
+        """Started, not closed, and no failure seen (a failed child is never reused)."""
+        return self._proc is not None and self._broken is None and self._proc.poll() is None
+
+    def close(self) -> None:
+        """Close the child's stdin, give it :data:`EXIT_GRACE_S` to exit, then kill it."""
+        proc = self._proc
+        if proc is None:
+            return
+        if self._broken is None:
+            self._broken = "closed"
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=EXIT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+    # -- calls ------------------------------------------------------------------------
+    def call(
+        self,
+        call: str,
+        args: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """Send ``call`` and return its ``result``; an ``error`` answer raises
+        :class:`EngineError` (:class:`UnsupportedLayoutError` for ``unsupported_layout``)."""
+        args = dict(args or {})
+        what = describe_call(call, args)
+        if self._proc is None:
+            raise EngineError(f"exec engine {self.label!r}: {what} before start()")
+        if self._broken is not None:
+            raise EngineError(
+                f"exec engine {self.label!r}: {what} on a child that is gone ({self._broken})"
+            )
+        if call == "create":
+            self._clear_stderr()
+            self.generation += 1  # earlier engines retire, even if this create fails
+        self._next_id += 1
+        message_id = self._next_id
+        line = json.dumps({"id": message_id, "call": call, "args": args}, separators=(",", ":"))
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        self._write(line.encode() + b"\n", what, deadline)
+        raw = self._read_line(what, deadline)
+        try:
+            response = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            self._fail(
+                ExecProtocolError, f"{what} answered a line that is not JSON ({exc}): {_clip(raw)}"
+            )
+        if not isinstance(response, dict):
+            self._fail(ExecProtocolError, f"{what} answered {_clip(raw)}, not a JSON object")
+        if response.get("id") != message_id:
+            self._fail(
+                ExecProtocolError,
+                f"{what} (message id {message_id}) answered with id {response.get('id')!r}: "
+                f"{_clip(raw)}",
+            )
+        if "error" in response:
+            error = response["error"]
+            kind = error.get("kind") if isinstance(error, dict) else None
+            message = error.get("message") if isinstance(error, dict) else error
+            if kind == "unsupported_layout":
+                raise UnsupportedLayoutError(f"exec engine {self.label!r}: {message}")
+            raise EngineError(
+                self._with_stderr(
+                    f"exec engine {self.label!r}: {what} failed: {kind or 'error'}: {message}",
+                    quiet_if_empty=True,
+                )
+            )
+        if "result" not in response:
+            self._fail(ExecProtocolError, f"{what} answered without result or error: {_clip(raw)}")
+        return response["result"]
+
+    # -- the wire ---------------------------------------------------------------------
+    def _write(self, data: bytes, what: str, deadline: float) -> None:
+        fd = self._proc.stdin.fileno()
+        view = memoryview(data)
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_WRITE)
+            while view:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._timed_out(what, "did not read its request")
+                if not sel.select(remaining):
+                    continue
+                try:
+                    written = os.write(fd, view)
+                except BlockingIOError:
+                    continue
+                except (BrokenPipeError, ConnectionResetError):
+                    self._crashed(what)
+                view = view[written:]
+
+    def _read_line(self, what: str, deadline: float) -> bytes:
+        fd = self._proc.stdout.fileno()
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buffer:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._timed_out(what, "got no answer")
+                if not sel.select(remaining):
+                    continue
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    self._crashed(what)
+                self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
+
+    # -- failures ---------------------------------------------------------------------
+    def _clear_stderr(self) -> None:
+        if self._stderr is not None:
+            self._stderr.seek(0)
+            self._stderr.truncate()
+
+    def stderr_tail(self) -> str:
+        """The last lines the child wrote to stderr (since the last ``create``)."""
+        if self._stderr is None:
+            return ""
+        self._stderr.seek(0, os.SEEK_END)
+        size = self._stderr.tell()
+        self._stderr.seek(max(0, size - _STDERR_TAIL_BYTES))
+        text = self._stderr.read().decode(errors="replace")
+        lines = text.splitlines()[-_STDERR_TAIL_LINES:]
+        return "\n".join(lines)
+
+    def _with_stderr(self, message: str, quiet_if_empty: bool = False) -> str:
+        tail = self.stderr_tail()
+        if not tail.strip():
+            return (
+                message if quiet_if_empty else f"{message}\n  (the engine wrote nothing to stderr)"
+            )
+        body = "\n".join(f"    {line}" for line in tail.splitlines())
+        return f"{message}\n  stderr of the engine (last lines):\n{body}"
+
+    def _fail(self, error: type[EngineError], message: str) -> NoReturn:
+        """The child broke the protocol: kill it and raise ``error`` naming the call."""
+        self._broken = message
+        _kill_quietly(self._proc)
+        raise error(self._with_stderr(f"exec engine {self.label!r}: {message}"))
+
+    def _timed_out(self, what: str, how: str) -> NoReturn:
+        seconds = f"{self.timeout:g}"
+        self._broken = f"{what} timed out"
+        _kill_quietly(self._proc)
+        raise ExecTimeoutError(
+            self._with_stderr(
+                f"exec engine {self.label!r}: {what} {how} within {seconds} s "
+                f"(the engine was killed; {TIMEOUT_ENV} sets the limit)"
+            )
+        )
+
+    def _crashed(self, what: str) -> NoReturn:
+        try:
+            code = self._proc.wait(timeout=EXIT_GRACE_S)
+            how = _exit_description(code)
+        except subprocess.TimeoutExpired:
+            _kill_quietly(self._proc)
+            how = "closed its stdout (killed)"
+        self._broken = f"{how} during {what}"
+        raise ExecCrashError(self._with_stderr(f"exec engine {self.label!r} {how} during {what}"))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """At garbage collection or exit: close the child's stdin (it exits), then kill it
+    if it has not exited within a second."""
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        _kill_quietly(proc)
+
+
+def _kill_quietly(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        proc.kill()
+        proc.wait(timeout=EXIT_GRACE_S)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+
+
+def _clip(raw: bytes | str, limit: int = 300) -> str:
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+# ---------------------------------------------------------------------------
+# The engine protocol over a child
+
+
+def _int(value: Any, what: str, process: ExecProcess) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        process._fail(ExecProtocolError, f"{what} returned {value!r}, not an integer")
+    return value
+
+
+def _table(value: Any, what: str, process: ExecProcess) -> BlockIds:
+    if not isinstance(value, list) or not all(isinstance(row, list) for row in value):
+        process._fail(ExecProtocolError, f"{what} returned {_clip(json.dumps(value))}, not a table")
+    return tuple(tuple(_int(b, what, process) for b in row) for row in value)
+
+
+class ExecEngine:
+    """:class:`properties.core.engine.KVCacheEngine` served by a child process.
+
+    Built by :class:`ExecEngineFactory`. Calls made after the factory built a newer
+    engine on the same child raise :class:`EngineError` (one engine per child)."""
+
+    def __init__(self, process: ExecProcess, layout: KVCacheLayout, created: Any) -> None:
+        self.process = process
+        self.layout = layout
+        self.generation = process.generation
+        self.name = process.label
+        created = created if isinstance(created, dict) else {}
+        self.separate_group_pools = bool(created.get("separate_group_pools", False))
+
+    def _call(self, call: str, args: dict[str, Any] | None = None) -> Any:
+        if self.process.generation != self.generation:
+            raise EngineError(
+                f"exec engine {self.name!r}: {describe_call(call, args or {})} on an engine "
+                "that a newer create replaced (a child serves one engine at a time)"
+            )
+        return self.process.call(call, args)
+
+    def add_request(self, request: RequestInput) -> None:
+        self._call(
+            "add_request",
+            {
+                "request_id": request.request_id,
+                "prompt_token_ids": list(request.prompt_token_ids),
+                "cache_salt": request.cache_salt,
+                "lora_name": request.lora_name,
+            },
+        )
+
+    def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._call(
+            "append_output_tokens",
+            {"request_id": request_id, "token_ids": [int(t) for t in token_ids]},
+        )
+
+    def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
+        self._call(
+            "set_num_computed_tokens",
+            {"request_id": request_id, "num_computed_tokens": int(num_computed_tokens)},
+        )
+
+    def new_step(self) -> None:
+        self._call("new_step")
+
+    def get_computed_blocks(self, request_id: str) -> CacheHit:
+        args = {"request_id": request_id}
+        what = describe_call("get_computed_blocks", args)
+        result = self._call("get_computed_blocks", args)
+        if not isinstance(result, dict) or "num_tokens" not in result or "block_ids" not in result:
+            self.process._fail(
+                ExecProtocolError, f"{what} returned {_clip(json.dumps(result))}, not a hit"
+            )
+        return CacheHit(
+            _table(result["block_ids"], what, self.process),
+            _int(result["num_tokens"], what, self.process),
+        )
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        hit: CacheHit | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> BlockIds | None:
+        args = {
+            "request_id": request_id,
+            "num_new_tokens": int(num_new_tokens),
+            "num_new_computed_tokens": int(num_new_computed_tokens),
+            "hit": None
+            if hit is None
+            else {
+                "num_tokens": int(hit.num_tokens),
+                "block_ids": [[int(b) for b in row] for row in hit.block_ids],
+            },
+            "num_lookahead_tokens": int(num_lookahead_tokens),
+        }
+        result = self._call("allocate_slots", args)
+        if result is None:
+            return None
+        return _table(result, describe_call("allocate_slots", args), self.process)
+
+    def free(self, request_id: str) -> None:
+        self._call("free", {"request_id": request_id})
+
+    def remove_request(self, request_id: str) -> None:
+        self._call("remove_request", {"request_id": request_id})
+
+    def reset_prefix_cache(self) -> bool:
+        result = self._call("reset_prefix_cache")
+        if not isinstance(result, bool):
+            self.process._fail(
+                ExecProtocolError, f"reset_prefix_cache() returned {result!r}, not a boolean"
+            )
+        return result
+
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        args = {"request_id": request_id}
+        return _table(
+            self._call("get_block_ids", args), describe_call("get_block_ids", args), self.process
+        )
+
+    def num_free_blocks(self) -> int:
+        return _int(self._call("num_free_blocks"), "num_free_blocks()", self.process)
+
+
+class _RefCounts:
+    def ref_counts(self) -> dict[int, int]:
+        result = self._call("ref_counts")
+        if not isinstance(result, list) or not all(
+            isinstance(p, list) and len(p) == 2 for p in result
+        ):
+            self.process._fail(
+                ExecProtocolError,
+                f"ref_counts() returned {_clip(json.dumps(result))}, not [block, count] pairs",
+            )
+        return {
+            _int(b, "ref_counts()", self.process): _int(c, "ref_counts()", self.process)
+            for b, c in result
+        }
+
+
+class _FreeQueue:
+    def free_queue(self) -> list[int]:
+        result = self._call("free_queue")
+        if not isinstance(result, list):
+            self.process._fail(
+                ExecProtocolError, f"free_queue() returned {_clip(json.dumps(result))}, not a list"
+            )
+        return [_int(b, "free_queue()", self.process) for b in result]
+
+
+class _CachedBlocks:
+    def cached_blocks(self) -> list[CachedBlock]:
+        result = self._call("cached_blocks")
+        if not isinstance(result, list) or not all(
+            isinstance(t, list) and len(t) == 3 for t in result
+        ):
+            self.process._fail(
+                ExecProtocolError,
+                f"cached_blocks() returned {_clip(json.dumps(result))}, not "
+                "[block, group, num_tokens] triples",
+            )
+        return [
+            CachedBlock(*(_int(v, "cached_blocks()", self.process) for v in triple))
+            for triple in result
+        ]
+
+
+_MIXINS = {"ref_counts": _RefCounts, "free_queue": _FreeQueue, "cached_blocks": _CachedBlocks}
+_CLASSES: dict[frozenset[str], type] = {}
+
+
+def engine_class(capabilities: frozenset[str]) -> type:
+    """:class:`ExecEngine` with the methods of the announced capabilities, so that the
+    checks' ``isinstance(engine, ExposesRefCounts)`` tests see exactly those."""
+    if capabilities not in _CLASSES:
+        bases = tuple(_MIXINS[c] for c in CAPABILITIES if c in capabilities) + (ExecEngine,)
+        name = "ExecEngine" + "".join(c.title().replace("_", "") for c in sorted(capabilities))
+        _CLASSES[capabilities] = type(name, bases, {})
+    return _CLASSES[capabilities]
+
+
+class ExecEngineFactory:
+    """``factory(layout) -> ExecEngine`` over one child, restarted when it has failed.
+
+    ``spec_types`` (from ``hello``) is the tuple of spec types the engine supports, or
+    None for all; the layout strategies draw only those (see ``docs/exec-protocol.md``).
+    """
+
+    def __init__(self, argv: Sequence[str], timeout: float | None = None) -> None:
+        self.argv = list(argv)
+        self.timeout = call_timeout_from_env() if timeout is None else timeout
+        self.process: ExecProcess | None = None
+        self._hello: dict[str, Any] | None = None
+
+    def _live_process(self) -> ExecProcess:
+        if self.process is None or not self.process.alive:
+            process = ExecProcess(self.argv, self.timeout)
+            self._hello = process.start()
+            self.process = process
+        return self.process
+
+    @property
+    def hello(self) -> dict[str, Any]:
+        if self._hello is None:
+            self._live_process()
+        return self._hello
+
+    @property
+    def spec_types(self) -> tuple[str, ...] | None:
+        kinds = self.hello.get("spec_types")
+        if kinds is None:
+            return None
+        if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+            raise ExecProtocolError(
+                f"exec engine {shlex.join(self.argv)!r}: hello's spec_types must be a list of "
+                f"strings, got {kinds!r}"
+            )
+        return tuple(kinds)
+
+    def __call__(self, layout: KVCacheLayout) -> ExecEngine:
+        process = self._live_process()
+        # building an engine may import the engine's own modules: the start-up allowance
+        created = process.call(
+            "create",
+            {"layout": layout_to_json(layout)},
+            timeout=max(self.timeout, MIN_STARTUP_TIMEOUT_S),
+        )
+        capabilities = created.get("capabilities", []) if isinstance(created, dict) else []
+        unknown = [c for c in capabilities if c not in CAPABILITIES]
+        if not isinstance(capabilities, list) or unknown:
+            process._fail(
+                ExecProtocolError,
+                f"create announced capabilities {capabilities!r}; known: {', '.join(CAPABILITIES)}",
+            )
+        return engine_class(frozenset(capabilities))(process, layout, created)
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.close()
+
+
+_FACTORIES: dict[tuple[str, float], ExecEngineFactory] = {}
+
+
+def factory_from_command(command: str) -> ExecEngineFactory:
+    """The factory of ``exec:COMMAND`` (``command`` without the prefix), one per command
+    in a process. ``python`` as the first word is the running interpreter."""
+    try:
+        argv = shlex.split(command)
+    except ValueError as exc:
+        raise EngineLoadError(f"--engine exec:{command}: cannot split the command: {exc}") from None
+    if not argv:
+        raise EngineLoadError("--engine exec: needs a command after 'exec:'")
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    key = (command, call_timeout_from_env())
+    if key not in _FACTORIES:
+        _FACTORIES[key] = ExecEngineFactory(argv, key[1])
+    return _FACTORIES[key]

@@ -1,0 +1,50 @@
+"""kvconform's conformance suite as a pytest module, for an engine's own repository.
+
+After ``pip install kvconform``::
+
+    pytest --pyargs properties.tools.conformance \
+        --kv-engine mypkg.adapter:make_engine --kv-level universal
+
+runs the properties of ``kvconform check`` (:data:`PROPERTIES`: invariants, attention,
+determinism, ...), one test each, under kvconform's Hypothesis profile
+(``--kv-profile``; default ``ci`` under ``CI=true``, else ``dev``). ``--kv-engine`` takes
+what ``kvconform check --engine`` takes (a built-in name, ``module:factory`` importable
+from the current directory, or ``exec:COMMAND``). A failure is reported with its
+message, the saved trace (under ``.kvconform/failures/``) and the ``kvconform replay``
+command that reproduces it.
+
+The same tests in an engine's own test folder, with the options in its pytest
+configuration (``addopts = --kv-engine mypkg.adapter:make_engine``)::
+
+    # tests/test_kvconform.py
+    from properties.tools.conformance import test_property  # noqa: F401
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import settings
+
+from properties.core.constants import DEFAULT_FAILURE_DIR, PROPERTIES
+from properties.runner import profiles as _profiles  # noqa: F401 - registers the profiles
+from properties.runner.check import failure_report, run_property
+from properties.runner.config import CheckConfig
+from properties.runner.machine import engine_factory
+
+
+@pytest.mark.parametrize("prop", PROPERTIES)
+def test_property(prop: str, kv_engine: str, kv_level: str, kv_profile_name: str) -> None:
+    profile = settings.get_profile(kv_profile_name)
+    seed = None if profile.derandomize else random.SystemRandom().randrange(2**32)
+    config = CheckConfig(engine=kv_engine, level=kv_level, failure_dir=DEFAULT_FAILURE_DIR)
+    result = run_property(prop, config, profile, seed, engine_factory(config))
+    print(
+        f"kvconform {prop}: {result.examples} examples, {result.steps} steps, "
+        f"{result.seconds:.1f}s (engine {kv_engine}, level {kv_level}, profile "
+        f"{kv_profile_name}, seed {seed if seed is not None else 'derandomized'})"
+    )
+    if result.failure is not None:
+        pytest.fail(failure_report(result, kv_engine, kv_level), pytrace=False)
+    assert result.examples > 0, f"[{prop}] ran no example (every layout unsupported?)"

@@ -1,0 +1,64 @@
+"""An exec-protocol server that serves the reference engine correctly until one chosen
+call, then misbehaves in one chosen way: the failures the exec client must report.
+
+``python misbehaving_engine.py MODE CALL``: at the first request whose ``call`` is
+``CALL`` it writes ``misbehaving at CALL`` to stderr, then
+
+* ``hang``: never answers (sleeps);
+* ``crash``: exits with status 7;
+* ``segfault``: kills itself with SIGSEGV;
+* ``garbage``: answers a line that is not JSON;
+* ``wrong-id``: answers with another message id;
+* ``version``: (for ``hello``) claims protocol version 99;
+* ``error``: answers an ``engine_error`` message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from properties.engines.reference import make_engine  # noqa: E402
+from properties.engines.serve import EngineServer, answer  # noqa: E402
+
+
+def main() -> int:
+    mode, target = sys.argv[1], sys.argv[2]
+    server = EngineServer(make_engine, "misbehaving")
+    for raw in sys.stdin.buffer:
+        message = json.loads(raw)
+        if message["call"] == target:
+            print(f"misbehaving at {target}", file=sys.stderr, flush=True)
+            if mode == "hang":
+                time.sleep(3600)
+            elif mode == "crash":
+                sys.exit(7)
+            elif mode == "segfault":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            elif mode == "garbage":
+                reply = "this is not json"
+            elif mode == "wrong-id":
+                reply = json.dumps({"id": message["id"] + 100, "result": None})
+            elif mode == "version":
+                reply = json.dumps({"id": message["id"], "result": {"protocol": 99}})
+            elif mode == "error":
+                reply = json.dumps(
+                    {"id": message["id"], "error": {"kind": "engine_error", "message": "nope"}}
+                )
+            else:
+                raise SystemExit(f"unknown mode {mode!r}")
+        else:
+            reply = json.dumps(answer(message, server))
+        sys.stdout.write(reply + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

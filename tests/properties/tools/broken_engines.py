@@ -1,0 +1,305 @@
+"""Deliberately broken engines and adapters for ``test_broken_inputs.py`` (test fixtures,
+not part of the package). Each breaks one thing: an answer of the wrong type, shape or
+range, an exception, a hang, a factory that fails or rejects every layout.
+
+:class:`Broken` forwards every call to the reference engine and lets a ``rewrite``
+function replace the answer of one call: ``BROKEN["hit_none"]`` answers ``None`` to every
+``get_computed_blocks``. Name one on the command line as
+``tests.properties.tools.broken_engines:make_<name>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+from properties.core.engine import CachedBlock, CacheHit, UnsupportedLayoutError
+from properties.engines.reference import ReferenceEngine
+from reference.layout import KVCacheLayout
+
+
+class Broken:
+    """The reference engine, with the answer of call ``method`` passed through ``rewrite``
+    (``rewrite(answer, engine) -> new answer``)."""
+
+    name = "broken"
+
+    def __init__(self, layout: KVCacheLayout, method: str, rewrite: Callable) -> None:
+        self.ref = ReferenceEngine(layout)
+        self.layout = layout
+        self.method = method
+        self.rewrite = rewrite
+
+    def _answer(self, method: str, answer: Any) -> Any:
+        return self.rewrite(answer, self) if method == self.method else answer
+
+    def add_request(self, request):
+        return self._answer("add_request", self.ref.add_request(request))
+
+    def append_output_tokens(self, request_id, token_ids):
+        answer = self.ref.append_output_tokens(request_id, token_ids)
+        return self._answer("append_output_tokens", answer)
+
+    def set_num_computed_tokens(self, request_id, n):
+        answer = self.ref.set_num_computed_tokens(request_id, n)
+        return self._answer("set_num_computed_tokens", answer)
+
+    def new_step(self):
+        return self._answer("new_step", self.ref.new_step())
+
+    def get_computed_blocks(self, request_id):
+        hit = self.ref.get_computed_blocks(request_id)
+        out = self._answer("get_computed_blocks", hit)
+        return out
+
+    def allocate_slots(self, request_id, n, n_hit=0, hit=None, lookahead=0):
+        return self._answer(
+            "allocate_slots", self.ref.allocate_slots(request_id, n, n_hit, hit, lookahead)
+        )
+
+    def free(self, request_id):
+        return self._answer("free", self.ref.free(request_id))
+
+    def remove_request(self, request_id):
+        return self._answer("remove_request", self.ref.remove_request(request_id))
+
+    def reset_prefix_cache(self):
+        return self._answer("reset_prefix_cache", self.ref.reset_prefix_cache())
+
+    def get_block_ids(self, request_id):
+        return self._answer("get_block_ids", self.ref.get_block_ids(request_id))
+
+    def num_free_blocks(self):
+        return self._answer("num_free_blocks", self.ref.num_free_blocks())
+
+    def ref_counts(self):
+        return self._answer("ref_counts", self.ref.ref_counts())
+
+    def free_queue(self):
+        return self._answer("free_queue", self.ref.free_queue())
+
+    def cached_blocks(self):
+        return self._answer("cached_blocks", self.ref.cached_blocks())
+
+
+def _raise(exc: BaseException) -> Callable:
+    def rewrite(answer, engine):
+        raise exc
+
+    return rewrite
+
+
+def _first_row(fn: Callable) -> Callable:
+    """Rewrite group 0 of a table (or of new ids) with ``fn(row) -> row``."""
+
+    def rewrite(answer, engine):
+        if answer is None:
+            return None
+        return (fn(tuple(answer[0])), *answer[1:])
+
+    return rewrite
+
+
+def _hang_loop(answer, engine):
+    while True:
+        pass
+
+
+def _hang_sleep(answer, engine):
+    time.sleep(3600)
+
+
+def _hang_regex(answer, engine):
+    # catastrophic backtracking: C code holding the GIL (it checks signals, though)
+    re.match(r"(a+)+$", "a" * 40 + "b")
+    return answer
+
+
+def _hang_c(answer, engine):
+    # C code holding the GIL that never checks for signals: needs a child process
+    sum(itertools.repeat(1, 10**13))
+    return answer
+
+
+def _swallowing_loop(answer, engine):
+    # an engine that catches every Exception around its work still stops at the deadline
+    while True:
+        with contextlib.suppress(Exception):
+            time.sleep(0.01)
+
+
+#: name -> (method, rewrite, the message the harness must give, a part of one line)
+BROKEN: dict[str, tuple[str, Callable, str]] = {
+    "hit_none": ("get_computed_blocks", lambda a, e: None, "returned None, not a CacheHit"),
+    "hit_tuple": (
+        "get_computed_blocks",
+        lambda a, e: (a.block_ids, a.num_tokens),
+        "not a CacheHit",
+    ),
+    "hit_str_tokens": (
+        "get_computed_blocks",
+        lambda a, e: CacheHit(a.block_ids, str(a.num_tokens)),
+        "as num_tokens, not an integer",
+    ),
+    "hit_negative_tokens": (
+        "get_computed_blocks",
+        lambda a, e: CacheHit(a.block_ids, -1),
+        "hit of -1 tokens",
+    ),
+    "hit_extra_group": (
+        "get_computed_blocks",
+        lambda a, e: CacheHit((*a.block_ids, ()), a.num_tokens),
+        "groups, the layout has",
+    ),
+    "hit_block_out_of_range": (
+        "get_computed_blocks",
+        lambda a, e: CacheHit(((e.layout.num_blocks,), *a.block_ids[1:]), a.num_tokens),
+        "in the hit for group 0, outside [0,",
+    ),
+    "table_none": ("get_block_ids", lambda a, e: None, "returned None, not a sequence"),
+    "table_none_group": (
+        "get_block_ids",
+        lambda a, e: (None, *a[1:]),
+        "returned None for group 0, not a sequence of block ids",
+    ),
+    "table_str": ("get_block_ids", lambda a, e: "1,2", "not a sequence of"),
+    "table_negative_id": (
+        "get_block_ids",
+        _first_row(lambda row: (-1, *row[1:])),
+        "returned block id -1 for group 0",
+    ),
+    "table_id_too_big": (
+        "get_block_ids",
+        _first_row(lambda row: (999_999, *row[1:])),
+        "returned block id 999999 for group 0, outside [0,",
+    ),
+    "table_float_id": (
+        "get_block_ids",
+        _first_row(lambda row: (float(row[0]), *row[1:])),
+        "for group 0, not an integer (float)",
+    ),
+    "table_bool_id": (
+        "get_block_ids",
+        _first_row(lambda row: (True, *row[1:])),
+        "returned True for group 0, not an integer",
+    ),
+    "table_extra_group": (
+        "get_block_ids",
+        lambda a, e: (*a, ()),
+        "groups, the layout has",
+    ),
+    "alloc_not_tail": (
+        "allocate_slots",
+        _first_row(lambda row: tuple(reversed(row)) if len(row) > 1 else row),
+        "but the engine's table of that group then ends with",
+    ),
+    "alloc_null_id": (
+        "allocate_slots",
+        _first_row(lambda row: (0, *row[1:]) if row else (0,)),
+        "0 is the null block, never a new block",
+    ),
+    "alloc_str": ("allocate_slots", lambda a, e: "ok" if a is not None else None, "returned 'ok'"),
+    "alloc_dict": (
+        "allocate_slots",
+        lambda a, e: None if a is None else {0: a[0]},
+        "not a sequence of",
+    ),
+    "free_count_negative": ("num_free_blocks", lambda a, e: -3, "returned -3, outside [0,"),
+    "free_count_too_big": (
+        "num_free_blocks",
+        lambda a, e: e.layout.num_blocks,
+        "outside [0,",
+    ),
+    "free_count_str": ("num_free_blocks", lambda a, e: str(a), "not an integer (str)"),
+    "free_count_none": ("num_free_blocks", lambda a, e: None, "returned None, not an integer"),
+    "reset_none": ("reset_prefix_cache", lambda a, e: None, "reset_prefix_cache() returned None"),
+    "reset_int": ("reset_prefix_cache", lambda a, e: int(a), "not a bool"),
+    "ref_counts_list": (
+        "ref_counts",
+        lambda a, e: list(a.items()),
+        "not a mapping block id -> count",
+    ),
+    "ref_counts_negative": (
+        "ref_counts",
+        lambda a, e: {**a, 1: -1},
+        "ref count -1 for block 1",
+    ),
+    "ref_counts_null_key": ("ref_counts", lambda a, e: {**a, 0: 0}, "as a key, outside [1,"),
+    "free_queue_none": ("free_queue", lambda a, e: None, "free_queue() returned None"),
+    "free_queue_null": ("free_queue", lambda a, e: [0, *a], "at position 0, outside [1,"),
+    "cached_tuples": (
+        "cached_blocks",
+        lambda a, e: [(c.block_id, c.group_id, c.num_tokens) for c in a] or [(1, 0, 1)],
+        "not a CachedBlock",
+    ),
+    "cached_bad_group": (
+        "cached_blocks",
+        lambda a, e: [CachedBlock(1, 99, 4)],
+        "group must be in",
+    ),
+    "raises_add": (
+        "add_request",
+        _raise(KeyError("no room")),
+        "add_request('r0') raised KeyError",
+    ),
+    "raises_allocate": (
+        "allocate_slots",
+        _raise(RuntimeError("pool corrupted")),
+        "raised RuntimeError: pool corrupted",
+    ),
+    "hang_loop": ("new_step", _hang_loop, "new_step() did not return within"),
+    "hang_sleep": ("new_step", _hang_sleep, "new_step() did not return within"),
+    "hang_regex": ("new_step", _hang_regex, "new_step() did not return within"),
+    "hang_swallowing": ("new_step", _swallowing_loop, "new_step() did not return within"),
+    "hang_c": ("new_step", _hang_c, "new_step"),
+}
+
+
+def _factory(name: str) -> Callable:
+    method, rewrite, _ = BROKEN[name]
+
+    def make(layout: KVCacheLayout) -> Broken:
+        return Broken(layout, method, rewrite)
+
+    make.__name__ = f"make_{name}"
+    return make
+
+
+for _name in BROKEN:
+    globals()[f"make_{_name}"] = _factory(_name)
+
+
+def make_miscounts_free_blocks(layout: KVCacheLayout) -> Broken:
+    """A well-formed but wrong answer: one free block too few once any is in use (a
+    property failure, pool accounting I1, not a protocol error)."""
+
+    def rewrite(answer, engine):
+        return answer - 1 if 0 < answer < layout.num_blocks - 1 else answer
+
+    return Broken(layout, "num_free_blocks", rewrite)
+
+
+def make_factory_raises(layout: KVCacheLayout):
+    raise RuntimeError("cannot allocate the pool")
+
+
+def make_factory_returns_none(layout: KVCacheLayout):
+    return None
+
+
+def make_rejects_every_layout(layout: KVCacheLayout):
+    raise UnsupportedLayoutError("this engine supports no layout at all")
+
+
+def make_rejects_in_determinism(layout: KVCacheLayout):
+    """Supports only layouts with one group (every property must honour that)."""
+    if len(layout.groups) != 1:
+        raise UnsupportedLayoutError("one group only")
+    return ReferenceEngine(layout)
+
+
+not_callable = 42
