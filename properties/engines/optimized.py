@@ -27,6 +27,7 @@ from properties.core.engine import (
     SlotRequest,
     StepUpdate,
 )
+from properties.engines.manager_engine import ManagerEngine
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
 from reference.request import RequestStatus
@@ -35,7 +36,7 @@ from reference.request import RequestStatus
 DEVICE_ENV = "KVCONFORM_DEVICE"
 
 
-class OptimizedEngine:
+class OptimizedEngine(ManagerEngine):
     """Drives the optimized manager; keeps the ComputedBlocks of each lookup."""
 
     name = "optimized"
@@ -48,12 +49,6 @@ class OptimizedEngine:
         self.requests: dict[str, Request] = {}
         self._hits: dict[str, tuple[CacheHit, ComputedBlocks]] = {}
         self.data_plane: DataPlane | None = None
-
-    def _request(self, request_id: str) -> Request:
-        try:
-            return self.requests[request_id]
-        except KeyError:
-            raise EngineError(f"optimized: unknown request {request_id!r}") from None
 
     def add_request(self, request: RequestInput) -> None:
         if request.request_id in self.requests:
@@ -139,30 +134,7 @@ class OptimizedEngine:
         empty = self.manager.no_new_blocks
         return [r if r is None or r is empty else tuple(tuple(g) for g in r) for r in results]
 
-    def free(self, request_id: str) -> None:
-        self.manager.free(self._request(request_id))
-        self._hits.pop(request_id, None)
-
-    def remove_request(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-        self._hits.pop(request_id, None)
-
-    def reset_prefix_cache(self) -> bool:
-        return self.manager.reset_prefix_cache()
-
-    def get_block_ids(self, request_id: str) -> BlockIds:
-        return self.manager.get_block_ids(request_id)
-
-    def num_free_blocks(self) -> int:
-        return self.manager.get_num_free_blocks()
-
     # optional capabilities -------------------------------------------------------------
-    def ref_counts(self) -> dict[int, int]:
-        return self.manager.block_pool.ref_counts()
-
-    def free_queue(self) -> list[int]:
-        return self.manager.block_pool.free_block_queue.block_ids()
-
     def cached_blocks(self) -> list[CachedBlock]:
         return [CachedBlock(b, g, n) for b, g, n in self.manager.block_pool.cached_block_entries()]
 

@@ -10,13 +10,14 @@ from collections.abc import Sequence
 
 from properties.core.engine import BlockIds, CachedBlock, CacheHit, EngineError, RequestInput
 from properties.core.modes import PRODUCTION_SETTINGS
+from properties.engines.manager_engine import ManagerEngine
 from reference.errors import KVConformError
 from reference.kv_cache_manager import ComputedBlocks, KVCacheManager
 from reference.layout import KVCacheLayout
 from reference.request import Request, RequestStatus
 
 
-class ReferenceEngine:
+class ReferenceEngine(ManagerEngine):
     """Drives the reference manager; keeps the ComputedBlocks of each lookup."""
 
     name = "reference"
@@ -26,12 +27,6 @@ class ReferenceEngine:
         self.manager = KVCacheManager(layout)
         self.requests: dict[str, Request] = {}
         self._hits: dict[str, tuple[CacheHit, ComputedBlocks]] = {}
-
-    def _request(self, request_id: str) -> Request:
-        try:
-            return self.requests[request_id]
-        except KeyError:
-            raise EngineError(f"reference: unknown request {request_id!r}") from None
 
     def add_request(self, request: RequestInput) -> None:
         if request.request_id in self.requests:
@@ -110,30 +105,7 @@ class ReferenceEngine:
     def cache_blocks(self, request_id: str, num_tokens: int) -> None:
         self.manager.cache_blocks(self._request(request_id), num_tokens)
 
-    def free(self, request_id: str) -> None:
-        self.manager.free(self._request(request_id))
-        self._hits.pop(request_id, None)
-
-    def remove_request(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-        self._hits.pop(request_id, None)
-
-    def reset_prefix_cache(self) -> bool:
-        return self.manager.reset_prefix_cache()
-
-    def get_block_ids(self, request_id: str) -> BlockIds:
-        return self.manager.get_block_ids(request_id)
-
-    def num_free_blocks(self) -> int:
-        return self.manager.get_num_free_blocks()
-
     # optional capabilities
-    def ref_counts(self) -> dict[int, int]:
-        return self.manager.block_pool.ref_counts()
-
-    def free_queue(self) -> list[int]:
-        return self.manager.block_pool.free_block_queue.block_ids()
-
     def cached_blocks(self) -> list[CachedBlock]:
         out = []
         for key, entries in self.manager.block_pool.cached.items():

@@ -1,0 +1,54 @@
+"""What the reference and optimized adapters share: both drive a request-level KV cache
+manager with the reference's API (``free``, ``reset_prefix_cache``, ``get_block_ids``,
+``get_num_free_blocks`` and a ``block_pool`` with ``ref_counts()`` and a
+``free_block_queue``), keep their requests by id and the hit of each lookup.
+
+A subclass sets ``name``, builds ``self.manager`` and fills ``self.requests`` and
+``self._hits``; the calls below only delegate. Example: ``ReferenceEngine(layout)
+.num_free_blocks()`` is ``layout.num_blocks - 1`` on a fresh pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from properties.core.engine import BlockIds, EngineError
+
+
+class ManagerEngine:
+    """The delegating calls of an engine over a reference-API manager."""
+
+    name = "manager"
+    manager: Any
+    requests: dict[str, Any]
+    _hits: dict[str, Any]
+
+    def _request(self, request_id: str) -> Any:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise EngineError(f"{self.name}: unknown request {request_id!r}") from None
+
+    def free(self, request_id: str) -> None:
+        self.manager.free(self._request(request_id))
+        self._hits.pop(request_id, None)
+
+    def remove_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self._hits.pop(request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.manager.reset_prefix_cache()
+
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        return self.manager.get_block_ids(request_id)
+
+    def num_free_blocks(self) -> int:
+        return self.manager.get_num_free_blocks()
+
+    # optional capabilities
+    def ref_counts(self) -> dict[int, int]:
+        return self.manager.block_pool.ref_counts()
+
+    def free_queue(self) -> list[int]:
+        return self.manager.block_pool.free_block_queue.block_ids()
