@@ -159,27 +159,36 @@ def bench_suite(
     """Every mutant (or those named) at each of ``levels``, then the reference at each,
     all under :func:`detection_settings` (``profile``, ``max_examples``).
 
-    The mutant catalogue lives in ``properties/mutants/reference_mutants.py`` (a source checkout is
-    needed; it is not part of the installed package).
+    The mutants are those of ``properties/mutants/`` (reference and optimized), each run
+    under the property its catalogue names (``invariants``, ``attention`` or
+    ``production``), as the mutant tests run them.
     """
+    from properties.mutants.optimized_mutants import OPTIMIZED_MUTANT_INFO
     from properties.mutants.reference_mutants import MUTANT_INFO
 
-    names = list(MUTANT_INFO) if mutants is None else list(mutants)
-    unknown = [n for n in names if n not in MUTANT_INFO]
+    catalogue = {**MUTANT_INFO, **OPTIMIZED_MUTANT_INFO}
+    names = list(catalogue) if mutants is None else list(mutants)
+    unknown = [n for n in names if n not in catalogue]
     if unknown:
         from reference.errors import KVConformError
 
         raise KVConformError(
-            f"bench_suite(mutants=...): unknown mutants {unknown}; known: {', '.join(MUTANT_INFO)}"
+            f"bench_suite(mutants=...): unknown mutants {unknown}; known: {', '.join(catalogue)}"
         )
     hyp = detection_settings(profile, max_examples)
     rows: list[SuiteRow] = []
     with tempfile.TemporaryDirectory(prefix="kvconform-bench-") as tmp:
         for name in names:
-            info = MUTANT_INFO[name]
-            for level in levels:
+            info = catalogue[name]
+            # each mutant under the property its catalogue names; an optimized mutant at
+            # its own level only (it claims the exact level)
+            for level in levels if name in MUTANT_INFO else (info.level,):
                 config = CheckConfig(engine=info.target, level=level, failure_dir=tmp)
-                rows.append(run_machine(config, info.factory, hyp, name, info.description))
+                rows.append(
+                    run_machine(
+                        config, info.factory, hyp, name, info.description, property_name=info.prop
+                    )
+                )
         for level in levels:
             config = CheckConfig(engine=REFERENCE, level=level, failure_dir=tmp)
             rows.append(run_machine(config, None, hyp, REFERENCE, "the reference (throughput)"))
