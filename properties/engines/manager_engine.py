@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from properties.core.engine import BlockIds, EngineError
+from properties.core.engine import BlockIds, CacheHit, EngineError
 
 
 class ManagerEngine:
@@ -28,6 +28,19 @@ class ManagerEngine:
             return self.requests[request_id]
         except KeyError:
             raise EngineError(f"{self.name}: unknown request {request_id!r}") from None
+
+    def _computed_blocks(self, request_id: str, hit: CacheHit | None) -> Any:
+        """The manager's own computed blocks behind ``hit``: the ones this engine's last
+        ``get_computed_blocks`` for the request returned (``None`` without a hit)."""
+        if hit is None:
+            return None
+        kept = self._hits.pop(request_id, None)
+        if kept is None or kept[0] != hit:
+            raise EngineError(
+                f"{self.name}: allocate_slots({request_id!r}) got a hit this engine did not "
+                "return from its last get_computed_blocks"
+            )
+        return kept[1]
 
     def free(self, request_id: str) -> None:
         self.manager.free(self._request(request_id))

@@ -98,15 +98,7 @@ class OptimizedEngine(ManagerEngine):
         hit: CacheHit | None = None,
         num_lookahead_tokens: int = 0,
     ) -> BlockIds | None:
-        computed = None
-        if hit is not None:
-            kept = self._hits.pop(request_id, None)
-            if kept is None or kept[0] != hit:
-                raise EngineError(
-                    f"optimized: allocate_slots({request_id!r}) got a hit this engine did not "
-                    "return from its last get_computed_blocks"
-                )
-            computed = kept[1]
+        computed = self._computed_blocks(request_id, hit)
         try:
             new = self.manager.allocate_slots(
                 self._request(request_id),

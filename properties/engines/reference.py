@@ -64,15 +64,7 @@ class ReferenceEngine(ManagerEngine):
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
     ) -> BlockIds | None:
-        computed = None
-        if hit is not None:
-            kept = self._hits.pop(request_id, None)
-            if kept is None or kept[0] != hit:
-                raise EngineError(
-                    f"reference: allocate_slots({request_id!r}) got a hit this engine did not "
-                    "return from its last get_computed_blocks"
-                )
-            computed = kept[1]
+        computed = self._computed_blocks(request_id, hit)
         try:
             new = self.manager.allocate_slots(
                 self._request(request_id),
