@@ -414,12 +414,13 @@ def production_layouts(
         layout = dataclasses.replace(layout, max_in_flight_tokens=in_flight)
     if in_flight is not None:
         # a tight pool sized as vLLM sizes it: one request of max_model_len fits with
-        # its windowed groups at their admission bound, two do not
+        # its windowed groups at their admission bound, two do not; half the time
+        # exactly one (the edge where a cap that is not applied refuses a request the
+        # gate must admit)
         need = _blocks_one_request_needs(layout)
-        layout = dataclasses.replace(
-            layout,
-            num_blocks=draw(st.integers(max(5, need + 1), max(5, 2 * need + 2)), label="pool"),
-        )
+        edge = max(5, need + 1)
+        pools = st.just(edge) | st.integers(edge, max(5, 2 * need + 2))
+        layout = dataclasses.replace(layout, num_blocks=draw(pools, label="pool"))
     if eagle:
         flags = [draw(st.booleans(), label="is_eagle_group") for _ in layout.groups]
         layout = dataclasses.replace(
@@ -608,9 +609,9 @@ def any_layouts(
 
 def serving_modes() -> st.SearchStrategy[ServingMode]:
     """Synchronous or asynchronous scheduling, with or without the admission gate, or
-    synchronous with 2 or 3 draft tokens per decode step (speculative decoding); the
-    gated modes once without and once with external hits (a KV connector over the host
-    tier: synchronous loads, or asynchronous loads with asynchronous scheduling; the
+    synchronous with 2 or 3 draft tokens per decode step (speculative decoding); external
+    hits (a KV connector over the host tier: synchronous loads without the gate, or
+    asynchronous loads with gated asynchronous scheduling; the
     machine turns them off for engines that do not declare the ``external`` production
     setting, so the draw is the same for every engine); shrinks toward the
     synchronous, ungated mode."""
@@ -621,7 +622,7 @@ def serving_modes() -> st.SearchStrategy[ServingMode]:
             ServingMode(async_scheduling=True),
             ServingMode(admission_gate=True),
             gated_async,
-            ServingMode(admission_gate=True, external_hits=True),
+            ServingMode(external_hits=True),
             dataclasses.replace(gated_async, external_hits=True, async_loads=True),
             ServingMode(num_draft_tokens=2),
             ServingMode(admission_gate=True, num_draft_tokens=3),
@@ -809,6 +810,24 @@ def burst_ops(layout: KVCacheLayout, old: Arrive, first_id: int) -> tuple[Arrive
     first = Arrive(f"r{first_id}", old.prompt[:cut], (), old.cache_salt, old.lora_name)
     turn = old.prompt[:cut] + (1, 2, 3)
     return (first, Arrive(f"r{first_id + 1}", turn, (), old.cache_salt, old.lora_name))
+
+
+def reload_ops(layout: KVCacheLayout, old: Arrive, first_id: int) -> tuple[Arrive, ...]:
+    """Two arrivals from ``old`` for a KV connector (external hits): the first half of
+    its prompt's aligned blocks, then its whole prompt and 3 new tokens. Scheduled in one
+    step after the device cache was reset, the first computes the head on the device and
+    the second's hit combines that head with the rest of ``old``'s prompt from the host
+    tier. Example: alignment 4, a 21-token prompt (5 aligned blocks) -> 8 tokens, then
+    24. Nothing when the prompt has fewer than two aligned blocks."""
+    unit = layout.cache_hit_alignment
+    blocks = (len(old.prompt) - 1) // unit
+    if blocks < 2 or len(old.prompt) + 3 > layout.max_model_len:
+        return ()
+    head = Arrive(
+        f"r{first_id}", old.prompt[: blocks // 2 * unit], (), old.cache_salt, old.lora_name
+    )
+    whole = old.prompt + (1, 2, 3)
+    return (head, Arrive(f"r{first_id + 1}", whole, (), old.cache_salt, old.lora_name))
 
 
 # ---------------------------------------------------------------------------

@@ -937,7 +937,7 @@ MUTANT_INFO: dict[str, MutantInfo] = {
         _info(
             make_external_counted_twice,
             "exact",
-            ["exact_match"],
+            ["exact_match", "EngineError"],
             "external computed tokens counted twice (as local hit and as external): every "
             "group allocates blocks past the loaded prefix",
             "production",
@@ -954,18 +954,18 @@ MUTANT_INFO: dict[str, MutantInfo] = {
         _info(
             make_local_hit_dropped_on_external,
             "universal",
-            ["window_liveness", "attention"],
+            ["attention"],
             "with external tokens the device hit is taken as external too: fresh, never "
             "written blocks stand for the cached prefix",
-            "production",
+            "attention",
         ),
         _info(
             make_delay_cache_ignored,
             "exact",
-            ["exact_match"],
+            ["attention", "exact_match"],
             "delay_cache_blocks ignored: blocks of an asynchronous connector load are "
             "cached before the load completes",
-            "production",
+            "attention",
         ),
         _info(
             make_reset_while_held,

@@ -425,14 +425,34 @@ class KVCacheMachine(RuleBasedStateMachine):
         """An earlier prompt cut at a multiple of the hit alignment, then that prompt and
         a few new tokens, scheduled in one step with a budget for both: the second looks
         up what the first registers in the same step (a same-step Mamba state must be
-        refused; two blocks end up under one key)."""
+        refused; two blocks end up under one key).
+
+        With a KV connector (external hits), every request first runs to its end (its
+        blocks go to the host tier), the device cache is reset, and the burst is
+        :func:`kvst.reload_ops` when the prompt has two aligned blocks: the second
+        request's hit combines the first one's head on the device with the rest of the
+        earlier prompt from the tier, the case where device and tier blocks must agree
+        (otherwise the first request loads its cut prompt from the tier)."""
         assert self.run is not None
         old = self.sent[data.draw(st.integers(0, len(self.sent) - 1), label="burst of")]
-        for op in kvst.burst_ops(self.run.layout, old, self.next_id):
+        ops = kvst.burst_ops(self.run.layout, old, self.next_id)
+        if self.run.scheduler.host_tier is not None:
+            self._drain()
+            self._apply(ResetPrefixCache())
+            ops = kvst.reload_ops(self.run.layout, old, self.next_id) or ops
+        for op in ops:
             self.next_id += 1
             self.sent.append(op)
             self._apply(op)
         self._apply(Step(2 * self.run.layout.max_model_len))
+
+    def _drain(self, max_steps: int = 64) -> None:
+        """Steps with a budget for every request until none is left (at most ``max_steps``)."""
+        assert self.run is not None
+        for _ in range(max_steps):
+            if self.run.scheduler.is_idle():
+                return
+            self._apply(Step(2 * self.run.layout.max_model_len))
 
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
