@@ -298,7 +298,8 @@ def estimate_matches_pulls(state: CheckState, event: AllocateEvent) -> str | Non
     Not drawn by the machine, where vLLM 0.33's (and the reference's) estimate is not the
     pulls: Mamba groups with external tokens (the estimate counts one new state block
     and the hit state, the call drops the hit state below the loaded tokens and takes a
-    block for the external state and one for the new tokens).
+    block for the external state and one for the new tokens:
+    ``findings/vllm/mamba-external-estimate.md``).
     """
     if event.estimate is None:
         return None
