@@ -131,12 +131,7 @@ class Checker:
         mml = self.state.layout.max_model_len
         main = min(start, mml) + num_new_tokens
         allocated = AllocateEvent(
-            req,
-            table,
-            tables_before,
-            min(main + num_lookahead_tokens, mml),
-            main,
-            estimate,
+            req, table, tables_before, main + num_lookahead_tokens, main, estimate, mml
         )
         self._run("table", allocated)
         others = {o: t for o, t in self.state.tables().items() if o != request_id}

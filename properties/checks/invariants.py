@@ -320,11 +320,13 @@ def _lists(table) -> object:
 
 def table_covers_slots(state: CheckState, event: AllocateEvent) -> str | None:
     """A5, no stray blocks: after a successful ``allocate_slots`` every group's row has
-    exactly ``max(len(row before), cdiv(slots, bs))`` entries (Mamba: ``cdiv(main,
-    bs)``, lookahead excluded), where ``slots = min(computed + hit + external + new +
-    lookahead, max_model_len)``. So a request never holds blocks past the highest slot it
-    ever asked for, and the slots of rejected drafts (``num_computed_tokens`` rolled
-    back) or of unused lookahead are reused by the next steps, never taken again.
+    exactly ``max(len(row before), cdiv(slots, bs))`` entries (Mamba: ``cdiv(main, bs)``,
+    lookahead excluded), where ``slots = computed + hit + external + new + lookahead``,
+    capped at ``max_model_len`` or not: vLLM caps the slots there, an engine may also give
+    lookahead slots past it (SGLang does); nothing beyond the uncapped count. So a request
+    never holds blocks past the highest slot it ever asked for, and the slots of rejected
+    drafts (``num_computed_tokens`` rolled back) or of unused lookahead are reused by the
+    next steps, never taken again.
 
     Worked example (full attention, bs 4): a decode at 9 computed tokens with 3 drafts
     asks for 13 slots: 4 blocks. Two drafts are rejected (computed 11); the next step
@@ -335,14 +337,19 @@ def table_covers_slots(state: CheckState, event: AllocateEvent) -> str | None:
     before = event.tables_before or ()
     for gid, row in enumerate(event.table):
         spec = state.layout.groups[gid].spec
-        tokens = event.num_main if isinstance(spec, MambaSpec) else event.num_slots
+        bs = spec.block_size
         old = len(before[gid]) if gid < len(before) else 0
-        want = max(old, cdiv(tokens, spec.block_size))
-        if len(row) != want:
+        if isinstance(spec, MambaSpec):
+            low = high = event.num_main
+        else:
+            low, high = min(event.num_slots, event.max_model_len), event.num_slots
+        least, most = max(old, cdiv(low, bs)), max(old, cdiv(high, bs))
+        if not least <= len(row) <= most:
+            want = f"{least}" if least == most else f"{least} to {most}"
             return (
-                f"allocate_slots({rid!r}) for {tokens} slots left group {gid} "
+                f"allocate_slots({rid!r}) for {high} slots left group {gid} "
                 f"({spec.type_name}) with {len(row)} blocks, expected max({old} before, "
-                f"cdiv({tokens}, {spec.block_size})) = {want}: {list(row)}"
+                f"cdiv({low}, {bs})) = {want}: {list(row)}"
             )
     return None
 

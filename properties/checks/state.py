@@ -172,10 +172,11 @@ class AllocateEvent:
     """A successful ``allocate_slots`` of ``request``, whose table is now ``table``.
 
     ``tables_before``: its table before the call (None: it held no blocks);
-    ``num_slots``: the slots the call asked for (``min(computed + hit + external + new +
-    lookahead, max_model_len)``), ``num_main``: the same without lookahead (what a Mamba
-    group allocates for); ``estimate``: the engine's ``last_allocation_estimate()``
-    (None: not reported, or a batched ``schedule_step`` item)."""
+    ``num_slots``: the slots the call asked for, ``computed + hit + external + new +
+    lookahead``; ``max_model_len``: the layout's (vLLM caps the slots there);
+    ``num_main``: the slots without lookahead (what a Mamba group allocates for);
+    ``estimate``: the engine's ``last_allocation_estimate()`` (None: not reported, or a
+    batched ``schedule_step`` item)."""
 
     request: TrackedRequest
     table: BlockIds
@@ -183,6 +184,7 @@ class AllocateEvent:
     num_slots: int = 0
     num_main: int = 0
     estimate: int | None = None
+    max_model_len: int = 0
 
 
 @dataclass(frozen=True)

@@ -51,9 +51,9 @@ def _state(layout, tables):
     return SimpleNamespace(layout=layout, shared_pool=True, tables=lambda: dict(tables))
 
 
-def _event(table, before=None, slots=0, main=0, estimate=None, rid="a"):
+def _event(table, before=None, slots=0, main=0, estimate=None, rid="a", max_model_len=64):
     req = TrackedRequest(rid, [], None, None)
-    return AllocateEvent(req, table, before, slots, main, estimate)
+    return AllocateEvent(req, table, before, slots, main, estimate, max_model_len)
 
 
 # -- A4 on hand-built events ----------------------------------------------------------
@@ -105,6 +105,11 @@ def test_a_table_covers_exactly_the_highest_slot_asked_for() -> None:
     assert stray is not None and "with 5 blocks, expected max(4 before, cdiv(15, 4)) = 4" in stray
     short = inv.table_covers_slots(state, _event(((1, 2),), None, 9))
     assert short is not None and "with 2 blocks, expected max(0 before, cdiv(9, 4)) = 3" in short
+    # lookahead past max_model_len 8: 6 + 1 + 2 = 9 slots asked, vLLM gives 8 (2 blocks),
+    # an engine may give 9 (3 blocks), never 4 blocks
+    capped = [_event(((1,) * n,), None, 9, 7, max_model_len=8) for n in (2, 3, 4)]
+    assert [inv.table_covers_slots(state, e) is None for e in capped] == [True, True, False]
+    assert "expected max(0 before, cdiv(8, 4)) = 2 to 3" in inv.table_covers_slots(state, capped[2])
 
 
 # -- the answer of the capability -------------------------------------------------------
