@@ -28,16 +28,17 @@ few hundred here), i.e. an error of order 1e-3 or more, and a read of the null b
 an unwritten page gives NaN, which never compares equal. With ``dtype=torch.float64`` the
 defaults can shrink to 1e-10.
 
-Host tier (external hits, :mod:`reference.host_tier`): with ``keep_host_copies`` on,
-every attention K/V a step writes is read back from the paged cache and kept, keyed by
-group and the prefix it belongs to (``(salt, LoRA, tokens[0 : p + 1])``): what an
-offloading connector copies to host memory. :meth:`AttentionChecker.load` is the
-connector's load: the kept K/V of positions ``[start, end)`` of a prefix are copied into
-the request's new blocks (null entries, below a sliding window, are skipped). The
-queries of the step then read them, so loaded content that is not exactly the content
-of its prefix (a load into the wrong block, a block overwritten before it is read)
-fails the comparison with the dense reference. A position to load that no step ever
-wrote raises :class:`AttentionMismatch`.
+Host tier (external hits, :mod:`reference.host_tier`): :meth:`AttentionChecker.offload`
+is the connector's store: when a block leaves the primary pool (detached from a window,
+or released), its K/V are read back from the paged cache *then* and kept, keyed by group
+and the prefix each position belongs to (``(salt, LoRA, tokens[0 : p + 1])``).
+:meth:`AttentionChecker.load` is the connector's load: the kept K/V of positions
+``[start, end)`` are copied into the request's blocks (null entries, below a sliding
+window, are skipped). The queries of the next steps then read them, so content that
+went out to the host tier and came back not exactly the content of its prefix (a block
+overwritten before it was offloaded, a load into a block another request owns) fails
+the comparison with the dense reference. A position to load that was never offloaded
+raises :class:`AttentionMismatch`.
 
 Example::
 
@@ -159,7 +160,6 @@ class AttentionChecker:
                 )
         self._hash_memo: dict[str, tuple[tuple, tuple[int, ...], list[int]]] = {}
         #: host copies (see the module docstring): (group, salt, LoRA, prefix) -> (K, V)
-        self.keep_host_copies = False
         self._host: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- public -------------------------------------------------------------------------
@@ -174,56 +174,67 @@ class AttentionChecker:
                     observed = self.run_engine_group(gid, chunks)
                 else:
                     observed = self.run_group(gid, self.prepare_group(gid, chunks))
-                    if self.keep_host_copies:
-                        self._copy_to_host(gid, chunks)
                 expected = self.dense_outputs(gid, chunks)
                 self.compare(gid, chunks, expected, observed)
 
-    def _host_key(self, gid: int, request: RequestInput, tokens: Sequence[int], p: int) -> tuple:
-        return (gid, request.cache_salt, request.lora_name, tuple(tokens[: p + 1]))
+    def _host_key(self, gid: int, request: RequestInput, token_ids: Sequence[int], p: int) -> tuple:
+        return (gid, request.cache_salt, request.lora_name, tuple(token_ids[: p + 1]))
 
-    def _copy_to_host(self, gid: int, chunks: Sequence[ScheduledChunk]) -> None:
-        """Keep the K/V the step wrote, read back from the paged cache."""
-        cache = self.caches[gid]
-        assert isinstance(cache, PagedKVCache)
-        bs = cache.block_size
-        for chunk in chunks:
-            row = chunk.block_ids[gid]
-            for p in chunk.positions:
-                if p >= len(chunk.token_ids):
-                    continue  # a position whose token is not known yet
-                block, offset = row[p // bs], p % bs
-                key = self._host_key(gid, chunk.request, chunk.token_ids, p)
-                self._host[key] = (
-                    cache.key[block, offset].clone(),
-                    cache.value[block, offset].clone(),
-                )
-
-    def load(self, chunk: ScheduledChunk, start: int) -> None:
-        """A KV connector loads positions ``[start, chunk.num_computed_before)`` of
-        ``chunk``'s prefix from the host copies into its blocks (module docstring)."""
+    def _attention_cache(self, gid: int, what: str) -> PagedKVCache:
         if self.data_plane is not None:
             raise AttentionInputError(
-                "AttentionChecker.load: external loads through an engine's data plane are "
-                "not supported"
+                f"AttentionChecker.{what}: host-tier copies through an engine's data plane "
+                "are not supported"
             )
-        for gid, cache in enumerate(self.caches):
-            if not isinstance(cache, PagedKVCache):
-                raise AttentionInputError(
-                    f"AttentionChecker.load: group {gid} is a Mamba group; loaded states are "
-                    "not modelled"
-                )
+        cache = self.caches[gid]
+        if not isinstance(cache, PagedKVCache):
+            raise AttentionInputError(
+                f"AttentionChecker.{what}: group {gid} is a Mamba group; offloaded states "
+                "are not modelled"
+            )
+        return cache
+
+    def offload(
+        self,
+        gid: int,
+        request: RequestInput,
+        token_ids: Sequence[int],
+        block_index: int,
+        block_id: int,
+    ) -> None:
+        """The connector stores block ``block_index`` of group ``gid`` (device block
+        ``block_id``, leaving the primary pool now): its K/V are kept (module docstring)."""
+        cache = self._attention_cache(gid, "offload")
+        bs = cache.block_size
+        for p in range(block_index * bs, (block_index + 1) * bs):
+            self._host[self._host_key(gid, request, token_ids, p)] = (
+                cache.key[block_id, p % bs].clone(),
+                cache.value[block_id, p % bs].clone(),
+            )
+
+    def load(
+        self,
+        request: RequestInput,
+        token_ids: Sequence[int],
+        block_ids: BlockIds,
+        start: int,
+        end: int,
+    ) -> None:
+        """The connector loads positions ``[start, end)`` of ``request``'s prefix from the
+        host copies into its blocks ``block_ids`` (module docstring)."""
+        for gid in range(len(self.caches)):
+            cache = self._attention_cache(gid, "load")
             bs = cache.block_size
-            row = chunk.block_ids[gid]
-            for p in range(start, chunk.num_computed_before):
+            row = block_ids[gid]
+            for p in range(start, end):
                 col = p // bs
                 if col >= len(row) or row[col] == NULL_BLOCK_ID:
                     continue
-                copy = self._host.get(self._host_key(gid, chunk.request, chunk.token_ids, p))
+                copy = self._host.get(self._host_key(gid, request, token_ids, p))
                 if copy is None:
                     raise AttentionMismatch(
-                        f"request {chunk.request.request_id!r}, group {gid}, position {p}: "
-                        "loaded from the host tier, but no step ever wrote that prefix"
+                        f"request {request.request_id!r}, group {gid}, position {p}: "
+                        "loaded from the host tier, which never received that block"
                     )
                 cache.key[row[col], p % bs] = copy[0]
                 cache.value[row[col], p % bs] = copy[1]

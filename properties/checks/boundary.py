@@ -42,6 +42,7 @@ from properties.core.engine import (
     SupportsServingModes,
     UnsupportedLayoutError,
 )
+from properties.core.modes import allocate_keywords
 from reference.layout import KVCacheLayout
 
 
@@ -178,13 +179,9 @@ class EngineBoundary:
             own_hit = kept[1]
         args = [request_id, num_new_tokens, num_new_computed_tokens, own_hit, num_lookahead_tokens]
         # the keywords go only to engines driven in those modes (SupportsServingModes)
-        keywords: dict[str, Any] = {}
-        if full_sequence_must_fit:
-            keywords["full_sequence_must_fit"] = True
-        if num_external_computed_tokens:
-            keywords["num_external_computed_tokens"] = num_external_computed_tokens
-        if delay_cache_blocks:
-            keywords["delay_cache_blocks"] = True
+        keywords = allocate_keywords(
+            full_sequence_must_fit, num_external_computed_tokens, delay_cache_blocks
+        )
         if keywords:
             raw = self._call(what, self._allocate_with, keywords, *args)
         else:

@@ -187,18 +187,42 @@ def exclusive_write(state: CheckState, event: GroupWriteEvent) -> str | None:
 
 
 def external_hit_bounds(state: CheckState, event: ExternalLoadEvent) -> str | None:
-    """X1: an external hit ends where a hit may end: ``local + external <= num_tokens -
-    1`` (the last token is always computed) and a multiple of the scheduler block size
-    (the host tier stores whole blocks). Example (bs 4, 10 tokens): local 4 + external
-    4 is fine; external 8 (12 > 9) or external 2 (6 not aligned) is not."""
+    """X1: an external hit ends where a hit may end, and never exceeds what the store
+    holds.
+
+    * ``local + external <= num_tokens - 1`` (the last token is always computed) and a
+      multiple of the hit alignment (the host tier serves whole blocks of every group).
+      Example (bs 4, 10 tokens): local 4 + external 4 is fine; external 8 (12 > 9) or
+      external 2 (6 not aligned) is not.
+    * With the machine's host tier (:mod:`reference.host_tier`): every non-null block the
+      engine's table gives the external range ``[local, local + external)`` is one the
+      connector loads, so the tier must hold it. Example (sliding window ``w = 4``, bs 4,
+      local 0, external 8, the tier holds that group's block 1 only): a table ``[0, b]``
+      is fine; ``[a, b]`` asks the connector for block 0, out of the window and not in
+      the tier.
+    """
     req = event.request
-    bs = state.layout.scheduler_block_size
+    bs = state.layout.cache_hit_alignment
     if event.end > len(req.token_ids) - 1 or event.end % bs:
         return (
             f"request {req.request_id!r}: local hit {event.start} + external "
             f"{event.end - event.start} = {event.end} tokens, beyond num_tokens - 1 = "
             f"{len(req.token_ids) - 1} or not a multiple of {bs}"
         )
+    tier = state.host_tier
+    if tier is None:
+        return None
+    for gid, row in enumerate(event.table):
+        gbs = state.layout.groups[gid].spec.block_size
+        for col in range(event.start // gbs, min(cdiv(event.end, gbs), len(row))):
+            if row[col] == 0:
+                continue
+            if not tier.holds(gid, req.cache_salt, req.lora_name, req.token_ids, col):
+                return (
+                    f"request {req.request_id!r}: external tokens [{event.start}, "
+                    f"{event.end}) put block {row[col]} at index {col} of group {gid}, a "
+                    "block the connector must load but the host tier does not hold"
+                )
     return None
 
 

@@ -29,6 +29,7 @@ from properties.core.engine import (
     RequestInput,
     SlotRequest,
 )
+from properties.core.modes import allocate_keywords
 from reference.layout import KVCacheLayout
 
 
@@ -158,11 +159,9 @@ class LockstepEngine:
     ) -> BlockIds | None:
         before = self.checker.snapshot()
         # the keywords go only to engines driven in those modes (SupportsServingModes)
-        gate: dict = {"full_sequence_must_fit": True} if full_sequence_must_fit else {}
-        if num_external_computed_tokens:
-            gate["num_external_computed_tokens"] = num_external_computed_tokens
-        if delay_cache_blocks:
-            gate["delay_cache_blocks"] = True
+        gate = allocate_keywords(
+            full_sequence_must_fit, num_external_computed_tokens, delay_cache_blocks
+        )
         tracked = self.checker.requests.get(request_id)
         tables_before = (
             self.checker.state.table_of(request_id)

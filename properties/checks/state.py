@@ -29,6 +29,7 @@ from properties.core.engine import (
     KVCacheEngine,
     ReportsAllocationEstimate,
 )
+from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
 
 
@@ -78,6 +79,8 @@ class CheckState:
         self.alignment = layout.cache_hit_alignment
         #: the free count of the fresh engine: every block free or reclaimable
         self.initial_free = engine.num_free_blocks()
+        #: external hits: the host tier the machine's connector loads from (X1)
+        self.host_tier: HostTier | None = None
         self._reads: dict[str, object] = {}
         self._tables: dict[str, BlockIds] = {}
 

@@ -11,10 +11,14 @@ engine (replacing the previous one). Three layers, each usable on its own:
   protocol violation, each as an :class:`properties.core.engine.EngineError` that
   names the call and shows the tail of the child's stderr.
 * :class:`ExecEngine`: the engine protocol (:class:`properties.core.engine.KVCacheEngine`)
-  over an :class:`ExecProcess`, with the optional capabilities the engine announced.
+  over an :class:`ExecProcess`, with the optional capabilities the engine announced
+  (``serving_modes``: :class:`properties.core.engine.SupportsServingModes`, the calls of
+  the serving modes and the keywords of ``allocate_slots``).
 * :class:`ExecEngineFactory`: ``factory(layout) -> ExecEngine``; one child per factory,
   reused from engine to engine (``create`` replaces the engine), restarted after a
   failure. ``exec:COMMAND`` on the command line resolves to :func:`factory_from_command`.
+  Its ``production_settings`` are the ones ``hello`` declared
+  (:data:`properties.core.modes.PRODUCTION_SETTINGS`), none when it declared none.
 
 Worked example: ``ExecProcess(["./rust-block-manager"]).start()`` returns the
 ``hello`` result ``{"protocol": 1, "name": "rust-block-manager", ...}``; then
@@ -48,6 +52,7 @@ from properties.core.engine import (
     RequestInput,
     UnsupportedLayoutError,
 )
+from properties.core.modes import EXTERNAL_KEYWORDS, PRODUCTION_SETTINGS, allocate_keywords
 from properties.core.trace import layout_to_json
 from reference.layout import KVCacheLayout
 
@@ -61,8 +66,10 @@ MIN_STARTUP_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "KVCONFORM_EXEC_TIMEOUT"
 #: Seconds a closing child gets to exit after its stdin is closed.
 EXIT_GRACE_S = 5.0
-#: The optional calls an engine may announce in ``create``'s ``capabilities``.
-CAPABILITIES = ("ref_counts", "free_queue", "cached_blocks")
+#: The optional calls an engine may announce in ``create``'s ``capabilities``
+#: (``serving_modes``: ``set_in_flight``, ``cache_blocks`` and the keywords of
+#: ``allocate_slots``; the external-hit keywords also need the ``external`` setting).
+CAPABILITIES = ("ref_counts", "free_queue", "cached_blocks", "serving_modes")
 
 _STDERR_TAIL_BYTES = 4000
 _STDERR_TAIL_LINES = 20
@@ -425,13 +432,21 @@ class ExecEngine:
     Built by :class:`ExecEngineFactory`. Calls made after the factory built a newer
     engine on the same child raise :class:`EngineError` (one engine per child)."""
 
-    def __init__(self, process: ExecProcess, layout: KVCacheLayout, created: Any) -> None:
+    def __init__(
+        self,
+        process: ExecProcess,
+        layout: KVCacheLayout,
+        created: Any,
+        production_settings: frozenset[str] = frozenset(),
+    ) -> None:
         self.process = process
         self.layout = layout
         self.generation = process.generation
         self.name = process.label
         created = created if isinstance(created, dict) else {}
         self.separate_group_pools = bool(created.get("separate_group_pools", False))
+        #: what ``hello`` declared: the external-hit keywords need ``external``
+        self.production_settings = production_settings
 
     def _call(self, call: str, args: dict[str, Any] | None = None) -> Any:
         if self.process.generation != self.generation:
@@ -488,6 +503,21 @@ class ExecEngine:
         hit: CacheHit | None = None,
         num_lookahead_tokens: int = 0,
     ) -> BlockIds | None:
+        return self._allocate(
+            request_id, num_new_tokens, num_new_computed_tokens, hit, num_lookahead_tokens, {}
+        )
+
+    def _allocate(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        hit: CacheHit | None,
+        num_lookahead_tokens: int,
+        keywords: dict[str, Any],
+    ) -> BlockIds | None:
+        """``allocate_slots`` with the serving-mode ``keywords`` (only the non-default
+        ones, so an engine is sent exactly the arguments it was built for)."""
         args = {
             "request_id": request_id,
             "num_new_tokens": int(num_new_tokens),
@@ -499,6 +529,7 @@ class ExecEngine:
                 "block_ids": [[int(b) for b in row] for row in hit.block_ids],
             },
             "num_lookahead_tokens": int(num_lookahead_tokens),
+            **keywords,
         }
         result = self._call("allocate_slots", args)
         if result is None:
@@ -572,13 +603,69 @@ class _CachedBlocks:
         ]
 
 
-_MIXINS = {"ref_counts": _RefCounts, "free_queue": _FreeQueue, "cached_blocks": _CachedBlocks}
+class _ServingModes:
+    """:class:`properties.core.engine.SupportsServingModes` over the protocol: the
+    ``serving_modes`` capability."""
+
+    def set_in_flight(
+        self, request_id: str, num_in_flight_tokens: int, num_pending_tokens: int
+    ) -> None:
+        self._call(
+            "set_in_flight",
+            {
+                "request_id": request_id,
+                "num_in_flight_tokens": int(num_in_flight_tokens),
+                "num_pending_tokens": int(num_pending_tokens),
+            },
+        )
+
+    def cache_blocks(self, request_id: str, num_tokens: int) -> None:
+        self._call("cache_blocks", {"request_id": request_id, "num_tokens": int(num_tokens)})
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        hit: CacheHit | None = None,
+        num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> BlockIds | None:
+        keywords = allocate_keywords(
+            full_sequence_must_fit, num_external_computed_tokens, delay_cache_blocks
+        )
+        external = [k for k in keywords if k in EXTERNAL_KEYWORDS]
+        if external and "external" not in self.production_settings:
+            raise EngineError(
+                f"exec engine {self.name!r}: allocate_slots({request_id!r}) with "
+                f"{', '.join(external)}, but the engine did not declare the 'external' "
+                "production setting in hello (docs/exec-protocol.md)"
+            )
+        return self._allocate(
+            request_id,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hit,
+            num_lookahead_tokens,
+            keywords,
+        )
+
+
+_MIXINS = {
+    "ref_counts": _RefCounts,
+    "free_queue": _FreeQueue,
+    "cached_blocks": _CachedBlocks,
+    "serving_modes": _ServingModes,
+}
 _CLASSES: dict[frozenset[str], type] = {}
 
 
 def engine_class(capabilities: frozenset[str]) -> type:
     """:class:`ExecEngine` with the methods of the announced capabilities, so that the
-    checks' ``isinstance(engine, ExposesRefCounts)`` tests see exactly those."""
+    checks' ``isinstance(engine, ExposesRefCounts)`` tests (and the machine's
+    ``isinstance(engine, SupportsServingModes)``) see exactly those."""
     if capabilities not in _CLASSES:
         bases = tuple(_MIXINS[c] for c in CAPABILITIES if c in capabilities) + (ExecEngine,)
         name = "ExecEngine" + "".join(c.title().replace("_", "") for c in sorted(capabilities))
@@ -591,6 +678,9 @@ class ExecEngineFactory:
 
     ``spec_types`` (from ``hello``) is the tuple of spec types the engine supports, or
     None for all; the layout strategies draw only those (see ``docs/exec-protocol.md``).
+    ``production_settings`` (from ``hello``) are the production layout settings it
+    declares (:func:`properties.core.modes.production_settings` reads them), none by
+    default.
     """
 
     def __init__(self, argv: Sequence[str], timeout: float | None = None) -> None:
@@ -624,6 +714,21 @@ class ExecEngineFactory:
             )
         return tuple(kinds)
 
+    @property
+    def production_settings(self) -> frozenset[str]:
+        declared = self.hello.get("production_settings", [])
+        if (
+            not isinstance(declared, list)
+            or not all(isinstance(s, str) for s in declared)
+            or not set(declared) <= PRODUCTION_SETTINGS
+        ):
+            raise ExecProtocolError(
+                f"exec engine {shlex.join(self.argv)!r}: hello's production_settings must be "
+                f"a list of names among {', '.join(sorted(PRODUCTION_SETTINGS))}, "
+                f"got {declared!r}"
+            )
+        return frozenset(declared)
+
     def __call__(self, layout: KVCacheLayout) -> ExecEngine:
         process = self._live_process()
         # building an engine may import the engine's own modules: the start-up allowance
@@ -639,7 +744,9 @@ class ExecEngineFactory:
                 ExecProtocolError,
                 f"create announced capabilities {capabilities!r}; known: {', '.join(CAPABILITIES)}",
             )
-        return engine_class(frozenset(capabilities))(process, layout, created)
+        return engine_class(frozenset(capabilities))(
+            process, layout, created, self.production_settings
+        )
 
     def close(self) -> None:
         if self.process is not None:

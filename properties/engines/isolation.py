@@ -10,8 +10,12 @@ was doing, C code holding the GIL included; a child that crashes is an engine er
 with its exit status and the tail of its stderr.
 
 The factory's own attributes (``layout_strategy``, ``known_divergences``,
-``spec_types``, ``version``) are read from the factory imported in this process, so
-layouts are drawn exactly as without isolation.
+``spec_types``, ``production_settings``, ``version``) are read from the factory imported
+in this process, so layouts are drawn exactly as without isolation; the serving modes
+travel too (the child announces ``serving_modes`` for an engine that offers
+:class:`properties.core.engine.SupportsServingModes`, and the client engine then offers
+it), so the ``production`` property drives an isolated adapter in every mode it would
+drive it in process.
 
 When isolation applies (:func:`wants_isolation`): ``--isolation process`` always;
 ``none`` never; ``auto`` (the default) for adapters named ``module:factory`` (code
@@ -37,6 +41,14 @@ from reference.layout import KVCacheLayout
 
 #: The timeout of an isolated engine when ``--call-timeout 0`` asks for none (a year).
 NO_TIMEOUT_S = 365 * 24 * 3600.0
+#: The attributes of the wrapped factory an :class:`IsolatedFactory` carries.
+FACTORY_ATTRIBUTES = (
+    "layout_strategy",
+    "known_divergences",
+    "spec_types",
+    "production_settings",
+    "version",
+)
 
 
 def wants_isolation(name: str, isolation: str, call_timeout: float) -> bool:
@@ -63,8 +75,8 @@ class IsolatedFactory:
         self.exec_factory = ExecEngineFactory(command, timeout)
 
     def __getattr__(self, attribute: str) -> Any:
-        # layout_strategy, known_divergences, spec_types, version: the factory's own
-        if attribute in ("layout_strategy", "known_divergences", "spec_types", "version"):
+        # the factory's own (see the module docstring)
+        if attribute in FACTORY_ATTRIBUTES:
             return getattr(self.factory, attribute)
         raise AttributeError(attribute)
 

@@ -12,8 +12,11 @@ lists of lists, ref counts as ``[block, count]`` pairs, cached blocks as
 becomes ``unsupported_layout``.
 
 What does not travel: a factory's ``layout_strategy`` and ``known_divergences`` are
-Python objects; the client sees only ``spec_types`` (sent in ``hello``) and
-``unsupported_layout`` answers.
+Python objects; the client sees only ``spec_types`` and ``production_settings`` (sent in
+``hello``) and ``unsupported_layout`` answers. An engine offering
+:class:`properties.core.engine.SupportsServingModes` is announced with the
+``serving_modes`` capability: ``set_in_flight``, ``cache_blocks`` and the serving-mode
+keywords of ``allocate_slots`` then reach it.
 
 Worked example: ``kvconform check --engine "exec:python -m properties.engines.serve
 reference" --level exact`` runs the reference in a child process and compares it call by
@@ -39,9 +42,11 @@ from properties.core.engine import (
     ExposesRefCounts,
     KVCacheEngine,
     RequestInput,
+    SupportsServingModes,
     UnsupportedLayoutError,
     load_engine_factory,
 )
+from properties.core.modes import EXTERNAL_KEYWORDS, allocate_keywords, production_settings
 from properties.core.trace import layout_from_json
 
 PROTOCOL_VERSION = 1
@@ -58,6 +63,11 @@ def _arg(args: dict, name: str, kind: type | tuple[type, ...]) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ProtocolViolation(f"argument {name!r} has the wrong type: {value!r}")
     return value
+
+
+def _optional(args: dict, name: str, kind: type, default: Any) -> Any:
+    """Argument ``name`` when the message has it, else ``default``."""
+    return _arg(args, name, kind) if name in args else default
 
 
 def _tokens(args: dict, name: str) -> tuple[int, ...]:
@@ -114,6 +124,9 @@ class EngineServer:
         spec_types = getattr(self.factory, "spec_types", None)
         if spec_types is not None:
             result["spec_types"] = list(spec_types)
+        settings = production_settings(self.factory)
+        if settings:
+            result["production_settings"] = sorted(settings)
         return result
 
     def create(self, args: dict) -> dict:
@@ -128,6 +141,7 @@ class EngineServer:
                 ("ref_counts", ExposesRefCounts),
                 ("free_queue", ExposesFreeQueue),
                 ("cached_blocks", ExposesCachedBlocks),
+                ("serving_modes", SupportsServingModes),
             )
             if isinstance(engine, proto)
         ]
@@ -174,12 +188,14 @@ class EngineServer:
             return {"num_tokens": _plain(hit.num_tokens), "block_ids": _plain(hit.block_ids)}
         if call == "allocate_slots":
             request_id = _arg(args, "request_id", str)
+            keywords = self._allocate_keywords(engine, args)
             result = engine.allocate_slots(
                 request_id,
                 _arg(args, "num_new_tokens", int),
                 _arg(args, "num_new_computed_tokens", int),
                 self._hit(request_id, args.get("hit")),
                 _arg(args, "num_lookahead_tokens", int),
+                **keywords,
             )
             return _plain(result)
         if call == "free":
@@ -196,6 +212,16 @@ class EngineServer:
             return _plain(engine.get_block_ids(_arg(args, "request_id", str)))
         if call == "num_free_blocks":
             return _plain(engine.num_free_blocks())
+        if call == "set_in_flight" and isinstance(engine, SupportsServingModes):
+            engine.set_in_flight(
+                _arg(args, "request_id", str),
+                _arg(args, "num_in_flight_tokens", int),
+                _arg(args, "num_pending_tokens", int),
+            )
+            return None
+        if call == "cache_blocks" and isinstance(engine, SupportsServingModes):
+            engine.cache_blocks(_arg(args, "request_id", str), _arg(args, "num_tokens", int))
+            return None
         if call == "ref_counts" and isinstance(engine, ExposesRefCounts):
             counts = engine.ref_counts()
             if not hasattr(counts, "items"):
@@ -211,6 +237,28 @@ class EngineServer:
                 raise TypeError(f"returned {blocks!r}, not a list of CachedBlock")
             return [_plain([c.block_id, c.group_id, c.num_tokens]) for c in blocks]
         raise ProtocolViolation(f"unknown call {call!r}")
+
+    def _allocate_keywords(self, engine: KVCacheEngine, args: dict) -> dict[str, Any]:
+        """The serving-mode keywords of an ``allocate_slots`` message, those not at their
+        default: only for an engine announced with ``serving_modes``, the external-hit
+        ones only when the factory declares the ``external`` production setting."""
+        keywords = allocate_keywords(
+            _optional(args, "full_sequence_must_fit", bool, False),
+            _optional(args, "num_external_computed_tokens", int, 0),
+            _optional(args, "delay_cache_blocks", bool, False),
+        )
+        if keywords and not isinstance(engine, SupportsServingModes):
+            raise ProtocolViolation(
+                f"allocate_slots argument {sorted(keywords)[0]!r} needs the serving_modes "
+                "capability, which this engine does not announce"
+            )
+        external = [k for k in EXTERNAL_KEYWORDS if k in keywords]
+        if external and "external" not in production_settings(self.factory):
+            raise ProtocolViolation(
+                f"allocate_slots argument {external[0]!r} needs the 'external' production "
+                "setting, which this engine does not declare"
+            )
+        return keywords
 
     def _hit(self, request_id: str, data: Any) -> CacheHit | None:
         """The engine's own hit object when ``data`` is the hit it returned last."""

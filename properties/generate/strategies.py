@@ -630,6 +630,21 @@ def serving_modes() -> st.SearchStrategy[ServingMode]:
     )
 
 
+def connector_modes() -> st.SearchStrategy[ServingMode]:
+    """The attention property's modes: synchronous scheduling without a KV connector, or
+    with one over the host tier, loading synchronously or asynchronously (the content
+    that goes out to the tier and comes back is then checked through attention outputs;
+    asynchronous scheduling and drafts are not drawn there: their pending tokens are not
+    known when a step is planned); shrinks toward no connector."""
+    return st.sampled_from(
+        (
+            ServingMode(),
+            ServingMode(external_hits=True),
+            ServingMode(external_hits=True, async_loads=True),
+        )
+    )
+
+
 #: The serving mode of a deployed vLLM 0.33 (``--preset`` runs of the production
 #: property): asynchronous scheduling, admission gate on (``scheduler_reserve_full_isl``).
 PRODUCTION_MODE = ServingMode(async_scheduling=True, admission_gate=True)

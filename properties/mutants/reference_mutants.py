@@ -721,6 +721,80 @@ def make_delay_cache_ignored(layout: KVCacheLayout) -> MutantEngine:
     return _engine("delay_cache_ignored", layout, manager_cls=DelayCacheIgnoredManager)
 
 
+class _ExternalWindowNotSkipped:
+    """Adopts a hit with external tokens skipping only the blocks out of the window at
+    the *local* hit (the external tokens forgotten): every external position gets a
+    real block, out-of-window ones included, and the connector is asked to load blocks
+    the window no longer reads (which the host tier need not hold)."""
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int = 0,
+    ) -> None:
+        super().add_local_computed_blocks(  # type: ignore[misc]
+            request_id,
+            new_computed_blocks,
+            num_local_computed_tokens,
+            0,  # BUG: external
+        )
+
+
+class ExternalWindowNotSkippedSlidingWindow(_ExternalWindowNotSkipped, SlidingWindowManager):
+    pass
+
+
+class ExternalWindowNotSkippedChunked(_ExternalWindowNotSkipped, ChunkedLocalAttentionManager):
+    pass
+
+
+def make_external_window_not_skipped(layout: KVCacheLayout) -> MutantEngine:
+    return _engine(
+        "external_window_not_skipped",
+        layout,
+        managers={
+            SlidingWindowManager: ExternalWindowNotSkippedSlidingWindow,
+            ChunkedLocalAttentionManager: ExternalWindowNotSkippedChunked,
+        },
+    )
+
+
+class LocalHitDroppedManager(KVCacheManager):
+    """When a connector reports external tokens, takes the device hit as external too:
+    fresh blocks for the whole prefix instead of the cached hit blocks, so the hit's
+    positions are never written (the connector loads only the tokens beyond the device
+    hit)."""
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: ComputedBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        **kwargs,
+    ):
+        if num_external_computed_tokens > 0 and num_new_computed_tokens > 0:
+            num_external_computed_tokens += num_new_computed_tokens  # BUG: hit not adopted
+            num_new_computed_tokens, new_computed_blocks = 0, None
+        return super().allocate_slots(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            **kwargs,
+        )
+
+
+def make_local_hit_dropped_on_external(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("local_hit_dropped_on_external", layout, manager_cls=LocalHitDroppedManager)
+
+
 def make_admission_cap_ignored(layout: KVCacheLayout) -> MutantEngine:
     return _engine("admission_cap_ignored", layout, manager_cls=UncappedAdmissionManager)
 
@@ -1035,6 +1109,23 @@ MUTANT_INFO: dict[str, MutantInfo] = {
             ["exact_match"],
             "external computed tokens counted twice (as local hit and as external): every "
             "group allocates blocks past the loaded prefix",
+            "production",
+        ),
+        _info(
+            make_external_window_not_skipped,
+            "universal",
+            ["external_hit_bounds"],
+            "a hit with external tokens skips only the blocks out of the window at the "
+            "local hit: the connector is asked to load out-of-window blocks the host tier "
+            "does not hold",
+            "production",
+        ),
+        _info(
+            make_local_hit_dropped_on_external,
+            "universal",
+            ["window_liveness", "attention"],
+            "with external tokens the device hit is taken as external too: fresh, never "
+            "written blocks stand for the cached prefix",
             "production",
         ),
         _info(

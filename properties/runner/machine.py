@@ -57,7 +57,7 @@ from properties.core.trace import (
 from properties.core.versions import versions
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
-from properties.runner.scheduler import Scheduler, StepRecord
+from properties.runner.scheduler import RequestState, Scheduler, StepRecord
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
 from reference.specs import MambaSpec
@@ -176,7 +176,7 @@ class TraceRun:
             plane = engine if isinstance(engine, ExposesDataPlane) else None
             self.attention = AttentionChecker(layout, data_plane=plane)
         self.mode = SYNC
-        self.scheduler = Scheduler(self.lockstep, layout, on_scheduled=self._on_scheduled)
+        self.scheduler = self._scheduler(SYNC)
         self.operations: list[Operation] = []
         if not mode.is_default:
             self.set_mode(mode)
@@ -191,9 +191,22 @@ class TraceRun:
                 f"{mode.describe()} (properties.core.engine.SupportsServingModes)"
             )
         self.mode = mode
-        self.scheduler = Scheduler(
-            self.lockstep, self.layout, on_scheduled=self._on_scheduled, mode=mode
+        self.scheduler = self._scheduler(mode)
+
+    def _scheduler(self, mode: ServingMode) -> Scheduler:
+        """The scheduler in ``mode``; its host tier (external hits) is the store the
+        checks bound external hits by (X1), and its offloads and loads go through the
+        attention check's paged cache when that runs."""
+        scheduler = Scheduler(
+            self.lockstep,
+            self.layout,
+            on_scheduled=self._on_scheduled,
+            mode=mode,
+            on_offload=self._on_offload if self.attention is not None else None,
+            on_load=self._on_load if self.attention is not None else None,
         )
+        self.lockstep.checker.state.host_tier = scheduler.host_tier
+        return scheduler
 
     def supports_serving_modes(self) -> bool:
         return isinstance(self.lockstep.engine, SupportsServingModes)
@@ -208,7 +221,6 @@ class TraceRun:
         from properties.checks.attention import AttentionMismatch, ScheduledChunk
 
         chunks = []
-        self.attention.keep_host_copies = scheduler.host_tier is not None
         for item in record.scheduled:
             state = scheduler.requests[item.request_id]
             chunks.append(
@@ -221,10 +233,21 @@ class TraceRun:
                 )
             )
         try:
-            for item, chunk in zip(record.scheduled, chunks):
-                if item.external_tokens:
-                    self.attention.load(chunk, item.hit_tokens)
             self.attention.check_step(chunks)
+        except AttentionMismatch as exc:
+            raise PropertyViolation("attention", str(exc)) from exc
+
+    def _on_offload(self, state: RequestState, gid: int, block_index: int, block: int) -> None:
+        assert self.attention is not None
+        self.attention.offload(gid, state.input, state.token_ids, block_index, block)
+
+    def _on_load(self, state: RequestState, start: int, end: int) -> None:
+        from properties.checks.attention import AttentionMismatch
+
+        assert self.attention is not None
+        table = self.lockstep.get_block_ids(state.request_id)
+        try:
+            self.attention.load(state.input, state.token_ids, table, start, end)
         except AttentionMismatch as exc:
             raise PropertyViolation("attention", str(exc)) from exc
 
@@ -290,23 +313,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         strategy = layout_strategy(self.config, self.factory)
         layout = data.draw(strategy, label="layout")
         note(f"layout: {layout.describe()}")
-        try:
-            self.run = TraceRun(self.config, layout, self.factory)
-        except UnsupportedLayoutError:
-            assume(False)
-        except EngineError as exc:  # the factory failed: the trace is the layout alone
-            info = failure_info(exc, self.config)
-            type(self).stats.last_failure = Trace(layout, (), failure=info)
-            if isinstance(exc, CallTimeoutError):
-                raise RunStopped(exc) from exc
-            raise
-        if self.config.production and self.run.supports_serving_modes():
-            if self.config.preset is not None:
-                mode = kvst.PRODUCTION_MODE
-            else:
-                mode = data.draw(kvst.serving_modes(), label="serving mode")
-                if "external" not in production_settings(self.factory):
-                    mode = dataclasses.replace(mode, external_hits=False, async_loads=False)
+        self.run = self._trace_run(layout)
+        mode = self._draw_mode(data)
+        if mode is not None:
+            mode = self._kept_mode(mode)
             note(f"serving mode: {mode.describe()}")
             self.run.set_mode(mode)
         self.pool = data.draw(kvst.prefix_pools(layout), label="prefix pool")
@@ -314,9 +324,49 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.steps = kvst.step_ops(layout)
         stats = type(self).stats
         stats.examples += 1
-        self.tags = mode_tags(layout, self.run.mode) if self.config.production else []
+        drawn = self.config.production or self.config.attention
+        self.tags = mode_tags(layout, self.run.mode) if drawn else []
         for tag in self.tags:
             stats.modes.setdefault(tag, [0, 0])[0] += 1
+
+    def _trace_run(self, layout: KVCacheLayout) -> TraceRun:
+        """A run of the engine under test on ``layout`` (an example the engine refuses is
+        not one: ``assume(False)``; a factory that fails is the trace's failure)."""
+        try:
+            return TraceRun(self.config, layout, self.factory)
+        except UnsupportedLayoutError:
+            assume(False)
+            raise  # not reached: assume(False) raises
+        except EngineError as exc:  # the factory failed: the trace is the layout alone
+            info = failure_info(exc, self.config)
+            type(self).stats.last_failure = Trace(layout, (), failure=info)
+            if isinstance(exc, CallTimeoutError):
+                raise RunStopped(exc) from exc
+            raise
+
+    def _draw_mode(self, data: st.DataObject) -> ServingMode | None:
+        """The serving mode drawn for this run, or None for the default one: the
+        ``production`` property draws every mode (a preset run: the mode it is served
+        with); the ``attention`` property draws a connector mode
+        (:func:`kvst.connector_modes`) for every engine, so the stream is the same."""
+        assert self.run is not None
+        if self.config.production and self.run.supports_serving_modes():
+            if self.config.preset is not None:
+                return kvst.PRODUCTION_MODE
+            return data.draw(kvst.serving_modes(), label="serving mode")
+        if self.config.attention:
+            return data.draw(kvst.connector_modes(), label="connector mode")
+        return None
+
+    def _kept_mode(self, mode: ServingMode) -> ServingMode:
+        """What the engine gets of a drawn mode: the default one without the serving calls,
+        no external hits unless it declares the ``external`` setting."""
+        assert self.run is not None
+        if not self.run.supports_serving_modes():
+            return SYNC
+        if "external" not in production_settings(self.factory):
+            mode = dataclasses.replace(mode, external_hits=False, async_loads=False)
+        return mode
 
     def _apply(self, op: Operation) -> None:
         assert self.run is not None

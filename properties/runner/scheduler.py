@@ -42,19 +42,24 @@ Serving modes (:class:`properties.core.modes.ServingMode`):
   tokens of it are in flight: a finish or an ``Abort`` is deferred until its last
   step is processed, a ``Preempt`` of it is ignored, and allocation failures only
   preempt requests with nothing in flight (otherwise the request waits a step).
-* ``external_hits`` (no Mamba group): the scheduler owns a
-  :class:`reference.host_tier.HostTier` (block size: the scheduler block size, capacity
-  twice the pool). Every request it frees first offloads its computed prefix there;
-  step 3 asks the tier for the tokens it holds beyond the device hit ``h`` (``e``),
-  calls ``allocate_slots(n, h, hit blocks, ..., num_external_computed_tokens=e)`` with
-  ``n = min(num_tokens - h - e, budget left)`` and the request computes from
-  ``h + e`` (the connector loads ``[h, h + e)`` before the step runs).
+* ``external_hits`` (no Mamba group): the scheduler is the KV connector. It owns a
+  :class:`reference.host_tier.HostTier` (capacity twice the pool) and offloads blocks to
+  it when they leave the primary pool: a sliding-window or chunked-local block once its
+  tokens are all below the group's skip boundary on the processed basis (*detach*,
+  :meth:`Scheduler._detach`, after a step's output is processed), and every full
+  computed block of a request's table when the request is freed (finished, preempted,
+  aborted). Step 3 asks the tier for the tokens it holds beyond the device hit ``h``
+  (``e``: every group must serve ``h + e``), calls ``allocate_slots(n, h, hit blocks,
+  ..., num_external_computed_tokens=e)`` with ``n = min(num_tokens - h - e, budget
+  left)``, the connector loads ``[h, h + e)`` into the request's blocks (``on_load``),
+  and the request computes from ``h + e``. ``on_offload`` and ``on_load`` let the
+  attention check copy content out of and back into the paged cache.
 * ``async_loads``: step 3 admits a request with external tokens by
   ``allocate_slots(0, h, hit blocks, 0, num_external_computed_tokens=e,
   delay_cache_blocks=True)`` and puts it in ``loading`` (no budget used); the load
-  completes at the start of the next step: ``cache_blocks(id, h + e)``, then the request
-  joins the running ones (its first chunk is the one the connector's load feeds). An
-  ``Abort`` of a loading request is deferred until its load completes.
+  completes at the start of the next step (``on_load``, then ``cache_blocks(id, h +
+  e)``), and the request joins the running ones. An ``Abort`` of a loading request is
+  deferred until its load completes.
 """
 
 from __future__ import annotations
@@ -75,8 +80,9 @@ from properties.core.engine import (
 )
 from properties.core.modes import SYNC, ServingMode
 from properties.core.trace import Abort, Arrive, Operation, Preempt, ResetPrefixCache, Step
+from reference.block_table import NULL_BLOCK_ID
 from reference.errors import KVConformError
-from reference.host_tier import HostTier
+from reference.host_tier import HostTier, num_detached_blocks
 from reference.layout import KVCacheLayout
 from reference.specs import MambaSpec
 
@@ -102,6 +108,8 @@ class RequestState:
     release: str | None = None
     #: external hits: (local hit, external tokens) of a load not read by a step yet
     loaded: tuple[int, int] | None = None
+    #: external hits: per group, the leading blocks already detached to the host tier
+    detached: list[int] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -140,6 +148,12 @@ class StepRecord:
 
 #: Called after scheduling and before the step runs: (scheduler, record).
 StepObserver = Callable[["Scheduler", StepRecord], None]
+#: Called when a block leaves the primary pool for the host tier:
+#: (request, group, block index, block id it leaves).
+OffloadObserver = Callable[[RequestState, int, int, int], None]
+#: Called when the connector loads positions ``[start, end)`` of a request into its
+#: blocks: (request, start, end).
+LoadObserver = Callable[[RequestState, int, int], None]
 
 
 class Scheduler:
@@ -151,8 +165,12 @@ class Scheduler:
         layout: KVCacheLayout,
         on_scheduled: StepObserver | None = None,
         mode: ServingMode = SYNC,
+        on_offload: OffloadObserver | None = None,
+        on_load: LoadObserver | None = None,
     ) -> None:
         self.engine = engine
+        self.on_offload = on_offload
+        self.on_load = on_load
         self.mode = mode
         #: asynchronous scheduling: the planned step whose output is not processed yet
         self.in_flight: StepRecord | None = None
@@ -169,7 +187,7 @@ class Scheduler:
         #: external hits: the host tier a KV connector loads from (None: no connector)
         self.host_tier: HostTier | None = None
         if mode.external_hits and self.mamba_block_size is None:
-            self.host_tier = HostTier(layout.scheduler_block_size, 2 * layout.num_blocks)
+            self.host_tier = HostTier(layout, 2 * layout.num_blocks)
         self.num_steps = 0
         #: Running requests are allocated in batches when the engine plans steps.
         self.batched = isinstance(engine, PlansSteps)
@@ -318,6 +336,8 @@ class Scheduler:
                 self.running.append(rid)
                 state.holds_blocks = True
                 state.num_computed_tokens = hit.num_tokens + external
+                if external:
+                    self._load(state, hit.num_tokens, hit.num_tokens + external)
                 record.scheduled.append(
                     ScheduledRequest(
                         rid,
@@ -346,6 +366,8 @@ class Scheduler:
         load, is freed now."""
         for rid in self.loading:
             state = self.requests[rid]
+            assert state.loaded is not None
+            self._load(state, state.loaded[0], state.num_computed_tokens)
             self.engine.cache_blocks(rid, state.num_computed_tokens)
             if state.release is not None:
                 self._free(state)
@@ -413,6 +435,7 @@ class Scheduler:
             self.engine.set_in_flight(rid, state.num_in_flight, state.num_pending)
             if item.samples and state.release is None:
                 self.engine.cache_blocks(rid, state.num_computed_tokens - state.num_in_flight)
+            self._detach(state)
             if (
                 state.release is None
                 and state.num_generated >= len(state.output)
@@ -522,6 +545,10 @@ class Scheduler:
                 self._forget(rid)
                 self.finished.append(rid)
                 record.finished.append(rid)
+        for item in record.scheduled:
+            state = self.requests.get(item.request_id)
+            if state is not None:
+                self._detach(state)
 
     def _run_drafts(self, item: ScheduledRequest, state: RequestState, record: StepRecord) -> None:
         """A decode step with drafts ran: ``a`` accepted, the rest rolled back."""
@@ -559,14 +586,58 @@ class Scheduler:
         self.waiting.insert(0, request_id)
 
     def _free(self, state: RequestState) -> None:
-        """Free a request's blocks; with a host tier, its computed prefix is offloaded
-        there first (the blocks leave the primary pool)."""
-        if self.host_tier is not None:
-            req = state.input
-            self.host_tier.offload(
-                req.cache_salt, req.lora_name, state.token_ids, state.num_computed_tokens
-            )
+        """Free a request's blocks; with a host tier, every full computed block of its
+        table is offloaded there first (the blocks leave the primary pool)."""
+        if self.host_tier is not None and state.holds_blocks:
+            processed = state.num_computed_tokens - state.num_in_flight
+            table = self.engine.get_block_ids(state.request_id)
+            for gid, row in enumerate(table):
+                bs = self.layout.groups[gid].spec.block_size
+                first = state.detached[gid] if state.detached else 0  # stored at detach
+                for k in range(first, min(len(row), processed // bs)):
+                    self._offload(state, gid, k, row[k])
+        state.detached = []
         self.engine.free(state.request_id)
+
+    def _detach(self, state: RequestState) -> None:
+        """External hits: offload the sliding-window and chunked-local blocks that fell
+        below their group's skip boundary on the processed basis since the last call
+        (:func:`reference.host_tier.num_detached_blocks`; the engine releases them at the
+        request's next allocation, so they still hold their content now)."""
+        if self.host_tier is None or not state.holds_blocks:
+            return
+        processed = state.num_computed_tokens - state.num_in_flight
+        groups = range(len(self.layout.groups))
+        if not state.detached:
+            state.detached = [0 for _ in groups]
+        table: BlockIds | None = None
+        for gid in groups:
+            n = num_detached_blocks(self.layout, gid, processed)
+            if n <= state.detached[gid]:
+                continue
+            if table is None:
+                table = self.engine.get_block_ids(state.request_id)
+            row = table[gid]
+            for k in range(state.detached[gid], min(n, len(row))):
+                self._offload(state, gid, k, row[k])
+            state.detached[gid] = n
+
+    def _offload(self, state: RequestState, group_id: int, block_index: int, block: int) -> None:
+        """One block leaves the primary pool for the host tier (null entries hold nothing)."""
+        if block == NULL_BLOCK_ID:
+            return
+        assert self.host_tier is not None
+        req = state.input
+        self.host_tier.offload(
+            group_id, req.cache_salt, req.lora_name, state.token_ids, block_index
+        )
+        if self.on_offload is not None:
+            self.on_offload(state, group_id, block_index, block)
+
+    def _load(self, state: RequestState, start: int, end: int) -> None:
+        """The connector loads positions ``[start, end)`` into the request's blocks."""
+        if self.on_load is not None:
+            self.on_load(state, start, end)
 
     def _external_tokens(self, state: RequestState, device_tokens: int) -> int:
         """External hits: the tokens the host tier holds beyond the device hit."""

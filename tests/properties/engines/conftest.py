@@ -10,12 +10,14 @@ test of the module is skipped with the reason, e.g.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
+RUST_DIR = ROOT / "examples" / "engines" / "rust-block-manager"
 
 #: engine name -> top-level package that must be importable.
 ENGINE_PACKAGES: dict[str, str] = {"vllm": "vllm", "sglang": "sglang"}
@@ -53,3 +55,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason = reasons[name]
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def rust_engine() -> str:
+    """The Rust example engine (``examples/engines/rust-block-manager``), built (offline,
+    standard library only) into its target/ folder; the path of its binary."""
+    subprocess.run(
+        ["cargo", "build", "--release", "--offline", "--quiet"], cwd=RUST_DIR, check=True
+    )
+    return str(RUST_DIR / "target" / "release" / "rust-block-manager")

@@ -10,6 +10,7 @@ call, then misbehaves in one chosen way: the failures the exec client must repor
 * ``garbage``: answers a line that is not JSON;
 * ``wrong-id``: answers with another message id;
 * ``version``: (for ``hello``) claims protocol version 99;
+* ``settings``: (for ``hello``) declares an unknown production setting ``warp``;
 * ``error``: answers an ``engine_error`` message.
 """
 
@@ -47,6 +48,9 @@ def main() -> int:
                 reply = json.dumps({"id": message["id"] + 100, "result": None})
             elif mode == "version":
                 reply = json.dumps({"id": message["id"], "result": {"protocol": 99}})
+            elif mode == "settings":
+                result = {"protocol": 1, "name": "misbehaving", "production_settings": ["warp"]}
+                reply = json.dumps({"id": message["id"], "result": result})
             elif mode == "error":
                 reply = json.dumps(
                     {"id": message["id"], "error": {"kind": "engine_error", "message": "nope"}}

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,7 +42,6 @@ from reference.specs import FullAttentionSpec, MambaSpec
 
 ROOT = Path(__file__).resolve().parents[3]
 MISBEHAVING = Path(__file__).with_name("misbehaving_engine.py")
-RUST_DIR = ROOT / "examples" / "engines" / "rust-block-manager"
 SERVED_REFERENCE = f"exec:{sys.executable} -m properties.engines.serve reference"
 
 
@@ -60,15 +58,6 @@ def _misbehaving(mode: str, call: str, timeout: float = 30.0) -> ExecEngineFacto
 
 def _settings(n: int) -> settings:
     return settings(settings.get_profile("ci"), max_examples=n)
-
-
-@pytest.fixture(scope="module")
-def rust_engine() -> str:
-    """The example engine, built (offline, std only) into its target/ folder."""
-    subprocess.run(
-        ["cargo", "build", "--release", "--offline", "--quiet"], cwd=RUST_DIR, check=True
-    )
-    return str(RUST_DIR / "target" / "release" / "rust-block-manager")
 
 
 # -- the reference behind the protocol ------------------------------------------------
