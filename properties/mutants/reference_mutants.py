@@ -1114,7 +1114,9 @@ MUTANT_INFO: dict[str, MutantInfo] = {
         _info(
             make_external_window_not_skipped,
             "universal",
-            ["external_hit_bounds"],
+            # its estimate skips the window at local + external, its adoption at the
+            # local hit only: it takes more blocks than it estimated (A4)
+            ["external_hit_bounds", "estimate_matches_pulls"],
             "a hit with external tokens skips only the blocks out of the window at the "
             "local hit: the connector is asked to load out-of-window blocks the host tier "
             "does not hold",
