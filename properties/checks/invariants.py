@@ -442,11 +442,12 @@ def committed_blocks_verified(state: CheckState, event: CommitEvent) -> str | No
     those slots :data:`properties.checks.oracles.OVERWRITTEN`), no slot not computed yet.
     Mamba groups are left to H2 (a state is written when its step runs).
 
-    Worked example (bs 4): a decode at position 7 with 2 drafts writes slots 7, 8, 9;
-    one draft is accepted: computed 9, tokens 10 (the bonus token at 9 is computed next
-    step, its slot still holds the rejected draft). ``cache_blocks(r, 9)`` may register
-    block 1 (positions 4..7), not block 2 (positions 8..11): registering it for 12
-    tokens would serve the rejected draft's KV at position 9 to every later hit.
+    Worked example (bs 4): a decode at position 9 with 3 drafts writes slots 9..12; one
+    draft is accepted: computed 11, tokens 12 (the bonus token at 11 is computed in the
+    next step; its slot still holds the second, rejected draft). ``cache_blocks(r, 11)``
+    may register blocks 0 and 1 (positions 0..7), not block 2 (positions 8..11):
+    registering it for 12 tokens would serve the rejected draft's KV at position 11 to
+    every later hit (``tests/properties/checks/test_allocation_estimate.py``).
     """
     req = event.request
     rid = req.request_id
