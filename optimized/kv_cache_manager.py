@@ -88,6 +88,9 @@ class KVCacheManager:
             isinstance(m, MambaManager) for m in self.coordinator.managers
         )
         self._known: set[str] = set()
+        #: the blocks the last ``allocate_slots`` estimated it needed (None: it returned
+        #: before estimating; not a per-item figure after a batched ``schedule_step``)
+        self.last_num_blocks_to_allocate: int | None = None
         self._empty = ComputedBlocks(tuple(() for _ in range(self.num_groups)))
         #: ``schedule_step``'s result for an item that gets no new block (shared, immutable).
         self.no_new_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in layout.groups)
@@ -180,6 +183,7 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
     ) -> list[list[int]] | None:
         """:meth:`reference.kv_cache_manager.KVCacheManager.allocate_slots` on block ids."""
+        self.last_num_blocks_to_allocate = None
         hits = (new_computed_blocks or self._empty).blocks
         self._validate(request, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, hits)
         rid = request.request_id
@@ -193,6 +197,7 @@ class KVCacheManager:
 
         coordinator.remove_skipped_blocks(row, total)
         need = coordinator.get_num_blocks_to_allocate(row, slots, hits, local, main)
+        self.last_num_blocks_to_allocate = need
         if need > self.block_pool.get_num_free_blocks():
             return None
         if new_computed_blocks is not None and any(hits):
@@ -214,6 +219,7 @@ class KVCacheManager:
         Every item is validated first (a bad item raises before anything changes); a
         request may appear at most once per call.
         """
+        self.last_num_blocks_to_allocate = None  # batched items report none
         n = len(items)
         fast_idx, gathered = self._gather(items)
         idle = np.zeros(n, dtype=bool)

@@ -79,6 +79,9 @@ class KVCacheManager:
         self._known: set[str] = set()
         #: request id -> the request that holds blocks under it (one request per id)
         self._holders: dict[str, Request] = {}
+        #: the blocks the last ``allocate_slots`` estimated it needed (step 6 of the
+        #: module docstring; None when it returned before that estimate)
+        self.last_num_blocks_to_allocate: int | None = None
 
     # -- requests --------------------------------------------------------------
     def make_request(
@@ -167,6 +170,7 @@ class KVCacheManager:
         caching (the load is still in flight); ``full_sequence_must_fit`` first
         refuses the request unless its whole sequence fits (the admission gate).
         """
+        self.last_num_blocks_to_allocate = None
         _check_allocate_args(
             request,
             num_new_tokens,
@@ -237,6 +241,7 @@ class KVCacheManager:
 
         self.coordinator.remove_skipped_blocks(rid, max(0, total - request.num_in_flight_tokens))
         need = self.coordinator.get_num_blocks_to_allocate(rid, slots, hits, total, main)
+        self.last_num_blocks_to_allocate = need
         if need > self.block_pool.get_num_free_blocks():
             return None
         if (new_computed_blocks is not None and any(hits)) or num_external_computed_tokens > 0:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = (ROOT / "docs" / "spec.md").read_text(encoding="utf-8")
-LABEL = re.compile(r"\b([IAWHFRPXT][1-9])\b")
+LABEL = re.compile(r"\b([IAWHFRPXTC][1-9])\b")
 SECTION = re.compile(r"§\s?(\d+(?:\.\d+)?)")
 
 
@@ -27,7 +27,7 @@ def _cited() -> dict[str, set[str]]:
 def test_cited_labels_are_defined() -> None:
     cited = _cited()
     assert "H2" in cited and "§7" in cited  # the scan finds citations at all
-    defined_labels = set(re.findall(r"\*\*([IAWHFRPXT][1-9])\*\*", SPEC))
+    defined_labels = set(re.findall(r"\*\*([IAWHFRPXTC][1-9])\*\*", SPEC))
     defined_sections = {"§" + s for s in re.findall(r"^## §(\d+(?:\.\d+)?)", SPEC, re.M)}
     missing = {
         label: sorted(where)

@@ -19,7 +19,8 @@ nor pass. What is checked:
 * the optional capabilities: ``ref_counts`` maps block ids in ``[1, num_blocks)`` to
   integers ``>= 0``; ``free_queue`` lists ids in ``[1, num_blocks)``;
   ``cached_blocks`` lists :class:`CachedBlock` with an id in ``[1, num_blocks)``, a group
-  of the layout and ``num_tokens >= 1``.
+  of the layout and ``num_tokens >= 1``; ``last_allocation_estimate`` is ``None`` or an
+  integer ``>= 0``.
 
 Integers may be any ``int`` (numpy integers too), never ``bool``. Valid answers are
 returned normalised (tuples of Python ints).
@@ -190,6 +191,17 @@ def check_free_count(what: str, value: Any, layout: KVCacheLayout, shared_pool: 
     most = (layout.num_blocks - 1) * (1 if shared_pool else len(layout.groups))
     if not 0 <= count <= most:
         raise AnswerError(f"{what} returned {count}, outside [0, {most}]")
+    return count
+
+
+def check_estimate(what: str, value: Any) -> int | None:
+    """``last_allocation_estimate``: ``None`` (no per-step estimate) or an int ``>= 0``.
+    Example: ``-1`` raises ``AnswerError("... returned -1, not a block count >= 0")``."""
+    if value is None:
+        return None
+    count = as_int(value, what)
+    if count < 0:
+        raise AnswerError(f"{what} returned {count}, not a block count >= 0")
     return count
 
 

@@ -36,6 +36,7 @@ from properties.core.engine import (
     ExposesRefCounts,
     KVCacheEngine,
     PlansSteps,
+    ReportsAllocationEstimate,
     RequestInput,
     SlotRequest,
     SupportsServingModes,
@@ -290,12 +291,20 @@ class _CachedBlocks:
         return answers.check_cached_blocks(f"{self.name}: cached_blocks()", raw, self.layout)
 
 
+class _AllocationEstimate:
+    def last_allocation_estimate(self) -> int | None:
+        what = "last_allocation_estimate()"
+        raw = self._call(what, self.inner.last_allocation_estimate)
+        return answers.check_estimate(f"{self.name}: {what}", raw)
+
+
 _CAPABILITIES = (
     (ExposesRefCounts, _RefCounts),
     (ExposesFreeQueue, _FreeQueue),
     (ExposesCachedBlocks, _CachedBlocks),
     (PlansSteps, _PlansSteps),
     (SupportsServingModes, _ServingModes),
+    (ReportsAllocationEstimate, _AllocationEstimate),
 )
 _CLASSES: dict[tuple[type, ...], type] = {}
 

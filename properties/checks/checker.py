@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from properties.checks.oracles import OVERWRITTEN
 from properties.checks.registry import (
     CHECKS,
     EVENTS,
@@ -24,6 +25,7 @@ from properties.checks.registry import (
 from properties.checks.state import (
     AllocateEvent,
     CheckState,
+    CommitEvent,
     ExternalLoadEvent,
     FailedAllocationEvent,
     FreeEvent,
@@ -101,7 +103,10 @@ class Checker:
         num_lookahead_tokens: int,
         full_sequence_must_fit: bool = False,
         num_external_computed_tokens: int = 0,
+        estimate: int | None = None,
     ) -> None:
+        """``estimate``: the engine's ``last_allocation_estimate()`` read right after the
+        call (None when it reports none, or for an item of a batched step)."""
         external = num_external_computed_tokens
         if result is None:
             tracked = self.state.requests.get(request_id)
@@ -123,7 +128,11 @@ class Checker:
         end = start + num_new_tokens
         req.refresh_ids()
         table = self.state.table_of(request_id)
-        allocated = AllocateEvent(req, table)
+        mml = self.state.layout.max_model_len
+        main = min(start, mml) + num_new_tokens
+        allocated = AllocateEvent(
+            req, table, tables_before, main + num_lookahead_tokens, main, estimate, mml
+        )
         self._run("table", allocated)
         others = {o: t for o, t in self.state.tables().items() if o != request_id}
         if external:
@@ -208,10 +217,15 @@ class Checker:
         req.num_computed_tokens = num_computed_tokens
         if request_id in self.deferred_writes:
             # positions at or past the computed count are recomputed later (rejected
-            # drafts roll back; a preemption starts over): their pending writes lapse
-            self.deferred_writes[request_id] = [
-                w for w in self.deferred_writes[request_id] if w[3] < num_computed_tokens
-            ]
+            # drafts roll back; a preemption starts over): their pending writes lapse,
+            # and the slots hold the KV of tokens that are not the request's
+            kept = []
+            for w in self.deferred_writes[request_id]:
+                if w[3] < num_computed_tokens:
+                    kept.append(w)
+                else:
+                    self.state.shadow.write(w[0], w[1], w[2], OVERWRITTEN)
+            self.deferred_writes[request_id] = kept
         for gid, block, _, end in self.state.pending_states.pop(request_id, ()):
             if num_computed_tokens > 0:
                 if end - 1 < len(req.ids):
@@ -230,6 +244,11 @@ class Checker:
             for gid, block, offset, position in [w for w in deferred if w[3] < len(req.ids)]:
                 self.state.shadow.write(gid, block, offset, req.ids[position])
             self.deferred_writes[request_id] = [w for w in deferred if w[3] >= len(req.ids)]
+
+    def on_commit(self, request_id: str, num_tokens: int) -> None:
+        """``cache_blocks(request_id, num_tokens)`` returned."""
+        if self._by_event["commit"]:
+            self._run("commit", CommitEvent(self.state.requests[request_id], num_tokens))
 
     def on_free(self, request_id: str) -> None:
         self.deferred_writes.pop(request_id, None)

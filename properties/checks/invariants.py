@@ -17,6 +17,7 @@ from properties.checks.oracles import brute_force_longest_hit, missing_context
 from properties.checks.state import (
     AllocateEvent,
     CheckState,
+    CommitEvent,
     ExternalLoadEvent,
     FailedAllocationEvent,
     FreeEvent,
@@ -264,6 +265,119 @@ def no_block_shared(state: CheckState, event: AllocateEvent) -> str | None:
     return None
 
 
+def pulled_blocks(state: CheckState, event: AllocateEvent) -> list[tuple[int, int, int]]:
+    """The ``(group, index, block)`` entries a successful ``allocate_slots`` took from the
+    free pool: every real entry of the new table that is not the same block at the same
+    index of the table before (a new block, or an adopted hit block), unless another
+    request holds that block (then the hit is shared and leaves no free-queue slot).
+
+    A block the call freed below a window and took again at a later index counts: it
+    went through the free pool. Example (full attention, bs 4, fresh request): hit
+    ``(7,)`` on block 7 that nobody holds, table after ``(7, 3, 9)``: pulled ``[(0, 0,
+    7), (0, 1, 3), (0, 2, 9)]``; if request ``b`` holds block 7, ``(0, 0, 7)`` is not.
+    """
+    before = event.tables_before or ()
+    candidates = []
+    for gid, row in enumerate(event.table):
+        old = before[gid] if gid < len(before) else ()
+        for i, b in enumerate(row):
+            if b != 0 and (i >= len(old) or old[i] != b):
+                candidates.append((gid, i, b))
+    if not candidates:
+        return []
+    rid = event.request.request_id
+    held: set = set()
+    for other, table in state.tables().items():
+        if other == rid:
+            continue
+        for gid, row in enumerate(table):
+            held.update(row if state.shared_pool else ((gid, b) for b in row))
+    return [c for c in candidates if (c[2] if state.shared_pool else (c[0], c[2])) not in held]
+
+
+def estimate_matches_pulls(state: CheckState, event: AllocateEvent) -> str | None:
+    """A4: the blocks a successful ``allocate_slots`` estimated it needed (the figure it
+    compared with the free count: :class:`properties.core.engine.ReportsAllocationEstimate`)
+    equal the blocks it then took from the free pool (:func:`pulled_blocks`): new blocks
+    (for new, lookahead, draft and external tokens) plus adopted hit blocks that nobody
+    held (evictable: adopting one removes it from the free queue). The rule is equality:
+    an estimate below the pulls lets an allocation through that the pool cannot serve
+    (vLLM raises "Cannot get N free blocks"), one above refuses requests that fit.
+
+    What does not count: hit blocks another request holds (no free-queue slot), hit
+    blocks below a sliding window or chunk start (dropped as null, never touched),
+    blocks the request already holds at the same index (rolled-back draft slots and
+    unused lookahead slots are reused), null padding (Mamba). The admission gate's
+    whole-sequence estimate (``full_sequence_must_fit``) is not compared: its per-group
+    caps make it an admission bound, not a prediction. Blocks freed below a window in the
+    same call are freed before the estimate, so a block freed and taken again counts.
+
+    Worked example (full attention bs 4 + sliding window w 4 bs 4, fresh request, hit 8
+    tokens ``((5, 6), (0, 7))``, 4 new tokens): slots 12 -> 3 blocks per group. Full:
+    blocks 5, 6 adopted (5 held by another request, 6 evictable) + 1 new; SWA: index 0
+    is null (skipped), block 7 evictable + 1 new. Estimate ``(1 + 1) + (1 + 1) = 4``;
+    pulled: 6, the new full block, 7, the new SWA block = 4. An engine that forgets the
+    evictable hits estimates 2 and is reported.
+
+    Not drawn by the machine, where vLLM 0.33's (and the reference's) estimate is not the
+    pulls: Mamba groups with external tokens (the estimate counts one new state block
+    and the hit state, the call drops the hit state below the loaded tokens and takes a
+    block for the external state and one for the new tokens:
+    ``findings/vllm/mamba-external-estimate.md``).
+    """
+    if event.estimate is None:
+        return None
+    pulled = pulled_blocks(state, event)
+    if event.estimate != len(pulled):
+        rid = event.request.request_id
+        return (
+            f"allocate_slots({rid!r}) estimated {event.estimate} blocks but took "
+            f"{len(pulled)} from the free pool ((group, index, block): {pulled[:12]}); "
+            f"table before {_lists(event.tables_before)}, after {_lists(event.table)}"
+        )
+    return None
+
+
+def _lists(table) -> object:
+    return None if table is None else [list(r) for r in table]
+
+
+def table_covers_slots(state: CheckState, event: AllocateEvent) -> str | None:
+    """A5, no stray blocks: after a successful ``allocate_slots`` every group's row has
+    exactly ``max(len(row before), cdiv(slots, bs))`` entries (Mamba: ``cdiv(main, bs)``,
+    lookahead excluded), where ``slots = computed + hit + external + new + lookahead``,
+    capped at ``max_model_len`` or not: vLLM caps the slots there, an engine may also give
+    lookahead slots past it (SGLang does); nothing beyond the uncapped count. So a request
+    never holds blocks past the highest slot it ever asked for, and the slots of rejected
+    drafts (``num_computed_tokens`` rolled back) or of unused lookahead are reused by the
+    next steps, never taken again.
+
+    Worked example (full attention, bs 4): a decode at 9 computed tokens with 3 drafts
+    asks for 13 slots: 4 blocks. Two drafts are rejected (computed 11); the next step
+    asks for ``11 + 1 + 3 = 15`` slots: still 4 blocks, nothing new. A row of 5 blocks
+    (the rejected slots' block taken again) is reported.
+    """
+    rid = event.request.request_id
+    before = event.tables_before or ()
+    for gid, row in enumerate(event.table):
+        spec = state.layout.groups[gid].spec
+        bs = spec.block_size
+        old = len(before[gid]) if gid < len(before) else 0
+        if isinstance(spec, MambaSpec):
+            low = high = event.num_main
+        else:
+            low, high = min(event.num_slots, event.max_model_len), event.num_slots
+        least, most = max(old, cdiv(low, bs)), max(old, cdiv(high, bs))
+        if not least <= len(row) <= most:
+            want = f"{least}" if least == most else f"{least} to {most}"
+            return (
+                f"allocate_slots({rid!r}) for {high} slots left group {gid} "
+                f"({spec.type_name}) with {len(row)} blocks, expected max({old} before, "
+                f"cdiv({low}, {bs})) = {want}: {list(row)}"
+            )
+    return None
+
+
 def failed_allocation(state: CheckState, event: FailedAllocationEvent) -> str | None:
     """A1: an allocation that returns ``None`` adds no block to the table and changes no
     ref count of the hit it was offered."""
@@ -313,6 +427,64 @@ def allocation_fits(state: CheckState, event: FailedAllocationEvent) -> str | No
             f"allocate_slots({event.request_id!r}) for {event.num_slots} slots returned None, "
             f"but it needs at most {need} new blocks and {free} were free"
         )
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Commits (C1)
+
+
+def committed_blocks_verified(state: CheckState, event: CommitEvent) -> str | None:
+    """C1: after ``cache_blocks`` (the scheduler commits processed tokens; after a draft
+    step, once the rejected drafts are rolled back), every block of the request that the
+    engine registers in the prefix cache for ``T`` tokens holds the request's own tokens
+    at each of its positions below ``T``: no slot a rejected draft wrote (the shadow marks
+    those slots :data:`properties.checks.oracles.OVERWRITTEN`), no slot not computed yet.
+    Mamba groups are left to H2 (a state is written when its step runs).
+
+    Worked example (bs 4): a decode at position 9 with 3 drafts writes slots 9..12; one
+    draft is accepted: computed 11, tokens 12 (the bonus token at 11 is computed in the
+    next step; its slot still holds the second, rejected draft). ``cache_blocks(r, 11)``
+    may register blocks 0 and 1 (positions 0..7), not block 2 (positions 8..11):
+    registering it for 12 tokens would serve the rejected draft's KV at position 11 to
+    every later hit (``tests/properties/checks/test_allocation_estimate.py``).
+    """
+    req = event.request
+    rid = req.request_id
+    if not req.holds_blocks:
+        return None
+    table = state.table_of(rid)
+    where: dict[tuple[int, int], int] = {}
+    for gid, row in enumerate(table):
+        if isinstance(state.layout.groups[gid].spec, MambaSpec):
+            continue
+        for i, b in enumerate(row):
+            if b != 0:
+                where[(gid, b)] = i
+    if not where:
+        return None
+    req.refresh_ids()
+    for cb in state.cached_blocks():
+        index = where.get((cb.group_id, cb.block_id))
+        if index is None:
+            continue
+        bs = state.layout.groups[cb.group_id].spec.block_size
+        first, end = index * bs, min(cb.num_tokens, (index + 1) * bs)
+        if end > len(req.ids):
+            return (
+                f"request {rid!r}: block {cb.block_id} (group {cb.group_id}, index {index}) is "
+                f"cached for {cb.num_tokens} tokens, but the request has {len(req.ids)} "
+                f"tokens (after cache_blocks({rid!r}, {event.num_tokens}))"
+            )
+        why = missing_context(
+            state.layout, state.shadow, cb.group_id, table[cb.group_id], req.ids, first, end
+        )
+        if why is not None:
+            return (
+                f"request {rid!r}: block {cb.block_id} (group {cb.group_id}) is cached for "
+                f"{cb.num_tokens} tokens after cache_blocks({rid!r}, {event.num_tokens}), but "
+                f"{why}"
+            )
     return None
 
 

@@ -25,6 +25,7 @@ from properties.core.engine import (
     ExposesFreeQueue,
     KVCacheEngine,
     PlansSteps,
+    ReportsAllocationEstimate,
     RequestInput,
     SlotRequest,
 )
@@ -187,9 +188,12 @@ class LockstepEngine:
             num_external_computed_tokens,
             delay_cache_blocks,
         )
+        estimate = None
         if result is not None:
             table = self.checker.state.table_of(request_id)
             check_new_blocks_are_tail(f"{self.engine_name}: {what}", result, table)
+            if isinstance(self.engine, ReportsAllocationEstimate):
+                estimate = self.engine.last_allocation_estimate()
         self._record(
             "allocate_slots",
             {
@@ -229,6 +233,7 @@ class LockstepEngine:
             num_lookahead_tokens,
             full_sequence_must_fit,
             num_external_computed_tokens,
+            estimate,
         )
         self._compare_state(what, request_id)
         return result
@@ -248,6 +253,7 @@ class LockstepEngine:
         self._record("cache_blocks", {"request_id": request_id, "num_tokens": num_tokens}, None)
         if self.reference is not None:
             self.reference.cache_blocks(request_id, num_tokens)
+        self.checker.on_commit(request_id, num_tokens)
         self._compare_state(what, None)
 
     def schedule_step(self, items: Sequence[SlotRequest]) -> list[BlockIds | None]:

@@ -67,6 +67,11 @@ def extend_prefix_ids(
     return out
 
 
+#: The prefix id of a slot a rejected draft (or a step whose tokens were rolled back)
+#: wrote: the KV of a token that is not the request's, so no prefix ever matches it.
+OVERWRITTEN = -1
+
+
 @dataclass(frozen=True)
 class SlotContent:
     group_id: int

@@ -6,8 +6,9 @@ when the check runs (``on``: the event of :mod:`properties.checks.state`, or
 ``boundary``/``lockstep``/``attention``/``determinism`` for the checks that are not
 invariants; ``answers`` is :mod:`properties.checks.answers` at the engine boundary), the
 label of the rule it guards in ``docs/spec.md``, and the optional engine capabilities it
-needs (``ref_counts``, ``free_queue``, ``cached_blocks``; ``shared_pool``: the groups
-share one block pool). A check whose capabilities the engine lacks does not run.
+needs (``ref_counts``, ``free_queue``, ``cached_blocks``, ``allocation_estimate``;
+``shared_pool``: the groups share one block pool). A check whose capabilities the
+engine lacks does not run.
 
 Worked example: ``CHECKS["hit_bounds"]`` runs on every lookup (``on="lookup"``), guards
 H1 and needs nothing; ``CHECKS["hit_maximality"]`` runs on every lookup only for engines
@@ -29,6 +30,7 @@ EVENTS = (
     "group_write",
     "allocate",
     "failed_allocation",
+    "commit",
     "free",
     "reset",
     "pool",
@@ -84,6 +86,19 @@ _REGISTRY: tuple[CheckInfo, ...] = (
     _check(inv.window_liveness, "group_write", "W3", "every key a token reads is live"),
     _check(inv.exclusive_write, "group_write", "I6", "a written block has one owner"),
     _check(inv.no_block_shared, "allocate", "I5", "no block twice in a request's table"),
+    _check(
+        inv.table_covers_slots,
+        "allocate",
+        "A5",
+        "a table holds exactly the blocks of the slots asked for (no stray blocks)",
+    ),
+    _check(
+        inv.estimate_matches_pulls,
+        "allocate",
+        "A4",
+        "the blocks an allocation estimates equal the blocks it pulls",
+        ["allocation_estimate", "shared_pool"],
+    ),
     _check(inv.external_hit_bounds, "external_load", "X1", "an external hit ends where a hit may"),
     _check(inv.external_load_exclusive, "external_load", "X2", "a loaded block has one owner"),
     _check(inv.failed_allocation, "failed_allocation", "A1", "None changes nothing"),
@@ -93,6 +108,13 @@ _REGISTRY: tuple[CheckInfo, ...] = (
         "A2",
         "an allocation that fits the free count does not fail",
         ["shared_pool"],
+    ),
+    _check(
+        inv.committed_blocks_verified,
+        "commit",
+        "C1",
+        "a committed block holds only the request's verified tokens (no rejected draft)",
+        ["cached_blocks"],
     ),
     _check(inv.freed_on_free, "free", "F1", "free() leaves no block behind"),
     _check(

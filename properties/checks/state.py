@@ -10,6 +10,7 @@ never change it. One event dataclass per moment a check can run:
   before that group's writes enter the shadow (so reads see the content before the step);
 * :class:`AllocateEvent`: after a successful ``allocate_slots``, once per request;
 * :class:`FailedAllocationEvent`: after ``allocate_slots`` returned ``None``;
+* :class:`CommitEvent`: after ``cache_blocks`` (the scheduler commits processed tokens);
 * :class:`FreeEvent`, :class:`ResetEvent`: after ``free`` and ``reset_prefix_cache``;
 * :class:`PoolEvent`: after every allocation and free, the pool as a whole.
 """
@@ -26,6 +27,7 @@ from properties.core.engine import (
     ExposesFreeQueue,
     ExposesRefCounts,
     KVCacheEngine,
+    ReportsAllocationEstimate,
 )
 from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
@@ -73,6 +75,7 @@ class CheckState:
         self.has_ref_counts = isinstance(engine, ExposesRefCounts)
         self.has_free_queue = isinstance(engine, ExposesFreeQueue)
         self.has_cached = isinstance(engine, ExposesCachedBlocks)
+        self.has_estimate = isinstance(engine, ReportsAllocationEstimate)
         self.alignment = layout.cache_hit_alignment
         #: the free count of the fresh engine: every block free or reclaimable
         self.initial_free = engine.num_free_blocks()
@@ -87,6 +90,7 @@ class CheckState:
             ("ref_counts", self.has_ref_counts),
             ("free_queue", self.has_free_queue),
             ("cached_blocks", self.has_cached),
+            ("allocation_estimate", self.has_estimate),
             ("shared_pool", self.shared_pool),
         )
         return frozenset(name for name, present in names if present)
@@ -168,8 +172,22 @@ class ExternalLoadEvent:
 
 @dataclass(frozen=True)
 class AllocateEvent:
+    """A successful ``allocate_slots`` of ``request``, whose table is now ``table``.
+
+    ``tables_before``: its table before the call (None: it held no blocks);
+    ``num_slots``: the slots the call asked for, ``computed + hit + external + new +
+    lookahead``; ``max_model_len``: the layout's (vLLM caps the slots there);
+    ``num_main``: the slots without lookahead (what a Mamba group allocates for);
+    ``estimate``: the engine's ``last_allocation_estimate()`` (None: not reported, or a
+    batched ``schedule_step`` item)."""
+
     request: TrackedRequest
     table: BlockIds
+    tables_before: BlockIds | None = None
+    num_slots: int = 0
+    num_main: int = 0
+    estimate: int | None = None
+    max_model_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -182,6 +200,14 @@ class FailedAllocationEvent:
     before: Snapshot
     tables_before: BlockIds | None
     num_slots: int = 0
+
+
+@dataclass(frozen=True)
+class CommitEvent:
+    """``cache_blocks(request, num_tokens)``: the scheduler committed processed tokens."""
+
+    request: TrackedRequest
+    num_tokens: int
 
 
 @dataclass(frozen=True)

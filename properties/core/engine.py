@@ -34,7 +34,9 @@ the lockstep compares it with the reference's per-request calls), ``CommitsSteps
 batched ``commit_step`` for the end of a step: the scheduler then hands it every scheduled
 request's computed tokens and new output token in one call), ``ExposesDataPlane``
 (the engine's own device block tables, slot mapping, paged caches and attention: the
-``attention`` property then runs through them instead of the harness's copies).
+``attention`` property then runs through them instead of the harness's copies),
+``ReportsAllocationEstimate`` (the number of blocks the last ``allocate_slots`` estimated
+it needed: A4 compares it with the blocks the call pulled from the free pool).
 
 Serving modes (:mod:`properties.core.modes`) need ``SupportsServingModes``:
 ``set_in_flight(id, num_in_flight_tokens, num_pending_tokens)`` (asynchronous
@@ -183,6 +185,23 @@ class ExposesFreeQueue(Protocol):
 class ExposesCachedBlocks(Protocol):
     def cached_blocks(self) -> list[CachedBlock]:
         """Every block currently registered in the prefix cache."""
+        ...
+
+
+@runtime_checkable
+class ReportsAllocationEstimate(Protocol):
+    def last_allocation_estimate(self) -> int | None:
+        """The blocks the last ``allocate_slots`` call estimated it needed: the figure it
+        compared with its free count (vLLM: what ``get_num_blocks_to_allocate`` returned),
+        an integer ``>= 0``. With ``full_sequence_must_fit`` it is the per-step estimate,
+        not the admission gate's whole-sequence one. ``None`` when the call computed no
+        per-step estimate (the admission gate refused it first).
+
+        Worked example (one full group, bs 4, a fresh request offered a 4-token hit on a
+        cached block nobody holds, 6 new tokens): 10 slots need 3 blocks; one is the hit,
+        evictable (it leaves the free queue when adopted), two are new: the estimate is
+        3, and the call then pulls those 3 blocks from the free pool.
+        """
         ...
 
 

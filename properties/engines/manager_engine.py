@@ -1,7 +1,7 @@
 """What the reference and optimized adapters share: both drive a request-level KV cache
 manager with the reference's API (``free``, ``reset_prefix_cache``, ``get_block_ids``,
-``get_num_free_blocks`` and a ``block_pool`` with ``ref_counts()`` and a
-``free_block_queue``), keep their requests by id and the hit of each lookup.
+``get_num_free_blocks``, ``last_num_blocks_to_allocate`` and a ``block_pool`` with
+``ref_counts()`` and a ``free_block_queue``), keep their requests by id and the hit of each lookup.
 
 A subclass sets ``name``, builds ``self.manager`` and fills ``self.requests`` and
 ``self._hits``; the calls below only delegate. Example: ``ReferenceEngine(layout)
@@ -65,3 +65,7 @@ class ManagerEngine:
 
     def free_queue(self) -> list[int]:
         return self.manager.block_pool.free_block_queue.block_ids()
+
+    def last_allocation_estimate(self) -> int | None:
+        """The manager's estimate in its last ``allocate_slots`` (``ReportsAllocationEstimate``)."""
+        return self.manager.last_num_blocks_to_allocate

@@ -53,6 +53,10 @@ Not bridged / differences
   vLLM's ``update_from_output`` calls for requests with placeholders), and
   ``allocate_slots(full_sequence_must_fit=True)`` is the admission gate with the
   per-group caps from ``max_in_flight_tokens``.
+* ``last_allocation_estimate`` (A4): the adapter wraps the ``get_num_blocks_to_allocate``
+  of its manager's coordinator (that instance only) and keeps what the per-step call of
+  ``allocate_slots`` returned (step 9 of vLLM's ``allocate_slots``; the gate's call with
+  ``apply_admission_cap=True`` is ignored).
 * vLLM's exact rules, with worked examples, are in ``docs/vllm-behaviour.md``.
 """
 
@@ -238,6 +242,22 @@ class VLLMEngine:
         self.requests: dict[str, Any] = {}
         self._hits: dict[str, tuple[CacheHit, Any]] = {}
         self._lora_ids: dict[str, int] = {}
+        self._estimate: int | None = None
+        self._record_estimates(self.manager.coordinator)
+
+    def _record_estimates(self, coordinator: Any) -> None:
+        """Wrap this coordinator's ``get_num_blocks_to_allocate`` (on the instance only) to
+        keep what it returns when ``allocate_slots`` asks for the step's blocks; the
+        admission gate's call (``apply_admission_cap=True``) is not kept."""
+        estimate = coordinator.get_num_blocks_to_allocate
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            need = estimate(*args, **kwargs)
+            if not kwargs.get("apply_admission_cap", False):
+                self._estimate = int(need)
+            return need
+
+        coordinator.get_num_blocks_to_allocate = recording
 
     # -- helpers -------------------------------------------------------------
     def _request(self, request_id: str) -> Any:
@@ -338,6 +358,7 @@ class VLLMEngine:
         args: tuple = (request_id, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
         if num_external_computed_tokens or delay_cache_blocks:
             args += (num_external_computed_tokens, delay_cache_blocks)
+        self._estimate = None
         new = _call(
             "allocate_slots",
             args,
@@ -389,6 +410,11 @@ class VLLMEngine:
         return int(self._pool.get_num_free_blocks())
 
     # -- optional capabilities (read from vLLM's BlockPool) ---------------------
+    def last_allocation_estimate(self) -> int | None:
+        """What vLLM's ``coordinator.get_num_blocks_to_allocate`` returned for the step in
+        the last ``allocate_slots`` (None: the admission gate refused it first)."""
+        return self._estimate
+
     def ref_counts(self) -> dict[int, int]:
         """``block_id -> ref_cnt`` for ids ``1 .. num_blocks - 1`` (null excluded)."""
         return {b.block_id: b.ref_cnt for b in self._pool.blocks[1:]}

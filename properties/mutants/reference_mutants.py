@@ -39,7 +39,7 @@ from reference.managers import (
 )
 from reference.managers.base import BlockList
 from reference.request import Request
-from reference.specs import KVCacheSpec
+from reference.specs import KVCacheSpec, cdiv
 
 ManagerClass = type[SingleTypeKVCacheManager]
 
@@ -501,6 +501,175 @@ def make_draft_rollback_ignored(layout: KVCacheLayout) -> MutantEngine:
     return RollbackIgnoredEngine(layout, mutated_manager(layout), "draft_rollback_ignored")
 
 
+class _EvictableHitsForgotten:
+    """Estimates a prefix hit's blocks as already held: the hit blocks that sit evictable
+    in the free queue (ref count 0), which adopting them takes out of it, are left out of
+    ``get_num_blocks_to_allocate``. Example (bs 4, a fresh request re-hitting its own
+    freed 8-token prefix, 4 new tokens): the estimate is 1 block, the call takes 3."""
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_tokens_main: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        held = [self.null_block] * len(new_computed_blocks)  # type: ignore[attr-defined]
+        return super().get_num_blocks_to_allocate(  # type: ignore[misc]
+            request_id,
+            num_tokens,
+            held,  # BUG: the hit's evictable blocks are not counted
+            total_computed_tokens,
+            num_tokens_main,
+            apply_admission_cap,
+        )
+
+
+class EvictableHitsForgottenFull(_EvictableHitsForgotten, FullAttentionManager):
+    pass
+
+
+class EvictableHitsForgottenSlidingWindow(_EvictableHitsForgotten, SlidingWindowManager):
+    pass
+
+
+class EvictableHitsForgottenChunked(_EvictableHitsForgotten, ChunkedLocalAttentionManager):
+    pass
+
+
+def make_estimate_without_evictable_hits(layout: KVCacheLayout) -> MutantEngine:
+    return _engine(
+        "estimate_without_evictable_hits",
+        layout,
+        managers={
+            FullAttentionManager: EvictableHitsForgottenFull,
+            SlidingWindowManager: EvictableHitsForgottenSlidingWindow,
+            ChunkedLocalAttentionManager: EvictableHitsForgottenChunked,
+        },
+    )
+
+
+class _HeldFromComputedTokens:
+    """Counts the blocks a running request holds from its computed tokens,
+    ``cdiv(num_computed_tokens, bs)``, instead of its table: the blocks it holds past them
+    (slots of rejected drafts, unused lookahead slots) are allocated again, appended
+    behind the ones it has. Example (bs 4): 3 drafts at 9 computed tokens take block 3
+    (positions 12..15); two are rejected (computed 11); the next step asks for 15 slots:
+    ``cdiv(15, 4) - cdiv(11, 4) = 1`` block more, a 5th block nobody will write."""
+
+    #: the computed tokens of the request being allocated (set by the manager below)
+    num_computed_tokens = 0
+
+    def _held(self, request_id: str) -> int:
+        return cdiv(self.num_computed_tokens, self.block_size)  # type: ignore[attr-defined]
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, *args, **kwargs) -> int:
+        need = super().get_num_blocks_to_allocate(  # type: ignore[misc]
+            request_id, num_tokens, *args, **kwargs
+        )
+        if request_id in self.num_cached_block:  # type: ignore[attr-defined]
+            # BUG: held blocks counted from the computed tokens
+            need = max(cdiv(num_tokens, self.block_size) - self._held(request_id), 0)  # type: ignore[attr-defined]
+        return need
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main: int):
+        if request_id not in self.num_cached_block:  # type: ignore[attr-defined]
+            return super().allocate_new_blocks(  # type: ignore[misc]
+                request_id, num_tokens, num_tokens_main
+            )
+        blocks = self.blocks_of(request_id)  # type: ignore[attr-defined]
+        num_new = cdiv(num_tokens, self.block_size) - self._held(request_id)  # type: ignore[attr-defined]
+        if num_new <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new)  # type: ignore[attr-defined]
+        blocks.extend(new_blocks)
+        return new_blocks
+
+
+class HeldFromComputedFull(_HeldFromComputedTokens, FullAttentionManager):
+    pass
+
+
+class HeldFromComputedSlidingWindow(_HeldFromComputedTokens, SlidingWindowManager):
+    pass
+
+
+class HeldFromComputedManager(KVCacheManager):
+    """Hands each allocation's computed tokens to its single-type managers."""
+
+    def allocate_slots(self, request: Request, *args, **kwargs):
+        for m in self.coordinator.managers:
+            m.num_computed_tokens = request.num_computed_tokens  # type: ignore[attr-defined]
+        return super().allocate_slots(request, *args, **kwargs)
+
+
+def make_rolled_back_slots_reallocated(layout: KVCacheLayout) -> MutantEngine:
+    return _engine(
+        "rolled_back_slots_reallocated",
+        layout,
+        manager_cls=HeldFromComputedManager,
+        managers={
+            FullAttentionManager: HeldFromComputedFull,
+            SlidingWindowManager: HeldFromComputedSlidingWindow,
+        },
+    )
+
+
+class RejectedDraftsCommittedEngine(MutantEngine):
+    """Commits (``cache_blocks``) up to the end its last step was allocated for, capped at
+    the known tokens, instead of the rolled-back count it is given: after a draft step
+    with rejections the block of the bonus token is registered although its slot still
+    holds a rejected draft's KV (the bonus token is computed only in the next step)."""
+
+    def __init__(self, layout: KVCacheLayout, manager: KVCacheManager, name: str) -> None:
+        super().__init__(layout, manager, name)
+        self._step_end: dict[str, int] = {}
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        hit=None,
+        num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ):
+        req = self._request(request_id)
+        start = req.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+        out = super().allocate_slots(
+            request_id,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hit,
+            num_lookahead_tokens,
+            full_sequence_must_fit,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+        )
+        if out is not None:
+            self._step_end[request_id] = start + num_new_tokens
+        return out
+
+    def cache_blocks(self, request_id: str, num_tokens: int) -> None:
+        req = self._request(request_id)
+        end = min(self._step_end.get(request_id, 0), req.num_tokens)
+        super().cache_blocks(request_id, max(num_tokens, end))  # BUG: the step's end
+
+    def free(self, request_id: str) -> None:
+        self._step_end.pop(request_id, None)
+        super().free(request_id)
+
+
+def make_rejected_drafts_committed(layout: KVCacheLayout) -> MutantEngine:
+    return RejectedDraftsCommittedEngine(
+        layout, mutated_manager(layout), "rejected_drafts_committed"
+    )
+
+
 def make_async_optimistic_free(layout: KVCacheLayout) -> MutantEngine:
     return _engine("async_optimistic_free", layout, manager_cls=OptimisticFreeManager)
 
@@ -945,7 +1114,9 @@ MUTANT_INFO: dict[str, MutantInfo] = {
         _info(
             make_external_window_not_skipped,
             "universal",
-            ["external_hit_bounds"],
+            # its estimate skips the window at local + external, its adoption at the
+            # local hit only: it takes more blocks than it estimated (A4)
+            ["external_hit_bounds", "estimate_matches_pulls"],
             "a hit with external tokens skips only the blocks out of the window at the "
             "local hit: the connector is asked to load out-of-window blocks the host tier "
             "does not hold",
@@ -966,6 +1137,29 @@ MUTANT_INFO: dict[str, MutantInfo] = {
             "delay_cache_blocks ignored: blocks of an asynchronous connector load are "
             "cached before the load completes",
             "attention",
+        ),
+        _info(
+            make_estimate_without_evictable_hits,
+            "universal",
+            ["estimate_matches_pulls"],
+            "allocation estimate leaves out the hit blocks that are evictable (adopting "
+            "them takes them out of the free queue)",
+        ),
+        _info(
+            make_rolled_back_slots_reallocated,
+            "universal",
+            ["table_covers_slots"],
+            "a running request's held blocks counted from its computed tokens: the slots "
+            "of rejected drafts and unused lookahead are allocated again",
+            "production",
+        ),
+        _info(
+            make_rejected_drafts_committed,
+            "universal",
+            ["committed_blocks_verified"],
+            "after a draft step, commits up to the step's end instead of the rolled-back "
+            "count: the bonus token's block is cached with a rejected draft's KV",
+            "production",
         ),
         _info(
             make_reset_while_held,
