@@ -814,20 +814,20 @@ def burst_ops(layout: KVCacheLayout, old: Arrive, first_id: int) -> tuple[Arrive
 
 def reload_ops(layout: KVCacheLayout, old: Arrive, first_id: int) -> tuple[Arrive, ...]:
     """Two arrivals from ``old`` for a KV connector (external hits): the first half of
-    its prompt's aligned blocks, then its whole prompt and 3 new tokens. Scheduled in one
-    step after the device cache was reset, the first computes the head on the device and
-    the second's hit combines that head with the rest of ``old``'s prompt from the host
-    tier. Example: alignment 4, a 21-token prompt (5 aligned blocks) -> 8 tokens, then
-    24. Nothing when the prompt has fewer than two aligned blocks."""
+    the aligned blocks of its prompt and output, then its prompt, output and 3 new
+    tokens (the next chat turn). Scheduled in one step after the device cache was reset,
+    the first computes the head on the device and the second's hit combines that head
+    with the rest of ``old``'s computed tokens from the host tier. Example: alignment 4,
+    a 17-token prompt and 4 output tokens (5 aligned blocks) -> 8 tokens, then 24.
+    Nothing when there are fewer than two aligned blocks."""
     unit = layout.cache_hit_alignment
-    blocks = (len(old.prompt) - 1) // unit
-    if blocks < 2 or len(old.prompt) + 3 > layout.max_model_len:
+    seen = old.prompt + old.output
+    blocks = (len(seen) - 1) // unit
+    if blocks < 2 or len(seen) + 3 > layout.max_model_len:
         return ()
-    head = Arrive(
-        f"r{first_id}", old.prompt[: blocks // 2 * unit], (), old.cache_salt, old.lora_name
-    )
-    whole = old.prompt + (1, 2, 3)
-    return (head, Arrive(f"r{first_id + 1}", whole, (), old.cache_salt, old.lora_name))
+    head = Arrive(f"r{first_id}", seen[: blocks // 2 * unit], (), old.cache_salt, old.lora_name)
+    turn = seen + (1, 2, 3)
+    return (head, Arrive(f"r{first_id + 1}", turn, (), old.cache_salt, old.lora_name))
 
 
 # ---------------------------------------------------------------------------

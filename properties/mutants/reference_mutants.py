@@ -1125,10 +1125,10 @@ MUTANT_INFO: dict[str, MutantInfo] = {
         _info(
             make_local_hit_dropped_on_external,
             "universal",
-            ["attention"],
+            ["window_liveness", "attention"],
             "with external tokens the device hit is taken as external too: fresh, never "
             "written blocks stand for the cached prefix",
-            "attention",
+            "production",
         ),
         _info(
             make_delay_cache_ignored,
@@ -1136,7 +1136,7 @@ MUTANT_INFO: dict[str, MutantInfo] = {
             ["attention", "exact_match"],
             "delay_cache_blocks ignored: blocks of an asynchronous connector load are "
             "cached before the load completes",
-            "attention",
+            "production",
         ),
         _info(
             make_estimate_without_evictable_hits,

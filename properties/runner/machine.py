@@ -428,18 +428,20 @@ class KVCacheMachine(RuleBasedStateMachine):
         refused; two blocks end up under one key).
 
         With a KV connector (external hits), every request first runs to its end (its
-        blocks go to the host tier), the device cache is reset, and the burst is
+        blocks go to the host tier) and the device cache is reset. Then either the burst
+        as above (the first request loads the cut prompt from the tier while the second
+        looks it up in the same step: blocks still loading must not be hit), or
         :func:`kvst.reload_ops` when the prompt has two aligned blocks: the second
         request's hit combines the first one's head on the device with the rest of the
-        earlier prompt from the tier, the case where device and tier blocks must agree
-        (otherwise the first request loads its cut prompt from the tier)."""
+        earlier prompt from the tier, the case where device and tier blocks must agree."""
         assert self.run is not None
         old = self.sent[data.draw(st.integers(0, len(self.sent) - 1), label="burst of")]
         ops = kvst.burst_ops(self.run.layout, old, self.next_id)
         if self.run.scheduler.host_tier is not None:
             self._drain()
             self._apply(ResetPrefixCache())
-            ops = kvst.reload_ops(self.run.layout, old, self.next_id) or ops
+            if data.draw(st.booleans(), label="reload"):
+                ops = kvst.reload_ops(self.run.layout, old, self.next_id) or ops
         for op in ops:
             self.next_id += 1
             self.sent.append(op)

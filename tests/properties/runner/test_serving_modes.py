@@ -12,6 +12,8 @@ from properties.mutants.reference_mutants import (
     make_async_optimistic_free,
     make_delay_cache_ignored,
     make_external_counted_twice,
+    make_external_window_not_skipped,
+    make_local_hit_dropped_on_external,
 )
 from properties.runner.config import CheckConfig
 from properties.runner.machine import TraceRun
@@ -239,3 +241,102 @@ def test_delay_cache_ignored_is_caught_exactly() -> None:
     run.apply(Arrive("r2", tuple(range(12)) + (60, 61), (4,)))
     with pytest.raises(PropertyViolation, match="exact_match"):
         run.apply(Step(64))
+
+
+# -- the host tier fed by detach and release; combined device + tier hits ----------------
+
+WINDOWED = KVCacheLayout(
+    (
+        KVCacheGroup(("l0",), FullAttentionSpec(block_size=4)),
+        KVCacheGroup(("l1",), SlidingWindowSpec(block_size=4, sliding_window=4)),
+    ),
+    num_blocks=40,
+    max_model_len=64,
+)
+
+
+def test_window_blocks_detach_to_the_tier_while_the_request_runs() -> None:
+    """Full + window w 4 (bs 4), a 16-token prompt computed in chunks of 8: after the
+    first chunk (8 processed, skip 8 - 4 + 1 = 5) window block 0 is detached; after the
+    second (16 processed, skip 13) blocks 1 and 2 as well. Nothing of the full group
+    enters before the request is freed."""
+    run = TraceRun(CheckConfig(level="exact"), WINDOWED, None, EXTERNAL)
+    tier = run.scheduler.host_tier
+    prompt = tuple(range(16))
+    run.apply(Arrive("r0", prompt, (1, 2)))
+    run.apply(Step(8))
+    assert [tier.holds(1, None, None, prompt, k) for k in range(4)] == [1, 0, 0, 0]
+    assert not any(tier.holds(0, None, None, prompt, k) for k in range(4))
+    run.apply(Step(8))
+    assert [tier.holds(1, None, None, prompt, k) for k in range(4)] == [1, 1, 1, 0]
+    assert len(tier) == 3
+    run.apply(Step(8))  # decodes position 16, then finishes at the next step
+    run.apply(Step(8))
+    assert not run.scheduler.requests  # freed: every full computed block is in the tier
+    seen = prompt + (1,)
+    assert all(tier.holds(0, None, None, seen, k) for k in range(4))
+    assert tier.holds(1, None, None, seen, 3)
+
+
+def _combined(factory=None, attention: bool = False) -> TraceRun:
+    """One full group bs 4: r0 (12 tokens) is offloaded when it finishes; the device cache
+    is reset; r1 puts the first block back on the device; r2 (r0's 12 tokens and 4 new)
+    then hits 4 tokens on the device and loads 8 from the tier."""
+    layout = _layout(FullAttentionSpec(block_size=4))
+    config = CheckConfig(level="universal", attention=attention)
+    run = TraceRun(config, layout, factory, EXTERNAL)
+    prompt = tuple(range(12))
+    run.apply(Arrive("r0", prompt, (1,)))
+    run.apply(Step(64))
+    run.apply(ResetPrefixCache())
+    run.apply(Arrive("r1", prompt[:4] + (90, 91, 92), (1,)))
+    run.apply(Step(64))
+    run.apply(Arrive("r2", prompt + (50, 51, 52, 53), (2, 3)))
+    return run
+
+
+def test_a_hit_combines_device_blocks_and_tier_blocks() -> None:
+    run = _combined(attention=True)
+    [item] = run.apply(Step(64)).scheduled
+    assert (item.hit_tokens, item.external_tokens, item.start) == (4, 8, 12)
+    run.apply(Step(64))  # the loaded and the device positions are read back: no mismatch
+
+
+def test_local_hit_dropped_on_external_is_caught() -> None:
+    run = _combined(make_local_hit_dropped_on_external)
+    with pytest.raises(PropertyViolation, match="window_liveness"):
+        run.apply(Step(64))
+
+
+def test_external_window_not_skipped_is_caught_by_the_estimate() -> None:
+    """Full + window w 4: r1 loads 16 tokens; the window needs only block 3 (skip 13),
+    the mutant allocates blocks 0..3 of the window group as well: 3 more than it
+    estimated (7: 4 + 1 blocks of the full group, 1 + 1 of the window group)."""
+    for factory, fails in ((None, False), (make_external_window_not_skipped, True)):
+        run = TraceRun(CheckConfig(level="universal"), WINDOWED, factory, EXTERNAL)
+        prompt = tuple(range(16))
+        run.apply(Arrive("r0", prompt, (1,)))
+        run.apply(Step(64))
+        run.apply(ResetPrefixCache())
+        run.apply(Arrive("r1", prompt + (50, 51, 52, 53), (2,)))
+        if fails:
+            with pytest.raises(PropertyViolation, match="estimated 7 blocks but took 10"):
+                run.apply(Step(64))
+        else:
+            [item] = run.apply(Step(64)).scheduled
+            assert (item.hit_tokens, item.external_tokens) == (0, 16)
+
+
+def test_x1_refuses_a_load_of_a_block_the_tier_does_not_hold() -> None:
+    """The same load, with the window group's block 3 evicted from the tier before r1
+    arrives: the tier then serves only 12 tokens (block 2 held: skip(12) = 9)."""
+    run = TraceRun(CheckConfig(level="universal"), WINDOWED, None, EXTERNAL)
+    prompt = tuple(range(16))
+    run.apply(Arrive("r0", prompt, (1,)))
+    run.apply(Step(64))
+    run.apply(ResetPrefixCache())
+    tier = run.scheduler.host_tier
+    del tier._keys[tier.key(1, None, None, prompt, 3)]
+    run.apply(Arrive("r1", prompt + (50, 51, 52, 53), (2,)))
+    [item] = run.apply(Step(64)).scheduled
+    assert (item.hit_tokens, item.external_tokens) == (0, 12)
