@@ -26,9 +26,11 @@ does:
   with Mamba groups (no speculative Mamba blocks are modelled).
 
 * ``external_hits`` (a KV connector over a host tier, :mod:`reference.host_tier`):
-  the scheduler owns a host tier that receives the computed prefix of every request it
-  frees (finished, preempted, aborted); a waiting request's device hit
-  (``get_computed_blocks``) is extended by the tokens the tier holds beyond it, passed
+  the scheduler owns a host tier that receives the blocks leaving the primary pool
+  (sliding-window and chunked-local blocks detached below the window, and every full
+  computed block of a request it frees); a waiting request's device hit
+  (``get_computed_blocks``) is extended by the tokens the tier holds beyond it (every
+  group must serve the combined hit), passed
   as ``allocate_slots(..., num_external_computed_tokens=e)``; the request then starts
   computing at ``hit + e``. Not drawn with Mamba groups (loaded Mamba states are not
   modelled). Engines opt in with the ``external`` production setting.
