@@ -414,13 +414,12 @@ def production_layouts(
         layout = dataclasses.replace(layout, max_in_flight_tokens=in_flight)
     if in_flight is not None:
         # a tight pool sized as vLLM sizes it: one request of max_model_len fits with
-        # its windowed groups at their admission bound, two do not; half the time
-        # exactly one (the edge where a cap that is not applied refuses a request the
-        # gate must admit)
+        # its windowed groups at their admission bound, two do not
         need = _blocks_one_request_needs(layout)
-        edge = max(5, need + 1)
-        pools = st.just(edge) | st.integers(edge, max(5, 2 * need + 2))
-        layout = dataclasses.replace(layout, num_blocks=draw(pools, label="pool"))
+        layout = dataclasses.replace(
+            layout,
+            num_blocks=draw(st.integers(max(5, need + 1), max(5, 2 * need + 2)), label="pool"),
+        )
     if eagle:
         flags = [draw(st.booleans(), label="is_eagle_group") for _ in layout.groups]
         layout = dataclasses.replace(

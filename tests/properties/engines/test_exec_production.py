@@ -16,13 +16,15 @@ import sys
 import pytest
 from hypothesis import settings
 
+from properties.checks.registry import PropertyViolation
 from properties.core.engine import (
     EngineError,
     RequestInput,
     SupportsServingModes,
     load_engine_factory,
 )
-from properties.core.modes import PRODUCTION_SETTINGS, production_settings
+from properties.core.modes import PRODUCTION_SETTINGS, ServingMode, production_settings
+from properties.core.trace import Arrive, ResetPrefixCache, Step
 from properties.engines.exec_engine import ExecEngineFactory, ExecProcess, ExecProtocolError
 from properties.engines.isolation import IsolatedFactory, wants_isolation
 from properties.engines.reference import make_engine
@@ -31,7 +33,7 @@ from properties.mutants.reference_mutants import MUTANT_INFO
 from properties.runner import profiles as _profiles  # noqa: F401 - registers the profiles
 from properties.runner.check import run_property
 from properties.runner.config import CheckConfig
-from properties.runner.machine import engine_factory
+from properties.runner.machine import TraceRun, engine_factory
 from properties.tools.bench.suite import detection_settings
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec
@@ -102,7 +104,31 @@ def test_isolated_adapter_is_driven_in_every_production_mode(tmp_path) -> None:
     )
 
 
-@pytest.mark.parametrize("name", ["async_optimistic_free", "external_counted_twice"])
+def test_isolated_external_mutant_is_caught_on_a_hand_trace(tmp_path) -> None:
+    """The external-hit mutant in a child process, on a trace that loads from the host
+    tier (r0 offloaded when it finishes, the device cache reset, r1 loads 12 tokens):
+    the keywords reach the child, whose double allocation differs from the reference.
+    Without the modes over exec, the child never saw the external tokens."""
+    info = MUTANT_INFO["external_counted_twice"]
+    config = CheckConfig(engine=info.target, level="exact", failure_dir=str(tmp_path))
+    factory = engine_factory(config)
+    assert isinstance(factory, IsolatedFactory)
+    layout = KVCacheLayout(
+        (KVCacheGroup(("l0",), FullAttentionSpec(block_size=4)),), num_blocks=32, max_model_len=64
+    )
+    run = TraceRun(config, layout, factory, ServingMode(external_hits=True))
+    try:
+        run.apply(Arrive("r0", tuple(range(12)), (1,)))
+        run.apply(Step(64))
+        run.apply(ResetPrefixCache())
+        run.apply(Arrive("r1", tuple(range(16)), (2,)))
+        with pytest.raises(PropertyViolation, match="exact_match"):
+            run.apply(Step(64))
+    finally:
+        factory.close()
+
+
+@pytest.mark.parametrize("name", ["async_optimistic_free"])
 def test_isolated_production_mutant_is_caught(name: str, tmp_path) -> None:
     """Without the modes over exec, the child ran the textbook mode only and passed."""
     info = MUTANT_INFO[name]

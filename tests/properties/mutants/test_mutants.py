@@ -32,16 +32,6 @@ CI_ESCAPES: dict[str, str] = {
         "in 9 (tests/properties/runner/test_serving_modes.py::"
         "test_delay_cache_ignored_is_caught_exactly)"
     ),
-    "external_window_not_skipped": (
-        "needs external tokens reaching past a sliding window; the ci stream's external "
-        "loads land in layouts and lengths where the window covers them "
-        "(test_serving_modes.py::test_external_window_not_skipped_is_caught_by_the_estimate)"
-    ),
-    "rejected_drafts_committed": (
-        "needs a rejected draft completing a block that is then committed; the ci stream "
-        "caught it at example 140 before the connector-mode bursts shifted it "
-        "(tests/properties/checks/test_allocation_estimate.py)"
-    ),
 }
 
 
