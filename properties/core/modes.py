@@ -41,6 +41,13 @@ does:
   which completes at the start of the next step (``cache_blocks(id, hit + e)``, then
   the request runs from ``hit + e``); an ``Abort`` during the load frees the blocks
   only once the load has completed.
+* ``load_failures`` (with ``async_loads``): a load can fail as a whole, as vLLM 0.33
+  handles a connector's failed receive with the ``recompute`` policy: at completion
+  the request's computed tokens go back to 0, its blocks are freed without being
+  cached (nothing of the load was written), and it waits again at the front of the
+  queue, to be looked up anew (a device hit may have appeared meanwhile). Whether a
+  load fails is a deterministic function of the request and its attempt
+  (:func:`load_fails`): a request's first load fails one time in two, a retry never.
 
 Engines opt in through the optional calls of
 :class:`properties.core.engine.SupportsServingModes`; the default mode
@@ -54,6 +61,7 @@ position 6 (computed 7, in flight 7), then step 1's output is processed (in flig
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from reference.errors import KVConformError
@@ -71,9 +79,16 @@ class ServingMode:
     num_draft_tokens: int = 0
     external_hits: bool = False
     async_loads: bool = False
+    load_failures: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("async_scheduling", "admission_gate", "external_hits", "async_loads"):
+        for name in (
+            "async_scheduling",
+            "admission_gate",
+            "external_hits",
+            "async_loads",
+            "load_failures",
+        ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise KVConformError(f"ServingMode.{name} must be a boolean, got {value!r}")
@@ -85,6 +100,11 @@ class ServingMode:
             )
         if self.async_loads and not self.external_hits:
             raise KVConformError("ServingMode.async_loads needs external_hits=True")
+        if self.load_failures and not self.async_loads:
+            raise KVConformError(
+                "ServingMode.load_failures needs async_loads=True (only asynchronous loads "
+                "can fail in this model)"
+            )
         if k and self.async_scheduling:
             raise KVConformError(
                 "ServingMode: drafts with asynchronous scheduling are not modelled; set "
@@ -103,7 +123,18 @@ class ServingMode:
             parts.append("external_hits")
         if self.async_loads:
             parts.append("async_loads")
+        if self.load_failures:
+            parts.append("load_failures")
         return " ".join(parts) or "sync"
+
+
+def load_fails(request_id: str, attempt: int) -> bool:
+    """Whether attempt ``attempt`` (0 first) of ``request_id``'s connector load fails in
+    the ``load_failures`` mode: the first one in one case out of two, by a ``sha256`` of
+    the request id (so traces replay), a retry never (so every request ends)."""
+    if attempt > 0:
+        return False
+    return hashlib.sha256(f"load:{request_id}".encode()).digest()[0] % 2 == 0
 
 
 #: The default mode (synchronous, ungated), for argument defaults.

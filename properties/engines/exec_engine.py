@@ -69,7 +69,13 @@ EXIT_GRACE_S = 5.0
 #: The optional calls an engine may announce in ``create``'s ``capabilities``
 #: (``serving_modes``: ``set_in_flight``, ``cache_blocks`` and the keywords of
 #: ``allocate_slots``; the external-hit keywords also need the ``external`` setting).
-CAPABILITIES = ("ref_counts", "free_queue", "cached_blocks", "serving_modes")
+CAPABILITIES = (
+    "ref_counts",
+    "free_queue",
+    "cached_blocks",
+    "serving_modes",
+    "allocation_estimate",
+)
 
 _STDERR_TAIL_BYTES = 4000
 _STDERR_TAIL_LINES = 20
@@ -653,7 +659,19 @@ class _ServingModes:
         )
 
 
+class _AllocationEstimate:
+    """:class:`properties.core.engine.ReportsAllocationEstimate` over the protocol: the
+    ``allocation_estimate`` capability (the answer is ``null`` or an integer)."""
+
+    def last_allocation_estimate(self) -> int | None:
+        result = self._call("last_allocation_estimate")
+        if result is None:
+            return None
+        return _int(result, "last_allocation_estimate()", self.process)
+
+
 _MIXINS = {
+    "allocation_estimate": _AllocationEstimate,
     "ref_counts": _RefCounts,
     "free_queue": _FreeQueue,
     "cached_blocks": _CachedBlocks,

@@ -41,6 +41,7 @@ from properties.core.engine import (
     ExposesFreeQueue,
     ExposesRefCounts,
     KVCacheEngine,
+    ReportsAllocationEstimate,
     RequestInput,
     SupportsServingModes,
     UnsupportedLayoutError,
@@ -142,6 +143,7 @@ class EngineServer:
                 ("free_queue", ExposesFreeQueue),
                 ("cached_blocks", ExposesCachedBlocks),
                 ("serving_modes", SupportsServingModes),
+                ("allocation_estimate", ReportsAllocationEstimate),
             )
             if isinstance(engine, proto)
         ]
@@ -227,6 +229,8 @@ class EngineServer:
             if not hasattr(counts, "items"):
                 raise TypeError(f"returned {counts!r}, not a mapping block id -> count")
             return [[_plain(b), _plain(c)] for b, c in counts.items()]
+        if call == "last_allocation_estimate" and isinstance(engine, ReportsAllocationEstimate):
+            return _plain(engine.last_allocation_estimate())
         if call == "free_queue" and isinstance(engine, ExposesFreeQueue):
             return _plain(engine.free_queue())
         if call == "cached_blocks" and isinstance(engine, ExposesCachedBlocks):

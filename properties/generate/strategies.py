@@ -632,15 +632,17 @@ def serving_modes() -> st.SearchStrategy[ServingMode]:
 
 def connector_modes() -> st.SearchStrategy[ServingMode]:
     """The attention property's modes: synchronous scheduling without a KV connector, or
-    with one over the host tier, loading synchronously or asynchronously (the content
-    that goes out to the tier and comes back is then checked through attention outputs;
+    with one over the host tier, loading synchronously or asynchronously, asynchronous
+    loads failing at times (the content that goes out to the tier and comes back, and
+    blocks of a failed load that must not be read, are then checked through attention
+    outputs;
     asynchronous scheduling and drafts are not drawn there: their pending tokens are not
     known when a step is planned); shrinks toward no connector."""
     return st.sampled_from(
         (
             ServingMode(),
             ServingMode(external_hits=True),
-            ServingMode(external_hits=True, async_loads=True),
+            ServingMode(external_hits=True, async_loads=True, load_failures=True),
         )
     )
 

@@ -1132,11 +1132,11 @@ MUTANT_INFO: dict[str, MutantInfo] = {
         ),
         _info(
             make_delay_cache_ignored,
-            "exact",
-            ["attention", "exact_match"],
+            "universal",
+            ["attention"],
             "delay_cache_blocks ignored: blocks of an asynchronous connector load are "
-            "cached before the load completes",
-            "production",
+            "cached before the load completes (read back with content that never arrived)",
+            "attention",
         ),
         _info(
             make_estimate_without_evictable_hits,

@@ -84,7 +84,8 @@ class RunStats:
 def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
     """The production modes a run exercises, for the counts ``kvconform check`` prints:
     ``retention=dense|sparse|interval``, ``eagle-drop``, ``lookahead-hashes``,
-    ``async``, ``admission-gate``, ``drafts``, ``external-hits``, ``async-loads``."""
+    ``async``, ``admission-gate``, ``drafts``, ``external-hits``, ``async-loads``,
+    ``load-failures``."""
     r = layout.prefix_cache_retention_interval
     tags = [f"retention={'dense' if r is None else 'sparse' if r == 0 else 'interval'}"]
     if layout.drop_eagle_group_ids:
@@ -101,6 +102,8 @@ def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
         tags.append("external-hits")
         if mode.async_loads:
             tags.append("async-loads")
+        if mode.load_failures:
+            tags.append("load-failures")
     return tags
 
 

@@ -60,6 +60,9 @@ Serving modes (:class:`properties.core.modes.ServingMode`):
   completes at the start of the next step (``on_load``, then ``cache_blocks(id, h +
   e)``), and the request joins the running ones. An ``Abort`` of a loading request is
   deferred until its load completes.
+* ``load_failures``: a load that fails (:func:`properties.core.modes.load_fails`) is not
+  copied in; the request's computed tokens go back to 0 and its blocks are freed
+  (:meth:`Scheduler._fail_load`), and it waits again at the front of the queue.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ from properties.core.engine import (
     SlotRequest,
     StepUpdate,
 )
-from properties.core.modes import SYNC, ServingMode
+from properties.core.modes import SYNC, ServingMode, load_fails
 from properties.core.trace import Abort, Arrive, Operation, Preempt, ResetPrefixCache, Step
 from reference.block_table import NULL_BLOCK_ID
 from reference.errors import KVConformError
@@ -110,6 +113,8 @@ class RequestState:
     loaded: tuple[int, int] | None = None
     #: external hits: per group, the leading blocks already detached to the host tier
     detached: list[int] = field(default_factory=list)
+    #: asynchronous loads started for this request (``load_failures``: a retry never fails)
+    num_load_attempts: int = 0
 
     @property
     def request_id(self) -> str:
@@ -364,9 +369,19 @@ class Scheduler:
         """Async loads: every load started in an earlier step completes now: its blocks
         are committed (``cache_blocks``) and the request runs, or, aborted during the
         load, is freed now."""
+        failed: list[str] = []
         for rid in self.loading:
             state = self.requests[rid]
             assert state.loaded is not None
+            attempt = state.num_load_attempts
+            state.num_load_attempts += 1
+            if self.mode.load_failures and load_fails(rid, attempt):
+                self._fail_load(state)
+                if state.release is not None:
+                    self._forget(rid)
+                else:
+                    failed.append(rid)
+                continue
             self._load(state, state.loaded[0], state.num_computed_tokens)
             self.engine.cache_blocks(rid, state.num_computed_tokens)
             if state.release is not None:
@@ -375,6 +390,17 @@ class Scheduler:
             else:
                 self.running.append(rid)
         self.loading = []
+        self.waiting[0:0] = failed
+
+    def _fail_load(self, state: RequestState) -> None:
+        """``load_failures``: the whole load failed (vLLM's failed receive, ``recompute``
+        policy): computed tokens back to 0, the blocks freed uncached (nothing of the load
+        was written, so nothing is offloaded either); the caller queues it again."""
+        state.num_computed_tokens = 0
+        self.engine.set_num_computed_tokens(state.request_id, 0)
+        state.loaded = None
+        self._free(state)
+        state.holds_blocks = False
 
     def _victim(self, current: int) -> str | None:
         """The request to preempt: the newest running one (asynchronous scheduling: the

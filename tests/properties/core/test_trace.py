@@ -129,6 +129,7 @@ def test_small_trace_json_is_the_documented_encoding():
             "num_draft_tokens": 0,
             "external_hits": False,
             "async_loads": False,
+            "load_failures": False,
         },
         "operations": [
             {
@@ -351,6 +352,7 @@ def test_production_fields_and_mode_round_trip():
         "num_draft_tokens": 0,
         "external_hits": True,
         "async_loads": False,
+        "load_failures": False,
     }
     assert data["layout"]["prefix_cache_retention_interval"] == 0
     back = trace_from_json(json.loads(json.dumps(data)))

@@ -172,6 +172,7 @@ def _serving_mode_calls(engine) -> list:
     hit = engine.get_computed_blocks("r1")
     seen.append(engine.allocate_slots("r1", 4, 4, hit, 0))
     seen.append(engine.ref_counts())
+    seen.append(engine.last_allocation_estimate())
     return seen
 
 
@@ -185,6 +186,9 @@ def test_serving_mode_calls_reach_the_child_and_act_as_in_process() -> None:
     # nothing cached until the delayed load completes; the gate refuses what fits anyway
     assert served[1] == [] and served[2] == [2, 4]
     assert served[6] is None and served[7] == 3 and served[8] == ((5, 6),)
+    # the last allocation: 8 slots (bs 2) need 4 blocks, 2 are r0's hit (held, so not
+    # taken from the free pool): estimate 2, reported over the protocol (A4)
+    assert served[10] == 2
 
 
 def make_engine_without_settings(layout: KVCacheLayout):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from properties.checks.registry import PropertyViolation
-from properties.core.modes import ServingMode
+from properties.core.modes import ServingMode, load_fails
 from properties.core.trace import Abort, Arrive, ResetPrefixCache, Step
 from properties.mutants.reference_mutants import (
     make_async_optimistic_free,
@@ -340,3 +340,43 @@ def test_x1_refuses_a_load_of_a_block_the_tier_does_not_hold() -> None:
     run.apply(Arrive("r1", prompt + (50, 51, 52, 53), (2,)))
     [item] = run.apply(Step(64)).scheduled
     assert (item.hit_tokens, item.external_tokens) == (0, 12)
+
+
+FAILING_LOADS = ServingMode(external_hits=True, async_loads=True, load_failures=True)
+
+
+def _failing_load(factory=None) -> TraceRun:
+    """r0 (12 tokens) is offloaded when it finishes, the device cache is reset; r2 (r0's
+    12 tokens and 4 new; ``load_fails("r2", 0)``: its first load fails) loads 12
+    external tokens asynchronously."""
+    assert load_fails("r2", 0) and not load_fails("r2", 1)
+    layout = _layout(FullAttentionSpec(block_size=4))
+    run = TraceRun(CheckConfig(level="exact", attention=True), layout, factory, FAILING_LOADS)
+    run.apply(Arrive("r0", tuple(range(12)), (1,)))
+    run.apply(Step(64))
+    run.apply(ResetPrefixCache())
+    run.apply(Arrive("r2", tuple(range(12)) + (50, 51, 52, 53), (2,)))
+    assert not run.apply(Step(64)).scheduled  # admitted as loading: 3 blocks
+    return run
+
+
+def test_a_failed_load_frees_its_blocks_and_the_retry_loads_again() -> None:
+    run = _failing_load()
+    free_while_loading = run.lockstep.num_free_blocks()
+    rec = run.apply(Step(64))  # the load fails: freed, looked up again, loading again
+    assert not rec.scheduled and run.scheduler.loading == ["r2"]
+    state = run.scheduler.requests["r2"]
+    assert state.num_load_attempts == 1 and state.num_computed_tokens == 12
+    assert run.lockstep.num_free_blocks() == free_while_loading  # the same 3 blocks again
+    [item] = run.apply(Step(64)).scheduled  # the retry completes: 12 loaded, 4 computed
+    assert (item.hit_tokens, item.external_tokens, item.start, item.num_tokens) == (0, 12, 12, 4)
+
+
+def test_delay_cache_ignored_is_caught_after_a_failed_load() -> None:
+    """The mutant cached the loading blocks at allocation: after the failure they stay
+    cached with content that never arrived, the retry hits them on the device and reads
+    them."""
+    run = _failing_load(make_delay_cache_ignored)
+    with pytest.raises(PropertyViolation, match="exact_match|attention"):
+        run.apply(Step(64))
+        run.apply(Step(64))
