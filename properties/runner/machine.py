@@ -368,7 +368,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         if not self.run.supports_serving_modes():
             return SYNC
         if "external" not in production_settings(self.factory):
-            mode = dataclasses.replace(mode, external_hits=False, async_loads=False)
+            mode = dataclasses.replace(
+                mode, external_hits=False, async_loads=False, load_failures=False
+            )
         return mode
 
     def _apply(self, op: Operation) -> None:

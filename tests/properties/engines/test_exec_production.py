@@ -299,3 +299,15 @@ def test_engine_declaring_nothing_is_never_sent_the_new_calls(
     assert {args for call, args in sent if call == "allocate_slots"} == {
         frozenset(TEXTBOOK_ALLOCATE)
     }
+
+
+def test_connector_modes_are_dropped_for_an_engine_without_the_external_setting() -> None:
+    """The attention property draws connector modes (failing loads among them) for every
+    engine; one with the serving calls but no ``external`` setting runs them as the
+    plain synchronous mode, never with a load (a mode kept half would be invalid)."""
+    config = CheckConfig(engine="reference", level="universal")
+    result = run_property("attention", config, _settings(30), None, make_engine_without_settings)
+    assert result.failure is None, result.failure
+    assert result.examples > 0
+    assert result.modes is not None
+    assert not {"external-hits", "async-loads", "load-failures"} & set(result.modes)
