@@ -28,11 +28,21 @@ from properties.tools.bench.suite import DETECTION_EXAMPLES, detection_settings,
 CI_ESCAPES: dict[str, str] = {
     "delay_cache_ignored": (
         "needs a request that reads blocks of an asynchronous load which never completed "
-        "(a failed load, or a same-step hit); `kvconform check --only attention` catches it "
-        "at example 59 of its ci stream, this process's stream (other modules loaded) "
-        "draws no such case (tests/properties/runner/test_serving_modes.py::"
+        "(a failed load, or a same-step hit); the attention stream's 74 examples draw "
+        "none (tests/properties/runner/test_serving_modes.py::"
         "test_delay_cache_ignored_is_caught_after_a_failed_load, "
         "test_delay_cache_ignored_is_caught_exactly)"
+    ),
+    "admission_cap_ignored": (
+        "needs the admission gate, a windowed group with a cap, and a request whose whole "
+        "sequence fits the free pool capped but not uncapped; the production stream's 219 "
+        "examples draw none since the stream no longer depends on the modules loaded "
+        "(test_serving_modes.py::test_admission_cap_ignored_is_caught_exactly)"
+    ),
+    "mamba_leftmost": (
+        "needs a Mamba hit with two cached states in range; the invariants stream's 231 "
+        "examples draw none since the stream no longer depends on the modules loaded "
+        "(test_serving_modes.py::test_mamba_leftmost_is_caught_by_hit_maximality)"
     ),
 }
 

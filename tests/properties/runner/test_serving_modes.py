@@ -9,16 +9,18 @@ from properties.checks.registry import PropertyViolation
 from properties.core.modes import ServingMode, load_fails
 from properties.core.trace import Abort, Arrive, ResetPrefixCache, Step
 from properties.mutants.reference_mutants import (
+    make_admission_cap_ignored,
     make_async_optimistic_free,
     make_delay_cache_ignored,
     make_external_counted_twice,
     make_external_window_not_skipped,
     make_local_hit_dropped_on_external,
+    make_mamba_leftmost,
 )
 from properties.runner.config import CheckConfig
 from properties.runner.machine import TraceRun
 from reference.layout import KVCacheGroup, KVCacheLayout
-from reference.specs import FullAttentionSpec, SlidingWindowSpec
+from reference.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 ASYNC = ServingMode(async_scheduling=True)
 
@@ -380,3 +382,47 @@ def test_delay_cache_ignored_is_caught_after_a_failed_load() -> None:
     with pytest.raises(PropertyViolation, match="exact_match|attention"):
         run.apply(Step(64))
         run.apply(Step(64))
+
+
+def test_admission_cap_ignored_is_caught_exactly() -> None:
+    """SWA w 4, bs 2, IFT 4 (cap cdiv(min(3 + 4, 64), 2) + 1 = 5 blocks), 7 blocks (6
+    free), the gate on: a 20-token request needs 10 blocks uncapped, 5 capped, so the
+    gate admits it and its first chunk of 4 tokens takes 2 blocks; the mutant (no cap)
+    refuses it."""
+    layout = _layout(SlidingWindowSpec(block_size=2, sliding_window=4), 7, max_in_flight_tokens=4)
+    gate = ServingMode(admission_gate=True)
+    ok = _run(layout, gate)
+    ok.apply(Arrive("r0", tuple(range(20)), ()))
+    assert [s.num_tokens for s in ok.apply(Step(4)).scheduled] == [4]
+    bad = _run(layout, gate, factory=make_admission_cap_ignored)
+    bad.apply(Arrive("r0", tuple(range(20)), ()))
+    with pytest.raises(PropertyViolation, match="exact_match"):
+        bad.apply(Step(4))
+
+
+def test_mamba_leftmost_is_caught_by_hit_maximality() -> None:
+    """Full + Mamba (bs 4): r0's 13-token prompt is computed 4 tokens a step, so states are
+    cached at 4, 8 and 12; r1 (the same 13 tokens and 3 more) hits 12 tokens (the
+    rightmost state at most 15). The mutant returns the leftmost state: a hit of 4 while
+    12 is servable."""
+    layout = KVCacheLayout(
+        (
+            KVCacheGroup(("l0",), FullAttentionSpec(block_size=4)),
+            KVCacheGroup(("l1",), MambaSpec(block_size=4)),
+        ),
+        num_blocks=40,
+        max_model_len=64,
+    )
+    prompt = tuple(range(13))
+    for factory in (None, make_mamba_leftmost):
+        run = TraceRun(CheckConfig(level="universal"), layout, factory)
+        run.apply(Arrive("r0", prompt, (1,)))
+        for _ in range(5):
+            run.apply(Step(4))
+        run.apply(Arrive("r1", prompt + (1, 7, 7), (2,)))
+        if factory is None:
+            [item] = run.apply(Step(64)).scheduled
+            assert (item.hit_tokens, item.num_tokens) == (12, 4)
+        else:
+            with pytest.raises(PropertyViolation, match="hit 4 tokens, but every group can"):
+                run.apply(Step(64))
