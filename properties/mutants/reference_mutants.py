@@ -795,6 +795,20 @@ def make_local_hit_dropped_on_external(layout: KVCacheLayout) -> MutantEngine:
     return _engine("local_hit_dropped_on_external", layout, manager_cls=LocalHitDroppedManager)
 
 
+class AdmissionGateIgnoredManager(KVCacheManager):
+    """Drops ``full_sequence_must_fit`` (a refactor that lost the argument): a request is
+    admitted when its first chunk fits, although its whole sequence does not, and is
+    preempted later in the middle of its prefill."""
+
+    def allocate_slots(self, *args, **kwargs):
+        kwargs.pop("full_sequence_must_fit", None)  # BUG: the admission gate is never applied
+        return super().allocate_slots(*args, **kwargs)
+
+
+def make_admission_gate_ignored(layout: KVCacheLayout) -> MutantEngine:
+    return _engine("admission_gate_ignored", layout, manager_cls=AdmissionGateIgnoredManager)
+
+
 def make_admission_cap_ignored(layout: KVCacheLayout) -> MutantEngine:
     return _engine("admission_cap_ignored", layout, manager_cls=UncappedAdmissionManager)
 
@@ -1094,6 +1108,14 @@ MUTANT_INFO: dict[str, MutantInfo] = {
             "exact",
             ["exact_match", "EngineError"],
             "rejected draft tokens are not rolled back (the optimistic count stays)",
+            "production",
+        ),
+        _info(
+            make_admission_gate_ignored,
+            "exact",
+            ["exact_match"],
+            "full_sequence_must_fit dropped: a request whose whole sequence does not fit is "
+            "admitted on its first chunk",
             "production",
         ),
         _info(

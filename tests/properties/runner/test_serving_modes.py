@@ -10,6 +10,7 @@ from properties.core.modes import ServingMode, load_fails
 from properties.core.trace import Abort, Arrive, ResetPrefixCache, Step
 from properties.mutants.reference_mutants import (
     make_admission_cap_ignored,
+    make_admission_gate_ignored,
     make_async_optimistic_free,
     make_delay_cache_ignored,
     make_external_counted_twice,
@@ -426,3 +427,13 @@ def test_mamba_leftmost_is_caught_by_hit_maximality() -> None:
         else:
             with pytest.raises(PropertyViolation, match="hit 4 tokens, but every group can"):
                 run.apply(Step(64))
+
+
+def test_admission_gate_ignored_is_caught_exactly() -> None:
+    """Full bs 2, 7 blocks (6 free), the gate on: a 20-token request needs 10 blocks
+    whole, so the reference refuses it; the mutant admits its first chunk (2 blocks)."""
+    layout = _layout(FullAttentionSpec(block_size=2), num_blocks=7)
+    run = _run(layout, ServingMode(admission_gate=True), factory=make_admission_gate_ignored)
+    run.apply(Arrive("r0", tuple(range(20)), ()))
+    with pytest.raises(PropertyViolation, match="exact_match"):
+        run.apply(Step(4))
