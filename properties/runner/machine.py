@@ -291,6 +291,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.run: TraceRun | None = None
+        #: an operation of this run failed (the teardown then adds none)
+        self.failed = False
         self.next_id = 0
         self.pool: tuple[tuple[int, ...], ...] = ()
         self.sent: list[Arrive] = []
@@ -380,8 +382,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         stats = type(self).stats
         try:
             record = self._guard(lambda: self.run.apply(op))
-        except Exception as exc:
-            if stats.first_failure is None:
+        except BaseException as exc:
+            self.failed = True
+            if isinstance(exc, Exception) and stats.first_failure is None:
                 stats.first_failure = (
                     stats.steps + 1,
                     stats.examples,
@@ -399,9 +402,33 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.reach.observe(record, self.run)
 
     def teardown(self) -> None:
-        """Guide the search (``hypothesis.target``) toward runs that stress the pool."""
-        if self.run is not None:
-            self.reach.report(self.run.layout)
+        """With a KV connector, end the run with a reload from the host tier
+        (:meth:`_reload_at_end`); then guide the search (``hypothesis.target``) toward
+        runs that stress the pool."""
+        if self.run is None:
+            return
+        if not self.failed and self.run.scheduler.host_tier is not None and self.sent:
+            self._reload_at_end()
+        self.reach.report(self.run.layout)
+
+    def _reload_at_end(self) -> None:
+        """Connector modes: every run ends by loading from the host tier, whatever rules
+        were drawn (nothing is drawn here, so the example stream is unchanged): every
+        request runs to its end (its blocks go to the tier), the device cache is reset,
+        and the longest request sent comes back as :func:`kvst.reload_ops` (its head on
+        the device, the rest from the tier), or whole from the tier when it has fewer
+        than two aligned blocks; then everything runs to its end. The operations are part
+        of the trace, so a failure replays."""
+        assert self.run is not None
+        self._drain()
+        self._apply(ResetPrefixCache())
+        old = max(self.sent, key=lambda op: len(op.prompt) + len(op.output))
+        again = dataclasses.replace(old, request_id=f"r{self.next_id}", output=())
+        for op in kvst.reload_ops(self.run.layout, old, self.next_id) or (again,):
+            self.next_id += 1
+            self.sent.append(op)
+            self._apply(op)
+        self._drain()
 
     @rule(data=st.data())
     def arrive(self, data: st.DataObject) -> None:

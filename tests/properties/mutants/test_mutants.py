@@ -33,12 +33,6 @@ CI_ESCAPES: dict[str, str] = {
         "test_delay_cache_ignored_is_caught_after_a_failed_load, "
         "test_delay_cache_ignored_is_caught_exactly)"
     ),
-    "admission_cap_ignored": (
-        "needs the admission gate, a windowed group with a cap, and a request whose whole "
-        "sequence fits the free pool capped but not uncapped; the production stream's 219 "
-        "examples draw none since the stream no longer depends on the modules loaded "
-        "(test_serving_modes.py::test_admission_cap_ignored_is_caught_exactly)"
-    ),
     "mamba_leftmost": (
         "needs a Mamba hit with two cached states in range; the invariants stream's 231 "
         "examples draw none since the stream no longer depends on the modules loaded "
