@@ -265,17 +265,23 @@ class BlockPool:
         ids = ids[ids != NULL_BLOCK_ID]
         if ids.size == 0:
             return
-        self.ref_cnt[ids] -= 1
-        after = self.ref_cnt[ids]
-        if (after < 0).any():
-            bad = int(ids[after < 0][0])
-            raise KVConformError(f"block {bad} freed more often than allocated")
+        after = self._drop_references(ids)
         zero = ids[after == 0]
         if zero.size == 0:
             return
         hashed = self.block_group[zero] >= 0
         self.free_block_queue.prepend_n(zero[~hashed])
         self.free_block_queue.append_n(zero[hashed])
+
+    def _drop_references(self, ids: np.ndarray) -> np.ndarray:
+        """One reference less for each of ``ids`` (distinct, non-null); their counts after.
+        A count below 0 raises (a block freed more often than allocated)."""
+        self.ref_cnt[ids] -= 1
+        after = self.ref_cnt[ids]
+        if (after < 0).any():
+            bad = int(ids[after < 0][0])
+            raise KVConformError(f"block {bad} freed more often than allocated")
+        return after
 
     def free_block(self, block_id: int) -> None:
         """:meth:`free_blocks` of one block (a window dropping one block in a decode step):
@@ -308,11 +314,7 @@ class BlockPool:
         ids, which = ids[real], which[real]
         if ids.size == 0:
             return
-        self.ref_cnt[ids] -= 1
-        after = self.ref_cnt[ids]
-        if (after < 0).any():
-            bad = int(ids[after < 0][0])
-            raise KVConformError(f"block {bad} freed more often than allocated")
+        after = self._drop_references(ids)
         zero = after == 0
         ids, which = ids[zero], which[zero]
         if ids.size == 0:

@@ -13,6 +13,8 @@ alignment is 4 may hit 0, 4 or 8 tokens; a hit of 9 is reported as
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from properties.checks.oracles import brute_force_longest_hit, missing_context
 from properties.checks.state import (
     AllocateEvent,
@@ -212,18 +214,25 @@ def external_hit_bounds(state: CheckState, event: ExternalLoadEvent) -> str | No
     tier = state.host_tier
     if tier is None:
         return None
-    for gid, row in enumerate(event.table):
-        gbs = state.layout.groups[gid].spec.block_size
-        for col in range(event.start // gbs, min(cdiv(event.end, gbs), len(row))):
-            if row[col] == 0:
-                continue
-            if not tier.holds(gid, req.cache_salt, req.lora_name, req.token_ids, col):
-                return (
-                    f"request {req.request_id!r}: external tokens [{event.start}, "
-                    f"{event.end}) put block {row[col]} at index {col} of group {gid}, a "
-                    "block the connector must load but the host tier does not hold"
-                )
+    for gid, col, block in _loaded_blocks(state, event):
+        if not tier.holds(gid, req.cache_salt, req.lora_name, req.token_ids, col):
+            return (
+                f"request {req.request_id!r}: external tokens [{event.start}, "
+                f"{event.end}) put block {block} at index {col} of group {gid}, a "
+                "block the connector must load but the host tier does not hold"
+            )
     return None
+
+
+def _loaded_blocks(state: CheckState, event: ExternalLoadEvent) -> Iterator[tuple[int, int, int]]:
+    """``(group, index, block)`` of every block a connector loads external tokens into:
+    the non-null entries of the table over ``[start, end)`` (null ones, below a sliding
+    window, are not loaded)."""
+    for gid, row in enumerate(event.table):
+        bs = state.layout.groups[gid].spec.block_size
+        for col in range(event.start // bs, min(cdiv(event.end, bs), len(row))):
+            if row[col] != 0:
+                yield gid, col, row[col]
 
 
 def external_load_exclusive(state: CheckState, event: ExternalLoadEvent) -> str | None:
@@ -231,21 +240,15 @@ def external_load_exclusive(state: CheckState, event: ExternalLoadEvent) -> str 
     request only (I6 for loads: a load never overwrites a block another request holds,
     which a double allocation across groups would do). Null entries (positions below a
     sliding window) are not loaded."""
-    for gid, row in enumerate(event.table):
-        bs = state.layout.groups[gid].spec.block_size
-        columns = range(event.start // bs, min(cdiv(event.end, bs), len(row)))
-        for col in columns:
-            block = row[col]
-            if block == 0:
-                continue
-            for other, otable in event.others.items():
-                groups = range(len(otable)) if state.shared_pool else [gid]
-                if any(block in otable[g] for g in groups):
-                    return (
-                        f"request {event.request.request_id!r} loads external tokens into "
-                        f"block {block} (group {gid}, index {col}) that request {other!r} "
-                        "also holds"
-                    )
+    for gid, col, block in _loaded_blocks(state, event):
+        for other, otable in event.others.items():
+            groups = range(len(otable)) if state.shared_pool else [gid]
+            if any(block in otable[g] for g in groups):
+                return (
+                    f"request {event.request.request_id!r} loads external tokens into "
+                    f"block {block} (group {gid}, index {col}) that request {other!r} "
+                    "also holds"
+                )
     return None
 
 

@@ -72,6 +72,20 @@ class LockstepEngine:
             f"{observed!r}",
         )
 
+    def _compare_allocation(
+        self, what: str, expected: BlockIds | None, result: BlockIds | None
+    ) -> None:
+        """The engine's answer to an allocation equals the reference's: both None, or the
+        same new block ids."""
+        if (expected is None) != (result is None):
+            self._diverge(
+                what,
+                "None" if expected is None else _ids(expected),
+                "None" if result is None else _ids(result),
+            )
+        if expected is not None and _ids(expected) != _ids(result):
+            self._diverge(f"new blocks of {what}", _ids(expected), _ids(result))
+
     def _compare_state(self, after: str, request_id: str | None) -> None:
         if self.reference is None:
             return
@@ -215,14 +229,7 @@ class LockstepEngine:
                 num_lookahead_tokens,
                 **gate,
             )
-            if (expected is None) != (result is None):
-                self._diverge(
-                    what,
-                    "None" if expected is None else _ids(expected),
-                    "None" if result is None else _ids(result),
-                )
-            if expected is not None and _ids(expected) != _ids(result):
-                self._diverge(f"new blocks of {what}", _ids(expected), _ids(result))
+            self._compare_allocation(what, expected, result)
         self.checker.on_allocate(
             request_id,
             num_new_tokens,
@@ -308,14 +315,7 @@ class LockstepEngine:
                 expected = self.reference.allocate_slots(
                     item.request_id, item.num_new_tokens, 0, None, item.num_lookahead_tokens
                 )
-                if (expected is None) != (result is None):
-                    self._diverge(
-                        call,
-                        "None" if expected is None else _ids(expected),
-                        "None" if result is None else _ids(result),
-                    )
-                if expected is not None and _ids(expected) != _ids(result):
-                    self._diverge(f"new blocks of {call}", _ids(expected), _ids(result))
+                self._compare_allocation(call, expected, result)
         taken = 0  # blocks the earlier items of the batch got: a lower bound of the free
         for item, result in zip(items, results):  # count each later item met (A2)
             self.checker.on_allocate(
