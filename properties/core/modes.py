@@ -166,4 +166,3 @@ def production_settings(factory: object) -> frozenset[str]:
 
 #: The keywords of ``allocate_slots`` that belong to the ``external`` production setting.
 EXTERNAL_KEYWORDS: tuple[str, ...] = ("num_external_computed_tokens", "delay_cache_blocks")
-
