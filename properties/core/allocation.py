@@ -79,7 +79,7 @@ class Allocation:
         return (
             f"allocate_slots({self.request_id!r}, num_new_tokens={self.num_new_tokens}, "
             f"num_new_computed_tokens={self.num_new_computed_tokens}, "
-            f"num_lookahead_tokens={self.num_lookahead_tokens}{modes})"
+            f"num_lookahead_tokens={self.num_lookahead_tokens}" + modes + ")"
         )
 
 
