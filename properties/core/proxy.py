@@ -21,7 +21,7 @@ reference's ref counts; ``EngineProxy(ReferenceEngine(layout))`` has no ``ref_co
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar
 
 from properties.core.allocation import Allocation, TakesAllocations, allocate
 from properties.core.engine import (
@@ -124,7 +124,7 @@ class EngineProxy(TakesAllocations):
         self.inner = inner
 
     @classmethod
-    def around(cls, inner: Any, *args: Any, **kwargs: Any) -> Self:
+    def around(cls, inner: Any, *args: Any, **kwargs: Any) -> EngineProxy:
         """``cls(inner, *args, **kwargs)`` offering exactly ``inner``'s optional
         capabilities (the mixins of :attr:`CAPABILITIES` whose protocol it implements)."""
         mixins = tuple(mixin for protocol, mixin in cls.CAPABILITIES if isinstance(inner, protocol))
