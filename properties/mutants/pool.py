@@ -3,7 +3,8 @@
 
 Worked example, ``evict_in_use``: ``touch`` revives a cached free block (ref count 0 ->
 1) but leaves it in the free queue; the next allocation that evicts from the front
-hands out the block the request still holds: ``pool_accounting`` reports it.
+can hand out the block the request still holds: ``pool_accounting`` and
+``free_queue_contents`` report it.
 """
 
 from __future__ import annotations

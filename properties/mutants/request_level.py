@@ -2,7 +2,7 @@
 :class:`reference.kv_cache_manager.KVCacheManager` or :class:`reference.request.Request`
 (block hashes, the lookup cap, the order of frees, failed allocations).
 
-Worked example, ``no_hit_cap``: a 8-token prompt whose two blocks (bs 4) are cached is
+Worked example, ``no_hit_cap``: an 8-token prompt whose two blocks (bs 4) are cached is
 looked up again; the reference caps the lookup at ``8 - 1`` tokens (hit 4, one block),
 so one token is left to compute the logits; the mutant hits all 8: ``hit_bounds``.
 """

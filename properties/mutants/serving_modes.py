@@ -2,11 +2,10 @@
 bug in what asynchronous scheduling, drafts, the admission gate or a KV connector's
 external hits need (caught by the ``production`` property, one by ``attention``).
 
-Worked example, ``admission_gate_ignored``: a pool of 8 free blocks (bs 4), a waiting
-request of 40 tokens with a first chunk of 8: the gate (``full_sequence_must_fit``)
-needs 10 blocks and refuses it; the mutant drops the keyword, admits it on its 2 blocks
-and must preempt it in the middle of its prefill: the reference disagrees
-(``exact_match``).
+Worked example, ``admission_gate_ignored``: 8 free blocks (bs 4), a waiting request of
+40 tokens whose first chunk is 8: the gate (``full_sequence_must_fit``) needs 10 blocks,
+so the reference returns None; the mutant drops the keyword and returns the chunk's 2
+blocks (``exact_match``).
 """
 
 from __future__ import annotations
