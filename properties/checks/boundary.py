@@ -36,7 +36,9 @@ from properties.core.engine import (
     ExposesRefCounts,
     KVCacheEngine,
     PlansSteps,
+    PoolUsage,
     ReportsAllocationEstimate,
+    ReportsPools,
     RequestInput,
     SlotRequest,
     SupportsServingModes,
@@ -298,6 +300,12 @@ class _AllocationEstimate:
         return answers.check_estimate(f"{self.name}: {what}", raw)
 
 
+class _Pools:
+    def pool_usage(self) -> tuple[PoolUsage, ...]:
+        raw = self._call("pool_usage()", self.inner.pool_usage)
+        return answers.check_pool_usage(f"{self.name}: pool_usage()", raw, self.layout)
+
+
 _CAPABILITIES = (
     (ExposesRefCounts, _RefCounts),
     (ExposesFreeQueue, _FreeQueue),
@@ -305,6 +313,7 @@ _CAPABILITIES = (
     (PlansSteps, _PlansSteps),
     (SupportsServingModes, _ServingModes),
     (ReportsAllocationEstimate, _AllocationEstimate),
+    (ReportsPools, _Pools),
 )
 _CLASSES: dict[tuple[type, ...], type] = {}
 
