@@ -38,7 +38,9 @@ from properties.core.engine import (
     ExposesRefCounts,
     KVCacheEngine,
     PlansSteps,
+    PoolUsage,
     ReportsAllocationEstimate,
+    ReportsPools,
     RequestInput,
     SlotRequest,
     SupportsServingModes,
@@ -247,6 +249,12 @@ class _AllocationEstimate:
         return answers.check_estimate(f"{self.name}: {what}", raw)
 
 
+class _Pools:
+    def pool_usage(self) -> tuple[PoolUsage, ...]:
+        raw = self._call("pool_usage()", self.inner.pool_usage)
+        return answers.check_pool_usage(f"{self.name}: pool_usage()", raw, self.layout)
+
+
 #: The capabilities the boundary passes on, each call validated; the others (batched
 #: commits, the data plane) are not offered through it.
 EngineBoundary.CAPABILITIES = (
@@ -256,6 +264,7 @@ EngineBoundary.CAPABILITIES = (
     (PlansSteps, _PlansSteps),
     (SupportsServingModes, _ServingModes),
     (ReportsAllocationEstimate, _AllocationEstimate),
+    (ReportsPools, _Pools),
 )
 
 

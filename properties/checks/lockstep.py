@@ -285,7 +285,8 @@ class LockstepEngine(EngineProxy):
                 item.num_new_tokens,
                 None,
                 result,
-                (before[0] - taken, *before[1:]),
+                # per-pool free counts are known only before the batch's first item
+                (before[0] - taken, before[1], before[2], before[3] if taken == 0 else None),
                 tables_before.get(item.request_id),
                 item.num_lookahead_tokens,
             )

@@ -34,7 +34,9 @@ from properties.core.engine import (
     ExposesFreeQueue,
     ExposesRefCounts,
     PlansSteps,
+    PoolUsage,
     ReportsAllocationEstimate,
+    ReportsPools,
     RequestInput,
     SlotRequest,
     StepUpdate,
@@ -84,6 +86,11 @@ class ForwardAllocationEstimate:
         return self.inner.last_allocation_estimate()  # type: ignore[attr-defined]
 
 
+class ForwardPools:
+    def pool_usage(self) -> Sequence[PoolUsage]:
+        return self.inner.pool_usage()  # type: ignore[attr-defined]
+
+
 class ForwardDataPlane:
     def attach_data_plane(self, **kwargs: Any) -> None:
         self.inner.attach_data_plane(**kwargs)  # type: ignore[attr-defined]
@@ -107,6 +114,7 @@ FORWARDED_CAPABILITIES: tuple[tuple[type, type], ...] = (
     (CommitsSteps, ForwardCommitsSteps),
     (SupportsServingModes, ForwardServingModes),
     (ReportsAllocationEstimate, ForwardAllocationEstimate),
+    (ReportsPools, ForwardPools),
     (ExposesDataPlane, ForwardDataPlane),
 )
 

@@ -50,6 +50,7 @@ from properties.core.engine import (
     CallTimeoutError,
     EngineError,
     EngineLoadError,
+    PoolUsage,
     RequestInput,
     UnsupportedLayoutError,
 )
@@ -76,6 +77,7 @@ CAPABILITIES = (
     "cached_blocks",
     "serving_modes",
     "allocation_estimate",
+    "pools",
 )
 
 _STDERR_TAIL_BYTES = 4000
@@ -642,12 +644,42 @@ class _AllocationEstimate:
         return _int(result, "last_allocation_estimate()", self.process)
 
 
+class _Pools:
+    """:class:`properties.core.engine.ReportsPools` over the protocol: the ``pools``
+    capability; the answer is a list of ``{"name", "group_ids", "num_blocks", "num_free"}``
+    objects (the boundary then checks that they partition the groups)."""
+
+    def pool_usage(self) -> list[PoolUsage]:
+        result = self._call("pool_usage")
+        keys = {"name", "group_ids", "num_blocks", "num_free"}
+        if not isinstance(result, list) or not all(
+            isinstance(p, dict) and set(p) == keys and isinstance(p["group_ids"], list)
+            for p in result
+        ):
+            self.process._fail(
+                ExecProtocolError,
+                f"pool_usage() returned {_clip(json.dumps(result))}, not a list of "
+                "{name, group_ids, num_blocks, num_free} objects",
+            )
+        what = "pool_usage()"
+        return [
+            PoolUsage(
+                p["name"],
+                tuple(_int(g, what, self.process) for g in p["group_ids"]),
+                _int(p["num_blocks"], what, self.process),
+                _int(p["num_free"], what, self.process),
+            )
+            for p in result
+        ]
+
+
 _MIXINS = {
     "allocation_estimate": _AllocationEstimate,
     "ref_counts": _RefCounts,
     "free_queue": _FreeQueue,
     "cached_blocks": _CachedBlocks,
     "serving_modes": _ServingModes,
+    "pools": _Pools,
 }
 _CLASSES: dict[frozenset[str], type] = {}
 

@@ -42,7 +42,9 @@ from properties.core.engine import (
     ExposesFreeQueue,
     ExposesRefCounts,
     KVCacheEngine,
+    PoolUsage,
     ReportsAllocationEstimate,
+    ReportsPools,
     RequestInput,
     SupportsServingModes,
     UnsupportedLayoutError,
@@ -145,6 +147,7 @@ class EngineServer:
                 ("cached_blocks", ExposesCachedBlocks),
                 ("serving_modes", SupportsServingModes),
                 ("allocation_estimate", ReportsAllocationEstimate),
+                ("pools", ReportsPools),
             )
             if isinstance(engine, proto)
         ]
@@ -222,6 +225,21 @@ class EngineServer:
             return [[_plain(b), _plain(c)] for b, c in counts.items()]
         if call == "last_allocation_estimate" and isinstance(engine, ReportsAllocationEstimate):
             return _plain(engine.last_allocation_estimate())
+        if call == "pool_usage" and isinstance(engine, ReportsPools):
+            pools = engine.pool_usage()
+            if not isinstance(pools, (list, tuple)) or not all(
+                isinstance(p, PoolUsage) for p in pools
+            ):
+                raise TypeError(f"returned {pools!r}, not a list of PoolUsage")
+            return [
+                {
+                    "name": p.name,
+                    "group_ids": _plain(list(p.group_ids)),
+                    "num_blocks": _plain(p.num_blocks),
+                    "num_free": _plain(p.num_free),
+                }
+                for p in pools
+            ]
         if call == "free_queue" and isinstance(engine, ExposesFreeQueue):
             return _plain(engine.free_queue())
         if call == "cached_blocks" and isinstance(engine, ExposesCachedBlocks):
