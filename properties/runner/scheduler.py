@@ -475,22 +475,23 @@ class Scheduler(RequestQueues):
 
     def _admit_waiting(self, record: StepRecord, budget: int, lookahead: int) -> None:
         """Rule 3 (with a connector: external hits, synchronous or asynchronous loads)."""
+        connector = self.connector
         while self.waiting and budget > 0:
             rid = self.waiting[0]
             state = self.requests[rid]
             hit = self.engine.get_computed_blocks(rid)
             h = hit.num_tokens
-            external = 0 if self.connector is None else self.connector.external_tokens(state, h)
+            external = 0 if connector is None else connector.external_tokens(state, h)
             n = self._chunk(state, h + external, budget)
             if n <= 0:
                 break
-            asynchronous = bool(external) and self.connector.asynchronous
+            asynchronous = connector is not None and bool(external) and connector.asynchronous
             keywords = allocate_keywords(self.mode.admission_gate, external, asynchronous)
             if asynchronous:
                 if self.engine.allocate_slots(rid, 0, h, hit, 0, **keywords) is None:
                     break
                 self.waiting.pop(0)
-                self.connector.start_load(rid, h, external)
+                connector.start_load(rid, h, external)
                 state.holds_blocks = True
                 state.num_computed_tokens = h + external
                 self.engine.set_num_computed_tokens(rid, state.num_computed_tokens)
@@ -502,8 +503,8 @@ class Scheduler(RequestQueues):
             self.running.append(rid)
             state.holds_blocks = True
             state.num_computed_tokens = h + external
-            if external:
-                self.connector.load(state, h, h + external)
+            if connector is not None and external:
+                connector.load(state, h, h + external)
             record.scheduled.append(
                 ScheduledRequest(rid, h + external, n, h, new, external_tokens=external)
             )
