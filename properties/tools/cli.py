@@ -49,6 +49,7 @@ from properties.core.constants import (
     PROPERTIES,
 )
 from properties.core.engine import EngineError, EngineLoadError
+from properties.tools import check_outputs
 from reference.errors import KVConformError
 
 #: A result's kind -> the exit code it gives (PropertyResult.kind).
@@ -96,10 +97,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     from properties.runner.check import replay_command
     from properties.runner.machine import engine_factory, known_divergences
     from properties.runner.profiles import load_profile
+    from properties.tools.selection import with_skips
 
     check_count("--max-examples", args.max_examples, 1)
     check_count("--seed", args.seed, 0)
-    config = config_from_args(args, preset=args.preset)
+    selection = check_outputs.selection_of(args)
+    config = with_skips(config_from_args(args, preset=args.preset), selection)
     profile = load_profile(args.profile)
     seed = args.seed
     if seed is None and not profile.derandomize:
@@ -124,7 +127,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.only:
         wanted = [p for p in wanted if p in args.only]
     print(format_active_checks_or_why(factory, config))
-    results = run_checks(args, config, wanted, seed, factory)
+    results, outcomes, ran = check_outputs.run_with_selection(
+        lambda cfg, names: run_checks(args, cfg, names, seed, factory),
+        *(config, wanted, selection, factory),
+    )
     print(format_results(results))
     failed = [r for r in results if not r.passed]
     for r in failed:
@@ -136,7 +142,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         if r.trace_path is not None:
             command = replay_command(r.trace_path, args.engine, args.level, r.name == "attention")
             print(f"  trace: {r.trace_path}\n  replay: {command}")
-    return exit_code([result_kind(r) for r in results])
+    code = exit_code([result_kind(r) for r in results])
+    check_outputs.write_outputs(args, seed, results, outcomes, ran, code)
+    return code
 
 
 def result_kind(result) -> str | None:
@@ -171,7 +179,7 @@ FAILURE_TITLE = {
 
 def result_word(result) -> str:
     if result.passed:
-        return "PASS"
+        return "XFAIL" if getattr(result, "xfailed", ()) else "PASS"
     words = {"engine": "ENGINE ERROR", "no_layout": "NO LAYOUT", "usage": "CONFIG ERROR"}
     return words.get(getattr(result, "kind", None), "FAIL")
 
@@ -499,6 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     shrink_args(p)
     coverage_args(p)
+    check_outputs.add_arguments(p)
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("fuzz", help="a long campaign with a live progress line")
