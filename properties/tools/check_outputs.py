@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
-
 from typing import TYPE_CHECKING
 
 from properties.core.constants import PROPERTIES
@@ -86,7 +85,9 @@ def run_with_selection(
         print(f"  {result.name}: [{result.check}] failed as expected (XFAIL: {reason})")
 
     results, outcomes = run_selected(run, config, wanted, selection, announce)
-    ran = {r.name: checks_ran(r.name, active, config.level) for r in results if r.name in PROPERTIES}
+    ran = {
+        r.name: checks_ran(r.name, active, config.level) for r in results if r.name in PROPERTIES
+    }
     outcomes = xfail_outcomes(outcomes, {c for checks in ran.values() for c in checks})
     for o in outcomes:
         print(f"  xfail {o.check}: {o.status.upper()} ({o.reason})")

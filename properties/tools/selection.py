@@ -192,9 +192,7 @@ def xfail_outcomes(outcomes: list[XfailOutcome], ran: Iterable[str]) -> list[Xfa
     ``not run`` for one that did not."""
     ran = set(ran)
     return [
-        o
-        if o.status != "unknown"
-        else replace(o, status="xpass" if o.check in ran else "not run")
+        o if o.status != "unknown" else replace(o, status="xpass" if o.check in ran else "not run")
         for o in outcomes
     ]
 
