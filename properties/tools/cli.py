@@ -440,7 +440,7 @@ def shrink_args(p: argparse.ArgumentParser) -> None:
         "--shrink-seconds",
         type=float,
         default=DEFAULT_SHRINK_SECONDS,
-        help=f"stop shrinking a failure after this long (default {DEFAULT_SHRINK_SECONDS:.0f})",
+        help="stop shrinking a failure after this many seconds",
     )
 
 
@@ -459,9 +459,47 @@ def coverage_args(p: argparse.ArgumentParser, gate: bool = True) -> None:
     )
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's default in ``--help`` (``(default: ci)``; none for flags and
+    options without one); the epilog printed as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+def help_epilog() -> str:
+    """The end of ``kvconform --help`` and ``kvconform check --help``: the engines, the
+    presets and two examples (plain text)."""
+    from properties.core.engine import BUILTIN_ENGINES
+    from properties.generate.presets import PRESETS
+
+    return (
+        f"engines: {', '.join(BUILTIN_ENGINES)}, module:factory (a Python adapter), "
+        "exec:COMMAND (any language, docs/exec-protocol.md)\n"
+        f"presets: {', '.join(PRESETS)}\n"
+        f"profiles: {', '.join(PROFILES)}; levels: {', '.join(LEVELS)}\n\n"
+        "examples:\n"
+        "  kvconform check --engine reference --level exact\n"
+        "  kvconform check --engine mypkg.adapter:make_engine --report-json report.json "
+        "--junit-xml junit.xml --xfails-file kvconform-xfails.txt\n"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvconform", description=__doc__.split("\n\n")[0])
+    epilog = help_epilog()
+    parser = argparse.ArgumentParser(
+        prog="kvconform",
+        description="Property-based conformance checks for the KV cache managers of LLM "
+        "serving engines.",
+        epilog=epilog,
+        formatter_class=HelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
+    parser_of = sub.add_parser  # every subcommand's help shows its defaults too
+    sub.add_parser = lambda *a, **k: parser_of(*a, formatter_class=HelpFormatter, **k)
 
     def engine_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(
@@ -470,14 +508,14 @@ def build_parser() -> argparse.ArgumentParser:
             help="reference, vllm, sglang, module:factory, or exec:COMMAND (an engine in "
             "any language speaking docs/exec-protocol.md)",
         )
-        p.add_argument("--level", default=DEFAULT_LEVEL, choices=LEVELS)
-        p.add_argument("--failure-dir", default=DEFAULT_FAILURE_DIR)
+        p.add_argument("--level", default=DEFAULT_LEVEL, choices=LEVELS, help="property level")
+        p.add_argument("--failure-dir", default=DEFAULT_FAILURE_DIR, help="where failure traces go")
         p.add_argument(
             "--call-timeout",
             type=float,
             default=DEFAULT_CALL_TIMEOUT_S,
             metavar="SECONDS",
-            help=f"deadline of one engine call (default {DEFAULT_CALL_TIMEOUT_S:g}; 0: none)",
+            help="deadline of one engine call (0: none)",
         )
         p.add_argument(
             "--isolation",
@@ -491,14 +529,28 @@ def build_parser() -> argparse.ArgumentParser:
     def verbose_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--verbose", action="store_true", help="tracebacks for errors")
 
-    p = sub.add_parser("check", help="run the properties once and print a table")
+    p = sub.add_parser("check", help="run the properties once and print a table", epilog=epilog)
     engine_args(p)
-    p.add_argument("--profile", default=DEFAULT_PROFILE, choices=PROFILES)
-    p.add_argument("--preset", default=None, help="draw layouts from this model preset")
+    p.add_argument(
+        "--profile", default=DEFAULT_PROFILE, choices=PROFILES, help="Hypothesis profile"
+    )
+    p.add_argument(
+        "--preset", default=None, help="draw layouts from this model preset (default: any)"
+    )
     p.add_argument("--no-attention", action="store_true", help="skip the attention property")
     p.add_argument("--only", nargs="*", choices=PROPERTIES, help="run only these properties")
-    p.add_argument("--max-examples", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--max-examples",
+        type=int,
+        default=None,
+        help="examples per property (default: the profile's)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed (default: none with ci, derandomized; else drawn and printed)",
+    )
     p.add_argument(
         "--workers",
         type=int,
