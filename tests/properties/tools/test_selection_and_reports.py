@@ -241,6 +241,7 @@ def test_pytest_plugin_max_examples_and_bad_names(tmp_path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "kvconform determinism: 3 examples" in result.stdout
+    assert "profile ci, seed derandomized" in result.stdout  # the CLI's default profile
     result = _pytest(tmp_path, "--kv-skip-checks", "no_such_check")
     assert result.returncode == 4  # pytest's usage error
     assert "unknown check 'no_such_check'" in result.stderr
