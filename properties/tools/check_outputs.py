@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from properties.core.constants import PROPERTIES
@@ -27,7 +28,17 @@ if TYPE_CHECKING:
 
 # Nothing of ``reference`` is imported at load time (the CLI imports this module, and a
 # ``--coverage`` worker must not have imported the reference before it measures).
-STARTED = time.perf_counter()
+
+
+@dataclass(frozen=True)
+class CheckRun:
+    """What :func:`run_with_selection` gives: the rows of the table, the outcome of every
+    listed check, the checks each property ran, and when the run started."""
+
+    results: list
+    outcomes: list[XfailOutcome]
+    ran: dict[str, list[str]]
+    started: float
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,10 +73,11 @@ def run_with_selection(
     wanted: list[str],
     selection: CheckSelection,
     factory: Callable,
-) -> tuple[list, list[XfailOutcome], dict[str, list[str]]]:
+) -> CheckRun:
     """The results (plus an ``xfails`` row that fails on an XPASS), the outcome of
     every listed check, and the checks each property ran (the invariants the engine's
     capabilities enable, read from ``factory``)."""
+    started = time.perf_counter()
     from properties.core.engine import EngineError
     from properties.runner.check import PropertyResult
     from properties.runner.machine import active_checks_for
@@ -94,17 +106,10 @@ def run_with_selection(
     failure = xpass_failure(outcomes, selection.source)
     if selection.xfail:
         results.append(PropertyResult("xfails", 0, 0, 0.0, failure, kind="property"))
-    return results, outcomes, ran
+    return CheckRun(results, outcomes, ran, started)
 
 
-def write_outputs(
-    args: argparse.Namespace,
-    seed: int | None,
-    results: list,
-    outcomes: list[XfailOutcome],
-    ran: dict[str, list[str]],
-    code: int,
-) -> None:
+def write_outputs(args: argparse.Namespace, seed: int | None, run: CheckRun, code: int) -> None:
     """Write ``--report-json`` and ``--junit-xml`` (when asked for)."""
     if not (args.report_json or args.junit_xml):
         return
@@ -123,16 +128,16 @@ def write_outputs(
             "skip_checks": sorted(args.skip_checks or ()),
             "xfails_file": args.xfails_file,
         },
-        results=[r for r in results if r.name != "xfails"],
-        checks=ran,
+        results=[r for r in run.results if r.name != "xfails"],
+        checks=run.ran,
         replays={
             r.name: replay_command(r.trace_path, args.engine, args.level, r.name == "attention")
-            for r in results
+            for r in run.results
             if r.trace_path is not None
         },
-        xfails=outcomes,
+        xfails=run.outcomes,
         versions=versions(),
-        seconds=time.perf_counter() - STARTED,
+        seconds=time.perf_counter() - run.started,
         exit_code=code,
     )
     if args.report_json:

@@ -127,10 +127,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.only:
         wanted = [p for p in wanted if p in args.only]
     print(format_active_checks_or_why(factory, config))
-    results, outcomes, ran = check_outputs.run_with_selection(
+    run = check_outputs.run_with_selection(
         lambda cfg, names: run_checks(args, cfg, names, seed, factory),
         *(config, wanted, selection, factory),
     )
+    results = run.results
     print(format_results(results))
     failed = [r for r in results if not r.passed]
     for r in failed:
@@ -143,7 +144,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             command = replay_command(r.trace_path, args.engine, args.level, r.name == "attention")
             print(f"  trace: {r.trace_path}\n  replay: {command}")
     code = exit_code([result_kind(r) for r in results])
-    check_outputs.write_outputs(args, seed, results, outcomes, ran, code)
+    check_outputs.write_outputs(args, seed, run, code)
     return code
 
 
