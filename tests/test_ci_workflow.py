@@ -12,6 +12,8 @@ repository (the ``checkout`` step). Every ``run`` step of the workflow runs with
 setup-python, the Rust toolchain, the artifact upload) are the runner's and are
 skipped. Two variables are set for the test: ``KVCONFORM`` (the wheel instead of a git
 tag) and ``KV_OPTIONS`` (the dev profile and 5 examples a property, to keep it short).
+The conformance step then runs once more on a Python adapter that imports only
+``kvconform`` (``examples/adapters/minimal_adapter.py``), from its own folder.
 """
 
 from __future__ import annotations
@@ -130,3 +132,15 @@ def test_documented_workflow_runs_from_the_wheel(tmp_path) -> None:
     cases = [case.get("name") for case in suite.iter("testcase")]
     assert cases == [f"test_property[{prop}]" for prop in PROPERTIES]
     assert (suite.get("failures"), suite.get("errors")) == ("0", "0")
+
+    python_repo = tmp_path / "python-engine"
+    python_repo.mkdir()
+    shutil.copy(ROOT / "examples" / "adapters" / "minimal_adapter.py", python_repo)
+    run_env["KV_ENGINE"] = "minimal_adapter:make_engine"
+    run_env["KV_OPTIONS"] = QUICK_OPTIONS + " -k invariants"  # the attention property is slow
+    proc = subprocess.run(
+        ["bash", "-e", "-c", dict(steps)["Conformance"]], cwd=python_repo, env=run_env,
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "1 passed" in proc.stdout and "deprecated" not in proc.stdout + proc.stderr
