@@ -84,7 +84,8 @@ def pytest_configure(config: pytest.Config) -> None:
     profile = explicit or (default_profile() if wanted == "auto" else wanted)
     config.kv_profile = profile or DEFAULTS.profile  # type: ignore[attr-defined]
     config.kv_options = pytest_options.run_options(config)  # type: ignore[attr-defined]
-    if config.kv_options.selection.xfail:
+    if config.kv_options.selection.xfail and not hasattr(config, "workerinput"):
+        # on the controller only (pytest-xdist): it hears every worker's reports
         config.pluginmanager.register(pytest_options.XpassReporter(config.kv_options.selection))
     if profile:
         from properties.runner.profiles import load_profile
