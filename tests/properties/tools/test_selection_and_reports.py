@@ -245,3 +245,98 @@ def test_pytest_plugin_max_examples_and_bad_names(tmp_path) -> None:
     result = _pytest(tmp_path, "--kv-skip-checks", "no_such_check")
     assert result.returncode == 4  # pytest's usage error
     assert "unknown check 'no_such_check'" in result.stderr
+
+
+# --- the rules, on hand-made results -------------------------------------------------------
+
+
+def _result(name: str, check: str | None = None, kind: str = "property"):
+    from properties.runner.check import PropertyResult
+
+    if check is None:
+        return PropertyResult(name, 10, 100, 1.0)
+    return PropertyResult(
+        name, 3, 30, 0.5, f"PropertyViolation: [{check}] x", kind=kind, check=check
+    )
+
+
+def test_run_selected_reruns_without_a_listed_invariant() -> None:
+    from properties.runner.config import CheckConfig
+    from properties.tools.selection import run_selected, xfail_outcomes
+
+    calls: list[tuple[list[str], frozenset[str]]] = []
+    answers = {
+        # first run: invariants fails on hit_bounds, determinism passes, production fails
+        # on exact_match (not an invariant: no second run), attention on a listed check
+        ("invariants", frozenset()): _result("invariants", "hit_bounds"),
+        ("invariants", frozenset({"hit_bounds"})): _result("invariants", "pool_accounting"),
+        ("determinism", frozenset()): _result("determinism"),
+        ("production", frozenset()): _result("production", "exact_match"),
+    }
+
+    def run(config, names):
+        calls.append((names, config.disabled))
+        return [answers[(n, config.disabled)] for n in names]
+
+    selection = CheckSelection(
+        xfail=(("hit_bounds", "a"), ("exact_match", "b"), ("idle_pool_free", "c"))
+    )
+    config = CheckConfig(level="exact")
+    results, outcomes = run_selected(
+        run, config, ["invariants", "determinism", "production"], selection
+    )
+    assert calls == [
+        (["invariants", "determinism", "production"], frozenset()),
+        (["invariants"], frozenset({"hit_bounds"})),
+    ]
+    # invariants: XFAIL on hit_bounds, then a real failure on pool_accounting
+    assert results[0].xfailed == ("hit_bounds",) and results[0].check == "pool_accounting"
+    assert not results[0].passed
+    assert results[1].passed and results[1].xfailed == ()
+    assert results[2].passed and results[2].xfailed == ("exact_match",)
+    settled = xfail_outcomes(outcomes, {"hit_bounds", "exact_match", "idle_pool_free"})
+    assert [(o.check, o.status, o.prop) for o in settled] == [
+        ("hit_bounds", "xfail", "invariants"),
+        ("exact_match", "xfail", "production"),
+        ("idle_pool_free", "xpass", None),
+    ]
+    assert xfail_outcomes(outcomes, set())[2].status == "not run"
+
+
+def test_an_engine_error_is_never_an_xfail() -> None:
+    from properties.runner.config import CheckConfig
+    from properties.tools.selection import run_selected
+
+    def run(config, names):
+        return [_result("invariants", "answers", kind="engine")]
+
+    selection = CheckSelection(xfail=(("answers", "protocol"),))
+    results, outcomes = run_selected(run, CheckConfig(), ["invariants"], selection)
+    assert not results[0].passed and results[0].xfailed == ()
+    assert outcomes[0].status == "unknown"
+
+
+def test_junit_of_an_engine_error_and_an_xpass() -> None:
+    from properties.tools.results import build_report, junit_tree
+    from properties.tools.selection import XfailOutcome
+
+    report = build_report(
+        run={"engine": "e", "level": "universal", "profile": "ci", "preset": None,
+             "seed": None, "max_examples": None, "skip_checks": [], "xfails_file": "x"},
+        results=[_result("invariants", "answers", kind="engine"), _result("determinism")],
+        checks={"invariants": ["answers"], "determinism": ["answers", "determinism"]},
+        replays={},
+        xfails=[XfailOutcome("hit_bounds", "why", "xpass")],
+        versions={"kvconform": "0.1.0", "python": "3", "hypothesis": "6", "torch": None},
+        seconds=2.0,
+        exit_code=3,
+    )  # fmt: skip
+    jsonschema.validate(report, SCHEMA)
+    assert [p["result"] for p in report["properties"]] == ["engine_error", "passed"]
+    suite = junit_tree(report).getroot().find("testsuite")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("3", "1", "1")
+    assert suite.find("testcase[@name='invariants']/error").get("type") == "answers"
+    assert suite.find("testcase[@name='xfail[hit_bounds]']/failure").get("type") == "xpass"
+    assert suite.find("testcase[@name='determinism']").find("*") is None
+    props = {p.get("name"): p.get("value") for p in suite.iter("property")}
+    assert props["engine"] == "e" and props["version.torch"] == "None"
