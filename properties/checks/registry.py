@@ -179,7 +179,7 @@ _REGISTRY: tuple[CheckInfo, ...] = (
     _check(
         None,
         "lockstep",
-        "X1",
+        "E1",
         "same hits, block ids, free counts and queue as the reference (exact level)",
         name="exact_match",
     ),
