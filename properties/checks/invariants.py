@@ -610,7 +610,7 @@ def free_queue_contents(state: CheckState, event: PoolEvent) -> str | None:
 
 
 # ---------------------------------------------------------------------------
-# Separate pools (P1-P3): engines whose groups do not share one block pool
+# Separate pools (S1-S3): engines whose groups do not share one block pool
 
 
 def _held_per_pool(state: CheckState, tables: dict) -> dict[str, set[int]]:
@@ -626,7 +626,7 @@ def _held_per_pool(state: CheckState, tables: dict) -> dict[str, set[int]]:
 
 
 def pool_accounting_per_pool(state: CheckState, event: PoolEvent) -> str | None:
-    """P1: in every pool, the free count plus the distinct blocks the requests hold from
+    """S1: in every pool, the free count plus the distinct blocks the requests hold from
     it never exceeds the pool's capacity, and a pool's capacity and groups never change.
 
     Example: SGLang's SWA pool of 16 pages reports 14 free while two requests hold SWA
@@ -654,7 +654,7 @@ def pool_accounting_per_pool(state: CheckState, event: PoolEvent) -> str | None:
 
 
 def idle_pool_free_per_pool(state: CheckState, event: PoolEvent) -> str | None:
-    """P2: with no request holding blocks, every pool is back to the fresh engine's free
+    """S2: with no request holding blocks, every pool is back to the fresh engine's free
     count (I7 per pool: a leak in a larger pool hides behind a smaller pool's count).
 
     Example: full pool 12 pages, SWA pool 16 pages, every request freed, the SWA pool
@@ -675,7 +675,7 @@ def idle_pool_free_per_pool(state: CheckState, event: PoolEvent) -> str | None:
 
 
 def allocation_fits_per_pool(state: CheckState, event: FailedAllocationEvent) -> str | None:
-    """P3: A2 per pool: an allocation offered no prefix hit does not fail when, in every
+    """S3: A2 per pool: an allocation offered no prefix hit does not fail when, in every
     pool, the new blocks its groups need fit that pool's free count before the call
     (a group needs at most ``cdiv(slots, bs) - len(row)``; ``slots`` not capped at
     ``max_model_len``: engines such as SGLang give lookahead slots past it).

@@ -113,7 +113,7 @@ _REGISTRY: tuple[CheckInfo, ...] = (
     _check(
         inv.allocation_fits_per_pool,
         "failed_allocation",
-        "P3",
+        "S3",
         "per pool: an allocation that fits every pool's free count does not fail",
         ["pools"],
     ),
@@ -143,14 +143,14 @@ _REGISTRY: tuple[CheckInfo, ...] = (
     _check(
         inv.pool_accounting_per_pool,
         "pool",
-        "P1",
+        "S1",
         "per pool: free + held <= capacity",
         ["pools"],
     ),
     _check(
         inv.idle_pool_free_per_pool,
         "pool",
-        "P2",
+        "S2",
         "per pool: nothing held, every block free or reclaimable",
         ["pools"],
     ),

@@ -39,7 +39,7 @@ request's computed tokens and new output token in one call), ``ExposesDataPlane`
 it needed: A4 compares it with the blocks the call pulled from the free pool),
 ``ReportsPools`` (engines whose groups live in separate block pools, such as SGLang's full
 and SWA pools or TensorRT-LLM's pool per window size: each pool's groups, capacity and
-free count, so that P1-P3 check accounting, idle pools and failed allocations per pool).
+free count, so that S1-S3 check accounting, idle pools and failed allocations per pool).
 
 Serving modes (:mod:`properties.core.modes`) need ``SupportsServingModes``:
 ``set_in_flight(id, num_in_flight_tokens, num_pending_tokens)`` (asynchronous

@@ -54,7 +54,7 @@ How each difference from vLLM is bridged
    The freed pages read as null (0) in the SWA group; the full group never frees.
    Pages of an adopted hit that SGLang's lock leaves evictable (all but the last
    ``ceil(max(sws, bs) / bs)``: it locks only the hit's last window in the SWA tree) read
-   as null too: the request does not hold them (like vLLM's skipped hit blocks), so P1
+   as null too: the request does not hold them (like vLLM's skipped hit blocks), so S1
    does not count them both held and reclaimable.
 7. **free = insert, then release.** ``free`` follows SGLang's ``release_kv_cache(...,
    checkpoint=True)``: ``cache.checkpoint`` inserts the page-aligned computed prefix
@@ -65,7 +65,7 @@ How each difference from vLLM is bridged
    the protocol's preemption (free, then computed = 0) does, like vLLM.
 8. **num_free_blocks** = ``min`` over the two pools of ``(available + evictable) //
    bs``: pages an allocation could obtain now, evicting unlocked tree entries.
-   ``pool_usage`` (``ReportsPools``) reports each pool's figure, so P1-P3 check them
+   ``pool_usage`` (``ReportsPools``) reports each pool's figure, so S1-S3 check them
    one by one (the ``min`` hides a leak or an over-count in the larger pool).
 9. **reset_prefix_cache** is SGLang's ``flush_cache``: allowed only when no request
    holds a row; it resets the tree, the row pool and the allocator.

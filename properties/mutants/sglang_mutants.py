@@ -3,7 +3,7 @@
 Each mutant is the SGLang adapter (:mod:`properties.engines.sglang`) with one accounting
 mistake that the shared-pool checks cannot see: with separate pools ``num_free_blocks()``
 is the smaller pool's figure, so an error in the larger pool hides behind it, and I1/A2
-(one shared pool) do not run. The per-pool checks P1-P3 must catch them at the universal
+(one shared pool) do not run. The per-pool checks S1-S3 must catch them at the universal
 level (``tests/properties/engines/test_sglang_adapter.py``); they need SGLang installed
 (``ci/engines/sglang``).
 """
@@ -18,7 +18,7 @@ class SWALockedPagesCountedFree(SGLangEngine):
     """The SWA pool counts the tree pages requests have locked (SGLang's
     ``swa_protected_size``) as obtainable, as if a request's SWA pages outside its window
     could always be dropped. A request that adopted a prefix hit then holds SWA pages the
-    pool also reports free: P1 (free + held > capacity in the SWA pool). The full pool
+    pool also reports free: S1 (free + held > capacity in the SWA pool). The full pool
     frees no out-of-window pages, so it is the smaller pool and ``num_free_blocks()``
     stays right."""
 

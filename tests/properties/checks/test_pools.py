@@ -1,4 +1,4 @@
-"""The per-pool checks P1-P3 (``docs/spec.md``, "Separate pools") and the ``ReportsPools``
+"""The per-pool checks S1-S3 (``docs/spec.md``, "Separate pools") and the ``ReportsPools``
 capability: its answers validated at the boundary, carried by the exec protocol, and the
 checks on hand-built pools (expected values worked out by hand in each test)."""
 

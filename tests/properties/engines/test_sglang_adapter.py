@@ -229,7 +229,7 @@ def test_out_of_scope_layouts_raise(layout):
         make_engine(layout)
 
 
-# --------------------------------------------------------------- separate pools (P1-P3)
+# --------------------------------------------------------------- separate pools (S1-S3)
 def test_pool_usage_reports_both_pools(setup):
     """Each pool's figure, not their minimum: SWA pages out of the window go back to the
     SWA pool only, so after a long prefill the SWA pool has more free pages."""
