@@ -17,9 +17,10 @@ The groups of names:
 
 * the engine protocol and its optional capabilities: :class:`KVCacheEngine`,
   :class:`ExposesRefCounts`, :class:`ExposesFreeQueue`, :class:`ExposesCachedBlocks`,
-  :class:`ReportsAllocationEstimate`, :class:`PlansSteps`, :class:`CommitsSteps`,
-  :class:`ExposesDataPlane`, :class:`SupportsServingModes`, with the values they take
-  and return (:class:`RequestInput`, :class:`CacheHit`, :class:`CachedBlock`,
+  :class:`ReportsAllocationEstimate`, :class:`ReportsPools`, :class:`PlansSteps`,
+  :class:`CommitsSteps`, :class:`ExposesDataPlane`, :class:`SupportsServingModes`, with the
+  values they take and return (:class:`RequestInput`, :class:`CacheHit`,
+  :class:`CachedBlock`, :class:`PoolUsage`,
   :class:`SlotRequest`, :class:`StepUpdate`, ``BlockIds``, ``EngineFactory``) and
   :class:`KnownDivergence`;
 * layouts and specs: :class:`KVCacheLayout`, :class:`KVCacheGroup`, :class:`KVCacheSpec`,
@@ -54,7 +55,9 @@ from properties.core.engine import (
     KnownDivergence,
     KVCacheEngine,
     PlansSteps,
+    PoolUsage,
     ReportsAllocationEstimate,
+    ReportsPools,
     RequestInput,
     SlotRequest,
     StepUpdate,
@@ -88,6 +91,8 @@ __all__ = [
     "ExposesFreeQueue",
     "ExposesCachedBlocks",
     "ReportsAllocationEstimate",
+    "ReportsPools",
+    "PoolUsage",
     "PlansSteps",
     "CommitsSteps",
     "ExposesDataPlane",
