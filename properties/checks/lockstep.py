@@ -30,6 +30,7 @@ from properties.core.engine import (
     SlotRequest,
 )
 from properties.core.modes import allocate_keywords
+from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
 
 
@@ -43,11 +44,14 @@ class LockstepEngine:
         reference: KVCacheEngine | None = None,
         disabled: Iterable[str] = (),
         call_timeout: float = 0.0,
+        host_tier: HostTier | None = None,
     ) -> None:
+        """``host_tier``: the store a KV connector loads from, which bounds external hits
+        (the checks', :class:`properties.checks.checker.Checker`)."""
         self.engine = guard_engine(engine, layout, call_timeout)
         self.reference = reference
         self.layout = layout
-        self.checker = Checker(self.engine, layout, disabled)
+        self.checker = Checker(self.engine, layout, disabled, host_tier)
         self.log: list[dict[str, Any]] = []
         self._ref_hits: dict[str, CacheHit] = {}
         self.engine_name = engine_name(engine)

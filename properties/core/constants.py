@@ -27,6 +27,10 @@ LEVELS: tuple[str, ...] = ("universal", "exact")
 DEFAULT_LEVEL = "universal"
 
 PROFILES: tuple[str, ...] = ("dev", "ci", "nightly", "gpu")
+
+#: The spec types (``KVCacheSpec.type_name``) layouts are made of, in shrinking order
+#: (full attention is the simplest); an engine declares a subset (``spec_types``).
+SPEC_KINDS: tuple[str, ...] = ("full", "sliding_window", "chunked_local", "mamba")
 DEFAULT_PROFILE = "ci"
 
 DEFAULT_CALL_TIMEOUT_S = 5.0

@@ -161,6 +161,16 @@ OffloadObserver = Callable[[RequestState, int, int, int], None]
 LoadObserver = Callable[[RequestState, int, int], None]
 
 
+def connector_host_tier(layout: KVCacheLayout, mode: ServingMode) -> HostTier | None:
+    """The host tier of a run: with external hits (a KV connector), a store of twice the
+    pool's blocks; none without, nor with a Mamba group (loaded states are not
+    modelled). Example: ``ServingMode(external_hits=True)`` on a 16-block full-attention
+    layout -> a tier of 32 blocks."""
+    if not mode.external_hits or any(isinstance(s, MambaSpec) for s in layout.specs):
+        return None
+    return HostTier(layout, 2 * layout.num_blocks)
+
+
 class Scheduler:
     """Turns trace operations into engine calls (see the module docstring)."""
 
@@ -172,7 +182,10 @@ class Scheduler:
         mode: ServingMode = SYNC,
         on_offload: OffloadObserver | None = None,
         on_load: LoadObserver | None = None,
+        host_tier: HostTier | None = None,
     ) -> None:
+        """``host_tier``: the store a KV connector loads from, shared with the checks
+        (:func:`connector_host_tier` of the mode when not given)."""
         self.engine = engine
         self.on_offload = on_offload
         self.on_load = on_load
@@ -190,9 +203,9 @@ class Scheduler:
         mamba_sizes = [s.block_size for s in layout.specs if isinstance(s, MambaSpec)]
         self.mamba_block_size = max(mamba_sizes) if mamba_sizes else None
         #: external hits: the host tier a KV connector loads from (None: no connector)
-        self.host_tier: HostTier | None = None
-        if mode.external_hits and self.mamba_block_size is None:
-            self.host_tier = HostTier(layout, 2 * layout.num_blocks)
+        self.host_tier: HostTier | None = (
+            host_tier if host_tier is not None else connector_host_tier(layout, mode)
+        )
         self.num_steps = 0
         #: Running requests are allocated in batches when the engine plans steps.
         self.batched = isinstance(engine, PlansSteps)

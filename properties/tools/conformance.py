@@ -31,15 +31,16 @@ from properties.core.constants import DEFAULT_FAILURE_DIR, PROPERTIES
 from properties.runner import profiles as _profiles  # noqa: F401 - registers the profiles
 from properties.runner.check import failure_report, run_property
 from properties.runner.config import CheckConfig
-from properties.runner.machine import engine_factory
 
 
 @pytest.mark.parametrize("prop", PROPERTIES)
-def test_property(prop: str, kv_engine: str, kv_level: str, kv_profile_name: str) -> None:
+def test_property(
+    prop: str, kv_engine: str, kv_engine_under_test, kv_level: str, kv_profile_name: str
+) -> None:
     profile = settings.get_profile(kv_profile_name)
     seed = None if profile.derandomize else random.SystemRandom().randrange(2**32)
     config = CheckConfig(engine=kv_engine, level=kv_level, failure_dir=DEFAULT_FAILURE_DIR)
-    result = run_property(prop, config, profile, seed, engine_factory(config))
+    result = run_property(prop, config, profile, seed, kv_engine_under_test)
     print(
         f"kvconform {prop}: {result.examples} examples, {result.steps} steps, "
         f"{result.seconds:.1f}s (engine {kv_engine}, level {kv_level}, profile "
