@@ -49,11 +49,12 @@ from properties.core.trace import Trace, save_trace
 from properties.engines.under_test import EngineUnderTest
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
-from properties.runner.machine import RunStats, layout_strategy, machine_for
+from properties.runner.machine import RunStats, machine_for
 from properties.runner.run import (
     RunStopped,
     failure_info,
     failure_kind,
+    layout_strategy,
     replay_trace,
     start_run,
 )

@@ -44,11 +44,10 @@ from properties.core.trace import (
 from properties.engines.under_test import EngineUnderTest
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
-from properties.runner.run import RunStopped, TraceRun, start_run
+from properties.runner.run import RunStopped, TraceRun, layout_strategy, mode_tags, start_run
 from properties.runner.scheduler import StepRecord
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
-from reference.specs import MambaSpec
 
 
 @dataclass
@@ -67,32 +66,6 @@ class RunStats:
     on_first_failure: Callable[[RunStats], None] | None = None
     #: production modes drawn: tag -> [examples, steps] (:func:`mode_tags`)
     modes: dict[str, list[int]] = field(default_factory=dict)
-
-
-def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
-    """The production modes a run exercises, for the counts ``kvconform check`` prints:
-    ``retention=dense|sparse|interval``, ``eagle-drop``, ``lookahead-hashes``,
-    ``async``, ``admission-gate``, ``drafts``, ``external-hits``, ``async-loads``,
-    ``load-failures``."""
-    r = layout.prefix_cache_retention_interval
-    tags = [f"retention={'dense' if r is None else 'sparse' if r == 0 else 'interval'}"]
-    if layout.drop_eagle_group_ids:
-        tags.append("eagle-drop")
-    if layout.num_hash_lookahead_tokens:
-        tags.append("lookahead-hashes")
-    if mode.async_scheduling:
-        tags.append("async")
-    if mode.admission_gate:
-        tags.append("admission-gate")
-    if mode.num_draft_tokens:
-        tags.append("drafts")
-    if mode.external_hits and not any(isinstance(s, MambaSpec) for s in layout.specs):
-        tags.append("external-hits")
-        if mode.async_loads:
-            tags.append("async-loads")
-        if mode.load_failures:
-            tags.append("load-failures")
-    return tags
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -345,36 +318,6 @@ class Reach:
         target(self.blocks_allocated / usable, label="free-queue churn")
 
 
-def layout_strategy(config: CheckConfig, engine: EngineUnderTest):
-    """Layouts to draw: the engine's own ``layout_strategy`` if it has one, else a preset
-    (``--preset``) or any generated layout, made only of the spec types the engine
-    supports (``engine.spec_types``, e.g. an exec engine's ``hello``)."""
-    kinds = engine.spec_types
-    if engine.layout_strategy is not None:
-        strategy = engine.layout_strategy()
-    elif config.preset is not None:
-        if config.preset not in kvst.presets_of_kinds(kinds):
-            raise KVConformError(
-                f"--preset {config.preset!r} is not a preset made of the spec types the "
-                f"engine supports ({', '.join(kinds)}); those are: "
-                f"{', '.join(kvst.presets_of_kinds(kinds)) or 'none'}"
-            )
-        # a preset run of the production property keeps the retention it is served with
-        strategy = kvst.preset_layouts(
-            names=[config.preset], max_len=config.max_len, served=config.production
-        )
-    else:
-        strategy = kvst.any_layouts(max_len=config.max_len, kinds=kinds)
-    if config.production and config.preset is None:
-        strategy = kvst.production_layouts(
-            strategy, max_len=config.max_len, settings=engine.production_settings
-        )
-    known = engine.known_divergences
-    if known:
-        strategy = strategy.filter(lambda layout: not any(d.applies(layout) for d in known))
-    return strategy
-
-
 def machine_for(
     config: CheckConfig, engine: EngineUnderTest, name: str = "InvariantsMachine"
 ) -> type[KVCacheMachine]:
@@ -391,7 +334,5 @@ def machine_for(
 __all__ = [
     "KVCacheMachine",
     "RunStats",
-    "layout_strategy",
     "machine_for",
-    "mode_tags",
 ]

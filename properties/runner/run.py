@@ -1,4 +1,9 @@
-"""One run of the engine under test: :class:`TraceRun`, :func:`start_run` and :func:`replay_trace`.
+"""One run of the engine under test: :class:`TraceRun`, :func:`start_run`, :func:`replay_trace`.
+
+Also what every run is drawn on and tagged with, shared by the stateful machine and the
+determinism property: :func:`layout_strategy` (the layouts drawn for an engine) and
+:func:`mode_tags` (the production modes a run exercises); and :func:`active_checks_for`
+(the invariants an engine's capabilities enable, from a probe build).
 
 :class:`TraceRun` runs trace operations through the scheduler against a
 :class:`properties.checks.lockstep.LockstepEngine` (the engine under test, plus the
@@ -43,10 +48,12 @@ from properties.core.modes import SYNC, ServingMode
 from properties.core.trace import Operation, Trace
 from properties.core.versions import versions
 from properties.engines.under_test import EngineUnderTest
+from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
 from properties.runner.scheduler import RequestState, Scheduler, StepRecord, connector_host_tier
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
+from reference.specs import MambaSpec
 
 
 class RunStopped(BaseException):
@@ -256,6 +263,62 @@ def replay_trace(
     return run, None
 
 
+def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
+    """The production modes a run exercises, for the counts ``kvconform check`` prints:
+    ``retention=dense|sparse|interval``, ``eagle-drop``, ``lookahead-hashes``,
+    ``async``, ``admission-gate``, ``drafts``, ``external-hits``, ``async-loads``,
+    ``load-failures``."""
+    r = layout.prefix_cache_retention_interval
+    tags = [f"retention={'dense' if r is None else 'sparse' if r == 0 else 'interval'}"]
+    if layout.drop_eagle_group_ids:
+        tags.append("eagle-drop")
+    if layout.num_hash_lookahead_tokens:
+        tags.append("lookahead-hashes")
+    if mode.async_scheduling:
+        tags.append("async")
+    if mode.admission_gate:
+        tags.append("admission-gate")
+    if mode.num_draft_tokens:
+        tags.append("drafts")
+    if mode.external_hits and not any(isinstance(s, MambaSpec) for s in layout.specs):
+        tags.append("external-hits")
+        if mode.async_loads:
+            tags.append("async-loads")
+        if mode.load_failures:
+            tags.append("load-failures")
+    return tags
+
+
+def layout_strategy(config: CheckConfig, engine: EngineUnderTest):
+    """Layouts to draw: the engine's own ``layout_strategy`` if it has one, else a preset
+    (``--preset``) or any generated layout, made only of the spec types the engine
+    supports (``engine.spec_types``, e.g. an exec engine's ``hello``)."""
+    kinds = engine.spec_types
+    if engine.layout_strategy is not None:
+        strategy = engine.layout_strategy()
+    elif config.preset is not None:
+        if config.preset not in kvst.presets_of_kinds(kinds):
+            raise KVConformError(
+                f"--preset {config.preset!r} is not a preset made of the spec types the "
+                f"engine supports ({', '.join(kinds)}); those are: "
+                f"{', '.join(kvst.presets_of_kinds(kinds)) or 'none'}"
+            )
+        # a preset run of the production property keeps the retention it is served with
+        strategy = kvst.preset_layouts(
+            names=[config.preset], max_len=config.max_len, served=config.production
+        )
+    else:
+        strategy = kvst.any_layouts(max_len=config.max_len, kinds=kinds)
+    if config.production and config.preset is None:
+        strategy = kvst.production_layouts(
+            strategy, max_len=config.max_len, settings=engine.production_settings
+        )
+    known = engine.known_divergences
+    if known:
+        strategy = strategy.filter(lambda layout: not any(d.applies(layout) for d in known))
+    return strategy
+
+
 def _probe_layouts() -> tuple[KVCacheLayout, ...]:
     """Small layouts to build an engine on when only its capabilities are wanted: one
     full-attention group, then full attention with a sliding window (bs 4, w 8)."""
@@ -296,6 +359,8 @@ __all__ = [
     "active_checks_for",
     "failure_info",
     "failure_kind",
+    "layout_strategy",
+    "mode_tags",
     "replay_trace",
     "start_run",
 ]

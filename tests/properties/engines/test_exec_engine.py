@@ -117,7 +117,7 @@ def test_rust_engine_draws_only_its_spec_types(rust_engine: str) -> None:
     from hypothesis import given
 
     from properties.engines.under_test import resolve_engine
-    from properties.runner.machine import layout_strategy
+    from properties.runner.run import layout_strategy
 
     engine = resolve_engine(f"exec:{rust_engine}")
     factory = engine.factory
@@ -140,7 +140,7 @@ def test_rust_engine_draws_only_its_spec_types(rust_engine: str) -> None:
 
 def test_rust_engine_rejects_a_preset_it_cannot_serve(rust_engine: str) -> None:
     from properties.engines.under_test import resolve_engine
-    from properties.runner.machine import layout_strategy
+    from properties.runner.run import layout_strategy
 
     assert "jamba" in PRESETS
     engine = resolve_engine(f"exec:{rust_engine}")
