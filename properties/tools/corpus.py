@@ -523,7 +523,7 @@ class CaseResult:
     file: str
     status: str  # "pass", "fail", "skip"
     message: str = ""
-    #: a failure's kind (properties.runner.machine.failure_kind): "property" or "engine"
+    #: a failure's kind (properties.runner.run.failure_kind): "property" or "engine"
     kind: str = ""
 
 
