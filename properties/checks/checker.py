@@ -37,6 +37,7 @@ from properties.checks.state import (
     TrackedRequest,
 )
 from properties.core.engine import BlockIds, CacheHit, KVCacheEngine
+from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
 from reference.specs import MambaSpec, cdiv
 
@@ -45,10 +46,15 @@ class Checker:
     """Runs the invariants against one engine (see the module docstring)."""
 
     def __init__(
-        self, engine: KVCacheEngine, layout: KVCacheLayout, disabled: Iterable[str] = ()
+        self,
+        engine: KVCacheEngine,
+        layout: KVCacheLayout,
+        disabled: Iterable[str] = (),
+        host_tier: HostTier | None = None,
     ) -> None:
+        """``host_tier``: the machine's host tier external hits are bounded by (X1)."""
         validate_disabled(disabled)
-        self.state = CheckState(engine, layout)
+        self.state = CheckState(engine, layout, host_tier)
         self.disabled = frozenset(disabled)
         #: request id -> slots written before their token was known (group, block,
         #: offset or -1 for a Mamba state, position)

@@ -32,6 +32,7 @@ from properties.core.engine import (
     SlotRequest,
 )
 from properties.core.proxy import EngineProxy
+from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
 
 
@@ -46,12 +47,15 @@ class LockstepEngine(EngineProxy):
         reference: KVCacheEngine | None = None,
         disabled: Iterable[str] = (),
         call_timeout: float = 0.0,
+        host_tier: HostTier | None = None,
     ) -> None:
+        """``host_tier``: the store a KV connector loads from, which bounds external hits
+        (the checks', :class:`properties.checks.checker.Checker`)."""
         super().__init__(guard_engine(engine, layout, call_timeout))
         self.engine = self.inner
         self.reference = reference
         self.layout = layout
-        self.checker = Checker(self.engine, layout, disabled)
+        self.checker = Checker(self.engine, layout, disabled, host_tier)
         self.log: list[dict[str, Any]] = []
         self._ref_hits: dict[str, CacheHit] = {}
         self.engine_name = engine_name(engine)

@@ -61,7 +61,9 @@ Snapshot = tuple[int, "dict[int, int] | None", "list[int] | None", "dict[str, in
 class CheckState:
     """The engine, the layout and everything the checks derive from the calls."""
 
-    def __init__(self, engine: KVCacheEngine, layout: KVCacheLayout) -> None:
+    def __init__(
+        self, engine: KVCacheEngine, layout: KVCacheLayout, host_tier: HostTier | None = None
+    ) -> None:
         self.engine = engine
         self.layout = layout
         self.shared_pool = not getattr(engine, "separate_group_pools", False)
@@ -88,7 +90,7 @@ class CheckState:
             {p.name: p for p in engine.pool_usage()} if self.has_pools else {}
         )
         #: external hits: the host tier the machine's connector loads from (X1)
-        self.host_tier: HostTier | None = None
+        self.host_tier = host_tier
         self._reads: dict[str, object] = {}
         self._tables: dict[str, BlockIds] = {}
 

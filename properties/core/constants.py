@@ -31,6 +31,10 @@ PROPERTIES: tuple[str, ...] = ("invariants", "attention", "determinism", "produc
 
 LEVELS: tuple[str, ...] = ("universal", "exact")
 PROFILES: tuple[str, ...] = ("dev", "ci", "nightly", "gpu")
+
+#: The spec types (``KVCacheSpec.type_name``) layouts are made of, in shrinking order
+#: (full attention is the simplest); an engine declares a subset (``spec_types``).
+SPEC_KINDS: tuple[str, ...] = ("full", "sliding_window", "chunked_local", "mamba")
 ISOLATION_MODES: tuple[str, ...] = ("auto", "process", "none")
 
 

@@ -64,6 +64,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from properties.core.declarations import DeclarationError
 from reference.errors import KVConformError
 
 #: Most draft tokens a decode step proposes.
@@ -153,15 +154,30 @@ PRODUCTION_SETTINGS: frozenset[str] = frozenset({"retention", "eagle", "admissio
 
 def production_settings(factory: object) -> frozenset[str]:
     """The production layout settings ``factory`` declares (``factory.production_settings``),
-    checked against :data:`PRODUCTION_SETTINGS`; empty when it declares none."""
-    declared = frozenset(getattr(factory, "production_settings", ()) or ())
-    unknown = declared - PRODUCTION_SETTINGS
+    checked by :func:`check_production_settings`; empty when it declares none."""
+    return check_production_settings(
+        getattr(factory, "production_settings", None), "production_settings"
+    )
+
+
+def check_production_settings(declared: object, where: str) -> frozenset[str]:
+    """A declaration of production settings (``where`` names it in the error): ``None``
+    or a list, tuple or set of names of :data:`PRODUCTION_SETTINGS`. A bare string is
+    refused (``"retention"`` would read as the letters r, e, t...). Example:
+    ``check_production_settings(["eagle"], "x") == frozenset({"eagle"})``."""
+    known = ", ".join(sorted(PRODUCTION_SETTINGS))
+    if declared is None:
+        return frozenset()
+    if not isinstance(declared, (list, tuple, set, frozenset)) or not all(
+        isinstance(s, str) for s in declared
+    ):
+        raise DeclarationError(f"{where} must be a list of names among {known}, got {declared!r}")
+    unknown = frozenset(declared) - PRODUCTION_SETTINGS
     if unknown:
-        raise KVConformError(
-            f"production_settings names unknown settings {sorted(unknown)}; known: "
-            f"{', '.join(sorted(PRODUCTION_SETTINGS))}"
+        raise DeclarationError(
+            f"{where} must be a list of names among {known}; unknown settings {sorted(unknown)}"
         )
-    return declared
+    return frozenset(declared)
 
 
 #: The keywords of ``allocate_slots`` that belong to the ``external`` production setting.

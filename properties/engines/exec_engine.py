@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from properties.core.allocation import Allocation, TakesAllocations
+from properties.core.declarations import check_spec_types
 from properties.core.engine import (
     BlockIds,
     CachedBlock,
@@ -54,7 +55,7 @@ from properties.core.engine import (
     RequestInput,
     UnsupportedLayoutError,
 )
-from properties.core.modes import EXTERNAL_KEYWORDS, PRODUCTION_SETTINGS
+from properties.core.modes import EXTERNAL_KEYWORDS, check_production_settings
 from properties.core.trace import layout_to_json
 from reference.layout import KVCacheLayout
 
@@ -726,30 +727,18 @@ class ExecEngineFactory:
 
     @property
     def spec_types(self) -> tuple[str, ...] | None:
+        """``hello``'s ``spec_types`` (None: all), checked when the engine is loaded
+        (:func:`properties.core.declarations.check_spec_types`)."""
         kinds = self.hello.get("spec_types")
-        if kinds is None:
-            return None
-        if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
-            raise ExecProtocolError(
-                f"exec engine {shlex.join(self.argv)!r}: hello's spec_types must be a list of "
-                f"strings, got {kinds!r}"
-            )
-        return tuple(kinds)
+        where = f"exec engine {shlex.join(self.argv)!r}: hello's spec_types"
+        return None if kinds is None else check_spec_types(kinds, where)
 
     @property
     def production_settings(self) -> frozenset[str]:
-        declared = self.hello.get("production_settings", [])
-        if (
-            not isinstance(declared, list)
-            or not all(isinstance(s, str) for s in declared)
-            or not set(declared) <= PRODUCTION_SETTINGS
-        ):
-            raise ExecProtocolError(
-                f"exec engine {shlex.join(self.argv)!r}: hello's production_settings must be "
-                f"a list of names among {', '.join(sorted(PRODUCTION_SETTINGS))}, "
-                f"got {declared!r}"
-            )
-        return frozenset(declared)
+        """``hello``'s ``production_settings`` (none by default), checked the same way
+        (:func:`properties.core.modes.check_production_settings`)."""
+        where = f"exec engine {shlex.join(self.argv)!r}: hello's production_settings"
+        return check_production_settings(self.hello.get("production_settings"), where)
 
     def __call__(self, layout: KVCacheLayout) -> ExecEngine:
         process = self._live_process()

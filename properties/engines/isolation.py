@@ -63,7 +63,7 @@ def wants_isolation(name: str, isolation: str, call_timeout: float) -> bool:
 class IsolatedFactory:
     """``factory(layout)`` built and driven in a child process (see the module docstring)."""
 
-    #: The child's deadline replaces the in-process one (properties.runner.machine).
+    #: The child's deadline replaces the in-process one (EngineUnderTest.call_timeout).
     enforces_call_timeout = True
 
     def __init__(self, name: str, factory: Callable, call_timeout: float) -> None:

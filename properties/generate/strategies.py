@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
+from properties.core.constants import SPEC_KINDS
 from properties.core.modes import PRODUCTION_SETTINGS, ServingMode
 from properties.core.trace import (
     Abort,
@@ -62,8 +63,6 @@ VOCAB_SIZE = 8
 MAX_BLOCK_SIZE = 32
 #: Largest ``lcm`` of the group block sizes (the scheduler block size).
 MAX_LCM = 64
-#: Spec kinds in shrinking order (full attention is the simplest).
-SPEC_KINDS = ("full", "sliding_window", "chunked_local", "mamba")
 #: The categories of :func:`window_category`.
 WINDOW_CATEGORIES = ("one", "sub_block", "one_block", "non_multiple", "multi_block")
 #: Presets in shrinking order (fewest, simplest groups first).

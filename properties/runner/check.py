@@ -37,27 +37,27 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import seed as hseed
 from hypothesis.errors import Unsatisfiable
 from hypothesis.stateful import run_state_machine_as_test
 
 from properties.checks.registry import PropertyViolation, disabled_all_but
 from properties.core.constants import PROPERTIES
-from properties.core.engine import CallTimeoutError, EngineError, UnsupportedLayoutError
+from properties.core.engine import CallTimeoutError, EngineError
 from properties.core.trace import Trace, save_trace
+from properties.engines.under_test import EngineUnderTest
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
-from properties.runner.machine import (
-    RunStats,
+from properties.runner.machine import RunStats, machine_for
+from properties.runner.run import (
     RunStopped,
     TraceRun,
-    engine_factory,
     failure_info,
     failure_kind,
     layout_strategy,
-    machine_for,
     replay_trace,
+    start_run,
 )
 
 #: Default bound of the shrink phase, seconds: a failure found in CI reaches its replay
@@ -141,11 +141,13 @@ def run_property(
     config: CheckConfig,
     hyp_settings: settings,
     seed: int | None,
-    factory: Callable | None = None,
+    engine: EngineUnderTest | None = None,
     shrink_seconds: float | None = DEFAULT_SHRINK_SECONDS,
     on_first_failure: Callable[[FirstFailure], None] | None = None,
 ) -> PropertyResult:
-    """Run property ``name`` (one of :data:`PROPERTIES`) and save a failure's trace.
+    """Run property ``name`` (one of :data:`PROPERTIES`) on ``engine`` and save a
+    failure's trace. ``engine``: the engine under test, resolved once by the caller;
+    None resolves ``config.engine`` here (a worker process given the configuration).
 
     Shrinking stops after ``shrink_seconds`` (``None``: Hypothesis' own bound) with the
     best trace found so far. The first failure's trace is replayed and saved as soon
@@ -157,10 +159,12 @@ def run_property(
         raise ValueError(f"--shrink-seconds must be >= 0, got {shrink_seconds}")
     config = config_for(name, config)
     hyp_settings = settings_for(name, hyp_settings)
+    if engine is None:
+        engine = config.resolve_engine()
     with bounded_shrinking(shrink_seconds):
         if name == "determinism":
-            return _run_determinism(config, hyp_settings, seed, factory)
-        return _run_machine(name, config, hyp_settings, seed, factory, on_first_failure)
+            return _run_determinism(config, hyp_settings, seed, engine)
+        return _run_machine(name, config, hyp_settings, seed, engine, on_first_failure)
 
 
 @contextmanager
@@ -186,14 +190,14 @@ def save_first_failure(
     started: float,
     config: CheckConfig,
     seed: int | None,
-    factory: Callable | None,
+    engine: EngineUnderTest,
 ) -> FirstFailure:
     """Replay the first failing trace (before shrinking) and save it if it fails again."""
     step, examples, when, check = stats.first_failure
     path = None
     trace = stats.first_trace
     if trace is not None:
-        _run, exc = replay_trace(trace, config, factory)
+        _run, exc = replay_trace(trace, config, engine)
         if exc is not None:
             path, _note = _save(trace, config, seed)
     return FirstFailure(
@@ -265,17 +269,17 @@ def _run_machine(
     config: CheckConfig,
     hyp_settings: settings,
     seed: int | None,
-    factory: Callable | None,
+    engine: EngineUnderTest,
     on_first_failure: Callable[[FirstFailure], None] | None = None,
 ) -> PropertyResult:
     # Under a derandomized profile the examples depend on the machine's class name only.
-    machine = machine_for(config, factory, name=f"{name.capitalize()}Machine")
+    machine = machine_for(config, engine, name=f"{name.capitalize()}Machine")
     stats = machine.stats
     start = time.perf_counter()
     found: list[FirstFailure] = []
 
     def first_failure(stats: RunStats) -> None:
-        found.append(save_first_failure(name, stats, start, config, seed, machine.factory))
+        found.append(save_first_failure(name, stats, start, config, seed, engine))
         if on_first_failure is not None:
             on_first_failure(found[0])
 
@@ -308,10 +312,14 @@ def _run_machine(
 
 
 def _run_determinism(
-    config: CheckConfig, hyp_settings: settings, seed: int | None, factory: Callable | None
+    config: CheckConfig, hyp_settings: settings, seed: int | None, engine: EngineUnderTest
 ) -> PropertyResult:
-    """H6: the same trace twice on fresh engines gives the same calls and results."""
-    factory = factory or engine_factory(config)
+    """H6: the same trace twice on fresh engines gives the same calls and results.
+
+    Under a derandomized profile Hypothesis seeds this property from the source text of
+    ``determinism`` below (its decorators and body): that text must not change, or the
+    ci stream moves (hence the name ``factory`` for the engine under test)."""
+    factory = engine
     counts = {"examples": 0, "steps": 0}
     failing: dict[str, Trace] = {}
 
@@ -373,20 +381,11 @@ def _run_determinism(
 
 
 def _determinism_run(
-    config: CheckConfig, trace: Trace, factory: Callable, failing: dict[str, Trace]
+    config: CheckConfig, trace: Trace, engine: EngineUnderTest, failing: dict[str, Trace]
 ) -> TraceRun:
-    """A fresh run of ``trace``; a layout the engine does not support is not an example
-    (as in the other properties); a factory that fails is an engine error."""
-    try:
-        return TraceRun(config, trace.layout, factory)
-    except UnsupportedLayoutError:
-        assume(False)
-        raise  # unreachable: assume(False) raises
-    except EngineError as exc:
-        failing["trace"] = replace(trace, operations=(), failure=failure_info(exc, config))
-        if isinstance(exc, CallTimeoutError):
-            raise RunStopped(exc) from exc
-        raise
+    """A fresh run of ``trace`` (:func:`properties.runner.run.start_run`: a layout the
+    engine refuses is not an example; a factory that fails is kept as ``failing["trace"]``)."""
+    return start_run(config, trace.layout, engine, lambda t: failing.update(trace=t))
 
 
 def replay_command(path: Path | str, engine: str, level: str, attention: bool) -> str:

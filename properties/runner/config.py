@@ -13,6 +13,7 @@ from properties.core.constants import (
     ISOLATION_MODES,
     LEVELS,
 )
+from properties.engines.under_test import EngineUnderTest, resolve_engine
 from properties.generate.presets import PRESETS
 from reference.errors import KVConformError
 
@@ -62,3 +63,11 @@ class CheckConfig:
             validate_disabled(self.disabled)
         except ValueError as exc:
             raise KVConformError(str(exc)) from exc
+
+    def resolve_engine(self) -> EngineUnderTest:
+        """The engine under test ``engine`` names, loaded, checked and isolated as
+        ``isolation`` and ``call_timeout`` ask
+        (:func:`properties.engines.under_test.resolve_engine`); callers resolve it once
+        and pass it on. Example:
+        ``CheckConfig("vllm").resolve_engine().known_divergences``."""
+        return resolve_engine(self.engine, isolation=self.isolation, call_timeout=self.call_timeout)

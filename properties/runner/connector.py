@@ -85,6 +85,7 @@ class Connector:
         engine: KVCacheEngine,
         layout: KVCacheLayout,
         mode: ServingMode,
+        host_tier: HostTier,
         on_offload: OffloadObserver | None = None,
         on_load: LoadObserver | None = None,
     ) -> None:
@@ -96,7 +97,7 @@ class Connector:
         self.failures = mode.load_failures
         self.on_offload = on_offload
         self.on_load = on_load
-        self.host_tier = HostTier(layout, 2 * layout.num_blocks)
+        self.host_tier = host_tier
         #: requests whose load completes at the start of the next step, in admission order
         self.loading: list[str] = []
         #: (device hit, external tokens) of a load not read by a step yet

@@ -22,7 +22,17 @@ from properties.core.modes import SYNC, ServingMode
 from properties.runner.async_scheduler import AsyncScheduler
 from properties.runner.connector import Connector, LoadObserver, OffloadObserver
 from properties.runner.scheduler import Scheduler, StepObserver, mamba_block_size
+from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
+
+
+def connector_host_tier(layout: KVCacheLayout, mode: ServingMode) -> HostTier | None:
+    """The host tier a KV connector of ``mode`` loads from: ``2 * num_blocks`` blocks for
+    ``external_hits`` on a layout without a Mamba group, else None (no connector). Made
+    before the run so the scheduler's connector and the checks share it (X1)."""
+    if mode.external_hits and mamba_block_size(layout) is None:
+        return HostTier(layout, 2 * layout.num_blocks)
+    return None
 
 
 def make_scheduler(
@@ -32,12 +42,16 @@ def make_scheduler(
     on_scheduled: StepObserver | None = None,
     on_offload: OffloadObserver | None = None,
     on_load: LoadObserver | None = None,
+    host_tier: HostTier | None = None,
 ) -> Scheduler:
     """The scheduler that serves ``mode`` over ``engine`` (see the module docstring);
     ``on_scheduled`` observes every step after scheduling, ``on_offload`` and ``on_load``
-    the connector's offloads and loads (unused without a connector)."""
+    the connector's offloads and loads (unused without a connector); ``host_tier`` the
+    connector's store (default: :func:`connector_host_tier`)."""
+    if host_tier is None:
+        host_tier = connector_host_tier(layout, mode)
     connector = None
-    if mode.external_hits and mamba_block_size(layout) is None:
-        connector = Connector(engine, layout, mode, on_offload, on_load)
+    if host_tier is not None:
+        connector = Connector(engine, layout, mode, host_tier, on_offload, on_load)
     kind = AsyncScheduler if mode.async_scheduling else Scheduler
     return kind(engine, layout, mode, on_scheduled=on_scheduled, connector=connector)

@@ -72,15 +72,16 @@ def run_with_selection(
     config,
     wanted: list[str],
     selection: CheckSelection,
-    factory: Callable,
+    engine,
 ) -> CheckRun:
     """The results (plus an ``xfails`` row that fails on an XPASS), the outcome of
     every listed check, and the checks each property ran (the invariants the engine's
-    capabilities enable, read from ``factory``)."""
+    capabilities enable, read from ``engine``, the
+    :class:`properties.engines.under_test.EngineUnderTest`)."""
     started = time.perf_counter()
     from properties.core.engine import EngineError
     from properties.runner.check import PropertyResult
-    from properties.runner.machine import active_checks_for
+    from properties.runner.run import active_checks_for
     from properties.tools.selection import (
         checks_ran,
         run_selected,
@@ -89,7 +90,7 @@ def run_with_selection(
     )
 
     try:
-        active = active_checks_for(factory, config)[0]
+        active = active_checks_for(engine, config)[0]
     except EngineError:  # the properties report it with a trace
         active = []
 

@@ -94,8 +94,8 @@ def config_from_args(args: argparse.Namespace, **extra):
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from properties.core.constants import SPEC_KINDS
     from properties.runner.check import replay_command
-    from properties.runner.machine import engine_factory, known_divergences
     from properties.runner.profiles import load_profile
     from properties.tools.selection import with_skips
 
@@ -112,13 +112,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"preset={args.preset or '-'} seed={seed if seed is not None else 'derandomized'}",
         flush=True,
     )
-    factory = engine_factory(config)
-    if getattr(factory, "spec_types", None) is not None:
+    engine = config.resolve_engine()
+    if engine.spec_types != SPEC_KINDS:
         print(
             "  spec types the engine supports (only these are drawn): "
-            f"{', '.join(factory.spec_types)}"
+            f"{', '.join(engine.spec_types)}"
         )
-    for d in known_divergences(factory):
+    for d in engine.known_divergences:
         print(
             f"  known divergence {d.name}: {d.summary}\n    layouts where it applies are "
             f"not drawn; see {d.finding}"
@@ -126,10 +126,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     wanted = [p for p in PROPERTIES if not (p == "attention" and args.no_attention)]
     if args.only:
         wanted = [p for p in wanted if p in args.only]
-    print(format_active_checks_or_why(factory, config))
+    print(format_active_checks_or_why(engine, config))
     run = check_outputs.run_with_selection(
-        lambda cfg, names: run_checks(args, cfg, names, seed, factory),
-        *(config, wanted, selection, factory),
+        lambda cfg, names: run_checks(args, cfg, names, seed, engine),
+        *(config, wanted, selection, engine),
     )
     results = run.results
     print(format_results(results))
@@ -155,12 +155,12 @@ def result_kind(result) -> str | None:
     return getattr(result, "kind", None) or "property"
 
 
-def format_active_checks_or_why(factory, config) -> str:
+def format_active_checks_or_why(engine, config) -> str:
     """:func:`format_active_checks`, or why the engine's capabilities are unknown (its
     factory failed on the probe layouts: the properties report that as an engine error
     with a trace)."""
     try:
-        return format_active_checks(factory, config)
+        return format_active_checks(engine, config)
     except EngineLoadError:
         raise
     except EngineError as exc:
@@ -185,7 +185,7 @@ def result_word(result) -> str:
     return words.get(getattr(result, "kind", None), "FAIL")
 
 
-def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, factory) -> list:
+def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine) -> list:
     """The properties, in ``--workers`` processes (default: the cores), with the rule
     coverage report (``--coverage``) as one more row that fails on a gated gap
     (``--coverage-gate``)."""
@@ -201,7 +201,7 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, factor
     if not args.coverage and (workers == 1 or len(tasks) == 1):
         results = []
         for task in tasks:  # in this process: each line as soon as it is known
-            results.append(run_task(task, factory=factory))
+            results.append(run_task(task, engine=engine))
             print_result_line(results[-1])
         return results
     import tempfile
@@ -243,12 +243,12 @@ def print_result_line(r) -> None:
         print(f"    modes drawn (examples/steps): {drawn}", flush=True)
 
 
-def format_active_checks(factory, config) -> str:
+def format_active_checks(engine, config) -> str:
     """Which invariants run for this engine's capabilities (and which it loses)."""
     from properties.checks.registry import INVARIANTS
-    from properties.runner.machine import active_checks_for
+    from properties.runner.run import active_checks_for
 
-    active, capabilities = active_checks_for(factory, config)
+    active, capabilities = active_checks_for(engine, config)
     lost = [n for n in INVARIANTS if n not in active and n not in config.disabled]
     return (
         f"  capabilities: {', '.join(sorted(capabilities)) or 'none'}\n"
@@ -279,11 +279,11 @@ def format_results(results: list) -> str:
 def cmd_replay(args: argparse.Namespace) -> int:
     from properties.core.trace import load_trace
     from properties.runner.check import config_for
-    from properties.runner.machine import engine_factory, failure_kind, replay_trace
+    from properties.runner.run import failure_kind, replay_trace
 
     trace = load_trace(Path(args.trace))
     config = config_for("attention" if args.attention else "invariants", config_from_args(args))
-    factory = engine_factory(config)
+    engine = config.resolve_engine()
     print(
         f"replaying {args.trace}: {len(trace.operations)} operations on {trace.layout.describe()}"
     )
@@ -292,7 +292,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             f"recorded failure: [{trace.failure.get('property')}] on "
             f"{trace.failure.get('engine')} ({trace.failure.get('level')})"
         )
-    run, exc = replay_trace(trace, config, factory)
+    run, exc = replay_trace(trace, config, engine)
     if exc is None:
         print(f"no failure: {args.engine} passes every check on this trace ({args.level})")
         return EXIT_PASSED
@@ -306,9 +306,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             print(f"    {json.dumps(c)}")
     if run.lockstep.reference is not None:
         print("  block tables now, per request (reference | engine):")
-        for rid, tracked in run.lockstep.checker.requests.items():
-            if not tracked.holds_blocks:
-                continue
+        for rid in run.requests_holding_blocks():
             try:
                 exp = run.lockstep.reference.get_block_ids(rid)
                 got = run.lockstep.engine.get_block_ids(rid)

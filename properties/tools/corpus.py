@@ -37,7 +37,6 @@ from properties.core.engine import (
     EngineError,
     RequestInput,
     UnsupportedLayoutError,
-    load_engine_factory,
 )
 from properties.core.proxy import EngineProxy
 from properties.core.trace import (
@@ -51,8 +50,9 @@ from properties.core.trace import (
     trace_from_json,
     trace_to_json,
 )
+from properties.engines.under_test import EngineUnderTest, resolve_engine
 from properties.runner.config import CheckConfig
-from properties.runner.machine import TraceRun, failure_kind, known_divergences, spec_types
+from properties.runner.run import TraceRun, failure_kind
 from reference.errors import KVConformError
 
 #: The value of ``"format"`` in a corpus manifest and in each case file.
@@ -383,7 +383,7 @@ def record_case(trace: Trace) -> list[dict[str, Any]]:
     run = TraceRun(
         CheckConfig(engine="reference", level="exact"),
         trace.layout,
-        None,
+        resolve_engine("reference"),
         mode=trace.mode,
         expected=recorder,
     )
@@ -523,7 +523,7 @@ class CaseResult:
     file: str
     status: str  # "pass", "fail", "skip"
     message: str = ""
-    #: a failure's kind (properties.runner.machine.failure_kind): "property" or "engine"
+    #: a failure's kind (properties.runner.run.failure_kind): "property" or "engine"
     kind: str = ""
 
 
@@ -539,9 +539,7 @@ class CorpusReport:
         return self.count("fail") == 0 and self.count("pass") > 0
 
 
-def run_case(
-    path: Path, level: str, factory: Callable, engine: str, checks: Sequence[str]
-) -> CaseResult:
+def run_case(path: Path, level: str, engine: EngineUnderTest, checks: Sequence[str]) -> CaseResult:
     """Replay one case file; pass, fail (with the message) or skip (with the reason)."""
     data = _read_json(path, "corpus case")
     _check_format(data, path)
@@ -550,11 +548,11 @@ def run_case(
         trace = trace_from_json(data.get("trace"), f"{path}: trace")
     except KVConformError as exc:
         raise CorpusError(str(exc)) from None
-    kinds = spec_types(factory)
+    kinds = engine.spec_types
     unsupported = sorted({s.type_name for s in trace.layout.specs} - set(kinds))
     if unsupported:
         return CaseResult(name, str(path), "skip", f"spec types {unsupported} not supported")
-    for divergence in known_divergences(factory):
+    for divergence in engine.known_divergences:
         if divergence.applies(trace.layout):
             return CaseResult(
                 name,
@@ -564,9 +562,9 @@ def run_case(
             )
     expected = RecordedEngine(data.get("expected", [])) if level == "exact" else None
     disabled = frozenset(set(INVARIANTS) - set(checks))
-    config = CheckConfig(engine=engine, level=level, disabled=disabled)
+    config = CheckConfig(engine=engine.name, level=level, disabled=disabled)
     try:
-        run = TraceRun(config, trace.layout, factory, mode=trace.mode, expected=expected)
+        run = TraceRun(config, trace.layout, engine, mode=trace.mode, expected=expected)
     except UnsupportedLayoutError as exc:
         return CaseResult(name, str(path), "skip", f"unsupported layout: {exc}")
     op_index = -1
@@ -604,12 +602,13 @@ def run_corpus(
             f"{root / MANIFEST}: universal_checks names checks this kvconform does not have: "
             f"{unknown}"
         )
-    factory = load_engine_factory(engine)
+    # the corpus runs the engine in this process, as it always has (no isolation)
+    under_test = resolve_engine(engine, isolation="none")
     report = CorpusReport()
     for index, entry in enumerate(manifest["cases"]):
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
             raise CorpusError(f"{root / MANIFEST}: cases[{index}] needs a 'file'")
-        result = run_case(root / entry["file"], level, factory, engine, checks)
+        result = run_case(root / entry["file"], level, under_test, checks)
         report.results.append(result)
         if on_result is not None:
             on_result(result)

@@ -49,7 +49,6 @@ from properties.core.constants import (
 )
 from properties.runner.check import replay_command, run_property
 from properties.runner.config import CheckConfig
-from properties.runner.machine import engine_factory
 from reference.errors import KVConformError
 
 REDIS_SCHEME = "redis://"
@@ -119,11 +118,12 @@ def _worker(
     db = example_database(database, config.engine, config.level)
     # round 0 replays what the database holds (failures other workers or machines found)
     replay = settings(profile, database=db, phases=(Phase.explicit, Phase.reuse, Phase.shrink))
+    engine = config.resolve_engine()  # once per worker
     round_no = 0
     while round_no == 0 or time.time() < deadline:
         seed = base_seed + 1000 * index + round_no
         s = replay if round_no == 0 else settings(profile, max_examples=50, database=db)
-        result = run_property(prop, config, s, seed, shrink_seconds=shrink_seconds)
+        result = run_property(prop, config, s, seed, engine, shrink_seconds=shrink_seconds)
         if after_round is not None:
             after_round()
         if round_no == 0 and result.kind not in ("property", "engine"):
@@ -259,7 +259,7 @@ def run_campaign(
         call_timeout=call_timeout,
         isolation=isolation,
     )
-    engine_factory(config)  # a bad --engine fails here, with a clear message
+    config.resolve_engine()  # a bad --engine or declaration fails here, with a clear message
     try:
         check_database(database)
     except KVConformError as exc:

@@ -82,18 +82,20 @@ def measured_worker(coverage_dir: str, target: str, config_fields: dict, *args) 
         _WORKER_COVERAGE.save()
 
 
-def run_task(task: PropertyTask, factory=None):
-    """Run one task in this process; a first failure is announced
+def run_task(task: PropertyTask, engine=None):
+    """Run one task in this process on ``engine`` (an
+    :class:`properties.engines.under_test.EngineUnderTest`; None: the task's
+    configuration names it, resolved here); a first failure is announced
     (:func:`announce_first_failure`) the moment it is found. In a measuring worker the
     data so far is saved after each task (the pool ends workers without ``atexit``)."""
     try:
-        return _run(task, factory)
+        return _run(task, engine)
     finally:
         if _WORKER_COVERAGE is not None:
             _WORKER_COVERAGE.save()
 
 
-def _run(task: PropertyTask, factory):
+def _run(task: PropertyTask, engine):
     from hypothesis import settings
 
     from properties.runner.check import run_property
@@ -108,7 +110,7 @@ def _run(task: PropertyTask, factory):
         task.config,
         hyp,
         task.seed,
-        factory,
+        engine,
         shrink_seconds=task.shrink_seconds,
         on_first_failure=announce_first_failure,
     )

@@ -121,7 +121,7 @@ def run_property_selected(
 
     from properties.runner.check import run_property
     from properties.runner.config import CheckConfig
-    from properties.runner.machine import active_checks_for, engine_factory
+    from properties.runner.run import active_checks_for
     from properties.tools.selection import checks_ran, run_selected, with_skips
 
     options: RunOptions = request.config.kv_options  # type: ignore[attr-defined]
@@ -141,15 +141,15 @@ def run_property_selected(
         ),
         options.selection,
     )
-    factory = engine_factory(config)
+    engine_under_test = config.resolve_engine()
 
     def run(cfg, names):
-        return [run_property(names[0], cfg, profile, seed, factory)]
+        return [run_property(names[0], cfg, profile, seed, engine_under_test)]
 
     results, _ = run_selected(run, config, [prop], options.selection)
     result = results[0]
     try:
-        active = active_checks_for(factory, config)[0]
+        active = active_checks_for(engine_under_test, config)[0]
     except Exception:  # noqa: BLE001 - the property reports the engine's errors
         active = []
     ran = checks_ran(prop, active, level) if result.passed else []

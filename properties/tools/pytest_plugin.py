@@ -14,9 +14,10 @@ the project opts in with the ini setting ``kv_hypothesis_profile`` (this reposit
 The conformance tests (:mod:`properties.tools.conformance`) pass their settings
 explicitly and need neither.
 
-Fixtures: ``kv_engine`` (the engine name), ``kv_level``, ``kv_profile_name`` (the profile
-the conformance tests use: ``--kv-profile``, else the ini setting's, else the CLI's
-default ``DEFAULTS.profile``).
+Fixtures: ``kv_engine`` (the engine name), ``kv_engine_under_test`` (it resolved once,
+:func:`properties.engines.under_test.resolve_engine`), ``kv_level``, ``kv_profile_name``
+(the profile the conformance tests use: ``--kv-profile``, else the ini setting's, else
+the CLI's default ``DEFAULTS.profile``).
 
 A ``--kv-engine`` that cannot be loaded stops the run at once with a usage error (pytest
 exit code 4), never a skip. The ``kv_check`` fixture runs a property of
@@ -94,10 +95,9 @@ def pytest_configure(config: pytest.Config) -> None:
     engine = config.getoption("--kv-engine")
     if engine != "reference":  # a bad engine fails the run, it never skips
         from properties.runner.config import CheckConfig
-        from properties.runner.machine import engine_factory
 
         try:
-            engine_factory(CheckConfig(engine=engine))
+            CheckConfig(engine=engine).resolve_engine()
         except EngineLoadError as exc:
             raise pytest.UsageError(f"--kv-engine: {exc}") from None
 
@@ -115,6 +115,15 @@ def kv_engine(request: pytest.FixtureRequest) -> str:
     return request.config.getoption("--kv-engine")
 
 
+@pytest.fixture(scope="session")
+def kv_engine_under_test(request: pytest.FixtureRequest):
+    """The engine under test of ``--kv-engine``, resolved once for the session (an
+    :class:`properties.engines.under_test.EngineUnderTest`)."""
+    from properties.runner.config import CheckConfig
+
+    return CheckConfig(engine=request.config.getoption("--kv-engine")).resolve_engine()
+
+
 @pytest.fixture
 def kv_level(request: pytest.FixtureRequest) -> str:
     return request.config.getoption("--kv-level")
@@ -126,7 +135,9 @@ def kv_profile_name(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def kv_check(request: pytest.FixtureRequest, kv_profile_name: str, tmp_path) -> Callable:
+def kv_check(
+    request: pytest.FixtureRequest, kv_profile_name: str, kv_engine_under_test, tmp_path
+) -> Callable:
     """``kv_check("invariants", level=...)``: run a property on the engine under test
     with kvconform's profile; a failure fails the test with the trace and replay command."""
     from hypothesis import settings
@@ -138,7 +149,8 @@ def kv_check(request: pytest.FixtureRequest, kv_profile_name: str, tmp_path) -> 
         engine = request.config.getoption("--kv-engine")
         level = level or request.config.getoption("--kv-level")
         config = CheckConfig(engine=engine, level=level, failure_dir=str(tmp_path), **extra)
-        result = run_property(name, config, settings.get_profile(kv_profile_name), seed=None)
+        profile = settings.get_profile(kv_profile_name)
+        result = run_property(name, config, profile, None, kv_engine_under_test)
         if not result.passed:
             pytest.fail(failure_report(result, engine, level), pytrace=False)
         return result

@@ -49,7 +49,6 @@ from properties.core.engine import (
     EngineError,
     KVCacheEngine,
     PlansSteps,
-    load_engine_factory,
 )
 from properties.core.proxy import EngineProxy
 from properties.core.trace import (
@@ -62,6 +61,7 @@ from properties.core.trace import (
     write_trace,
 )
 from properties.engines.reference import make_engine as make_reference_engine
+from properties.engines.under_test import resolve_engine
 from properties.generate.presets import (
     FULL,
     MAMBA,
@@ -628,7 +628,7 @@ def _measure(
 ) -> EngineBenchRow:
     """The fastest of ``repeat`` replays (by total step time); errors become the status."""
     try:
-        factory = load_engine_factory(name)
+        factory = resolve_engine(name, isolation="none")
     except EngineError as exc:
         status = _not_installed(name, exc) if _caused_by_import(exc) else f"error: {exc}"
         return EngineBenchRow(trace_name, name, status)

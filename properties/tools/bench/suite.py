@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hypothesis import Phase, Verbosity, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from properties.engines.under_test import EngineUnderTest, resolve_engine
 from properties.runner.config import CheckConfig
 from properties.runner.machine import machine_for
 from properties.runner.profiles import load_profile
@@ -100,7 +101,7 @@ def detection_settings(
 
 def run_machine(
     config: CheckConfig,
-    factory: Callable | None,
+    engine: EngineUnderTest,
     hyp_settings: settings,
     name: str,
     description: str = "",
@@ -116,7 +117,7 @@ def run_machine(
     config = config_for(property_name, config)
     hyp_settings = settings_for(property_name, hyp_settings)
     # as kvconform check
-    machine = machine_for(config, factory, name=f"{property_name.capitalize()}Machine")
+    machine = machine_for(config, engine, name=f"{property_name.capitalize()}Machine")
     started = time.perf_counter()
     try:
         run_state_machine_as_test(machine, settings=hyp_settings)
@@ -184,14 +185,16 @@ def bench_suite(
             # its own level only (it claims the exact level)
             for level in levels if name in MUTANT_INFO else (info.level,):
                 config = CheckConfig(engine=info.target, level=level, failure_dir=tmp)
+                engine = resolve_engine(info.factory)
                 rows.append(
                     run_machine(
-                        config, info.factory, hyp, name, info.description, property_name=info.prop
+                        config, engine, hyp, name, info.description, property_name=info.prop
                     )
                 )
         for level in levels:
             config = CheckConfig(engine=REFERENCE, level=level, failure_dir=tmp)
-            rows.append(run_machine(config, None, hyp, REFERENCE, "the reference (throughput)"))
+            engine = config.resolve_engine()
+            rows.append(run_machine(config, engine, hyp, REFERENCE, "the reference (throughput)"))
     return rows
 
 

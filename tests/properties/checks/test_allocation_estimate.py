@@ -17,13 +17,14 @@ from properties.core.engine import ReportsAllocationEstimate, RequestInput
 from properties.core.modes import SYNC, ServingMode
 from properties.core.trace import Arrive, Step
 from properties.engines.reference import make_engine
+from properties.engines.under_test import resolve_engine
 from properties.mutants.reference_mutants import (
     make_estimate_without_evictable_hits,
     make_rejected_drafts_committed,
     make_rolled_back_slots_reallocated,
 )
 from properties.runner.config import CheckConfig
-from properties.runner.machine import TraceRun
+from properties.runner.run import TraceRun
 from properties.runner.scheduler import Drafts
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec, SlidingWindowSpec
@@ -135,7 +136,7 @@ def test_the_reference_reports_its_estimate() -> None:
 
 
 def _run(layout, factory=None, mode=SYNC, level="universal") -> TraceRun:
-    return TraceRun(CheckConfig(level=level), layout, factory, mode)
+    return TraceRun(CheckConfig(level=level), layout, resolve_engine(factory or "reference"), mode)
 
 
 def test_an_estimate_without_evictable_hits_is_reported() -> None:

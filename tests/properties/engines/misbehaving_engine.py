@@ -11,6 +11,7 @@ call, then misbehaves in one chosen way: the failures the exec client must repor
 * ``wrong-id``: answers with another message id;
 * ``version``: (for ``hello``) claims protocol version 99;
 * ``settings``: (for ``hello``) declares an unknown production setting ``warp``;
+* ``spec-types``: (for ``hello``) declares ``spec_types`` as the string ``"full"``;
 * ``error``: answers an ``engine_error`` message.
 """
 
@@ -50,6 +51,9 @@ def main() -> int:
                 reply = json.dumps({"id": message["id"], "result": {"protocol": 99}})
             elif mode == "settings":
                 result = {"protocol": 1, "name": "misbehaving", "production_settings": ["warp"]}
+                reply = json.dumps({"id": message["id"], "result": result})
+            elif mode == "spec-types":
+                result = {"protocol": 1, "name": "misbehaving", "spec_types": "full"}
                 reply = json.dumps({"id": message["id"], "result": result})
             elif mode == "error":
                 reply = json.dumps(

@@ -116,14 +116,16 @@ def test_rust_engine_passes_universal_level(rust_engine: str, tmp_path) -> None:
 def test_rust_engine_draws_only_its_spec_types(rust_engine: str) -> None:
     from hypothesis import given
 
-    from properties.runner.machine import layout_strategy
+    from properties.engines.under_test import resolve_engine
+    from properties.runner.run import layout_strategy
 
-    factory = load_engine_factory(f"exec:{rust_engine}")
-    assert factory.spec_types == ("full", "sliding_window")
+    engine = resolve_engine(f"exec:{rust_engine}")
+    factory = engine.factory
+    assert engine.spec_types == ("full", "sliding_window")
     kinds: set[str] = set()
 
     @settings(max_examples=60, database=None, derandomize=True)
-    @given(layout_strategy(CheckConfig(engine=f"exec:{rust_engine}"), factory))
+    @given(layout_strategy(CheckConfig(engine=f"exec:{rust_engine}"), engine))
     def draw(layout: KVCacheLayout) -> None:
         kinds.update(spec.type_name for spec in layout.specs)
 
@@ -137,12 +139,13 @@ def test_rust_engine_draws_only_its_spec_types(rust_engine: str) -> None:
 
 
 def test_rust_engine_rejects_a_preset_it_cannot_serve(rust_engine: str) -> None:
-    from properties.runner.machine import layout_strategy
+    from properties.engines.under_test import resolve_engine
+    from properties.runner.run import layout_strategy
 
     assert "jamba" in PRESETS
-    factory = load_engine_factory(f"exec:{rust_engine}")
+    engine = resolve_engine(f"exec:{rust_engine}")
     with pytest.raises(Exception, match="jamba"):
-        layout_strategy(CheckConfig(engine="x", preset="jamba"), factory)
+        layout_strategy(CheckConfig(engine="x", preset="jamba"), engine)
 
 
 # -- failures of the child -----------------------------------------------------------------

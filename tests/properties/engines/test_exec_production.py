@@ -19,21 +19,23 @@ from hypothesis import settings
 from properties.checks.registry import PropertyViolation
 from properties.core.engine import (
     EngineError,
+    EngineLoadError,
     RequestInput,
     SupportsServingModes,
     load_engine_factory,
 )
 from properties.core.modes import PRODUCTION_SETTINGS, ServingMode, production_settings
 from properties.core.trace import Arrive, ResetPrefixCache, Step
-from properties.engines.exec_engine import ExecEngineFactory, ExecProcess, ExecProtocolError
+from properties.engines.exec_engine import ExecEngineFactory, ExecProcess
 from properties.engines.isolation import IsolatedFactory, wants_isolation
 from properties.engines.reference import make_engine
 from properties.engines.serve import EngineServer, answer
+from properties.engines.under_test import resolve_engine
 from properties.mutants.reference_mutants import MUTANT_INFO
 from properties.runner import profiles as _profiles  # noqa: F401 - registers the profiles
 from properties.runner.check import run_property
 from properties.runner.config import CheckConfig
-from properties.runner.machine import TraceRun, engine_factory
+from properties.runner.run import TraceRun
 from properties.tools.bench.suite import detection_settings
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec
@@ -81,10 +83,11 @@ def _settings(n: int) -> settings:
 def test_isolated_adapter_is_driven_in_every_production_mode(tmp_path) -> None:
     isolated = CheckConfig(engine=REFERENCE_ADAPTER, level="exact", failure_dir=str(tmp_path))
     assert wants_isolation(isolated.engine, isolated.isolation, isolated.call_timeout)
-    factory = engine_factory(isolated)
+    engine = isolated.resolve_engine()
+    factory = engine.factory
     assert isinstance(factory, IsolatedFactory)
     assert production_settings(factory) == PRODUCTION_SETTINGS
-    result = run_property("production", isolated, _settings(80), seed=None, factory=factory)
+    result = run_property("production", isolated, _settings(80), seed=None, engine=engine)
     factory.close()
     assert result.failure is None, result.failure
     drawn = {tag for tag, (examples, _steps) in (result.modes or {}).items() if examples > 0}
@@ -111,12 +114,13 @@ def test_isolated_external_mutant_is_caught_on_a_hand_trace(tmp_path) -> None:
     Without the modes over exec, the child never saw the external tokens."""
     info = MUTANT_INFO["external_counted_twice"]
     config = CheckConfig(engine=info.target, level="exact", failure_dir=str(tmp_path))
-    factory = engine_factory(config)
+    engine = config.resolve_engine()
+    factory = engine.factory
     assert isinstance(factory, IsolatedFactory)
     layout = KVCacheLayout(
         (KVCacheGroup(("l0",), FullAttentionSpec(block_size=4)),), num_blocks=32, max_model_len=64
     )
-    run = TraceRun(config, layout, factory, ServingMode(external_hits=True))
+    run = TraceRun(config, layout, engine, ServingMode(external_hits=True))
     try:
         run.apply(Arrive("r0", tuple(range(12)), (1,)))
         run.apply(Step(64))
@@ -133,9 +137,10 @@ def test_isolated_production_mutant_is_caught(name: str, tmp_path) -> None:
     """Without the modes over exec, the child ran the textbook mode only and passed."""
     info = MUTANT_INFO[name]
     config = CheckConfig(engine=info.target, level=info.level, failure_dir=str(tmp_path))
-    factory = engine_factory(config)
+    engine = config.resolve_engine()
+    factory = engine.factory
     assert isinstance(factory, IsolatedFactory)
-    result = run_property(info.prop, config, detection_settings("ci", None), None, factory)
+    result = run_property(info.prop, config, detection_settings("ci", None), None, engine)
     factory.close()
     assert result.failure is not None, f"{name} escaped the production property in a child"
     assert any(check in result.failure for check in info.caught_by), result.failure
@@ -238,9 +243,10 @@ def test_external_keywords_need_the_external_setting() -> None:
     factory.close()
 
 
-def test_unknown_production_setting_in_hello_is_a_protocol_error() -> None:
+def test_unknown_production_setting_in_hello_is_a_usage_error() -> None:
     factory = ExecEngineFactory([sys.executable, str(MISBEHAVING), "settings", "hello"], 30)
-    with pytest.raises(ExecProtocolError, match=r"production_settings must be .*\['warp'\]"):
+    # a declaration of the wrong type is a usage error (exit 2) naming the field
+    with pytest.raises(EngineLoadError, match=r"production_settings must be .*\['warp'\]"):
         production_settings(factory)
     factory.close()
 
@@ -285,10 +291,11 @@ def test_engine_declaring_nothing_is_never_sent_the_new_calls(
 
     monkeypatch.setattr(ExecProcess, "call", recording_call)
     config = CheckConfig(engine=f"exec:{rust_engine}", level="universal", failure_dir=str(tmp_path))
-    factory = engine_factory(config)
+    engine = config.resolve_engine()
+    factory = engine.factory
     assert production_settings(factory) == frozenset()
     assert not isinstance(factory(_layout()), SupportsServingModes)
-    result = run_property("production", config, _settings(40), seed=None, factory=factory)
+    result = run_property("production", config, _settings(40), seed=None, engine=engine)
     assert result.failure is None, result.failure
     assert result.examples >= 30
     # the textbook mode only, no production layout setting
@@ -306,7 +313,8 @@ def test_connector_modes_are_dropped_for_an_engine_without_the_external_setting(
     engine; one with the serving calls but no ``external`` setting runs them as the
     plain synchronous mode, never with a load (a mode kept half would be invalid)."""
     config = CheckConfig(engine="reference", level="universal")
-    result = run_property("attention", config, _settings(30), None, make_engine_without_settings)
+    engine = resolve_engine(make_engine_without_settings)
+    result = run_property("attention", config, _settings(30), None, engine)
     assert result.failure is None, result.failure
     assert result.examples > 0
     assert result.modes is not None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from properties.core.engine import load_engine_factory
+from properties.engines.under_test import resolve_engine
 from properties.mutants.optimized_mutants import OPTIMIZED_MUTANT_INFO, OPTIMIZED_MUTANTS
 from properties.mutants.reference_mutants import MUTANT_INFO, MUTANTS, MutantInfo
 from properties.runner.check import run_property
@@ -48,12 +49,12 @@ def run_like_check(
     check --profile ci`` draws it (same machine name, so the same derandomized
     examples), shrinking off."""
     engine = "reference" if info is None else info.target
-    factory = load_engine_factory(engine)
+    under_test = resolve_engine(engine, isolation="none")
     config = CheckConfig(engine=engine, level=level, failure_dir=failure_dir)
     prop = property_name if info is None else info.prop
     return run_machine(
         config,
-        factory,
+        under_test,
         detection_settings("ci", DETECTION_EXAMPLES),
         engine,
         property_name=prop,
@@ -104,7 +105,8 @@ def test_optimized_mutant_is_caught(name: str, tmp_path) -> None:
     <mutant> --level exact --profile ci`` runs it (shrinking off)."""
     info = OPTIMIZED_MUTANT_INFO[name]
     config = CheckConfig(engine=info.target, level=info.level, failure_dir=str(tmp_path))
-    result = run_property(info.prop, config, detection_settings("ci", None), None, info.factory)
+    engine = resolve_engine(info.factory)
+    result = run_property(info.prop, config, detection_settings("ci", None), None, engine)
     assert result.failure is not None, f"{name} escaped the ci profile ({info.prop})"
     assert any(c in result.failure for c in info.caught_by), (
         f"{name} failed for another reason than {sorted(info.caught_by)}: {result.failure}"

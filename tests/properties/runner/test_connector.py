@@ -10,6 +10,7 @@ from properties.core.trace import Arrive, ResetPrefixCache, Step
 from properties.runner.connector import Connector
 from properties.runner.scheduler import RequestState
 from properties.runner.serving import make_scheduler
+from reference.host_tier import HostTier
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec, SlidingWindowSpec
 from tests.properties.runner.scheduler_support import Recording, full_layout
@@ -41,6 +42,7 @@ def test_release_offloads_the_full_processed_blocks_and_serves_them_back() -> No
         engine,
         layout,
         EXTERNAL,
+        HostTier(layout, 2 * layout.num_blocks),
         on_offload=lambda s, g, k, b: offloads.append((s.request_id, g, k, b)),
     )
     x = _holding(engine, "x", tuple(range(10)))
@@ -71,7 +73,11 @@ def test_window_blocks_detach_once_below_the_window() -> None:
     engine = Recording(layout)
     offloads: list[tuple] = []
     connector = Connector(
-        engine, layout, EXTERNAL, on_offload=lambda s, g, k, b: offloads.append((g, k))
+        engine,
+        layout,
+        EXTERNAL,
+        HostTier(layout, 2 * layout.num_blocks),
+        on_offload=lambda s, g, k, b: offloads.append((g, k)),
     )
     state = _holding(engine, "x", tuple(range(16)))
     connector.processed(state, 8)
@@ -149,7 +155,9 @@ def test_a_failed_load_frees_its_blocks_and_the_retry_loads_them() -> None:
 
 def test_an_abort_waits_only_for_a_load_in_flight() -> None:
     layout = full_layout(block_size=4, num_blocks=8)
-    connector = Connector(Recording(layout), layout, FAILING_LOADS)
+    connector = Connector(
+        Recording(layout), layout, FAILING_LOADS, HostTier(layout, 2 * layout.num_blocks)
+    )
     assert connector.defer_abort("x") is False and connector.aborted == set()
     connector.start_load("x", 4, 8)
     assert connector.defer_abort("x") is True and connector.aborted == {"x"}

@@ -11,11 +11,12 @@ from pathlib import Path
 from hypothesis.internal.conjecture import engine as hypothesis_engine
 
 from properties.core.trace import load_trace
+from properties.engines.under_test import resolve_engine
 from properties.mutants.reference_mutants import MUTANT_INFO
 from properties.runner.check import bounded_shrinking, run_property
 from properties.runner.config import CheckConfig
-from properties.runner.machine import replay_trace
 from properties.runner.profiles import load_profile
+from properties.runner.run import replay_trace
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -29,7 +30,7 @@ def test_first_failure_is_saved_and_announced_before_shrinking(tmp_path) -> None
         config,
         load_profile("ci"),
         None,
-        info.factory,
+        resolve_engine(info.factory),
         shrink_seconds=0,
         on_first_failure=heard.append,
     )
@@ -39,7 +40,7 @@ def test_first_failure_is_saved_and_announced_before_shrinking(tmp_path) -> None
     assert first.check in info.caught_by
     assert first.examples >= 1 and first.steps >= 1 and first.seconds >= 0
     assert first.trace_path is not None and first.trace_path.exists()
-    _run, exc = replay_trace(load_trace(first.trace_path), config, info.factory)
+    _run, exc = replay_trace(load_trace(first.trace_path), config, resolve_engine(info.factory))
     assert exc is not None and exc.name == first.check
     assert first.replay() == (
         f"kvconform replay {first.trace_path} --engine {info.target} --level universal"

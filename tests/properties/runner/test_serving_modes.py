@@ -8,6 +8,7 @@ import pytest
 from properties.checks.registry import PropertyViolation
 from properties.core.modes import ServingMode, load_fails
 from properties.core.trace import Abort, Arrive, ResetPrefixCache, Step
+from properties.engines.under_test import resolve_engine
 from properties.mutants.reference_mutants import (
     make_admission_cap_ignored,
     make_admission_gate_ignored,
@@ -19,7 +20,7 @@ from properties.mutants.reference_mutants import (
     make_mamba_leftmost,
 )
 from properties.runner.config import CheckConfig
-from properties.runner.machine import TraceRun
+from properties.runner.run import TraceRun
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
@@ -33,7 +34,7 @@ def _layout(spec, num_blocks: int = 32, **kw) -> KVCacheLayout:
 
 
 def _run(layout, mode=ASYNC, factory=None, level="exact") -> TraceRun:
-    return TraceRun(CheckConfig(level=level), layout, factory, mode)
+    return TraceRun(CheckConfig(level=level), layout, resolve_engine(factory or "reference"), mode)
 
 
 def test_async_steps_plan_ahead_and_finish_after_the_last_output() -> None:
@@ -153,7 +154,8 @@ def _offloaded_then_reloaded(config: CheckConfig, factory=None) -> TraceRun:
     """r0 (12-token prompt, one output) finishes: its 12 computed tokens go to the host
     tier (bs 4: three blocks); the device cache is reset; r1 shares r0's 12 tokens and
     adds 4: device hit 0, the tier holds 12 -> 12 external tokens, 4 computed."""
-    run = TraceRun(config, _layout(FullAttentionSpec(block_size=4)), factory, EXTERNAL)
+    engine = resolve_engine(factory or "reference")
+    run = TraceRun(config, _layout(FullAttentionSpec(block_size=4)), engine, EXTERNAL)
     run.apply(Arrive("r0", tuple(range(12)), (1,)))
     run.apply(Step(64))
     run.apply(ResetPrefixCache())
@@ -198,7 +200,8 @@ ASYNC_LOADS = ServingMode(external_hits=True, async_loads=True)
 
 def _loading(config: CheckConfig, factory=None) -> TraceRun:
     """As :func:`_offloaded_then_reloaded`, with an asynchronous load."""
-    run = TraceRun(config, _layout(FullAttentionSpec(block_size=4)), factory, ASYNC_LOADS)
+    engine = resolve_engine(factory or "reference")
+    run = TraceRun(config, _layout(FullAttentionSpec(block_size=4)), engine, ASYNC_LOADS)
     run.apply(Arrive("r0", tuple(range(12)), (1,)))
     run.apply(Step(64))
     run.apply(ResetPrefixCache())
@@ -263,7 +266,7 @@ def test_window_blocks_detach_to_the_tier_while_the_request_runs() -> None:
     first chunk (8 processed, skip 8 - 4 + 1 = 5) window block 0 is detached; after the
     second (16 processed, skip 13) blocks 1 and 2 as well. Nothing of the full group
     enters before the request is freed."""
-    run = TraceRun(CheckConfig(level="exact"), WINDOWED, None, EXTERNAL)
+    run = TraceRun(CheckConfig(level="exact"), WINDOWED, resolve_engine("reference"), EXTERNAL)
     tier = run.scheduler.host_tier
     prompt = tuple(range(16))
     run.apply(Arrive("r0", prompt, (1, 2)))
@@ -287,7 +290,7 @@ def _combined(factory=None, attention: bool = False) -> TraceRun:
     then hits 4 tokens on the device and loads 8 from the tier."""
     layout = _layout(FullAttentionSpec(block_size=4))
     config = CheckConfig(level="universal", attention=attention)
-    run = TraceRun(config, layout, factory, EXTERNAL)
+    run = TraceRun(config, layout, resolve_engine(factory or "reference"), EXTERNAL)
     prompt = tuple(range(12))
     run.apply(Arrive("r0", prompt, (1,)))
     run.apply(Step(64))
@@ -316,7 +319,8 @@ def test_external_window_not_skipped_is_caught_by_the_estimate() -> None:
     the mutant allocates blocks 0..3 of the window group as well: 3 more than it
     estimated (7: 4 + 1 blocks of the full group, 1 + 1 of the window group)."""
     for factory, fails in ((None, False), (make_external_window_not_skipped, True)):
-        run = TraceRun(CheckConfig(level="universal"), WINDOWED, factory, EXTERNAL)
+        engine = resolve_engine(factory or "reference")
+        run = TraceRun(CheckConfig(level="universal"), WINDOWED, engine, EXTERNAL)
         prompt = tuple(range(16))
         run.apply(Arrive("r0", prompt, (1,)))
         run.apply(Step(64))
@@ -333,7 +337,7 @@ def test_external_window_not_skipped_is_caught_by_the_estimate() -> None:
 def test_x1_refuses_a_load_of_a_block_the_tier_does_not_hold() -> None:
     """The same load, with the window group's block 3 evicted from the tier before r1
     arrives: the tier then serves only 12 tokens (block 2 held: skip(12) = 9)."""
-    run = TraceRun(CheckConfig(level="universal"), WINDOWED, None, EXTERNAL)
+    run = TraceRun(CheckConfig(level="universal"), WINDOWED, resolve_engine("reference"), EXTERNAL)
     prompt = tuple(range(16))
     run.apply(Arrive("r0", prompt, (1,)))
     run.apply(Step(64))
@@ -354,7 +358,8 @@ def _failing_load(factory=None) -> TraceRun:
     external tokens asynchronously."""
     assert load_fails("r2", 0) and not load_fails("r2", 1)
     layout = _layout(FullAttentionSpec(block_size=4))
-    run = TraceRun(CheckConfig(level="exact", attention=True), layout, factory, FAILING_LOADS)
+    engine = resolve_engine(factory or "reference")
+    run = TraceRun(CheckConfig(level="exact", attention=True), layout, engine, FAILING_LOADS)
     run.apply(Arrive("r0", tuple(range(12)), (1,)))
     run.apply(Step(64))
     run.apply(ResetPrefixCache())
@@ -417,7 +422,9 @@ def test_mamba_leftmost_is_caught_by_hit_maximality() -> None:
     )
     prompt = tuple(range(13))
     for factory in (None, make_mamba_leftmost):
-        run = TraceRun(CheckConfig(level="universal"), layout, factory)
+        run = TraceRun(
+            CheckConfig(level="universal"), layout, resolve_engine(factory or "reference")
+        )
         run.apply(Arrive("r0", prompt, (1,)))
         for _ in range(5):
             run.apply(Step(4))

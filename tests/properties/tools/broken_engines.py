@@ -17,9 +17,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hypothesis import strategies as st
+
 from properties.core.engine import CachedBlock, CacheHit, UnsupportedLayoutError
 from properties.engines.reference import ReferenceEngine
-from reference.layout import KVCacheLayout
+from properties.engines.under_test import EngineUnderTest
+from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.specs import FullAttentionSpec
 
 
 class Broken:
@@ -303,3 +307,51 @@ def make_rejects_in_determinism(layout: KVCacheLayout):
 
 
 not_callable = 42
+
+
+# -- adapters whose declarations are wrong (checked on load: exit 2, the field named) ----
+
+
+def _declaring(name: str, **declarations: object) -> Callable:
+    """A reference factory carrying ``declarations`` as function attributes."""
+
+    def make(layout: KVCacheLayout) -> ReferenceEngine:
+        return ReferenceEngine(layout)
+
+    make.__name__ = name
+    for attribute, value in declarations.items():
+        setattr(make, attribute, value)
+    return make
+
+
+#: ``layout_strategy`` is not callable
+make_strategy_not_callable = _declaring("make_strategy_not_callable", layout_strategy=42)
+#: ``layout_strategy()`` returns a list of layouts, not a strategy
+make_strategy_returns_list = _declaring(
+    "make_strategy_returns_list",
+    layout_strategy=lambda: [
+        KVCacheLayout(
+            groups=(KVCacheGroup(("l0",), FullAttentionSpec(block_size=4)),),
+            num_blocks=8,
+            max_model_len=32,
+        )
+    ],
+)
+#: ``layout_strategy()`` draws integers, not layouts
+make_strategy_draws_int = _declaring(
+    "make_strategy_draws_int", layout_strategy=lambda: st.integers(0, 3)
+)
+#: ``known_divergences`` names a finding instead of listing KnownDivergence values
+make_bad_divergences = _declaring("make_bad_divergences", known_divergences=["vllm-bug"])
+#: ``spec_types`` names a type kvconform does not have
+make_unknown_spec_types = _declaring("make_unknown_spec_types", spec_types=("full", "linear"))
+#: ``spec_types`` as a string (it would read as the letters f, u, l, l)
+make_spec_types_string = _declaring("make_spec_types_string", spec_types="full")
+#: ``production_settings`` as a string
+make_settings_string = _declaring("make_settings_string", production_settings="retention")
+
+#: An adapter exporting an EngineUnderTest (``--engine MODULE:FULL_ONLY``): the
+#: reference engine, declared for full attention only.
+FULL_ONLY = EngineUnderTest(
+    name="full-only reference", factory=ReferenceEngine, spec_types=("full",)
+)

@@ -1,0 +1,367 @@
+"""One run of the engine under test: :class:`TraceRun`, :func:`start_run`, :func:`replay_trace`.
+
+Also what every run is drawn on and tagged with, shared by the stateful machine and the
+determinism property: :func:`layout_strategy` (the layouts drawn for an engine) and
+:func:`mode_tags` (the production modes a run exercises); and :func:`active_checks_for`
+(the invariants an engine's capabilities enable, from a probe build).
+
+:class:`TraceRun` runs trace operations through the scheduler against a
+:class:`properties.checks.lockstep.LockstepEngine` (the engine under test, plus the
+reference at the ``exact`` level) and, when asked, the attention check. Its serving mode
+is fixed when it is built: with a KV connector (external hits) the host tier is made
+first and given to both the scheduler (which fills it) and the checks (which bound
+external hits by it, X1).
+
+:func:`start_run` is the one start-of-run rule of the stateful machine and the
+determinism property: a layout the engine does not support is not an example
+(``hypothesis.reject()``); a factory that fails is the failure of a trace made of the
+layout alone (handed to ``on_failure``), and a factory past its deadline stops the
+Hypothesis run (:class:`RunStopped`) instead of being shrunk.
+
+Worked example::
+
+    engine = resolve_engine("reference")
+    run, failure = replay_trace(trace, CheckConfig(level="exact"), engine)
+    assert failure is None and run.operations == list(trace.operations)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from hypothesis import reject
+
+from properties.checks.boundary import build_engine, engine_name
+from properties.checks.lockstep import LockstepEngine
+from properties.checks.registry import PropertyViolation
+from properties.core.engine import (
+    CallTimeoutError,
+    EngineError,
+    EngineLoadError,
+    ExposesDataPlane,
+    KVCacheEngine,
+    SupportsServingModes,
+    UnsupportedLayoutError,
+)
+from properties.core.modes import SYNC, ServingMode
+from properties.core.trace import Operation, Trace
+from properties.core.versions import versions
+from properties.engines.under_test import EngineUnderTest
+from properties.generate import strategies as kvst
+from properties.runner.config import CheckConfig
+from properties.runner.scheduler import RequestState, Scheduler, StepRecord
+from properties.runner.serving import connector_host_tier, make_scheduler
+from reference.errors import KVConformError
+from reference.layout import KVCacheLayout
+from reference.specs import MambaSpec
+
+
+class RunStopped(BaseException):
+    """Ends a Hypothesis run at once, without shrinking (a call ran past its deadline).
+
+    A ``BaseException`` so that Hypothesis does not treat it as a failure to shrink;
+    ``error`` is the :class:`CallTimeoutError`."""
+
+    def __init__(self, error: CallTimeoutError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def failure_kind(exc: BaseException) -> str:
+    """``"property"`` (a check failed: exit 1), ``"engine"`` (the engine broke the
+    protocol: an exception, a malformed answer, a timeout: exit 3), ``"usage"`` (the
+    engine cannot be started at all: exit 2) or ``"internal"``."""
+    if isinstance(exc, EngineLoadError):
+        return "usage"
+    if isinstance(exc, (RunStopped, EngineError)):
+        return "engine"
+    if isinstance(exc, AssertionError):
+        return "property"
+    return "internal"
+
+
+def failure_info(
+    failure: BaseException, config: CheckConfig, found_versions: dict | None = None
+) -> dict:
+    """The ``failure`` record of a trace: the check, the message, whether the engine broke
+    the protocol (``kind``), the engine, level and the versions."""
+    return {
+        "property": getattr(failure, "name", type(failure).__name__),
+        "kind": failure_kind(failure),
+        "message": str(failure),
+        "engine": config.engine,
+        "level": config.level,
+        "versions": found_versions if found_versions is not None else versions(),
+    }
+
+
+#: Picks the serving mode of a run once its engine is built, from whether the engine
+#: offers the serving calls (:class:`properties.core.engine.SupportsServingModes`).
+ModeChooser = Callable[[bool], ServingMode]
+
+
+class TraceRun:
+    """One engine (and the reference at ``exact``) under one layout, driven op by op."""
+
+    def __init__(
+        self,
+        config: CheckConfig,
+        layout: KVCacheLayout,
+        engine: EngineUnderTest,
+        mode: ServingMode = SYNC,
+        expected: KVCacheEngine | None = None,
+        choose_mode: ModeChooser | None = None,
+    ) -> None:
+        """``expected`` (exact level): what the engine is compared with instead of a fresh
+        reference, e.g. the recorded results of a corpus case. ``choose_mode``: called
+        with whether the built engine offers the serving calls, it gives the mode
+        (instead of ``mode``), so that the machine draws it once the engine is built."""
+        self.config = config
+        self.layout = layout
+        # an engine in a child process has its own deadline, which kills the child
+        timeout = engine.call_timeout(config.call_timeout)
+        built = build_engine(engine.factory, layout, timeout)
+        self.versions = versions(built, engine)
+        reference = None
+        if config.level == "exact":
+            if expected is not None:
+                reference = expected
+            else:
+                from properties.engines.reference import make_engine as make_reference
+
+                reference = make_reference(layout)
+        self.attention = None
+        if config.attention:
+            from properties.checks.attention import AttentionChecker
+
+            plane = built if isinstance(built, ExposesDataPlane) else None
+            self.attention = AttentionChecker(layout, data_plane=plane)
+        supports = isinstance(built, SupportsServingModes)
+        if choose_mode is not None:
+            mode = choose_mode(supports)
+        if not mode.is_default and not supports:
+            raise UnsupportedLayoutError(
+                f"{engine_name(built)} does not offer the calls of "
+                f"serving mode {mode.describe()} (properties.core.engine.SupportsServingModes)"
+            )
+        self.mode = mode
+        host_tier = connector_host_tier(layout, mode)
+        self.lockstep = LockstepEngine(
+            built, layout, reference, config.disabled, timeout, host_tier=host_tier
+        )
+        self.scheduler = make_scheduler(
+            self.lockstep,
+            layout,
+            mode,
+            on_scheduled=self._on_scheduled,
+            on_offload=self._on_offload if self.attention is not None else None,
+            on_load=self._on_load if self.attention is not None else None,
+            host_tier=host_tier,
+        )
+        self.operations: list[Operation] = []
+
+    def supports_serving_modes(self) -> bool:
+        return isinstance(self.lockstep.engine, SupportsServingModes)
+
+    def apply(self, op: Operation) -> StepRecord | None:
+        self.operations.append(op)
+        return self.scheduler.apply(op)
+
+    def requests_holding_blocks(self) -> list[str]:
+        """The requests whose blocks the checks track as held, in arrival order."""
+        return [
+            rid for rid, tracked in self.lockstep.checker.requests.items() if tracked.holds_blocks
+        ]
+
+    def num_free(self) -> int:
+        """The engine's free block count, as the checks read it."""
+        return self.lockstep.checker.state.num_free()
+
+    def _on_scheduled(self, scheduler: Scheduler, record: StepRecord) -> None:
+        if self.attention is None or not record.scheduled:
+            return
+        from properties.checks.attention import AttentionMismatch, ScheduledChunk
+
+        chunks = []
+        for item in record.scheduled:
+            state = scheduler.requests[item.request_id]
+            chunks.append(
+                ScheduledChunk(
+                    request=state.input,
+                    token_ids=state.token_ids,
+                    num_computed_before=item.start,
+                    num_scheduled=item.num_tokens,
+                    block_ids=tuple(tuple(g) for g in self.lockstep.get_block_ids(item.request_id)),
+                )
+            )
+        try:
+            self.attention.check_step(chunks)
+        except AttentionMismatch as exc:
+            raise PropertyViolation("attention", str(exc)) from exc
+
+    def _on_offload(self, state: RequestState, gid: int, block_index: int, block: int) -> None:
+        assert self.attention is not None
+        self.attention.offload(gid, state.input, state.token_ids, block_index, block)
+
+    def _on_load(self, state: RequestState, start: int, end: int) -> None:
+        from properties.checks.attention import AttentionMismatch
+
+        assert self.attention is not None
+        table = self.lockstep.get_block_ids(state.request_id)
+        try:
+            self.attention.load(state.input, state.token_ids, table, start, end)
+        except AttentionMismatch as exc:
+            raise PropertyViolation("attention", str(exc)) from exc
+
+    def to_trace(self, failure: BaseException | None = None, seed: int | None = None) -> Trace:
+        info = None if failure is None else failure_info(failure, self.config, self.versions)
+        return Trace(
+            layout=self.layout,
+            operations=tuple(self.operations),
+            seed=seed,
+            observed=tuple(self.lockstep.log),
+            failure=info,
+            mode=self.mode,
+        )
+
+
+def start_run(
+    config: CheckConfig,
+    layout: KVCacheLayout,
+    engine: EngineUnderTest,
+    on_failure: Callable[[Trace], None],
+    choose_mode: ModeChooser | None = None,
+) -> TraceRun:
+    """A run of the engine under test on ``layout`` (the module docstring's rule): an
+    example the engine refuses is not one (``reject()``); a factory that fails hands the
+    trace of the layout alone, with the failure, to ``on_failure`` and raises (a
+    :class:`RunStopped` for a deadline). Example: a factory raising ``EngineError("boom")``
+    gives ``on_failure(Trace(layout, (), failure={"property": "EngineError", ...}))``."""
+    try:
+        return TraceRun(config, layout, engine, choose_mode=choose_mode)
+    except UnsupportedLayoutError:
+        reject()
+        raise  # unreachable: reject() raises
+    except EngineError as exc:  # the factory failed: the trace is the layout alone
+        on_failure(Trace(layout, (), failure=failure_info(exc, config)))
+        if isinstance(exc, CallTimeoutError):
+            raise RunStopped(exc) from exc
+        raise
+
+
+def replay_trace(
+    trace: Trace, config: CheckConfig, engine: EngineUnderTest
+) -> tuple[TraceRun, BaseException | None]:
+    """Replay ``trace`` (in its serving mode) with every check; returns the run and the
+    first failure (or None)."""
+    run = TraceRun(config, trace.layout, engine, trace.mode)
+    try:
+        for op in trace.operations:
+            run.apply(op)
+    except (AssertionError, KVConformError) as exc:  # violations and engine errors
+        return run, exc
+    return run, None
+
+
+def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
+    """The production modes a run exercises, for the counts ``kvconform check`` prints:
+    ``retention=dense|sparse|interval``, ``eagle-drop``, ``lookahead-hashes``,
+    ``async``, ``admission-gate``, ``drafts``, ``external-hits``, ``async-loads``,
+    ``load-failures``."""
+    r = layout.prefix_cache_retention_interval
+    tags = [f"retention={'dense' if r is None else 'sparse' if r == 0 else 'interval'}"]
+    if layout.drop_eagle_group_ids:
+        tags.append("eagle-drop")
+    if layout.num_hash_lookahead_tokens:
+        tags.append("lookahead-hashes")
+    if mode.async_scheduling:
+        tags.append("async")
+    if mode.admission_gate:
+        tags.append("admission-gate")
+    if mode.num_draft_tokens:
+        tags.append("drafts")
+    if mode.external_hits and not any(isinstance(s, MambaSpec) for s in layout.specs):
+        tags.append("external-hits")
+        if mode.async_loads:
+            tags.append("async-loads")
+        if mode.load_failures:
+            tags.append("load-failures")
+    return tags
+
+
+def layout_strategy(config: CheckConfig, engine: EngineUnderTest):
+    """Layouts to draw: the engine's own ``layout_strategy`` if it has one, else a preset
+    (``--preset``) or any generated layout, made only of the spec types the engine
+    supports (``engine.spec_types``, e.g. an exec engine's ``hello``)."""
+    kinds = engine.spec_types
+    if engine.layout_strategy is not None:
+        strategy = engine.layout_strategy()
+    elif config.preset is not None:
+        if config.preset not in kvst.presets_of_kinds(kinds):
+            raise KVConformError(
+                f"--preset {config.preset!r} is not a preset made of the spec types the "
+                f"engine supports ({', '.join(kinds)}); those are: "
+                f"{', '.join(kvst.presets_of_kinds(kinds)) or 'none'}"
+            )
+        # a preset run of the production property keeps the retention it is served with
+        strategy = kvst.preset_layouts(
+            names=[config.preset], max_len=config.max_len, served=config.production
+        )
+    else:
+        strategy = kvst.any_layouts(max_len=config.max_len, kinds=kinds)
+    if config.production and config.preset is None:
+        strategy = kvst.production_layouts(
+            strategy, max_len=config.max_len, settings=engine.production_settings
+        )
+    known = engine.known_divergences
+    if known:
+        strategy = strategy.filter(lambda layout: not any(d.applies(layout) for d in known))
+    return strategy
+
+
+def _probe_layouts() -> tuple[KVCacheLayout, ...]:
+    """Small layouts to build an engine on when only its capabilities are wanted: one
+    full-attention group, then full attention with a sliding window (bs 4, w 8)."""
+    from reference.layout import KVCacheGroup
+    from reference.specs import FullAttentionSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype_bytes=2)
+    window = SlidingWindowSpec(
+        block_size=4, num_kv_heads=1, head_size=8, dtype_bytes=2, sliding_window=8
+    )
+    one = KVCacheLayout(groups=(KVCacheGroup(("l0",), full),), num_blocks=16, max_model_len=64)
+    two = dataclasses.replace(
+        one, groups=(KVCacheGroup(("l0",), full), KVCacheGroup(("l1",), window))
+    )
+    return (one, two)
+
+
+def active_checks_for(
+    engine: EngineUnderTest, config: CheckConfig
+) -> tuple[list[str], frozenset[str]]:
+    """The invariants that run for this engine (its optional capabilities decide) and
+    the capabilities, read from an engine built on a small probe layout."""
+    from properties.checks.checker import Checker
+
+    for layout in _probe_layouts():
+        try:
+            built = build_engine(engine.factory, layout, config.call_timeout)
+        except UnsupportedLayoutError:
+            continue
+        checker = Checker(built, layout, config.disabled)
+        return checker.active_checks(), checker.state.capabilities()
+    return [], frozenset()
+
+
+__all__ = [
+    "RunStopped",
+    "TraceRun",
+    "active_checks_for",
+    "failure_info",
+    "failure_kind",
+    "layout_strategy",
+    "mode_tags",
+    "replay_trace",
+    "start_run",
+]
