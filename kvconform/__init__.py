@@ -22,7 +22,9 @@ The groups of names:
   values they take and return (:class:`RequestInput`, :class:`CacheHit`,
   :class:`CachedBlock`, :class:`PoolUsage`,
   :class:`SlotRequest`, :class:`StepUpdate`, ``BlockIds``, ``EngineFactory``) and
-  :class:`KnownDivergence`;
+  :class:`KnownDivergence`; the engine under test as one object, :class:`EngineUnderTest`
+  (an adapter may export one), and :func:`resolve_engine` (a name, factory or
+  ``EngineUnderTest`` loaded, validated and isolated once);
 * layouts and specs: :class:`KVCacheLayout`, :class:`KVCacheGroup`, :class:`KVCacheSpec`,
   :class:`AttentionSpec`, :class:`FullAttentionSpec`, :class:`SlidingWindowSpec`,
   :class:`ChunkedLocalAttentionSpec`, :class:`MambaSpec`;
@@ -65,6 +67,7 @@ from properties.core.engine import (
     UnsupportedLayoutError,
 )
 from properties.core.modes import MAX_DRAFT_TOKENS, PRODUCTION_SETTINGS, SYNC, ServingMode
+from properties.engines.under_test import EngineUnderTest, resolve_engine
 from reference.errors import KVConformError
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import (
@@ -75,9 +78,6 @@ from reference.specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
-
-# TODO(lead): re-export EngineUnderTest once properties/engines/under_test.py is merged:
-# from properties.engines.under_test import EngineUnderTest  (and add it to __all__)
 
 try:
     __version__: str = _metadata.version("kvconform")
@@ -92,6 +92,8 @@ __all__ = [
     "ExposesCachedBlocks",
     "ReportsAllocationEstimate",
     "ReportsPools",
+    "EngineUnderTest",
+    "resolve_engine",
     "PoolUsage",
     "PlansSteps",
     "CommitsSteps",

@@ -39,7 +39,9 @@ OLD_PATHS = {
 
 
 def test_public_names_are_the_internal_objects() -> None:
-    homes = (engine, modes, constants, errors, layout, specs)
+    from properties.engines import under_test
+
+    homes = (engine, modes, constants, errors, layout, specs, under_test)
     for name in kvconform.__all__:
         if name == "__version__":
             continue
