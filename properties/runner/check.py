@@ -113,6 +113,10 @@ class PropertyResult:
     check: str | None = None
     #: checks listed as expected to fail that failed here (``--xfails-file``)
     xfailed: tuple[str, ...] = ()
+    #: pairs of features reached: pair -> examples (:mod:`properties.runner.pairs`)
+    pairs: dict[tuple[str, str], int] | None = None
+    #: whether the engine offered the serving-mode calls
+    serving_calls: bool = False
 
     @property
     def passed(self) -> bool:
@@ -308,6 +312,8 @@ def _run_machine(
         found[0] if found else None,
         modes,
         failed_check(error),
+        pairs=dict(stats.pairs),
+        serving_calls=stats.serving_calls,
     )
 
 

@@ -44,6 +44,7 @@ from properties.core.trace import (
 from properties.engines.under_test import EngineUnderTest
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
+from properties.runner.pairs import count_pairs, features
 from properties.runner.run import RunStopped, TraceRun, layout_strategy, mode_tags, start_run
 from properties.runner.scheduler import StepRecord
 from reference.errors import KVConformError
@@ -66,6 +67,10 @@ class RunStats:
     on_first_failure: Callable[[RunStats], None] | None = None
     #: production modes drawn: tag -> [examples, steps] (:func:`mode_tags`)
     modes: dict[str, list[int]] = field(default_factory=dict)
+    #: pairs of features reached: pair -> examples (:mod:`properties.runner.pairs`)
+    pairs: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: whether the engine offered the serving-mode calls (a run was built)
+    serving_calls: bool = False
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -121,6 +126,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.tags = mode_tags(layout, self.run.mode) if drawn else []
         for tag in self.tags:
             stats.modes.setdefault(tag, [0, 0])[0] += 1
+        count_pairs(stats.pairs, features(layout, self.run.mode))
 
     def _record_failure(self, trace: Trace) -> None:
         type(self).stats.last_failure = trace
@@ -129,6 +135,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         """The serving mode of this run, once its engine is built: the one drawn
         (:meth:`_draw_mode`) as the engine gets it
         (:meth:`properties.engines.under_test.EngineUnderTest.serving_mode`)."""
+        type(self).stats.serving_calls |= supports
         drawn = self._draw_mode(data, supports)
         if drawn is None:
             return SYNC

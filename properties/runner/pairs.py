@@ -74,6 +74,7 @@ MODEL_EXCLUSIONS: Mapping[frozenset[str], str] = {
     frozenset({"lookahead-hashes", "chunked_local"}): "vLLM runs EAGLE without chunked groups",
     frozenset({"lookahead-hashes", "mamba"}): "EAGLE is modelled without Mamba groups",
     frozenset({"eagle-drop", "lookahead-hashes"}): "lookahead hashes turn the EAGLE drop off",
+    frozenset({"retention=sparse", "retention=interval"}): "a layout has one retention interval",
 }
 
 
@@ -161,8 +162,9 @@ def pair_status(
 
 
 def pair_table(counts: Mapping[tuple[str, str], int], declared: Declared) -> list[str]:
-    """The lines ``kvconform check`` prints: a summary line, then one line per pair that
-    is missed, then the excluded pairs grouped by reason. Reached pairs are counted, not
+    """The lines ``kvconform check`` prints: a summary line, then the missed pairs (one
+    line per first feature: ``missed: drafts x {mamba, pool-pressure}``), then the
+    excluded pairs counted by reason. Reached pairs are counted, not
     listed (their counts go in the JSON result)."""
     statuses = {pair: pair_status(pair, counts, declared) for pair in all_pairs()}
     reached = [p for p, s in statuses.items() if s.startswith("reached")]
@@ -176,8 +178,11 @@ def pair_table(counts: Mapping[tuple[str, str], int], declared: Declared) -> lis
         f"pairs reached: {len(reached)} of {supported} the engine supports "
         f"({sum(len(v) for v in excluded.values())} excluded)"
     ]
+    by_first: dict[str, list[str]] = {}
     for a, b in missed:
-        lines.append(f"  missed: {a} x {b}")
+        by_first.setdefault(a, []).append(b)
+    for a, others in by_first.items():
+        lines.append(f"  missed: {a} x {{{', '.join(others)}}}")
     for why, pairs in sorted(excluded.items()):
         lines.append(f"  excluded ({why}): {len(pairs)} pairs")
     return lines

@@ -133,6 +133,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     )
     results = run.results
     print(format_results(results))
+    print("\n".join(format_pair_reach(results, engine)))
     failed = [r for r in results if not r.passed]
     for r in failed:
         print(f"\n{FAILURE_TITLE[result_kind(r)]} in {r.name}: {r.failure[:4000]}")
@@ -241,6 +242,23 @@ def print_result_line(r) -> None:
     if getattr(r, "modes", None):
         drawn = ", ".join(f"{tag} {e}/{n}" for tag, (e, n) in r.modes.items())
         print(f"    modes drawn (examples/steps): {drawn}", flush=True)
+
+
+def format_pair_reach(results, engine) -> list[str]:
+    """The pairs of features the run reached (:func:`properties.runner.pairs.pair_table`),
+    over every property, and those the engine's declarations exclude."""
+    from properties.runner.pairs import Declared, pair_table
+
+    counts: dict[tuple[str, str], int] = {}
+    for r in results:
+        for pair, n in (getattr(r, "pairs", None) or {}).items():
+            counts[pair] = counts.get(pair, 0) + n
+    declared = Declared(
+        frozenset(engine.production_settings),
+        any(getattr(r, "serving_calls", False) for r in results),
+        tuple(engine.spec_types),
+    )
+    return pair_table(counts, declared)
 
 
 def format_active_checks(engine, config) -> str:

@@ -95,3 +95,10 @@ def test_table_for_an_engine_without_serving_modes() -> None:
     assert lines[0] == f"pairs reached: 2 of 2 the engine supports ({total - 2} excluded)"
     assert not any(line.startswith("  missed") for line in lines)
     assert "  excluded (no serving-mode calls): " in "\n".join(lines)
+
+
+def test_missed_pairs_are_grouped_by_their_first_feature() -> None:
+    only_full = Declared(frozenset(), True, ("full",))
+    lines = pair_table({}, only_full)
+    assert "  missed: async x {admission-gate, pool-pressure, full}" in lines
+    assert "  missed: drafts x {pool-pressure, full}" in lines
