@@ -16,6 +16,7 @@ Worked example (a ``pool_accounting`` failure at the second operation)::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from properties.checks.registry import CHECKS
 from properties.core.trace import Step, Trace
@@ -109,20 +110,29 @@ def explain_failure(trace: Trace, max_lines: int = 24) -> str:
 
 
 def format_summary(
-    results: Sequence[object], tiers: dict[str, tuple[int, int]] | None = None
+    results: Sequence[object],
+    engine: str,
+    level: str,
+    reports: dict[str, Path] | None = None,
+    tiers: dict[str, tuple[int, int]] | None = None,
 ) -> str:
     """The closing summary of ``kvconform check``: properties, examples, steps (per tier
     when tiers exist: ``{tier: (examples, steps)}``), time and the result; for each
-    failed property its trace, HTML report and replay command (attributes
-    ``trace_path``, ``report_path``, ``replay`` when present)."""
+    failed property its trace, HTML report (``reports``: property -> page) and replay
+    command. Example (one passing property)::
+
+        summary: 1 properties, 20 examples, 310 steps, 2.5s: PASSED
+    """
+    from properties.runner.check import replay_command
+
     examples = sum(getattr(r, "examples", 0) for r in results)
     steps = sum(getattr(r, "steps", 0) for r in results)
     seconds = sum(getattr(r, "seconds", 0.0) for r in results)
     failed = [r for r in results if not getattr(r, "passed", True)]
+    result = "PASSED" if not failed else f"FAILED ({', '.join(r.name for r in failed)})"
     lines = [
         f"summary: {len(results)} properties, {examples} examples, {steps} steps, "
-        f"{seconds:.1f}s of property time: "
-        + ("PASSED" if not failed else f"FAILED ({', '.join(r.name for r in failed)})")
+        f"{seconds:.1f}s: {result}"
     ]
     if tiers:
         per_tier = ", ".join(f"{t} {e} examples/{n} steps" for t, (e, n) in tiers.items())
@@ -131,11 +141,9 @@ def format_summary(
         path = getattr(r, "trace_path", None)
         if path is None:
             continue
-        lines.append(f"  {r.name}: trace {path}")
-        report = getattr(r, "report_path", None)
-        if report is not None:
-            lines.append(f"  {r.name}: report {report}")
-        replay = getattr(r, "replay", None)
-        if replay:
-            lines.append(f"  {r.name}: replay {replay}")
+        lines.append(f"  {r.name}: trace  {path}")
+        if reports and r.name in reports:
+            lines.append(f"  {r.name}: report {reports[r.name]}")
+        command = replay_command(path, engine, level, r.name == "attention")
+        lines.append(f"  {r.name}: replay {command}")
     return "\n".join(lines)

@@ -62,6 +62,15 @@ def honest_shrink_reporter(seconds: float | None) -> Iterator[None]:
         yield
 
 
+def configure_progress(quiet: bool, workers: int) -> None:
+    """Set the progress style for this process and the workers it starts: ``quiet``
+    (``-q``), plain ``lines`` when several workers share the output, else automatic."""
+    if quiet:
+        os.environ[PROGRESS_ENV] = "quiet"
+    elif workers > 1:
+        os.environ[PROGRESS_ENV] = "lines"
+
+
 def progress_style(stream=None) -> str:
     """``quiet``, ``lines`` or ``tty`` (see the module docstring)."""
     wanted = os.environ.get(PROGRESS_ENV, "")

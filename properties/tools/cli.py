@@ -124,18 +124,30 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.only:
         wanted = [p for p in wanted if p in args.only]
     print(format_active_checks_or_why(factory, config))
+    from properties.runner.explain import format_summary
+    from properties.runner.progress import configure_progress
+    from properties.tools.report import failure_lines, report_beside
+
+    configure_progress(args.quiet, args.workers if args.workers is not None else 2)
     results = run_checks(args, config, wanted, seed, factory)
     print(format_results(results))
     failed = [r for r in results if not r.passed]
+    reports = {}
     for r in failed:
-        print(f"\n{FAILURE_TITLE[result_kind(r)]} in {r.name}: {r.failure[:4000]}")
+        print(f"\n{FAILURE_TITLE[result_kind(r)]} in {r.name}: {r.failure.splitlines()[0]}")
+        print("\n".join(failure_lines(r.trace_path, r.failure)))
         if r.note:
             print(f"  note: {r.note}")
+        if getattr(r, "reduced", None):
+            print(f"  {r.reduced}")
         if getattr(r, "first", None) is not None:
             print(f"  {r.first.describe()}")
         if r.trace_path is not None:
             command = replay_command(r.trace_path, args.engine, args.level, r.name == "attention")
-            print(f"  trace: {r.trace_path}\n  replay: {command}")
+            report, line = report_beside(r.trace_path, args.engine, args.level, factory)
+            reports.update({r.name: report} if report is not None else {})
+            print(f"  trace: {r.trace_path}\n  {line}\n  replay: {command}")
+    print("\n" + format_summary(results, args.engine, args.level, reports))
     return exit_code([result_kind(r) for r in results])
 
 
@@ -271,6 +283,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from properties.core.trace import load_trace
     from properties.runner.check import config_for
     from properties.runner.machine import engine_factory, failure_kind, replay_trace
+    from properties.tools.report import replay_lines
 
     trace = load_trace(Path(args.trace))
     config = config_for("attention" if args.attention else "invariants", config_from_args(args))
@@ -289,26 +302,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return EXIT_PASSED
     op_index = len(run.operations) - 1
     print(f"FAILED at operation {op_index}: {run.operations[op_index]!r}")
-    print(f"  {type(exc).__name__}: {exc}")
-    calls = run.lockstep.log[-6:]
-    if calls:
-        print("  last calls (engine under test):")
-        for c in calls:
-            print(f"    {json.dumps(c)}")
-    if run.lockstep.reference is not None:
-        print("  block tables now, per request (reference | engine):")
-        for rid, tracked in run.lockstep.checker.requests.items():
-            if not tracked.holds_blocks:
-                continue
-            try:
-                exp = run.lockstep.reference.get_block_ids(rid)
-                got = run.lockstep.engine.get_block_ids(rid)
-            except Exception as err:  # noqa: BLE001
-                print(f"    {rid}: cannot read tables: {err}")
-                continue
-            for gid, (e, g) in enumerate(zip(exp, got)):
-                mark = "  " if list(e) == list(g) else "!="
-                print(f"    {rid} group {gid}: {list(e)} {mark} {list(g)}")
+    print(f"  {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    print("\n".join(replay_lines(run, exc, args.trace, args.engine, args.level, factory)))
     return EXIT_ENGINE if failure_kind(exc) == "engine" else EXIT_FAILED
 
 
@@ -497,6 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="properties run in N processes (default: the number of cores)",
     )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     shrink_args(p)
     coverage_args(p)
     p.set_defaults(func=cmd_check)
@@ -534,6 +530,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine_args(p)
     p.add_argument("--attention", action="store_true", help="check attention outputs only")
     p.set_defaults(func=cmd_replay)
+
+    from properties.tools.report import add_report_parser
+
+    add_report_parser(sub)
 
     p = sub.add_parser("corpus", help="export or run the conformance corpus (no Hypothesis)")
     corpus = p.add_subparsers(dest="action", required=True)

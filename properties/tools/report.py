@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from properties.core.trace import Trace, load_trace, operation_to_json
-from properties.runner.check import config_for, replay_command
-from properties.runner.config import CheckConfig
-from properties.runner.explain import explain_failure, rule_line, where_line
 from reference.errors import KVConformError
+
+# The runner is imported inside the functions: the CLI builds its parser (this module's
+# add_report_parser) before a --coverage worker starts measuring the reference.
 
 #: Free-queue entries shown per step.
 QUEUE_HEAD = 16
@@ -74,7 +74,7 @@ def _snapshot(run: Any) -> dict:
     return out
 
 
-def _walk(trace: Trace, config: CheckConfig, factory: Callable | None) -> tuple[list, str | None]:
+def _walk(trace: Trace, config: Any, factory: Callable | None) -> tuple[list, str | None]:
     """Snapshots after every operation of ``trace`` on one engine, and the failure text
     (None when it passes). The run stops at the first failure (its snapshot included)."""
     from properties.runner.machine import TraceRun
@@ -99,6 +99,9 @@ def report_data(
 ) -> dict:
     """Everything the page shows, as JSON data (see the module docstring)."""
     from properties.engines.reference import make_engine as make_reference
+    from properties.runner.check import config_for
+    from properties.runner.config import CheckConfig
+    from properties.runner.explain import explain_failure, rule_line, where_line
 
     failure = trace.failure or {}
     engine = engine or failure.get("engine") or "reference"
@@ -137,6 +140,8 @@ def write_report(
 ) -> Path:
     """Write the page for the trace at ``trace_path`` (default: beside it, ``.html``);
     returns its path."""
+    from properties.runner.check import replay_command
+
     trace = load_trace(Path(trace_path))
     data = report_data(trace, engine, level, factory)
     attention = data["check"] == "attention"
@@ -145,6 +150,104 @@ def write_report(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_html(data), encoding="utf-8")
     return path
+
+
+def report_beside(
+    trace_path: Path | str, engine: str | None = None, level: str | None = None, factory=None
+) -> tuple[Path | None, str]:
+    """Write the page beside a saved trace (once: an existing page is kept); returns its
+    path and the line to print (``report: PATH``, or why it could not be written: a
+    report never turns a run's result into an error)."""
+    path = report_path_for(trace_path)
+    if path.exists():
+        return path, f"report: {path}"
+    try:
+        write_report(trace_path, path, engine, level, factory)
+    except Exception as exc:  # noqa: BLE001 - the failure is reported whatever happens here
+        return None, f"report: not written ({type(exc).__name__}: {exc})"
+    return path, f"report: {path}"
+
+
+def failure_lines(trace_path: Path | str | None, failure: str) -> list[str]:
+    """The lines under a ``FAILED in ...: <first line>`` header: the rule, where it
+    failed and the rest of the message (:func:`properties.runner.explain.explain_failure`);
+    without a readable trace, the rest of the message."""
+    rest = failure.splitlines()[1:]
+    if trace_path is None:
+        return [f"  {line}" for line in rest[:24]]
+    try:
+        trace = load_trace(Path(trace_path))
+    except KVConformError:
+        return [f"  {line}" for line in rest[:24]]
+    from properties.runner.explain import explain_failure
+
+    explained = explain_failure(trace).splitlines()
+    return [f"  {explained[0]}", f"  {explained[1].strip()}", *[f"  {x}" for x in rest[:24]]]
+
+
+def replay_lines(
+    run: Any, exc: BaseException, trace_path: str, engine: str, level: str, factory=None
+) -> list[str]:
+    """What ``kvconform replay`` prints under its ``FAILED at operation N`` line: the
+    rule and where it failed, the rest of the message, the last three calls (long
+    lists shortened), the block tables that differ from the reference (as diffs, at
+    most five requests) and the HTML report written beside the trace."""
+    import json
+
+    from properties.core.diff import describe_mismatch, short, size
+    from properties.runner.explain import rule_line
+
+    lines = [f"  {rule_line(getattr(exc, 'name', type(exc).__name__))}"]
+    lines += [f"  {line}" for line in str(exc).splitlines()[1:24]]
+    calls = run.lockstep.log[-3:]
+    if calls:
+        lines.append("  last calls (engine under test):")
+        for c in calls:
+            shown = {
+                k: (short(v) if isinstance(v, list) and size(v) > 16 else v) for k, v in c.items()
+            }
+            lines.append(f"    {json.dumps(shown)[:300]}")
+    reference = run.lockstep.reference
+    if reference is not None:
+        differing = []
+        for rid, tracked in run.lockstep.checker.requests.items():
+            if not tracked.holds_blocks:
+                continue
+            try:
+                exp = [list(map(int, g)) for g in reference.get_block_ids(rid)]
+                got = [list(map(int, g)) for g in run.lockstep.engine.get_block_ids(rid)]
+            except Exception as err:  # noqa: BLE001 - shown, not raised
+                differing.append(f"    {rid}: cannot read tables: {err}")
+                continue
+            if exp != got:
+                names = ("reference", run.lockstep.engine_name)
+                differing.append(f"    {rid}: {describe_mismatch(exp, got, names)}")
+        if differing:
+            lines.append(f"  block tables that differ ({len(differing)} requests):")
+            lines += differing[:5]
+        else:
+            lines.append("  every block table equals the reference's")
+    _path, line = report_beside(trace_path, engine, level, factory)
+    lines.append(f"  {line}")
+    return lines
+
+
+def cmd_report(args) -> int:
+    """``kvconform report TRACE [--html OUT] [--engine E] [--level L]``."""
+    path = write_report(args.trace, args.html, args.engine, args.level)
+    print(f"report: {path}")
+    return 0
+
+
+def add_report_parser(sub) -> None:
+    """The ``report`` subcommand of the ``kvconform`` parser."""
+    p = sub.add_parser("report", help="write a self-contained HTML page of a failing trace")
+    p.add_argument("trace")
+    p.add_argument("--html", default=None, help="where to write it (default: beside the trace)")
+    p.add_argument("--engine", default=None, help="default: the engine the trace names")
+    p.add_argument("--level", default=None, choices=("universal", "exact"))
+    p.add_argument("--verbose", action="store_true", help="tracebacks for errors")
+    p.set_defaults(func=cmd_report)
 
 
 def render_html(data: dict) -> str:
