@@ -113,13 +113,13 @@ def format_summary(
     results: Sequence[object],
     engine: str,
     level: str,
-    reports: dict[str, Path] | None = None,
+    reports: dict[str, Path | str] | None = None,
     tiers: dict[str, tuple[int, int]] | None = None,
 ) -> str:
     """The closing summary of ``kvconform check``: properties, examples, steps (per tier
     when tiers exist: ``{tier: (examples, steps)}``), time and the result; for each
-    failed property its trace, HTML report (``reports``: property -> page) and replay
-    command. Example (one passing property)::
+    failed property its trace, HTML report (``reports``: property -> page, or the line
+    saying why none was written) and replay command. Example (one passing property)::
 
         summary: 1 properties, 20 examples, 310 steps, 2.5s: PASSED
     """
@@ -141,9 +141,10 @@ def format_summary(
         path = getattr(r, "trace_path", None)
         if path is None:
             continue
-        lines.append(f"  {r.name}: trace  {path}")
-        if reports and r.name in reports:
-            lines.append(f"  {r.name}: report {reports[r.name]}")
-        command = replay_command(path, engine, level, r.name == "attention")
-        lines.append(f"  {r.name}: replay {command}")
+        lines.append(f"  {r.name}:")
+        lines.append(f"    trace: {path}")
+        report = (reports or {}).get(r.name)
+        if report is not None:
+            lines.append(f"    report: {report}" if isinstance(report, Path) else f"    {report}")
+        lines.append(f"    replay: {replay_command(path, engine, level, r.name == 'attention')}")
     return "\n".join(lines)

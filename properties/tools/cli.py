@@ -93,7 +93,6 @@ def config_from_args(args: argparse.Namespace, **extra):
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from properties.runner.check import replay_command
     from properties.runner.machine import engine_factory, known_divergences
     from properties.runner.profiles import load_profile
 
@@ -142,11 +141,9 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"  {r.reduced}")
         if getattr(r, "first", None) is not None:
             print(f"  {r.first.describe()}")
-        if r.trace_path is not None:
-            command = replay_command(r.trace_path, args.engine, args.level, r.name == "attention")
+        if r.trace_path is not None:  # the summary below prints its path and replay
             report, line = report_beside(r.trace_path, args.engine, args.level, factory)
-            reports.update({r.name: report} if report is not None else {})
-            print(f"  trace: {r.trace_path}\n  {line}\n  replay: {command}")
+            reports[r.name] = report if report is not None else line
     print("\n" + format_summary(results, args.engine, args.level, reports))
     return exit_code([result_kind(r) for r in results])
 

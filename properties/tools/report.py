@@ -265,9 +265,9 @@ h1{font-size:1.3em}h2{font-size:1.1em;margin-top:1.2em}
 pre{background:#f6f6f6;padding:.6em;white-space:pre-wrap}
 table.blocks{border-collapse:collapse;margin:.2em 0}
 table.blocks td{border:1px solid #bbb;min-width:2.4em;text-align:center;padding:1px 3px}
-td.null{background:#ddd;color:#777}
-td.cached{background:#dff0d8}
-td.divergent{background:#f8b4b4;font-weight:bold;outline:2px solid #c00}
+.null{background:#ddd;color:#777}
+.cached{background:#dff0d8}
+.divergent{background:#f8b4b4;font-weight:bold;outline:2px solid #c00}
 .side{display:inline-block;vertical-align:top;margin-right:2em}
 .legend span{padding:0 .5em;margin-right:.5em;border:1px solid #bbb}
 .ops li.current{font-weight:bold}.ops li.failing{color:#c00}
