@@ -379,9 +379,10 @@ def _corpus(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "suite":
+        from properties.tools.bench.progress import suite_line
         from properties.tools.bench.suite import bench_suite, format_suite
 
-        print(format_suite(bench_suite(profile=args.profile)))
+        print(format_suite(bench_suite(profile=args.profile, on_row=suite_line)))
     elif args.what == "engines":
         from properties.tools.bench.engines import (
             ALL_RECIPES,
@@ -390,6 +391,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             format_engine_bench,
             recorded_traces,
         )
+        from properties.tools.bench.progress import engine_line
 
         recipes = [r for r in ALL_RECIPES if not args.traces or r.name in args.traces]
         if not recipes:
@@ -400,6 +402,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             traces=recorded_traces(scale=args.scale, recipes=recipes),
             repeat=args.repeat,
             memory=args.memory,
+            on_row=engine_line,
         )
         print(format_engine_bench(rows))
         return 1 if engine_mismatches(rows) else 0

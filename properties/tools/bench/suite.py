@@ -155,9 +155,11 @@ def bench_suite(
     levels: Sequence[str] = ("universal", "exact"),
     mutants: Sequence[str] | None = None,
     max_examples: int | None = DETECTION_EXAMPLES,
+    on_row: Callable[[SuiteRow], None] | None = None,
 ) -> list[SuiteRow]:
     """Every mutant (or those named) at each of ``levels``, then the reference at each,
-    all under :func:`detection_settings` (``profile``, ``max_examples``).
+    all under :func:`detection_settings` (``profile``, ``max_examples``); ``on_row``
+    hears of each row as soon as it is measured (progress).
 
     The mutants are those of ``properties/mutants/`` (reference and optimized), each run
     under the property its catalogue names (``invariants``, ``attention`` or
@@ -189,9 +191,13 @@ def bench_suite(
                         config, info.factory, hyp, name, info.description, property_name=info.prop
                     )
                 )
+                if on_row is not None:
+                    on_row(rows[-1])
         for level in levels:
             config = CheckConfig(engine=REFERENCE, level=level, failure_dir=tmp)
             rows.append(run_machine(config, None, hyp, REFERENCE, "the reference (throughput)"))
+            if on_row is not None:
+                on_row(rows[-1])
     return rows
 
 
