@@ -5,6 +5,8 @@
   line every :data:`LINE_SECONDS` seconds; nothing when the environment variable
   ``KVCONFORM_PROGRESS`` is ``quiet`` (``kvconform check -q``). ``KVCONFORM_PROGRESS=lines``
   forces plain lines (several worker processes share one terminal).
+* :func:`set_sink`: the counts go to a function instead (``kvconform fuzz`` workers
+  send them to the parent, whose counters then move every second).
 * :func:`honest_shrink_reporter`: Hypothesis' warning when its shrink phase hits the
   time bound asks the user to report a Hypothesis bug; kvconform bounds shrinking on
   purpose (``--shrink-seconds``), so the warning is replaced by one line saying so.
@@ -30,6 +32,11 @@ FIRST_SECONDS = 2.0
 TTY_SECONDS = 1.0
 #: The environment variable that sets the progress style: ``quiet``, ``lines`` or unset.
 PROGRESS_ENV = "KVCONFORM_PROGRESS"
+
+#: Where a :class:`Ticker` sends its counts instead of printing them (a fuzz worker sends
+#: them to its parent), every :data:`SINK_SECONDS`; None: print.
+_SINK: Callable[[int, int, int], None] | None = None
+SINK_SECONDS = 1.0
 
 #: The start of Hypothesis' warning when shrinking stops on its time bound.
 HYPOTHESIS_SLOW_SHRINK = "WARNING: Hypothesis has spent more than"
@@ -62,6 +69,13 @@ def honest_shrink_reporter(seconds: float | None) -> Iterator[None]:
 
     with with_reporter(reporter):
         yield
+
+
+def set_sink(sink: Callable[[int, int, int], None] | None) -> None:
+    """Send every :class:`Ticker`'s ``(examples, steps, failures)`` to ``sink`` about once a
+    second instead of printing them (None: print again)."""
+    global _SINK
+    _SINK = sink
 
 
 def configure_progress(quiet: bool, workers: int) -> None:
@@ -116,6 +130,11 @@ class Ticker:
         return progress_text(self.name, examples, steps, time.perf_counter() - self.start, failures)
 
     def _loop(self) -> None:
+        sink = _SINK
+        if sink is not None:
+            while not self._stop.wait(SINK_SECONDS):
+                sink(*self.counts())
+            return
         period = TTY_SECONDS if self.style == "tty" else LINE_SECONDS
         wait = min(period, FIRST_SECONDS)
         while not self._stop.wait(wait):
@@ -131,7 +150,7 @@ class Ticker:
                 return
 
     def __enter__(self) -> Ticker:
-        if self.style != "quiet":
+        if self.style != "quiet" or _SINK is not None:
             self._thread = threading.Thread(target=self._loop, daemon=True)
             self._thread.start()
         return self
