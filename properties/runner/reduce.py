@@ -12,9 +12,11 @@ and keeping a candidate only when it fails with the **same check** (one bug, one
 3. prompt and output lengths of each arrival (shortest candidate first);
 4. the layout's size: fewer blocks, then fewer groups.
 
-The passes repeat until none changes the trace (or the time budget runs out), the
-operations pass last: a reduced trace (within budget) holds no operation whose removal
-keeps the failure, which :func:`is_one_minimal` checks. The operations after the failing
+The passes repeat until none changes the trace (or the time budget runs out); the
+passes on sizes stop at :data:`RESERVE` of the budget, the rest is kept for the
+operations. A reduction that finishes ends on a sweep of single-operation removals that
+removes nothing: the trace holds no operation whose removal keeps the failure, which
+:func:`is_one_minimal` checks. The operations after the failing
 one are dropped (a replay stops at the failure).
 
 Worked example: a trace ``arrive r0, reset, reset, step(8), reset, arrive r1, step(8)``
@@ -37,6 +39,9 @@ from properties.runner.machine import replay_trace
 
 #: Default time budget of one reduction, seconds.
 DEFAULT_REDUCE_SECONDS = 30.0
+#: The share of the budget the passes on requests, lengths and the layout may use; the
+#: rest is kept for removing operations (the one guarantee a reduced trace gives).
+RESERVE = 0.7
 
 
 def failure_name(exc: BaseException) -> str:
@@ -128,19 +133,28 @@ def reduce_trace(
     """The smallest trace found that fails with ``check`` (see the module docstring),
     and whether the reduction finished within ``seconds`` (then no single operation can
     be removed). A trace that does not fail with ``check`` on replay comes back as is."""
-    oracle = _Oracle(trace, check, config, factory, time.perf_counter() + seconds)
-    start = oracle.failing(trace)
-    if start is None:
+    started = time.perf_counter()
+    oracle = _Oracle(trace, check, config, factory, started + seconds)
+    first = oracle.failing(trace)
+    if first is None:
         return trace, False
-    oracle.best = start
+    oracle.best = first
+    # the passes on sizes stop at RESERVE of the budget: the rest is for the operations
+    full_deadline = oracle.deadline
+    sizes_deadline = started + RESERVE * seconds
     while not oracle.out_of_time():
         before = oracle.best
+        changed = _remove_operations(oracle)
+        oracle.deadline = min(full_deadline, sizes_deadline)
         _remove_requests(oracle)
         _shorten_arrivals(oracle)
         _shrink_layout(oracle)
-        changed = _remove_operations(oracle)
-        if not changed and oracle.best == before:
-            return oracle.best, not oracle.out_of_time()
+        oracle.deadline = full_deadline
+        if oracle.best != before:
+            continue
+        if not changed and not oracle.out_of_time():  # a complete sweep removed nothing
+            return oracle.best, True
+    # out of time: the last operations sweep may have been cut short
     return oracle.best, False
 
 
