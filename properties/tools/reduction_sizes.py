@@ -28,7 +28,8 @@ from properties.tools.bench.suite import detection_settings
 
 @dataclass(frozen=True)
 class SizeRow:
-    """One mutant's trace before and after reduction (``before`` None: not caught)."""
+    """One mutant's trace before and after reduction (``before`` None: the ci stream
+    did not fail at an operation: it escaped, or failed building the engine)."""
 
     name: str
     check: str | None
@@ -39,7 +40,7 @@ class SizeRow:
 
     def line(self) -> str:
         if self.before is None or self.after is None:
-            return f"{self.name:<32} not caught by the ci stream (see CI_ESCAPES)"
+            return f"{self.name:<32} no failing operation in the ci stream: nothing to reduce"
         b, a = self.before, self.after
         return (
             f"{self.name:<32} {self.check:<24} ops {b.operations:>3} -> {a.operations:<3} "

@@ -179,3 +179,34 @@ def test_attention_failure_names_the_key_block_and_slot_read_wrongly() -> None:
         "key position 1 read from block 1 slot 1 (column 0): it holds K/V of another prefix, "
         "the content model expects position 1 of this request's tokens [0, 2)"
     ) in message
+
+
+def test_check_against_a_mutant_shows_progress_one_name_a_short_failure_and_the_report(
+    tmp_path,
+) -> None:
+    import re
+    import subprocess
+    import sys
+
+    command = [
+        sys.executable, "-m", "properties.tools.cli", "check", "--engine", FREE_HEAD_FIRST,
+        "--level", "exact", "--profile", "ci", "--only", "invariants", "--workers", "1",
+        "--shrink-seconds", "5", "--failure-dir", str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = done.stdout
+    assert done.returncode == 1, out + done.stderr
+    # progress off a terminal: plain lines, the first within 5 s of the property's start
+    ticks = re.findall(r"^  invariants: \d+ examples, \d+ steps, (\d+)s, \d+ failures?$", out, re.M)
+    assert ticks and int(ticks[0]) <= 5, out
+    assert "PLEASE REPORT" not in out + done.stderr
+    # one bug, one name; its block (rule, where, diff, notes) is short
+    block = out.split("\nFAILED in invariants: ", 1)[1].split("\n\nsummary:", 1)[0]
+    assert block.startswith("PropertyViolation: [exact_match]")
+    assert "\nFAILED" not in block and len(block.splitlines()) < 30, block
+    assert "[exact_match] X1:" in block and "at operation " in block
+    summary = out.split("\n\nsummary:", 1)[1]
+    report = Path(re.search(r"report: (\S+\.html)", summary).group(1))
+    trace = Path(re.search(r"trace: (\S+\.json)", summary).group(1))
+    assert report.is_file() and report == trace.with_suffix(".html")
+    assert f"replay: kvconform replay {trace} --engine {FREE_HEAD_FIRST} --level exact" in summary
