@@ -392,8 +392,11 @@ def _print_failure(failure: tuple, worker: int, engine: str, level: str, attenti
     origin = (
         f"replayed from the example database by worker {worker}" if replayed else f"seed {seed}"
     )
+    from properties.tools.report import report_beside
+
     command = replay_command(path, engine, level, attention)
+    report = f"\n  {report_beside(path, engine, level)[1]}" if path else ""
     print(
-        f"\nFAILURE ({origin}): {message[:300]}\n  trace: {path}\n  replay: {command}",
+        f"\nFAILURE ({origin}): {message[:300]}\n  trace: {path}{report}\n  replay: {command}",
         flush=True,
     )
