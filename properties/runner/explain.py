@@ -9,7 +9,7 @@ names); then the check's message (diffs, never dumps: :mod:`properties.core.diff
 Worked example (a ``pool_accounting`` failure at the second operation)::
 
     [pool_accounting] I1: free + in use == num_blocks - 1 (docs/spec.md §11, Pool accounting)
-      at operation 1 of 2: Step(token_budget=8), scheduler step 1
+      at operation 1 (operations 0-1): Step(token_budget=8), scheduler step 1
       0 free + 1 in use != 2 blocks (null block excluded)
 """
 
@@ -73,7 +73,7 @@ def failing_operation(trace: Trace) -> tuple[int, int] | None:
 
 
 def where_line(trace: Trace) -> str:
-    """Where the failure happened. Example: ``'at operation 3 of 4: Step(...),
+    """Where the failure happened. Example: ``'at operation 3 (operations 0-3): Step(...),
     scheduler step 2'``; a failure before any operation: ``'at the engine's
     construction (no operation ran)'``."""
     found = failing_operation(trace)
@@ -83,8 +83,8 @@ def where_line(trace: Trace) -> str:
     op = trace.operations[index]
     request = getattr(op, "request_id", None)
     return (
-        f"at operation {index} of {len(trace.operations)}: {_short_op(op)}, scheduler step "
-        f"{step}" + (f", request {request!r}" if request else "")
+        f"at operation {index} (operations 0-{len(trace.operations) - 1}): {_short_op(op)}, "
+        f"scheduler step {step}" + (f", request {request!r}" if request else "")
     )
 
 

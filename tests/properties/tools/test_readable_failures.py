@@ -117,7 +117,8 @@ def test_explain_failure_gives_rule_where_and_message() -> None:
     trace = Trace(layout, (Arrive("r0", (1, 2)), Step(8)), failure=failure)
     assert explain_failure(trace).splitlines() == [
         "[pool_accounting] I1: free + in use == num_blocks - 1 (docs/spec.md §11, Pool accounting)",
-        "  at operation 1 of 2: Step(token_budget=8, num_lookahead_tokens=0), scheduler step 1",
+        "  at operation 1 (operations 0-1): Step(token_budget=8, num_lookahead_tokens=0), "
+        "scheduler step 1",
         "  0 free + 1 in use",
     ]
 
