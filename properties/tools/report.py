@@ -39,6 +39,8 @@ from reference.errors import KVConformError
 QUEUE_HEAD = 16
 #: Cached blocks shown per step.
 CACHED_SHOWN = 64
+#: The engine's last calls shown at the failing operation.
+LAST_CALLS = 4
 
 
 def report_path_for(trace_path: Path | str) -> Path:
@@ -67,7 +69,7 @@ def _snapshot(run: Any) -> dict:
     )
     if state.has_cached:
         cached = sorted((int(c.group_id), int(c.block_id)) for c in state.cached_blocks())
-        out["cached"] = [b for _g, b in cached]
+        out["cached"] = [b for _g, b in cached][:CACHED_SHOWN]
         out["cached_count"] = len(cached)
     else:
         out["cached"] = None
@@ -89,6 +91,8 @@ def _walk(trace: Trace, config: Any, factory: Callable | None) -> tuple[list, st
             run.apply(op)
         except (AssertionError, KVConformError) as exc:
             snaps.append(_snapshot(run))
+            # the calls that led to the failure (a lookup's hit is in no table yet)
+            snaps[-1]["calls"] = [json.dumps(c)[:400] for c in run.lockstep.log[-LAST_CALLS:]]
             return snaps, f"{type(exc).__name__}: {exc}"
         snaps.append(_snapshot(run))
     return snaps, None
@@ -374,6 +378,10 @@ button{margin-right:.4em}
       add(w, side("reference", r && r.tables, rid, null, r, "reference"));
       add(w, side(D.engine, e && e.tables, rid, Array.isArray(rt) ? rt : [], e, "engine"));
     });
+    if (e && e.calls) {
+      add(box, el("h2", {}, "The engine's last calls"));
+      add(box, el("pre", {id: "calls"}, e.calls.join("\n")));
+    }
     var pw = add(box, el("div"));
     add(pw, el("h2", {}, "Pool"));
     add(pw, pool(r, null, "reference"));
