@@ -380,7 +380,7 @@ button{margin-right:.4em}
     });
     if (e && e.calls) {
       add(box, el("h2", {}, "The engine's last calls"));
-      add(box, el("pre", {id: "calls"}, e.calls.join("\n")));
+      add(box, el("pre", {id: "calls"}, e.calls.join("\\n")));
     }
     var pw = add(box, el("div"));
     add(pw, el("h2", {}, "Pool"));

@@ -83,7 +83,7 @@ def test_report_renders_the_divergent_cell_in_chromium(tmp_path) -> None:
         if 'class="divergent"' in attrs and "data-queue-index" in attrs
     ]
     assert cells == [("6", "1"), ("7", "2")], dom[-3000:]
-    assert 'id="rule"' in dom and "Pool" in dom
+    assert 'id="rule"' in dom and 'id="calls"' in dom and "Pool" in dom
     shot = ROOT / ".kvconform" / "report.png"
     shot.parent.mkdir(exist_ok=True)
     shot.unlink(missing_ok=True)
