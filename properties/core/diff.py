@@ -109,3 +109,20 @@ def size(value: Any) -> int:
 def token_range(end: int, start: int = 0) -> str:
     """A prefix as a token range: ``token_range(8)`` is ``'tokens [0, 8)'``."""
     return f"tokens [{start}, {end})"
+
+
+def short_record(record: Any) -> str:
+    """A call record (a dict of the log) with its long lists shortened (:func:`short`).
+    Example: ``short_record({"call": "free", "result": None})`` is
+    ``"{'call': 'free', 'result': None}"``."""
+    if not isinstance(record, dict):
+        return short(record)
+    inner = ", ".join(f"{k!r}: {short_value(v)}" for k, v in record.items())
+    return "{" + inner + "}"
+
+
+def short_value(value: Any) -> str:
+    """``value`` shortened: lists by :func:`short`, dicts by :func:`short_record`."""
+    if isinstance(value, dict):
+        return short_record(value)
+    return short(value) if is_list(value) and size(value) > SHORT else repr(value)

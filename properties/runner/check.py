@@ -44,6 +44,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from properties.checks.registry import CHECKS, PropertyViolation, disabled_all_but
 from properties.core.constants import PROPERTIES
+from properties.core.diff import short_record
 from properties.core.engine import CallTimeoutError, EngineError, UnsupportedLayoutError
 from properties.core.trace import Trace, save_trace
 from properties.generate import strategies as kvst
@@ -400,7 +401,7 @@ def _run_determinism(
             violation = PropertyViolation(
                 "determinism",
                 f"call {first} differs between two runs: "
-                f"{logs[0][first : first + 1]} vs {logs[1][first : first + 1]}",
+                f"{_call_at(logs[0], first)} vs {_call_at(logs[1], first)}",
             )
             failing["trace"] = replace(trace, failure=failure_info(violation, config))
             raise violation
@@ -427,6 +428,11 @@ def _run_determinism(
         kind,
         note,
     )
+
+
+def _call_at(log: list, index: int) -> str:
+    """Call ``index`` of a run's log, long lists shortened; ``no call`` past its end."""
+    return short_record(log[index]) if index < len(log) else "no call"
 
 
 def _determinism_run(
