@@ -4,11 +4,15 @@ Each worker first replays every example the database holds for this engine and l
 (a failure found there is reported as *replayed from the example database*), then runs
 the stateful machine in rounds (one Hypothesis run of 50 examples per round, a fresh
 seed per round: ``base_seed + 1000 * worker + round``). The parent prints progress (on a
-terminal a live line; else one line per ``--progress-seconds``, no carriage returns) and
-a summary. Ctrl-C (SIGINT) or SIGTERM stops the workers, prints the summary and exits
-130, or the failure code when something was found (1 a property failed, 3 the engine
-broke the protocol). Every failure is saved as a replayable trace, once (the same shrunk
-trace found again is not saved again), and its replay command is printed.
+terminal a live line; else one line per ``--progress-seconds``, no carriage returns):
+workers send their counts every second, within a round too, and a first failure at once.
+The workers are stopped at most ``STOP_GRACE_SECONDS`` after ``--minutes``. One failure
+is reported once across workers: the key is the check that failed
+(:func:`failure_key`). Then a summary. Ctrl-C (SIGINT) or SIGTERM stops the workers,
+prints the summary and exits 130, or the failure code when something was found (1 a
+property failed, 3 the engine broke the protocol). Every failure is saved as a replayable
+trace, once (the same shrunk trace found again is not saved again), and its replay
+command is printed.
 
 The example database (``--database``) is where Hypothesis keeps failing examples and
 its example corpus: by default the directory ``.kvconform/hypothesis``; with
