@@ -58,7 +58,7 @@ import torch
 from optimized.paged_attention import RequestQueries, paged_attention
 from optimized.paged_cache import CacheShape, PagedKVCache, PagedStateCache
 from properties.core.engine import BlockIds, ExposesDataPlane, RequestInput
-from reference.attention import dense_attention
+from reference.attention import dense_attention, visible_keys
 from reference.block_table import NULL_BLOCK_ID, BlockTable
 from reference.content import ContentModel
 from reference.errors import KVConformError
@@ -465,15 +465,73 @@ class AttentionChecker:
             if bool(ok.all()):
                 continue
             i = int((~ok).nonzero()[0])
+            pos = chunk.num_computed_before + i
+            culprit = self.wrong_key(gid, chunk, pos)
             self._raise_if_far(
                 chunk.request.request_id,
                 gid,
-                chunk.num_computed_before + i,
+                pos,
                 exp[i],
                 obs[i],
-                what="attention output",
+                what="attention output" + (f" ({culprit})" if culprit else ""),
                 spec_name=self.layout.groups[gid].spec.type_name,
             )
+
+    def wrong_key(self, gid: int, chunk: ScheduledChunk, pos: int) -> str | None:
+        """Why the query at ``pos`` read wrong K/V: the first visible key position whose
+        slot (through the chunk's table) does not hold the content model's K and V of
+        that position, named with its block id and slot and what the slot holds instead
+        (the null block's NaN, another position of this request, or other content).
+        None through an engine's data plane (its cache is its own) or when every slot
+        holds the right K/V.
+
+        Example: bs 4, row ``[5, 7]``, the query at 6 reads keys 0..6; if block 7 slot 1
+        holds position 1's K, the answer is ``"key position 5 read from block 7 slot 1
+        (column 1): it holds the K/V of position 1 of this request, the content model
+        expects position 5's"``.
+        """
+        cache = self.caches[gid]
+        if self.data_plane is not None or not isinstance(cache, PagedKVCache):
+            return None
+        spec = self.layout.groups[gid].spec
+        bs = cache.block_size
+        row = chunk.block_ids[gid]
+        hashes = self.hashes(chunk)
+
+        def content_at(q: int) -> tuple[torch.Tensor, torch.Tensor]:
+            k = torch.tensor(self.content.key(hashes, q, gid), dtype=torch.float64)
+            v = torch.tensor(self.content.value(hashes, q, gid), dtype=torch.float64)
+            return k, v
+
+        for k in visible_keys(spec, pos):
+            col = k // bs
+            block = row[col] if col < len(row) else None
+            where = f"key position {k} read from block {block} slot {k % bs} (column {col})"
+            if block is None:
+                return f"key position {k}: column {col} is missing from the row ({len(row)})"
+            held_k = cache.key[block, k % bs].to(device="cpu", dtype=torch.float64)
+            held_v = cache.value[block, k % bs].to(device="cpu", dtype=torch.float64)
+            want_k, want_v = content_at(k)
+            if bool(_close(want_k, held_k, self.atol, self.rtol).all()) and bool(
+                _close(want_v, held_v, self.atol, self.rtol).all()
+            ):
+                continue
+            if block == NULL_BLOCK_ID:
+                return f"{where}: the null block (NaN), the content model expects position {k}'s"
+            if bool(held_k.isnan().any()):
+                return f"{where}: never written (NaN), the content model expects position {k}'s"
+            for q in range(min(len(chunk.token_ids), len(hashes))):
+                other_k, _ = content_at(q)
+                if q != k and bool(_close(other_k, held_k, self.atol, self.rtol).all()):
+                    return (
+                        f"{where}: it holds the K/V of position {q} of this request, the "
+                        f"content model expects position {k}'s"
+                    )
+            return (
+                f"{where}: it holds K/V of another prefix, the content model expects "
+                f"position {k} of this request's tokens [0, {k + 1})"
+            )
+        return None
 
     def _raise_if_far(
         self,

@@ -28,6 +28,7 @@ from properties.checks.state import (
     PoolEvent,
     ResetEvent,
 )
+from properties.core.diff import short
 from reference.attention import first_visible_key
 from reference.specs import MambaSpec, cdiv
 
@@ -166,7 +167,7 @@ def window_liveness(state: CheckState, event: GroupWriteEvent) -> str | None:
         if col >= len(row) or row[col] == 0:
             return (
                 f"request {rid!r} writes positions [{event.start}, {event.end}) but group "
-                f"{gid} has no real block at index {col} (table {list(row)})"
+                f"{gid} has no real block at index {col} (table {short(list(row))})"
             )
     return None
 
@@ -262,7 +263,7 @@ def no_block_shared(state: CheckState, event: AllocateEvent) -> str | None:
             if b in seen and (state.shared_pool or seen[b] == gid):
                 return (
                     f"request {event.request.request_id!r} holds block {b} twice (groups "
-                    f"{seen[b]} and {gid}): {[list(r) for r in event.table]}"
+                    f"{seen[b]} and {gid}): {short([list(r) for r in event.table])}"
                 )
             seen[b] = gid
     return None
@@ -376,7 +377,7 @@ def table_covers_slots(state: CheckState, event: AllocateEvent) -> str | None:
             return (
                 f"allocate_slots({rid!r}) for {high} slots left group {gid} "
                 f"({spec.type_name}) with {len(row)} blocks, expected max({old} before, "
-                f"cdiv({low}, {bs})) = {want}: {list(row)}"
+                f"cdiv({low}, {bs})) = {want}: {short(list(row))}"
             )
     return None
 
@@ -503,7 +504,7 @@ def freed_on_free(state: CheckState, event: FreeEvent) -> str | None:
         table = ()
     held = [b for g in table for b in g if b != 0]
     if held:
-        return f"free({event.request_id!r}) left blocks {held} in its table"
+        return f"free({event.request_id!r}) left blocks {short(held)} in its table"
     return None
 
 
@@ -511,7 +512,7 @@ def reset_prefix_cache(state: CheckState, event: ResetEvent) -> str | None:
     """R1: reset succeeds iff no request holds blocks; afterwards nothing is cached."""
     holders = [rid for rid, r in state.requests.items() if r.holds_blocks]
     if event.ok and holders:
-        return f"reset_prefix_cache succeeded while {holders} hold blocks"
+        return f"reset_prefix_cache succeeded while {short(holders)} hold blocks"
     if not event.ok and not holders:
         return "reset_prefix_cache failed with no request holding blocks"
     if event.ok and state.has_cached and state.cached_blocks():

@@ -21,6 +21,7 @@ from properties.checks.boundary import engine_name, guard_engine, schedule_text
 from properties.checks.checker import Checker
 from properties.checks.registry import PropertyViolation
 from properties.core.allocation import Allocation, allocate
+from properties.core.diff import describe_mismatch
 from properties.core.engine import (
     BlockIds,
     CacheHit,
@@ -74,11 +75,12 @@ class LockstepEngine(EngineProxy):
         self.log.append({"call": call, **args, "result": result})
 
     def _diverge(self, what: str, expected: Any, observed: Any) -> None:
-        raise PropertyViolation(
-            "exact_match",
-            f"{what}: {self.reference_name} gives {expected!r}, {self.engine_name} gives "
-            f"{observed!r}",
-        )
+        """The engine's answer differs from the reference's: a diff of a few lines, never
+        the whole lists (:func:`properties.core.diff.describe_mismatch`)."""
+        names = (self.reference_name, self.engine_name)
+        mismatch = describe_mismatch(expected, observed, names)
+        sep = "\n" if "\n" in mismatch else " "
+        raise PropertyViolation("exact_match", f"{what}:{sep}{mismatch}")
 
     def _compare_allocation(
         self, what: str, expected: BlockIds | None, result: BlockIds | None

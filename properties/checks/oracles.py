@@ -24,6 +24,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from properties.core.diff import token_range
 from properties.core.engine import CachedBlock
 from reference.layout import KVCacheLayout
 from reference.specs import (
@@ -126,10 +127,10 @@ def missing_context(
         if col >= len(table) or table[col] == 0:
             return f"state column {col} (prefix of {end} tokens) is null or missing"
         if not shadow.holds(group_id, table[col], -1, ids[end - 1]):
-            got = shadow.read(group_id, table[col], -1)
+            got = describe_content(shadow.read(group_id, table[col], -1), group_id, ids)
             return (
-                f"block {table[col]} (column {col}) does not hold the state of the "
-                f"{end}-token prefix (holds {got})"
+                f"block {table[col]} (column {col}) does not hold the state of "
+                f"{token_range(end)} of this request (it holds {got})"
             )
         return None
     for p in range(start, end):
@@ -137,12 +138,28 @@ def missing_context(
         if idx >= len(table) or table[idx] == 0:
             return f"position {p} (block index {idx}) is null or missing in the table"
         if not shadow.holds(group_id, table[idx], p % bs, ids[p]):
-            got = shadow.read(group_id, table[idx], p % bs)
+            got = describe_content(shadow.read(group_id, table[idx], p % bs), group_id, ids)
             return (
-                f"block {table[idx]} slot {p % bs} (position {p}) holds {got}, not "
-                f"this request's prefix"
+                f"block {table[idx]} slot {p % bs} (position {p}) holds {got}, not the KV "
+                f"of this request's {token_range(p + 1)}"
             )
     return None
+
+
+def describe_content(content: SlotContent | None, group_id: int, ids: Sequence[int]) -> str:
+    """What a slot holds, as a token range, never a hash: relative to the request being
+    checked (``ids``: its prefix ids). Example: a slot written with ``ids[5]`` of the
+    same request, group 0 -> ``"the KV of this request's tokens [0, 6)"``."""
+    if content is None:
+        return "nothing (never written)"
+    if content.prefix_id == OVERWRITTEN:
+        return "the KV of a rejected draft token (rolled back)"
+    where = "" if content.group_id == group_id else f" of group {content.group_id}"
+    try:
+        p = list(ids).index(content.prefix_id)
+    except ValueError:
+        return f"the KV{where} of a prefix this request does not share"
+    return f"the KV{where} of this request's {token_range(p + 1)}"
 
 
 def blocks_needed_for_hit(spec: KVCacheSpec, length: int) -> range:

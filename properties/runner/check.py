@@ -42,17 +42,20 @@ from hypothesis import seed as hseed
 from hypothesis.errors import Unsatisfiable
 from hypothesis.stateful import run_state_machine_as_test
 
-from properties.checks.registry import PropertyViolation, disabled_all_but
+from properties.checks.registry import CHECKS, PropertyViolation, disabled_all_but
 from properties.core.constants import PROPERTIES
+from properties.core.diff import short_record
 from properties.core.engine import CallTimeoutError, EngineError
 from properties.core.trace import Trace, save_trace
 from properties.engines.under_test import EngineUnderTest
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
 from properties.runner.machine import RunStats, machine_for
+from properties.runner.progress import Ticker
 from properties.runner.run import (
     RunStopped,
     TraceRun,
+    engine_of,
     failure_info,
     failure_kind,
     layout_strategy,
@@ -80,6 +83,10 @@ class FirstFailure:
     trace_path: Path | None
     engine: str
     level: str
+    #: the trace saved (reduced), None when it did not fail again
+    trace: Trace | None = None
+    #: what the reduction did (sizes before and after), None without one
+    reduced: str | None = None
 
     def describe(self) -> str:
         return (
@@ -117,6 +124,8 @@ class PropertyResult:
     pairs: dict[tuple[str, str], int] | None = None
     #: whether the engine offered the serving-mode calls
     serving_calls: bool = False
+    #: what the trace reducer did (sizes before and after), None without a reduction
+    reduced: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -134,7 +143,9 @@ def config_for(name: str, config: CheckConfig) -> CheckConfig:
 
 
 def settings_for(name: str, base: settings) -> settings:
-    """Numeric attention costs about 10x a symbolic step: a third of the examples."""
+    """Numeric attention costs about 10x a symbolic step: a third of the examples. One
+    bug, one name: Hypothesis reports one failure (``report_multiple_bugs=False``)."""
+    base = settings(base, report_multiple_bugs=False)
     if name == "attention":
         return settings(base, max_examples=max(20, base.max_examples // 3))
     return base
@@ -145,7 +156,7 @@ def run_property(
     config: CheckConfig,
     hyp_settings: settings,
     seed: int | None,
-    engine: EngineUnderTest | None = None,
+    engine: EngineUnderTest | Callable | None = None,
     shrink_seconds: float | None = DEFAULT_SHRINK_SECONDS,
     on_first_failure: Callable[[FirstFailure], None] | None = None,
 ) -> PropertyResult:
@@ -163,12 +174,13 @@ def run_property(
         raise ValueError(f"--shrink-seconds must be >= 0, got {shrink_seconds}")
     config = config_for(name, config)
     hyp_settings = settings_for(name, hyp_settings)
-    if engine is None:
-        engine = config.resolve_engine()
+    engine = engine_of(config, engine)
     with bounded_shrinking(shrink_seconds):
         if name == "determinism":
             return _run_determinism(config, hyp_settings, seed, engine)
-        return _run_machine(name, config, hyp_settings, seed, engine, on_first_failure)
+        return _run_machine(
+            name, config, hyp_settings, seed, engine, on_first_failure, shrink_seconds
+        )
 
 
 @contextmanager
@@ -179,11 +191,14 @@ def bounded_shrinking(seconds: float | None) -> Iterator[None]:
     setting to patch for this; it is restored afterwards."""
     from hypothesis.internal.conjecture import engine
 
+    from properties.runner.progress import honest_shrink_reporter
+
     old = engine.MAX_SHRINKING_SECONDS
     if seconds is not None:
         engine.MAX_SHRINKING_SECONDS = seconds
     try:
-        yield
+        with honest_shrink_reporter(seconds):
+            yield
     finally:
         engine.MAX_SHRINKING_SECONDS = old
 
@@ -195,18 +210,27 @@ def save_first_failure(
     config: CheckConfig,
     seed: int | None,
     engine: EngineUnderTest,
+    reduce_seconds: float | None = None,
 ) -> FirstFailure:
-    """Replay the first failing trace (before shrinking) and save it if it fails again."""
+    """Replay the first failing trace (before shrinking) and save it if it fails again,
+    reduced first (:mod:`properties.runner.reduce`) when ``reduce_seconds`` is given."""
+    from properties.runner.reduce import reduce_failure
+
     step, examples, when, check = stats.first_failure
-    path = None
+    path = reduced = None
     trace = stats.first_trace
     if trace is not None:
         _run, exc = replay_trace(trace, config, engine)
-        if exc is not None:
-            path, _note = _save(trace, config, seed)
-    return FirstFailure(
-        prop, check, when - started, examples, step, path, config.engine, config.level
+        if exc is None:
+            trace = None
+        elif reduce_seconds is not None:
+            trace, reduced = reduce_failure([trace], check, config, engine, reduce_seconds)
+        path, _note = _save(trace, config, seed)
+    first = FirstFailure(
+        prop, check, when - started, examples, step, path, config.engine, config.level, trace
     )
+    first.reduced = reduced
+    return first
 
 
 def _first_error(exc: BaseException) -> BaseException:
@@ -275,6 +299,7 @@ def _run_machine(
     seed: int | None,
     engine: EngineUnderTest,
     on_first_failure: Callable[[FirstFailure], None] | None = None,
+    reduce_seconds: float | None = DEFAULT_SHRINK_SECONDS,
 ) -> PropertyResult:
     # Under a derandomized profile the examples depend on the machine's class name only.
     machine = machine_for(config, engine, name=f"{name.capitalize()}Machine")
@@ -283,22 +308,28 @@ def _run_machine(
     found: list[FirstFailure] = []
 
     def first_failure(stats: RunStats) -> None:
-        found.append(save_first_failure(name, stats, start, config, seed, engine))
+        found.append(save_first_failure(name, stats, start, config, seed, engine, reduce_seconds))
         if on_first_failure is not None:
             on_first_failure(found[0])
 
     stats.on_first_failure = first_failure
     if seed is not None:
         machine = hseed(seed)(machine)
-    failure = path = kind = note = error = None
+    failure = path = kind = note = error = reduced = None
     try:
-        run_state_machine_as_test(machine, settings=hyp_settings)
+        with Ticker(name, lambda: (stats.examples, stats.steps, len(found))):
+            run_state_machine_as_test(machine, settings=hyp_settings)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure is reported
         error = exc
         kind, failure = _classify(exc, stats.examples)
-        path, note = _save(stats.last_failure, config, seed)
+        trace = stats.last_failure
+        if found and kind in ("property", "engine"):  # one bug, one name; a minimal trace
+            trace, kind, failure, reduced = reduced_failure(
+                stats, found[0], config, engine, reduce_seconds, kind, failure
+            )
+        path, note = _save(trace, config, seed)
     modes = {tag: (e, n) for tag, (e, n) in sorted(stats.modes.items())} or None
     return PropertyResult(
         name,
@@ -312,9 +343,52 @@ def _run_machine(
         found[0] if found else None,
         modes,
         failed_check(error),
+        reduced,
         pairs=dict(stats.pairs),
         serving_calls=stats.serving_calls,
     )
+
+
+def _smaller(a: Trace, b: Trace) -> bool:
+    """``a`` is a smaller failure than ``b`` (fewer operations, then fewer tokens), or
+    ``b`` fails with another check."""
+    from properties.runner.reduce import TraceSize
+
+    if (b.failure or {}).get("property") != (a.failure or {}).get("property"):
+        return True
+    size_a, size_b = TraceSize.of(a), TraceSize.of(b)
+    return (size_a.operations, size_a.tokens) <= (size_b.operations, size_b.tokens)
+
+
+def reduced_failure(
+    stats: RunStats,
+    found: FirstFailure | None,
+    config: CheckConfig,
+    factory: Callable | None,
+    seconds: float | None,
+    kind: str,
+    failure: str | None,
+) -> tuple[Trace | None, str, str | None, str | None]:
+    """The failure to report: the trace of the first check that failed (Hypothesis'
+    shrunk trace when it fails with that check, else the trace as found), reduced by
+    :func:`properties.runner.reduce.reduce_failure`; its kind, text and a note of the
+    sizes."""
+    from properties.runner.reduce import reduce_failure
+
+    check = found.check if found is not None else (stats.first_failure or ("",) * 4)[3]
+    budget = DEFAULT_SHRINK_SECONDS if seconds is None else seconds
+    first = found.trace if found is not None else None
+    last = stats.last_failure
+    if first is not None and last is not None and last.operations == stats.first_trace.operations:
+        last = None  # Hypothesis shrank nothing: the first failure's reduction stands
+    trace, note = reduce_failure([last], check, config, factory, budget)
+    if first is not None and (trace is None or _smaller(first, trace)):
+        trace, note = first, found.reduced  # the first failure's reduced trace, saved already
+    if trace is not None and trace.failure and trace.failure.get("property") == check:
+        error = PropertyViolation.__name__ if check in CHECKS else check
+        failure = f"{error}: {trace.failure['message']}"
+        kind = trace.failure.get("kind", kind)
+    return trace, kind, failure, note
 
 
 def _run_determinism(
@@ -356,7 +430,7 @@ def _run_determinism(
             violation = PropertyViolation(
                 "determinism",
                 f"call {first} differs between two runs: "
-                f"{logs[0][first : first + 1]} vs {logs[1][first : first + 1]}",
+                f"{_call_at(logs[0], first)} vs {_call_at(logs[1], first)}",
             )
             failing["trace"] = replace(trace, failure=failure_info(violation, config))
             raise violation
@@ -366,7 +440,8 @@ def _run_determinism(
     start = time.perf_counter()
     failure = path = kind = note = error = None
     try:
-        determinism()
+        with Ticker("determinism", lambda: (counts["examples"], counts["steps"], len(failing))):
+            determinism()
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure is reported
@@ -384,6 +459,11 @@ def _run_determinism(
         note,
         check=failed_check(error),
     )
+
+
+def _call_at(log: list, index: int) -> str:
+    """Call ``index`` of a run's log, long lists shortened; ``no call`` past its end."""
+    return short_record(log[index]) if index < len(log) else "no call"
 
 
 def _determinism_run(

@@ -47,7 +47,7 @@ from properties.core.engine import (
 from properties.core.modes import SYNC, ServingMode
 from properties.core.trace import Operation, Trace
 from properties.core.versions import versions
-from properties.engines.under_test import EngineUnderTest
+from properties.engines.under_test import EngineUnderTest, resolve_engine
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
 from properties.runner.scheduler import RequestState, Scheduler, StepRecord
@@ -248,6 +248,16 @@ def start_run(
         if isinstance(exc, CallTimeoutError):
             raise RunStopped(exc) from exc
         raise
+
+
+def engine_of(config: CheckConfig, engine: EngineUnderTest | Callable | None) -> EngineUnderTest:
+    """``engine`` as an :class:`EngineUnderTest`: as given, a factory resolved, or (None)
+    the engine ``config`` names, resolved with its isolation and call timeout."""
+    if engine is None:
+        return config.resolve_engine()
+    if isinstance(engine, EngineUnderTest):
+        return engine
+    return resolve_engine(engine, isolation=config.isolation, call_timeout=config.call_timeout)
 
 
 def replay_trace(

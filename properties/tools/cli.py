@@ -95,7 +95,6 @@ def config_from_args(args: argparse.Namespace, **extra):
 
 def cmd_check(args: argparse.Namespace) -> int:
     from properties.core.constants import SPEC_KINDS
-    from properties.runner.check import replay_command
     from properties.runner.profiles import load_profile
     from properties.tools.selection import with_skips
 
@@ -127,6 +126,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.only:
         wanted = [p for p in wanted if p in args.only]
     print(format_active_checks_or_why(engine, config))
+    from properties.runner.explain import format_summary
+    from properties.runner.progress import configure_progress
+    from properties.tools.report import failure_lines, report_beside
+
+    configure_progress(args.quiet, args.workers if args.workers is not None else 2)
     run = check_outputs.run_with_selection(
         lambda cfg, names: run_checks(args, cfg, names, seed, engine),
         *(config, wanted, selection, engine),
@@ -135,15 +139,20 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(format_results(results))
     print("\n".join(format_pair_reach(results, engine)))
     failed = [r for r in results if not r.passed]
+    reports = {}
     for r in failed:
-        print(f"\n{FAILURE_TITLE[result_kind(r)]} in {r.name}: {r.failure[:4000]}")
+        print(f"\n{FAILURE_TITLE[result_kind(r)]} in {r.name}: {r.failure.splitlines()[0]}")
+        print("\n".join(failure_lines(r.trace_path, r.failure)))
         if r.note:
             print(f"  note: {r.note}")
+        if getattr(r, "reduced", None):
+            print(f"  {r.reduced}")
         if getattr(r, "first", None) is not None:
             print(f"  {r.first.describe()}")
-        if r.trace_path is not None:
-            command = replay_command(r.trace_path, args.engine, args.level, r.name == "attention")
-            print(f"  trace: {r.trace_path}\n  replay: {command}")
+        if r.trace_path is not None:  # the summary below prints its path and replay
+            report, line = report_beside(r.trace_path, args.engine, args.level, engine)
+            reports[r.name] = report if report is not None else line
+    print("\n" + format_summary(results, args.engine, args.level, reports))
     code = exit_code([result_kind(r) for r in results])
     check_outputs.write_outputs(args, seed, run, code)
     return code
@@ -298,6 +307,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from properties.core.trace import load_trace
     from properties.runner.check import config_for
     from properties.runner.run import failure_kind, replay_trace
+    from properties.tools.report import replay_lines
 
     trace = load_trace(Path(args.trace))
     config = config_for("attention" if args.attention else "invariants", config_from_args(args))
@@ -316,24 +326,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return EXIT_PASSED
     op_index = len(run.operations) - 1
     print(f"FAILED at operation {op_index}: {run.operations[op_index]!r}")
-    print(f"  {type(exc).__name__}: {exc}")
-    calls = run.lockstep.log[-6:]
-    if calls:
-        print("  last calls (engine under test):")
-        for c in calls:
-            print(f"    {json.dumps(c)}")
-    if run.lockstep.reference is not None:
-        print("  block tables now, per request (reference | engine):")
-        for rid in run.requests_holding_blocks():
-            try:
-                exp = run.lockstep.reference.get_block_ids(rid)
-                got = run.lockstep.engine.get_block_ids(rid)
-            except Exception as err:  # noqa: BLE001
-                print(f"    {rid}: cannot read tables: {err}")
-                continue
-            for gid, (e, g) in enumerate(zip(exp, got)):
-                mark = "  " if list(e) == list(g) else "!="
-                print(f"    {rid} group {gid}: {list(e)} {mark} {list(g)}")
+    print(f"  {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    print("\n".join(replay_lines(run, exc, args.trace, args.engine, args.level, engine)))
     return EXIT_ENGINE if failure_kind(exc) == "engine" else EXIT_FAILED
 
 
@@ -412,9 +406,10 @@ def _corpus(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "suite":
+        from properties.tools.bench.progress import suite_line
         from properties.tools.bench.suite import bench_suite, format_suite
 
-        print(format_suite(bench_suite(profile=args.profile)))
+        print(format_suite(bench_suite(profile=args.profile, on_row=suite_line)))
     elif args.what == "engines":
         from properties.tools.bench.engines import (
             ALL_RECIPES,
@@ -423,6 +418,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             format_engine_bench,
             recorded_traces,
         )
+        from properties.tools.bench.progress import engine_line
 
         recipes = [r for r in ALL_RECIPES if not args.traces or r.name in args.traces]
         if not recipes:
@@ -433,6 +429,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             traces=recorded_traces(scale=args.scale, recipes=recipes),
             repeat=args.repeat,
             memory=args.memory,
+            on_row=engine_line,
         )
         print(format_engine_bench(rows))
         return 1 if engine_mismatches(rows) else 0
@@ -574,6 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="properties run in N processes (default: the number of cores)",
     )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     shrink_args(p)
     coverage_args(p)
     check_outputs.add_arguments(p)
@@ -612,6 +610,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine_args(p)
     p.add_argument("--attention", action="store_true", help="check attention outputs only")
     p.set_defaults(func=cmd_replay)
+
+    from properties.tools.report import add_report_parser
+
+    add_report_parser(sub)
 
     p = sub.add_parser("corpus", help="export or run the conformance corpus (no Hypothesis)")
     corpus = p.add_subparsers(dest="action", required=True)

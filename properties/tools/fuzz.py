@@ -4,11 +4,15 @@ Each worker first replays every example the database holds for this engine and l
 (a failure found there is reported as *replayed from the example database*), then runs
 the stateful machine in rounds (one Hypothesis run of 50 examples per round, a fresh
 seed per round: ``base_seed + 1000 * worker + round``). The parent prints progress (on a
-terminal a live line; else one line per ``--progress-seconds``, no carriage returns) and
-a summary. Ctrl-C (SIGINT) or SIGTERM stops the workers, prints the summary and exits
-130, or the failure code when something was found (1 a property failed, 3 the engine
-broke the protocol). Every failure is saved as a replayable trace, once (the same shrunk
-trace found again is not saved again), and its replay command is printed.
+terminal a live line; else one line per ``--progress-seconds``, no carriage returns):
+workers send their counts every second, within a round too, and a first failure at once.
+The workers are stopped at most ``STOP_GRACE_SECONDS`` after ``--minutes``. One failure
+is reported once across workers: the key is the check that failed
+(:func:`failure_key`). Then a summary. Ctrl-C (SIGINT) or SIGTERM stops the workers,
+prints the summary and exits 130, or the failure code when something was found (1 a
+property failed, 3 the engine broke the protocol). Every failure is saved as a replayable
+trace, once (the same shrunk trace found again is not saved again), and its replay
+command is printed.
 
 The example database (``--database``) is where Hypothesis keeps failing examples and
 its example corpus: by default the directory ``.kvconform/hypothesis``; with
@@ -26,6 +30,7 @@ import dataclasses
 import multiprocessing as mp
 import queue
 import random
+import re
 import shutil
 import signal
 import sys
@@ -113,17 +118,35 @@ def _worker(
     from hypothesis import Phase, settings
 
     from properties.runner.profiles import load_profile
+    from properties.runner.progress import set_sink
 
     profile = load_profile("nightly")
     db = example_database(database, config.engine, config.level)
+    # live counts of the round in progress, every second (the parent's counters move)
+    set_sink(lambda examples, steps, _failures: out.put(("live", index, examples, steps, None)))
+    round_no = 0
+
+    def first_failure(first) -> None:  # reported at once, not at the end of the round
+        failure = (first.trace.failure or {}) if first.trace is not None else {}
+        message = f"[{first.check}] {failure.get('message', first.describe())}"
+        found = (seed, message, str(first.trace_path or ""), failure.get("kind"), round_no == 0)
+        out.put(("progress", index, 0, 0, found))
+
     # round 0 replays what the database holds (failures other workers or machines found)
     replay = settings(profile, database=db, phases=(Phase.explicit, Phase.reuse, Phase.shrink))
     engine = config.resolve_engine()  # once per worker
-    round_no = 0
     while round_no == 0 or time.time() < deadline:
         seed = base_seed + 1000 * index + round_no
         s = replay if round_no == 0 else settings(profile, max_examples=50, database=db)
-        result = run_property(prop, config, s, seed, engine, shrink_seconds=shrink_seconds)
+        result = run_property(
+            prop,
+            config,
+            s,
+            seed,
+            engine,
+            shrink_seconds=shrink_seconds,
+            on_first_failure=first_failure,
+        )
         if after_round is not None:
             after_round()
         if round_no == 0 and result.kind not in ("property", "engine"):
@@ -288,7 +311,8 @@ def run_campaign(
         for i in range(workers)
     ]
     examples = steps = 0
-    failures: dict[str, tuple] = {}  # trace path (or message) -> failure, each once
+    live: dict[int, tuple[int, int]] = {}  # worker -> counts of its round in progress
+    failures: dict[str, tuple] = {}  # failure_key -> failure: one report per distinct failure
     progress = Progress(start, progress_seconds)
     done = 0
     interrupted = False
@@ -297,6 +321,9 @@ def run_campaign(
             for p in procs:
                 p.start()
             while done < len(procs):
+                if time.time() > deadline + STOP_GRACE_SECONDS:
+                    print("\nkvconform fuzz: --minutes is up: stopping the workers", flush=True)
+                    break
                 try:
                     kind, idx, ex, st, failure = out.get(timeout=1.0)
                 except queue.Empty:
@@ -305,14 +332,20 @@ def run_campaign(
                     kind = None
                 if kind == "done":
                     done += 1
+                elif kind == "live":
+                    live[idx] = (ex, st)
                 elif kind == "progress":
+                    if ex or st:  # a finished round: its counts replace the live ones
+                        live.pop(idx, None)
                     examples += ex
                     steps += st
-                    key = None if failure is None else (failure[2] or failure[1])
+                    key = None if failure is None else failure_key(failure[1])
                     if key is not None and key not in failures:
                         failures[key] = failure
                         _print_failure(failure, idx, engine, level, attention)
-                progress.show(examples, steps, len(failures), time.time())
+                running_ex = sum(e for e, _ in live.values())
+                running_st = sum(n for _, n in live.values())
+                progress.show(examples + running_ex, steps + running_st, len(failures), time.time())
         except KeyboardInterrupt:
             interrupted = True
             print("\ninterrupted: stopping workers", flush=True)
@@ -329,6 +362,8 @@ def run_campaign(
             "(its traceback is above)",
             file=sys.stderr,
         )
+    examples += sum(e for e, _ in live.values())  # rounds cut short count too
+    steps += sum(n for _, n in live.values())
     elapsed = time.time() - start
     print(
         f"\nsummary: {elapsed:.0f}s, {examples} examples, {steps} steps "
@@ -348,13 +383,30 @@ def run_campaign(
     return EXIT_INTERRUPTED if interrupted else EXIT_PASSED
 
 
+#: The workers are stopped this long after ``--minutes`` at the latest (a round in
+#: progress, or its shrinking, does not keep the campaign running).
+STOP_GRACE_SECONDS = 3.0
+
+
+def failure_key(message: str) -> str:
+    """What makes two failures the same bug: the check that failed (``[name]`` in the
+    message), else the message's first line. Two workers that trip ``hit_soundness``
+    report one failure. Example: ``failure_key("PropertyViolation: [hit_bounds] hit 9")``
+    is ``'hit_bounds'``."""
+    found = re.search(r"\[(\w+)\]", message)
+    return found.group(1) if found else message.splitlines()[0] if message else ""
+
+
 def _print_failure(failure: tuple, worker: int, engine: str, level: str, attention: bool) -> None:
     seed, message, path, _kind, replayed = failure
     origin = (
         f"replayed from the example database by worker {worker}" if replayed else f"seed {seed}"
     )
+    from properties.tools.report import report_beside
+
     command = replay_command(path, engine, level, attention)
+    report = f"\n  {report_beside(path, engine, level)[1]}" if path else ""
     print(
-        f"\nFAILURE ({origin}): {message[:300]}\n  trace: {path}\n  replay: {command}",
+        f"\nFAILURE ({origin}): {message[:300]}\n  trace: {path}{report}\n  replay: {command}",
         flush=True,
     )

@@ -119,9 +119,13 @@ def _run(task: PropertyTask, engine):
 def announce_first_failure(first) -> None:
     """Print a first failure (a :class:`properties.runner.check.FirstFailure`) and its
     replay command the moment it is found, before shrinking."""
+    from properties.tools.report import report_beside
+
     print(f"  {first.describe()}", flush=True)
     if first.trace_path is not None:
-        print(f"  first failing trace: {first.trace_path}\n  replay: {first.replay()}", flush=True)
+        _path, line = report_beside(first.trace_path, first.engine, first.level)
+        print(f"  first failing trace: {first.trace_path}\n  {line}", flush=True)
+        print(f"  replay: {first.replay()}", flush=True)
 
 
 def run_tasks(tasks: Sequence[PropertyTask], workers: int, coverage_dir: str | None = None) -> list:

@@ -37,7 +37,7 @@ import math
 import random
 import time
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -720,20 +720,23 @@ def bench_engines(
     traces: dict[str, Trace] | None = None,
     repeat: int = 1,
     memory: bool = False,
+    on_row: Callable[[EngineBenchRow], None] | None = None,
 ) -> list[EngineBenchRow]:
     """One row per trace and engine, in that order; ``traces`` defaults to
-    :func:`recorded_traces`. The first engine is the baseline of the ratios."""
+    :func:`recorded_traces`. The first engine is the baseline of the ratios.
+    ``on_row`` hears of each row as soon as it is measured (progress)."""
     if not engines:
         raise BenchError("engines must name at least one engine, got ()")
     if not isinstance(repeat, int) or repeat < 1:
         raise BenchError(f"repeat must be an integer >= 1, got {repeat!r}")
     if traces is None:
         traces = recorded_traces()
-    rows = [
-        _measure(name, trace_name, trace, repeat, memory)
-        for trace_name, trace in traces.items()
-        for name in engines
-    ]
+    rows = []
+    for trace_name, trace in traces.items():
+        for name in engines:
+            rows.append(_measure(name, trace_name, trace, repeat, memory))
+            if on_row is not None:
+                on_row(rows[-1])
     return with_speedups(with_ratios(rows))
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hypothesis import Phase, Verbosity, settings
@@ -156,9 +156,11 @@ def bench_suite(
     levels: Sequence[str] = ("universal", "exact"),
     mutants: Sequence[str] | None = None,
     max_examples: int | None = DETECTION_EXAMPLES,
+    on_row: Callable[[SuiteRow], None] | None = None,
 ) -> list[SuiteRow]:
     """Every mutant (or those named) at each of ``levels``, then the reference at each,
-    all under :func:`detection_settings` (``profile``, ``max_examples``).
+    all under :func:`detection_settings` (``profile``, ``max_examples``); ``on_row``
+    hears of each row as soon as it is measured (progress).
 
     The mutants are those of ``properties/mutants/`` (reference and optimized), each run
     under the property its catalogue names (``invariants``, ``attention`` or
@@ -191,10 +193,14 @@ def bench_suite(
                         config, engine, hyp, name, info.description, property_name=info.prop
                     )
                 )
+                if on_row is not None:
+                    on_row(rows[-1])
         for level in levels:
             config = CheckConfig(engine=REFERENCE, level=level, failure_dir=tmp)
             engine = config.resolve_engine()
             rows.append(run_machine(config, engine, hyp, REFERENCE, "the reference (throughput)"))
+            if on_row is not None:
+                on_row(rows[-1])
     return rows
 
 

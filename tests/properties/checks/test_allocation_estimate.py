@@ -190,4 +190,4 @@ def test_a_committed_block_holding_a_rejected_draft_is_reported() -> None:
     assert caught.value.name == "committed_blocks_verified"
     message = caught.value.message
     assert "block 3 (group 0) is cached for 12 tokens after cache_blocks('r0', 11)" in message
-    assert "(position 11) holds SlotContent(group_id=0, prefix_id=-1)" in message
+    assert "(position 11) holds the KV of a rejected draft token (rolled back)" in message
