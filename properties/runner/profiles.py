@@ -11,8 +11,6 @@ loaded explicitly; :func:`load_profile` always loads ours.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from hypothesis import HealthCheck, Phase, settings
 
 from properties.core.constants import PROFILES
@@ -20,42 +18,28 @@ from reference.errors import KVConformError
 
 
 def _pin_local_constants() -> None:
-    """Make a derandomized stream independent of the modules a process has loaded.
+    """Make a derandomized stream independent of the source code and the modules a
+    process has loaded.
 
     Hypothesis (6.1xx) mixes into its generation constants it reads from the source of
     every *local* module loaded (files under the working directory). The examples a
-    derandomized profile draws then depend on what the process imported and where
-    kvconform is installed: ``kvconform check`` from a checkout, from an installed wheel
-    (no local module of ours), pytest (the test modules too) and an engine's own package
-    (its constants change with every edit) would each get another stream, so an engine
-    and the reference, or a mutant test and the command it reproduces, would not see
-    the same examples. The pool is pinned to the constants of kvconform's own source
-    (``reference/``, ``optimized/``, ``properties/``, read once from the installed
-    files, whatever is imported): a profile's stream then depends on the kvconform
-    version and the machine's name only. A no-op on a Hypothesis without that pool."""
+    derandomized profile draws would then depend on what the process imported, where
+    kvconform is installed, and every literal anyone adds to kvconform: ``kvconform
+    check`` from a checkout, from an installed wheel, pytest (the test modules too) and
+    an engine's own package would each get another stream, and any edit of the suite
+    (a new constant in a docstring-free helper) would silently move which mutants the
+    ci profile catches. The pool is pinned to an empty one: a profile's stream depends
+    on the strategies and the machine's name only. A no-op on a Hypothesis without that
+    pool."""
     try:
         from hypothesis.internal.conjecture import providers
-        from hypothesis.internal.constants_ast import Constants, _constants_from_source
+        from hypothesis.internal.constants_ast import Constants
     except ImportError:  # pragma: no cover - another Hypothesis layout
         return
     if not hasattr(providers, "_get_local_constants"):  # pragma: no cover
         return
-    root = Path(__file__).resolve().parents[2]
-    pool: list[Constants] = []
-
-    def kvconform_constants() -> Constants:
-        if not pool:
-            constants = Constants()
-            for package in ("reference", "optimized", "properties"):
-                for path in sorted((root / package).rglob("*.py")):
-                    try:
-                        constants |= _constants_from_source(path.read_bytes(), limit=True)
-                    except (OSError, SyntaxError, ValueError, RecursionError):
-                        continue  # pragma: no cover - an unreadable file adds nothing
-            pool.append(constants)
-        return pool[0]
-
-    providers._get_local_constants = kvconform_constants
+    empty = Constants()
+    providers._get_local_constants = lambda: empty
 
 
 _pin_local_constants()
