@@ -114,12 +114,17 @@ class KVCacheManager:
 
     # -- lookup ----------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[ComputedBlocks, int]:
-        """Longest prefix hit ``<= num_tokens - 1`` every group can serve; no side effects."""
+        """Longest prefix hit ``<= num_tokens - 1`` every group can serve; the pool is
+        untouched. Records the junction on the request as the reference does
+        (:meth:`reference.kv_cache_manager.KVCacheManager.get_computed_blocks`):
+        ``shared_prefix_boundary = hit + uncached`` when some group caches more, else 0."""
         if not self.enable_caching:
+            request.shared_prefix_boundary = 0
             return self._empty, 0
-        blocks, hit = self.coordinator.find_longest_cache_hit(
+        blocks, hit, uncached = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
+        request.shared_prefix_boundary = hit + uncached if uncached else 0
         return ComputedBlocks(tuple(tuple(b) for b in blocks)), hit
 
     def empty_computed_blocks(self) -> ComputedBlocks:

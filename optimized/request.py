@@ -28,6 +28,7 @@ class Request:
         "hash_block_size",
         "status",
         "block_hashes",
+        "shared_prefix_boundary",
         "_tokens",
     )
 
@@ -55,6 +56,8 @@ class Request:
         self.hash_block_size = hash_block_size
         self.status = RequestStatus.WAITING
         self.block_hashes: list[bytes] = []
+        #: the junction the last prefix lookup found (:mod:`reference.retention`; 0: none)
+        self.shared_prefix_boundary = 0
         extend_block_hashes(
             self.block_hashes, self._tokens, self.num_tokens, hash_block_size, cache_salt, lora_name
         )

@@ -26,6 +26,8 @@ import numpy as np
 from optimized.block_pool import NULL_BLOCK_ID, BlockPool
 from optimized.hashing import hashes_at_block_size
 from optimized.request import Request
+from reference.managers.base import HitScan
+from reference.retention import reachable_boundaries
 from reference.specs import KVCacheSpec, cdiv
 
 BlockList = list[int]
@@ -43,8 +45,15 @@ class SingleTypeKVCacheManager:
         cache_hit_alignment: int,
         max_model_len: int,
         max_num_reqs: int,
+        retention_interval: int | None = None,
+        scheduler_block_size: int | None = None,
     ) -> None:
         self.spec = spec
+        self.retention_interval = retention_interval
+        self.scheduler_block_size = scheduler_block_size or cache_hit_alignment
+        #: no EAGLE groups in the optimized engine (the reference's flags, always off)
+        self.use_eagle = False
+        self.eagle_replay = False
         self.block_size = spec.block_size
         self.block_pool = block_pool
         self.group_id = group_id
@@ -102,6 +111,9 @@ class SingleTypeKVCacheManager:
         return NULL_BLOCK_ID
 
     # -- lookup ------------------------------------------------------------------
+    #: The attention type's hit rule (:data:`reference.managers.base.HitScan`).
+    scan: HitScan
+
     @classmethod
     def find_longest_cache_hit(
         cls,
@@ -111,8 +123,21 @@ class SingleTypeKVCacheManager:
         pool: BlockPool,
         spec: KVCacheSpec,
         alignment: int,
+        drop_eagle: bool = False,
     ) -> tuple[list[BlockList], int]:
-        raise NotImplementedError
+        """The reference's rule (:meth:`reference.managers.base.SingleTypeKVCacheManager.
+        find_longest_cache_hit`) over the pool's per-group hash index."""
+        hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
+        return cls.scan(
+            hashes,
+            max_length,
+            len(group_ids),
+            spec,
+            alignment,
+            pool.lookup(group_ids),
+            NULL_BLOCK_ID,
+            drop_eagle,
+        )
 
     @staticmethod
     def coarse_hashes(
@@ -172,8 +197,20 @@ class SingleTypeKVCacheManager:
         return new_blocks
 
     # -- caching -----------------------------------------------------------------
-    def cacheable_block_mask(self, start: int, end: int) -> list[bool] | None:
+    def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
+        """Which blocks of ``[start, end)`` ``cache_blocks`` registers (None: all; sliding
+        window and Mamba apply :mod:`reference.retention`)."""
         return None
+
+    def reachable_boundaries(self, request: Request) -> list[int]:
+        """The replay boundaries of ``request``'s prompt and its junction, if any
+        (:func:`reference.retention.reachable_boundaries`)."""
+        return reachable_boundaries(
+            request.num_prompt_tokens,
+            request.shared_prefix_boundary,
+            self.scheduler_block_size,
+            self.block_size,
+        )
 
     def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         """Register the full blocks of ``[0, num_tokens)`` not registered yet."""
@@ -182,7 +219,7 @@ class SingleTypeKVCacheManager:
         num_full = min(num_tokens, num_hashed) // self.block_size
         if num_cached >= num_full:
             return
-        mask = self.cacheable_block_mask(num_cached, num_full)
+        mask = self.cacheable_block_mask(request, num_cached, num_full)
         hashes = hashes_at_block_size(
             request.block_hashes, request.hash_block_size, self.block_size
         )

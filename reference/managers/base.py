@@ -19,7 +19,8 @@ cache; its presence marks a request that has been allocated, the "running" path)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from reference.block_pool import BlockPool, KVCacheBlock
 from reference.hashing import hashes_at_block_size
@@ -28,6 +29,17 @@ from reference.retention import reachable_boundaries
 from reference.specs import KVCacheSpec, cdiv
 
 BlockList = list[KVCacheBlock]
+
+#: A block of either engine: the reference's :class:`KVCacheBlock` or an optimized block id.
+Block = TypeVar("Block")
+#: ``lookup(block_hash)``: the earliest cached block of that hash in each group of a spec
+#: group, or None when any group misses (:meth:`BlockPool.get_cached_block`).
+Lookup = Callable[[bytes], "Sequence[Block] | None"]
+#: A per-type hit scan: ``scan(hashes, max_length, num_groups, spec, alignment, lookup,
+#: null_block, drop_eagle) -> (one block list per group, hit length)``; ``hashes`` is the
+#: chain at the group's block size. One rule per attention type, shared by the reference
+#: and the optimized managers (which differ in ``lookup`` and in what a block is).
+HitScan = Callable[..., "tuple[list[list[Block]], int]"]
 
 
 class SingleTypeKVCacheManager:
@@ -65,6 +77,9 @@ class SingleTypeKVCacheManager:
         return self.req_to_blocks.setdefault(request_id, [])
 
     # -- lookup ------------------------------------------------------------------
+    #: The attention type's hit rule (a :data:`HitScan`), set by each subclass.
+    scan: HitScan
+
     @classmethod
     def find_longest_cache_hit(
         cls,
@@ -79,7 +94,14 @@ class SingleTypeKVCacheManager:
         """Longest hit ``<= max_length`` (a multiple of ``alignment``) in every group of
         ``group_ids``; returns one block list per group (nulls where not needed).
         ``drop_eagle``: the last matched block is dropped (EAGLE recomputes it)."""
-        raise NotImplementedError
+        hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
+
+        def lookup(block_hash: bytes) -> list[KVCacheBlock] | None:
+            return pool.get_cached_block(block_hash, group_ids)
+
+        return cls.scan(
+            hashes, max_length, len(group_ids), spec, alignment, lookup, pool.null_block, drop_eagle
+        )
 
     @staticmethod
     def coarse_hashes(
