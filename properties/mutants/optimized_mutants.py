@@ -22,16 +22,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from optimized.block_pool import NOT_QUEUED, FreeBlockQueue
-from optimized.coordinator import HybridCoordinator
-from optimized.data_plane import DataPlane
-from optimized.device_tables import DeviceBlockTables
-from optimized.kv_cache_manager import KVCacheManager
-from optimized.managers import (
+from optimized.control.block_pool import NOT_QUEUED, FreeBlockQueue
+from optimized.control.coordinator import HybridCoordinator
+from optimized.control.kv_cache_manager import KVCacheManager
+from optimized.control.managers import (
     ChunkedLocalAttentionManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
+from optimized.device.data_plane import DataPlane
+from optimized.device.device_tables import DeviceBlockTables
 from properties.engines.optimized import OptimizedEngine
 from reference.layout import KVCacheLayout
 from reference.specs import SlidingWindowSpec

@@ -15,8 +15,8 @@ import random
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from optimized.kv_cache_manager import KVCacheManager as OptimizedManager
-from optimized.kv_cache_manager import StepItem
+from optimized.control.kv_cache_manager import KVCacheManager as OptimizedManager
+from optimized.control.kv_cache_manager import StepItem
 from reference.errors import KVConformError
 from reference.kv_cache_manager import KVCacheManager as ReferenceManager
 from reference.layout import KVCacheGroup, KVCacheLayout

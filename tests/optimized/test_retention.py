@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimized.kv_cache_manager import KVCacheManager as OptimizedManager
+from optimized.control.kv_cache_manager import KVCacheManager as OptimizedManager
 from reference.kv_cache_manager import KVCacheManager as ReferenceManager
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec

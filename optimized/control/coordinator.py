@@ -16,10 +16,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from optimized.block_pool import BlockPool
-from optimized.managers import SingleTypeKVCacheManager, manager_class_for
-from optimized.managers.base import BlockList
-from optimized.request import Request
+from optimized.control.block_pool import BlockPool
+from optimized.control.managers import SingleTypeKVCacheManager, manager_class_for
+from optimized.control.managers.base import BlockList
+from optimized.control.request import Request
 from reference.coordinator import SpecGroup, hybrid_cache_hit, spec_groups_of
 from reference.layout import KVCacheLayout
 

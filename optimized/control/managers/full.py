@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from optimized.block_pool import NULL_BLOCK_ID
-from optimized.managers.base import SingleTypeKVCacheManager
-from optimized.request import Request
+from optimized.control.block_pool import NULL_BLOCK_ID
+from optimized.control.managers.base import SingleTypeKVCacheManager
+from optimized.control.request import Request
 from reference.managers.full import full_attention_hit
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from optimized.managers.base import SingleTypeKVCacheManager
-from optimized.managers.chunked_local import ChunkedLocalAttentionManager
-from optimized.managers.full import FullAttentionManager
-from optimized.managers.mamba import MambaManager
-from optimized.managers.sliding_window import SlidingWindowManager
+from optimized.control.managers.base import SingleTypeKVCacheManager
+from optimized.control.managers.chunked_local import ChunkedLocalAttentionManager
+from optimized.control.managers.full import FullAttentionManager
+from optimized.control.managers.mamba import MambaManager
+from optimized.control.managers.sliding_window import SlidingWindowManager
 from reference.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,

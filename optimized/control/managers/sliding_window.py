@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from optimized.managers.base import SingleTypeKVCacheManager
-from optimized.request import Request
+from optimized.control.managers.base import SingleTypeKVCacheManager
+from optimized.control.request import Request
 from reference.managers.sliding_window import blocks_needed_for_hit, sliding_window_hit
 from reference.retention import sliding_window_block_mask
 from reference.specs import SlidingWindowSpec

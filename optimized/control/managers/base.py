@@ -14,7 +14,7 @@ backwards walk of ``remove_skipped_blocks`` (stop at the first null) frees exact
 
 ``pending_work`` is the vectorised test of the batched step: for running rows, is any of
 remove_skipped / allocate / cache_blocks going to change anything? Rows where it is False
-are skipped by :meth:`optimized.kv_cache_manager.KVCacheManager.schedule_step`.
+are skipped by :meth:`optimized.control.kv_cache_manager.KVCacheManager.schedule_step`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from optimized.block_pool import NULL_BLOCK_ID, BlockPool
-from optimized.hashing import hashes_at_block_size
-from optimized.request import Request
+from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
+from optimized.control.hashing import hashes_at_block_size
+from optimized.control.request import Request
 from reference.managers.base import HitScan
 from reference.retention import reachable_boundaries
 from reference.specs import KVCacheSpec, cdiv

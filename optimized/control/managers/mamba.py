@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from optimized.block_pool import NULL_BLOCK_ID
-from optimized.managers.base import BlockList, SingleTypeKVCacheManager
-from optimized.request import Request
+from optimized.control.block_pool import NULL_BLOCK_ID
+from optimized.control.managers.base import BlockList, SingleTypeKVCacheManager
+from optimized.control.request import Request
 from reference.managers.mamba import mamba_hit
 from reference.retention import mamba_block_mask
 from reference.specs import cdiv

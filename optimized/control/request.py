@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from optimized.hashing import TOKEN_DTYPE, extend_block_hashes
+from optimized.control.hashing import TOKEN_DTYPE, extend_block_hashes
 from reference.errors import InvalidRequestError
 from reference.request import RequestStatus
 

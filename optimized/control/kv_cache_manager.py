@@ -28,10 +28,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from optimized.batched_decode import apply_decode_item, apply_decode_items
-from optimized.coordinator import DEFAULT_MAX_NUM_REQS, make_coordinator
-from optimized.managers.mamba import MambaManager
-from optimized.request import Request
+from optimized.control.batched_decode import apply_decode_item, apply_decode_items
+from optimized.control.coordinator import DEFAULT_MAX_NUM_REQS, make_coordinator
+from optimized.control.managers.mamba import MambaManager
+from optimized.control.request import Request
 from reference.errors import InvalidRequestError
 from reference.kv_cache_manager import PrefixCacheStats
 from reference.layout import KVCacheLayout

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from optimized.managers.base import SingleTypeKVCacheManager
+from optimized.control.managers.base import SingleTypeKVCacheManager
 from reference.managers.chunked_local import chunked_local_hit
 from reference.specs import ChunkedLocalAttentionSpec
 
