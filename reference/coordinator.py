@@ -197,6 +197,28 @@ class UnitaryCoordinator(KVCacheCoordinator):
         return blocks, hit, 0
 
 
+def hybrid_coordinator_hit(
+    coordinator, block_hashes: Sequence[bytes], max_length: int
+) -> tuple[list[list], int, int]:
+    """:func:`hybrid_cache_hit` over a hybrid ``coordinator`` of either engine: each spec
+    group answers through its manager class's ``find_longest_cache_hit`` on the
+    coordinator's pool (``coordinator`` needs ``spec_groups``, ``managers``,
+    ``block_pool``, ``layout`` and ``cache_hit_alignment()``). The
+    ``find_longest_cache_hit`` of both engines' hybrid coordinators."""
+    alignment = coordinator.cache_hit_alignment()
+    pool = coordinator.block_pool
+
+    def find(sg: SpecGroup, limit: int, drop: bool) -> tuple[list[list], int]:
+        return sg.manager_cls.find_longest_cache_hit(
+            block_hashes, limit, sg.group_ids, pool, sg.spec, alignment, drop
+        )
+
+    hashed = len(block_hashes) * coordinator.layout.hash_block_size
+    return hybrid_cache_hit(
+        coordinator.spec_groups, len(coordinator.managers), max_length, hashed, find
+    )
+
+
 class HybridCoordinator(KVCacheCoordinator):
     def __init__(self, layout: KVCacheLayout) -> None:
         super().__init__(layout)
@@ -217,19 +239,7 @@ class HybridCoordinator(KVCacheCoordinator):
             return min(num_tokens, aligned + m.block_size)
         return aligned
 
-    def find_longest_cache_hit(
-        self, block_hashes: Sequence[bytes], max_length: int
-    ) -> tuple[list[BlockList], int, int]:
-        alignment = self.cache_hit_alignment()
-        pool = self.block_pool
-
-        def find(sg: SpecGroup, limit: int, drop: bool) -> tuple[list[BlockList], int]:
-            return sg.manager_cls.find_longest_cache_hit(
-                block_hashes, limit, sg.group_ids, pool, sg.spec, alignment, drop
-            )
-
-        hashed = len(block_hashes) * self.layout.hash_block_size
-        return hybrid_cache_hit(self.spec_groups, len(self.managers), max_length, hashed, find)
+    find_longest_cache_hit = hybrid_coordinator_hit
 
 
 def spec_groups_of(managers: Sequence) -> list[SpecGroup]:

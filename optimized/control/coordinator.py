@@ -20,7 +20,7 @@ from optimized.control.block_pool import BlockPool
 from optimized.control.managers import SingleTypeKVCacheManager, manager_class_for
 from optimized.control.managers.base import BlockList
 from optimized.control.request import Request
-from reference.coordinator import SpecGroup, hybrid_cache_hit, spec_groups_of
+from reference.coordinator import hybrid_coordinator_hit, spec_groups_of
 from reference.layout import KVCacheLayout
 
 #: Rows preallocated per group table before the first doubling.
@@ -182,20 +182,8 @@ class HybridCoordinator(KVCacheCoordinator):
         s = self.scheduler_block_size
         return num_tokens // s * s
 
-    def find_longest_cache_hit(
-        self, block_hashes: Sequence[bytes], max_length: int
-    ) -> tuple[list[BlockList], int, int]:
-        """:func:`reference.coordinator.hybrid_cache_hit` over the optimized managers."""
-        alignment = self.cache_hit_alignment()
-        pool = self.block_pool
-
-        def find(sg: SpecGroup, limit: int, drop: bool) -> tuple[list[BlockList], int]:
-            return sg.manager_cls.find_longest_cache_hit(
-                block_hashes, limit, sg.group_ids, pool, sg.spec, alignment, drop
-            )
-
-        hashed = len(block_hashes) * self.layout.hash_block_size
-        return hybrid_cache_hit(self.spec_groups, len(self.managers), max_length, hashed, find)
+    #: :func:`reference.coordinator.hybrid_coordinator_hit` over the optimized managers
+    find_longest_cache_hit = hybrid_coordinator_hit
 
 
 def make_coordinator(

@@ -29,9 +29,16 @@ _MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
 
 def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
     """The manager class that serves ``spec`` (looked up along the spec's MRO)."""
+    return class_for_spec(spec, _MANAGERS)
+
+
+def class_for_spec(spec: KVCacheSpec, classes: dict[type[KVCacheSpec], type]) -> type:
+    """The class ``classes`` maps ``spec``'s type (or its nearest base) to, for either
+    engine's registry. Example: a subclass of ``SlidingWindowSpec`` gets the sliding-window
+    manager. An unregistered spec raises TypeError."""
     for cls in type(spec).__mro__:
-        if cls in _MANAGERS:  # pragma: no branch - every spec class is registered
-            return _MANAGERS[cls]
+        if cls in classes:  # pragma: no branch - every spec class is registered
+            return classes[cls]
     raise TypeError(  # pragma: no cover - every spec class is registered
         f"no KV cache manager for spec type {type(spec).__name__}"
     )

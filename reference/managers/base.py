@@ -42,6 +42,57 @@ Lookup = Callable[[bytes], "Sequence[Block] | None"]
 HitScan = Callable[..., "tuple[list[list[Block]], int]"]
 
 
+def blocks_to_allocate(
+    spec: KVCacheSpec,
+    num_tokens: int,
+    held: int,
+    running: bool,
+    hit_blocks: Sequence[Block],
+    total_computed_tokens: int,
+    evictable: Callable[[Block], bool],
+    cap: int | None = None,
+) -> int:
+    """The blocks one group needs for ``num_tokens`` slots (module docstring): ``required
+    = cdiv(num_tokens, bs)`` (at most ``cap``); a ``running`` request (already allocated)
+    needs ``required - held``; a new one needs ``required - max(skipped, hit + held)``
+    plus its hit blocks past the skipped ones that sit evictable in the free queue
+    (``evictable(block)``: ref count 0 and not null). Shared by both engines.
+
+    Example: SWA w 4, bs 2, a new request with 3 hit blocks (the first free and cached),
+    computed 6, 10 slots: required 5, skipped ``3 // 2 = 1`` block, so 2 new blocks; the
+    hits past the first skipped one are both held -> 2. Were the second hit free: 3.
+    """
+    required = cdiv(num_tokens, spec.block_size)
+    if cap is not None:
+        required = min(required, cap)
+    if running:
+        return max(required - held, 0)
+    skipped_blocks = spec.num_skipped_tokens(total_computed_tokens) // spec.block_size
+    local_blocks = len(hit_blocks) + held
+    num_new = max(required - max(skipped_blocks, local_blocks), 0)
+    skip_in_hits = max(0, skipped_blocks - held)
+    return num_new + sum(1 for b in hit_blocks[skip_in_hits:] if evictable(b))
+
+
+def boundaries_of(manager, request) -> list[int]:
+    """:func:`reference.retention.reachable_boundaries` of ``request`` (its prompt length and
+    junction) for a ``manager`` of either engine (its ``scheduler_block_size``,
+    ``block_size``, ``use_eagle``, ``eagle_replay``). Example: P 11, S 4, junction 8, no
+    EAGLE -> ``[10, 8]``."""
+    return reachable_boundaries(
+        request.num_prompt_tokens,
+        request.shared_prefix_boundary,
+        manager.scheduler_block_size,
+        manager.block_size,
+        manager.use_eagle,
+        manager.eagle_replay,
+    )
+
+
+def _evictable(block: KVCacheBlock) -> bool:
+    return block.ref_cnt == 0 and not block.is_null
+
+
 class SingleTypeKVCacheManager:
     """Block tables of one KV cache group."""
 
@@ -119,20 +170,17 @@ class SingleTypeKVCacheManager:
         num_tokens_main: int,
         apply_admission_cap: bool = False,
     ) -> int:
-        required = cdiv(num_tokens, self.block_size)
-        if apply_admission_cap and self.max_admission_blocks is not None:
-            required = min(required, self.max_admission_blocks)
-        held = len(self.req_to_blocks.get(request_id, ()))
-        if request_id in self.num_cached_block:
-            return max(required - held, 0)
-        skipped_blocks = self.spec.num_skipped_tokens(total_computed_tokens) // self.block_size
-        local_blocks = len(new_computed_blocks) + held
-        num_new = max(required - max(skipped_blocks, local_blocks), 0)
-        skip_in_hits = max(0, skipped_blocks - held)
-        evictable = sum(
-            1 for b in new_computed_blocks[skip_in_hits:] if b.ref_cnt == 0 and not b.is_null
+        cap = self.max_admission_blocks if apply_admission_cap else None
+        return blocks_to_allocate(
+            self.spec,
+            num_tokens,
+            len(self.req_to_blocks.get(request_id, ())),
+            request_id in self.num_cached_block,
+            new_computed_blocks,
+            total_computed_tokens,
+            _evictable,
+            cap,
         )
-        return num_new + evictable
 
     def add_local_computed_blocks(
         self,
@@ -201,14 +249,7 @@ class SingleTypeKVCacheManager:
 
     def reachable_boundaries(self, request: Request) -> list[int]:
         """The replay boundaries of ``request``'s prompt and its junction, if any."""
-        return reachable_boundaries(
-            request.num_prompt_tokens,
-            request.shared_prefix_boundary,
-            self.scheduler_block_size,
-            self.block_size,
-            self.use_eagle,
-            self.eagle_replay,
-        )
+        return boundaries_of(self, request)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the full blocks of ``[0, num_tokens)`` not registered yet."""

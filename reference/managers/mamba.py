@@ -63,6 +63,22 @@ def mamba_hit(
     return [[] for _ in range(num_groups)], 0
 
 
+def mamba_cache_mask(manager, request, start: int, end: int) -> list[bool] | None:
+    """Which states ``[start, end)`` of ``request`` a Mamba ``manager`` registers:
+    :func:`reference.retention.mamba_block_mask` with the manager's alignment, block
+    size, retention interval and the request's reachable boundaries (the
+    ``cacheable_block_mask`` of both engines' Mamba managers). Example: bs 2, A 2,
+    sparse, P 11 -> only the state ending at 10 (block 4)."""
+    return mamba_block_mask(
+        start,
+        end,
+        manager.cache_hit_alignment,
+        manager.block_size,
+        manager.retention_interval,
+        manager.reachable_boundaries(request),
+    )
+
+
 class MambaManager(SingleTypeKVCacheManager):
     scan = staticmethod(mamba_hit)
 
@@ -107,15 +123,7 @@ class MambaManager(SingleTypeKVCacheManager):
         self.allocated_requests.add(request_id)
         return new_blocks
 
-    def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
-        return mamba_block_mask(
-            start,
-            end,
-            self.cache_hit_alignment,
-            self.block_size,
-            self.retention_interval,
-            self.reachable_boundaries(request),
-        )
+    cacheable_block_mask = mamba_cache_mask
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         before = self.num_cached_block.get(request.request_id, 0)

@@ -39,7 +39,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from reference.managers.base import Block, Lookup, SingleTypeKVCacheManager
-from reference.request import Request
 from reference.retention import sliding_window_block_mask
 from reference.specs import KVCacheSpec, SlidingWindowSpec, cdiv
 
@@ -99,18 +98,28 @@ def sliding_window_hit(
     return out, len(out[0]) * bs
 
 
+def window_cache_mask(manager, request, start: int, end: int) -> list[bool] | None:
+    """Which blocks ``[start, end)`` of ``request`` a sliding-window ``manager`` registers:
+    :func:`reference.retention.sliding_window_block_mask` with the manager's alignment,
+    ``need`` (one more and shifted one block under EAGLE), retention interval and the
+    request's reachable boundaries. The ``cacheable_block_mask`` of both engines'
+    sliding-window managers (``manager`` needs ``spec``, ``block_size``,
+    ``cache_hit_alignment``, ``use_eagle``, ``retention_interval`` and
+    ``reachable_boundaries``). Example: bs 2, A 2, w 3, sparse, P 11 -> only block 4."""
+    eagle = 1 if manager.use_eagle else 0
+    return sliding_window_block_mask(
+        start,
+        end,
+        manager.cache_hit_alignment,
+        manager.block_size,
+        blocks_needed_for_hit(manager.spec) + eagle,
+        manager.retention_interval,
+        manager.reachable_boundaries(request),
+        shift=eagle,
+    )
+
+
 class SlidingWindowManager(SingleTypeKVCacheManager):
     scan = staticmethod(sliding_window_hit)
 
-    def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
-        assert isinstance(self.spec, SlidingWindowSpec)
-        return sliding_window_block_mask(
-            start,
-            end,
-            self.cache_hit_alignment,
-            self.block_size,
-            blocks_needed_for_hit(self.spec) + (1 if self.use_eagle else 0),
-            self.retention_interval,
-            self.reachable_boundaries(request),
-            shift=1 if self.use_eagle else 0,
-        )
+    cacheable_block_mask = window_cache_mask

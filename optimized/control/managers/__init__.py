@@ -7,6 +7,7 @@ from optimized.control.managers.chunked_local import ChunkedLocalAttentionManage
 from optimized.control.managers.full import FullAttentionManager
 from optimized.control.managers.mamba import MambaManager
 from optimized.control.managers.sliding_window import SlidingWindowManager
+from reference.managers import class_for_spec
 from reference.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -24,11 +25,8 @@ _MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
 
 
 def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
-    """The manager class that serves ``spec`` (looked up along the spec's MRO)."""
-    for cls in type(spec).__mro__:
-        if cls in _MANAGERS:
-            return _MANAGERS[cls]
-    raise TypeError(f"no KV cache manager for spec type {type(spec).__name__}")
+    """The manager class that serves ``spec`` (:func:`reference.managers.class_for_spec`)."""
+    return class_for_spec(spec, _MANAGERS)
 
 
 __all__ = [

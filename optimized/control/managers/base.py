@@ -26,8 +26,7 @@ import numpy as np
 from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
 from optimized.control.hashing import hashes_at_block_size
 from optimized.control.request import Request
-from reference.managers.base import HitScan
-from reference.retention import reachable_boundaries
+from reference.managers.base import HitScan, blocks_to_allocate, boundaries_of
 from reference.specs import KVCacheSpec, cdiv
 
 BlockList = list[int]
@@ -155,19 +154,16 @@ class SingleTypeKVCacheManager:
         num_tokens_main: int,
     ) -> int:
         """:meth:`reference.managers.base.SingleTypeKVCacheManager.get_num_blocks_to_allocate`."""
-        required = cdiv(num_tokens, self.block_size)
-        held = int(self.row_len[row])
-        if self.num_cached_block[row] >= 0:
-            return max(required - held, 0)
-        skipped_blocks = self.spec.num_skipped_tokens(total_computed_tokens) // self.block_size
-        local_blocks = len(new_computed_blocks) + held
-        num_new = max(required - max(skipped_blocks, local_blocks), 0)
-        skip_in_hits = max(0, skipped_blocks - held)
         ref = self.block_pool.ref_cnt
-        evictable = sum(
-            1 for b in new_computed_blocks[skip_in_hits:] if b != NULL_BLOCK_ID and ref[b] == 0
+        return blocks_to_allocate(
+            self.spec,
+            num_tokens,
+            int(self.row_len[row]),
+            self.num_cached_block[row] >= 0,
+            new_computed_blocks,
+            total_computed_tokens,
+            lambda b: b != NULL_BLOCK_ID and ref[b] == 0,
         )
-        return num_new + evictable
 
     def add_local_computed_blocks(
         self, row: int, new_computed_blocks: Sequence[int], num_local_computed_tokens: int
@@ -203,14 +199,8 @@ class SingleTypeKVCacheManager:
         return None
 
     def reachable_boundaries(self, request: Request) -> list[int]:
-        """The replay boundaries of ``request``'s prompt and its junction, if any
-        (:func:`reference.retention.reachable_boundaries`)."""
-        return reachable_boundaries(
-            request.num_prompt_tokens,
-            request.shared_prefix_boundary,
-            self.scheduler_block_size,
-            self.block_size,
-        )
+        """:func:`reference.managers.base.boundaries_of`."""
+        return boundaries_of(self, request)
 
     def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         """Register the full blocks of ``[0, num_tokens)`` not registered yet."""

@@ -6,7 +6,7 @@ block at ``c = cdiv(main, bs) - 1``; ``num_retired_blocks[row]`` columns were re
 freed once a later step is past it. Hit: the rightmost cached state at an aligned
 boundary (:func:`reference.managers.mamba.mamba_hit`); a state cached during the current
 step is refused until ``new_step_starts``. Which states are cached follows the retention
-interval (:func:`reference.retention.mamba_block_mask`).
+interval (:func:`reference.managers.mamba.mamba_cache_mask`).
 
 Example, bs 4: prefill 10 tokens -> row ``[0, 0, s]``; the step computing token 13 appends
 a block at column 3 and remembers column 2; the step after frees ``s``.
@@ -21,8 +21,7 @@ import numpy as np
 from optimized.control.block_pool import NULL_BLOCK_ID
 from optimized.control.managers.base import BlockList, SingleTypeKVCacheManager
 from optimized.control.request import Request
-from reference.managers.mamba import mamba_hit
-from reference.retention import mamba_block_mask
+from reference.managers.mamba import mamba_cache_mask, mamba_hit
 from reference.specs import cdiv
 
 
@@ -47,16 +46,7 @@ class MambaManager(SingleTypeKVCacheManager):
 
     scan = staticmethod(mamba_hit)
 
-    def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
-        """:func:`reference.retention.mamba_block_mask`."""
-        return mamba_block_mask(
-            start,
-            end,
-            self.cache_hit_alignment,
-            self.block_size,
-            self.retention_interval,
-            self.reachable_boundaries(request),
-        )
+    cacheable_block_mask = mamba_cache_mask
 
     def get_num_blocks_to_allocate(
         self,
