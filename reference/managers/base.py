@@ -89,6 +89,14 @@ def boundaries_of(manager, request) -> list[int]:
     )
 
 
+def cacheable_full_blocks(request, num_tokens: int, block_size: int) -> int:
+    """The full blocks of ``[0, num_tokens)`` that have a hash, for a request of either
+    engine: ``min(num_tokens, hashed tokens) // bs``. Example: 3 hashes of H 4 (12
+    tokens), 14 tokens, bs 8 -> 1."""
+    num_hashed = len(request.block_hashes) * request.hash_block_size
+    return min(num_tokens, num_hashed) // block_size
+
+
 def _evictable(block: KVCacheBlock) -> bool:
     return block.ref_cnt == 0 and not block.is_null
 
@@ -254,8 +262,7 @@ class SingleTypeKVCacheManager:
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the full blocks of ``[0, num_tokens)`` not registered yet."""
         num_cached = self.num_cached_block.get(request.request_id, 0)
-        num_hashed = len(request.block_hashes) * request.hash_block_size
-        num_full = min(num_tokens, num_hashed) // self.block_size
+        num_full = cacheable_full_blocks(request, num_tokens, self.block_size)
         if num_cached >= num_full:
             return
         mask = self.cacheable_block_mask(request, num_cached, num_full)

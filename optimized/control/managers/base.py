@@ -26,7 +26,12 @@ import numpy as np
 from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
 from optimized.control.hashing import hashes_at_block_size
 from optimized.control.request import Request
-from reference.managers.base import HitScan, blocks_to_allocate, boundaries_of
+from reference.managers.base import (
+    HitScan,
+    blocks_to_allocate,
+    boundaries_of,
+    cacheable_full_blocks,
+)
 from reference.specs import KVCacheSpec, cdiv
 
 BlockList = list[int]
@@ -205,8 +210,7 @@ class SingleTypeKVCacheManager:
     def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         """Register the full blocks of ``[0, num_tokens)`` not registered yet."""
         num_cached = max(int(self.num_cached_block[row]), 0)
-        num_hashed = len(request.block_hashes) * request.hash_block_size
-        num_full = min(num_tokens, num_hashed) // self.block_size
+        num_full = cacheable_full_blocks(request, num_tokens, self.block_size)
         if num_cached >= num_full:
             return
         mask = self.cacheable_block_mask(request, num_cached, num_full)
