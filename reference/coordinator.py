@@ -62,18 +62,9 @@ class KVCacheCoordinator:
             layout.num_blocks, layout.enable_caching, layout.hash_block_size
         )
         alignment = self.cache_hit_alignment()
-        self.managers: list[SingleTypeKVCacheManager] = [
-            manager_class_for(g.spec)(
-                g.spec,
-                self.block_pool,
-                gid,
-                layout.enable_caching,
-                alignment,
-                layout.prefix_cache_retention_interval,
-                layout.scheduler_block_size,
-            )
-            for gid, g in enumerate(layout.groups)
-        ]
+        self.managers: list[SingleTypeKVCacheManager] = make_managers(
+            layout, self.block_pool, alignment, manager_class_for
+        )
         drop = layout.drop_eagle_group_ids if layout.enable_caching else frozenset()
         for gid, m in enumerate(self.managers):
             m.max_admission_blocks = m.spec.max_admission_blocks(
@@ -171,6 +162,32 @@ class KVCacheCoordinator:
 
     def get_blocks(self, request_id: str) -> list[BlockList]:
         return [list(m.req_to_blocks.get(request_id, ())) for m in self.managers]
+
+
+def make_managers(
+    layout: KVCacheLayout,
+    pool,
+    alignment: int,
+    class_for: Callable[[KVCacheSpec], type],
+    **extra: object,
+) -> list:
+    """One manager per group of ``layout``, in group order, for either engine: ``class_for
+    (spec)(spec, pool, group id, caching, alignment, retention_interval=...,
+    scheduler_block_size=..., **extra)`` (``extra``: the engine's own sizes). Example: a
+    full + SWA layout -> ``[FullAttentionManager(g0), SlidingWindowManager(g1)]``."""
+    return [
+        class_for(g.spec)(
+            g.spec,
+            pool,
+            gid,
+            layout.enable_caching,
+            alignment,
+            retention_interval=layout.prefix_cache_retention_interval,
+            scheduler_block_size=layout.scheduler_block_size,
+            **extra,
+        )
+        for gid, g in enumerate(layout.groups)
+    ]
 
 
 class NoPrefixCacheCoordinator(KVCacheCoordinator):

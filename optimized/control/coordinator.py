@@ -20,7 +20,7 @@ from optimized.control.block_pool import BlockPool
 from optimized.control.managers import SingleTypeKVCacheManager, manager_class_for
 from optimized.control.managers.base import BlockList
 from optimized.control.request import Request
-from reference.coordinator import hybrid_coordinator_hit, spec_groups_of
+from reference.coordinator import hybrid_coordinator_hit, make_managers, spec_groups_of
 from reference.layout import KVCacheLayout
 
 #: Rows preallocated per group table before the first doubling.
@@ -37,20 +37,14 @@ class KVCacheCoordinator:
             layout.num_blocks, layout.enable_caching, layout.hash_block_size, len(layout.groups)
         )
         alignment = self.cache_hit_alignment()
-        self.managers: list[SingleTypeKVCacheManager] = [
-            manager_class_for(g.spec)(
-                g.spec,
-                self.block_pool,
-                gid,
-                layout.enable_caching,
-                alignment,
-                layout.max_model_len,
-                max_num_reqs,
-                layout.prefix_cache_retention_interval,
-                layout.scheduler_block_size,
-            )
-            for gid, g in enumerate(layout.groups)
-        ]
+        self.managers: list[SingleTypeKVCacheManager] = make_managers(
+            layout,
+            self.block_pool,
+            alignment,
+            manager_class_for,
+            max_model_len=layout.max_model_len,
+            max_num_reqs=max_num_reqs,
+        )
         self.max_num_reqs = max_num_reqs
         self.row_of: dict[str, int] = {}
         self._free_rows: list[int] = list(range(max_num_reqs))

@@ -60,6 +60,8 @@ def replace_managers(manager: KVCacheManager, classes: Mapping[ManagerClass, Man
             m.cache_hit_alignment,
             manager.max_model_len,
             coord.max_num_reqs,
+            m.retention_interval,
+            m.scheduler_block_size,
         )
         for m in coord.managers
     ]

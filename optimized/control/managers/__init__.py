@@ -7,21 +7,18 @@ from optimized.control.managers.chunked_local import ChunkedLocalAttentionManage
 from optimized.control.managers.full import FullAttentionManager
 from optimized.control.managers.mamba import MambaManager
 from optimized.control.managers.sliding_window import SlidingWindowManager
-from reference.managers import class_for_spec
-from reference.specs import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
+from reference.managers import class_for_spec, registry_like
+from reference.specs import KVCacheSpec
 
-_MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
-    FullAttentionSpec: FullAttentionManager,
-    SlidingWindowSpec: SlidingWindowManager,
-    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
-    MambaSpec: MambaManager,
-}
+#: the reference's registry (:func:`reference.managers.registry_like`), optimized classes
+_MANAGERS = registry_like(
+    (
+        ChunkedLocalAttentionManager,
+        FullAttentionManager,
+        MambaManager,
+        SlidingWindowManager,
+    )
+)
 
 
 def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
