@@ -74,21 +74,6 @@ def blocks_to_allocate(
     return num_new + sum(1 for b in hit_blocks[skip_in_hits:] if evictable(b))
 
 
-def boundaries_of(manager, request) -> list[int]:
-    """:func:`reference.retention.reachable_boundaries` of ``request`` (its prompt length and
-    junction) for a ``manager`` of either engine (its ``scheduler_block_size``,
-    ``block_size``, ``use_eagle``, ``eagle_replay``). Example: P 11, S 4, junction 8, no
-    EAGLE -> ``[10, 8]``."""
-    return reachable_boundaries(
-        request.num_prompt_tokens,
-        request.shared_prefix_boundary,
-        manager.scheduler_block_size,
-        manager.block_size,
-        manager.use_eagle,
-        manager.eagle_replay,
-    )
-
-
 def cacheable_full_blocks(request, num_tokens: int, block_size: int) -> int:
     """The full blocks of ``[0, num_tokens)`` that have a hash, for a request of either
     engine: ``min(num_tokens, hashed tokens) // bs``. Example: 3 hashes of H 4 (12
@@ -101,13 +86,20 @@ def _evictable(block: KVCacheBlock) -> bool:
     return block.ref_cnt == 0 and not block.is_null
 
 
-class SingleTypeKVCacheManager:
-    """Block tables of one KV cache group."""
+class ManagerBase:
+    """What a single-type manager of either engine holds and how it looks a hit up: the
+    group's spec and settings, the lookup through its class's :data:`HitScan` over the
+    pool's ``lookup(group_ids)`` and ``null_block``, and the reachable boundaries of a
+    request (:func:`reference.retention.reachable_boundaries`). Both engines' managers
+    derive from it; they differ in their block tables."""
+
+    #: The attention type's hit rule (a :data:`HitScan`), set by each subclass.
+    scan: HitScan
 
     def __init__(
         self,
         spec: KVCacheSpec,
-        block_pool: BlockPool,
+        block_pool,
         group_id: int,
         enable_caching: bool,
         cache_hit_alignment: int,
@@ -125,6 +117,74 @@ class SingleTypeKVCacheManager:
         self.max_admission_blocks: int | None = None
         self.use_eagle = False
         self.eagle_replay = False
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        pool,
+        spec: KVCacheSpec,
+        alignment: int,
+        drop_eagle: bool = False,
+    ) -> tuple[list[list], int]:
+        """Longest hit ``<= max_length`` (a multiple of ``alignment``) in every group of
+        ``group_ids``; returns one block list per group (nulls where not needed).
+        ``drop_eagle``: the last matched block is dropped (EAGLE recomputes it)."""
+        hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
+        return cls.scan(
+            hashes,
+            max_length,
+            len(group_ids),
+            spec,
+            alignment,
+            pool.lookup(group_ids),
+            pool.null_block,
+            drop_eagle,
+        )
+
+    @staticmethod
+    def coarse_hashes(
+        block_hashes: Sequence[bytes], pool_hash_block_size: int, spec: KVCacheSpec
+    ) -> Sequence[bytes]:
+        return hashes_at_block_size(block_hashes, pool_hash_block_size, spec.block_size)
+
+    def reachable_boundaries(self, request) -> list[int]:
+        """The replay boundaries of ``request``'s prompt and its junction, if any.
+        Example: P 11, S 4, junction 8, no EAGLE -> ``[10, 8]``."""
+        return reachable_boundaries(
+            request.num_prompt_tokens,
+            request.shared_prefix_boundary,
+            self.scheduler_block_size,
+            self.block_size,
+            self.use_eagle,
+            self.eagle_replay,
+        )
+
+
+class SingleTypeKVCacheManager(ManagerBase):
+    """Block tables of one KV cache group."""
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        block_pool: BlockPool,
+        group_id: int,
+        enable_caching: bool,
+        cache_hit_alignment: int,
+        retention_interval: int | None = None,
+        scheduler_block_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            spec,
+            block_pool,
+            group_id,
+            enable_caching,
+            cache_hit_alignment,
+            retention_interval,
+            scheduler_block_size,
+        )
         self.req_to_blocks: dict[str, BlockList] = {}
         self.num_cached_block: dict[str, int] = {}
 
@@ -134,39 +194,6 @@ class SingleTypeKVCacheManager:
 
     def blocks_of(self, request_id: str) -> BlockList:
         return self.req_to_blocks.setdefault(request_id, [])
-
-    # -- lookup ------------------------------------------------------------------
-    #: The attention type's hit rule (a :data:`HitScan`), set by each subclass.
-    scan: HitScan
-
-    @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[bytes],
-        max_length: int,
-        group_ids: Sequence[int],
-        pool: BlockPool,
-        spec: KVCacheSpec,
-        alignment: int,
-        drop_eagle: bool = False,
-    ) -> tuple[list[BlockList], int]:
-        """Longest hit ``<= max_length`` (a multiple of ``alignment``) in every group of
-        ``group_ids``; returns one block list per group (nulls where not needed).
-        ``drop_eagle``: the last matched block is dropped (EAGLE recomputes it)."""
-        hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
-
-        def lookup(block_hash: bytes) -> list[KVCacheBlock] | None:
-            return pool.get_cached_block(block_hash, group_ids)
-
-        return cls.scan(
-            hashes, max_length, len(group_ids), spec, alignment, lookup, pool.null_block, drop_eagle
-        )
-
-    @staticmethod
-    def coarse_hashes(
-        block_hashes: Sequence[bytes], pool_hash_block_size: int, spec: KVCacheSpec
-    ) -> Sequence[bytes]:
-        return hashes_at_block_size(block_hashes, pool_hash_block_size, spec.block_size)
 
     # -- allocation --------------------------------------------------------------
     def get_num_blocks_to_allocate(
@@ -254,10 +281,6 @@ class SingleTypeKVCacheManager:
         """Which blocks of ``[start, end)`` ``cache_blocks`` registers (None: all;
         sliding window and Mamba apply :mod:`reference.retention`)."""
         return None
-
-    def reachable_boundaries(self, request: Request) -> list[int]:
-        """The replay boundaries of ``request``'s prompt and its junction, if any."""
-        return boundaries_of(self, request)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the full blocks of ``[0, num_tokens)`` not registered yet."""

@@ -26,18 +26,13 @@ import numpy as np
 from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
 from optimized.control.hashing import hashes_at_block_size
 from optimized.control.request import Request
-from reference.managers.base import (
-    HitScan,
-    blocks_to_allocate,
-    boundaries_of,
-    cacheable_full_blocks,
-)
+from reference.managers.base import ManagerBase, blocks_to_allocate, cacheable_full_blocks
 from reference.specs import KVCacheSpec, cdiv
 
 BlockList = list[int]
 
 
-class SingleTypeKVCacheManager:
+class SingleTypeKVCacheManager(ManagerBase):
     """Block tables of one KV cache group."""
 
     def __init__(
@@ -52,17 +47,16 @@ class SingleTypeKVCacheManager:
         retention_interval: int | None = None,
         scheduler_block_size: int | None = None,
     ) -> None:
-        self.spec = spec
-        self.retention_interval = retention_interval
-        self.scheduler_block_size = scheduler_block_size or cache_hit_alignment
-        #: no EAGLE groups in the optimized engine (the reference's flags, always off)
-        self.use_eagle = False
-        self.eagle_replay = False
-        self.block_size = spec.block_size
-        self.block_pool = block_pool
-        self.group_id = group_id
-        self.enable_caching = enable_caching
-        self.cache_hit_alignment = cache_hit_alignment
+        # no EAGLE groups in the optimized engine: the base's flags stay off
+        super().__init__(
+            spec,
+            block_pool,
+            group_id,
+            enable_caching,
+            cache_hit_alignment,
+            retention_interval,
+            scheduler_block_size,
+        )
         self.max_blocks_per_req = cdiv(max_model_len, spec.block_size)
         self.table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
         self.row_len = np.zeros(max_num_reqs, dtype=np.int32)
@@ -114,39 +108,11 @@ class SingleTypeKVCacheManager:
     def null_block(self) -> int:
         return NULL_BLOCK_ID
 
-    # -- lookup ------------------------------------------------------------------
-    #: The attention type's hit rule (:data:`reference.managers.base.HitScan`).
-    scan: HitScan
-
-    @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[bytes],
-        max_length: int,
-        group_ids: Sequence[int],
-        pool: BlockPool,
-        spec: KVCacheSpec,
-        alignment: int,
-        drop_eagle: bool = False,
-    ) -> tuple[list[BlockList], int]:
-        """The reference's rule (:meth:`reference.managers.base.SingleTypeKVCacheManager.
-        find_longest_cache_hit`) over the pool's per-group hash index."""
-        hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
-        return cls.scan(
-            hashes,
-            max_length,
-            len(group_ids),
-            spec,
-            alignment,
-            pool.lookup(group_ids),
-            NULL_BLOCK_ID,
-            drop_eagle,
-        )
-
     @staticmethod
     def coarse_hashes(
         block_hashes: Sequence[bytes], pool_hash_block_size: int, spec: KVCacheSpec
     ) -> Sequence[bytes]:
+        """The chain at the group's block size as a slice (no copy when equal)."""
         return hashes_at_block_size(block_hashes, pool_hash_block_size, spec.block_size)
 
     # -- allocation --------------------------------------------------------------
@@ -202,10 +168,6 @@ class SingleTypeKVCacheManager:
         """Which blocks of ``[start, end)`` ``cache_blocks`` registers (None: all; sliding
         window and Mamba apply :mod:`reference.retention`)."""
         return None
-
-    def reachable_boundaries(self, request: Request) -> list[int]:
-        """:func:`reference.managers.base.boundaries_of`."""
-        return boundaries_of(self, request)
 
     def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         """Register the full blocks of ``[0, num_tokens)`` not registered yet."""
