@@ -71,6 +71,7 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from properties.core.allocation import Allocation, allocate
 from properties.core.engine import (
     BlockIds,
     CacheHit,
@@ -279,7 +280,7 @@ class Scheduler:
                 if first_try and rid in planned:
                     new = planned.pop(rid)
                 else:
-                    new = self.engine.allocate_slots(rid, n, 0, None, num_lookahead_tokens)
+                    new = allocate(self.engine, Allocation(rid, n, 0, None, num_lookahead_tokens))
                 first_try = False
                 if new is not None:
                     break
@@ -318,12 +319,20 @@ class Scheduler:
                 n = self._chunk(state, hit.num_tokens + external, budget)
                 if n <= 0:
                     break
-                gate = {"full_sequence_must_fit": True} if self.mode.admission_gate else {}
-                if external:
-                    gate["num_external_computed_tokens"] = external
+                admission = Allocation(
+                    rid,
+                    n,
+                    hit.num_tokens,
+                    hit,
+                    num_lookahead_tokens,
+                    full_sequence_must_fit=self.mode.admission_gate,
+                    num_external_computed_tokens=external,
+                )
                 if external and self.mode.async_loads:
-                    gate["delay_cache_blocks"] = True
-                    if self.engine.allocate_slots(rid, 0, hit.num_tokens, hit, 0, **gate) is None:
+                    load = replace(
+                        admission, num_new_tokens=0, num_lookahead_tokens=0, delay_cache_blocks=True
+                    )
+                    if allocate(self.engine, load) is None:
                         break
                     self.waiting.pop(0)
                     self.loading.append(rid)
@@ -332,9 +341,7 @@ class Scheduler:
                     state.loaded = (hit.num_tokens, external)
                     self.engine.set_num_computed_tokens(rid, state.num_computed_tokens)
                     continue
-                new = self.engine.allocate_slots(
-                    rid, n, hit.num_tokens, hit, num_lookahead_tokens, **gate
-                )
+                new = allocate(self.engine, admission)
                 if new is None:
                     break
                 self.waiting.pop(0)
