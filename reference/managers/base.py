@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from reference.block_pool import BlockPool, KVCacheBlock
+from reference.block_pool import KVCacheBlock
 from reference.hashing import hashes_at_block_size
 from reference.request import Request
 from reference.retention import reachable_boundaries
@@ -164,27 +164,10 @@ class ManagerBase:
 
 
 class SingleTypeKVCacheManager(ManagerBase):
-    """Block tables of one KV cache group."""
+    """Block tables of one KV cache group (built with :class:`ManagerBase`'s arguments)."""
 
-    def __init__(
-        self,
-        spec: KVCacheSpec,
-        block_pool: BlockPool,
-        group_id: int,
-        enable_caching: bool,
-        cache_hit_alignment: int,
-        retention_interval: int | None = None,
-        scheduler_block_size: int | None = None,
-    ) -> None:
-        super().__init__(
-            spec,
-            block_pool,
-            group_id,
-            enable_caching,
-            cache_hit_alignment,
-            retention_interval,
-            scheduler_block_size,
-        )
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.req_to_blocks: dict[str, BlockList] = {}
         self.num_cached_block: dict[str, int] = {}
 
