@@ -162,3 +162,9 @@ class OptimizedEngine(ManagerEngine):
 
 def make_engine(layout: KVCacheLayout) -> OptimizedEngine:
     return OptimizedEngine(layout)
+
+
+#: The production settings the optimized engine serves: the retention interval (dense,
+#: sparse, every ``k``; :mod:`reference.retention`). No EAGLE groups, admission caps or
+#: external loads.
+make_engine.production_settings = frozenset({"retention"})  # type: ignore[attr-defined]
