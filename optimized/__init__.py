@@ -1,10 +1,15 @@
 """The optimized implementation of the reference's contract (vLLM 0.33 policy, exact).
 
-Control plane (numpy): :mod:`optimized.hashing`, :mod:`optimized.request`,
-:mod:`optimized.block_pool`, :mod:`optimized.managers`, :mod:`optimized.coordinator`,
-:mod:`optimized.kv_cache_manager` (request-level API and the batched ``schedule_step``,
-with :mod:`optimized.batched_decode`). Data plane (torch; CUDA when present):
-:mod:`optimized.device_tables`, :mod:`optimized.slot_mapping`, :mod:`optimized.paged_cache`,
-:mod:`optimized.paged_attention`, :mod:`optimized.data_plane`, :mod:`optimized.nvrtc_kernels`.
+Two planes:
+
+* :mod:`optimized.control` (numpy): hashing, requests, the block pool, one manager per
+  attention type, the coordinators, the request-level manager with its batched
+  ``schedule_step`` (:mod:`optimized.control.batched_decode`);
+* :mod:`optimized.device` (torch; CUDA when present): device block tables, slot mapping,
+  NVRTC kernels and the data plane, over the paged caches and paged attention of the
+  neutral package :mod:`paged`.
+
+The control plane imports nothing from the device plane, and the device plane reads the
+control plane only through :class:`optimized.device.device_tables.HostTable` (duck typed).
 Exposed as the ``optimized`` engine by :mod:`properties.engines.optimized`.
 """

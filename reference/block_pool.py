@@ -21,7 +21,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from reference.errors import KVConformError
@@ -218,6 +218,10 @@ class BlockPool:
                 return None
             found.append(next(iter(entries.values())))
         return found
+
+    def lookup(self, group_ids: Sequence[int]) -> Callable[[bytes], list[KVCacheBlock] | None]:
+        """:meth:`get_cached_block` bound to ``group_ids`` (a hit scan's ``lookup``)."""
+        return lambda block_hash: self.get_cached_block(block_hash, group_ids)
 
     def evict_blocks(  # pragma: no cover - not an engine protocol call
         self, block_ids: Iterable[int]

@@ -31,13 +31,13 @@ scheduler block size (the LCM), since no hit can end elsewhere.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from reference.block_pool import BlockPool
 from reference.layout import KVCacheLayout
 from reference.managers import SingleTypeKVCacheManager, manager_class_for
-from reference.managers.base import BlockList
+from reference.managers.base import Block, BlockList
 from reference.request import Request
 from reference.specs import FullAttentionSpec, KVCacheSpec, cdiv
 
@@ -48,7 +48,7 @@ class SpecGroup:
 
     spec: KVCacheSpec
     group_ids: list[int]
-    manager_cls: type[SingleTypeKVCacheManager]
+    manager_cls: type
     use_eagle: bool = False
 
 
@@ -62,18 +62,9 @@ class KVCacheCoordinator:
             layout.num_blocks, layout.enable_caching, layout.hash_block_size
         )
         alignment = self.cache_hit_alignment()
-        self.managers: list[SingleTypeKVCacheManager] = [
-            manager_class_for(g.spec)(
-                g.spec,
-                self.block_pool,
-                gid,
-                layout.enable_caching,
-                alignment,
-                layout.prefix_cache_retention_interval,
-                layout.scheduler_block_size,
-            )
-            for gid, g in enumerate(layout.groups)
-        ]
+        self.managers: list[SingleTypeKVCacheManager] = make_managers(
+            layout, self.block_pool, alignment, manager_class_for
+        )
         drop = layout.drop_eagle_group_ids if layout.enable_caching else frozenset()
         for gid, m in enumerate(self.managers):
             m.max_admission_blocks = m.spec.max_admission_blocks(
@@ -173,6 +164,32 @@ class KVCacheCoordinator:
         return [list(m.req_to_blocks.get(request_id, ())) for m in self.managers]
 
 
+def make_managers(
+    layout: KVCacheLayout,
+    pool,
+    alignment: int,
+    class_for: Callable[[KVCacheSpec], type],
+    **extra: object,
+) -> list:
+    """One manager per group of ``layout``, in group order, for either engine: ``class_for
+    (spec)(spec, pool, group id, caching, alignment, retention_interval=...,
+    scheduler_block_size=..., **extra)`` (``extra``: the engine's own sizes). Example: a
+    full + SWA layout -> ``[FullAttentionManager(g0), SlidingWindowManager(g1)]``."""
+    return [
+        class_for(g.spec)(
+            g.spec,
+            pool,
+            gid,
+            layout.enable_caching,
+            alignment,
+            retention_interval=layout.prefix_cache_retention_interval,
+            scheduler_block_size=layout.scheduler_block_size,
+            **extra,
+        )
+        for gid, g in enumerate(layout.groups)
+    ]
+
+
 class NoPrefixCacheCoordinator(KVCacheCoordinator):
     def find_longest_cache_hit(  # pragma: no cover - no lookup without caching (manager)
         self, block_hashes: Sequence[bytes], max_length: int
@@ -197,19 +214,32 @@ class UnitaryCoordinator(KVCacheCoordinator):
         return blocks, hit, 0
 
 
+def hybrid_coordinator_hit(
+    coordinator, block_hashes: Sequence[bytes], max_length: int
+) -> tuple[list[list], int, int]:
+    """:func:`hybrid_cache_hit` over a hybrid ``coordinator`` of either engine: each spec
+    group answers through its manager class's ``find_longest_cache_hit`` on the
+    coordinator's pool (``coordinator`` needs ``spec_groups``, ``managers``,
+    ``block_pool``, ``layout`` and ``cache_hit_alignment()``). The
+    ``find_longest_cache_hit`` of both engines' hybrid coordinators."""
+    alignment = coordinator.cache_hit_alignment()
+    pool = coordinator.block_pool
+
+    def find(sg: SpecGroup, limit: int, drop: bool) -> tuple[list[list], int]:
+        return sg.manager_cls.find_longest_cache_hit(
+            block_hashes, limit, sg.group_ids, pool, sg.spec, alignment, drop
+        )
+
+    hashed = len(block_hashes) * coordinator.layout.hash_block_size
+    return hybrid_cache_hit(
+        coordinator.spec_groups, len(coordinator.managers), max_length, hashed, find
+    )
+
+
 class HybridCoordinator(KVCacheCoordinator):
     def __init__(self, layout: KVCacheLayout) -> None:
         super().__init__(layout)
-        self.spec_groups: list[SpecGroup] = []
-        for gid, m in enumerate(self.managers):
-            for sg in self.spec_groups:
-                if sg.spec == m.spec and sg.manager_cls is type(m):
-                    sg.group_ids.append(gid)
-                    sg.use_eagle = sg.use_eagle or m.use_eagle
-                    break
-            else:
-                self.spec_groups.append(SpecGroup(m.spec, [gid], type(m), m.use_eagle))
-        self.spec_groups.sort(key=lambda sg: not isinstance(sg.spec, FullAttentionSpec))
+        self.spec_groups = spec_groups_of(self.managers)
         for sg in self.spec_groups:
             for gid in sg.group_ids:
                 self.managers[gid].use_eagle = sg.use_eagle
@@ -226,56 +256,85 @@ class HybridCoordinator(KVCacheCoordinator):
             return min(num_tokens, aligned + m.block_size)
         return aligned
 
-    def find_longest_cache_hit(
-        self, block_hashes: Sequence[bytes], max_length: int
-    ) -> tuple[list[BlockList], int, int]:
-        alignment = self.cache_hit_alignment()
-        num_groups = len(self.managers)
-        blocks_of: list[BlockList | None] = [None] * num_groups
-        length_of = [0] * num_groups
-        simple = len(self.spec_groups) == 2 and isinstance(
-            self.spec_groups[0].spec, FullAttentionSpec
-        )
-        hit = max_length
-        longest = 0
-        verified: set[int] = set()
-        hashed = len(block_hashes) * self.layout.hash_block_size
-        while True:
-            candidate = hit
-            for idx, sg in enumerate(self.spec_groups):
-                first = sg.group_ids[0]
-                if isinstance(sg.spec, FullAttentionSpec) and blocks_of[first] is not None:
-                    candidate = min(candidate, length_of[first])
-                    continue
-                drop = sg.use_eagle and idx not in verified
-                limit = candidate
-                if drop:
-                    limit = min(candidate + sg.spec.block_size, hashed)
-                found, new = sg.manager_cls.find_longest_cache_hit(
-                    block_hashes, limit, sg.group_ids, self.block_pool, sg.spec, alignment, drop
-                )
-                if drop:
-                    verified.add(idx)
-                elif new < candidate:
-                    verified.clear()
-                candidate = new
-                for gid, lst in zip(sg.group_ids, found):
-                    blocks_of[gid] = lst
-                    length_of[gid] = candidate
-                longest = max(longest, candidate)
-            if candidate >= hit:
+    find_longest_cache_hit = hybrid_coordinator_hit
+
+
+def spec_groups_of(managers: Sequence) -> list[SpecGroup]:
+    """The managers' groups gathered by equal spec and manager class (a spec group drops
+    for EAGLE when any member does), full-attention spec groups first, then in group
+    order. Example: groups full, SWA 4, full, SWA 8 -> ``[full: 0, 2], [SWA 4: 1],
+    [SWA 8: 3]``. Managers need ``spec`` and ``use_eagle``."""
+    spec_groups: list[SpecGroup] = []
+    for gid, m in enumerate(managers):
+        for sg in spec_groups:
+            if sg.spec == m.spec and sg.manager_cls is type(m):
+                sg.group_ids.append(gid)
+                sg.use_eagle = sg.use_eagle or m.use_eagle
                 break
-            hit = candidate
-            if simple:
-                break
-        for sg in self.spec_groups:
-            if not isinstance(sg.spec, FullAttentionSpec):
+        else:
+            spec_groups.append(SpecGroup(m.spec, [gid], type(m), m.use_eagle))
+    spec_groups.sort(key=lambda sg: not isinstance(sg.spec, FullAttentionSpec))
+    return spec_groups
+
+
+def hybrid_cache_hit(
+    spec_groups: Sequence[SpecGroup],
+    num_groups: int,
+    max_length: int,
+    hashed_tokens: int,
+    find: Callable[[SpecGroup, int, bool], tuple[list[list[Block]], int]],
+) -> tuple[list[list[Block]], int, int]:
+    """The hybrid fixed-point search of the module docstring: ``(blocks per group, hit,
+    uncached)``. ``find(spec_group, limit, drop)`` is the spec group's own hit
+    ``<= limit`` (``drop``: the EAGLE drop), one block list per member group; both
+    engines pass their managers' lookups. ``hashed_tokens`` caps an EAGLE group's look
+    beyond the candidate.
+
+    Worked example (full bs 4 + SWA, max 15): full answers 12 (3 blocks); SWA asked for
+    ``<= 12`` answers 8; one full and one other spec group need one pass: hit 8, the
+    full list cut to 2 blocks, uncached ``12 - 8 = 4`` (the longest answer minus hit).
+    """
+    blocks_of: list[list[Block] | None] = [None] * num_groups
+    length_of = [0] * num_groups
+    simple = len(spec_groups) == 2 and isinstance(spec_groups[0].spec, FullAttentionSpec)
+    hit = max_length
+    longest = 0
+    verified: set[int] = set()
+    while True:
+        candidate = hit
+        for idx, sg in enumerate(spec_groups):
+            first = sg.group_ids[0]
+            if isinstance(sg.spec, FullAttentionSpec) and blocks_of[first] is not None:
+                candidate = min(candidate, length_of[first])
                 continue
-            keep = cdiv(hit, sg.spec.block_size)
-            for gid in sg.group_ids:
-                if blocks_of[gid] is not None:  # pragma: no branch - full groups search first
-                    blocks_of[gid] = blocks_of[gid][:keep]
-        return [lst if lst is not None else [] for lst in blocks_of], hit, longest - hit
+            drop = sg.use_eagle and idx not in verified
+            limit = candidate
+            if drop:
+                limit = min(candidate + sg.spec.block_size, hashed_tokens)
+            found, new = find(sg, limit, drop)
+            if drop:
+                verified.add(idx)
+            elif new < candidate:
+                verified.clear()
+            candidate = new
+            for gid, lst in zip(sg.group_ids, found):
+                blocks_of[gid] = lst
+                length_of[gid] = candidate
+            longest = max(longest, candidate)
+        if candidate >= hit:
+            break
+        hit = candidate
+        if simple:
+            break
+    for sg in spec_groups:
+        if not isinstance(sg.spec, FullAttentionSpec):
+            continue
+        keep = cdiv(hit, sg.spec.block_size)
+        for gid in sg.group_ids:
+            lst = blocks_of[gid]
+            if lst is not None:  # pragma: no branch - full groups search first
+                blocks_of[gid] = lst[:keep]
+    return [lst if lst is not None else [] for lst in blocks_of], hit, longest - hit
 
 
 def make_coordinator(layout: KVCacheLayout) -> KVCacheCoordinator:

@@ -64,7 +64,75 @@ class PrefixCacheStats:
     reset: bool = False
 
 
-class KVCacheManager:
+def check_prompt_length(request_id: str, num_prompt_tokens: int, max_model_len: int) -> None:
+    """A prompt longer than ``max_model_len`` is refused (InvalidRequestError). Example:
+    ``check_prompt_length("r1", 129, 128)`` raises."""
+    if num_prompt_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"request {request_id!r}: prompt of {num_prompt_tokens} tokens is longer "
+            f"than max_model_len {max_model_len}"
+        )
+
+
+def junction(hit: int, uncached: int) -> int:
+    """A lookup's ``shared_prefix_boundary``: ``hit + uncached`` when some group caches
+    ``uncached > 0`` tokens more than the reconciled hit, else 0. Example: hit 8,
+    uncached 8 -> 16; hit 8, uncached 0 -> 0."""
+    return hit + uncached if uncached else 0
+
+
+class ManagerBookkeeping:
+    """What every request-level manager (both engines) does the same way around its
+    coordinator: prefix-cache statistics, reset, step starts, forgetting a freed request,
+    views. Needs ``stats``, ``block_pool``, ``coordinator`` and ``_known`` (the ids that
+    may be freed)."""
+
+    stats: PrefixCacheStats
+    _known: set[str]
+
+    def record_prefix_cache_stats(  # pragma: no cover - metrics, not an engine call
+        self, request, num_hit_tokens: int, preempted: bool = False
+    ) -> None:
+        if preempted:
+            self.stats.preempted_requests += 1
+            self.stats.preempted_queries += request.num_tokens
+            self.stats.preempted_hits += num_hit_tokens
+        else:
+            self.stats.requests += 1
+            self.stats.queries += request.num_tokens
+            self.stats.hits += num_hit_tokens
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:  # pragma: no cover - metrics
+        stats, self.stats = self.stats, PrefixCacheStats()
+        return stats
+
+    def _forget(self, request_id: str) -> None:
+        """``free``'s rule: only a request allocated and not freed since may be freed."""
+        if request_id not in self._known:
+            raise InvalidRequestError(
+                f"free: unknown request {request_id!r} (never allocated or freed twice)"
+            )
+        self._known.discard(request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (and nothing changes) while blocks are held."""
+        ok = self.block_pool.reset_prefix_cache()
+        if ok:
+            self.stats.reset = True
+        return ok
+
+    def new_step_starts(self) -> None:
+        self.coordinator.new_step_starts()
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:  # pragma: no cover - a metric, not an engine call
+        return self.block_pool.get_usage()
+
+
+class KVCacheManager(ManagerBookkeeping):
     """The reference hybrid KV cache manager (vLLM 0.33 policy, core scope)."""
 
     def __init__(self, layout: KVCacheLayout) -> None:
@@ -99,11 +167,7 @@ class KVCacheManager:
                 f"make_request: request id {request_id!r} is used twice (the request holding "
                 "blocks under it has not been freed)"
             )
-        if len(prompt_token_ids) > self.max_model_len:
-            raise InvalidRequestError(
-                f"request {request_id!r}: prompt of {len(prompt_token_ids)} tokens is longer "
-                f"than max_model_len {self.max_model_len}"
-            )
+        check_prompt_length(request_id, len(prompt_token_ids), self.max_model_len)
         return Request(
             request_id,
             prompt_token_ids,
@@ -129,27 +193,11 @@ class KVCacheManager:
         blocks, hit, uncached = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
-        request.shared_prefix_boundary = hit + uncached if uncached else 0
+        request.shared_prefix_boundary = junction(hit, uncached)
         return ComputedBlocks(tuple(tuple(b) for b in blocks)), hit
 
     def empty_computed_blocks(self) -> ComputedBlocks:
         return ComputedBlocks(tuple(() for _ in range(self.num_groups)))
-
-    def record_prefix_cache_stats(  # pragma: no cover - metrics, not an engine call
-        self, request: Request, num_hit_tokens: int, preempted: bool = False
-    ) -> None:
-        if preempted:
-            self.stats.preempted_requests += 1
-            self.stats.preempted_queries += request.num_tokens
-            self.stats.preempted_hits += num_hit_tokens
-        else:
-            self.stats.requests += 1
-            self.stats.queries += request.num_tokens
-            self.stats.hits += num_hit_tokens
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats:  # pragma: no cover - metrics
-        stats, self.stats = self.stats, PrefixCacheStats()
-        return stats
 
     # -- allocation ------------------------------------------------------------
     def allocate_slots(
@@ -268,23 +316,9 @@ class KVCacheManager:
         """Free every block of ``request``, tail first per group (leading nulls dropped)."""
         if not isinstance(request, Request):
             raise InvalidRequestError(f"free: request must be a Request, got {request!r}")
-        if request.request_id not in self._known:
-            raise InvalidRequestError(
-                f"free: unknown request {request.request_id!r} (never allocated or freed twice)"
-            )
-        self._known.discard(request.request_id)
+        self._forget(request.request_id)
         self._holders.pop(request.request_id, None)
         self.coordinator.free(request.request_id)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block; False (and nothing changes) while blocks are held."""
-        ok = self.block_pool.reset_prefix_cache()
-        if ok:
-            self.stats.reset = True
-        return ok
-
-    def new_step_starts(self) -> None:
-        self.coordinator.new_step_starts()
 
     # -- views -----------------------------------------------------------------
     def get_blocks(self, request_id: str) -> list[list[KVCacheBlock]]:
@@ -293,13 +327,6 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> BlockIdLists:
         """The request's table per group; null entries read 0."""
         return tuple(tuple(b.block_id for b in group) for group in self.get_blocks(request_id))
-
-    def get_num_free_blocks(self) -> int:
-        return self.block_pool.get_num_free_blocks()
-
-    @property
-    def usage(self) -> float:  # pragma: no cover - a metric, not an engine call
-        return self.block_pool.get_usage()
 
 
 def _check_allocate_args(

@@ -1,12 +1,14 @@
 """The import graph of kvconform's packages: layered, acyclic.
 
-Every ``import`` statement of ``reference``, ``optimized`` and ``properties`` (found where
-Python finds the packages, the function-level ones included) is read with :mod:`ast`.
-Layers, lowest first (a module may import its own layer or lower ones, never higher):
+Every ``import`` statement of ``reference``, ``paged``, ``optimized`` and ``properties``
+(found where Python finds the packages, the function-level ones included) is read with
+:mod:`ast`. Layers, lowest first (a module may import its own layer or lower ones, never
+higher):
 
 ====  =========================================================================
 0     ``reference`` (standard library only)
-1     ``optimized``
+0.5   ``paged`` (paged caches and attention: the oracle's and the data plane's)
+1     ``optimized.control``, ``optimized.device`` (the two planes)
 2     ``properties.core`` (the engine protocol, the trace format, constants)
 3     ``properties.engines``, ``properties.checks``, ``properties.generate``
 4     ``properties.mutants``
@@ -17,9 +19,10 @@ Layers, lowest first (a module may import its own layer or lower ones, never hig
       ``properties.strategies``: aliases of the modules that moved)
 ====  =========================================================================
 
-Within layer 3 the three packages do not import each other. No module imports the
-``properties`` package itself (its ``__init__`` is above every sub-package), and the
-graph of modules has no cycle.
+Within layers 1 and 3 the packages do not import each other, and ``properties.checks``
+(the oracles) imports nothing from ``optimized`` (the implementation they judge). No
+module imports the ``properties`` package itself (its ``__init__`` is above every
+sub-package), and the graph of modules has no cycle.
 """
 
 from __future__ import annotations
@@ -30,10 +33,13 @@ from pathlib import Path
 
 import pytest
 
-PACKAGES = ("reference", "optimized", "properties", "kvconform")
-LAYERS: dict[str, int] = {
+PACKAGES = ("reference", "paged", "optimized", "properties", "kvconform")
+LAYERS: dict[str, float] = {
     "reference": 0,
-    "optimized": 1,
+    "paged": 0.5,
+    "optimized": 1,  # the package's own __init__ (a docstring)
+    "optimized.control": 1,
+    "optimized.device": 1,
     "properties.core": 2,
     "properties.engines": 3,
     "properties.checks": 3,
@@ -112,8 +118,17 @@ def test_no_module_imports_a_higher_layer(module: str) -> None:
         assert target != "properties", f"{module} imports the properties package itself"
         target_name, layer = layer_of(target)
         assert layer <= own, f"{module} (layer {own}) imports {target} (layer {layer})"
-        if layer == own and own == 3:
-            assert target_name == own_name, f"{module} imports {target} across layer 3"
+        if layer == own and own in (1, 3):
+            assert target_name == own_name or target_name == "optimized", (
+                f"{module} imports {target} across layer {own}"
+            )
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("properties.checks")))
+def test_the_checks_import_nothing_from_optimized(module: str) -> None:
+    """The oracles judge the optimized engine: they must not run its code."""
+    imported = sorted(t for t in GRAPH[module] if t == "optimized" or t.startswith("optimized."))
+    assert not imported, f"{module} imports {imported}"
 
 
 def test_no_import_cycles() -> None:

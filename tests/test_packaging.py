@@ -1,7 +1,7 @@
 """What the installed package is made of (``ci/wheel`` checks the built wheel itself).
 
-* every package under ``reference``, ``optimized``, ``properties`` and ``kvconform`` is found by the
-  ``[tool.setuptools.packages.find]`` patterns, and ``tests`` is not;
+* every package under ``reference``, ``paged``, ``optimized``, ``properties`` and
+  ``kvconform`` is found by the ``[tool.setuptools.packages.find]`` patterns, and ``tests`` is not;
 * no module of those packages imports ``tests`` (an installed copy has no ``tests``);
 * the ``kvconform`` script and the ``pytest11`` entry point name real objects, and the
   entry point is named after its module (so ``-p`` with the module does not register
@@ -19,7 +19,7 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-TOPS = ("reference", "optimized", "properties", "kvconform")
+TOPS = ("reference", "paged", "optimized", "properties", "kvconform")
 
 
 def _packages() -> list[str]:

@@ -11,7 +11,7 @@ Per step and group (attention: full, sliding window, chunked local):
    vectors depend on the whole prefix, salt and LoRA) is written through the table's slot
    mapping; a scheduled token whose slot falls in the null block 0, or past the row, raises;
 2. every scheduled query attends through the table (nulling view of docs/spec.md §7) and the
-   paged cache (:func:`optimized.paged_attention.paged_attention`), and is compared with the
+   paged cache (:func:`paged.paged_attention.paged_attention`), and is compared with the
    dense float64 reference (:func:`reference.attention.dense_attention`).
 
 Mamba groups: before the writes, the state read from column ``cdiv(before, bs) - 1`` (when
@@ -55,8 +55,8 @@ from dataclasses import dataclass
 
 import torch
 
-from optimized.paged_attention import RequestQueries, paged_attention
-from optimized.paged_cache import CacheShape, PagedKVCache, PagedStateCache
+from paged.paged_attention import RequestQueries, paged_attention
+from paged.paged_cache import CacheShape, PagedKVCache, PagedStateCache
 from properties.core.engine import BlockIds, ExposesDataPlane, RequestInput
 from reference.attention import dense_attention, visible_keys
 from reference.block_table import NULL_BLOCK_ID, BlockTable

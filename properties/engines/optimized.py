@@ -1,9 +1,9 @@
-"""The optimized engine: :class:`optimized.kv_cache_manager.KVCacheManager` behind the
+"""The optimized engine: :class:`optimized.control.kv_cache_manager.KVCacheManager` behind the
 engine protocol, with every optional capability of the reference adapter (ref counts, free
 queue, cached blocks) plus ``PlansSteps`` (its batched ``schedule_step``),
 ``CommitsSteps`` (its batched ``commit_step``) and
 ``ExposesDataPlane`` (its device block tables, slot mapping, paged caches and attention,
-:class:`optimized.data_plane.DataPlane`). ``kvconform check --engine optimized --level
+:class:`optimized.device.data_plane.DataPlane`). ``kvconform check --engine optimized --level
 exact`` holds it to the reference call by call.
 
 The data plane runs on CUDA when ``KVCONFORM_DEVICE=cuda`` (or ``cuda:N``) is set and a
@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from optimized.data_plane import DataPlane
-from optimized.kv_cache_manager import ComputedBlocks, KVCacheManager, StepItem
-from optimized.request import Request
+from optimized.control.kv_cache_manager import ComputedBlocks, KVCacheManager, StepItem
+from optimized.control.request import Request
+from optimized.device.data_plane import DataPlane
 from properties.core.allocation import Allocation
 from properties.core.engine import (
     BlockIds,
@@ -114,7 +114,8 @@ class OptimizedEngine(ManagerEngine):
         return tuple(tuple(group) for group in new)
 
     def schedule_step(self, items: Sequence[SlotRequest]) -> list[BlockIds | None]:
-        """The batched step (:meth:`optimized.kv_cache_manager.KVCacheManager.schedule_step`)."""
+        """The batched step
+        (:meth:`optimized.control.kv_cache_manager.KVCacheManager.schedule_step`)."""
         step = [
             StepItem(self._request(i.request_id), i.num_new_tokens, 0, None, i.num_lookahead_tokens)
             for i in items
@@ -161,3 +162,9 @@ class OptimizedEngine(ManagerEngine):
 
 def make_engine(layout: KVCacheLayout) -> OptimizedEngine:
     return OptimizedEngine(layout)
+
+
+#: The production settings the optimized engine serves: the retention interval (dense,
+#: sparse, every ``k``; :mod:`reference.retention`). No EAGLE groups, admission caps or
+#: external loads.
+make_engine.production_settings = frozenset({"retention"})  # type: ignore[attr-defined]

@@ -23,16 +23,16 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from optimized.block_pool import NOT_QUEUED, FreeBlockQueue
-from optimized.coordinator import HybridCoordinator
-from optimized.data_plane import DataPlane
-from optimized.device_tables import DeviceBlockTables
-from optimized.kv_cache_manager import KVCacheManager
-from optimized.managers import (
+from optimized.control.block_pool import NOT_QUEUED, FreeBlockQueue
+from optimized.control.coordinator import HybridCoordinator
+from optimized.control.kv_cache_manager import KVCacheManager
+from optimized.control.managers import (
     ChunkedLocalAttentionManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
+from optimized.device.data_plane import DataPlane
+from optimized.device.device_tables import DeviceBlockTables
 from properties.engines.optimized import OptimizedEngine
 from properties.mutants.registry import (
     OPTIMIZED_CATALOGUE,
@@ -71,6 +71,8 @@ def replace_managers(manager: KVCacheManager, classes: Mapping[ManagerClass, Man
             m.cache_hit_alignment,
             manager.max_model_len,
             coord.max_num_reqs,
+            m.retention_interval,
+            m.scheduler_block_size,
         )
         for m in coord.managers
     ]

@@ -19,9 +19,10 @@ cache; its presence marks a request that has been allocated, the "running" path)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
-from reference.block_pool import BlockPool, KVCacheBlock
+from reference.block_pool import KVCacheBlock
 from reference.hashing import hashes_at_block_size
 from reference.request import Request
 from reference.retention import reachable_boundaries
@@ -29,14 +30,76 @@ from reference.specs import KVCacheSpec, cdiv
 
 BlockList = list[KVCacheBlock]
 
+#: A block of either engine: the reference's :class:`KVCacheBlock` or an optimized block id.
+Block = TypeVar("Block")
+#: ``lookup(block_hash)``: the earliest cached block of that hash in each group of a spec
+#: group, or None when any group misses (:meth:`BlockPool.get_cached_block`).
+Lookup = Callable[[bytes], "Sequence[Block] | None"]
+#: A per-type hit scan: ``scan(hashes, max_length, num_groups, spec, alignment, lookup,
+#: null_block, drop_eagle) -> (one block list per group, hit length)``; ``hashes`` is the
+#: chain at the group's block size. One rule per attention type, shared by the reference
+#: and the optimized managers (which differ in ``lookup`` and in what a block is).
+HitScan = Callable[..., "tuple[list[list[Block]], int]"]
 
-class SingleTypeKVCacheManager:
-    """Block tables of one KV cache group."""
+
+def blocks_to_allocate(
+    spec: KVCacheSpec,
+    num_tokens: int,
+    held: int,
+    running: bool,
+    hit_blocks: Sequence[Block],
+    total_computed_tokens: int,
+    evictable: Callable[[Block], bool],
+    cap: int | None = None,
+) -> int:
+    """The blocks one group needs for ``num_tokens`` slots (module docstring): ``required
+    = cdiv(num_tokens, bs)`` (at most ``cap``); a ``running`` request (already allocated)
+    needs ``required - held``; a new one needs ``required - max(skipped, hit + held)``
+    plus its hit blocks past the skipped ones that sit evictable in the free queue
+    (``evictable(block)``: ref count 0 and not null). Shared by both engines.
+
+    Example: SWA w 4, bs 2, a new request with 3 hit blocks (the first free and cached),
+    computed 6, 10 slots: required 5, skipped ``3 // 2 = 1`` block, so 2 new blocks; the
+    hits past the first skipped one are both held -> 2. Were the second hit free: 3.
+    """
+    required = cdiv(num_tokens, spec.block_size)
+    if cap is not None:
+        required = min(required, cap)
+    if running:
+        return max(required - held, 0)
+    skipped_blocks = spec.num_skipped_tokens(total_computed_tokens) // spec.block_size
+    local_blocks = len(hit_blocks) + held
+    num_new = max(required - max(skipped_blocks, local_blocks), 0)
+    skip_in_hits = max(0, skipped_blocks - held)
+    return num_new + sum(1 for b in hit_blocks[skip_in_hits:] if evictable(b))
+
+
+def cacheable_full_blocks(request, num_tokens: int, block_size: int) -> int:
+    """The full blocks of ``[0, num_tokens)`` that have a hash, for a request of either
+    engine: ``min(num_tokens, hashed tokens) // bs``. Example: 3 hashes of H 4 (12
+    tokens), 14 tokens, bs 8 -> 1."""
+    num_hashed = len(request.block_hashes) * request.hash_block_size
+    return min(num_tokens, num_hashed) // block_size
+
+
+def _evictable(block: KVCacheBlock) -> bool:
+    return block.ref_cnt == 0 and not block.is_null
+
+
+class ManagerBase:
+    """What a single-type manager of either engine holds and how it looks a hit up: the
+    group's spec and settings, the lookup through its class's :data:`HitScan` over the
+    pool's ``lookup(group_ids)`` and ``null_block``, and the reachable boundaries of a
+    request (:func:`reference.retention.reachable_boundaries`). Both engines' managers
+    derive from it; they differ in their block tables."""
+
+    #: The attention type's hit rule (a :data:`HitScan`), set by each subclass.
+    scan: HitScan
 
     def __init__(
         self,
         spec: KVCacheSpec,
-        block_pool: BlockPool,
+        block_pool,
         group_id: int,
         enable_caching: bool,
         cache_hit_alignment: int,
@@ -54,6 +117,57 @@ class SingleTypeKVCacheManager:
         self.max_admission_blocks: int | None = None
         self.use_eagle = False
         self.eagle_replay = False
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        pool,
+        spec: KVCacheSpec,
+        alignment: int,
+        drop_eagle: bool = False,
+    ) -> tuple[list[list], int]:
+        """Longest hit ``<= max_length`` (a multiple of ``alignment``) in every group of
+        ``group_ids``; returns one block list per group (nulls where not needed).
+        ``drop_eagle``: the last matched block is dropped (EAGLE recomputes it)."""
+        hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
+        return cls.scan(
+            hashes,
+            max_length,
+            len(group_ids),
+            spec,
+            alignment,
+            pool.lookup(group_ids),
+            pool.null_block,
+            drop_eagle,
+        )
+
+    @staticmethod
+    def coarse_hashes(
+        block_hashes: Sequence[bytes], pool_hash_block_size: int, spec: KVCacheSpec
+    ) -> Sequence[bytes]:
+        return hashes_at_block_size(block_hashes, pool_hash_block_size, spec.block_size)
+
+    def reachable_boundaries(self, request) -> list[int]:
+        """The replay boundaries of ``request``'s prompt and its junction, if any.
+        Example: P 11, S 4, junction 8, no EAGLE -> ``[10, 8]``."""
+        return reachable_boundaries(
+            request.num_prompt_tokens,
+            request.shared_prefix_boundary,
+            self.scheduler_block_size,
+            self.block_size,
+            self.use_eagle,
+            self.eagle_replay,
+        )
+
+
+class SingleTypeKVCacheManager(ManagerBase):
+    """Block tables of one KV cache group (built with :class:`ManagerBase`'s arguments)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.req_to_blocks: dict[str, BlockList] = {}
         self.num_cached_block: dict[str, int] = {}
 
@@ -63,29 +177,6 @@ class SingleTypeKVCacheManager:
 
     def blocks_of(self, request_id: str) -> BlockList:
         return self.req_to_blocks.setdefault(request_id, [])
-
-    # -- lookup ------------------------------------------------------------------
-    @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[bytes],
-        max_length: int,
-        group_ids: Sequence[int],
-        pool: BlockPool,
-        spec: KVCacheSpec,
-        alignment: int,
-        drop_eagle: bool = False,
-    ) -> tuple[list[BlockList], int]:
-        """Longest hit ``<= max_length`` (a multiple of ``alignment``) in every group of
-        ``group_ids``; returns one block list per group (nulls where not needed).
-        ``drop_eagle``: the last matched block is dropped (EAGLE recomputes it)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def coarse_hashes(
-        block_hashes: Sequence[bytes], pool_hash_block_size: int, spec: KVCacheSpec
-    ) -> Sequence[bytes]:
-        return hashes_at_block_size(block_hashes, pool_hash_block_size, spec.block_size)
 
     # -- allocation --------------------------------------------------------------
     def get_num_blocks_to_allocate(
@@ -97,20 +188,17 @@ class SingleTypeKVCacheManager:
         num_tokens_main: int,
         apply_admission_cap: bool = False,
     ) -> int:
-        required = cdiv(num_tokens, self.block_size)
-        if apply_admission_cap and self.max_admission_blocks is not None:
-            required = min(required, self.max_admission_blocks)
-        held = len(self.req_to_blocks.get(request_id, ()))
-        if request_id in self.num_cached_block:
-            return max(required - held, 0)
-        skipped_blocks = self.spec.num_skipped_tokens(total_computed_tokens) // self.block_size
-        local_blocks = len(new_computed_blocks) + held
-        num_new = max(required - max(skipped_blocks, local_blocks), 0)
-        skip_in_hits = max(0, skipped_blocks - held)
-        evictable = sum(
-            1 for b in new_computed_blocks[skip_in_hits:] if b.ref_cnt == 0 and not b.is_null
+        cap = self.max_admission_blocks if apply_admission_cap else None
+        return blocks_to_allocate(
+            self.spec,
+            num_tokens,
+            len(self.req_to_blocks.get(request_id, ())),
+            request_id in self.num_cached_block,
+            new_computed_blocks,
+            total_computed_tokens,
+            _evictable,
+            cap,
         )
-        return num_new + evictable
 
     def add_local_computed_blocks(
         self,
@@ -177,22 +265,10 @@ class SingleTypeKVCacheManager:
         sliding window and Mamba apply :mod:`reference.retention`)."""
         return None
 
-    def reachable_boundaries(self, request: Request) -> list[int]:
-        """The replay boundaries of ``request``'s prompt and its junction, if any."""
-        return reachable_boundaries(
-            request.num_prompt_tokens,
-            request.shared_prefix_boundary,
-            self.scheduler_block_size,
-            self.block_size,
-            self.use_eagle,
-            self.eagle_replay,
-        )
-
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the full blocks of ``[0, num_tokens)`` not registered yet."""
         num_cached = self.num_cached_block.get(request.request_id, 0)
-        num_hashed = len(request.block_hashes) * request.hash_block_size
-        num_full = min(num_tokens, num_hashed) // self.block_size
+        num_full = cacheable_full_blocks(request, num_tokens, self.block_size)
         if num_cached >= num_full:
             return
         mask = self.cacheable_block_mask(request, num_cached, num_full)

@@ -22,37 +22,43 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from reference.block_pool import BlockPool
-from reference.managers.base import BlockList, SingleTypeKVCacheManager
+from reference.managers.base import Block, Lookup, SingleTypeKVCacheManager
 from reference.specs import ChunkedLocalAttentionSpec, KVCacheSpec
 
 
+def chunked_local_hit(
+    hashes: Sequence[bytes],
+    max_length: int,
+    num_groups: int,
+    spec: KVCacheSpec,
+    alignment: int,
+    lookup: Lookup,
+    null_block: Block,
+    drop_eagle: bool = False,
+) -> tuple[list[list[Block]], int]:
+    """The chunked-local hit rule of the module docstring over ``hashes`` (the chain at
+    ``bs``; the scan stops at ``min(max_length // bs, len(hashes))``). ``alignment`` and
+    ``drop_eagle`` are unused (the block size is the alignment; no EAGLE drop).
+
+    Example: C 8, bs 4, max 13, nothing cached -> ``[null, null]`` per group, hit 8.
+    """
+    assert isinstance(spec, ChunkedLocalAttentionSpec)
+    bs = spec.block_size
+    while True:
+        start = spec.num_skipped_tokens(max_length)
+        start_block = start // bs
+        out: list[list[Block]] = [[null_block] * start_block for _ in range(num_groups)]
+        for i in range(start_block, min(max_length // bs, len(hashes))):
+            cached = lookup(hashes[i])
+            if cached is None:
+                break
+            for lst, block in zip(out, cached):
+                lst.append(block)
+        hit = len(out[0]) * bs
+        if hit >= start or hit == 0:
+            return out, hit
+        max_length = hit
+
+
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
-    @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[bytes],
-        max_length: int,
-        group_ids: Sequence[int],
-        pool: BlockPool,
-        spec: KVCacheSpec,
-        alignment: int,
-        drop_eagle: bool = False,
-    ) -> tuple[list[BlockList], int]:
-        assert isinstance(spec, ChunkedLocalAttentionSpec)
-        bs = spec.block_size
-        hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
-        while True:
-            start = spec.num_skipped_tokens(max_length)
-            start_block = start // bs
-            out: list[BlockList] = [[pool.null_block] * start_block for _ in group_ids]
-            for i in range(start_block, min(max_length // bs, len(hashes))):
-                cached = pool.get_cached_block(hashes[i], group_ids)
-                if cached is None:
-                    break
-                for lst, block in zip(out, cached):
-                    lst.append(block)
-            hit = len(out[0]) * bs
-            if hit >= start or hit == 0:
-                return out, hit
-            max_length = hit
+    scan = staticmethod(chunked_local_hit)

@@ -19,39 +19,46 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from reference.block_pool import BlockPool
-from reference.managers.base import BlockList, SingleTypeKVCacheManager
+from reference.managers.base import Block, Lookup, SingleTypeKVCacheManager
 from reference.request import Request
 from reference.specs import KVCacheSpec
 
 
+def full_attention_hit(
+    hashes: Sequence[bytes],
+    max_length: int,
+    num_groups: int,
+    spec: KVCacheSpec,
+    alignment: int,
+    lookup: Lookup,
+    null_block: Block,
+    drop_eagle: bool = False,
+) -> tuple[list[list[Block]], int]:
+    """The full-attention hit rule (module docstring) over ``hashes`` at ``bs``: blocks
+    ``0, 1, ...`` up to ``min(max_length // bs, len(hashes))`` until the first miss, the
+    EAGLE drop, then rounded down to ``alignment``. ``null_block`` is unused (no nulls).
+
+    Example: bs 4, A 8, blocks 0..2 cached, max 15 -> 3 blocks match (12) -> hit 8,
+    ``[b0, b1]`` per group.
+    """
+    bs = spec.block_size
+    out: list[list[Block]] = [[] for _ in range(num_groups)]
+    for block_hash in hashes[: max_length // bs]:
+        found = lookup(block_hash)
+        if found is None:
+            break
+        for lst, block in zip(out, found):
+            lst.append(block)
+    hit = len(out[0]) * bs
+    if drop_eagle and hit > 0:
+        hit -= min(alignment, bs)
+    hit -= hit % alignment
+    keep = -(-hit // bs)
+    return [lst[:keep] for lst in out], hit
+
+
 class FullAttentionManager(SingleTypeKVCacheManager):
-    @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[bytes],
-        max_length: int,
-        group_ids: Sequence[int],
-        pool: BlockPool,
-        spec: KVCacheSpec,
-        alignment: int,
-        drop_eagle: bool = False,
-    ) -> tuple[list[BlockList], int]:
-        bs = spec.block_size
-        hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
-        out: list[BlockList] = [[] for _ in group_ids]
-        for block_hash in hashes[: max_length // bs]:
-            found = pool.get_cached_block(block_hash, group_ids)
-            if found is None:
-                break
-            for lst, block in zip(out, found):
-                lst.append(block)
-        hit = len(out[0]) * bs
-        if drop_eagle and hit > 0:
-            hit -= min(alignment, bs)
-        hit -= hit % alignment
-        keep = -(-hit // bs)
-        return [lst[:keep] for lst in out], hit
+    scan = staticmethod(full_attention_hit)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         super().cache_blocks(request, num_tokens)

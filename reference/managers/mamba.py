@@ -27,43 +27,67 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from reference.block_pool import BlockPool, KVCacheBlock
-from reference.managers.base import BlockList, SingleTypeKVCacheManager
+from reference.block_pool import KVCacheBlock
+from reference.managers.base import Block, BlockList, Lookup, SingleTypeKVCacheManager
 from reference.request import Request
 from reference.retention import mamba_block_mask
 from reference.specs import KVCacheSpec, MambaSpec, cdiv
 
 
+def mamba_hit(
+    hashes: Sequence[bytes],
+    max_length: int,
+    num_groups: int,
+    spec: KVCacheSpec,
+    alignment: int,
+    lookup: Lookup,
+    null_block: Block,
+    drop_eagle: bool = False,
+) -> tuple[list[list[Block]], int]:
+    """The Mamba hit rule of the module docstring over ``hashes`` (the chain at ``bs``;
+    only hashed states: ``i < min(max_length // bs, len(hashes))``). ``drop_eagle`` is
+    unused (a Mamba group never drops).
+
+    Example: bs 4, A 8, states 1 and 2 cached, max 15 -> state 2 ends at 12, not
+    aligned -> state 1: ``[null, s1]`` per group, hit 8.
+    """
+    assert isinstance(spec, MambaSpec)
+    bs = spec.block_size
+    for i in range(min(max_length // bs, len(hashes)) - 1, -1, -1):
+        cached = lookup(hashes[i])
+        if cached is None:
+            continue
+        if bs != alignment and ((i + 1) * bs) % alignment != 0:
+            continue
+        return [[null_block] * i + [block] for block in cached], (i + 1) * bs
+    return [[] for _ in range(num_groups)], 0
+
+
+def mamba_cache_mask(manager, request, start: int, end: int) -> list[bool] | None:
+    """Which states ``[start, end)`` of ``request`` a Mamba ``manager`` registers:
+    :func:`reference.retention.mamba_block_mask` with the manager's alignment, block
+    size, retention interval and the request's reachable boundaries (the
+    ``cacheable_block_mask`` of both engines' Mamba managers). Example: bs 2, A 2,
+    sparse, P 11 -> only the state ending at 10 (block 4)."""
+    return mamba_block_mask(
+        start,
+        end,
+        manager.cache_hit_alignment,
+        manager.block_size,
+        manager.retention_interval,
+        manager.reachable_boundaries(request),
+    )
+
+
 class MambaManager(SingleTypeKVCacheManager):
+    scan = staticmethod(mamba_hit)
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cached_keys_this_step: set[bytes] = set()
         self.last_state_block_index: dict[str, int] = {}
         self.num_retired_blocks: dict[str, int] = {}
         self.allocated_requests: set[str] = set()
-
-    @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[bytes],
-        max_length: int,
-        group_ids: Sequence[int],
-        pool: BlockPool,
-        spec: KVCacheSpec,
-        alignment: int,
-        drop_eagle: bool = False,
-    ) -> tuple[list[BlockList], int]:
-        assert isinstance(spec, MambaSpec)
-        bs = spec.block_size
-        hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
-        for i in range(min(max_length // bs, len(hashes)) - 1, -1, -1):
-            cached = pool.get_cached_block(hashes[i], group_ids)
-            if cached is None:
-                continue
-            if bs != alignment and ((i + 1) * bs) % alignment != 0:
-                continue
-            return [[pool.null_block] * i + [block] for block in cached], (i + 1) * bs
-        return [[] for _ in group_ids], 0
 
     def get_num_blocks_to_allocate(
         self,
@@ -99,15 +123,7 @@ class MambaManager(SingleTypeKVCacheManager):
         self.allocated_requests.add(request_id)
         return new_blocks
 
-    def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
-        return mamba_block_mask(
-            start,
-            end,
-            self.cache_hit_alignment,
-            self.block_size,
-            self.retention_interval,
-            self.reachable_boundaries(request),
-        )
+    cacheable_block_mask = mamba_cache_mask
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         before = self.num_cached_block.get(request.request_id, 0)

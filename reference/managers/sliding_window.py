@@ -38,9 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from reference.block_pool import BlockPool
-from reference.managers.base import BlockList, SingleTypeKVCacheManager
-from reference.request import Request
+from reference.managers.base import Block, Lookup, SingleTypeKVCacheManager
 from reference.retention import sliding_window_block_mask
 from reference.specs import KVCacheSpec, SlidingWindowSpec, cdiv
 
@@ -50,61 +48,78 @@ def blocks_needed_for_hit(spec: SlidingWindowSpec) -> int:
     return cdiv(spec.sliding_window - 1, spec.block_size)
 
 
-class SlidingWindowManager(SingleTypeKVCacheManager):
-    @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[bytes],
-        max_length: int,
-        group_ids: Sequence[int],
-        pool: BlockPool,
-        spec: KVCacheSpec,
-        alignment: int,
-        drop_eagle: bool = False,
-    ) -> tuple[list[BlockList], int]:
-        assert isinstance(spec, SlidingWindowSpec)
-        bs = spec.block_size
-        hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
-        need = blocks_needed_for_hit(spec) + (1 if drop_eagle else 0)
-        num_blocks = min(max_length // bs, len(hashes))
-        out: list[BlockList] = [[pool.null_block] * num_blocks for _ in group_ids]
-        run = 0
-        found_run = False
-        for i in range(num_blocks - 1, -1, -1):
-            cached = pool.get_cached_block(hashes[i], group_ids)
-            if cached is None:
-                run = 0
-                continue
-            end = i if drop_eagle else i + 1
-            if run == 0 and bs != alignment and (end * bs) % alignment != 0:
-                continue
-            for lst, block in zip(out, cached):
-                lst[i] = block
-            run += 1
-            if run >= need:
-                out = [lst[: i + run] for lst in out]
-                found_run = True
-                break
-        if not found_run:
-            out = [lst[:run] for lst in out]
-            # a run starts only on an aligned block end (above), so [0, run) is aligned
-            while bs != alignment and (len(out[0]) * bs) % alignment != 0:
-                out = [lst[:-1] for lst in out]
-        if drop_eagle and out[0]:
-            out = [lst[:-1] for lst in out]
-            while bs != alignment and (len(out[0]) * bs) % alignment != 0:
-                out = [lst[:-1] for lst in out]
-        return out, len(out[0]) * bs
+def sliding_window_hit(
+    hashes: Sequence[bytes],
+    max_length: int,
+    num_groups: int,
+    spec: KVCacheSpec,
+    alignment: int,
+    lookup: Lookup,
+    null_block: Block,
+    drop_eagle: bool = False,
+) -> tuple[list[list[Block]], int]:
+    """The sliding-window hit rule of the module docstring over ``hashes`` (the chain at
+    ``bs``; only hashed blocks are scanned: ``min(max_length // bs, len(hashes))``).
 
-    def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
-        assert isinstance(self.spec, SlidingWindowSpec)
-        return sliding_window_block_mask(
-            start,
-            end,
-            self.cache_hit_alignment,
-            self.block_size,
-            blocks_needed_for_hit(self.spec) + (1 if self.use_eagle else 0),
-            self.retention_interval,
-            self.reachable_boundaries(request),
-            shift=1 if self.use_eagle else 0,
-        )
+    Example: bs 4, w 8, A 4, blocks 2 and 3 cached, max 16 -> ``[null, null, b2, b3]``
+    per group, hit 16.
+    """
+    assert isinstance(spec, SlidingWindowSpec)
+    bs = spec.block_size
+    need = blocks_needed_for_hit(spec) + (1 if drop_eagle else 0)
+    num_blocks = min(max_length // bs, len(hashes))
+    out: list[list[Block]] = [[null_block] * num_blocks for _ in range(num_groups)]
+    run = 0
+    found_run = False
+    for i in range(num_blocks - 1, -1, -1):
+        cached = lookup(hashes[i])
+        if cached is None:
+            run = 0
+            continue
+        end = i if drop_eagle else i + 1
+        if run == 0 and bs != alignment and (end * bs) % alignment != 0:
+            continue
+        for lst, block in zip(out, cached):
+            lst[i] = block
+        run += 1
+        if run >= need:
+            out = [lst[: i + run] for lst in out]
+            found_run = True
+            break
+    if not found_run:
+        out = [lst[:run] for lst in out]
+        # a run starts only on an aligned block end (above), so [0, run) is aligned
+        while bs != alignment and (len(out[0]) * bs) % alignment != 0:
+            out = [lst[:-1] for lst in out]
+    if drop_eagle and out[0]:
+        out = [lst[:-1] for lst in out]
+        while bs != alignment and (len(out[0]) * bs) % alignment != 0:
+            out = [lst[:-1] for lst in out]
+    return out, len(out[0]) * bs
+
+
+def window_cache_mask(manager, request, start: int, end: int) -> list[bool] | None:
+    """Which blocks ``[start, end)`` of ``request`` a sliding-window ``manager`` registers:
+    :func:`reference.retention.sliding_window_block_mask` with the manager's alignment,
+    ``need`` (one more and shifted one block under EAGLE), retention interval and the
+    request's reachable boundaries. The ``cacheable_block_mask`` of both engines'
+    sliding-window managers (``manager`` needs ``spec``, ``block_size``,
+    ``cache_hit_alignment``, ``use_eagle``, ``retention_interval`` and
+    ``reachable_boundaries``). Example: bs 2, A 2, w 3, sparse, P 11 -> only block 4."""
+    eagle = 1 if manager.use_eagle else 0
+    return sliding_window_block_mask(
+        start,
+        end,
+        manager.cache_hit_alignment,
+        manager.block_size,
+        blocks_needed_for_hit(manager.spec) + eagle,
+        manager.retention_interval,
+        manager.reachable_boundaries(request),
+        shift=eagle,
+    )
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    scan = staticmethod(sliding_window_hit)
+
+    cacheable_block_mask = window_cache_mask

@@ -9,13 +9,14 @@ free-queue order, ref counts and the set of cached ``(block, group, tokens)`` en
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from optimized.kv_cache_manager import KVCacheManager as OptimizedManager
-from optimized.kv_cache_manager import StepItem
+from optimized.control.kv_cache_manager import KVCacheManager as OptimizedManager
+from optimized.control.kv_cache_manager import StepItem
 from reference.errors import KVConformError
 from reference.kv_cache_manager import KVCacheManager as ReferenceManager
 from reference.layout import KVCacheGroup, KVCacheLayout
@@ -45,6 +46,9 @@ def layouts(draw) -> KVCacheLayout:
         else:
             spec = MambaSpec(block_size=bs)
         groups.append(KVCacheGroup((f"l{gid}",), spec))
+    # retention: dense (None), sparse (0) or an interval of 1..3 scheduler blocks; a value
+    # the layout rejects (an interval without a sliding-window or Mamba group) is dropped
+    retention = draw(st.sampled_from([None, 0, 1, 2, 3]))
     try:
         layout = KVCacheLayout(
             tuple(groups),
@@ -52,6 +56,9 @@ def layouts(draw) -> KVCacheLayout:
             max_model_len=draw(st.sampled_from([64, 96, 128])),
             enable_caching=draw(st.booleans()),
         )
+        if retention is not None:
+            interval = retention * layout.scheduler_block_size
+            layout = dataclasses.replace(layout, prefix_cache_retention_interval=interval)
     except KVConformError:
         assume(False)
     return layout

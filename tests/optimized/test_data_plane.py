@@ -9,9 +9,9 @@ import random
 import numpy as np
 import torch
 
-from optimized.data_plane import DataPlane
-from optimized.kv_cache_manager import KVCacheManager, StepItem
-from optimized.slot_mapping import slot_mapping, step_positions
+from optimized.control.kv_cache_manager import KVCacheManager, StepItem
+from optimized.device.data_plane import DataPlane
+from optimized.device.slot_mapping import slot_mapping, step_positions
 from reference.attention import dense_attention
 from reference.block_table import BlockTable
 from reference.content import ContentModel

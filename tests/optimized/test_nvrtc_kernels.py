@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimized.nvrtc_kernels import KERNEL_NAMES, NvrtcUnavailableError, compile_ptx
-from optimized.paged_cache import CacheShape, PagedKVCache
-from optimized.slot_mapping import slot_mapping, step_positions
+from optimized.device.nvrtc_kernels import KERNEL_NAMES, NvrtcUnavailableError, compile_ptx
+from optimized.device.slot_mapping import slot_mapping, step_positions
+from paged.paged_cache import CacheShape, PagedKVCache
 
 
 def _ptx_or_skip() -> bytes:
@@ -28,7 +28,7 @@ def test_kernels_compile_to_ptx() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_kernels_match_torch() -> None:
-    from optimized.nvrtc_kernels import CudaKernels
+    from optimized.device.nvrtc_kernels import CudaKernels
 
     _ptx_or_skip()
     device = torch.device("cuda")

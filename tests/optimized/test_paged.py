@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from optimized.paged_attention import PagedAttentionError, RequestQueries, paged_attention
-from optimized.paged_cache import CacheShape, PagedCacheError, PagedKVCache, PagedStateCache
+from paged.paged_attention import PagedAttentionError, RequestQueries, paged_attention
+from paged.paged_cache import CacheShape, PagedCacheError, PagedKVCache, PagedStateCache
 from reference.attention import dense_attention
 from reference.content import ContentModel
 from reference.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec

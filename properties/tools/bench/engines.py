@@ -745,10 +745,14 @@ _SANITY_FIELDS = ("steps", "busy_steps", "hit_tokens", "preemptions", "finished"
 
 def engine_mismatches(rows: Sequence[EngineBenchRow]) -> list[str]:
     """One warning per trace and counter where an ok engine differs from the trace's first ok
-    row. Example: ``"WARNING: prefix-heavy: vllm hit_tokens 1024 != reference 2048"``."""
+    row, and one per engine that failed on a trace (an error, not a missing install).
+    Example: ``"WARNING: prefix-heavy: vllm hit_tokens 1024 != reference 2048"``;
+    ``kvconform bench engines`` exits 1 when there is any."""
     first: dict[str, EngineBenchRow] = {}
     warnings = []
     for row in rows:
+        if row.status.startswith("error"):
+            warnings.append(f"WARNING: {row.trace}: {row.engine} {row.status}")
         if not row.ok:
             continue
         base = first.setdefault(row.trace, row)

@@ -2,10 +2,9 @@
 
 * No prefix cache: lookups return nothing.
 * Unitary (one group): the group's own hit, aligned to its block size.
-* Hybrid: spec groups (equal specs) looked up together, full attention first; the
-  candidate length shrinks until a pass leaves it unchanged (one pass for exactly one
-  full and one other spec group); a full-attention answer is reused, never re-queried,
-  and cut to the final length. Hybrids cache only up to a multiple of the LCM.
+* Hybrid: the reference's fixed-point search (:func:`reference.coordinator.hybrid_cache_hit`)
+  over spec groups (:func:`reference.coordinator.spec_groups_of`) with the optimized
+  managers' lookups. Hybrids cache only up to a multiple of the LCM.
 
 Rows: each request gets one row index, shared by every group's table, from the first
 allocation until ``free``; released rows are reused (lowest first) and the tables grow by
@@ -16,26 +15,16 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from optimized.block_pool import BlockPool
-from optimized.managers import SingleTypeKVCacheManager, manager_class_for
-from optimized.managers.base import BlockList
-from optimized.request import Request
+from optimized.control.block_pool import BlockPool
+from optimized.control.managers import SingleTypeKVCacheManager, manager_class_for
+from optimized.control.managers.base import BlockList
+from optimized.control.request import Request
+from reference.coordinator import hybrid_coordinator_hit, make_managers, spec_groups_of
 from reference.layout import KVCacheLayout
-from reference.specs import FullAttentionSpec, KVCacheSpec, cdiv
 
 #: Rows preallocated per group table before the first doubling.
 DEFAULT_MAX_NUM_REQS = 64
-
-
-@dataclass
-class SpecGroup:
-    """Groups with one spec, looked up together."""
-
-    spec: KVCacheSpec
-    group_ids: list[int]
-    manager_cls: type[SingleTypeKVCacheManager]
 
 
 class KVCacheCoordinator:
@@ -48,18 +37,14 @@ class KVCacheCoordinator:
             layout.num_blocks, layout.enable_caching, layout.hash_block_size, len(layout.groups)
         )
         alignment = self.cache_hit_alignment()
-        self.managers: list[SingleTypeKVCacheManager] = [
-            manager_class_for(g.spec)(
-                g.spec,
-                self.block_pool,
-                gid,
-                layout.enable_caching,
-                alignment,
-                layout.max_model_len,
-                max_num_reqs,
-            )
-            for gid, g in enumerate(layout.groups)
-        ]
+        self.managers: list[SingleTypeKVCacheManager] = make_managers(
+            layout,
+            self.block_pool,
+            alignment,
+            manager_class_for,
+            max_model_len=layout.max_model_len,
+            max_num_reqs=max_num_reqs,
+        )
         self.max_num_reqs = max_num_reqs
         self.row_of: dict[str, int] = {}
         self._free_rows: list[int] = list(range(max_num_reqs))
@@ -88,7 +73,9 @@ class KVCacheCoordinator:
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
-    ) -> tuple[list[BlockList], int]:
+    ) -> tuple[list[BlockList], int, int]:
+        """``(blocks per group, hit, uncached)`` (:meth:`reference.coordinator.
+        KVCacheCoordinator.find_longest_cache_hit`)."""
         raise NotImplementedError
 
     def num_cacheable_tokens(self, num_tokens: int) -> int:
@@ -161,8 +148,8 @@ class KVCacheCoordinator:
 class NoPrefixCacheCoordinator(KVCacheCoordinator):
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
-    ) -> tuple[list[BlockList], int]:
-        return [[] for _ in self.managers], 0
+    ) -> tuple[list[BlockList], int, int]:
+        return [[] for _ in self.managers], 0, 0
 
 
 class UnitaryCoordinator(KVCacheCoordinator):
@@ -171,69 +158,26 @@ class UnitaryCoordinator(KVCacheCoordinator):
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
-    ) -> tuple[list[BlockList], int]:
+    ) -> tuple[list[BlockList], int, int]:
         m = self.managers[0]
-        return m.find_longest_cache_hit(
+        blocks, hit = m.find_longest_cache_hit(
             block_hashes, max_length, [0], self.block_pool, m.spec, self.cache_hit_alignment()
         )
+        return blocks, hit, 0
 
 
 class HybridCoordinator(KVCacheCoordinator):
     def __init__(self, layout: KVCacheLayout, max_num_reqs: int = DEFAULT_MAX_NUM_REQS) -> None:
         super().__init__(layout, max_num_reqs)
-        self.spec_groups: list[SpecGroup] = []
-        for gid, m in enumerate(self.managers):
-            for sg in self.spec_groups:
-                if sg.spec == m.spec and sg.manager_cls is type(m):
-                    sg.group_ids.append(gid)
-                    break
-            else:
-                self.spec_groups.append(SpecGroup(m.spec, [gid], type(m)))
-        self.spec_groups.sort(key=lambda sg: not isinstance(sg.spec, FullAttentionSpec))
+        self.spec_groups = spec_groups_of(self.managers)
         self.scheduler_block_size = layout.scheduler_block_size
 
     def num_cacheable_tokens(self, num_tokens: int) -> int:
         s = self.scheduler_block_size
         return num_tokens // s * s
 
-    def find_longest_cache_hit(
-        self, block_hashes: Sequence[bytes], max_length: int
-    ) -> tuple[list[BlockList], int]:
-        """The fixed point of :meth:`reference.coordinator.HybridCoordinator...`."""
-        alignment = self.cache_hit_alignment()
-        num_groups = len(self.managers)
-        blocks_of: list[BlockList | None] = [None] * num_groups
-        length_of = [0] * num_groups
-        simple = len(self.spec_groups) == 2 and isinstance(
-            self.spec_groups[0].spec, FullAttentionSpec
-        )
-        hit = max_length
-        while True:
-            candidate = hit
-            for sg in self.spec_groups:
-                first = sg.group_ids[0]
-                if isinstance(sg.spec, FullAttentionSpec) and blocks_of[first] is not None:
-                    candidate = min(candidate, length_of[first])
-                    continue
-                found, candidate = sg.manager_cls.find_longest_cache_hit(
-                    block_hashes, candidate, sg.group_ids, self.block_pool, sg.spec, alignment
-                )
-                for gid, lst in zip(sg.group_ids, found):
-                    blocks_of[gid] = lst
-                    length_of[gid] = candidate
-            if candidate >= hit:
-                break
-            hit = candidate
-            if simple:
-                break
-        for sg in self.spec_groups:
-            if not isinstance(sg.spec, FullAttentionSpec):
-                continue
-            keep = cdiv(hit, sg.spec.block_size)
-            for gid in sg.group_ids:
-                if blocks_of[gid] is not None:
-                    blocks_of[gid] = blocks_of[gid][:keep]
-        return [lst if lst is not None else [] for lst in blocks_of], hit
+    #: :func:`reference.coordinator.hybrid_coordinator_hit` over the optimized managers
+    find_longest_cache_hit = hybrid_coordinator_hit
 
 
 def make_coordinator(

@@ -1,7 +1,8 @@
 """Block tables on the device, updated per step by delta.
 
-The manager's host tables (:attr:`optimized.managers.base.SingleTypeKVCacheManager.table`,
-``int32 [max_num_reqs, max_blocks_per_req]``) are mirrored by one device tensor per group.
+The manager's host tables (``int32 [max_num_reqs, max_blocks_per_req]``, one per group: a
+:class:`HostTable`, which the control plane's managers satisfy) are mirrored by one device
+tensor per group.
 :meth:`DeviceBlockTables.sync` uploads only the rows the manager marked dirty since the last
 sync (one gather on the host, one copy, one scatter on the device) and clears the marks; a
 grown host table is re-uploaded whole. Example: 4096 running requests in decode, bs 16:
@@ -11,25 +12,34 @@ about 256 rows change per step, so a step moves 256 rows, not 4096.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from optimized.managers.base import SingleTypeKVCacheManager
+
+class HostTable(Protocol):
+    """What the device tables read of one group's host table (the control plane's
+    :class:`optimized.control.managers.base.SingleTypeKVCacheManager` has both): ``table``,
+    the ``int32 [rows, max_blocks_per_req]`` block ids (0 = null), and ``dirty_rows``, a
+    ``bool [rows]`` mask of the rows written since the last upload, which
+    :meth:`DeviceBlockTables.sync` clears. Example: rows 2 and 5 written -> ``dirty_rows``
+    is True at 2 and 5, and a sync moves those two rows."""
+
+    table: np.ndarray
+    dirty_rows: np.ndarray
 
 
 class DeviceBlockTables:
     """Device copies of every group's block table (see the module docstring)."""
 
-    def __init__(
-        self, managers: Sequence[SingleTypeKVCacheManager], device: str | torch.device = "cpu"
-    ) -> None:
+    def __init__(self, managers: Sequence[HostTable], device: str | torch.device = "cpu") -> None:
         self.managers = list(managers)
         self.device = torch.device(device)
         self.tables: list[torch.Tensor] = [self._full_copy(m) for m in self.managers]
         self.rows_uploaded = 0
 
-    def _full_copy(self, manager: SingleTypeKVCacheManager) -> torch.Tensor:
+    def _full_copy(self, manager: HostTable) -> torch.Tensor:
         manager.dirty_rows[:] = False
         return torch.from_numpy(manager.table.copy()).to(self.device)
 
@@ -52,6 +62,6 @@ class DeviceBlockTables:
         self.rows_uploaded += moved
         return moved
 
-    def dirty_rows(self, manager: SingleTypeKVCacheManager) -> np.ndarray:
+    def dirty_rows(self, manager: HostTable) -> np.ndarray:
         """The rows to upload (int64 indices)."""
         return np.flatnonzero(manager.dirty_rows)

@@ -4,7 +4,9 @@ The row is position indexed: allocation fills ``[len, c)`` with nulls and append
 block at ``c = cdiv(main, bs) - 1``; ``num_retired_blocks[row]`` columns were retired
 (never revisited), ``last_state_block_index[row]`` (``-1``: none) is the previous state,
 freed once a later step is past it. Hit: the rightmost cached state at an aligned
-boundary; a state cached during the current step is refused until ``new_step_starts``.
+boundary (:func:`reference.managers.mamba.mamba_hit`); a state cached during the current
+step is refused until ``new_step_starts``. Which states are cached follows the retention
+interval (:func:`reference.managers.mamba.mamba_cache_mask`).
 
 Example, bs 4: prefill 10 tokens -> row ``[0, 0, s]``; the step computing token 13 appends
 a block at column 3 and remembers column 2; the step after frees ``s``.
@@ -16,10 +18,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from optimized.block_pool import NULL_BLOCK_ID, BlockPool
-from optimized.managers.base import BlockList, SingleTypeKVCacheManager
-from optimized.request import Request
-from reference.specs import KVCacheSpec, MambaSpec, cdiv
+from optimized.control.block_pool import NULL_BLOCK_ID
+from optimized.control.managers.base import BlockList, SingleTypeKVCacheManager
+from optimized.control.request import Request
+from reference.managers.mamba import mamba_cache_mask, mamba_hit
+from reference.specs import cdiv
 
 
 class MambaManager(SingleTypeKVCacheManager):
@@ -41,27 +44,9 @@ class MambaManager(SingleTypeKVCacheManager):
         self.last_state_block_index[row] = -1
         self.num_retired_blocks[row] = 0
 
-    @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[bytes],
-        max_length: int,
-        group_ids: Sequence[int],
-        pool: BlockPool,
-        spec: KVCacheSpec,
-        alignment: int,
-    ) -> tuple[list[BlockList], int]:
-        assert isinstance(spec, MambaSpec)
-        bs = spec.block_size
-        hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
-        for i in range(max_length // bs - 1, -1, -1):
-            cached = pool.get_cached_block(hashes[i], group_ids)
-            if cached is None:
-                continue
-            if bs != alignment and ((i + 1) * bs) % alignment != 0:
-                continue
-            return [[0] * i + [block] for block in cached], (i + 1) * bs
-        return [[] for _ in group_ids], 0
+    scan = staticmethod(mamba_hit)
+
+    cacheable_block_mask = mamba_cache_mask
 
     def get_num_blocks_to_allocate(
         self,

@@ -1,5 +1,6 @@
 """Full attention (:mod:`reference.managers.full`): scan from block 0 to the first miss,
-round down to the alignment; partial tail entry when ``bs != hash_block_size``.
+round down to the alignment (:func:`reference.managers.full.full_attention_hit`); partial
+tail entry when ``bs != hash_block_size``.
 
 Example: bs 8, H 4, prompt 13: the 12-token boundary lies inside block 1, which gets the
 key of the 12-token prefix until it is promoted to its full key.
@@ -7,14 +8,12 @@ key of the 12-token prefix until it is promoted to its full key.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
-from optimized.block_pool import NULL_BLOCK_ID, BlockPool
-from optimized.managers.base import BlockList, SingleTypeKVCacheManager
-from optimized.request import Request
-from reference.specs import KVCacheSpec
+from optimized.control.block_pool import NULL_BLOCK_ID
+from optimized.control.managers.base import SingleTypeKVCacheManager
+from optimized.control.request import Request
+from reference.managers.full import full_attention_hit
 
 
 def partial_tail_boundary(num_prompt_tokens: int, num_hashes: int, hash_block_size: int) -> int:
@@ -23,38 +22,7 @@ def partial_tail_boundary(num_prompt_tokens: int, num_hashes: int, hash_block_si
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
-    @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[bytes],
-        max_length: int,
-        group_ids: Sequence[int],
-        pool: BlockPool,
-        spec: KVCacheSpec,
-        alignment: int,
-    ) -> tuple[list[BlockList], int]:
-        bs = spec.block_size
-        hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
-        out: list[BlockList] = [[] for _ in group_ids]
-        if len(group_ids) == 1:
-            cached = pool.cached[group_ids[0]]
-            lst = out[0]
-            for block_hash in hashes[: max_length // bs]:
-                b = cached.get(block_hash)
-                if b is None:
-                    break
-                lst.append(b)
-        else:
-            for block_hash in hashes[: max_length // bs]:
-                found = pool.get_cached_block(block_hash, group_ids)
-                if found is None:
-                    break
-                for lst, block in zip(out, found):
-                    lst.append(block)
-        hit = len(out[0]) * bs
-        hit -= hit % alignment
-        keep = -(-hit // bs)
-        return [lst[:keep] for lst in out], hit
+    scan = staticmethod(full_attention_hit)
 
     def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         super().cache_blocks(request, row, num_tokens)

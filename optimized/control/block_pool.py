@@ -18,7 +18,7 @@ chains are linked with vectorised writes. Example: queue ``[1, 2, 3]``; ``free([
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -437,6 +437,20 @@ class BlockPool:
                 return None
             found.append(b)
         return found
+
+    def lookup(self, group_ids: Sequence[int]) -> Callable[[bytes], list[int] | None]:
+        """:meth:`get_cached_block` bound to ``group_ids`` (a scan's ``lookup``); one
+        group reads its index directly. Example: ``pool.lookup([1])(h)`` is ``[b]`` when
+        ``b`` is the earliest block cached under ``h`` in group 1, else None."""
+        if len(group_ids) != 1:
+            return lambda block_hash: self.get_cached_block(block_hash, group_ids)
+        get = self.cached[group_ids[0]].get
+
+        def one(block_hash: bytes) -> list[int] | None:
+            block = get(block_hash)
+            return None if block is None else [block]
+
+        return one
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         for b in block_ids:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from optimized.paged_cache import PagedKVCache
+from paged.paged_cache import PagedKVCache
 from reference.attention import first_visible_key
 from reference.block_table import num_nulled_entries
 from reference.errors import KVConformError

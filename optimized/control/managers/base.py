@@ -14,7 +14,7 @@ backwards walk of ``remove_skipped_blocks`` (stop at the first null) frees exact
 
 ``pending_work`` is the vectorised test of the batched step: for running rows, is any of
 remove_skipped / allocate / cache_blocks going to change anything? Rows where it is False
-are skipped by :meth:`optimized.kv_cache_manager.KVCacheManager.schedule_step`.
+are skipped by :meth:`optimized.control.kv_cache_manager.KVCacheManager.schedule_step`.
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from optimized.block_pool import NULL_BLOCK_ID, BlockPool
-from optimized.hashing import hashes_at_block_size
-from optimized.request import Request
+from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
+from optimized.control.hashing import hashes_at_block_size
+from optimized.control.request import Request
+from reference.managers.base import ManagerBase, blocks_to_allocate, cacheable_full_blocks
 from reference.specs import KVCacheSpec, cdiv
 
 BlockList = list[int]
 
 
-class SingleTypeKVCacheManager:
+class SingleTypeKVCacheManager(ManagerBase):
     """Block tables of one KV cache group."""
 
     def __init__(
@@ -43,13 +44,19 @@ class SingleTypeKVCacheManager:
         cache_hit_alignment: int,
         max_model_len: int,
         max_num_reqs: int,
+        retention_interval: int | None = None,
+        scheduler_block_size: int | None = None,
     ) -> None:
-        self.spec = spec
-        self.block_size = spec.block_size
-        self.block_pool = block_pool
-        self.group_id = group_id
-        self.enable_caching = enable_caching
-        self.cache_hit_alignment = cache_hit_alignment
+        # no EAGLE groups in the optimized engine: the base's flags stay off
+        super().__init__(
+            spec,
+            block_pool,
+            group_id,
+            enable_caching,
+            cache_hit_alignment,
+            retention_interval,
+            scheduler_block_size,
+        )
         self.max_blocks_per_req = cdiv(max_model_len, spec.block_size)
         self.table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
         self.row_len = np.zeros(max_num_reqs, dtype=np.int32)
@@ -101,23 +108,11 @@ class SingleTypeKVCacheManager:
     def null_block(self) -> int:
         return NULL_BLOCK_ID
 
-    # -- lookup ------------------------------------------------------------------
-    @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[bytes],
-        max_length: int,
-        group_ids: Sequence[int],
-        pool: BlockPool,
-        spec: KVCacheSpec,
-        alignment: int,
-    ) -> tuple[list[BlockList], int]:
-        raise NotImplementedError
-
     @staticmethod
     def coarse_hashes(
         block_hashes: Sequence[bytes], pool_hash_block_size: int, spec: KVCacheSpec
     ) -> Sequence[bytes]:
+        """The chain at the group's block size as a slice (no copy when equal)."""
         return hashes_at_block_size(block_hashes, pool_hash_block_size, spec.block_size)
 
     # -- allocation --------------------------------------------------------------
@@ -130,19 +125,16 @@ class SingleTypeKVCacheManager:
         num_tokens_main: int,
     ) -> int:
         """:meth:`reference.managers.base.SingleTypeKVCacheManager.get_num_blocks_to_allocate`."""
-        required = cdiv(num_tokens, self.block_size)
-        held = int(self.row_len[row])
-        if self.num_cached_block[row] >= 0:
-            return max(required - held, 0)
-        skipped_blocks = self.spec.num_skipped_tokens(total_computed_tokens) // self.block_size
-        local_blocks = len(new_computed_blocks) + held
-        num_new = max(required - max(skipped_blocks, local_blocks), 0)
-        skip_in_hits = max(0, skipped_blocks - held)
         ref = self.block_pool.ref_cnt
-        evictable = sum(
-            1 for b in new_computed_blocks[skip_in_hits:] if b != NULL_BLOCK_ID and ref[b] == 0
+        return blocks_to_allocate(
+            self.spec,
+            num_tokens,
+            int(self.row_len[row]),
+            self.num_cached_block[row] >= 0,
+            new_computed_blocks,
+            total_computed_tokens,
+            lambda b: b != NULL_BLOCK_ID and ref[b] == 0,
         )
-        return num_new + evictable
 
     def add_local_computed_blocks(
         self, row: int, new_computed_blocks: Sequence[int], num_local_computed_tokens: int
@@ -172,17 +164,18 @@ class SingleTypeKVCacheManager:
         return new_blocks
 
     # -- caching -----------------------------------------------------------------
-    def cacheable_block_mask(self, start: int, end: int) -> list[bool] | None:
+    def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
+        """Which blocks of ``[start, end)`` ``cache_blocks`` registers (None: all; sliding
+        window and Mamba apply :mod:`reference.retention`)."""
         return None
 
     def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         """Register the full blocks of ``[0, num_tokens)`` not registered yet."""
         num_cached = max(int(self.num_cached_block[row]), 0)
-        num_hashed = len(request.block_hashes) * request.hash_block_size
-        num_full = min(num_tokens, num_hashed) // self.block_size
+        num_full = cacheable_full_blocks(request, num_tokens, self.block_size)
         if num_cached >= num_full:
             return
-        mask = self.cacheable_block_mask(num_cached, num_full)
+        mask = self.cacheable_block_mask(request, num_cached, num_full)
         hashes = hashes_at_block_size(
             request.block_hashes, request.hash_block_size, self.block_size
         )

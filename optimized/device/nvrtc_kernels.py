@@ -3,9 +3,9 @@
 Two kernels, each the rule of its torch twin:
 
 * ``slot_mapping``: ``slots[i] = table[rows[i], pos[i] / bs] * bs + pos[i] % bs``
-  (:func:`optimized.slot_mapping.slot_mapping`); one thread per token.
+  (:func:`optimized.device.slot_mapping.slot_mapping`); one thread per token.
 * ``kv_write``: ``key_cache[slots[i], e] = key[i, e]`` and the same for values, slots
-  ``-1`` skipped (:meth:`optimized.paged_cache.PagedKVCache.write`, without its checks,
+  ``-1`` skipped (:meth:`paged.paged_cache.PagedKVCache.write`, without its checks,
   which the caller runs first); one thread per (token, element).
 
 :func:`compile_ptx` needs only the NVRTC library (no GPU: CPU CI compiles the kernels);

@@ -3,9 +3,9 @@
 Per step (:meth:`DataPlane.begin_step` first uploads the changed block-table rows):
 
 * attention groups: :meth:`DataPlane.attention` maps every scheduled token to its slot
-  through the group's **device** table (:func:`optimized.slot_mapping.slot_mapping`),
+  through the group's **device** table (:func:`optimized.device.slot_mapping.slot_mapping`),
   writes K/V into the group's paged cache through those slots, and attends each request's
-  queries through the same device rows (:func:`optimized.paged_attention.paged_attention`);
+  queries through the same device rows (:func:`paged.paged_attention.paged_attention`);
 * Mamba groups: :meth:`DataPlane.read_state` / :meth:`DataPlane.write_state` address the
   state page in column ``cdiv(n, bs) - 1`` of the device row.
 
@@ -20,10 +20,10 @@ from collections.abc import Sequence
 
 import torch
 
-from optimized.device_tables import DeviceBlockTables
-from optimized.paged_attention import RequestQueries, paged_attention
-from optimized.paged_cache import CacheShape, PagedKVCache, PagedStateCache
-from optimized.slot_mapping import slot_mapping, step_positions
+from optimized.device.device_tables import DeviceBlockTables
+from optimized.device.slot_mapping import slot_mapping, step_positions
+from paged.paged_attention import RequestQueries, paged_attention
+from paged.paged_cache import CacheShape, PagedKVCache, PagedStateCache
 from reference.errors import KVConformError
 from reference.specs import AttentionSpec, MambaSpec, cdiv
 
@@ -48,7 +48,7 @@ class DataPlane:
         kernels: str = "auto",
     ) -> None:
         """``kernels``: ``"torch"``, ``"nvrtc"`` (CUDA only: slot mapping and K/V writes by
-        :mod:`optimized.nvrtc_kernels`) or ``"auto"`` (nvrtc on CUDA when cuda-python is
+        :mod:`optimized.device.nvrtc_kernels`) or ``"auto"`` (nvrtc on CUDA when cuda-python is
         installed, torch otherwise)."""
         self.manager = manager
         self.layout = manager.layout
@@ -71,7 +71,7 @@ class DataPlane:
         if kernels not in ("torch", "nvrtc", "auto"):
             raise DataPlaneError(f"kernels must be 'torch', 'nvrtc' or 'auto', got {kernels!r}")
         if kernels != "torch" and self.device.type == "cuda" and dtype == torch.float32:
-            from optimized.nvrtc_kernels import CudaKernels, NvrtcUnavailableError
+            from optimized.device.nvrtc_kernels import CudaKernels, NvrtcUnavailableError
 
             try:
                 self.kernels = CudaKernels(self.device)

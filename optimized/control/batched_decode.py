@@ -1,6 +1,6 @@
 """The working items of a decode step, applied together (exactly as one by one).
 
-:meth:`optimized.kv_cache_manager.KVCacheManager.schedule_step` settles idle items
+:meth:`optimized.control.kv_cache_manager.KVCacheManager.schedule_step` settles idle items
 without touching anything; the items left (a request that crosses a block boundary, whose
 window or chunk drops a block, or that completes a block to cache) are applied here in one
 pass when the step is a plain decode step, else one by one through ``allocate_slots``.
@@ -33,8 +33,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from optimized.block_pool import NULL_BLOCK_ID
-from optimized.managers.mamba import MambaManager
+from optimized.control.block_pool import NULL_BLOCK_ID
+from optimized.control.managers.mamba import MambaManager
 from reference.request import RequestStatus
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from optimized.hashing import TOKEN_DTYPE, extend_block_hashes
+from optimized.control.hashing import TOKEN_DTYPE, extend_block_hashes
 from reference.errors import InvalidRequestError
 from reference.request import RequestStatus
 
@@ -28,6 +28,7 @@ class Request:
         "hash_block_size",
         "status",
         "block_hashes",
+        "shared_prefix_boundary",
         "_tokens",
     )
 
@@ -55,6 +56,8 @@ class Request:
         self.hash_block_size = hash_block_size
         self.status = RequestStatus.WAITING
         self.block_hashes: list[bytes] = []
+        #: the junction the last prefix lookup found (:mod:`reference.retention`; 0: none)
+        self.shared_prefix_boundary = 0
         extend_block_hashes(
             self.block_hashes, self._tokens, self.num_tokens, hash_block_size, cache_salt, lora_name
         )

@@ -28,12 +28,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-from optimized.batched_decode import apply_decode_item, apply_decode_items
-from optimized.coordinator import DEFAULT_MAX_NUM_REQS, make_coordinator
-from optimized.managers.mamba import MambaManager
-from optimized.request import Request
+from optimized.control.batched_decode import apply_decode_item, apply_decode_items
+from optimized.control.coordinator import DEFAULT_MAX_NUM_REQS, make_coordinator
+from optimized.control.managers.mamba import MambaManager
+from optimized.control.request import Request
 from reference.errors import InvalidRequestError
-from reference.kv_cache_manager import PrefixCacheStats
+from reference.kv_cache_manager import (
+    ManagerBookkeeping,
+    PrefixCacheStats,
+    check_prompt_length,
+    junction,
+)
 from reference.layout import KVCacheLayout
 from reference.request import RequestStatus
 
@@ -60,7 +65,7 @@ class StepItem(NamedTuple):
     num_lookahead_tokens: int = 0
 
 
-class KVCacheManager:
+class KVCacheManager(ManagerBookkeeping):
     """The optimized hybrid KV cache manager (same policy as the reference).
 
     ``min_batched_apply``: a decode step whose working items (those
@@ -103,43 +108,28 @@ class KVCacheManager:
         cache_salt: str | None = None,
         lora_name: str | None = None,
     ) -> Request:
-        if len(prompt_token_ids) > self.max_model_len:
-            raise InvalidRequestError(
-                f"request {request_id!r}: prompt of {len(prompt_token_ids)} tokens is longer "
-                f"than max_model_len {self.max_model_len}"
-            )
+        check_prompt_length(request_id, len(prompt_token_ids), self.max_model_len)
         return Request(
             request_id, prompt_token_ids, self.layout.hash_block_size, cache_salt, lora_name
         )
 
     # -- lookup ----------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[ComputedBlocks, int]:
-        """Longest prefix hit ``<= num_tokens - 1`` every group can serve; no side effects."""
+        """Longest prefix hit ``<= num_tokens - 1`` every group can serve; the pool is
+        untouched. Records the junction on the request as the reference does
+        (:meth:`reference.kv_cache_manager.KVCacheManager.get_computed_blocks`):
+        ``shared_prefix_boundary = hit + uncached`` when some group caches more, else 0."""
         if not self.enable_caching:
+            request.shared_prefix_boundary = 0
             return self._empty, 0
-        blocks, hit = self.coordinator.find_longest_cache_hit(
+        blocks, hit, uncached = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
+        request.shared_prefix_boundary = junction(hit, uncached)
         return ComputedBlocks(tuple(tuple(b) for b in blocks)), hit
 
     def empty_computed_blocks(self) -> ComputedBlocks:
         return self._empty
-
-    def record_prefix_cache_stats(
-        self, request: Request, num_hit_tokens: int, preempted: bool = False
-    ) -> None:
-        if preempted:
-            self.stats.preempted_requests += 1
-            self.stats.preempted_queries += request.num_tokens
-            self.stats.preempted_hits += num_hit_tokens
-        else:
-            self.stats.requests += 1
-            self.stats.queries += request.num_tokens
-            self.stats.hits += num_hit_tokens
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        stats, self.stats = self.stats, PrefixCacheStats()
-        return stats
 
     # -- allocation ------------------------------------------------------------
     def _validate(
@@ -369,21 +359,8 @@ class KVCacheManager:
 
     # -- freeing ---------------------------------------------------------------
     def free(self, request: Request) -> None:
-        if request.request_id not in self._known:
-            raise InvalidRequestError(
-                f"free: unknown request {request.request_id!r} (never allocated or freed twice)"
-            )
-        self._known.discard(request.request_id)
+        self._forget(request.request_id)
         self.coordinator.free(request.request_id)
-
-    def reset_prefix_cache(self) -> bool:
-        ok = self.block_pool.reset_prefix_cache()
-        if ok:
-            self.stats.reset = True
-        return ok
-
-    def new_step_starts(self) -> None:
-        self.coordinator.new_step_starts()
 
     # -- views -----------------------------------------------------------------
     def get_blocks(self, request_id: str) -> list[list[int]]:
@@ -392,10 +369,3 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> BlockIdLists:
         """The request's table per group; null entries read 0."""
         return tuple(tuple(g) for g in self.coordinator.get_blocks(request_id))
-
-    def get_num_free_blocks(self) -> int:
-        return self.block_pool.get_num_free_blocks()
-
-    @property
-    def usage(self) -> float:
-        return self.block_pool.get_usage()
