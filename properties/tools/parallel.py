@@ -86,8 +86,11 @@ def run_task(task: PropertyTask, factory=None):
     """Run one task in this process; a first failure is announced
     (:func:`announce_first_failure`) the moment it is found. In a measuring worker the
     data so far is saved after each task (the pool ends workers without ``atexit``)."""
+    from properties.tools.engine_coverage import measure_task
+
     try:
-        return _run(task, factory)
+        with measure_task(task.config):  # --engine-coverage: measured where the engine runs
+            return _run(task, factory)
     finally:
         if _WORKER_COVERAGE is not None:
             _WORKER_COVERAGE.save()
