@@ -493,3 +493,11 @@ KNOWN_DIVERGENCES = (
 make_engine.known_divergences = KNOWN_DIVERGENCES  # type: ignore[attr-defined]
 #: The adapter bridges every production layout setting (retention, EAGLE, caps).
 make_engine.production_settings = PRODUCTION_SETTINGS  # type: ignore[attr-defined]
+#: The modules of vLLM's cache manager the adapter drives (``--engine-coverage``).
+make_engine.coverage_modules = (  # type: ignore[attr-defined]
+    "vllm.v1.core.kv_cache_manager",
+    "vllm.v1.core.kv_cache_coordinator",
+    "vllm.v1.core.single_type_kv_cache_manager",
+    "vllm.v1.core.block_pool",
+    "vllm.v1.core.kv_cache_utils",
+)

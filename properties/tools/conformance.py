@@ -32,6 +32,7 @@ from properties.runner import profiles as _profiles  # noqa: F401 - registers th
 from properties.runner.check import failure_report, run_property
 from properties.runner.config import CheckConfig
 from properties.runner.machine import engine_factory
+from properties.tools.engine_coverage import measure_task
 
 
 @pytest.mark.parametrize("prop", PROPERTIES)
@@ -39,7 +40,8 @@ def test_property(prop: str, kv_engine: str, kv_level: str, kv_profile_name: str
     profile = settings.get_profile(kv_profile_name)
     seed = None if profile.derandomize else random.SystemRandom().randrange(2**32)
     config = CheckConfig(engine=kv_engine, level=kv_level, failure_dir=DEFAULT_FAILURE_DIR)
-    result = run_property(prop, config, profile, seed, engine_factory(config))
+    with measure_task(config):  # --kv-engine-coverage: measured where the engine runs
+        result = run_property(prop, config, profile, seed, engine_factory(config))
     print(
         f"kvconform {prop}: {result.examples} examples, {result.steps} steps, "
         f"{result.seconds:.1f}s (engine {kv_engine}, level {kv_level}, profile "

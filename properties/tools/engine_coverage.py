@@ -361,7 +361,10 @@ def report(
     """Analyse, print the report, write the baseline (``write``) and compare with one
     (``baseline``); the failure message when a branch the baseline does not list is
     unreached, else None."""
+    import gc
+
     stop_measuring()
+    gc.collect()  # engines of isolated factories nobody holds: their children exit and save
     wait_for_savers(request.data_dir)
     result = analyse(request)
     print(format_engine_coverage(result), flush=True)
