@@ -17,7 +17,11 @@ How our layout maps to vLLM objects
   mamba_cache_mode="align")`` (no speculative or prefill-checkpoint blocks).
 * ``KVCacheManager(config, max_model_len, scheduler_block_size=layout.scheduler_block_size,
   hash_block_size=layout.hash_block_size, max_in_flight_tokens=layout.max_in_flight_tokens,
-  enable_caching=layout.enable_caching)``; watermark 0, no EAGLE, no connector.
+  enable_caching=layout.enable_caching, log_stats=True, enable_kv_cache_events=True)``;
+  watermark 0, no EAGLE, no connector. KV events are drained at every ``new_step`` and
+  after ``reset_prefix_cache`` and checked against the pool (every cached hash was
+  announced by a ``BlockStored``, every ``BlockRemoved`` names an announced one); the
+  prefix cache stats are taken at every step.
 * Requests are vLLM ``Request`` objects (``SamplingParams(max_tokens=max_model_len)``),
   hashed by ``get_request_block_hasher(hash_block_size, sha256)`` when caching is on.
   ``cache_salt`` goes to ``Request(cache_salt=...)``; a LoRA name becomes
@@ -114,12 +118,19 @@ class _VLLM:
     def __init__(self) -> None:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         import torch
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
         from vllm.lora.request import LoRARequest
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1 import kv_cache_interface as kvi
         from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.kv_cache_utils import (
+            get_block_hash,
+            get_group_id,
+            get_request_block_hasher,
+            init_none_hash,
+            maybe_convert_block_hash,
+        )
         from vllm.v1.request import Request, RequestStatus
 
         self.torch = torch
@@ -132,6 +143,8 @@ class _VLLM:
         self.sha256 = sha256
         self.get_request_block_hasher = get_request_block_hasher
         self.init_none_hash = init_none_hash
+        self.events = (AllBlocksCleared, BlockRemoved, BlockStored)
+        self.pool_key = (get_group_id, get_block_hash, maybe_convert_block_hash)
         quiet_loggers("vllm")
 
 
@@ -231,6 +244,8 @@ class VLLMEngine:
             enable_caching=layout.enable_caching,
             use_eagle=drop_eagle,
             num_hash_lookahead_tokens=layout.num_hash_lookahead_tokens,
+            log_stats=True,
+            enable_kv_cache_events=True,
         )
         self._hasher = (
             v.get_request_block_hasher(
@@ -244,6 +259,8 @@ class VLLMEngine:
         self._lora_ids: dict[str, int] = {}
         self._estimate: int | None = None
         self._record_estimates(self.manager.coordinator)
+        #: (group, hash) that BlockStored events announced since the last clear
+        self._announced: set[tuple[int, Any]] = set()
 
     def _record_estimates(self, coordinator: Any) -> None:
         """Wrap this coordinator's ``get_num_blocks_to_allocate`` (on the instance only) to
@@ -320,7 +337,32 @@ class VLLMEngine:
             req.status = self._v.RequestStatus.PREEMPTED
 
     def new_step(self) -> None:
+        self._drain_events()
+        _call("make_prefix_cache_stats", (), self.manager.make_prefix_cache_stats)
         _call("new_step_starts", (), self.manager.new_step_starts)
+
+    def _drain_events(self) -> None:
+        """Take vLLM's KV cache events and check them against its pool: a BlockRemoved
+        names a hash a BlockStored announced (since the last AllBlocksCleared), and every
+        hash the pool holds was announced. Example: a block cached and evicted in one step
+        gives BlockStored([h]) then BlockRemoved([h]), and ``h`` leaves the pool."""
+        cleared, removed, stored = self._v.events
+        for event in _call("take_events", (), self.manager.take_events):
+            if isinstance(event, cleared):
+                self._announced.clear()
+                continue
+            keys = [(event.group_idx, h) for h in event.block_hashes]
+            if isinstance(event, stored):
+                self._announced.update(keys)
+            elif isinstance(event, removed) and not self._announced.issuperset(keys):
+                raise EngineError(f"vllm: KV event {event!r} removes a hash never stored")
+        group_of, hash_of, external = self._v.pool_key
+        for key in self._pool.cached_block_hash_to_block._cache:
+            if (group_of(key), external(hash_of(key))) not in self._announced:
+                raise EngineError(
+                    f"vllm: the pool caches hash {hash_of(key).hex()} of group "
+                    f"{group_of(key)} that no BlockStored event announced"
+                )
 
     def get_computed_blocks(self, request_id: str) -> CacheHit:
         req = self._request(request_id)
@@ -400,7 +442,9 @@ class VLLMEngine:
         self._hits.pop(request_id, None)
 
     def reset_prefix_cache(self) -> bool:
-        return bool(_call("reset_prefix_cache", (), self.manager.reset_prefix_cache))
+        done = bool(_call("reset_prefix_cache", (), self.manager.reset_prefix_cache))
+        self._drain_events()
+        return done
 
     def get_block_ids(self, request_id: str) -> BlockIds:
         ids = _call("get_block_ids", (request_id,), self.manager.get_block_ids, request_id)
