@@ -464,14 +464,10 @@ class VLLMEngine:
         return {b.block_id: b.ref_cnt for b in self._pool.blocks[1:]}
 
     def free_queue(self) -> list[int]:
-        """The free list from the front (next to allocate) to the back."""
-        out: list[int] = []
-        queue = self._pool.free_block_queue
-        node = queue.fake_free_list_head.next_free_block
-        while node is not None and node is not queue.fake_free_list_tail:
-            out.append(node.block_id)
-            node = node.next_free_block
-        return out
+        """The free list from the front (next to allocate) to the back (vLLM's own walk,
+        ``FreeKVCacheBlockQueue.get_all_free_blocks``)."""
+        blocks = _call("get_all_free_blocks", (), self._pool.free_block_queue.get_all_free_blocks)
+        return [block.block_id for block in blocks]
 
     def cached_blocks(self) -> list[CachedBlock]:
         """Every block registered in the prefix cache under its primary key.
