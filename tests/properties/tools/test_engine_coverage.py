@@ -12,6 +12,7 @@ would mean it was). Each run is ``kvconform check`` in its own process, as a use
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -180,3 +181,36 @@ def test_long_table_goes_to_a_file(tmp_path) -> None:
     assert len(table.read_text().splitlines()) == 45
     assert text.splitlines()[-1] == "engine branch coverage: 50.0% of 90 branches"
     assert Counter(line.split()[0] for line in table.read_text().splitlines())["m.py:45->46"] == 1
+
+
+def test_pytest_option_reports_the_same_coverage(tmp_path) -> None:
+    """``--kv-engine-coverage`` of the pytest plugin, on the packaged conformance tests
+    (the toy adapter runs isolated there: a module:factory with the default deadline)."""
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--pyargs",
+        "properties.tools.conformance",
+        "--kv-engine",
+        TOY,
+        "--kv-engine-coverage",
+        "--kv-profile",
+        "dev",
+        "-k",
+        "determinism",
+    ]
+    run = subprocess.run(
+        command,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "engine branch coverage: 50.0% of 6 branches" in run.stdout
+    assert unreached_lines(run.stdout) == list(UNREACHED)
