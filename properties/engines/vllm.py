@@ -18,7 +18,8 @@ How our layout maps to vLLM objects
 * ``KVCacheManager(config, max_model_len, scheduler_block_size=layout.scheduler_block_size,
   hash_block_size=layout.hash_block_size, max_in_flight_tokens=layout.max_in_flight_tokens,
   enable_caching=layout.enable_caching, log_stats=True, enable_kv_cache_events=True)``;
-  watermark 0, no EAGLE, no connector. KV events are drained at every ``new_step`` and
+  watermark 0, no EAGLE, no connector. Every other request asks for the ``full`` KV event
+  report mode (events for its reused blocks too). KV events are drained at every ``new_step`` and
   after ``reset_prefix_cache`` and checked against the pool (every cached hash was
   announced by a ``BlockStored``, every ``BlockRemoved`` names an announced one); the
   prefix cache stats are taken at every step.
@@ -301,7 +302,13 @@ class VLLMEngine:
         if rid in self.requests:
             raise EngineError(f"vllm: request {rid!r} added twice")
         v = self._v
-        params = v.SamplingParams(max_tokens=max(1, self.layout.max_model_len))
+        # every other request asks for events of its reused blocks too (vLLM's "full"
+        # report mode), the others for newly cached blocks only ("incremental")
+        mode = "full" if len(self.requests) % 2 else "incremental"
+        params = v.SamplingParams(
+            max_tokens=max(1, self.layout.max_model_len),
+            extra_args={"kv_cache_report_mode": mode},
+        )
         self.requests[rid] = _call(
             "Request",
             (rid, len(request.prompt_token_ids)),
