@@ -437,6 +437,7 @@ def cli_session(args, factory, fuzz: bool = False) -> Iterator:
             "--engine-coverage and --coverage cannot run together (one tracer per process)"
         )
     modules = resolve_modules(args.engine_coverage, factory, args.engine)
+    new_engine_coverage(())  # coverage.py missing: a usage error now, not in a worker
     if baseline:
         read_baseline(baseline)  # a bad file fails now, not after the run
     close = getattr(factory, "close", None)
