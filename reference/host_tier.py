@@ -6,8 +6,8 @@ secondary pool in host memory, one per window size; vLLM reaches the same kind o
 store through a KV connector, which reports the tokens it can load as *external
 computed tokens* (``allocate_slots(..., num_external_computed_tokens)``). This module
 states which blocks such a store holds and what a lookup returns; the engine under test
-only sees the number of external tokens. The machine's scheduler
-(:mod:`properties.runner.scheduler`) decides *when* blocks leave the primary pool and
+only sees the number of external tokens. The machine scheduler's KV connector
+(:mod:`properties.runner.connector`) decides *when* blocks leave the primary pool and
 calls :meth:`HostTier.offload`.
 
 Rules:

@@ -12,6 +12,9 @@ Layers, lowest first (a module may import its own layer or lower ones, never hig
 4     ``properties.mutants``
 5     ``properties.runner``
 6     ``properties.tools``
+7     ``kvconform`` (the public API: re-exports) and the deprecated old paths
+      (``properties.engine``, ``properties.trace``, ``properties.presets``,
+      ``properties.strategies``: aliases of the modules that moved)
 ====  =========================================================================
 
 Within layer 3 the three packages do not import each other. No module imports the
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGES = ("reference", "optimized", "properties")
+PACKAGES = ("reference", "optimized", "properties", "kvconform")
 LAYERS: dict[str, int] = {
     "reference": 0,
     "optimized": 1,
@@ -38,6 +41,11 @@ LAYERS: dict[str, int] = {
     "properties.mutants": 4,
     "properties.runner": 5,
     "properties.tools": 6,
+    "kvconform": 7,
+    "properties.engine": 7,
+    "properties.trace": 7,
+    "properties.presets": 7,
+    "properties.strategies": 7,
 }
 
 

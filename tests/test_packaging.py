@@ -1,6 +1,6 @@
 """What the installed package is made of (``ci/wheel`` checks the built wheel itself).
 
-* every package under ``reference``, ``optimized`` and ``properties`` is found by the
+* every package under ``reference``, ``optimized``, ``properties`` and ``kvconform`` is found by the
   ``[tool.setuptools.packages.find]`` patterns, and ``tests`` is not;
 * no module of those packages imports ``tests`` (an installed copy has no ``tests``);
 * the ``kvconform`` script and the ``pytest11`` entry point name real objects, and the
@@ -19,7 +19,7 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-TOPS = ("reference", "optimized", "properties")
+TOPS = ("reference", "optimized", "properties", "kvconform")
 
 
 def _packages() -> list[str]:
@@ -65,3 +65,12 @@ def test_entry_points_name_real_objects() -> None:
     plugin = importlib.import_module("properties.tools.pytest_plugin")
     assert callable(plugin.pytest_addoption) and callable(plugin.pytest_configure)
     assert "addopts" not in PYPROJECT["tool"]["pytest"]["ini_options"]
+
+
+def test_extras_and_the_report_schema_ship() -> None:
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert extras["pytest"] == ["pytest", "pytest-xdist"]
+    assert {"redis", "gpu", "engines", "test"} <= set(extras)
+    assert "jsonschema" in extras["test"]
+    package_data = PYPROJECT["tool"]["setuptools"]["package-data"]["properties.tools"]
+    assert any(fnmatch.fnmatch("report.schema.json", pattern) for pattern in package_data)

@@ -37,7 +37,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from properties.core.engine import BlockIds, CachedBlock, CacheHit, EngineError
+from properties.core.engine import BlockIds, CachedBlock, CacheHit, EngineError, PoolUsage
 from reference.layout import KVCacheLayout
 from reference.specs import FullAttentionSpec
 
@@ -261,3 +261,40 @@ def check_cached_blocks(what: str, value: Any, layout: KVCacheLayout) -> list[Ca
             )
         out.append(CachedBlock(block, gid, tokens))
     return out
+
+
+def check_pool_usage(what: str, value: Any, layout: KVCacheLayout) -> tuple[PoolUsage, ...]:
+    """``pool_usage()``: a non-empty sequence of :class:`PoolUsage` with distinct names,
+    whose ``group_ids`` partition the layout's groups, ``0 <= num_free <= num_blocks``.
+
+    Example: two groups and ``(PoolUsage("full", (0,), 16, 3),)`` raises (group 1 is in
+    no pool); ``PoolUsage("swa", (1,), 16, 17)`` raises (more free than the pool holds).
+    """
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence) or not value:
+        raise AnswerError(f"{what} returned {_short(value)}, not a non-empty sequence of PoolUsage")
+    out: list[PoolUsage] = []
+    seen_groups: list[int] = []
+    for i, p in enumerate(value):
+        if not isinstance(p, PoolUsage):
+            raise AnswerError(f"{what} returned {_short(p)} at position {i}, not a PoolUsage")
+        if not isinstance(p.name, str) or any(p.name == q.name for q in out):
+            raise AnswerError(f"{what}: pool {i} has name {p.name!r}, not a new string")
+        if isinstance(p.group_ids, (str, bytes)) or not isinstance(p.group_ids, Sequence):
+            raise AnswerError(f"{what}: pool {p.name!r} has group_ids {_short(p.group_ids)}")
+        where = f" in the group_ids of pool {p.name!r}"
+        groups = tuple(as_int(g, what, where) for g in p.group_ids)
+        blocks = as_int(p.num_blocks, what, f" as num_blocks of pool {p.name!r}")
+        free = as_int(p.num_free, what, f" as num_free of pool {p.name!r}")
+        if not 0 <= free <= blocks:
+            raise AnswerError(
+                f"{what}: pool {p.name!r} has {free} free of {blocks} blocks "
+                "(needs 0 <= num_free <= num_blocks)"
+            )
+        seen_groups.extend(groups)
+        out.append(PoolUsage(p.name, groups, blocks, free))
+    if sorted(seen_groups) != list(range(len(layout.groups))):
+        raise AnswerError(
+            f"{what}: the pools' group_ids {sorted(seen_groups)} do not partition the "
+            f"{len(layout.groups)} groups of the layout"
+        )
+    return tuple(out)

@@ -21,9 +21,11 @@ returns ``((1, 2),)``; had the engine returned ``[[1, None]]`` it would raise
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from properties.checks import answers
+from properties.core.allocation import Allocation, allocate
 from properties.core.deadline import DeadlinePassed, call_deadline
 from properties.core.engine import (
     BlockIds,
@@ -36,13 +38,15 @@ from properties.core.engine import (
     ExposesRefCounts,
     KVCacheEngine,
     PlansSteps,
+    PoolUsage,
     ReportsAllocationEstimate,
+    ReportsPools,
     RequestInput,
     SlotRequest,
     SupportsServingModes,
     UnsupportedLayoutError,
 )
-from properties.core.modes import allocate_keywords
+from properties.core.proxy import EngineProxy
 from reference.layout import KVCacheLayout
 
 
@@ -109,11 +113,11 @@ _REQUIRED = (
 )
 
 
-class EngineBoundary:
+class EngineBoundary(EngineProxy):
     """See the module docstring. Built by :func:`guard_engine`."""
 
     def __init__(self, engine: KVCacheEngine, layout: KVCacheLayout, timeout: float) -> None:
-        self.inner = engine
+        super().__init__(engine)
         self.layout = layout
         self.timeout = timeout
         self.name = engine_name(engine)
@@ -153,43 +157,15 @@ class EngineBoundary:
         self._hits[request_id] = (hit, raw)
         return hit
 
-    def allocate_slots(
-        self,
-        request_id: str,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        hit: CacheHit | None = None,
-        num_lookahead_tokens: int = 0,
-        full_sequence_must_fit: bool = False,
-        num_external_computed_tokens: int = 0,
-        delay_cache_blocks: bool = False,
-    ) -> BlockIds | None:
-        what = allocate_text(
-            request_id,
-            num_new_tokens,
-            num_new_computed_tokens,
-            num_lookahead_tokens,
-            full_sequence_must_fit,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-        )
-        own_hit = hit
-        kept = self._hits.pop(request_id, None)
-        if hit is not None and kept is not None and kept[0] is hit:
-            own_hit = kept[1]
-        args = [request_id, num_new_tokens, num_new_computed_tokens, own_hit, num_lookahead_tokens]
-        # the keywords go only to engines driven in those modes (SupportsServingModes)
-        keywords = allocate_keywords(
-            full_sequence_must_fit, num_external_computed_tokens, delay_cache_blocks
-        )
-        if keywords:
-            raw = self._call(what, self._allocate_with, keywords, *args)
-        else:
-            raw = self._call(what, self.inner.allocate_slots, *args)
+    def allocate(self, allocation: Allocation) -> BlockIds | None:
+        """The engine's own hit object goes back to it (the validated copy was handed out);
+        the serving-mode keywords only when not at their default (:func:`allocate`)."""
+        what = allocation.describe()
+        kept = self._hits.pop(allocation.request_id, None)
+        if allocation.hit is not None and kept is not None and kept[0] is allocation.hit:
+            allocation = replace(allocation, hit=kept[1])
+        raw = self._call(what, allocate, self.inner, allocation)
         return answers.check_new_blocks(f"{self.name}: {what}", raw, self.layout)
-
-    def _allocate_with(self, keywords: dict[str, Any], *args: Any) -> Any:
-        return self.inner.allocate_slots(*args, **keywords)
 
     def free(self, request_id: str) -> None:
         self._hits.pop(request_id, None)
@@ -213,31 +189,6 @@ class EngineBoundary:
         return answers.check_free_count(
             f"{self.name}: num_free_blocks()", raw, self.layout, not self.separate_group_pools
         )
-
-
-def allocate_text(
-    request_id: str,
-    num_new_tokens: int,
-    num_new_computed_tokens: int,
-    num_lookahead_tokens: int,
-    full_sequence_must_fit: bool = False,
-    num_external_computed_tokens: int = 0,
-    delay_cache_blocks: bool = False,
-) -> str:
-    """``allocate_slots('r0', num_new_tokens=8, num_new_computed_tokens=0, ...)``."""
-    return (
-        f"allocate_slots({request_id!r}, num_new_tokens={num_new_tokens}, "
-        f"num_new_computed_tokens={num_new_computed_tokens}, "
-        f"num_lookahead_tokens={num_lookahead_tokens}"
-        + (", full_sequence_must_fit=True" if full_sequence_must_fit else "")
-        + (
-            f", num_external_computed_tokens={num_external_computed_tokens}"
-            if num_external_computed_tokens
-            else ""
-        )
-        + (", delay_cache_blocks=True" if delay_cache_blocks else "")
-        + ")"
-    )
 
 
 def schedule_text(items: Sequence[SlotRequest]) -> str:
@@ -298,21 +249,25 @@ class _AllocationEstimate:
         return answers.check_estimate(f"{self.name}: {what}", raw)
 
 
-_CAPABILITIES = (
+class _Pools:
+    def pool_usage(self) -> tuple[PoolUsage, ...]:
+        raw = self._call("pool_usage()", self.inner.pool_usage)
+        return answers.check_pool_usage(f"{self.name}: pool_usage()", raw, self.layout)
+
+
+#: The capabilities the boundary passes on, each call validated; the others (batched
+#: commits, the data plane) are not offered through it.
+EngineBoundary.CAPABILITIES = (
     (ExposesRefCounts, _RefCounts),
     (ExposesFreeQueue, _FreeQueue),
     (ExposesCachedBlocks, _CachedBlocks),
     (PlansSteps, _PlansSteps),
     (SupportsServingModes, _ServingModes),
     (ReportsAllocationEstimate, _AllocationEstimate),
+    (ReportsPools, _Pools),
 )
-_CLASSES: dict[tuple[type, ...], type] = {}
 
 
 def guard_engine(engine: KVCacheEngine, layout: KVCacheLayout, timeout: float) -> EngineBoundary:
     """``engine`` behind an :class:`EngineBoundary` offering the same capabilities."""
-    mixins = tuple(mixin for protocol, mixin in _CAPABILITIES if isinstance(engine, protocol))
-    if mixins not in _CLASSES:
-        name = "EngineBoundary" + "".join(m.__name__.replace("_", "") for m in mixins)
-        _CLASSES[mixins] = type(name, (*mixins, EngineBoundary), {})
-    return _CLASSES[mixins](engine, layout, timeout)
+    return EngineBoundary.around(engine, layout, timeout)

@@ -116,8 +116,8 @@ class Checker:
             if full_sequence_must_fit and tracked is not None:
                 # the admission gate asks for the whole sequence first
                 slots = max(slots, len(tracked.token_ids))
-            slots = min(slots, self.state.layout.max_model_len)
-            failed = FailedAllocationEvent(request_id, hit, before, tables_before, slots)
+            capped = min(slots, self.state.layout.max_model_len)
+            failed = FailedAllocationEvent(request_id, hit, before, tables_before, capped, slots)
             self._run("failed_allocation", failed)
             self.check_pool()
             return

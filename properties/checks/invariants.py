@@ -607,3 +607,98 @@ def free_queue_contents(state: CheckState, event: PoolEvent) -> str | None:
             f"{sorted(zero - set(queue))[:8]}, extra {sorted(set(queue) - zero)[:8]}"
         )
     return None
+
+
+# ---------------------------------------------------------------------------
+# Separate pools (S1-S3): engines whose groups do not share one block pool
+
+
+def _held_per_pool(state: CheckState, tables: dict) -> dict[str, set[int]]:
+    """The distinct non-null blocks the requests' tables hold, per pool."""
+    held: dict[str, set[int]] = {}
+    for pool in state.pools():
+        blocks = held.setdefault(pool.name, set())
+        for table in tables.values():
+            for gid in pool.group_ids:
+                if gid < len(table):
+                    blocks.update(b for b in table[gid] if b != 0)
+    return held
+
+
+def pool_accounting_per_pool(state: CheckState, event: PoolEvent) -> str | None:
+    """S1: in every pool, the free count plus the distinct blocks the requests hold from
+    it never exceeds the pool's capacity, and a pool's capacity and groups never change.
+
+    Example: SGLang's SWA pool of 16 pages reports 14 free while two requests hold SWA
+    pages 3, 4 and 9: 14 + 3 > 16, a page is counted free (or reclaimable) while held.
+    """
+    held = _held_per_pool(state, event.tables)
+    for pool in state.pools():
+        first = state.initial_pools.get(pool.name)
+        if first is None or (first.num_blocks, first.group_ids) != (
+            pool.num_blocks,
+            pool.group_ids,
+        ):
+            return (
+                f"pool {pool.name!r} is now {pool.num_blocks} blocks for groups "
+                f"{list(pool.group_ids)}; the fresh engine reported "
+                f"{'no such pool' if first is None else (first.num_blocks, list(first.group_ids))}"
+            )
+        n = len(held[pool.name])
+        if pool.num_free + n > pool.num_blocks:
+            return (
+                f"pool {pool.name!r} (groups {list(pool.group_ids)}): {pool.num_free} free + "
+                f"{n} held by requests > its {pool.num_blocks} blocks"
+            )
+    return None
+
+
+def idle_pool_free_per_pool(state: CheckState, event: PoolEvent) -> str | None:
+    """S2: with no request holding blocks, every pool is back to the fresh engine's free
+    count (I7 per pool: a leak in a larger pool hides behind a smaller pool's count).
+
+    Example: full pool 12 pages, SWA pool 16 pages, every request freed, the SWA pool
+    reports 15 free: a SWA page leaked, yet ``num_free_blocks()`` (SGLang: the smaller
+    pool's count, 12) is back to the fresh engine's and I7 sees nothing.
+    """
+    if event.tables:
+        return None
+    for pool in state.pools():
+        first = state.initial_pools[pool.name]
+        if pool.num_free != first.num_free:
+            return (
+                f"no request holds blocks, but pool {pool.name!r} (groups "
+                f"{list(pool.group_ids)}) has {pool.num_free} blocks free or reclaimable; "
+                f"the fresh engine had {first.num_free}"
+            )
+    return None
+
+
+def allocation_fits_per_pool(state: CheckState, event: FailedAllocationEvent) -> str | None:
+    """S3: A2 per pool: an allocation offered no prefix hit does not fail when, in every
+    pool, the new blocks its groups need fit that pool's free count before the call
+    (a group needs at most ``cdiv(slots, bs) - len(row)``; ``slots`` not capped at
+    ``max_model_len``: engines such as SGLang give lookahead slots past it).
+
+    Example: full pool (group 0) 3 free, SWA pool (group 1) 2 free, bs 4, empty rows,
+    8 slots: each pool needs 2 blocks and has them, so ``None`` is a violation; with 12
+    slots the SWA pool needs 3 > 2 and ``None`` is allowed.
+    """
+    free = event.before[3] if len(event.before) > 3 else None
+    if free is None or (event.hit is not None and event.hit.num_tokens > 0):
+        return None
+    rows = event.tables_before or tuple(() for _ in state.layout.groups)
+    slots = max(event.num_slots, event.num_slots_uncapped)
+    needs = []
+    for pool in state.pools():
+        need = sum(
+            max(0, cdiv(slots, state.layout.groups[g].spec.block_size) - len(rows[g]))
+            for g in pool.group_ids
+        )
+        if need > free.get(pool.name, 0):
+            return None
+        needs.append(f"{pool.name}: {need} of {free.get(pool.name, 0)} free")
+    return (
+        f"allocate_slots({event.request_id!r}) for {slots} slots returned None, "
+        f"but every pool had the blocks it needs ({'; '.join(needs)})"
+    )

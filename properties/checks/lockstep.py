@@ -13,12 +13,14 @@ result is logged; the log is the ``observed`` part of a saved trace.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from properties.checks.answers import check_new_blocks_are_tail
-from properties.checks.boundary import allocate_text, engine_name, guard_engine, schedule_text
+from properties.checks.boundary import engine_name, guard_engine, schedule_text
 from properties.checks.checker import Checker
 from properties.checks.registry import PropertyViolation
+from properties.core.allocation import Allocation, allocate
 from properties.core.engine import (
     BlockIds,
     CacheHit,
@@ -29,12 +31,13 @@ from properties.core.engine import (
     RequestInput,
     SlotRequest,
 )
-from properties.core.modes import allocate_keywords
+from properties.core.proxy import EngineProxy
 from reference.layout import KVCacheLayout
 
 
-class LockstepEngine:
-    """See the module docstring."""
+class LockstepEngine(EngineProxy):
+    """See the module docstring. Its inner engine is the boundary around the engine
+    under test (``self.engine``)."""
 
     def __init__(
         self,
@@ -44,7 +47,8 @@ class LockstepEngine:
         disabled: Iterable[str] = (),
         call_timeout: float = 0.0,
     ) -> None:
-        self.engine = guard_engine(engine, layout, call_timeout)
+        super().__init__(guard_engine(engine, layout, call_timeout))
+        self.engine = self.inner
         self.reference = reference
         self.layout = layout
         self.checker = Checker(self.engine, layout, disabled)
@@ -160,48 +164,19 @@ class LockstepEngine:
         self.checker.on_lookup(request_id, hit, before)
         return hit
 
-    def allocate_slots(
-        self,
-        request_id: str,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        hit: CacheHit | None = None,
-        num_lookahead_tokens: int = 0,
-        full_sequence_must_fit: bool = False,
-        num_external_computed_tokens: int = 0,
-        delay_cache_blocks: bool = False,
-    ) -> BlockIds | None:
+    def allocate(self, allocation: Allocation) -> BlockIds | None:
+        request_id, hit = allocation.request_id, allocation.hit
         before = self.checker.snapshot()
         # the keywords go only to engines driven in those modes (SupportsServingModes)
-        gate = allocate_keywords(
-            full_sequence_must_fit, num_external_computed_tokens, delay_cache_blocks
-        )
+        gate = allocation.keywords()
         tracked = self.checker.requests.get(request_id)
         tables_before = (
             self.checker.state.table_of(request_id)
             if tracked is not None and tracked.holds_blocks
             else None
         )
-        what = allocate_text(
-            request_id,
-            num_new_tokens,
-            num_new_computed_tokens,
-            num_lookahead_tokens,
-            full_sequence_must_fit,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-        )
-        result = self._call(
-            self.engine.allocate_slots,
-            request_id,
-            num_new_tokens,
-            num_new_computed_tokens,
-            hit,
-            num_lookahead_tokens,
-            full_sequence_must_fit,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-        )
+        what = allocation.describe()
+        result = self._call(allocate, self.engine, allocation)
         estimate = None
         if result is not None:
             table = self.checker.state.table_of(request_id)
@@ -212,34 +187,27 @@ class LockstepEngine:
             "allocate_slots",
             {
                 "request_id": request_id,
-                "num_new_tokens": num_new_tokens,
-                "num_new_computed_tokens": num_new_computed_tokens,
-                "num_lookahead_tokens": num_lookahead_tokens,
+                "num_new_tokens": allocation.num_new_tokens,
+                "num_new_computed_tokens": allocation.num_new_computed_tokens,
+                "num_lookahead_tokens": allocation.num_lookahead_tokens,
                 **gate,
             },
             None if result is None else _ids(result),
         )
         if self.reference is not None:
             ref_hit = self._ref_hits.pop(request_id, None) if hit is not None else None
-            expected = self.reference.allocate_slots(
-                request_id,
-                num_new_tokens,
-                num_new_computed_tokens,
-                ref_hit,
-                num_lookahead_tokens,
-                **gate,
-            )
+            expected = allocate(self.reference, replace(allocation, hit=ref_hit))
             self._compare_allocation(what, expected, result)
         self.checker.on_allocate(
             request_id,
-            num_new_tokens,
+            allocation.num_new_tokens,
             hit,
             result,
             before,
             tables_before,
-            num_lookahead_tokens,
-            full_sequence_must_fit,
-            num_external_computed_tokens,
+            allocation.num_lookahead_tokens,
+            allocation.full_sequence_must_fit,
+            allocation.num_external_computed_tokens,
             estimate,
         )
         self._compare_state(what, request_id)
@@ -276,11 +244,7 @@ class LockstepEngine:
         if not isinstance(self.engine, PlansSteps):
             out: list[BlockIds | None] = []
             for item in items:
-                out.append(
-                    self.allocate_slots(
-                        item.request_id, item.num_new_tokens, 0, None, item.num_lookahead_tokens
-                    )
-                )
+                out.append(self.allocate(_item_allocation(item)))
                 if out[-1] is None:
                     break
             return out
@@ -312,9 +276,7 @@ class LockstepEngine:
                 None if result is None else _ids(result),
             )
             if self.reference is not None:
-                expected = self.reference.allocate_slots(
-                    item.request_id, item.num_new_tokens, 0, None, item.num_lookahead_tokens
-                )
+                expected = allocate(self.reference, _item_allocation(item))
                 self._compare_allocation(call, expected, result)
         taken = 0  # blocks the earlier items of the batch got: a lower bound of the free
         for item, result in zip(items, results):  # count each later item met (A2)
@@ -323,7 +285,8 @@ class LockstepEngine:
                 item.num_new_tokens,
                 None,
                 result,
-                (before[0] - taken, *before[1:]),
+                # per-pool free counts are known only before the batch's first item
+                (before[0] - taken, before[1], before[2], before[3] if taken == 0 else None),
                 tables_before.get(item.request_id),
                 item.num_lookahead_tokens,
             )
@@ -355,11 +318,12 @@ class LockstepEngine:
         self.checker.on_reset(ok)
         return ok
 
-    def get_block_ids(self, request_id: str) -> BlockIds:
-        return self.engine.get_block_ids(request_id)
 
-    def num_free_blocks(self) -> int:
-        return self.engine.num_free_blocks()
+def _item_allocation(item: SlotRequest) -> Allocation:
+    """A batch item's allocation (see :class:`SlotRequest`): no hit."""
+    return Allocation(
+        item.request_id, item.num_new_tokens, num_lookahead_tokens=item.num_lookahead_tokens
+    )
 
 
 def _ids(block_ids) -> list[list[int]]:

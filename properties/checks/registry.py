@@ -6,7 +6,8 @@ when the check runs (``on``: the event of :mod:`properties.checks.state`, or
 ``boundary``/``lockstep``/``attention``/``determinism`` for the checks that are not
 invariants; ``answers`` is :mod:`properties.checks.answers` at the engine boundary), the
 label of the rule it guards in ``docs/spec.md``, and the optional engine capabilities it
-needs (``ref_counts``, ``free_queue``, ``cached_blocks``, ``allocation_estimate``;
+needs (``ref_counts``, ``free_queue``, ``cached_blocks``, ``allocation_estimate``,
+``pools``: the engine reports its separate block pools;
 ``shared_pool``: the groups share one block pool). A check whose capabilities the
 engine lacks does not run.
 
@@ -110,6 +111,13 @@ _REGISTRY: tuple[CheckInfo, ...] = (
         ["shared_pool"],
     ),
     _check(
+        inv.allocation_fits_per_pool,
+        "failed_allocation",
+        "S3",
+        "per pool: an allocation that fits every pool's free count does not fail",
+        ["pools"],
+    ),
+    _check(
         inv.committed_blocks_verified,
         "commit",
         "C1",
@@ -132,6 +140,20 @@ _REGISTRY: tuple[CheckInfo, ...] = (
     ),
     _check(inv.pool_accounting, "pool", "I1", "free + in use == num_blocks - 1", ["shared_pool"]),
     _check(inv.idle_pool_free, "pool", "I7", "nothing held: every block free or reclaimable"),
+    _check(
+        inv.pool_accounting_per_pool,
+        "pool",
+        "S1",
+        "per pool: free + held <= capacity",
+        ["pools"],
+    ),
+    _check(
+        inv.idle_pool_free_per_pool,
+        "pool",
+        "S2",
+        "per pool: nothing held, every block free or reclaimable",
+        ["pools"],
+    ),
     _check(
         inv.ref_counts_match_owners,
         "pool",
@@ -157,7 +179,7 @@ _REGISTRY: tuple[CheckInfo, ...] = (
     _check(
         None,
         "lockstep",
-        "X1",
+        "E1",
         "same hits, block ids, free counts and queue as the reference (exact level)",
         name="exact_match",
     ),

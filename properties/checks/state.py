@@ -27,7 +27,9 @@ from properties.core.engine import (
     ExposesFreeQueue,
     ExposesRefCounts,
     KVCacheEngine,
+    PoolUsage,
     ReportsAllocationEstimate,
+    ReportsPools,
 )
 from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
@@ -51,8 +53,9 @@ class TrackedRequest:
             self.ids = extend_prefix_ids(self.ids, self.token_ids, self.cache_salt, self.lora_name)
 
 
-#: ``(num_free_blocks, ref counts or None, free queue or None)`` at one moment.
-Snapshot = tuple[int, "dict[int, int] | None", "list[int] | None"]
+#: ``(num_free_blocks, ref counts or None, free queue or None, free count per pool or
+#: None)`` at one moment (the last for engines that report separate pools).
+Snapshot = tuple[int, "dict[int, int] | None", "list[int] | None", "dict[str, int] | None"]
 
 
 class CheckState:
@@ -76,9 +79,14 @@ class CheckState:
         self.has_free_queue = isinstance(engine, ExposesFreeQueue)
         self.has_cached = isinstance(engine, ExposesCachedBlocks)
         self.has_estimate = isinstance(engine, ReportsAllocationEstimate)
+        self.has_pools = isinstance(engine, ReportsPools)
         self.alignment = layout.cache_hit_alignment
         #: the free count of the fresh engine: every block free or reclaimable
         self.initial_free = engine.num_free_blocks()
+        #: the fresh engine's pools (engines that report separate pools), by name
+        self.initial_pools: dict[str, PoolUsage] = (
+            {p.name: p for p in engine.pool_usage()} if self.has_pools else {}
+        )
         #: external hits: the host tier the machine's connector loads from (X1)
         self.host_tier: HostTier | None = None
         self._reads: dict[str, object] = {}
@@ -92,6 +100,7 @@ class CheckState:
             ("cached_blocks", self.has_cached),
             ("allocation_estimate", self.has_estimate),
             ("shared_pool", self.shared_pool),
+            ("pools", self.has_pools),
         )
         return frozenset(name for name, present in names if present)
 
@@ -120,6 +129,9 @@ class CheckState:
     def cached_blocks(self) -> list:
         return self._read("cached_blocks", lambda: list(self.engine.cached_blocks()))
 
+    def pools(self) -> tuple[PoolUsage, ...]:
+        return self._read("pools", lambda: tuple(self.engine.pool_usage()))
+
     def table_of(self, request_id: str) -> BlockIds:
         table = self._tables.get(request_id)
         if table is None:
@@ -136,6 +148,7 @@ class CheckState:
             self.num_free(),
             self.ref_counts() if self.has_ref_counts else None,
             self.free_queue() if self.has_free_queue else None,
+            {p.name: p.num_free for p in self.pools()} if self.has_pools else None,
         )
 
 
@@ -200,6 +213,9 @@ class FailedAllocationEvent:
     before: Snapshot
     tables_before: BlockIds | None
     num_slots: int = 0
+    #: the slot count before the ``max_model_len`` cap (engines such as SGLang give
+    #: lookahead slots past it)
+    num_slots_uncapped: int = 0
 
 
 @dataclass(frozen=True)

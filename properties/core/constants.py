@@ -13,6 +13,10 @@
   (``--call-timeout``; 0 turns the deadline off). :data:`ISOLATION_MODES`: where the
   engine under test runs (``auto``: outside adapters in a child process, built-in
   engines in this one; ``process``; ``none``).
+* :data:`DEFAULTS` (a :class:`Defaults`): the one set of defaults of ``kvconform check``
+  and the pytest plugin (engine, profile, level, max examples, seed, call timeout,
+  isolation); both read it, so ``kvconform check`` and ``pytest --pyargs
+  kvconform.conformance`` run the same examples when given the same options.
 * Exit codes of the ``kvconform`` command: :data:`EXIT_PASSED` 0, :data:`EXIT_FAILED` 1
   (a property failed), :data:`EXIT_USAGE` 2 (bad option or configuration),
   :data:`EXIT_ENGINE` 3 (the engine broke the protocol), :data:`EXIT_COVERAGE` 4 (a branch
@@ -22,18 +26,39 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 #: The properties ``kvconform check`` runs (:mod:`properties.runner.check`).
 PROPERTIES: tuple[str, ...] = ("invariants", "attention", "determinism", "production")
 
 LEVELS: tuple[str, ...] = ("universal", "exact")
-DEFAULT_LEVEL = "universal"
-
 PROFILES: tuple[str, ...] = ("dev", "ci", "nightly", "gpu")
-DEFAULT_PROFILE = "ci"
-
-DEFAULT_CALL_TIMEOUT_S = 5.0
 ISOLATION_MODES: tuple[str, ...] = ("auto", "process", "none")
-DEFAULT_ISOLATION = "auto"
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """The defaults of a check run, shared by the CLI and the pytest plugin.
+
+    ``max_examples`` and ``seed`` of ``None`` mean: the profile's number of examples, and
+    no seed (the ``ci`` profile is derandomized: the same examples on every run; the
+    others draw a seed and print it). Example: ``DEFAULTS.profile == "ci"``.
+    """
+
+    engine: str = "reference"
+    profile: str = "ci"
+    level: str = "universal"
+    max_examples: int | None = None
+    seed: int | None = None
+    call_timeout: float = 5.0
+    isolation: str = "auto"
+
+
+DEFAULTS = Defaults()
+DEFAULT_LEVEL = DEFAULTS.level
+DEFAULT_PROFILE = DEFAULTS.profile
+DEFAULT_CALL_TIMEOUT_S = DEFAULTS.call_timeout
+DEFAULT_ISOLATION = DEFAULTS.isolation
 
 DEFAULT_FAILURE_DIR = ".kvconform/failures"
 DEFAULT_DATABASE_DIR = ".kvconform/hypothesis"

@@ -36,7 +36,10 @@ request's computed tokens and new output token in one call), ``ExposesDataPlane`
 (the engine's own device block tables, slot mapping, paged caches and attention: the
 ``attention`` property then runs through them instead of the harness's copies),
 ``ReportsAllocationEstimate`` (the number of blocks the last ``allocate_slots`` estimated
-it needed: A4 compares it with the blocks the call pulled from the free pool).
+it needed: A4 compares it with the blocks the call pulled from the free pool),
+``ReportsPools`` (engines whose groups live in separate block pools, such as SGLang's full
+and SWA pools or TensorRT-LLM's pool per window size: each pool's groups, capacity and
+free count, so that S1-S3 check accounting, idle pools and failed allocations per pool).
 
 Serving modes (:mod:`properties.core.modes`) need ``SupportsServingModes``:
 ``set_in_flight(id, num_in_flight_tokens, num_pending_tokens)`` (asynchronous
@@ -202,6 +205,36 @@ class ReportsAllocationEstimate(Protocol):
         evictable (it leaves the free queue when adopted), two are new: the estimate is
         3, and the call then pulls those 3 blocks from the free pool.
         """
+        ...
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """One block pool of an engine whose groups do not share a pool (``ReportsPools``).
+
+    ``group_ids``: the KV cache groups (layout order) whose block ids come from this pool;
+    ``num_blocks``: the pool's usable blocks (a null block excluded); ``num_free``: the
+    blocks an allocation in this pool could take now (free, or reclaimable by evicting
+    cached blocks nobody holds). Block ids are per pool: block 5 of one pool and block 5
+    of another are different blocks.
+
+    Example (SGLang, full group 0 and SWA group 1, 16 pages each, a request holding 3
+    full pages and 2 SWA pages, nothing cached):
+    ``(PoolUsage("full", (0,), 16, 13), PoolUsage("swa", (1,), 16, 14))``.
+    """
+
+    name: str
+    group_ids: tuple[int, ...]
+    num_blocks: int
+    num_free: int
+
+
+@runtime_checkable
+class ReportsPools(Protocol):
+    def pool_usage(self) -> Sequence[PoolUsage]:
+        """Every block pool of the engine, each group in exactly one of them (see
+        :class:`PoolUsage`). ``num_free_blocks()`` stays the engine's own figure (SGLang:
+        the smallest pool's free count)."""
         ...
 
 

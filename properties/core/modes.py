@@ -166,21 +166,3 @@ def production_settings(factory: object) -> frozenset[str]:
 
 #: The keywords of ``allocate_slots`` that belong to the ``external`` production setting.
 EXTERNAL_KEYWORDS: tuple[str, ...] = ("num_external_computed_tokens", "delay_cache_blocks")
-
-
-def allocate_keywords(
-    full_sequence_must_fit: bool = False,
-    num_external_computed_tokens: int = 0,
-    delay_cache_blocks: bool = False,
-) -> dict[str, bool | int]:
-    """The serving-mode keywords of one ``allocate_slots`` call, only those not at their
-    default, so that an engine is never handed a keyword of a mode it is not driven in.
-    Example: ``allocate_keywords(True, 0, False)`` -> ``{"full_sequence_must_fit": True}``."""
-    keywords: dict[str, bool | int] = {}
-    if full_sequence_must_fit:
-        keywords["full_sequence_must_fit"] = True
-    if num_external_computed_tokens:
-        keywords["num_external_computed_tokens"] = int(num_external_computed_tokens)
-    if delay_cache_blocks:
-        keywords["delay_cache_blocks"] = True
-    return keywords

@@ -42,6 +42,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
+from properties.core.allocation import Allocation, TakesAllocations
 from properties.core.engine import (
     BlockIds,
     CachedBlock,
@@ -49,10 +50,11 @@ from properties.core.engine import (
     CallTimeoutError,
     EngineError,
     EngineLoadError,
+    PoolUsage,
     RequestInput,
     UnsupportedLayoutError,
 )
-from properties.core.modes import EXTERNAL_KEYWORDS, PRODUCTION_SETTINGS, allocate_keywords
+from properties.core.modes import EXTERNAL_KEYWORDS, PRODUCTION_SETTINGS
 from properties.core.trace import layout_to_json
 from reference.layout import KVCacheLayout
 
@@ -75,6 +77,7 @@ CAPABILITIES = (
     "cached_blocks",
     "serving_modes",
     "allocation_estimate",
+    "pools",
 )
 
 _STDERR_TAIL_BYTES = 4000
@@ -432,7 +435,7 @@ def _table(value: Any, what: str, process: ExecProcess) -> BlockIds:
     return tuple(tuple(_int(b, what, process) for b in row) for row in value)
 
 
-class ExecEngine:
+class ExecEngine(TakesAllocations):
     """:class:`properties.core.engine.KVCacheEngine` served by a child process.
 
     Built by :class:`ExecEngineFactory`. Calls made after the factory built a newer
@@ -501,46 +504,38 @@ class ExecEngine:
             _int(result["num_tokens"], what, self.process),
         )
 
-    def allocate_slots(
-        self,
-        request_id: str,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        hit: CacheHit | None = None,
-        num_lookahead_tokens: int = 0,
-    ) -> BlockIds | None:
-        return self._allocate(
-            request_id, num_new_tokens, num_new_computed_tokens, hit, num_lookahead_tokens, {}
-        )
-
-    def _allocate(
-        self,
-        request_id: str,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        hit: CacheHit | None,
-        num_lookahead_tokens: int,
-        keywords: dict[str, Any],
-    ) -> BlockIds | None:
-        """``allocate_slots`` with the serving-mode ``keywords`` (only the non-default
-        ones, so an engine is sent exactly the arguments it was built for)."""
+    def allocate(self, allocation: Allocation) -> BlockIds | None:
+        """``allocate_slots`` over the protocol: the serving-mode keywords only when not
+        at their default, so an engine is sent exactly the arguments it was built for
+        (they need the ``serving_modes`` capability, the external-hit ones also the
+        ``external`` production setting)."""
+        keywords = allocation.keywords()
+        if keywords:
+            self._check_keywords(allocation, keywords)
+        hit = allocation.hit
         args = {
-            "request_id": request_id,
-            "num_new_tokens": int(num_new_tokens),
-            "num_new_computed_tokens": int(num_new_computed_tokens),
+            "request_id": allocation.request_id,
+            "num_new_tokens": int(allocation.num_new_tokens),
+            "num_new_computed_tokens": int(allocation.num_new_computed_tokens),
             "hit": None
             if hit is None
             else {
                 "num_tokens": int(hit.num_tokens),
                 "block_ids": [[int(b) for b in row] for row in hit.block_ids],
             },
-            "num_lookahead_tokens": int(num_lookahead_tokens),
+            "num_lookahead_tokens": int(allocation.num_lookahead_tokens),
             **keywords,
         }
         result = self._call("allocate_slots", args)
         if result is None:
             return None
         return _table(result, describe_call("allocate_slots", args), self.process)
+
+    def _check_keywords(self, allocation: Allocation, keywords: dict[str, Any]) -> None:
+        raise EngineError(
+            f"exec engine {self.name!r}: {allocation.describe()} with serving-mode keywords, "
+            "but the engine did not announce the serving_modes capability in create"
+        )
 
     def free(self, request_id: str) -> None:
         self._call("free", {"request_id": request_id})
@@ -628,35 +623,14 @@ class _ServingModes:
     def cache_blocks(self, request_id: str, num_tokens: int) -> None:
         self._call("cache_blocks", {"request_id": request_id, "num_tokens": int(num_tokens)})
 
-    def allocate_slots(
-        self,
-        request_id: str,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        hit: CacheHit | None = None,
-        num_lookahead_tokens: int = 0,
-        full_sequence_must_fit: bool = False,
-        num_external_computed_tokens: int = 0,
-        delay_cache_blocks: bool = False,
-    ) -> BlockIds | None:
-        keywords = allocate_keywords(
-            full_sequence_must_fit, num_external_computed_tokens, delay_cache_blocks
-        )
+    def _check_keywords(self, allocation: Allocation, keywords: dict[str, Any]) -> None:
         external = [k for k in keywords if k in EXTERNAL_KEYWORDS]
         if external and "external" not in self.production_settings:
             raise EngineError(
-                f"exec engine {self.name!r}: allocate_slots({request_id!r}) with "
+                f"exec engine {self.name!r}: allocate_slots({allocation.request_id!r}) with "
                 f"{', '.join(external)}, but the engine did not declare the 'external' "
                 "production setting in hello (docs/exec-protocol.md)"
             )
-        return self._allocate(
-            request_id,
-            num_new_tokens,
-            num_new_computed_tokens,
-            hit,
-            num_lookahead_tokens,
-            keywords,
-        )
 
 
 class _AllocationEstimate:
@@ -670,12 +644,42 @@ class _AllocationEstimate:
         return _int(result, "last_allocation_estimate()", self.process)
 
 
+class _Pools:
+    """:class:`properties.core.engine.ReportsPools` over the protocol: the ``pools``
+    capability; the answer is a list of ``{"name", "group_ids", "num_blocks", "num_free"}``
+    objects (the boundary then checks that they partition the groups)."""
+
+    def pool_usage(self) -> list[PoolUsage]:
+        result = self._call("pool_usage")
+        keys = {"name", "group_ids", "num_blocks", "num_free"}
+        if not isinstance(result, list) or not all(
+            isinstance(p, dict) and set(p) == keys and isinstance(p["group_ids"], list)
+            for p in result
+        ):
+            self.process._fail(
+                ExecProtocolError,
+                f"pool_usage() returned {_clip(json.dumps(result))}, not a list of "
+                "{name, group_ids, num_blocks, num_free} objects",
+            )
+        what = "pool_usage()"
+        return [
+            PoolUsage(
+                p["name"],
+                tuple(_int(g, what, self.process) for g in p["group_ids"]),
+                _int(p["num_blocks"], what, self.process),
+                _int(p["num_free"], what, self.process),
+            )
+            for p in result
+        ]
+
+
 _MIXINS = {
     "allocation_estimate": _AllocationEstimate,
     "ref_counts": _RefCounts,
     "free_queue": _FreeQueue,
     "cached_blocks": _CachedBlocks,
     "serving_modes": _ServingModes,
+    "pools": _Pools,
 }
 _CLASSES: dict[frozenset[str], type] = {}
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from properties.core.allocation import TakesAllocations
 from properties.core.engine import BlockIds, CacheHit, EngineError
 
 
-class ManagerEngine:
-    """The delegating calls of an engine over a reference-API manager."""
+class ManagerEngine(TakesAllocations):
+    """The delegating calls of an engine over a reference-API manager. A subclass
+    implements ``allocate(allocation)`` (:class:`properties.core.allocation.Allocation`);
+    ``allocate_slots`` builds the value."""
 
     name = "manager"
     manager: Any

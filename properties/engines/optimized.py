@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from optimized.data_plane import DataPlane
 from optimized.kv_cache_manager import ComputedBlocks, KVCacheManager, StepItem
 from optimized.request import Request
+from properties.core.allocation import Allocation
 from properties.core.engine import (
     BlockIds,
     CachedBlock,
@@ -90,22 +91,21 @@ class OptimizedEngine(ManagerEngine):
         self._hits[request_id] = (hit, computed)
         return hit
 
-    def allocate_slots(
-        self,
-        request_id: str,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        hit: CacheHit | None = None,
-        num_lookahead_tokens: int = 0,
-    ) -> BlockIds | None:
-        computed = self._computed_blocks(request_id, hit)
+    def allocate(self, allocation: Allocation) -> BlockIds | None:
+        request_id = allocation.request_id
+        if allocation.keywords():
+            raise EngineError(
+                f"optimized: {allocation.describe()}: the optimized engine is driven in the "
+                "default serving mode only (no serving-mode keywords)"
+            )
+        computed = self._computed_blocks(request_id, allocation.hit)
         try:
             new = self.manager.allocate_slots(
                 self._request(request_id),
-                num_new_tokens,
-                num_new_computed_tokens,
+                allocation.num_new_tokens,
+                allocation.num_new_computed_tokens,
                 computed,
-                num_lookahead_tokens,
+                allocation.num_lookahead_tokens,
             )
         except KVConformError as exc:
             raise EngineError(f"optimized: allocate_slots({request_id!r}): {exc}") from exc

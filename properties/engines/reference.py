@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from properties.core.allocation import Allocation
 from properties.core.engine import BlockIds, CachedBlock, CacheHit, EngineError, RequestInput
 from properties.core.modes import PRODUCTION_SETTINGS
 from properties.engines.manager_engine import ManagerEngine
@@ -53,32 +54,17 @@ class ReferenceEngine(ManagerEngine):
         self._hits[request_id] = (hit, computed)
         return hit
 
-    def allocate_slots(
-        self,
-        request_id: str,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        hit: CacheHit | None = None,
-        num_lookahead_tokens: int = 0,
-        full_sequence_must_fit: bool = False,
-        num_external_computed_tokens: int = 0,
-        delay_cache_blocks: bool = False,
-    ) -> BlockIds | None:
-        computed = self._computed_blocks(request_id, hit)
+    def allocate(self, allocation: Allocation) -> BlockIds | None:
+        request_id = allocation.request_id
+        computed = self._computed_blocks(request_id, allocation.hit)
         try:
             new = self.manager.allocate_slots(
                 self._request(request_id),
-                num_new_tokens,
-                num_new_computed_tokens,
+                allocation.num_new_tokens,
+                allocation.num_new_computed_tokens,
                 computed,
-                num_lookahead_tokens,
-                **({"full_sequence_must_fit": True} if full_sequence_must_fit else {}),
-                **(
-                    {"num_external_computed_tokens": num_external_computed_tokens}
-                    if num_external_computed_tokens
-                    else {}
-                ),
-                **({"delay_cache_blocks": True} if delay_cache_blocks else {}),
+                allocation.num_lookahead_tokens,
+                **allocation.keywords(),
             )
         except KVConformError as exc:
             raise EngineError(f"reference: allocate_slots({request_id!r}): {exc}") from exc

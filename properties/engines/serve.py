@@ -33,6 +33,7 @@ import sys
 import traceback
 from typing import Any, BinaryIO
 
+from properties.core.allocation import Allocation, allocate
 from properties.core.coverage_probe import start_measuring, stop_measuring
 from properties.core.engine import (
     CachedBlock,
@@ -42,13 +43,15 @@ from properties.core.engine import (
     ExposesFreeQueue,
     ExposesRefCounts,
     KVCacheEngine,
+    PoolUsage,
     ReportsAllocationEstimate,
+    ReportsPools,
     RequestInput,
     SupportsServingModes,
     UnsupportedLayoutError,
     load_engine_factory,
 )
-from properties.core.modes import EXTERNAL_KEYWORDS, allocate_keywords, production_settings
+from properties.core.modes import EXTERNAL_KEYWORDS, production_settings
 from properties.core.trace import layout_from_json
 
 PROTOCOL_VERSION = 1
@@ -145,6 +148,7 @@ class EngineServer:
                 ("cached_blocks", ExposesCachedBlocks),
                 ("serving_modes", SupportsServingModes),
                 ("allocation_estimate", ReportsAllocationEstimate),
+                ("pools", ReportsPools),
             )
             if isinstance(engine, proto)
         ]
@@ -190,17 +194,7 @@ class EngineServer:
             self.hits[request_id] = hit
             return {"num_tokens": _plain(hit.num_tokens), "block_ids": _plain(hit.block_ids)}
         if call == "allocate_slots":
-            request_id = _arg(args, "request_id", str)
-            keywords = self._allocate_keywords(engine, args)
-            result = engine.allocate_slots(
-                request_id,
-                _arg(args, "num_new_tokens", int),
-                _arg(args, "num_new_computed_tokens", int),
-                self._hit(request_id, args.get("hit")),
-                _arg(args, "num_lookahead_tokens", int),
-                **keywords,
-            )
-            return _plain(result)
+            return _plain(allocate(engine, self._allocation(engine, args)))
         if call == "free":
             engine.free(_arg(args, "request_id", str))
             return None
@@ -232,6 +226,21 @@ class EngineServer:
             return [[_plain(b), _plain(c)] for b, c in counts.items()]
         if call == "last_allocation_estimate" and isinstance(engine, ReportsAllocationEstimate):
             return _plain(engine.last_allocation_estimate())
+        if call == "pool_usage" and isinstance(engine, ReportsPools):
+            pools = engine.pool_usage()
+            if not isinstance(pools, (list, tuple)) or not all(
+                isinstance(p, PoolUsage) for p in pools
+            ):
+                raise TypeError(f"returned {pools!r}, not a list of PoolUsage")
+            return [
+                {
+                    "name": p.name,
+                    "group_ids": _plain(list(p.group_ids)),
+                    "num_blocks": _plain(p.num_blocks),
+                    "num_free": _plain(p.num_free),
+                }
+                for p in pools
+            ]
         if call == "free_queue" and isinstance(engine, ExposesFreeQueue):
             return _plain(engine.free_queue())
         if call == "cached_blocks" and isinstance(engine, ExposesCachedBlocks):
@@ -243,15 +252,23 @@ class EngineServer:
             return [_plain([c.block_id, c.group_id, c.num_tokens]) for c in blocks]
         raise ProtocolViolation(f"unknown call {call!r}")
 
-    def _allocate_keywords(self, engine: KVCacheEngine, args: dict) -> dict[str, Any]:
-        """The serving-mode keywords of an ``allocate_slots`` message, those not at their
-        default: only for an engine announced with ``serving_modes``, the external-hit
-        ones only when the factory declares the ``external`` production setting."""
-        keywords = allocate_keywords(
+    def _allocation(self, engine: KVCacheEngine, args: dict) -> Allocation:
+        """The :class:`Allocation` of an ``allocate_slots`` message. Its serving-mode
+        keywords (sent only when not at their default) are accepted only for an engine
+        announced with ``serving_modes``, the external-hit ones only when the factory
+        declares the ``external`` production setting."""
+        request_id = _arg(args, "request_id", str)
+        allocation = Allocation(
+            request_id,
+            _arg(args, "num_new_tokens", int),
+            _arg(args, "num_new_computed_tokens", int),
+            self._hit(request_id, args.get("hit")),
+            _arg(args, "num_lookahead_tokens", int),
             _optional(args, "full_sequence_must_fit", bool, False),
             _optional(args, "num_external_computed_tokens", int, 0),
             _optional(args, "delay_cache_blocks", bool, False),
         )
+        keywords = allocation.keywords()
         if keywords and not isinstance(engine, SupportsServingModes):
             raise ProtocolViolation(
                 f"allocate_slots argument {sorted(keywords)[0]!r} needs the serving_modes "
@@ -263,7 +280,7 @@ class EngineServer:
                 f"allocate_slots argument {external[0]!r} needs the 'external' production "
                 "setting, which this engine does not declare"
             )
-        return keywords
+        return allocation
 
     def _hit(self, request_id: str, data: Any) -> CacheHit | None:
         """The engine's own hit object when ``data`` is the hit it returned last."""

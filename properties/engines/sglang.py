@@ -52,6 +52,10 @@ How each difference from vLLM is bridged
    below, and never frees tree-owned (protected) pages itself. The adapter calls it at
    every ``allocate_slots`` of a request with computed tokens, with ``pre_len = p``.
    The freed pages read as null (0) in the SWA group; the full group never frees.
+   Pages of an adopted hit that SGLang's lock leaves evictable (all but the last
+   ``ceil(max(sws, bs) / bs)``: it locks only the hit's last window in the SWA tree) read
+   as null too: the request does not hold them (like vLLM's skipped hit blocks), so S1
+   does not count them both held and reclaimable.
 7. **free = insert, then release.** ``free`` follows SGLang's ``release_kv_cache(...,
    checkpoint=True)``: ``cache.checkpoint`` inserts the page-aligned computed prefix
    (the tree frees the request's duplicate slots itself and rewrites its row), then
@@ -61,6 +65,8 @@ How each difference from vLLM is bridged
    the protocol's preemption (free, then computed = 0) does, like vLLM.
 8. **num_free_blocks** = ``min`` over the two pools of ``(available + evictable) //
    bs``: pages an allocation could obtain now, evicting unlocked tree entries.
+   ``pool_usage`` (``ReportsPools``) reports each pool's figure, so S1-S3 check them
+   one by one (the ``min`` hides a leak or an over-count in the larger pool).
 9. **reset_prefix_cache** is SGLang's ``flush_cache``: allowed only when no request
    holds a row; it resets the tree, the row pool and the allocator.
 """
@@ -77,6 +83,7 @@ from properties.core.engine import (
     BlockIds,
     CacheHit,
     EngineError,
+    PoolUsage,
     RequestInput,
     UnsupportedLayoutError,
     quiet_loggers,
@@ -188,6 +195,9 @@ class _Request:
     num_computed_tokens: int = 0
     pending: _PendingHit | None = None
     tokens: list[int] = field(default_factory=list)
+    #: SWA row entries below this page index read null: pages of the adopted hit that
+    #: SGLang's lock leaves evictable (it locks only the last window of the hit)
+    swa_unlocked_pages: int = 0
 
 
 class _SGLangModules:
@@ -373,7 +383,14 @@ class SGLangEngine:
         if not kv.holds_kv or kv.kv_allocated_len == 0:
             return _EMPTY
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, : kv.kv_allocated_len]
-        return self._block_ids_of(row.tolist())
+        ids = self._block_ids_of(row.tolist())
+        unlocked = self._get(request_id).swa_unlocked_pages
+        if unlocked:
+            swa = self.config.swa_group
+            ids = tuple(
+                (0,) * unlocked + g[unlocked:] if gid == swa else g for gid, g in enumerate(ids)
+            )
+        return ids
 
     # ------------------------------------------------------------- allocation
     def allocate_slots(
@@ -446,6 +463,9 @@ class SGLangEngine:
             self.req_to_token_pool.write((kv.req_pool_idx, slice(0, hit_tokens)), slots)
             req.last_node = pending.node
             req.swa_branching_seqlen = pending.swa_branching_seqlen
+        page = self.config.page_size
+        kept = _cdiv(max(self.config.sglang_window, page), page)
+        state.swa_unlocked_pages = max(0, hit_tokens // page - kept)
         req.prefix_len = hit_tokens
         kv.cache_protected_len = hit_tokens
         kv.kv_allocated_len = hit_tokens
@@ -462,9 +482,14 @@ class SGLangEngine:
         """SGLang's admission budget: new pages <= available + evictable, in both pools."""
         page = self.config.page_size
         need = (_cdiv(target, page) - _cdiv(before, page)) * page
+        return need <= min(self._obtainable_slots())
+
+    def _obtainable_slots(self) -> tuple[int, int]:
+        """Slots an allocation could obtain now in the full and the SWA pool: available
+        plus evictable (unlocked tree entries)."""
         full = self.allocator.full_available_size() + self.cache.full_evictable_size()
         swa = self.allocator.swa_available_size() + self.cache.swa_evictable_size()
-        return need <= min(full, swa)
+        return full, swa
 
     def _alloc(self, kv: Any, before: int, target: int) -> list[int] | None:
         """Evict from the tree, then allocate slots ``[before, target)`` of the row."""
@@ -532,10 +557,17 @@ class SGLangEngine:
         return True
 
     def num_free_blocks(self) -> int:
-        page = self.config.page_size
-        full = self.allocator.full_available_size() + self.cache.full_evictable_size()
-        swa = self.allocator.swa_available_size() + self.cache.swa_evictable_size()
-        return min(full, swa) // page
+        return min(self._obtainable_slots()) // self.config.page_size
+
+    def pool_usage(self) -> tuple[PoolUsage, ...]:
+        """The full and the SWA pool (``ReportsPools``): each ``pool_pages`` pages, free =
+        obtainable slots // page."""
+        cfg = self.config
+        full, swa = self._obtainable_slots()
+        return (
+            PoolUsage("full", (cfg.full_group,), cfg.pool_pages, full // cfg.page_size),
+            PoolUsage("swa", (cfg.swa_group,), cfg.pool_pages, swa // cfg.page_size),
+        )
 
     # ---------------------------------------------------------------- helpers
     def _block_ids_of(self, slots: list[int]) -> BlockIds:

@@ -4,8 +4,10 @@ Every mutant is a factory ``make_<name>(layout)`` usable as
 ``--engine properties.mutants.optimized_mutants:make_<name>``. Each replaces one class of
 the optimized engine (a single-type manager, the free queue, the device tables or the
 data plane) before any call; the line carrying the bug is marked ``# BUG``.
-:data:`OPTIMIZED_MUTANT_INFO` says what the bug is, which property of ``kvconform check``
-(``invariants`` at ``exact``, or ``attention``) catches it and which checks fire.
+:data:`OPTIMIZED_MUTANT_INFO` collects what each factory registers next to its class
+(:class:`properties.mutants.registry.Registry`): what the bug is, which property of
+``kvconform check`` (``invariants`` at ``exact``, or ``attention``) catches it and which
+checks fire.
 
 Worked example, ``vectorised_window_off_by_one``: window ``w = 4``, bs 2, a request in
 decode at 6 computed tokens. The per-request rule frees the blocks before token
@@ -16,8 +18,7 @@ per-request path, so block 0 stays allocated: the free count differs from the re
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -33,10 +34,20 @@ from optimized.managers import (
     SlidingWindowManager,
 )
 from properties.engines.optimized import OptimizedEngine
+from properties.mutants.registry import (
+    OPTIMIZED_CATALOGUE,
+    MutantInfo,
+    Registry,
+    collect,
+    per_manager,
+)
 from reference.layout import KVCacheLayout
 from reference.specs import SlidingWindowSpec
 
 ManagerClass = type[SingleTypeKVCacheManager]
+
+#: every mutant here is caught at the exact level
+REGISTRY = Registry(OPTIMIZED_CATALOGUE)
 
 
 class OptimizedMutantEngine(OptimizedEngine):
@@ -80,18 +91,39 @@ class VectorisedWindowOffByOne(SlidingWindowManager):
         return np.maximum(total - self.spec.sliding_window, 0)  # BUG: + 1 missing
 
 
-def _forget_leading_nulls(cls: ManagerClass) -> ManagerClass:
-    class StaleRow(cls):  # type: ignore[valid-type,misc]
-        """Releasing a finished request's row keeps its leading-null count: the next
-        request on that row inherits it."""
+@REGISTRY.mutant(
+    "exact",
+    ["exact_match"],
+    "the batched step's vectorised window test is one token short: an "
+    "out-of-window block is not freed",
+)
+def make_vectorised_window_off_by_one(layout: KVCacheLayout) -> OptimizedMutantEngine:
+    engine = OptimizedMutantEngine(layout, "vectorised_window_off_by_one")
+    replace_managers(engine.manager, {SlidingWindowManager: VectorisedWindowOffByOne})
+    return engine
 
-        def release_row(self, row: int) -> None:
-            leading = int(self.num_leading_null[row])
-            super().release_row(row)
-            self.num_leading_null[row] = leading  # BUG: stale state of the old request
 
-    StaleRow.__name__ = f"StaleRow{cls.__name__}"
-    return StaleRow
+class _StaleRow:
+    """Releasing a finished request's row keeps its leading-null count: the next request
+    on that row inherits it (sliding-window and chunked-local managers)."""
+
+    def release_row(self, row: int) -> None:
+        leading = int(self.num_leading_null[row])  # type: ignore[attr-defined]
+        super().release_row(row)  # type: ignore[misc]
+        self.num_leading_null[row] = leading  # BUG: stale state of the old request
+
+
+@REGISTRY.mutant(
+    "exact",
+    ["exact_match"],
+    "a released block-table row keeps the finished request's leading-null count",
+)
+def make_stale_row_after_finish(layout: KVCacheLayout) -> OptimizedMutantEngine:
+    engine = OptimizedMutantEngine(layout, "stale_row_after_finish")
+    replace_managers(
+        engine.manager, per_manager(_StaleRow, SlidingWindowManager, ChunkedLocalAttentionManager)
+    )
+    return engine
 
 
 class UnlinkedRemoveQueue(FreeBlockQueue):
@@ -108,6 +140,19 @@ class UnlinkedRemoveQueue(FreeBlockQueue):
         self.num_free_blocks -= 1
 
 
+@REGISTRY.mutant(
+    "exact",
+    ["exact_match", "free queue is corrupt", "free_queue_contents"],
+    "removing a block from the free queue leaves its successor's back link stale",
+)
+def make_free_queue_remove_unlinked(layout: KVCacheLayout) -> OptimizedMutantEngine:
+    engine = OptimizedMutantEngine(layout, "free_queue_remove_unlinked")
+    queue = UnlinkedRemoveQueue(layout.num_blocks)
+    queue.popleft()  # the null block, as BlockPool does
+    engine.manager.block_pool.free_block_queue = queue
+    return engine
+
+
 class SkippingDeviceTables(DeviceBlockTables):
     """The delta upload drops the last changed row when several rows changed."""
 
@@ -122,6 +167,20 @@ class SkippingDataPlane(DataPlane):
         self.tables = SkippingDeviceTables(manager.coordinator.managers, self.device)
 
 
+class _SkippingUploadEngine(OptimizedMutantEngine):
+    data_plane_cls = SkippingDataPlane
+
+
+@REGISTRY.mutant(
+    "exact",
+    ["attention"],
+    "the device block-table delta upload skips one changed row",
+    "attention",
+)
+def make_delta_upload_skips_row(layout: KVCacheLayout) -> OptimizedMutantEngine:
+    return _SkippingUploadEngine(layout, "delta_upload_skips_row")
+
+
 class OffByOneBlockSlotMapping(DataPlane):
     """The slot mapping takes the block of ``pos - 1`` (the previous block at a block's
     first position)."""
@@ -131,48 +190,16 @@ class OffByOneBlockSlotMapping(DataPlane):
         return table[token_rows, col].to(torch.int64) * bs + positions % bs
 
 
-# ---------------------------------------------------------------------------
-# Factories
-
-
-def make_vectorised_window_off_by_one(layout: KVCacheLayout) -> OptimizedMutantEngine:
-    engine = OptimizedMutantEngine(layout, "vectorised_window_off_by_one")
-    replace_managers(engine.manager, {SlidingWindowManager: VectorisedWindowOffByOne})
-    return engine
-
-
-def make_stale_row_after_finish(layout: KVCacheLayout) -> OptimizedMutantEngine:
-    engine = OptimizedMutantEngine(layout, "stale_row_after_finish")
-    replace_managers(
-        engine.manager,
-        {
-            cls: _forget_leading_nulls(cls)
-            for cls in (SlidingWindowManager, ChunkedLocalAttentionManager)
-        },
-    )
-    return engine
-
-
-def make_free_queue_remove_unlinked(layout: KVCacheLayout) -> OptimizedMutantEngine:
-    engine = OptimizedMutantEngine(layout, "free_queue_remove_unlinked")
-    queue = UnlinkedRemoveQueue(layout.num_blocks)
-    queue.popleft()  # the null block, as BlockPool does
-    engine.manager.block_pool.free_block_queue = queue
-    return engine
-
-
-class _SkippingUploadEngine(OptimizedMutantEngine):
-    data_plane_cls = SkippingDataPlane
-
-
 class _OffByOneSlotEngine(OptimizedMutantEngine):
     data_plane_cls = OffByOneBlockSlotMapping
 
 
-def make_delta_upload_skips_row(layout: KVCacheLayout) -> OptimizedMutantEngine:
-    return _SkippingUploadEngine(layout, "delta_upload_skips_row")
-
-
+@REGISTRY.mutant(
+    "exact",
+    ["attention"],
+    "the device slot mapping uses the previous block at a block's first position",
+    "attention",
+)
 def make_slot_mapping_off_by_one_block(layout: KVCacheLayout) -> OptimizedMutantEngine:
     return _OffByOneSlotEngine(layout, "slot_mapping_off_by_one_block")
 
@@ -180,71 +207,9 @@ def make_slot_mapping_off_by_one_block(layout: KVCacheLayout) -> OptimizedMutant
 # ---------------------------------------------------------------------------
 # Catalogue
 
-
-@dataclass(frozen=True)
-class OptimizedMutantInfo:
-    """One mutant: its bug, the property and level that catch it, the checks seen firing."""
-
-    name: str
-    description: str
-    prop: str
-    level: str
-    #: Property names (``exact_match``, ``attention``...) or message fragments, any of
-    #: which the first failure under the ``ci`` profile shows.
-    caught_by: frozenset[str]
-    factory: Callable[[KVCacheLayout], OptimizedMutantEngine]
-
-    @property
-    def target(self) -> str:
-        return f"{__name__}:{self.factory.__name__}"
-
-
-def _info(
-    factory: Callable[[KVCacheLayout], OptimizedMutantEngine],
-    prop: str,
-    caught_by: Sequence[str],
-    description: str,
-) -> OptimizedMutantInfo:
-    name = factory.__name__.removeprefix("make_")
-    return OptimizedMutantInfo(name, description, prop, "exact", frozenset(caught_by), factory)
-
-
-OPTIMIZED_MUTANT_INFO: dict[str, OptimizedMutantInfo] = {
-    m.name: m
-    for m in (
-        _info(
-            make_vectorised_window_off_by_one,
-            "invariants",
-            ["exact_match"],
-            "the batched step's vectorised window test is one token short: an "
-            "out-of-window block is not freed",
-        ),
-        _info(
-            make_stale_row_after_finish,
-            "invariants",
-            ["exact_match"],
-            "a released block-table row keeps the finished request's leading-null count",
-        ),
-        _info(
-            make_free_queue_remove_unlinked,
-            "invariants",
-            ["exact_match", "free queue is corrupt", "free_queue_contents"],
-            "removing a block from the free queue leaves its successor's back link stale",
-        ),
-        _info(
-            make_delta_upload_skips_row,
-            "attention",
-            ["attention"],
-            "the device block-table delta upload skips one changed row",
-        ),
-        _info(
-            make_slot_mapping_off_by_one_block,
-            "attention",
-            ["attention"],
-            "the device slot mapping uses the previous block at a block's first position",
-        ),
-    )
-}
+#: One mutant's entry (the reference mutants' :class:`MutantInfo`).
+OptimizedMutantInfo = MutantInfo
+OPTIMIZED_MUTANT_INFO: dict[str, MutantInfo] = collect(REGISTRY)
 OPTIMIZED_MUTANTS: dict[str, str] = {
     name: info.target for name, info in OPTIMIZED_MUTANT_INFO.items()
 }

@@ -109,6 +109,10 @@ class PropertyResult:
     first: FirstFailure | None = None
     #: production property: mode tag -> (examples, steps)
     modes: dict[str, tuple[int, int]] | None = None
+    #: the check that failed (a :data:`properties.checks.registry.CHECKS` name), if any
+    check: str | None = None
+    #: checks listed as expected to fail that failed here (``--xfails-file``)
+    xfailed: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -207,6 +211,17 @@ def _first_error(exc: BaseException) -> BaseException:
     return exc
 
 
+def failed_check(exc: BaseException | None) -> str | None:
+    """The name of the check a run's exception reports (``answers`` for a protocol
+    error), or None."""
+    if exc is None:
+        return None
+    error = _first_error(exc)
+    if isinstance(error, PropertyViolation):
+        return error.name
+    return "answers" if isinstance(error, EngineError) else None
+
+
 def _failure_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -267,12 +282,13 @@ def _run_machine(
     stats.on_first_failure = first_failure
     if seed is not None:
         machine = hseed(seed)(machine)
-    failure = path = kind = note = None
+    failure = path = kind = note = error = None
     try:
         run_state_machine_as_test(machine, settings=hyp_settings)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure is reported
+        error = exc
         kind, failure = _classify(exc, stats.examples)
         path, note = _save(stats.last_failure, config, seed)
     modes = {tag: (e, n) for tag, (e, n) in sorted(stats.modes.items())} or None
@@ -287,6 +303,7 @@ def _run_machine(
         note,
         found[0] if found else None,
         modes,
+        failed_check(error),
     )
 
 
@@ -333,12 +350,13 @@ def _run_determinism(
     if seed is not None:
         determinism = hseed(seed)(determinism)
     start = time.perf_counter()
-    failure = path = kind = note = None
+    failure = path = kind = note = error = None
     try:
         determinism()
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure is reported
+        error = exc
         kind, failure = _classify(exc, counts["examples"])
         path, note = _save(failing.get("trace"), config, seed)
     return PropertyResult(
@@ -350,6 +368,7 @@ def _run_determinism(
         path,
         kind,
         note,
+        check=failed_check(error),
     )
 
 

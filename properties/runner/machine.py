@@ -58,6 +58,7 @@ from properties.core.versions import versions
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
 from properties.runner.scheduler import RequestState, Scheduler, StepRecord
+from properties.runner.serving import make_scheduler
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
 from reference.specs import MambaSpec
@@ -200,7 +201,7 @@ class TraceRun:
         """The scheduler in ``mode``; its host tier (external hits) is the store the
         checks bound external hits by (X1), and its offloads and loads go through the
         attention check's paged cache when that runs."""
-        scheduler = Scheduler(
+        scheduler = make_scheduler(
             self.lockstep,
             self.layout,
             on_scheduled=self._on_scheduled,

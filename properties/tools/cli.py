@@ -51,6 +51,7 @@ from properties.core.constants import (
     PROPERTIES,
 )
 from properties.core.engine import EngineError, EngineLoadError
+from properties.tools import check_outputs
 from reference.errors import KVConformError
 
 #: A result's kind -> the exit code it gives (PropertyResult.kind).
@@ -99,10 +100,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     from properties.runner.check import replay_command
     from properties.runner.machine import engine_factory, known_divergences
     from properties.runner.profiles import load_profile
+    from properties.tools.selection import with_skips
 
     check_count("--max-examples", args.max_examples, 1)
     check_count("--seed", args.seed, 0)
-    config = config_from_args(args, preset=args.preset)
+    selection = check_outputs.selection_of(args)
+    config = with_skips(config_from_args(args, preset=args.preset), selection)
     profile = load_profile(args.profile)
     seed = args.seed
     if seed is None and not profile.derandomize:
@@ -130,12 +133,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     from properties.tools.engine_coverage import cli_session
 
     with cli_session(args, factory) as finish_engine_coverage:  # --engine-coverage
-        results = run_checks(args, config, wanted, seed, factory)
+        run = check_outputs.run_with_selection(
+            lambda cfg, names: run_checks(args, cfg, names, seed, factory),
+            *(config, wanted, selection, factory),
+        )
         regression = finish_engine_coverage()
+    results = run.results
     if regression:
         from properties.runner.check import PropertyResult
 
-        results.append(PropertyResult("engine-coverage", 0, 0, 0.0, regression, kind="coverage"))
+        row = PropertyResult("engine-coverage", 0, 0, 0.0, regression, kind="coverage")
+        results = [*results, row]
     print(format_results(results))
     failed = [r for r in results if not r.passed]
     for r in failed:
@@ -147,7 +155,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         if r.trace_path is not None:
             command = replay_command(r.trace_path, args.engine, args.level, r.name == "attention")
             print(f"  trace: {r.trace_path}\n  replay: {command}")
-    return exit_code([result_kind(r) for r in results])
+    code = exit_code([result_kind(r) for r in results])
+    check_outputs.write_outputs(args, seed, run, code)
+    return code
 
 
 def result_kind(result) -> str | None:
@@ -183,7 +193,7 @@ FAILURE_TITLE = {
 
 def result_word(result) -> str:
     if result.passed:
-        return "PASS"
+        return "XFAIL" if getattr(result, "xfailed", ()) else "PASS"
     words = {"engine": "ENGINE ERROR", "no_layout": "NO LAYOUT", "usage": "CONFIG ERROR"}
     return words.get(getattr(result, "kind", None), "FAIL")
 
@@ -445,7 +455,7 @@ def shrink_args(p: argparse.ArgumentParser) -> None:
         "--shrink-seconds",
         type=float,
         default=DEFAULT_SHRINK_SECONDS,
-        help=f"stop shrinking a failure after this long (default {DEFAULT_SHRINK_SECONDS:.0f})",
+        help="stop shrinking a failure after this many seconds",
     )
 
 
@@ -470,9 +480,47 @@ def engine_coverage_args(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's default in ``--help`` (``(default: ci)``; none for flags and
+    options without one); the epilog printed as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+def help_epilog() -> str:
+    """The end of ``kvconform --help`` and ``kvconform check --help``: the engines, the
+    presets and two examples (plain text)."""
+    from properties.core.engine import BUILTIN_ENGINES
+    from properties.generate.presets import PRESETS
+
+    return (
+        f"engines: {', '.join(BUILTIN_ENGINES)}, module:factory (a Python adapter), "
+        "exec:COMMAND (any language, docs/exec-protocol.md)\n"
+        f"presets: {', '.join(PRESETS)}\n"
+        f"profiles: {', '.join(PROFILES)}; levels: {', '.join(LEVELS)}\n\n"
+        "examples:\n"
+        "  kvconform check --engine reference --level exact\n"
+        "  kvconform check --engine mypkg.adapter:make_engine --report-json report.json "
+        "--junit-xml junit.xml --xfails-file kvconform-xfails.txt\n"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvconform", description=__doc__.split("\n\n")[0])
+    epilog = help_epilog()
+    parser = argparse.ArgumentParser(
+        prog="kvconform",
+        description="Property-based conformance checks for the KV cache managers of LLM "
+        "serving engines.",
+        epilog=epilog,
+        formatter_class=HelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
+    parser_of = sub.add_parser  # every subcommand's help shows its defaults too
+    sub.add_parser = lambda *a, **k: parser_of(*a, formatter_class=HelpFormatter, **k)
 
     def engine_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(
@@ -481,14 +529,14 @@ def build_parser() -> argparse.ArgumentParser:
             help="reference, vllm, sglang, module:factory, or exec:COMMAND (an engine in "
             "any language speaking docs/exec-protocol.md)",
         )
-        p.add_argument("--level", default=DEFAULT_LEVEL, choices=LEVELS)
-        p.add_argument("--failure-dir", default=DEFAULT_FAILURE_DIR)
+        p.add_argument("--level", default=DEFAULT_LEVEL, choices=LEVELS, help="property level")
+        p.add_argument("--failure-dir", default=DEFAULT_FAILURE_DIR, help="where failure traces go")
         p.add_argument(
             "--call-timeout",
             type=float,
             default=DEFAULT_CALL_TIMEOUT_S,
             metavar="SECONDS",
-            help=f"deadline of one engine call (default {DEFAULT_CALL_TIMEOUT_S:g}; 0: none)",
+            help="deadline of one engine call (0: none)",
         )
         p.add_argument(
             "--isolation",
@@ -502,14 +550,28 @@ def build_parser() -> argparse.ArgumentParser:
     def verbose_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--verbose", action="store_true", help="tracebacks for errors")
 
-    p = sub.add_parser("check", help="run the properties once and print a table")
+    p = sub.add_parser("check", help="run the properties once and print a table", epilog=epilog)
     engine_args(p)
-    p.add_argument("--profile", default=DEFAULT_PROFILE, choices=PROFILES)
-    p.add_argument("--preset", default=None, help="draw layouts from this model preset")
+    p.add_argument(
+        "--profile", default=DEFAULT_PROFILE, choices=PROFILES, help="Hypothesis profile"
+    )
+    p.add_argument(
+        "--preset", default=None, help="draw layouts from this model preset (default: any)"
+    )
     p.add_argument("--no-attention", action="store_true", help="skip the attention property")
     p.add_argument("--only", nargs="*", choices=PROPERTIES, help="run only these properties")
-    p.add_argument("--max-examples", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--max-examples",
+        type=int,
+        default=None,
+        help="examples per property (default: the profile's)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed (default: none with ci, derandomized; else drawn and printed)",
+    )
     p.add_argument(
         "--workers",
         type=int,
@@ -518,6 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     shrink_args(p)
     coverage_args(p)
+    check_outputs.add_arguments(p)
     engine_coverage_args(p)
     p.set_defaults(func=cmd_check)
 

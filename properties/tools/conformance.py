@@ -6,8 +6,10 @@ After ``pip install kvconform``::
         --kv-engine mypkg.adapter:make_engine --kv-level universal
 
 runs the properties of ``kvconform check`` (:data:`PROPERTIES`: invariants, attention,
-determinism, ...), one test each, under kvconform's Hypothesis profile
-(``--kv-profile``; default ``ci`` under ``CI=true``, else ``dev``). ``--kv-engine`` takes
+determinism, production), one test each, under kvconform's Hypothesis profile
+(``--kv-profile``; the CLI's default, ``ci``) with the options of
+:mod:`properties.tools.pytest_options` (``--kv-max-examples``, ``--kv-seed``,
+``--kv-skip-checks``, ``--kv-xfails-file`` ...). ``--kv-engine`` takes
 what ``kvconform check --engine`` takes (a built-in name, ``module:factory`` importable
 from the current directory, or ``exec:COMMAND``). A failure is reported with its
 message, the saved trace (under ``.kvconform/failures/``) and the ``kvconform replay``
@@ -22,26 +24,19 @@ configuration (``addopts = --kv-engine mypkg.adapter:make_engine``)::
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from hypothesis import settings
 
 from properties.core.constants import DEFAULT_FAILURE_DIR, PROPERTIES
 from properties.runner import profiles as _profiles  # noqa: F401 - registers the profiles
-from properties.runner.check import failure_report, run_property
-from properties.runner.config import CheckConfig
-from properties.runner.machine import engine_factory
-from properties.tools.engine_coverage import measure_task
+from properties.runner.check import failure_report
+from properties.tools.pytest_options import run_property_selected
 
 
 @pytest.mark.parametrize("prop", PROPERTIES)
-def test_property(prop: str, kv_engine: str, kv_level: str, kv_profile_name: str) -> None:
-    profile = settings.get_profile(kv_profile_name)
-    seed = None if profile.derandomize else random.SystemRandom().randrange(2**32)
-    config = CheckConfig(engine=kv_engine, level=kv_level, failure_dir=DEFAULT_FAILURE_DIR)
-    with measure_task(config):  # --kv-engine-coverage: measured where the engine runs
-        result = run_property(prop, config, profile, seed, engine_factory(config))
+def test_property(prop: str, kv_engine: str, kv_level: str, kv_profile_name: str, request) -> None:
+    result, seed = run_property_selected(
+        request, prop, kv_engine, kv_level, kv_profile_name, DEFAULT_FAILURE_DIR
+    )
     print(
         f"kvconform {prop}: {result.examples} examples, {result.steps} steps, "
         f"{result.seconds:.1f}s (engine {kv_engine}, level {kv_level}, profile "

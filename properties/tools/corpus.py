@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from properties.checks.registry import INVARIANTS, PropertyViolation
+from properties.core.allocation import Allocation, TakesAllocations, allocate
 from properties.core.engine import (
     BlockIds,
     CacheHit,
@@ -38,6 +39,7 @@ from properties.core.engine import (
     UnsupportedLayoutError,
     load_engine_factory,
 )
+from properties.core.proxy import EngineProxy
 from properties.core.trace import (
     TRACE_FORMAT,
     Abort,
@@ -125,7 +127,16 @@ def _result_json(call: str, result: Any) -> Any:
     return None
 
 
-class RecordingEngine:
+def _default_mode(allocation: Allocation) -> None:
+    """A corpus entry keeps the five protocol arguments of an allocation: the corpus
+    covers the default serving mode only."""
+    if allocation.keywords():
+        raise CorpusError(
+            f"{allocation.describe()}: the corpus records the default serving mode only"
+        )
+
+
+class RecordingEngine(EngineProxy):
     """Wraps the reference; records every call the lockstep engine makes to it.
 
     ``expected`` ends up as the corpus entries: one per state-changing call,
@@ -136,11 +147,13 @@ class RecordingEngine:
     name = "reference"
 
     def __init__(self, inner) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.expected: list[dict[str, Any]] = []
 
     def _mutate(self, call: str, *args):
-        result = getattr(self.inner, call)(*args)
+        return self._recorded(call, args, getattr(self.inner, call)(*args))
+
+    def _recorded(self, call: str, args: tuple, result: Any) -> Any:
         self.expected.append(
             {"call": call, "args": _call_args(call, args), "result": _result_json(call, result)}
         )
@@ -166,16 +179,10 @@ class RecordingEngine:
     def get_computed_blocks(self, request_id: str) -> CacheHit:
         return self._mutate("get_computed_blocks", request_id)
 
-    def allocate_slots(self, request_id, num_new_tokens, num_new_computed_tokens=0, hit=None,
-                       num_lookahead_tokens=0) -> BlockIds | None:  # fmt: skip
-        return self._mutate(
-            "allocate_slots",
-            request_id,
-            num_new_tokens,
-            num_new_computed_tokens,
-            hit,
-            num_lookahead_tokens,
-        )
+    def allocate(self, allocation: Allocation) -> BlockIds | None:
+        _default_mode(allocation)
+        result = allocate(self.inner, allocation)
+        return self._recorded("allocate_slots", allocation.positional(), result)
 
     def free(self, request_id: str) -> None:
         self._mutate("free", request_id)
@@ -202,7 +209,7 @@ class RecordingEngine:
         return result
 
 
-class RecordedEngine:
+class RecordedEngine(TakesAllocations):
     """The recorded answers of the reference, served in order (exact level of ``run``).
 
     A state-changing call must be the next entry (same call, same identifying
@@ -273,16 +280,9 @@ class RecordedEngine:
         result = self._next("get_computed_blocks", request_id)
         return CacheHit(tuple(tuple(row) for row in result["block_ids"]), result["num_tokens"])
 
-    def allocate_slots(self, request_id, num_new_tokens, num_new_computed_tokens=0, hit=None,
-                       num_lookahead_tokens=0) -> BlockIds | None:  # fmt: skip
-        result = self._next(
-            "allocate_slots",
-            request_id,
-            num_new_tokens,
-            num_new_computed_tokens,
-            hit,
-            num_lookahead_tokens,
-        )
+    def allocate(self, allocation: Allocation) -> BlockIds | None:
+        _default_mode(allocation)
+        result = self._next("allocate_slots", *allocation.positional())
         return None if result is None else tuple(tuple(row) for row in result)
 
     def free(self, request_id: str) -> None:

@@ -1,4 +1,8 @@
-"""pytest plugin of kvconform: ``--kv-engine``, ``--kv-level``, ``--kv-profile``.
+"""pytest plugin of kvconform: ``--kv-engine``, ``--kv-level``, ``--kv-profile`` and the
+run options of :mod:`properties.tools.pytest_options` (``--kv-max-examples``,
+``--kv-seed``, ``--kv-call-timeout``, ``--kv-isolation``, ``--kv-skip-checks``,
+``--kv-xfails-file``), with the defaults of ``kvconform check``
+(:data:`properties.core.constants.DEFAULTS`).
 
 Registered through the ``pytest11`` entry point of the ``kvconform`` package, so any
 project that installs kvconform gets the options. The entry point is named after the
@@ -15,7 +19,8 @@ modules while the tests drive it (``kv_check``) and prints the report at the end
 (:mod:`properties.tools.engine_coverage`).
 
 Fixtures: ``kv_engine`` (the engine name), ``kv_level``, ``kv_profile_name`` (the profile
-the conformance tests use: ``--kv-profile``, else ``ci`` under ``CI=true``, else ``dev``).
+the conformance tests use: ``--kv-profile``, else the ini setting's, else the CLI's
+default ``DEFAULTS.profile``).
 
 A ``--kv-engine`` that cannot be loaded stops the run at once with a usage error (pytest
 exit code 4), never a skip. The ``kv_check`` fixture runs a property of
@@ -30,8 +35,9 @@ from collections.abc import Callable
 
 import pytest
 
-from properties.core.constants import DEFAULT_LEVEL, LEVELS, PROFILES
+from properties.core.constants import DEFAULTS, LEVELS, PROFILES
 from properties.core.engine import EngineLoadError
+from properties.tools import pytest_options
 
 
 def _ci() -> bool:
@@ -39,7 +45,7 @@ def _ci() -> bool:
 
 
 def default_profile() -> str:
-    """``ci`` under ``CI=true``, ``dev`` otherwise."""
+    """The ini setting ``auto``: ``ci`` under ``CI=true``, ``dev`` otherwise."""
     return "ci" if _ci() else "dev"
 
 
@@ -47,21 +53,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvconform")
     group.addoption(
         "--kv-engine",
-        default="reference",
+        default=DEFAULTS.engine,
         help="engine under test: a built-in name, module:factory or exec:COMMAND",
     )
     group.addoption(
         "--kv-level",
-        default=DEFAULT_LEVEL,
+        default=DEFAULTS.level,
         choices=LEVELS,
-        help=f"property level of the stateful machine (default {DEFAULT_LEVEL}, as the CLI)",
+        help=f"property level of the stateful machine (default {DEFAULTS.level}, as the CLI)",
     )
     group.addoption(
         "--kv-profile",
         default=None,
         choices=PROFILES,
-        help="kvconform's Hypothesis profile (default: ci when CI=true, else dev)",
+        help=f"kvconform's Hypothesis profile (default {DEFAULTS.profile}, as the CLI)",
     )
+    pytest_options.add_options(group)
     group.addoption(
         "--kv-engine-coverage",
         nargs="?",
@@ -88,7 +95,11 @@ def pytest_configure(config: pytest.Config) -> None:
             f"got {wanted!r}"
         )
     profile = explicit or (default_profile() if wanted == "auto" else wanted)
-    config.kv_profile = profile or default_profile()  # type: ignore[attr-defined]
+    config.kv_profile = profile or DEFAULTS.profile  # type: ignore[attr-defined]
+    config.kv_options = pytest_options.run_options(config)  # type: ignore[attr-defined]
+    if config.kv_options.selection.xfail and not hasattr(config, "workerinput"):
+        # on the controller only (pytest-xdist): it hears every worker's reports
+        config.pluginmanager.register(pytest_options.XpassReporter(config.kv_options.selection))
     if profile:
         from properties.runner.profiles import load_profile
 
@@ -155,7 +166,7 @@ def kv_level(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def kv_profile_name(request: pytest.FixtureRequest) -> str:
-    return getattr(request.config, "kv_profile", None) or default_profile()
+    return getattr(request.config, "kv_profile", None) or DEFAULTS.profile
 
 
 @pytest.fixture

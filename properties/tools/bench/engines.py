@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from properties.core.allocation import Allocation, allocate
 from properties.core.constants import DEFAULT_BENCH_DIR
 from properties.core.engine import (
     BUILTIN_ENGINES,
@@ -50,6 +51,7 @@ from properties.core.engine import (
     PlansSteps,
     load_engine_factory,
 )
+from properties.core.proxy import EngineProxy
 from properties.core.trace import (
     Arrive,
     Operation,
@@ -437,11 +439,13 @@ class Replay:
     max_running: int = 0
 
 
-class TimedEngine:
+class TimedEngine(EngineProxy):
     """Forwards every protocol call to ``engine`` and adds the time spent inside it to
-    ``seconds``: the engine's own cost, without the scheduler's bookkeeping around it."""
+    ``seconds``: the engine's own cost, without the scheduler's bookkeeping around it.
+    Built by :func:`timed`, it offers the engine's batched calls (timed too)."""
 
     def __init__(self, engine: KVCacheEngine) -> None:
+        super().__init__(engine)
         self.engine = engine
         self.seconds = 0.0
 
@@ -467,22 +471,8 @@ class TimedEngine:
     def get_computed_blocks(self, request_id):
         return self._timed(self.engine.get_computed_blocks, request_id)
 
-    def allocate_slots(
-        self,
-        request_id,
-        num_new_tokens,
-        num_new_computed_tokens=0,
-        hit=None,
-        num_lookahead_tokens=0,
-    ):
-        return self._timed(
-            self.engine.allocate_slots,
-            request_id,
-            num_new_tokens,
-            num_new_computed_tokens,
-            hit,
-            num_lookahead_tokens,
-        )
+    def allocate(self, allocation: Allocation):
+        return self._timed(allocate, self.engine, allocation)
 
     def free(self, request_id):
         return self._timed(self.engine.free, request_id)
@@ -500,37 +490,26 @@ class TimedEngine:
         return self._timed(self.engine.num_free_blocks)
 
 
-class TimedPlanningEngine(TimedEngine):
-    """:class:`TimedEngine` for an engine with a batched ``schedule_step``."""
-
+class _TimedPlans:
     def schedule_step(self, items):
         return self._timed(self.engine.schedule_step, items)
 
 
-class TimedCommittingEngine(TimedEngine):
-    """:class:`TimedEngine` for an engine with a batched ``commit_step``."""
-
+class _TimedCommits:
     def commit_step(self, updates):
         return self._timed(self.engine.commit_step, updates)
 
 
-class TimedPlanningCommittingEngine(TimedPlanningEngine, TimedCommittingEngine):
-    """:class:`TimedEngine` for an engine with both batched calls."""
+#: only the batched calls are passed on: the scheduler then makes the same calls as on
+#: the bare engine
+TimedEngine.CAPABILITIES = ((PlansSteps, _TimedPlans), (CommitsSteps, _TimedCommits))
 
 
 def timed(engine: KVCacheEngine) -> TimedEngine:
     """The timing wrapper exposing exactly the engine's batched capabilities, so the
     scheduler makes the same calls as on the bare engine; every call is timed the same way
     for every engine (batched calls replace per-request calls, nothing goes untimed)."""
-    plans = isinstance(engine, PlansSteps)
-    commits = isinstance(engine, CommitsSteps)
-    if plans and commits:
-        return TimedPlanningCommittingEngine(engine)
-    if plans:
-        return TimedPlanningEngine(engine)
-    if commits:
-        return TimedCommittingEngine(engine)
-    return TimedEngine(engine)
+    return TimedEngine.around(engine)
 
 
 def replay_timed(engine: KVCacheEngine, trace: Trace) -> Replay:

@@ -1,6 +1,6 @@
 """The suite's power and speed: time and steps to catch each mutant, reference throughput.
 
-For every mutant engine of ``properties/mutants/reference_mutants.py`` the stateful machine runs
+For every mutant engine of ``properties/mutants/`` the stateful machine runs
 under a Hypothesis profile with the shrink phase disabled, so the figures are the
 cost of *detection*: the wall time and the number of machine steps (rule
 applications, ``machine_for(...).stats.steps``) up to and including the first

@@ -24,7 +24,7 @@ from properties.mutants.reference_mutants import (
 )
 from properties.runner.config import CheckConfig
 from properties.runner.machine import TraceRun
-from properties.runner.scheduler import Scheduler
+from properties.runner.scheduler import Drafts
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec, SlidingWindowSpec
 
@@ -161,7 +161,7 @@ DRAFT_TRACE = [Arrive("r0", tuple(range(9)), tuple(range(100, 108))), Step(16), 
 
 def test_draft_trace_is_the_one_computed_by_hand() -> None:
     # step 2 schedules position 9 + 3 drafts (slots 13: blocks 1..4); 1 draft is accepted
-    assert Scheduler.accepted_drafts("r0", 9, 3) == 1
+    assert Drafts.accepted_drafts("r0", 9, 3) == 1
     run = _run(FULL, mode=DRAFTS, level="exact")
     for op in [*DRAFT_TRACE, Step(16)]:
         run.apply(op)

@@ -227,3 +227,54 @@ def test_reset_prefix_cache(setup):
 def test_out_of_scope_layouts_raise(layout):
     with pytest.raises(EngineError, match="layout g0:full"):
         make_engine(layout)
+
+
+# --------------------------------------------------------------- separate pools (S1-S3)
+def test_pool_usage_reports_both_pools(setup):
+    """Each pool's figure, not their minimum: SWA pages out of the window go back to the
+    SWA pool only, so after a long prefill the SWA pool has more free pages."""
+    page, engine, _ = setup
+    fresh = engine.pool_usage()
+    assert [(p.name, p.num_blocks, p.num_free) for p in fresh] == [
+        ("full", 32, 32),
+        ("swa", 32, 32),
+    ]
+    assert sorted(g for p in fresh for g in p.group_ids) == [0, 1]
+    prompt = tuple(range(200, 200 + 10 * page))  # 10 pages
+    prefill(engine, "A", prompt)
+    engine.allocate_slots("A", 1, 0, None)  # the next step frees out-of-window SWA pages
+    full, swa = engine.pool_usage()
+    assert full.num_free == 32 - 11  # 10 pages + the decode page, none freed
+    assert swa.num_free > full.num_free
+    assert engine.num_free_blocks() == full.num_free
+
+
+def _pool_state(engine, layout):
+    from properties.checks.state import CheckState
+
+    return CheckState(engine, layout)
+
+
+def test_per_pool_accounting_catches_swa_locked_pages_counted_free():
+    """The mutant counts locked SWA tree pages as obtainable: once B adopts A's cached
+    prefix, the SWA pool's free + held exceeds its capacity (P1) while
+    ``num_free_blocks()`` (the full pool's figure) stays right."""
+    from properties.checks.invariants import pool_accounting_per_pool
+    from properties.checks.state import PoolEvent
+    from properties.mutants.sglang_mutants import swa_locked_pages_counted_free
+
+    messages = {}
+    for name, factory in (("sglang", make_engine), ("mutant", swa_locked_pages_counted_free)):
+        layout = hybrid(2)
+        engine = factory(layout)
+        state = _pool_state(engine, layout)
+        prefill(engine, "A", PREFIX + (50,))
+        engine.free("A")
+        hit, _ = prefill(engine, "B", PREFIX + (60, 61))
+        assert hit.num_tokens == 12
+        assert engine.cache.swa_protected_size() > 0  # B locks cached SWA pages
+        state.invalidate()
+        event = PoolEvent({"B": engine.get_block_ids("B")}, engine.num_free_blocks())
+        messages[name] = pool_accounting_per_pool(state, event)
+    assert messages["sglang"] is None
+    assert messages["mutant"] is not None and "pool 'swa'" in messages["mutant"]

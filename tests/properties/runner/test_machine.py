@@ -21,19 +21,19 @@ def test_attention_outputs_match_dense(kv_check) -> None:
 def test_every_connector_run_ends_with_a_load_from_the_host_tier(monkeypatch) -> None:
     """The attention property's connector runs end with a reload (teardown): the longest
     request comes back from the host tier, whatever rules the run drew."""
-    from properties.runner import scheduler as scheduler_module
+    from properties.runner import connector as connector_module
     from properties.runner.check import run_property
     from properties.runner.config import CheckConfig
     from properties.runner.profiles import load_profile
 
     loads: list[tuple[int, int]] = []
-    original = scheduler_module.Scheduler._load
+    original = connector_module.Connector.load
 
     def counting(self, state, start, end):
         loads.append((start, end))
         return original(self, state, start, end)
 
-    monkeypatch.setattr(scheduler_module.Scheduler, "_load", counting)
+    monkeypatch.setattr(connector_module.Connector, "load", counting)
     config = CheckConfig(engine="reference", level="universal")
     result = run_property("attention", config, load_profile("ci"), None)
     assert result.failure is None, result.failure

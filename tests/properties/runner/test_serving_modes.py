@@ -212,19 +212,19 @@ def test_blocks_being_loaded_are_not_hit_by_other_requests() -> None:
     rec = run.apply(Step(64))
     # r2 finds no device hit (r1's blocks are not cached while loading) but loads the
     # same 12 tokens from the host tier itself
-    assert rec.scheduled == [] and run.scheduler.loading == ["r1", "r2"]
-    assert run.scheduler.requests["r2"].loaded == (0, 12)
+    assert rec.scheduled == [] and run.scheduler.connector.loading == ["r1", "r2"]
+    assert run.scheduler.connector.loaded["r2"] == (0, 12)
 
 
 def test_async_load_waits_a_step_then_runs_from_the_loaded_prefix() -> None:
     run = _loading(CheckConfig(level="exact", attention=True))
     rec = run.apply(Step(64))  # the load starts: 3 blocks, nothing scheduled
-    assert rec.scheduled == [] and run.scheduler.loading == ["r1"]
+    assert rec.scheduled == [] and run.scheduler.connector.loading == ["r1"]
     assert len(run.lockstep.engine.get_block_ids("r1")[0]) == 3
     rec = run.apply(Step(64))  # the load completed: r1 computes 12..15, reading it
     [item] = rec.scheduled
     assert (item.hit_tokens, item.external_tokens, item.start, item.num_tokens) == (0, 12, 12, 4)
-    assert run.scheduler.loading == []
+    assert run.scheduler.connector.loading == []
 
 
 def test_abort_during_an_async_load_frees_once_it_completes() -> None:
@@ -367,9 +367,10 @@ def test_a_failed_load_frees_its_blocks_and_the_retry_loads_again() -> None:
     run = _failing_load()
     free_while_loading = run.lockstep.num_free_blocks()
     rec = run.apply(Step(64))  # the load fails: freed, looked up again, loading again
-    assert not rec.scheduled and run.scheduler.loading == ["r2"]
+    assert not rec.scheduled and run.scheduler.connector.loading == ["r2"]
     state = run.scheduler.requests["r2"]
-    assert state.num_load_attempts == 1 and state.num_computed_tokens == 12
+    assert run.scheduler.connector.num_load_attempts["r2"] == 1
+    assert state.num_computed_tokens == 12
     assert run.lockstep.num_free_blocks() == free_while_loading  # the same 3 blocks again
     [item] = run.apply(Step(64)).scheduled  # the retry completes: 12 loaded, 4 computed
     assert (item.hit_tokens, item.external_tokens, item.start, item.num_tokens) == (0, 12, 12, 4)

@@ -1,0 +1,183 @@
+"""Which combinations of features a run reached: serving modes, production settings,
+group types and pool pressure, counted in pairs (swarm-testing reach).
+
+A *feature* is one thing an example can switch on: a serving mode (``async``,
+``admission-gate``, ``drafts``, ``external-hits``, ``async-loads``, ``load-failures``), a
+production setting (``eagle-drop``, ``lookahead-hashes``, ``retention=sparse``,
+``retention=interval``, ``admission-cap``), ``pool-pressure`` (the pool holds fewer than
+two requests of ``max_model_len``), or a group type (``full``, ``sliding_window``,
+``chunked_local``, ``mamba``). A *pair* is two features of which at least one is not a
+group type (mode x mode, mode x group type). Every example adds one to each pair of
+features it has; :func:`pair_table` then lists every pair as reached, excluded (by the
+model, or by what the engine declares) or missed.
+
+Worked example: a gemma3-like layout (full + sliding window) run with asynchronous
+scheduling and the admission gate on a pool of 3 requests has the features ``async``,
+``admission-gate``, ``full`` and ``sliding_window``: it reaches the pairs
+``async x admission-gate``, ``async x full``, ``async x sliding_window``,
+``admission-gate x full`` and ``admission-gate x sliding_window``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from itertools import combinations
+
+from properties.core.modes import ServingMode
+from reference.layout import KVCacheLayout
+
+#: The features that are not group types, in the order tables list them.
+MODE_FEATURES: tuple[str, ...] = (
+    "async",
+    "admission-gate",
+    "drafts",
+    "external-hits",
+    "async-loads",
+    "load-failures",
+    "eagle-drop",
+    "lookahead-hashes",
+    "retention=sparse",
+    "retention=interval",
+    "admission-cap",
+    "pool-pressure",
+)
+GROUP_TYPES: tuple[str, ...] = ("full", "sliding_window", "chunked_local", "mamba")
+
+#: What an engine must declare for a feature: a production setting (``setting:NAME``),
+#: the serving-mode calls (``serving_modes``) or a spec type (``spec:TYPE``).
+NEEDS: Mapping[str, tuple[str, ...]] = {
+    "async": ("serving_modes",),
+    "admission-gate": ("serving_modes",),
+    "drafts": ("serving_modes",),
+    "external-hits": ("serving_modes", "setting:external"),
+    "async-loads": ("serving_modes", "setting:external"),
+    "load-failures": ("serving_modes", "setting:external"),
+    "eagle-drop": ("setting:eagle",),
+    "lookahead-hashes": ("setting:eagle",),
+    "retention=sparse": ("setting:retention",),
+    "retention=interval": ("setting:retention",),
+    "admission-cap": ("setting:admission_cap",),
+    "pool-pressure": (),
+    **{kind: (f"spec:{kind}",) for kind in GROUP_TYPES},
+}
+
+#: Pairs the model of kvconform leaves out, with the reason (``docs`` of each mode).
+MODEL_EXCLUSIONS: Mapping[frozenset[str], str] = {
+    frozenset({"drafts", "async"}): "drafts with asynchronous scheduling are not modelled",
+    frozenset({"drafts", "mamba"}): "no speculative Mamba blocks are modelled",
+    frozenset({"external-hits", "mamba"}): "loaded Mamba states are not modelled",
+    frozenset({"async-loads", "mamba"}): "loaded Mamba states are not modelled",
+    frozenset({"load-failures", "mamba"}): "loaded Mamba states are not modelled",
+    frozenset({"eagle-drop", "chunked_local"}): "vLLM runs EAGLE without chunked groups",
+    frozenset({"eagle-drop", "mamba"}): "EAGLE is modelled without Mamba groups",
+    frozenset({"lookahead-hashes", "chunked_local"}): "vLLM runs EAGLE without chunked groups",
+    frozenset({"lookahead-hashes", "mamba"}): "EAGLE is modelled without Mamba groups",
+    frozenset({"eagle-drop", "lookahead-hashes"}): "lookahead hashes turn the EAGLE drop off",
+}
+
+
+def features(layout: KVCacheLayout, mode: ServingMode | None) -> frozenset[str]:
+    """The features of one example (see the module docstring).
+
+    Example: a full + Mamba layout, ``ServingMode(async_scheduling=True)``, retention
+    interval 0, a pool of 40 blocks where one request needs 8 ->
+    ``{"async", "retention=sparse", "full", "mamba"}``.
+    """
+    out = {spec.type_name for spec in layout.specs}
+    r = layout.prefix_cache_retention_interval
+    if r is not None:
+        out.add("retention=sparse" if r == 0 else "retention=interval")
+    if layout.drop_eagle_group_ids:
+        out.add("eagle-drop")
+    if layout.num_hash_lookahead_tokens:
+        out.add("lookahead-hashes")
+    if layout.max_in_flight_tokens is not None:
+        out.add("admission-cap")
+    if layout.num_blocks - 1 < 2 * layout.blocks_per_request():
+        out.add("pool-pressure")
+    if mode is not None:
+        has_mamba = "mamba" in out
+        for name, on in (
+            ("async", mode.async_scheduling),
+            ("admission-gate", mode.admission_gate),
+            ("drafts", mode.num_draft_tokens > 0),
+            ("external-hits", mode.external_hits and not has_mamba),
+            ("async-loads", mode.async_loads and not has_mamba),
+            ("load-failures", mode.load_failures and not has_mamba),
+        ):
+            if on:
+                out.add(name)
+    return frozenset(out)
+
+
+def all_pairs() -> list[tuple[str, str]]:
+    """Every pair, in table order: mode x mode, then mode x group type."""
+    modes = list(combinations(MODE_FEATURES, 2))
+    return modes + [(m, g) for m in MODE_FEATURES for g in GROUP_TYPES]
+
+
+def count_pairs(counts: dict[tuple[str, str], int], example: Iterable[str]) -> None:
+    """Add one example's features to ``counts`` (pair -> examples)."""
+    present = set(example)
+    for a, b in all_pairs():
+        if a in present and b in present:
+            counts[(a, b)] = counts.get((a, b), 0) + 1
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What the engine under test declares: its production settings, whether it takes
+    the serving-mode calls, its spec types (None: all)."""
+
+    settings: frozenset[str]
+    serving_modes: bool
+    spec_types: tuple[str, ...] | None
+
+    def supports(self, feature: str) -> str | None:
+        """None when the engine can be driven with ``feature``, else why not."""
+        for need in NEEDS[feature]:
+            kind, _, name = need.partition(":")
+            if kind == "serving_modes" and not self.serving_modes:
+                return "no serving-mode calls"
+            if kind == "setting" and name not in self.settings:
+                return f"no '{name}' production setting"
+            if kind == "spec" and self.spec_types is not None and name not in self.spec_types:
+                return f"no {name} groups"
+        return None
+
+
+def pair_status(
+    pair: tuple[str, str], counts: Mapping[tuple[str, str], int], declared: Declared
+) -> str:
+    """``"reached N"``, ``"excluded: why"`` or ``"MISSED"`` for one pair."""
+    n = counts.get(pair, 0)
+    if n:
+        return f"reached {n}"
+    why = MODEL_EXCLUSIONS.get(frozenset(pair))
+    if why is None:
+        why = declared.supports(pair[0]) or declared.supports(pair[1])
+    return f"excluded: {why}" if why else "MISSED"
+
+
+def pair_table(counts: Mapping[tuple[str, str], int], declared: Declared) -> list[str]:
+    """The lines ``kvconform check`` prints: a summary line, then one line per pair that
+    is missed, then the excluded pairs grouped by reason. Reached pairs are counted, not
+    listed (their counts go in the JSON result)."""
+    statuses = {pair: pair_status(pair, counts, declared) for pair in all_pairs()}
+    reached = [p for p, s in statuses.items() if s.startswith("reached")]
+    missed = [p for p, s in statuses.items() if s == "MISSED"]
+    excluded: dict[str, list[tuple[str, str]]] = {}
+    for p, s in statuses.items():
+        if s.startswith("excluded"):
+            excluded.setdefault(s.removeprefix("excluded: "), []).append(p)
+    supported = len(reached) + len(missed)
+    lines = [
+        f"pairs reached: {len(reached)} of {supported} the engine supports "
+        f"({sum(len(v) for v in excluded.values())} excluded)"
+    ]
+    for a, b in missed:
+        lines.append(f"  missed: {a} x {b}")
+    for why, pairs in sorted(excluded.items()):
+        lines.append(f"  excluded ({why}): {len(pairs)} pairs")
+    return lines

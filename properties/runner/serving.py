@@ -1,0 +1,43 @@
+"""The scheduler of a serving mode, assembled from its parts: :func:`make_scheduler`.
+
+Parts (:class:`properties.core.modes.ServingMode`):
+
+* the class: :class:`properties.runner.async_scheduler.AsyncScheduler` for
+  ``async_scheduling``, else :class:`properties.runner.scheduler.Scheduler` (the
+  synchronous rules and batching; the admission gate and the drafts hook are its own);
+* the connector: a :class:`properties.runner.connector.Connector` for ``external_hits``
+  on a layout without a Mamba group (loaded Mamba states are not modelled: the mode then
+  runs without one), carrying the offload and load observers.
+
+Example: ``make_scheduler(engine, layout, ServingMode(async_scheduling=True))`` is an
+``AsyncScheduler`` without a connector; ``ServingMode(external_hits=True)`` on one full
+attention group gives a ``Scheduler`` whose ``connector.host_tier`` holds ``2 *
+layout.num_blocks`` blocks.
+"""
+
+from __future__ import annotations
+
+from properties.core.engine import KVCacheEngine
+from properties.core.modes import SYNC, ServingMode
+from properties.runner.async_scheduler import AsyncScheduler
+from properties.runner.connector import Connector, LoadObserver, OffloadObserver
+from properties.runner.scheduler import Scheduler, StepObserver, mamba_block_size
+from reference.layout import KVCacheLayout
+
+
+def make_scheduler(
+    engine: KVCacheEngine,
+    layout: KVCacheLayout,
+    mode: ServingMode = SYNC,
+    on_scheduled: StepObserver | None = None,
+    on_offload: OffloadObserver | None = None,
+    on_load: LoadObserver | None = None,
+) -> Scheduler:
+    """The scheduler that serves ``mode`` over ``engine`` (see the module docstring);
+    ``on_scheduled`` observes every step after scheduling, ``on_offload`` and ``on_load``
+    the connector's offloads and loads (unused without a connector)."""
+    connector = None
+    if mode.external_hits and mamba_block_size(layout) is None:
+        connector = Connector(engine, layout, mode, on_offload, on_load)
+    kind = AsyncScheduler if mode.async_scheduling else Scheduler
+    return kind(engine, layout, mode, on_scheduled=on_scheduled, connector=connector)

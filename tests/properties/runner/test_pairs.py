@@ -1,0 +1,97 @@
+"""Pair reach (swarm testing): the features of an example, the pairs it adds, and the
+table's verdicts (hand-computed)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from properties.core.modes import ServingMode
+from properties.runner.pairs import (
+    Declared,
+    all_pairs,
+    count_pairs,
+    features,
+    pair_status,
+    pair_table,
+)
+from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+EVERYTHING = Declared(frozenset({"eagle", "retention", "admission_cap", "external"}), True, None)
+
+
+def _gemma(num_blocks: int) -> KVCacheLayout:
+    return KVCacheLayout(
+        groups=(
+            KVCacheGroup(("full",), FullAttentionSpec(block_size=4)),
+            KVCacheGroup(("swa",), SlidingWindowSpec(block_size=4, sliding_window=8)),
+        ),
+        num_blocks=num_blocks,
+        max_model_len=32,
+    )
+
+
+def test_features_of_an_example() -> None:
+    # one request of 32 tokens pins 8 full blocks and (vLLM's max_memory_usage of the
+    # window group) 9 sliding-window blocks: 17; pressure below 2 * 17 = 34 usable blocks
+    roomy = _gemma(num_blocks=64)
+    assert roomy.blocks_per_request() == 17
+    mode = ServingMode(async_scheduling=True, admission_gate=True)
+    assert features(roomy, mode) == {"async", "admission-gate", "full", "sliding_window"}
+    tight = dataclasses.replace(roomy, num_blocks=32, prefix_cache_retention_interval=0)
+    assert features(tight, None) == {
+        "full",
+        "sliding_window",
+        "pool-pressure",
+        "retention=sparse",
+    }
+
+
+def test_external_hits_do_not_count_with_mamba() -> None:
+    layout = KVCacheLayout(
+        groups=(
+            KVCacheGroup(("full",), FullAttentionSpec(block_size=4)),
+            KVCacheGroup(("m",), MambaSpec(block_size=4)),
+        ),
+        num_blocks=200,
+        max_model_len=32,
+    )
+    mode = ServingMode(external_hits=True, async_loads=True)
+    assert features(layout, mode) == {"full", "mamba"}
+
+
+def test_count_pairs_counts_each_pair_of_features_once_per_example() -> None:
+    counts: dict[tuple[str, str], int] = {}
+    count_pairs(counts, {"async", "admission-gate", "full", "sliding_window"})
+    count_pairs(counts, {"async", "full"})
+    assert counts == {
+        ("async", "admission-gate"): 1,
+        ("async", "full"): 2,
+        ("async", "sliding_window"): 1,
+        ("admission-gate", "full"): 1,
+        ("admission-gate", "sliding_window"): 1,
+    }  # group type x group type is not a pair
+
+
+def test_pair_verdicts() -> None:
+    counts = {("async", "full"): 3}
+    assert pair_status(("async", "full"), counts, EVERYTHING) == "reached 3"
+    assert pair_status(("async", "drafts"), counts, EVERYTHING) == (
+        "excluded: drafts with asynchronous scheduling are not modelled"
+    )
+    assert pair_status(("async", "mamba"), counts, EVERYTHING) == "MISSED"
+    plain = Declared(frozenset(), False, ("full", "sliding_window"))
+    assert pair_status(("async", "full"), {}, plain) == "excluded: no serving-mode calls"
+    assert pair_status(("pool-pressure", "mamba"), {}, plain) == "excluded: no mamba groups"
+    assert pair_status(("pool-pressure", "full"), {}, plain) == "MISSED"
+
+
+def test_table_for_an_engine_without_serving_modes() -> None:
+    # supports only pool-pressure x {full, sliding_window}: both reached
+    plain = Declared(frozenset(), False, ("full", "sliding_window"))
+    counts = {("pool-pressure", "full"): 2, ("pool-pressure", "sliding_window"): 1}
+    lines = pair_table(counts, plain)
+    total = len(all_pairs())
+    assert lines[0] == f"pairs reached: 2 of 2 the engine supports ({total - 2} excluded)"
+    assert not any(line.startswith("  missed") for line in lines)
+    assert "  excluded (no serving-mode calls): " in "\n".join(lines)
