@@ -129,10 +129,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     wanted = [p for p in PROPERTIES if not (p == "attention" and args.no_attention)]
     if args.only:
         wanted = [p for p in wanted if p in args.only]
-    print(format_active_checks_or_why(factory, config))
     from properties.tools.engine_coverage import cli_session
 
-    with cli_session(args, factory) as finish_engine_coverage:  # --engine-coverage
+    with cli_session(args, factory, config) as finish_engine_coverage:  # --engine-coverage
+        print(format_active_checks_or_why(factory, config))
         run = check_outputs.run_with_selection(
             lambda cfg, names: run_checks(args, cfg, names, seed, factory),
             *(config, wanted, selection, factory),

@@ -417,11 +417,14 @@ def add_arguments(parser) -> None:
 
 
 @contextmanager
-def cli_session(args, factory, fuzz: bool = False) -> Iterator:
+def cli_session(args, factory, config=None, fuzz: bool = False) -> Iterator:
     """Around a ``check`` or ``fuzz`` run: request engine coverage when ``args`` asks for
     it and yield ``finish()``, which prints the report and returns the failure message of
     the baseline comparison (or None). Without ``--engine-coverage`` ``finish`` does
-    nothing."""
+    nothing. With ``config`` (the run's CheckConfig) this process is measured from the
+    start when the engine runs here, so code that runs once per process (vLLM's
+    ``init_none_hash`` at the first engine built, e.g. the capability probe) is counted
+    as it is in an isolated child."""
     wanted = args.engine_coverage is not None
     baseline, write = args.engine_coverage_baseline, args.engine_coverage_write_baseline
     if not wanted:
@@ -444,6 +447,8 @@ def cli_session(args, factory, fuzz: bool = False) -> Iterator:
     close = close if callable(close) else (lambda: None)
     close()  # an isolated engine's child started before the request is not measured
     with requested(modules) as request:
+        if config is not None:
+            measure_here(config)
 
         def finish() -> str | None:
             close()  # the child saves its data as it exits
@@ -457,7 +462,7 @@ def open_session(args, factory, fuzz: bool = False) -> Callable[[], str | None]:
     ``finish()`` prints the report, ends the request and returns the baseline failure."""
     if args is None:
         return lambda: None
-    session = cli_session(args, factory, fuzz)
+    session = cli_session(args, factory, fuzz=fuzz)
     finish = session.__enter__()
 
     def finish_and_close() -> str | None:
