@@ -8,7 +8,11 @@ process that drives the engine inherits it: the check and fuzz workers, and the 
 server of an isolated engine (:mod:`properties.engines.serve`). Such a process calls
 :func:`start_measuring` before it drives the engine and :func:`save_measurement` after;
 each writes its own data file ``.coverage.<host>.<pid>.<random>`` into the directory,
-and the requesting process combines them (:mod:`properties.tools.engine_coverage`).
+and the requesting process combines them (:mod:`properties.tools.engine_coverage`). A
+measuring process leaves a marker ``measuring.<pid>`` there until its last save (an exec
+server saves as it exits, when its client closes it), and the requesting process waits
+for the live ones before it combines; a process killed at a deadline loses the data since
+its last save.
 
 Import first, trace afterwards: :func:`start_measuring` imports the named modules
 *before* the tracer starts. Tracing a large import (vLLM's, with torch) is slow and
