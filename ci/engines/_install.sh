@@ -14,9 +14,9 @@ trap 'echo "ci/engines/$name: FAILED (line $LINENO, exit $?) while installing $p
 # Test tools for `.engines/NAME/bin/python -m pytest` (installed --no-deps, so their
 # own dependencies are listed too).
 test_tools=(setuptools wheel hypothesis==6.155.2 sortedcontainers pytest pluggy iniconfig
-  pytest-xdist execnet)
+  pytest-xdist execnet coverage)
 ensure_test_tools() {
-  if ! "$env/bin/python" -c 'import pytest, xdist, hypothesis, sortedcontainers' 2>/dev/null; then
+  if ! "$env/bin/python" -c 'import pytest, xdist, hypothesis, sortedcontainers, coverage' 2>/dev/null; then
     "$env/bin/pip" install -q --disable-pip-version-check --no-deps "${test_tools[@]}" >/dev/null
   fi
 }

@@ -19,7 +19,9 @@
   kvconform.conformance`` run the same examples when given the same options.
 * Exit codes of the ``kvconform`` command: :data:`EXIT_PASSED` 0, :data:`EXIT_FAILED` 1
   (a property failed), :data:`EXIT_USAGE` 2 (bad option or configuration),
-  :data:`EXIT_ENGINE` 3 (the engine broke the protocol), :data:`EXIT_INTERRUPTED` 130.
+  :data:`EXIT_ENGINE` 3 (the engine broke the protocol), :data:`EXIT_COVERAGE` 4 (a branch
+  of the engine that ``--engine-coverage-baseline`` does not list is unreached),
+  :data:`EXIT_INTERRUPTED` 130.
 """
 
 from __future__ import annotations
@@ -70,4 +72,5 @@ EXIT_PASSED = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_ENGINE = 3
+EXIT_COVERAGE = 4
 EXIT_INTERRUPTED = 130

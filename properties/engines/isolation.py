@@ -10,9 +10,9 @@ was doing, C code holding the GIL included; a child that crashes is an engine er
 with its exit status and the tail of its stderr.
 
 The factory's own attributes (``layout_strategy``, ``known_divergences``,
-``spec_types``, ``production_settings``, ``version``) are read from the factory imported
-in this process, so layouts are drawn exactly as without isolation; the serving modes
-travel too (the child announces ``serving_modes`` for an engine that offers
+``spec_types``, ``production_settings``, ``version``, ``coverage_modules``) are read from
+the factory imported in this process, so layouts are drawn exactly as without isolation;
+the serving modes travel too (the child announces ``serving_modes`` for an engine that offers
 :class:`properties.core.engine.SupportsServingModes`, and the client engine then offers
 it), so the ``production`` property drives an isolated adapter in every mode it would
 drive it in process.
@@ -48,6 +48,7 @@ FACTORY_ATTRIBUTES = (
     "spec_types",
     "production_settings",
     "version",
+    "coverage_modules",
 )
 
 

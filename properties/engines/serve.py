@@ -34,6 +34,7 @@ import traceback
 from typing import Any, BinaryIO
 
 from properties.core.allocation import Allocation, allocate
+from properties.core.coverage_probe import start_measuring, stop_measuring
 from properties.core.engine import (
     CachedBlock,
     CacheHit,
@@ -368,7 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - reported to the client at hello
         print(f"properties.engines.serve: {exc}", file=sys.stderr)
         return 2
-    return serve(factory, argv[0], sys.stdin.buffer, responses)
+    start_measuring()  # when --engine-coverage asks for it (properties.core.coverage_probe)
+    try:
+        return serve(factory, argv[0], sys.stdin.buffer, responses)
+    finally:
+        stop_measuring()
 
 
 if __name__ == "__main__":

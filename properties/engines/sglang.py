@@ -634,3 +634,14 @@ def sglang_layouts():
 
 make_engine.layout_strategy = sglang_layouts  # type: ignore[attr-defined]
 make_engine_rust.layout_strategy = sglang_layouts  # type: ignore[attr-defined]
+#: The SGLang modules the adapter drives: the radix cache, its Python tree core and
+#: components, and the SWA allocator with its token allocators (``--engine-coverage``).
+SGLANG_COVERAGE_MODULES = (
+    "sglang.srt.mem_cache.unified_radix_cache",
+    "sglang.srt.mem_cache.unified_cache.unified_tree_core",
+    "sglang.srt.mem_cache.unified_cache.components.full",
+    "sglang.srt.mem_cache.unified_cache.components.swa",
+    "sglang.srt.mem_cache.allocator.swa",
+    "sglang.srt.mem_cache.allocator.token",
+)
+make_engine.coverage_modules = SGLANG_COVERAGE_MODULES  # type: ignore[attr-defined]

@@ -17,7 +17,12 @@ How our layout maps to vLLM objects
   mamba_cache_mode="align")`` (no speculative or prefill-checkpoint blocks).
 * ``KVCacheManager(config, max_model_len, scheduler_block_size=layout.scheduler_block_size,
   hash_block_size=layout.hash_block_size, max_in_flight_tokens=layout.max_in_flight_tokens,
-  enable_caching=layout.enable_caching)``; watermark 0, no EAGLE, no connector.
+  enable_caching=layout.enable_caching, log_stats=True, enable_kv_cache_events=True)``;
+  watermark 0, no EAGLE, no connector. Every other request asks for the ``full`` KV event
+  report mode (events for its reused blocks too). KV events are drained at every ``new_step`` and
+  after ``reset_prefix_cache`` and checked against the pool (every cached hash was
+  announced by a ``BlockStored``, every ``BlockRemoved`` names an announced one); the
+  prefix cache stats are taken at every step.
 * Requests are vLLM ``Request`` objects (``SamplingParams(max_tokens=max_model_len)``),
   hashed by ``get_request_block_hasher(hash_block_size, sha256)`` when caching is on.
   ``cache_salt`` goes to ``Request(cache_salt=...)``; a LoRA name becomes
@@ -114,12 +119,19 @@ class _VLLM:
     def __init__(self) -> None:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         import torch
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
         from vllm.lora.request import LoRARequest
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1 import kv_cache_interface as kvi
         from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.kv_cache_utils import (
+            get_block_hash,
+            get_group_id,
+            get_request_block_hasher,
+            init_none_hash,
+            maybe_convert_block_hash,
+        )
         from vllm.v1.request import Request, RequestStatus
 
         self.torch = torch
@@ -132,6 +144,8 @@ class _VLLM:
         self.sha256 = sha256
         self.get_request_block_hasher = get_request_block_hasher
         self.init_none_hash = init_none_hash
+        self.events = (AllBlocksCleared, BlockRemoved, BlockStored)
+        self.pool_key = (get_group_id, get_block_hash, maybe_convert_block_hash)
         quiet_loggers("vllm")
 
 
@@ -231,6 +245,8 @@ class VLLMEngine:
             enable_caching=layout.enable_caching,
             use_eagle=drop_eagle,
             num_hash_lookahead_tokens=layout.num_hash_lookahead_tokens,
+            log_stats=True,
+            enable_kv_cache_events=True,
         )
         self._hasher = (
             v.get_request_block_hasher(
@@ -244,6 +260,8 @@ class VLLMEngine:
         self._lora_ids: dict[str, int] = {}
         self._estimate: int | None = None
         self._record_estimates(self.manager.coordinator)
+        #: (group, hash) that BlockStored events announced since the last clear
+        self._announced: set[tuple[int, Any]] = set()
 
     def _record_estimates(self, coordinator: Any) -> None:
         """Wrap this coordinator's ``get_num_blocks_to_allocate`` (on the instance only) to
@@ -284,7 +302,13 @@ class VLLMEngine:
         if rid in self.requests:
             raise EngineError(f"vllm: request {rid!r} added twice")
         v = self._v
-        params = v.SamplingParams(max_tokens=max(1, self.layout.max_model_len))
+        # every other request asks for events of its reused blocks too (vLLM's "full"
+        # report mode), the others for newly cached blocks only ("incremental")
+        mode = "full" if len(self.requests) % 2 else "incremental"
+        params = v.SamplingParams(
+            max_tokens=max(1, self.layout.max_model_len),
+            extra_args={"kv_cache_report_mode": mode},
+        )
         self.requests[rid] = _call(
             "Request",
             (rid, len(request.prompt_token_ids)),
@@ -320,7 +344,32 @@ class VLLMEngine:
             req.status = self._v.RequestStatus.PREEMPTED
 
     def new_step(self) -> None:
+        self._drain_events()
+        _call("make_prefix_cache_stats", (), self.manager.make_prefix_cache_stats)
         _call("new_step_starts", (), self.manager.new_step_starts)
+
+    def _drain_events(self) -> None:
+        """Take vLLM's KV cache events and check them against its pool: a BlockRemoved
+        names a hash a BlockStored announced (since the last AllBlocksCleared), and every
+        hash the pool holds was announced. Example: a block cached and evicted in one step
+        gives BlockStored([h]) then BlockRemoved([h]), and ``h`` leaves the pool."""
+        cleared, removed, stored = self._v.events
+        for event in _call("take_events", (), self.manager.take_events):
+            if isinstance(event, cleared):
+                self._announced.clear()
+                continue
+            keys = [(event.group_idx, h) for h in event.block_hashes]
+            if isinstance(event, stored):
+                self._announced.update(keys)
+            elif isinstance(event, removed) and not self._announced.issuperset(keys):
+                raise EngineError(f"vllm: KV event {event!r} removes a hash never stored")
+        group_of, hash_of, external = self._v.pool_key
+        for key in self._pool.cached_block_hash_to_block._cache:
+            if (group_of(key), external(hash_of(key))) not in self._announced:
+                raise EngineError(
+                    f"vllm: the pool caches hash {hash_of(key).hex()} of group "
+                    f"{group_of(key)} that no BlockStored event announced"
+                )
 
     def get_computed_blocks(self, request_id: str) -> CacheHit:
         req = self._request(request_id)
@@ -400,7 +449,9 @@ class VLLMEngine:
         self._hits.pop(request_id, None)
 
     def reset_prefix_cache(self) -> bool:
-        return bool(_call("reset_prefix_cache", (), self.manager.reset_prefix_cache))
+        done = bool(_call("reset_prefix_cache", (), self.manager.reset_prefix_cache))
+        self._drain_events()
+        return done
 
     def get_block_ids(self, request_id: str) -> BlockIds:
         ids = _call("get_block_ids", (request_id,), self.manager.get_block_ids, request_id)
@@ -420,14 +471,10 @@ class VLLMEngine:
         return {b.block_id: b.ref_cnt for b in self._pool.blocks[1:]}
 
     def free_queue(self) -> list[int]:
-        """The free list from the front (next to allocate) to the back."""
-        out: list[int] = []
-        queue = self._pool.free_block_queue
-        node = queue.fake_free_list_head.next_free_block
-        while node is not None and node is not queue.fake_free_list_tail:
-            out.append(node.block_id)
-            node = node.next_free_block
-        return out
+        """The free list from the front (next to allocate) to the back (vLLM's own walk,
+        ``FreeKVCacheBlockQueue.get_all_free_blocks``)."""
+        blocks = _call("get_all_free_blocks", (), self._pool.free_block_queue.get_all_free_blocks)
+        return [block.block_id for block in blocks]
 
     def cached_blocks(self) -> list[CachedBlock]:
         """Every block registered in the prefix cache under its primary key.
@@ -493,3 +540,11 @@ KNOWN_DIVERGENCES = (
 make_engine.known_divergences = KNOWN_DIVERGENCES  # type: ignore[attr-defined]
 #: The adapter bridges every production layout setting (retention, EAGLE, caps).
 make_engine.production_settings = PRODUCTION_SETTINGS  # type: ignore[attr-defined]
+#: The modules of vLLM's cache manager the adapter drives (``--engine-coverage``).
+make_engine.coverage_modules = (  # type: ignore[attr-defined]
+    "vllm.v1.core.kv_cache_manager",
+    "vllm.v1.core.kv_cache_coordinator",
+    "vllm.v1.core.single_type_kv_cache_manager",
+    "vllm.v1.core.block_pool",
+    "vllm.v1.core.kv_cache_utils",
+)

@@ -16,8 +16,9 @@
 Exit codes (:mod:`properties.core.constants`): 0 passed, 1 a property failed, 2 usage or
 configuration error (bad option, unknown preset, an adapter that cannot be loaded, an
 engine that rejects every layout), 3 the engine broke the protocol (an exception, a
-malformed answer, a call past ``--call-timeout``), 130 interrupted. When several
-properties end differently the code is the first of 2, 3, 1. Errors are one line; a
+malformed answer, a call past ``--call-timeout``), 4 an engine branch unreached that
+``--engine-coverage-baseline`` does not list, 130 interrupted. When several
+properties end differently the code is the first of 2, 3, 1, 4. Errors are one line; a
 traceback only with ``--verbose``.
 """
 
@@ -38,6 +39,7 @@ from properties.core.constants import (
     DEFAULT_ISOLATION,
     DEFAULT_LEVEL,
     DEFAULT_PROFILE,
+    EXIT_COVERAGE,
     EXIT_ENGINE,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -59,13 +61,14 @@ EXIT_FOR_KIND = {
     "engine": EXIT_ENGINE,
     "property": EXIT_FAILED,
     "internal": EXIT_FAILED,
+    "coverage": EXIT_COVERAGE,
 }
 
 
 def exit_code(kinds: list[str | None]) -> int:
-    """The exit code of several results: the first of 2, 3, 1 that occurs, else 0."""
+    """The exit code of several results: the first of 2, 3, 1, 4 that occurs, else 0."""
     codes = {EXIT_FOR_KIND[k] for k in kinds if k is not None}
-    for code in (EXIT_USAGE, EXIT_ENGINE, EXIT_FAILED):
+    for code in (EXIT_USAGE, EXIT_ENGINE, EXIT_FAILED, EXIT_COVERAGE):
         if code in codes:
             return code
     return EXIT_PASSED
@@ -125,17 +128,25 @@ def cmd_check(args: argparse.Namespace) -> int:
     wanted = [p for p in PROPERTIES if not (p == "attention" and args.no_attention)]
     if args.only:
         wanted = [p for p in wanted if p in args.only]
-    print(format_active_checks_or_why(engine, config))
     from properties.runner.explain import format_summary
     from properties.runner.progress import configure_progress
+    from properties.tools.engine_coverage import cli_session
     from properties.tools.report import failure_lines, report_beside
 
     configure_progress(args.quiet, args.workers if args.workers is not None else 2)
-    run = check_outputs.run_with_selection(
-        lambda cfg, names: run_checks(args, cfg, names, seed, engine),
-        *(config, wanted, selection, engine),
-    )
+    with cli_session(args, engine, config) as finish_engine_coverage:  # --engine-coverage
+        print(format_active_checks_or_why(engine, config))
+        run = check_outputs.run_with_selection(
+            lambda cfg, names: run_checks(args, cfg, names, seed, engine),
+            *(config, wanted, selection, engine),
+        )
+        regression = finish_engine_coverage()
     results = run.results
+    if regression:
+        from properties.runner.check import PropertyResult
+
+        row = PropertyResult("engine-coverage", 0, 0, 0.0, regression, kind="coverage")
+        results = [*results, row]
     print(format_results(results))
     print("\n".join(format_pair_reach(results, engine)))
     failed = [r for r in results if not r.passed]
@@ -185,6 +196,7 @@ FAILURE_TITLE = {
     "no_layout": "NO LAYOUT",
     "usage": "CONFIGURATION ERROR (the engine cannot be started)",
     "internal": "INTERNAL ERROR (please report it)",
+    "coverage": "ENGINE COVERAGE REGRESSION (--engine-coverage-baseline)",
 }
 
 
@@ -355,6 +367,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         shrink_seconds=args.shrink_seconds,
         coverage=args.coverage,
         production=args.production,
+        engine_coverage_args=args,
     )
 
 
@@ -473,6 +486,12 @@ def coverage_args(p: argparse.ArgumentParser, gate: bool = True) -> None:
     )
 
 
+def engine_coverage_args(p: argparse.ArgumentParser) -> None:
+    from properties.tools.engine_coverage import add_arguments
+
+    add_arguments(p)
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Every option's default in ``--help`` (``(default: ci)``; none for flags and
     options without one); the epilog printed as written."""
@@ -575,6 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     shrink_args(p)
     coverage_args(p)
     check_outputs.add_arguments(p)
+    engine_coverage_args(p)
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("fuzz", help="a long campaign with a live progress line")
@@ -603,6 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     shrink_args(p)
     coverage_args(p, gate=False)
+    engine_coverage_args(p)
     p.set_defaults(func=cmd_fuzz)
 
     p = sub.add_parser("replay", help="replay one trace and show the first failure")

@@ -46,6 +46,7 @@ from properties.core.constants import (
     DEFAULT_FAILURE_DIR,
     DEFAULT_ISOLATION,
     DEFAULT_LEVEL,
+    EXIT_COVERAGE,
     EXIT_ENGINE,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -54,6 +55,7 @@ from properties.core.constants import (
 )
 from properties.runner.check import replay_command, run_property
 from properties.runner.config import CheckConfig
+from properties.tools.engine_coverage import open_session
 from reference.errors import KVConformError
 
 REDIS_SCHEME = "redis://"
@@ -119,7 +121,9 @@ def _worker(
 
     from properties.runner.profiles import load_profile
     from properties.runner.progress import set_sink
+    from properties.tools.engine_coverage import measure_here, save_measurement
 
+    measure_here(config)  # --engine-coverage: measured where the engine runs
     profile = load_profile("nightly")
     db = example_database(database, config.engine, config.level)
     # live counts of the round in progress, every second (the parent's counters move)
@@ -149,6 +153,7 @@ def _worker(
         )
         if after_round is not None:
             after_round()
+        save_measurement()
         if round_no == 0 and result.kind not in ("property", "engine"):
             result.failure = None  # nothing to replay (Hypothesis says it ran no example)
         out.put(
@@ -262,11 +267,14 @@ def run_campaign(
     shrink_seconds: float | None = None,
     coverage: bool = False,
     production: bool = False,
+    engine_coverage_args=None,
 ) -> int:
     """Fuzz ``engine`` for ``minutes`` in ``workers`` processes; the exit code.
     ``database``: see the module docstring. With ``coverage`` the rule coverage of the
     whole campaign is printed at the end; ``production`` fuzzes the production
-    property."""
+    property; ``engine_coverage_args`` (the parsed ``--engine-coverage*`` options) adds
+    the engine coverage the campaign reached and, with a baseline, the branches it
+    reached first (:mod:`properties.tools.engine_coverage`; exit 4 on a regression)."""
     if minutes <= 0 or workers < 1:
         print(
             f"kvconform fuzz: --minutes must be > 0 and --workers >= 1, got "
@@ -282,7 +290,7 @@ def run_campaign(
         call_timeout=call_timeout,
         isolation=isolation,
     )
-    config.resolve_engine()  # a bad --engine or declaration fails here, with a clear message
+    resolved = config.resolve_engine()  # a bad --engine or declaration fails here, clearly
     try:
         check_database(database)
     except KVConformError as exc:
@@ -295,6 +303,7 @@ def run_campaign(
         f"minutes={minutes} base seed={base_seed} database={database or DEFAULT_DATABASE_DIR}",
         flush=True,
     )
+    finish_engine_coverage = open_session(engine_coverage_args, resolved, fuzz=True)
     start = time.time()
     deadline = start + minutes * 60
     ctx = mp.get_context("spawn")
@@ -375,11 +384,15 @@ def run_campaign(
         print(f"  seed {seed_}: {message.splitlines()[0][:200]}\n    trace: {path}")
     if coverage_dir is not None:
         print_campaign_coverage(coverage_dir)
+    regression = finish_engine_coverage()
     kinds = {f[3] for f in failures.values()}
     if "engine" in kinds:
         return EXIT_ENGINE
     if kinds or crashed:
         return EXIT_FAILED
+    if regression:
+        print(f"kvconform fuzz: {regression}", file=sys.stderr)
+        return EXIT_COVERAGE
     return EXIT_INTERRUPTED if interrupted else EXIT_PASSED
 
 

@@ -88,8 +88,11 @@ def run_task(task: PropertyTask, engine=None):
     configuration names it, resolved here); a first failure is announced
     (:func:`announce_first_failure`) the moment it is found. In a measuring worker the
     data so far is saved after each task (the pool ends workers without ``atexit``)."""
+    from properties.tools.engine_coverage import measure_task
+
     try:
-        return _run(task, engine)
+        with measure_task(task.config):  # --engine-coverage: measured where the engine runs
+            return _run(task, engine)
     finally:
         if _WORKER_COVERAGE is not None:
             _WORKER_COVERAGE.save()

@@ -143,10 +143,13 @@ def run_property_selected(
     )
     engine_under_test = config.resolve_engine()
 
+    from properties.tools.engine_coverage import measure_task
+
     def run(cfg, names):
         return [run_property(names[0], cfg, profile, seed, engine_under_test)]
 
-    results, _ = run_selected(run, config, [prop], options.selection)
+    with measure_task(config):  # --kv-engine-coverage: measured where the engine runs
+        results, _ = run_selected(run, config, [prop], options.selection)
     result = results[0]
     try:
         active = active_checks_for(engine_under_test, config)[0]

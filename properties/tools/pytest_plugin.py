@@ -14,6 +14,10 @@ the project opts in with the ini setting ``kv_hypothesis_profile`` (this reposit
 The conformance tests (:mod:`properties.tools.conformance`) pass their settings
 explicitly and need neither.
 
+``--kv-engine-coverage [MODULE,...]`` measures the branch coverage of the engine's own
+modules while the tests drive it (``kv_check``) and prints the report at the end
+(:mod:`properties.tools.engine_coverage`).
+
 Fixtures: ``kv_engine`` (the engine name), ``kv_engine_under_test`` (it resolved once,
 :func:`properties.engines.under_test.resolve_engine`), ``kv_level``, ``kv_profile_name``
 (the profile the conformance tests use: ``--kv-profile``, else the ini setting's, else
@@ -66,6 +70,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help=f"kvconform's Hypothesis profile (default {DEFAULTS.profile}, as the CLI)",
     )
     pytest_options.add_options(group)
+    group.addoption(
+        "--kv-engine-coverage",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="MODULE[,MODULE...]",
+        help="branch coverage of these modules of the engine under test, printed at the end "
+        "(no value: the adapter's coverage_modules; properties.tools.engine_coverage)",
+    )
     parser.addini(
         "kv_hypothesis_profile",
         default="",
@@ -100,6 +113,36 @@ def pytest_configure(config: pytest.Config) -> None:
             CheckConfig(engine=engine).resolve_engine()
         except EngineLoadError as exc:
             raise pytest.UsageError(f"--kv-engine: {exc}") from None
+    if config.getoption("--kv-engine-coverage") is not None:
+        _start_engine_coverage(config, engine)
+
+
+def _start_engine_coverage(config: pytest.Config, engine: str) -> None:
+    """``--kv-engine-coverage``: request it now; the report comes in the summary."""
+    from types import SimpleNamespace
+
+    from properties.runner.config import CheckConfig
+    from properties.tools.engine_coverage import open_session
+
+    args = SimpleNamespace(
+        engine=engine,
+        engine_coverage=config.getoption("--kv-engine-coverage"),
+        engine_coverage_baseline=None,
+        engine_coverage_write_baseline=None,
+    )
+    try:
+        finish = open_session(args, CheckConfig(engine=engine).resolve_engine())
+    except Exception as exc:  # noqa: BLE001 - a bad module is a usage error
+        raise pytest.UsageError(str(exc)) from None
+    config.kv_engine_coverage = finish  # type: ignore[attr-defined]
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    finish = getattr(config, "kv_engine_coverage", None)
+    if finish is not None:
+        config.kv_engine_coverage = None  # type: ignore[attr-defined]
+        terminalreporter.section("kvconform engine coverage")
+        finish()
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -144,13 +187,15 @@ def kv_check(
 
     from properties.runner.check import failure_report, run_property
     from properties.runner.config import CheckConfig
+    from properties.tools.engine_coverage import measure_task
 
     def run(name: str, level: str | None = None, **extra):
         engine = request.config.getoption("--kv-engine")
         level = level or request.config.getoption("--kv-level")
         config = CheckConfig(engine=engine, level=level, failure_dir=str(tmp_path), **extra)
         profile = settings.get_profile(kv_profile_name)
-        result = run_property(name, config, profile, None, kv_engine_under_test)
+        with measure_task(config):  # --kv-engine-coverage: measured where the engine runs
+            result = run_property(name, config, profile, None, kv_engine_under_test)
         if not result.passed:
             pytest.fail(failure_report(result, engine, level), pytrace=False)
         return result

@@ -222,3 +222,44 @@ def test_chunked_local_hits_whole_chunks_without_lookup():
     assert hit == CacheHit(((0, 0, 0, 0),), 8)
     assert engine.allocate_slots("a", 1, 8, hit) == ((1,),)
     assert engine.num_free_blocks() == 18
+
+
+def test_kv_events_are_checked_against_the_pool_and_catch_two_event_mutants(monkeypatch):
+    """The adapter drains vLLM's KV events at every step and checks them against the pool
+    (every cached hash announced by a BlockStored, every BlockRemoved names an announced
+    hash). Scenario, full attention bs 2, 4 blocks (3 usable): "a" computes 2 tokens (1
+    block cached), then 2 more (a second block cached while one is cached already); then
+    "a" is freed and "b" (other tokens) takes 3 blocks, evicting both cached ones.
+    Unmutated: no error. ``event_offset`` announces the first block's hash again for the
+    second block, so the pool caches an unannounced hash at the step after;
+    ``removed_with_group`` removes a hash with the group id glued on, never announced."""
+    from tests.properties.engines.vllm_event_mutants import mutated
+
+    def scenario() -> None:
+        engine = make((FullAttentionSpec(block_size=2),), 4)
+        engine.add_request(RequestInput("a", (1, 2, 3, 4, 5)))
+        hit = engine.get_computed_blocks("a")
+        assert engine.allocate_slots("a", 2, 0, hit) == ((1,),)
+        engine.set_num_computed_tokens("a", 2)
+        engine.new_step()
+        assert engine.allocate_slots("a", 2) == ((2,),)
+        engine.set_num_computed_tokens("a", 4)
+        engine.new_step()
+        engine.free("a")
+        engine.remove_request("a")
+        engine.add_request(RequestInput("b", (7, 8, 9, 10, 11, 12)))
+        hit = engine.get_computed_blocks("b")
+        assert hit.num_tokens == 0
+        assert engine.allocate_slots("b", 6, 0, hit) == ((3, 2, 1),)
+        engine.new_step()
+
+    scenario()
+    for name, message in (
+        ("event_offset", "that no BlockStored event announced"),
+        ("removed_with_group", "removes a hash never stored"),
+    ):
+        owner, method, function = mutated(name)
+        with monkeypatch.context() as patch:
+            patch.setattr(owner, method, function)
+            with pytest.raises(EngineError, match=message):
+                scenario()

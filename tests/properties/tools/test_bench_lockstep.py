@@ -20,7 +20,7 @@ from properties.core.engine import CacheHit, EngineError
 from properties.engines.reference import ReferenceEngine
 from properties.runner.check import config_for
 from properties.runner.config import CheckConfig
-from properties.runner.machine import replay_trace
+from properties.runner.run import engine_of, replay_trace
 from properties.tools import cli
 from properties.tools.bench.engines import (
     HYBRID_6,
@@ -38,7 +38,7 @@ LOCKSTEP_ONLY = config_for(
 
 def _replay(recipe: TraceRecipe, scale: int) -> None:
     trace = recorded_traces(scale=scale, directory=None, recipes=(recipe,))[recipe.name]
-    run, exc = replay_trace(trace, LOCKSTEP_ONLY)
+    run, exc = replay_trace(trace, LOCKSTEP_ONLY, engine_of(LOCKSTEP_ONLY, None))
     assert exc is None, f"{recipe.name} (scale {scale}), operation {len(run.operations) - 1}: {exc}"
     assert len(run.operations) == len(trace.operations)
 

@@ -1,0 +1,216 @@
+"""Engine coverage (``--engine-coverage``): branch coverage of the engine's own modules,
+measured wherever the engine runs, with a baseline that fails on a new unreached branch.
+
+The engine is :mod:`tests.properties.tools.toy_cov_adapter`: the reference engine calling
+into :mod:`tests.properties.tools.toy_cov_module`, whose branches are known by hand (see
+its docstring): 6 branches in function bodies, 3 reached (``parity`` both ways and
+``checked_size``'s fall-through), so 50.0%; unreached: ``checked_size`` line 22 -> 23
+(the ``raise``) and ``never_called`` line 34 -> 35 and 34 -> 36. The module-level ``if``
+(lines 15-18) runs at import, before measuring starts, and is not counted (8 branches
+would mean it was). Each run is ``kvconform check`` in its own process, as a user runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from properties.core.constants import EXIT_COVERAGE
+from properties.tools.engine_coverage import (
+    Branch,
+    EngineCoverage,
+    EngineCoverageError,
+    FunctionRow,
+    first_reached,
+    format_engine_coverage,
+    read_baseline,
+    regressions,
+    write_baseline,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+TOY = "tests.properties.tools.toy_cov_adapter:make_engine"
+TOY_PATH = "tests/properties/tools/toy_cov_module.py"
+#: The unreached branches, by hand.
+UNREACHED = (f"{TOY_PATH}:22->23", f"{TOY_PATH}:34->35", f"{TOY_PATH}:34->36")
+
+
+def check(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable,
+        "-m",
+        "properties.tools.cli",
+        "check",
+        "--engine",
+        TOY,
+        "--only",
+        "determinism",
+        "--max-examples",
+        "2",
+        "--failure-dir",
+        str(tmp_path / "failures"),
+        *extra,
+    ]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def unreached_lines(output: str) -> list[str]:
+    return [line.split()[0] for line in output.splitlines() if line.startswith(f"  {TOY_PATH}:")]
+
+
+@pytest.mark.parametrize(
+    "isolation, workers",
+    [("none", "1"), ("process", "1"), ("process", "2")],
+    ids=["in-process", "isolated", "isolated-in-workers"],
+)
+def test_toy_engine_coverage_is_exact_wherever_the_engine_runs(
+    tmp_path, isolation: str, workers: str
+) -> None:
+    extra = ["--isolation", isolation, "--workers", workers, "--engine-coverage"]
+    if workers == "2":  # two properties, so the pool runs (workers hand their data back)
+        extra[-1:] = ["--engine-coverage", "tests.properties.tools.toy_cov_module"]
+        extra += ["--only", "determinism", "invariants"]
+    run = check(tmp_path, *extra)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "engine branch coverage: 50.0% of 6 branches" in run.stdout
+    assert unreached_lines(run.stdout) == list(UNREACHED)
+    assert "1/2   tests/properties/tools/toy_cov_module.py  checked_size" in run.stdout
+    assert "2/2   tests/properties/tools/toy_cov_module.py  never_called" in run.stdout
+    assert "parity" not in run.stdout  # fully covered
+
+
+def test_baseline_fails_on_a_branch_it_does_not_list_and_passes_otherwise(tmp_path) -> None:
+    baseline = tmp_path / "baseline.txt"
+    run = check(
+        tmp_path,
+        "--workers",
+        "1",
+        "--engine-coverage",
+        "--engine-coverage-write-baseline",
+        str(baseline),
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [r for r in baseline.read_text().splitlines() if not r.startswith("#")]
+    assert [r.split("\t")[0] for r in rows] == list(UNREACHED)
+    passing = check(
+        tmp_path, "--workers", "1", "--engine-coverage", "--engine-coverage-baseline", str(baseline)
+    )
+    assert passing.returncode == 0, passing.stdout + passing.stderr
+    # drop checked_size's raise from the baseline: that branch is now a regression
+    baseline.write_text("\n".join(r for r in rows if "checked_size" not in r) + "\n")
+    failing = check(
+        tmp_path, "--workers", "1", "--engine-coverage", "--engine-coverage-baseline", str(baseline)
+    )
+    assert failing.returncode == EXIT_COVERAGE == 4, failing.stdout + failing.stderr
+    assert (
+        f"1 branches unreached that the baseline {baseline} does not list: "
+        f"{TOY_PATH}:22->23" in failing.stdout
+    )
+
+
+def test_engine_without_declared_modules_and_unknown_module_are_usage_errors(tmp_path) -> None:
+    run = check(tmp_path, "--engine", "reference", "--engine-coverage")
+    # --engine given twice: argparse keeps the last one
+    assert run.returncode == 2
+    assert "declares no coverage_modules" in run.stderr
+    run = check(tmp_path, "--engine-coverage", "no_such_pkg.mod")
+    assert run.returncode == 2
+    assert "--engine-coverage: cannot find module 'no_such_pkg.mod'" in run.stderr
+    run = check(tmp_path, "--engine-coverage-baseline", "x.txt")
+    assert run.returncode == 2
+    assert "need --engine-coverage" in run.stderr
+
+
+def _branch(line: int, target: int, target_source: str, source: str = "if a:") -> Branch:
+    return Branch("m.py", line, target, "f", source, target_source)
+
+
+def test_baseline_matches_without_line_numbers_and_counts_repeats(tmp_path) -> None:
+    result = EngineCoverage(
+        (FunctionRow("m.py", "f", 6, 3),),
+        (
+            _branch(3, 4, "x = 1"),
+            _branch(9, 10, "y = 1", "if b:"),
+            _branch(9, 12, "y = 2", "if b:"),
+        ),
+    )
+    path = tmp_path / "b.txt"
+    write_baseline(result, str(path))
+    listed = read_baseline(str(path))
+    assert regressions(result, listed) == []
+    # the same branches after the code moved down by 5 lines still match
+    moved = EngineCoverage(
+        result.functions,
+        tuple(
+            _branch(b.line + 5, b.target + 5, b.target_source, b.source) for b in result.unreached
+        ),
+    )
+    assert regressions(moved, listed) == []
+    # "if a: -> x = 1" is listed once: a second unreached copy of it is a regression
+    twice = EngineCoverage(result.functions, (_branch(3, 4, "x = 1"), _branch(30, 31, "x = 1")))
+    assert [b.where for b in regressions(twice, listed)] == ["m.py:30->31"]
+    # a changed target line is another branch
+    changed = EngineCoverage(result.functions, (_branch(3, 4, "x = 2"),))
+    assert [b.where for b in regressions(changed, listed)] == ["m.py:3->4"]
+    # reached since the baseline: both branches of "if b:" are first reached
+    fewer = EngineCoverage(result.functions, (_branch(3, 4, "x = 1"),))
+    assert [k[3] for k in first_reached(fewer, listed)] == ["y = 1", "y = 2"]
+    assert result.percent == 50.0 and result.branches == 6
+
+
+def test_bad_baseline_is_one_line_error(tmp_path) -> None:
+    path = tmp_path / "b.txt"
+    path.write_text("# header\nonly\ttwo\n")
+    with pytest.raises(EngineCoverageError, match=r"b.txt:2: expected 4 tab-separated fields"):
+        read_baseline(str(path))
+    with pytest.raises(EngineCoverageError, match="cannot read"):
+        read_baseline(str(tmp_path / "missing.txt"))
+
+
+def test_long_table_goes_to_a_file(tmp_path) -> None:
+    branches = tuple(_branch(i, i + 1, f"x = {i}") for i in range(1, 46))
+    result = EngineCoverage((FunctionRow("m.py", "f", 90, 45),), branches)
+    table = tmp_path / "table.txt"
+    text = format_engine_coverage(result, str(table))
+    assert f"... 5 more; the whole table: {table}" in text
+    assert len(table.read_text().splitlines()) == 45
+    assert text.splitlines()[-1] == "engine branch coverage: 50.0% of 90 branches"
+    assert Counter(line.split()[0] for line in table.read_text().splitlines())["m.py:45->46"] == 1
+
+
+def test_pytest_option_reports_the_same_coverage(tmp_path) -> None:
+    """``--kv-engine-coverage`` of the pytest plugin, on the packaged conformance tests
+    (the toy adapter runs isolated there: a module:factory with the default deadline)."""
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--pyargs",
+        "properties.tools.conformance",
+        "--kv-engine",
+        TOY,
+        "--kv-engine-coverage",
+        "--kv-profile",
+        "dev",
+        "-k",
+        "determinism",
+    ]
+    run = subprocess.run(
+        command,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "engine branch coverage: 50.0% of 6 branches" in run.stdout
+    assert unreached_lines(run.stdout) == list(UNREACHED)
