@@ -15,7 +15,10 @@
   engines in this one; ``process``; ``none``).
 * Exit codes of the ``kvconform`` command: :data:`EXIT_PASSED` 0, :data:`EXIT_FAILED` 1
   (a property failed), :data:`EXIT_USAGE` 2 (bad option or configuration),
-  :data:`EXIT_ENGINE` 3 (the engine broke the protocol), :data:`EXIT_INTERRUPTED` 130.
+  :data:`EXIT_ENGINE` 3 (the engine broke the protocol), :data:`EXIT_INTERNAL` 70 (a bug
+  of kvconform itself: ``EX_SOFTWARE`` of ``sysexits.h``), :data:`EXIT_INTERRUPTED` 130
+  (SIGINT) and :data:`EXIT_TERMINATED` 143 (SIGTERM), when nothing failed before the
+  signal. Which code a failure gives: :mod:`properties.core.outcome`.
 """
 
 from __future__ import annotations
@@ -41,4 +44,6 @@ EXIT_PASSED = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_ENGINE = 3
+EXIT_INTERNAL = 70
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143

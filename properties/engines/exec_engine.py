@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import selectors
 import shlex
@@ -54,6 +55,7 @@ from properties.core.engine import (
 )
 from properties.core.modes import EXTERNAL_KEYWORDS, PRODUCTION_SETTINGS, allocate_keywords
 from properties.core.trace import layout_to_json
+from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
 
 #: The protocol version this client speaks (``hello``'s ``protocol``).
@@ -64,6 +66,8 @@ DEFAULT_CALL_TIMEOUT_S = 60.0
 MIN_STARTUP_TIMEOUT_S = 120.0
 #: Environment variable giving the per-call timeout in seconds.
 TIMEOUT_ENV = "KVCONFORM_EXEC_TIMEOUT"
+#: The largest per-call timeout the environment may ask for (a day).
+MAX_TIMEOUT_S = 86_400.0
 #: Seconds a closing child gets to exit after its stdin is closed.
 EXIT_GRACE_S = 5.0
 #: The optional calls an engine may announce in ``create``'s ``capabilities``
@@ -94,7 +98,9 @@ class ExecProtocolError(EngineError):
 
 
 def call_timeout_from_env() -> float:
-    """The per-call timeout: ``$KVCONFORM_EXEC_TIMEOUT`` seconds, else 60."""
+    """The per-call timeout: ``$KVCONFORM_EXEC_TIMEOUT`` seconds, else 60. A value that
+    is not a finite number of seconds in (0, :data:`MAX_TIMEOUT_S`] is a usage error
+    (``KVConformError``, exit 2), not the engine's: ``abc``, ``nan``, ``inf``, ``-1``."""
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None or raw == "":
         return DEFAULT_CALL_TIMEOUT_S
@@ -102,8 +108,10 @@ def call_timeout_from_env() -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise EngineError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {raw!r}")
+    if not (value > 0 and math.isfinite(value) and value <= MAX_TIMEOUT_S):
+        raise KVConformError(
+            f"{TIMEOUT_ENV} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {raw!r}"
+        )
     return value
 
 
@@ -184,7 +192,7 @@ class ExecProcess:
                 env=self._env,
                 cwd=self._cwd,
                 bufsize=0,
-                start_new_session=False,
+                start_new_session=True,  # a terminal's Ctrl-C reaches only kvconform
             )
         except OSError as exc:
             self._stderr.close()

@@ -48,6 +48,7 @@ from properties.core.engine import CallTimeoutError, EngineError, UnsupportedLay
 from properties.core.trace import Trace, save_trace
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
+from properties.runner.flaky import not_reproduced
 from properties.runner.machine import (
     RunStats,
     RunStopped,
@@ -223,6 +224,26 @@ def _classify(exc: BaseException, examples: int) -> tuple[str, str]:
     return failure_kind(error), _failure_text(error)
 
 
+def _report(
+    exc: BaseException,
+    examples: int,
+    first: Trace | None,
+    last: Trace | None,
+    config: CheckConfig,
+    seed: int | None,
+) -> tuple[str, str, Path | None, str | None]:
+    """``(kind, text, saved trace, note)`` of a run's exception: a failure that did not
+    repeat (:mod:`properties.runner.flaky`) is the ``first`` failure recorded, its trace
+    saved as it ran; any other the exception itself with the ``last`` (shrunk) trace."""
+    unrepeated = not_reproduced(exc, first)
+    if unrepeated is None:
+        kind, failure = _classify(exc, examples)
+        return (kind, failure, *_save(last, config, seed))
+    path, moved = _save(unrepeated.trace, config, seed)
+    note = unrepeated.note + (f"; {moved}" if moved else "")
+    return unrepeated.kind, unrepeated.failure, path, note
+
+
 def save_failure(trace: Trace, directory: str) -> tuple[Path, str | None]:
     """Save ``trace`` under ``directory``; if that cannot be written, under a new
     temporary directory. Returns the path and a note saying why it moved (or None)."""
@@ -273,8 +294,10 @@ def _run_machine(
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure is reported
-        kind, failure = _classify(exc, stats.examples)
-        path, note = _save(stats.last_failure, config, seed)
+        first = stats.first_trace or stats.last_failure
+        kind, failure, path, note = _report(
+            exc, stats.examples, first, stats.last_failure, config, seed
+        )
     modes = {tag: (e, n) for tag, (e, n) in sorted(stats.modes.items())} or None
     return PropertyResult(
         name,
@@ -339,8 +362,8 @@ def _run_determinism(
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure is reported
-        kind, failure = _classify(exc, counts["examples"])
-        path, note = _save(failing.get("trace"), config, seed)
+        trace = failing.get("trace")
+        kind, failure, path, note = _report(exc, counts["examples"], trace, trace, config, seed)
     return PropertyResult(
         "determinism",
         counts["examples"],

@@ -37,7 +37,6 @@ from properties.checks.registry import PropertyViolation
 from properties.core.engine import (
     CallTimeoutError,
     EngineError,
-    EngineLoadError,
     ExposesDataPlane,
     KVCacheEngine,
     SupportsServingModes,
@@ -45,6 +44,7 @@ from properties.core.engine import (
     load_engine_factory,
 )
 from properties.core.modes import SYNC, ServingMode, production_settings
+from properties.core.outcome import Outcome
 from properties.core.trace import (
     Abort,
     Arrive,
@@ -119,16 +119,9 @@ class RunStopped(BaseException):
 
 
 def failure_kind(exc: BaseException) -> str:
-    """``"property"`` (a check failed: exit 1), ``"engine"`` (the engine broke the
-    protocol: an exception, a malformed answer, a timeout: exit 3), ``"usage"`` (the
-    engine cannot be started at all: exit 2) or ``"internal"``."""
-    if isinstance(exc, EngineLoadError):
-        return "usage"
-    if isinstance(exc, (RunStopped, EngineError)):
-        return "engine"
-    if isinstance(exc, AssertionError):
-        return "property"
-    return "internal"
+    """The kind of a run's failure (:meth:`properties.core.outcome.Outcome.of_failure`):
+    ``"property"``, ``"engine"``, ``"usage"`` or ``"internal"``."""
+    return Outcome.of_failure(exc).kind
 
 
 def engine_factory(config: CheckConfig) -> Callable:

@@ -38,7 +38,6 @@ from properties.core.constants import (
     DEFAULT_ISOLATION,
     DEFAULT_LEVEL,
     DEFAULT_PROFILE,
-    EXIT_ENGINE,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_PASSED,
@@ -49,25 +48,13 @@ from properties.core.constants import (
     PROPERTIES,
 )
 from properties.core.engine import EngineError, EngineLoadError
+from properties.core.outcome import Outcome, combined_exit_code
 from reference.errors import KVConformError
-
-#: A result's kind -> the exit code it gives (PropertyResult.kind).
-EXIT_FOR_KIND = {
-    "usage": EXIT_USAGE,
-    "no_layout": EXIT_USAGE,
-    "engine": EXIT_ENGINE,
-    "property": EXIT_FAILED,
-    "internal": EXIT_FAILED,
-}
 
 
 def exit_code(kinds: list[str | None]) -> int:
-    """The exit code of several results: the first of 2, 3, 1 that occurs, else 0."""
-    codes = {EXIT_FOR_KIND[k] for k in kinds if k is not None}
-    for code in (EXIT_USAGE, EXIT_ENGINE, EXIT_FAILED):
-        if code in codes:
-            return code
-    return EXIT_PASSED
+    """The exit code of several results (:func:`properties.core.outcome.combined_exit_code`)."""
+    return combined_exit_code(kinds)
 
 
 def usage_error(message: str) -> KVConformError:
@@ -128,7 +115,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(format_results(results))
     failed = [r for r in results if not r.passed]
     for r in failed:
-        print(f"\n{FAILURE_TITLE[result_kind(r)]} in {r.name}: {r.failure[:4000]}")
+        print(f"\n{Outcome.from_kind(result_kind(r)).title} in {r.name}: {r.failure[:4000]}")
         if r.note:
             print(f"  note: {r.note}")
         if getattr(r, "first", None) is not None:
@@ -159,21 +146,9 @@ def format_active_checks_or_why(factory, config) -> str:
         return f"  capabilities: unknown (the engine could not be built: {first})"
 
 
-#: How a failed result is announced, by its kind.
-FAILURE_TITLE = {
-    "property": "FAILED",
-    "engine": "ENGINE ERROR (the engine broke the protocol)",
-    "no_layout": "NO LAYOUT",
-    "usage": "CONFIGURATION ERROR (the engine cannot be started)",
-    "internal": "INTERNAL ERROR (please report it)",
-}
-
-
 def result_word(result) -> str:
-    if result.passed:
-        return "PASS"
-    words = {"engine": "ENGINE ERROR", "no_layout": "NO LAYOUT", "usage": "CONFIG ERROR"}
-    return words.get(getattr(result, "kind", None), "FAIL")
+    """PASS, FAIL, ENGINE ERROR, ... (:class:`properties.core.outcome.Outcome`)."""
+    return Outcome.from_kind(result_kind(result)).word
 
 
 def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, factory) -> list:
@@ -270,7 +245,7 @@ def format_results(results: list) -> str:
 def cmd_replay(args: argparse.Namespace) -> int:
     from properties.core.trace import load_trace
     from properties.runner.check import config_for
-    from properties.runner.machine import engine_factory, failure_kind, replay_trace
+    from properties.runner.machine import engine_factory, replay_trace
 
     trace = load_trace(Path(args.trace))
     config = config_for("attention" if args.attention else "invariants", config_from_args(args))
@@ -309,7 +284,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             for gid, (e, g) in enumerate(zip(exp, got)):
                 mark = "  " if list(e) == list(g) else "!="
                 print(f"    {rid} group {gid}: {list(e)} {mark} {list(g)}")
-    return EXIT_ENGINE if failure_kind(exc) == "engine" else EXIT_FAILED
+    return Outcome.of_failure(exc).exit_code
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
@@ -586,19 +561,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def classify_error(exc: BaseException) -> tuple[int, str]:
-    """The exit code and the one line for an error that ended a command."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if isinstance(exc, EngineLoadError):
-        return EXIT_USAGE, first
-    if isinstance(exc, EngineError):
-        return EXIT_ENGINE, f"engine error: {first}"
-    if isinstance(exc, (KVConformError, ValueError)):
-        return EXIT_USAGE, first
+    """The exit code and the one line for an error that ended a command
+    (:meth:`properties.core.outcome.Outcome.of_error`)."""
     if isinstance(exc, SystemExit):
         raise exc
-    return EXIT_FAILED, (
-        f"internal error: {type(exc).__name__}: {first} (--verbose shows the traceback)"
-    )
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    outcome = Outcome.of_error(exc)
+    if outcome is Outcome.ENGINE:
+        return outcome.exit_code, f"engine error: {first}"
+    if outcome is Outcome.INTERNAL:
+        return outcome.exit_code, (
+            f"internal error: {type(exc).__name__}: {first} (--verbose shows the traceback)"
+        )
+    return outcome.exit_code, first
 
 
 if __name__ == "__main__":
