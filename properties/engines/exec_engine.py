@@ -203,6 +203,7 @@ class ExecProcess:
         os.set_blocking(self._proc.stdin.fileno(), False)
         os.set_blocking(self._proc.stdout.fileno(), False)
         self._finalizer = weakref.finalize(self, _stop, self._proc)
+        _LIVE.add(self._proc)
         hello = self.call(
             "hello",
             {"protocol": PROTOCOL_VERSION, "client": "kvconform"},
@@ -407,6 +408,22 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=1.0)
     except subprocess.TimeoutExpired:
         _kill_quietly(proc)
+
+
+#: Every engine child this process started and has not seen end (weakly held).
+_LIVE: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()
+
+
+def kill_engine_children() -> None:
+    """Kill every engine child still running, at once (a stopped command: its children
+    live in their own session, so nothing else ends them)."""
+    for proc in list(_LIVE):
+        if proc.poll() is None:
+            with contextlib.suppress(OSError):
+                proc.kill()
+    for proc in list(_LIVE):
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            proc.wait(timeout=1.0)
 
 
 def _kill_quietly(proc: subprocess.Popen | None) -> None:

@@ -39,7 +39,6 @@ from properties.core.constants import (
     DEFAULT_LEVEL,
     DEFAULT_PROFILE,
     EXIT_FAILED,
-    EXIT_INTERRUPTED,
     EXIT_PASSED,
     EXIT_USAGE,
     ISOLATION_MODES,
@@ -49,6 +48,7 @@ from properties.core.constants import (
 )
 from properties.core.engine import EngineError, EngineLoadError
 from properties.core.outcome import Outcome, combined_exit_code
+from properties.tools.stopping import Stopped, stop_on_signals, stopped_exit_code
 from reference.errors import KVConformError
 
 
@@ -111,7 +111,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.only:
         wanted = [p for p in wanted if p in args.only]
     print(format_active_checks_or_why(factory, config))
-    results = run_checks(args, config, wanted, seed, factory)
+    try:
+        results = run_checks(args, config, wanted, seed, factory)
+    except Stopped as stop:
+        return report_stopped(stop)
     print(format_results(results))
     failed = [r for r in results if not r.passed]
     for r in failed:
@@ -155,7 +158,14 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, factor
     """The properties, in ``--workers`` processes (default: the cores), with the rule
     coverage report (``--coverage``) as one more row that fails on a gated gap
     (``--coverage-gate``)."""
-    from properties.tools.parallel import PropertyTask, default_workers, run_task, run_tasks
+    from properties.tools.guard import needs_guard
+    from properties.tools.parallel import (
+        PropertyTask,
+        announce_first_failure,
+        default_workers,
+        run_task,
+        run_tasks,
+    )
 
     workers = args.workers if args.workers is not None else default_workers()
     if workers < 1:
@@ -164,21 +174,59 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, factor
         PropertyTask(name, config, args.profile, args.max_examples, seed, args.shrink_seconds)
         for name in wanted
     ]
-    if not args.coverage and (workers == 1 or len(tasks) == 1):
+    found: list = []  # first failures, kept for a summary if the run is stopped
+
+    def on_first(first) -> None:
+        found.append(first)
+        announce_first_failure(first)
+
+    guarded = needs_guard(config)
+    if not args.coverage and not guarded and (workers == 1 or len(tasks) == 1):
         results = []
-        for task in tasks:  # in this process: each line as soon as it is known
-            results.append(run_task(task, factory=factory))
-            print_result_line(results[-1])
+        try:
+            for task in tasks:  # in this process: each line as soon as it is known
+                results.append(run_task(task, factory=factory, on_first_failure=on_first))
+                print_result_line(results[-1])
+        except Stopped as stop:
+            stop.results, stop.found = results, found
+            raise
         return results
     import tempfile
 
+    # an engine in this process that is not kvconform's own runs in a forked worker: one
+    # that ends the process (os._exit(0)) is then an engine error, never a silent pass
+    start_method = "fork" if guarded and not args.coverage else "spawn"
     with tempfile.TemporaryDirectory(prefix="kvconform-cov-") as tmp:
-        results = run_tasks(tasks, workers, tmp if args.coverage else None)
-        for r in results:
-            print_result_line(r)
+        try:
+            results = run_tasks(
+                tasks,
+                workers,
+                tmp if args.coverage else None,
+                start_method=start_method,
+                on_result=print_result_line,
+                on_first_failure=on_first,
+            )
+        except Stopped as stop:
+            stop.found = found
+            raise
         if args.coverage:
             results.append(coverage_result(tmp, args.coverage_gate))
     return results
+
+
+def report_stopped(stop: Stopped) -> int:
+    """What a stopped ``check`` prints (the properties that finished, the failures found
+    so far) and its exit code (:func:`properties.tools.stopping.stopped_exit_code`)."""
+    print(f"\nkvconform check: stopped by {stop.name}; workers and engines ended", flush=True)
+    if stop.results:
+        print(format_results(stop.results))
+    for first in getattr(stop, "found", []):
+        print(f"  found before the stop: {first.describe()}")
+        if first.trace_path is not None:
+            print(f"  trace: {first.trace_path}\n  replay: {first.replay()}")
+    kinds = [result_kind(r) for r in stop.results]
+    kinds += [getattr(f, "kind", "property") for f in getattr(stop, "found", [])]
+    return stopped_exit_code(stop, kinds)
 
 
 def coverage_result(data_dir: str, gate: bool):
@@ -245,11 +293,26 @@ def format_results(results: list) -> str:
 def cmd_replay(args: argparse.Namespace) -> int:
     from properties.core.trace import load_trace
     from properties.runner.check import config_for
-    from properties.runner.machine import engine_factory, replay_trace
+    from properties.runner.machine import engine_factory
+    from properties.tools.guard import needs_guard, run_guarded
 
     trace = load_trace(Path(args.trace))
+    recorded = (trace.failure or {}).get("engine")
+    if args.engine is None:  # the engine the trace was recorded on, said so
+        if not isinstance(recorded, str) or not recorded:
+            raise usage_error(f"{args.trace} records no engine: give --engine")
+        args.engine = recorded
+        print(f"--engine not given: using {recorded}, the engine recorded in the trace")
     config = config_for("attention" if args.attention else "invariants", config_from_args(args))
     factory = engine_factory(config)
+    if needs_guard(config):  # an in-process adapter must not end the process with exit 0
+        return run_guarded(lambda: _replay(args, trace, config, factory), on_command_error)
+    return _replay(args, trace, config, factory)
+
+
+def _replay(args: argparse.Namespace, trace, config, factory) -> int:
+    from properties.runner.machine import replay_trace
+
     print(
         f"replaying {args.trace}: {len(trace.operations)} operations on {trace.layout.describe()}"
     )
@@ -507,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="replay one trace and show the first failure")
     p.add_argument("trace")
     engine_args(p)
+    p.set_defaults(engine=None)  # the engine recorded in the trace, said so
     p.add_argument("--attention", action="store_true", help="check attention outputs only")
     p.set_defaults(func=cmd_replay)
 
@@ -548,16 +612,26 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)  # bad options: argparse exits 2
     try:
-        return args.func(args)
-    except KeyboardInterrupt:
-        print("\nkvconform: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        with stop_on_signals():
+            return args.func(args)
+    except KeyboardInterrupt as stop:
+        from properties.engines.exec_engine import kill_engine_children
+
+        kill_engine_children()
+        print(f"\nkvconform: interrupted ({getattr(stop, 'name', 'SIGINT')})", file=sys.stderr)
+        return stopped_exit_code(stop, [])
     except BaseException as exc:  # noqa: BLE001 - every error becomes one line and a code
-        code, line = classify_error(exc)
-        if getattr(args, "verbose", False):
-            traceback.print_exc()
-        print(f"kvconform: {line}", file=sys.stderr)
-        return code
+        return on_command_error(exc, getattr(args, "verbose", False))
+
+
+def on_command_error(exc: BaseException, verbose: bool = False) -> int:
+    """Print the one line of an error that ended a command (a traceback with
+    ``verbose``) and return its exit code (:func:`classify_error`)."""
+    code, line = classify_error(exc)
+    if verbose:
+        traceback.print_exception(exc)
+    print(f"kvconform: {line}", file=sys.stderr)
+    return code
 
 
 def classify_error(exc: BaseException) -> tuple[int, str]:

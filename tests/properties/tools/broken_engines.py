@@ -11,9 +11,11 @@ function replace the answer of one call: ``BROKEN["hit_none"]`` answers ``None``
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import os
 import re
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -335,7 +337,16 @@ def _memory_error():
 
 
 def _garbage_on_stdout():
-    os.write(1, b"this is not a protocol response\n")  # served: the client reads this line
+    """Served (``properties.engines.serve``): a garbage line on the protocol stream, the
+    one pipe open for writing (fd 1 then points at stderr)."""
+    for fd in range(3, 64):
+        try:
+            mode = os.fstat(fd).st_mode
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        except OSError:
+            continue
+        if stat.S_ISFIFO(mode) and flags & os.O_ACCMODE == os.O_WRONLY:
+            os.write(fd, b"this is not a protocol response\n")
 
 
 def make_memory_error_once(layout: KVCacheLayout) -> Broken:
