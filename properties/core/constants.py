@@ -33,6 +33,8 @@ PROFILES: tuple[str, ...] = ("dev", "ci", "nightly", "gpu")
 DEFAULT_PROFILE = "ci"
 
 DEFAULT_CALL_TIMEOUT_S = 5.0
+#: The largest ``--call-timeout`` (a day); 0 turns the deadline off.
+MAX_CALL_TIMEOUT_S = 86_400.0
 ISOLATION_MODES: tuple[str, ...] = ("auto", "process", "none")
 DEFAULT_ISOLATION = "auto"
 

@@ -43,6 +43,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
+from properties.core.constants import MAX_CALL_TIMEOUT_S
 from properties.core.engine import (
     BlockIds,
     CachedBlock,
@@ -66,8 +67,6 @@ DEFAULT_CALL_TIMEOUT_S = 60.0
 MIN_STARTUP_TIMEOUT_S = 120.0
 #: Environment variable giving the per-call timeout in seconds.
 TIMEOUT_ENV = "KVCONFORM_EXEC_TIMEOUT"
-#: The largest per-call timeout the environment may ask for (a day).
-MAX_TIMEOUT_S = 86_400.0
 #: Seconds a closing child gets to exit after its stdin is closed.
 EXIT_GRACE_S = 5.0
 #: The optional calls an engine may announce in ``create``'s ``capabilities``
@@ -99,7 +98,7 @@ class ExecProtocolError(EngineError):
 
 def call_timeout_from_env() -> float:
     """The per-call timeout: ``$KVCONFORM_EXEC_TIMEOUT`` seconds, else 60. A value that
-    is not a finite number of seconds in (0, :data:`MAX_TIMEOUT_S`] is a usage error
+    is not a finite number of seconds in (0, :data:`MAX_CALL_TIMEOUT_S`] is a usage error
     (``KVConformError``, exit 2), not the engine's: ``abc``, ``nan``, ``inf``, ``-1``."""
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None or raw == "":
@@ -108,9 +107,9 @@ def call_timeout_from_env() -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not (value > 0 and math.isfinite(value) and value <= MAX_TIMEOUT_S):
+    if not (value > 0 and math.isfinite(value) and value <= MAX_CALL_TIMEOUT_S):
         raise KVConformError(
-            f"{TIMEOUT_ENV} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {raw!r}"
+            f"{TIMEOUT_ENV} must be a number of seconds in (0, {MAX_CALL_TIMEOUT_S:g}], got {raw!r}"
         )
     return value
 

@@ -81,6 +81,9 @@ class FirstFailure:
     trace_path: Path | None
     engine: str
     level: str
+    #: the failure's kind (:class:`properties.core.outcome.Outcome`): its exit code if
+    #: the run is stopped before it ends
+    kind: str = "property"
 
     def describe(self) -> str:
         return (
@@ -193,8 +196,9 @@ def save_first_failure(
         _run, exc = replay_trace(trace, config, factory)
         if exc is not None:
             path, _note = _save(trace, config, seed)
+    kind = (trace.failure or {}).get("kind", "property") if trace is not None else "property"
     return FirstFailure(
-        prop, check, when - started, examples, step, path, config.engine, config.level
+        prop, check, when - started, examples, step, path, config.engine, config.level, kind
     )
 
 

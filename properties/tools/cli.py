@@ -48,6 +48,7 @@ from properties.core.constants import (
 )
 from properties.core.engine import EngineError, EngineLoadError
 from properties.core.outcome import Outcome, combined_exit_code
+from properties.tools.options import check_numbers
 from properties.tools.stopping import Stopped, stop_on_signals, stopped_exit_code
 from reference.errors import KVConformError
 
@@ -59,11 +60,6 @@ def exit_code(kinds: list[str | None]) -> int:
 
 def usage_error(message: str) -> KVConformError:
     return KVConformError(message)
-
-
-def check_count(option: str, value: int | None, lowest: int) -> None:
-    if value is not None and value < lowest:
-        raise usage_error(f"{option} must be >= {lowest}, got {value}")
 
 
 def config_from_args(args: argparse.Namespace, **extra):
@@ -84,8 +80,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     from properties.runner.machine import engine_factory, known_divergences
     from properties.runner.profiles import load_profile
 
-    check_count("--max-examples", args.max_examples, 1)
-    check_count("--seed", args.seed, 0)
     config = config_from_args(args, preset=args.preset)
     profile = load_profile(args.profile)
     seed = args.seed
@@ -353,10 +347,6 @@ def _replay(args: argparse.Namespace, trace, config, factory) -> int:
 def cmd_fuzz(args: argparse.Namespace) -> int:
     from properties.tools.fuzz import run_campaign
 
-    check_count("--workers", args.workers, 1)
-    check_count("--seed", args.seed, 0)
-    if not args.minutes > 0:
-        raise usage_error(f"--minutes must be > 0, got {args.minutes}")
     config = config_from_args(args, preset=args.preset)  # every value checked up front
     return run_campaign(
         engine=config.engine,
@@ -400,7 +390,10 @@ def _corpus(args: argparse.Namespace) -> int:
         return EXIT_PASSED
     print(f"kvconform corpus run: {args.directory} engine={args.engine} level={args.level}")
 
+    shown: list = []
+
     def show(result) -> None:
+        shown.append(result)
         line = f"  {result.status.upper():<4} {result.name}"
         if result.message:
             line += (
@@ -410,7 +403,15 @@ def _corpus(args: argparse.Namespace) -> int:
             )
         print(line, flush=True)
 
-    report = run_corpus(args.directory, args.engine, args.level, on_result=show)
+    try:
+        report = run_corpus(args.directory, args.engine, args.level, on_result=show)
+    except Stopped as stop:  # the cases that ran so far, and their failures
+        failed = [r.kind or "property" for r in shown if r.status == "fail"]
+        print(
+            f"stopped by {stop.name}: {sum(r.status == 'pass' for r in shown)} passed, "
+            f"{len(failed)} failed before the stop"
+        )
+        return stopped_exit_code(stop, failed)
     print(
         f"{report.count('pass')} passed, {report.count('fail')} failed, "
         f"{report.count('skip')} skipped"
@@ -613,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # bad options: argparse exits 2
     try:
         with stop_on_signals():
+            check_numbers(args)  # every numeric option finite and in range, or exit 2
             return args.func(args)
     except KeyboardInterrupt as stop:
         from properties.engines.exec_engine import kill_engine_children

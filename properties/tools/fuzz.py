@@ -89,7 +89,12 @@ def example_database(spec: str | None, engine: str, level: str):
 
 
 def check_database(spec: str | None) -> None:
-    """Fail early, with one line, when a Redis database cannot be reached."""
+    """Fail early, with one line, when a Redis database cannot be reached or a database
+    directory is a file."""
+    if spec is not None and not spec.startswith(REDIS_SCHEME) and "://" not in spec:
+        if Path(spec).exists() and not Path(spec).is_dir():
+            raise KVConformError(f"--database {spec}: is a file, not a directory")
+        return
     if spec is None or not spec.startswith(REDIS_SCHEME):
         return
     client = _redis_client(spec)

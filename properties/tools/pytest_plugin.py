@@ -27,7 +27,8 @@ from collections.abc import Callable
 import pytest
 
 from properties.core.constants import DEFAULT_LEVEL, LEVELS, PROFILES
-from properties.core.engine import EngineLoadError
+from properties.core.outcome import Outcome
+from reference.errors import KVConformError
 
 
 def _ci() -> bool:
@@ -86,8 +87,12 @@ def pytest_configure(config: pytest.Config) -> None:
         from properties.runner.machine import engine_factory
 
         try:
-            engine_factory(CheckConfig(engine=engine))
-        except EngineLoadError as exc:
+            factory = engine_factory(CheckConfig(engine=engine))
+            if engine.startswith("exec:"):
+                factory.hello  # noqa: B018 - starts the child: a missing program is a usage error
+        except KVConformError as exc:
+            if Outcome.of_error(exc) is not Outcome.USAGE:
+                raise
             raise pytest.UsageError(f"--kv-engine: {exc}") from None
 
 

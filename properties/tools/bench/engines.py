@@ -748,6 +748,9 @@ def bench_engines(
         raise BenchError("engines must name at least one engine, got ()")
     if not isinstance(repeat, int) or repeat < 1:
         raise BenchError(f"repeat must be an integer >= 1, got {repeat!r}")
+    for name in engines:  # a name that is no engine is a usage error, not a row's status
+        if name not in BUILTIN_ENGINES:  # (a built-in may be missing: "not installed")
+            load_engine_factory(name)
     if traces is None:
         traces = recorded_traces()
     rows = [
