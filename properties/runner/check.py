@@ -18,7 +18,10 @@ Four properties (:data:`PROPERTIES`):
 written, into a fresh temporary directory instead (:func:`save_failure`), never lost.
 A result's ``kind`` says what failed: ``property`` (exit 1), ``engine`` (the engine
 broke the protocol: exit 3), ``no_layout`` (the engine rejected every layout drawn:
-exit 2) or ``internal``. :func:`replay_command` is the command that
+exit 2) or ``internal`` (a bug of kvconform: exit 70), as
+:class:`properties.core.outcome.Outcome` says. A failure that does not repeat when
+Hypothesis replays it is the first failure recorded, never Hypothesis' ``Flaky``
+(:mod:`properties.runner.flaky`). :func:`replay_command` is the command that
 reproduces a saved failure.
 
 Worked example::

@@ -13,12 +13,14 @@
   Hypothesis (:mod:`properties.tools.corpus`, ``docs/corpus-format.md``).
 * ``kvconform bench suite|engines|attention``: speed figures.
 
-Exit codes (:mod:`properties.core.constants`): 0 passed, 1 a property failed, 2 usage or
-configuration error (bad option, unknown preset, an adapter that cannot be loaded, an
-engine that rejects every layout), 3 the engine broke the protocol (an exception, a
-malformed answer, a call past ``--call-timeout``), 130 interrupted. When several
-properties end differently the code is the first of 2, 3, 1. Errors are one line; a
-traceback only with ``--verbose``.
+Exit codes (one table: :mod:`properties.core.outcome`): 0 passed, 1 a property failed,
+2 usage or configuration error (bad option or value, unknown preset, an adapter that
+cannot be loaded, an engine that rejects every layout, an input file beyond its bounds),
+3 the engine broke the protocol (an exception, a malformed answer, a call past
+``--call-timeout``, a worker it ended), 70 a bug of kvconform itself, 130 SIGINT and 143
+SIGTERM when nothing failed before (:mod:`properties.tools.stopping`). When several
+properties end differently the code is the most severe: 70, 2, 3, 1. Errors are one
+line; a traceback only with ``--verbose``.
 """
 
 from __future__ import annotations
