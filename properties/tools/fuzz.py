@@ -6,9 +6,10 @@ the stateful machine in rounds (one Hypothesis run of 50 examples per round, a f
 seed per round: ``base_seed + 1000 * worker + round``). The parent prints progress (on a
 terminal a live line; else one line per ``--progress-seconds``, no carriage returns) and
 a summary. Ctrl-C (SIGINT) or SIGTERM stops the workers, prints the summary and exits
-130, or the failure code when something was found (1 a property failed, 3 the engine
-broke the protocol). Every failure is saved as a replayable trace, once (the same shrunk
-trace found again is not saved again), and its replay command is printed.
+130 (SIGINT) or 143 (SIGTERM), or the failure code when something was found (1 a
+property failed, 3 the engine broke the protocol). Every failure is saved as a replayable
+trace, once (the same shrunk trace found again is not saved again), and its replay
+command is printed.
 
 The example database (``--database``) is where Hypothesis keeps failing examples and
 its example corpus: by default the directory ``.kvconform/hypothesis``; with
@@ -31,8 +32,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 from properties.core.constants import (
@@ -43,13 +43,13 @@ from properties.core.constants import (
     DEFAULT_LEVEL,
     EXIT_ENGINE,
     EXIT_FAILED,
-    EXIT_INTERRUPTED,
     EXIT_PASSED,
     EXIT_USAGE,
 )
 from properties.runner.check import replay_command, run_property
 from properties.runner.config import CheckConfig
 from properties.runner.machine import engine_factory
+from properties.tools.stopping import stop_on_signals, stopped_exit_code
 from reference.errors import KVConformError
 
 REDIS_SCHEME = "redis://"
@@ -188,20 +188,6 @@ def print_campaign_coverage(coverage_dir: str) -> None:
     shutil.rmtree(coverage_dir, ignore_errors=True)
 
 
-@contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt in the parent, like Ctrl-C."""
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 class Progress:
     """Progress lines: a live line on a terminal, one plain line per ``every`` seconds
     otherwise (a CI log then gets short lines, never a ``\\r``)."""
@@ -296,8 +282,8 @@ def run_campaign(
     failures: dict[str, tuple] = {}  # trace path (or message) -> failure, each once
     progress = Progress(start, progress_seconds)
     done = 0
-    interrupted = False
-    with _sigterm_interrupts():
+    interrupted: KeyboardInterrupt | None = None
+    with stop_on_signals():
         try:
             for p in procs:
                 p.start()
@@ -318,8 +304,8 @@ def run_campaign(
                         failures[key] = failure
                         _print_failure(failure, idx, engine, level, attention)
                 progress.show(examples, steps, len(failures), time.time())
-        except KeyboardInterrupt:
-            interrupted = True
+        except KeyboardInterrupt as stop:
+            interrupted = stop
             print("\ninterrupted: stopping workers", flush=True)
         finally:
             for p in procs:
@@ -350,7 +336,7 @@ def run_campaign(
         return EXIT_ENGINE
     if kinds or crashed:
         return EXIT_FAILED
-    return EXIT_INTERRUPTED if interrupted else EXIT_PASSED
+    return EXIT_PASSED if interrupted is None else stopped_exit_code(interrupted, [])
 
 
 def _print_failure(failure: tuple, worker: int, engine: str, level: str, attention: bool) -> None:
