@@ -435,11 +435,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from properties.tools.bench.engines import (
             ALL_RECIPES,
             bench_engines,
+            check_engine_names,
             engine_mismatches,
             format_engine_bench,
             recorded_traces,
         )
 
+        check_engine_names(args.engines)  # before the traces are built
         recipes = [r for r in ALL_RECIPES if not args.traces or r.name in args.traces]
         if not recipes:
             known = ", ".join(r.name for r in ALL_RECIPES)

@@ -736,6 +736,14 @@ def with_speedups(rows: Sequence[EngineBenchRow], baseline: str = "vllm") -> lis
     return out
 
 
+def check_engine_names(engines: Sequence[str]) -> None:
+    """A name that is no engine is a usage error (``EngineLoadError``, exit 2), not a
+    row's status; a built-in engine may be missing (its rows say "not installed")."""
+    for name in engines:
+        if name not in BUILTIN_ENGINES:
+            load_engine_factory(name)
+
+
 def bench_engines(
     engines: Sequence[str] = ("reference", "vllm"),
     traces: dict[str, Trace] | None = None,
@@ -748,9 +756,7 @@ def bench_engines(
         raise BenchError("engines must name at least one engine, got ()")
     if not isinstance(repeat, int) or repeat < 1:
         raise BenchError(f"repeat must be an integer >= 1, got {repeat!r}")
-    for name in engines:  # a name that is no engine is a usage error, not a row's status
-        if name not in BUILTIN_ENGINES:  # (a built-in may be missing: "not installed")
-            load_engine_factory(name)
+    check_engine_names(engines)
     if traces is None:
         traces = recorded_traces()
     rows = [
