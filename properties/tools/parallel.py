@@ -24,6 +24,7 @@ Worked example::
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import multiprocessing as mp
 import os
@@ -132,16 +133,22 @@ def announce_first_failure(first) -> None:
 STOP_GRACE_S = 1.0
 
 
-def _worker(task: PropertyTask, index: int, out, buffer, coverage_dir: str | None) -> None:
+def _worker(
+    fields: dict, config_fields: dict, index: int, out, buffer, coverage_dir: str | None
+) -> None:
     """One property in a child process: its first failure and its result go to ``out``;
     the engine call running now is kept in ``buffer`` (so a worker that an engine ends
     is reported with its call). SIGINT is the parent's to handle; SIGTERM kills the
-    engine children and ends the worker."""
+    engine children and ends the worker. The task comes as plain fields: unpickling a
+    ``CheckConfig`` would import the reference before coverage starts."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _end_worker)
     if coverage_dir is not None:
         _start_coverage(coverage_dir)
     from properties.core import current_call
+    from properties.runner.config import CheckConfig
+
+    task = PropertyTask(config=CheckConfig(**config_fields), **fields)
     from properties.core.deadline import stop_ticking
 
     stop_ticking()  # a forked worker has the flag but not the parent's timer
@@ -225,9 +232,10 @@ def run_tasks(
             while pending and len(running) < workers:
                 index, task = pending.pop(0)
                 buffer = ctx.Array("c", current_call.CALL_BYTES, lock=False)
-                proc = ctx.Process(
-                    target=_worker, args=(task, index, out, buffer, coverage_dir), daemon=True
-                )
+                fields = {f.name: getattr(task, f.name) for f in dataclasses.fields(task)}
+                config_fields = dataclasses.asdict(fields.pop("config"))
+                args = (fields, config_fields, index, out, buffer, coverage_dir)
+                proc = ctx.Process(target=_worker, args=args, daemon=True)
                 proc.start()
                 running[index] = (proc, buffer, time.perf_counter())
             _drain(out, take, 0.2)

@@ -738,10 +738,15 @@ def with_speedups(rows: Sequence[EngineBenchRow], baseline: str = "vllm") -> lis
 
 def check_engine_names(engines: Sequence[str]) -> None:
     """A name that is no engine is a usage error (``EngineLoadError``, exit 2), not a
-    row's status; a built-in engine may be missing (its rows say "not installed")."""
+    row's status; an engine whose module is missing gets "not installed" rows."""
     for name in engines:
-        if name not in BUILTIN_ENGINES:
+        if name in BUILTIN_ENGINES:
+            continue
+        try:
             load_engine_factory(name)
+        except EngineError as exc:
+            if not _caused_by_import(exc):  # a module that cannot be imported: a row
+                raise
 
 
 def bench_engines(
