@@ -31,7 +31,7 @@ import os
 import queue
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -200,8 +200,8 @@ def run_tasks(
     workers: int,
     coverage_dir: str | None = None,
     start_method: str = "spawn",
-    on_result=None,
-    on_first_failure=announce_first_failure,
+    on_result: Callable[[object], None] | None = None,
+    on_first_failure: Callable[[object], None] = announce_first_failure,
 ) -> list:
     """Every task in its own child process, at most ``workers`` at a time; the results
     in task order (``on_result`` hears each as it arrives). A worker that ends without
