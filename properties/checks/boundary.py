@@ -7,7 +7,11 @@
 2. turns any exception it raises into an :class:`properties.core.engine.EngineError`
    naming the call and its arguments (``allocate_slots('r3', num_new_tokens=8, ...)
    raised KeyError: 'r3'``); a :class:`CallTimeoutError` stays one;
-3. validates the answer (:mod:`properties.checks.answers`) and returns it normalised.
+3. validates the answer (:mod:`properties.checks.answers`) and returns it normalised;
+4. hands the engine copies of what it could mutate (the prompt as a tuple, output tokens
+   as a fresh list), so an engine never changes kvconform's own model of a request, and
+   marks the call as running (:mod:`properties.core.current_call`), so a worker process
+   the engine ends (``os._exit``) is reported with the call it was in.
 
 The boundary offers exactly the optional capabilities the engine offers (so the
 ``isinstance(engine, ExposesRefCounts)`` tests of the checks see the same thing), and
@@ -25,6 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from properties.checks import answers
+from properties.core import current_call
 from properties.core.allocation import Allocation, allocate
 from properties.core.deadline import DeadlinePassed, call_deadline
 from properties.core.engine import (
@@ -57,7 +62,9 @@ def engine_name(engine: object) -> str:
 
 def call_engine(name: str, what: str, timeout: float, fn: Callable, *args: Any) -> Any:
     """``fn(*args)`` under the deadline; any exception becomes an EngineError naming
-    ``what`` (the call as text) and the engine."""
+    ``what`` (the call as text) and the engine; so does ``sys.exit()`` inside the engine
+    (a ``SystemExit`` must never end kvconform with the engine's exit status)."""
+    current_call.entered(f"{name}: {what}")
     try:
         with call_deadline(timeout, f"{name}: {what}"):
             return fn(*args)
@@ -65,8 +72,10 @@ def call_engine(name: str, what: str, timeout: float, fn: Callable, *args: Any) 
         raise CallTimeoutError(f"{name}: {what} did not return within {timeout:g} s") from None
     except EngineError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any engine failure is reported
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any engine failure is reported
         raise EngineError(f"{name}: {what} raised {type(exc).__name__}: {exc}") from exc
+    finally:
+        current_call.left()
 
 
 #: A factory call gets at least this many seconds: the first one may import the engine.
@@ -79,16 +88,19 @@ def build_engine(factory: Callable, layout: KVCacheLayout, timeout: float) -> An
     name = getattr(factory, "__name__", type(factory).__name__)
     if timeout > 0:
         timeout = max(timeout, MIN_FACTORY_TIMEOUT_S)
+    current_call.entered(f"factory {name}(layout)")
     try:
         with call_deadline(timeout, f"factory {name}(layout)"):
             engine = factory(layout)
     except (UnsupportedLayoutError, EngineError):
         raise
-    except Exception as exc:  # noqa: BLE001
+    except (Exception, SystemExit) as exc:  # noqa: BLE001
         raise EngineError(
             f"factory {name}(layout) raised {type(exc).__name__}: {exc} "
             f"(layout {layout.describe()})"
         ) from exc
+    finally:
+        current_call.left()
     missing = [m for m in _REQUIRED if not callable(getattr(engine, m, None))]
     if missing:
         raise EngineError(
@@ -129,14 +141,16 @@ class EngineBoundary(EngineProxy):
         return call_engine(self.name, what, self.timeout, fn, *args)
 
     def add_request(self, request: RequestInput) -> None:
-        self._call(f"add_request({request.request_id!r})", self.inner.add_request, request)
+        # the engine gets its own copy of what it could mutate (never kvconform's state)
+        mine = replace(request, prompt_token_ids=tuple(request.prompt_token_ids))
+        self._call(f"add_request({request.request_id!r})", self.inner.add_request, mine)
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         self._call(
             f"append_output_tokens({request_id!r}, {list(token_ids)})",
             self.inner.append_output_tokens,
             request_id,
-            token_ids,
+            list(token_ids),  # the engine's own copy: it may keep or mutate it
         )
 
     def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:

@@ -21,7 +21,10 @@
   (a property failed), :data:`EXIT_USAGE` 2 (bad option or configuration),
   :data:`EXIT_ENGINE` 3 (the engine broke the protocol), :data:`EXIT_COVERAGE` 4 (a branch
   of the engine that ``--engine-coverage-baseline`` does not list is unreached),
-  :data:`EXIT_INTERRUPTED` 130.
+  :data:`EXIT_INTERNAL` 70 (a bug of kvconform itself: ``EX_SOFTWARE`` of ``sysexits.h``),
+  :data:`EXIT_INTERRUPTED` 130 (SIGINT) and :data:`EXIT_TERMINATED` 143 (SIGTERM), when
+  nothing failed before the signal. Which code a failure gives:
+  :mod:`properties.core.outcome`.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ PROFILES: tuple[str, ...] = ("dev", "ci", "nightly", "gpu")
 #: The spec types (``KVCacheSpec.type_name``) layouts are made of, in shrinking order
 #: (full attention is the simplest); an engine declares a subset (``spec_types``).
 SPEC_KINDS: tuple[str, ...] = ("full", "sliding_window", "chunked_local", "mamba")
+#: The largest ``--call-timeout`` (a day); 0 turns the deadline off.
+MAX_CALL_TIMEOUT_S = 86_400.0
 ISOLATION_MODES: tuple[str, ...] = ("auto", "process", "none")
 
 
@@ -73,4 +78,6 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_ENGINE = 3
 EXIT_COVERAGE = 4
+EXIT_INTERNAL = 70
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143

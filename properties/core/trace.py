@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from properties.core.constants import DEFAULT_FAILURE_DIR
+from properties.core.json_input import InputError, read_json
 from properties.core.modes import ServingMode
 from reference.errors import KVConformError
 from reference.layout import KVCacheGroup, KVCacheLayout
@@ -655,26 +656,9 @@ def load_trace(path: str | Path) -> Trace:
     """Read a trace file; errors name the path (and the field, for format errors)."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-    except OSError:
-        size = 0  # reported by the read below
-    if size > MAX_TRACE_BYTES:
-        raise TraceFormatError(
-            f"trace file {str(path)!r} is {size} bytes, more than the limit {MAX_TRACE_BYTES}"
-        )
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError as exc:
-        raise TraceFormatError(f"trace file {str(path)!r} does not exist") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TraceFormatError(f"cannot read trace file {str(path)!r}: {exc}") from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(
-            f"trace file {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno} "
-            f"column {exc.colno}"
-        ) from exc
+        data = read_json(path, "trace file", MAX_TRACE_BYTES)
+    except InputError as exc:
+        raise TraceFormatError(str(exc)) from None
     try:
         return trace_from_json(data)
     except TraceFormatError as exc:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import selectors
 import shlex
@@ -43,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from properties.core.allocation import Allocation, TakesAllocations
+from properties.core.constants import MAX_CALL_TIMEOUT_S
 from properties.core.declarations import check_spec_types
 from properties.core.engine import (
     BlockIds,
@@ -57,6 +59,7 @@ from properties.core.engine import (
 )
 from properties.core.modes import EXTERNAL_KEYWORDS, check_production_settings
 from properties.core.trace import layout_to_json
+from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
 
 #: The protocol version this client speaks (``hello``'s ``protocol``).
@@ -98,7 +101,9 @@ class ExecProtocolError(EngineError):
 
 
 def call_timeout_from_env() -> float:
-    """The per-call timeout: ``$KVCONFORM_EXEC_TIMEOUT`` seconds, else 60."""
+    """The per-call timeout: ``$KVCONFORM_EXEC_TIMEOUT`` seconds, else 60. A value that
+    is not a finite number of seconds in (0, :data:`MAX_CALL_TIMEOUT_S`] is a usage error
+    (``KVConformError``, exit 2), not the engine's: ``abc``, ``nan``, ``inf``, ``-1``."""
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None or raw == "":
         return DEFAULT_CALL_TIMEOUT_S
@@ -106,8 +111,10 @@ def call_timeout_from_env() -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise EngineError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {raw!r}")
+    if not (value > 0 and math.isfinite(value) and value <= MAX_CALL_TIMEOUT_S):
+        raise KVConformError(
+            f"{TIMEOUT_ENV} must be a number of seconds in (0, {MAX_CALL_TIMEOUT_S:g}], got {raw!r}"
+        )
     return value
 
 
@@ -188,7 +195,7 @@ class ExecProcess:
                 env=self._env,
                 cwd=self._cwd,
                 bufsize=0,
-                start_new_session=False,
+                start_new_session=True,  # a terminal's Ctrl-C reaches only kvconform
             )
         except OSError as exc:
             self._stderr.close()
@@ -199,6 +206,7 @@ class ExecProcess:
         os.set_blocking(self._proc.stdin.fileno(), False)
         os.set_blocking(self._proc.stdout.fileno(), False)
         self._finalizer = weakref.finalize(self, _stop, self._proc)
+        _LIVE.add(self._proc)
         hello = self.call(
             "hello",
             {"protocol": PROTOCOL_VERSION, "client": "kvconform"},
@@ -403,6 +411,22 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=1.0)
     except subprocess.TimeoutExpired:
         _kill_quietly(proc)
+
+
+#: Every engine child this process started and has not seen end (weakly held).
+_LIVE: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()
+
+
+def kill_engine_children() -> None:
+    """Kill every engine child still running, at once (a stopped command: its children
+    live in their own session, so nothing else ends them)."""
+    for proc in list(_LIVE):
+        if proc.poll() is None:
+            with contextlib.suppress(OSError):
+                proc.kill()
+    for proc in list(_LIVE):
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            proc.wait(timeout=1.0)
 
 
 def _kill_quietly(proc: subprocess.Popen | None) -> None:

@@ -18,7 +18,10 @@ Four properties (:data:`PROPERTIES`):
 written, into a fresh temporary directory instead (:func:`save_failure`), never lost.
 A result's ``kind`` says what failed: ``property`` (exit 1), ``engine`` (the engine
 broke the protocol: exit 3), ``no_layout`` (the engine rejected every layout drawn:
-exit 2) or ``internal``. :func:`replay_command` is the command that
+exit 2) or ``internal`` (a bug of kvconform: exit 70), as
+:class:`properties.core.outcome.Outcome` says. A failure that does not repeat when
+Hypothesis replays it is the first failure recorded, never Hypothesis' ``Flaky``
+(:mod:`properties.runner.flaky`). :func:`replay_command` is the command that
 reproduces a saved failure.
 
 Worked example::
@@ -50,6 +53,7 @@ from properties.core.trace import Trace, save_trace
 from properties.engines.under_test import EngineUnderTest
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
+from properties.runner.flaky import not_reproduced
 from properties.runner.machine import RunStats, machine_for
 from properties.runner.progress import Ticker
 from properties.runner.run import (
@@ -87,6 +91,9 @@ class FirstFailure:
     trace: Trace | None = None
     #: what the reduction did (sizes before and after), None without one
     reduced: str | None = None
+    #: the failure's kind (:class:`properties.core.outcome.Outcome`): its exit code if
+    #: the run is stopped before it ends
+    kind: str = "property"
 
     def describe(self) -> str:
         return (
@@ -226,10 +233,12 @@ def save_first_failure(
         elif reduce_seconds is not None:
             trace, reduced = reduce_failure([trace], check, config, engine, reduce_seconds)
         path, _note = _save(trace, config, seed)
+    kind = (trace.failure or {}).get("kind", "property") if trace is not None else "property"
     first = FirstFailure(
         prop, check, when - started, examples, step, path, config.engine, config.level, trace
     )
     first.reduced = reduced
+    first.kind = kind
     return first
 
 
@@ -268,6 +277,26 @@ def _classify(exc: BaseException, examples: int) -> tuple[str, str]:
             "a --preset it supports"
         )
     return failure_kind(error), _failure_text(error)
+
+
+def _report(
+    exc: BaseException,
+    examples: int,
+    first: Trace | None,
+    last: Trace | None,
+    config: CheckConfig,
+    seed: int | None,
+) -> tuple[str, str, Path | None, str | None]:
+    """``(kind, text, saved trace, note)`` of a run's exception: a failure that did not
+    repeat (:mod:`properties.runner.flaky`) is the ``first`` failure recorded, its trace
+    saved as it ran; any other the exception itself with the ``last`` (shrunk) trace."""
+    unrepeated = not_reproduced(exc, first)
+    if unrepeated is None:
+        kind, failure = _classify(exc, examples)
+        return (kind, failure, *_save(last, config, seed))
+    path, moved = _save(unrepeated.trace, config, seed)
+    note = unrepeated.note + (f"; {moved}" if moved else "")
+    return unrepeated.kind, unrepeated.failure, path, note
 
 
 def save_failure(trace: Trace, directory: str) -> tuple[Path, str | None]:
@@ -323,13 +352,19 @@ def _run_machine(
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure is reported
         error = exc
-        kind, failure = _classify(exc, stats.examples)
-        trace = stats.last_failure
-        if found and kind in ("property", "engine"):  # one bug, one name; a minimal trace
-            trace, kind, failure, reduced = reduced_failure(
-                stats, found[0], config, engine, reduce_seconds, kind, failure
+        first = stats.first_trace or stats.last_failure
+        if not_reproduced(exc, first) is not None:  # a failure that did not repeat
+            kind, failure, path, note = _report(
+                exc, stats.examples, first, stats.last_failure, config, seed
             )
-        path, note = _save(trace, config, seed)
+        else:
+            kind, failure = _classify(exc, stats.examples)
+            trace = stats.last_failure
+            if found and kind in ("property", "engine"):  # one bug, one name; minimal
+                trace, kind, failure, reduced = reduced_failure(
+                    stats, found[0], config, engine, reduce_seconds, kind, failure
+                )
+            path, note = _save(trace, config, seed)
     modes = {tag: (e, n) for tag, (e, n) in sorted(stats.modes.items())} or None
     return PropertyResult(
         name,
@@ -446,8 +481,8 @@ def _run_determinism(
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure is reported
         error = exc
-        kind, failure = _classify(exc, counts["examples"])
-        path, note = _save(failing.get("trace"), config, seed)
+        trace = failing.get("trace")
+        kind, failure, path, note = _report(exc, counts["examples"], trace, trace, config, seed)
     return PropertyResult(
         "determinism",
         counts["examples"],

@@ -12,6 +12,7 @@ from properties.core.constants import (
     DEFAULT_LEVEL,
     ISOLATION_MODES,
     LEVELS,
+    MAX_CALL_TIMEOUT_S,
 )
 from properties.engines.under_test import EngineUnderTest, resolve_engine
 from properties.generate.presets import PRESETS
@@ -45,9 +46,14 @@ class CheckConfig:
 
     def __post_init__(self) -> None:
         timeout = self.call_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 <= timeout <= MAX_CALL_TIMEOUT_S  # nan and inf too
+        ):
             raise KVConformError(
-                f"--call-timeout must be a number of seconds >= 0 (0: no deadline), got {timeout!r}"
+                f"--call-timeout must be a number of seconds >= 0 and <= "
+                f"{MAX_CALL_TIMEOUT_S:g} (0: no deadline), got {timeout!r}"
             )
         if self.preset is not None and self.preset not in PRESETS:
             raise KVConformError(

@@ -38,13 +38,13 @@ from properties.checks.registry import PropertyViolation
 from properties.core.engine import (
     CallTimeoutError,
     EngineError,
-    EngineLoadError,
     ExposesDataPlane,
     KVCacheEngine,
     SupportsServingModes,
     UnsupportedLayoutError,
 )
 from properties.core.modes import SYNC, ServingMode
+from properties.core.outcome import Outcome
 from properties.core.trace import Operation, Trace
 from properties.core.versions import versions
 from properties.engines.under_test import EngineUnderTest, resolve_engine
@@ -69,16 +69,9 @@ class RunStopped(BaseException):
 
 
 def failure_kind(exc: BaseException) -> str:
-    """``"property"`` (a check failed: exit 1), ``"engine"`` (the engine broke the
-    protocol: an exception, a malformed answer, a timeout: exit 3), ``"usage"`` (the
-    engine cannot be started at all: exit 2) or ``"internal"``."""
-    if isinstance(exc, EngineLoadError):
-        return "usage"
-    if isinstance(exc, (RunStopped, EngineError)):
-        return "engine"
-    if isinstance(exc, AssertionError):
-        return "property"
-    return "internal"
+    """The kind of a run's failure (:meth:`properties.core.outcome.Outcome.of_failure`):
+    ``"property"``, ``"engine"``, ``"usage"`` or ``"internal"``."""
+    return Outcome.of_failure(exc).kind
 
 
 def failure_info(

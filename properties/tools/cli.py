@@ -13,13 +13,15 @@
   Hypothesis (:mod:`properties.tools.corpus`, ``docs/corpus-format.md``).
 * ``kvconform bench suite|engines|attention``: speed figures.
 
-Exit codes (:mod:`properties.core.constants`): 0 passed, 1 a property failed, 2 usage or
-configuration error (bad option, unknown preset, an adapter that cannot be loaded, an
-engine that rejects every layout), 3 the engine broke the protocol (an exception, a
-malformed answer, a call past ``--call-timeout``), 4 an engine branch unreached that
-``--engine-coverage-baseline`` does not list, 130 interrupted. When several
-properties end differently the code is the first of 2, 3, 1, 4. Errors are one line; a
-traceback only with ``--verbose``.
+Exit codes (one table: :mod:`properties.core.outcome`): 0 passed, 1 a property failed,
+2 usage or configuration error (bad option or value, unknown preset, an adapter that
+cannot be loaded, an engine that rejects every layout, an input file beyond its bounds),
+3 the engine broke the protocol (an exception, a malformed answer, a call past
+``--call-timeout``, a worker it ended), 4 an engine branch unreached that
+``--engine-coverage-baseline`` does not list, 70 a bug of kvconform itself, 130 SIGINT
+and 143 SIGTERM when nothing failed before (:mod:`properties.tools.stopping`). When
+several properties end differently the code is the most severe: 70, 2, 3, 1, 4. Errors
+are one line; a traceback only with ``--verbose``.
 """
 
 from __future__ import annotations
@@ -39,10 +41,7 @@ from properties.core.constants import (
     DEFAULT_ISOLATION,
     DEFAULT_LEVEL,
     DEFAULT_PROFILE,
-    EXIT_COVERAGE,
-    EXIT_ENGINE,
     EXIT_FAILED,
-    EXIT_INTERRUPTED,
     EXIT_PASSED,
     EXIT_USAGE,
     ISOLATION_MODES,
@@ -51,36 +50,20 @@ from properties.core.constants import (
     PROPERTIES,
 )
 from properties.core.engine import EngineError, EngineLoadError
+from properties.core.outcome import Outcome, combined_exit_code
 from properties.tools import check_outputs
+from properties.tools.options import check_numbers
+from properties.tools.stopping import Stopped, stop_on_signals, stopped_exit_code
 from reference.errors import KVConformError
-
-#: A result's kind -> the exit code it gives (PropertyResult.kind).
-EXIT_FOR_KIND = {
-    "usage": EXIT_USAGE,
-    "no_layout": EXIT_USAGE,
-    "engine": EXIT_ENGINE,
-    "property": EXIT_FAILED,
-    "internal": EXIT_FAILED,
-    "coverage": EXIT_COVERAGE,
-}
 
 
 def exit_code(kinds: list[str | None]) -> int:
-    """The exit code of several results: the first of 2, 3, 1, 4 that occurs, else 0."""
-    codes = {EXIT_FOR_KIND[k] for k in kinds if k is not None}
-    for code in (EXIT_USAGE, EXIT_ENGINE, EXIT_FAILED, EXIT_COVERAGE):
-        if code in codes:
-            return code
-    return EXIT_PASSED
+    """The exit code of several results (:func:`properties.core.outcome.combined_exit_code`)."""
+    return combined_exit_code(kinds)
 
 
 def usage_error(message: str) -> KVConformError:
     return KVConformError(message)
-
-
-def check_count(option: str, value: int | None, lowest: int) -> None:
-    if value is not None and value < lowest:
-        raise usage_error(f"{option} must be >= {lowest}, got {value}")
 
 
 def config_from_args(args: argparse.Namespace, **extra):
@@ -101,8 +84,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     from properties.runner.profiles import load_profile
     from properties.tools.selection import with_skips
 
-    check_count("--max-examples", args.max_examples, 1)
-    check_count("--seed", args.seed, 0)
     selection = check_outputs.selection_of(args)
     config = with_skips(config_from_args(args, preset=args.preset), selection)
     profile = load_profile(args.profile)
@@ -136,10 +117,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     configure_progress(args.quiet, args.workers if args.workers is not None else 2)
     with cli_session(args, engine, config) as finish_engine_coverage:  # --engine-coverage
         print(format_active_checks_or_why(engine, config))
-        run = check_outputs.run_with_selection(
-            lambda cfg, names: run_checks(args, cfg, names, seed, engine),
-            *(config, wanted, selection, engine),
-        )
+        try:
+            run = check_outputs.run_with_selection(
+                lambda cfg, names: run_checks(args, cfg, names, seed, engine),
+                *(config, wanted, selection, engine),
+            )
+        except Stopped as stop:
+            return report_stopped(stop)
         regression = finish_engine_coverage()
     results = run.results
     if regression:
@@ -152,7 +136,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     failed = [r for r in results if not r.passed]
     reports = {}
     for r in failed:
-        print(f"\n{FAILURE_TITLE[result_kind(r)]} in {r.name}: {r.failure.splitlines()[0]}")
+        title = Outcome.from_kind(result_kind(r)).title
+        print(f"\n{title} in {r.name}: {r.failure.splitlines()[0]}")
         print("\n".join(failure_lines(r.trace_path, r.failure)))
         if r.note:
             print(f"  note: {r.note}")
@@ -189,29 +174,25 @@ def format_active_checks_or_why(engine, config) -> str:
         return f"  capabilities: unknown (the engine could not be built: {first})"
 
 
-#: How a failed result is announced, by its kind.
-FAILURE_TITLE = {
-    "property": "FAILED",
-    "engine": "ENGINE ERROR (the engine broke the protocol)",
-    "no_layout": "NO LAYOUT",
-    "usage": "CONFIGURATION ERROR (the engine cannot be started)",
-    "internal": "INTERNAL ERROR (please report it)",
-    "coverage": "ENGINE COVERAGE REGRESSION (--engine-coverage-baseline)",
-}
-
-
 def result_word(result) -> str:
-    if result.passed:
-        return "XFAIL" if getattr(result, "xfailed", ()) else "PASS"
-    words = {"engine": "ENGINE ERROR", "no_layout": "NO LAYOUT", "usage": "CONFIG ERROR"}
-    return words.get(getattr(result, "kind", None), "FAIL")
+    """PASS, XFAIL, FAIL, ENGINE ERROR, ... (:class:`properties.core.outcome.Outcome`)."""
+    if result.passed and getattr(result, "xfailed", ()):
+        return "XFAIL"
+    return Outcome.from_kind(result_kind(result)).word
 
 
 def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine) -> list:
     """The properties, in ``--workers`` processes (default: the cores), with the rule
     coverage report (``--coverage``) as one more row that fails on a gated gap
     (``--coverage-gate``)."""
-    from properties.tools.parallel import PropertyTask, default_workers, run_task, run_tasks
+    from properties.tools.guard import needs_guard
+    from properties.tools.parallel import (
+        PropertyTask,
+        announce_first_failure,
+        default_workers,
+        run_task,
+        run_tasks,
+    )
 
     workers = args.workers if args.workers is not None else default_workers()
     if workers < 1:
@@ -220,21 +201,59 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine
         PropertyTask(name, config, args.profile, args.max_examples, seed, args.shrink_seconds)
         for name in wanted
     ]
-    if not args.coverage and (workers == 1 or len(tasks) == 1):
+    found: list = []  # first failures, kept for a summary if the run is stopped
+
+    def on_first(first) -> None:
+        found.append(first)
+        announce_first_failure(first)
+
+    guarded = needs_guard(config)
+    if not args.coverage and not guarded and (workers == 1 or len(tasks) == 1):
         results = []
-        for task in tasks:  # in this process: each line as soon as it is known
-            results.append(run_task(task, engine=engine))
-            print_result_line(results[-1])
+        try:
+            for task in tasks:  # in this process: each line as soon as it is known
+                results.append(run_task(task, engine=engine, on_first_failure=on_first))
+                print_result_line(results[-1])
+        except Stopped as stop:
+            stop.results, stop.found = results, found
+            raise
         return results
     import tempfile
 
+    # an engine in this process that is not kvconform's own runs in a forked worker: one
+    # that ends the process (os._exit(0)) is then an engine error, never a silent pass
+    start_method = "fork" if guarded and not args.coverage else "spawn"
     with tempfile.TemporaryDirectory(prefix="kvconform-cov-") as tmp:
-        results = run_tasks(tasks, workers, tmp if args.coverage else None)
-        for r in results:
-            print_result_line(r)
+        try:
+            results = run_tasks(
+                tasks,
+                workers,
+                tmp if args.coverage else None,
+                start_method=start_method,
+                on_result=print_result_line,
+                on_first_failure=on_first,
+            )
+        except Stopped as stop:
+            stop.found = found
+            raise
         if args.coverage:
             results.append(coverage_result(tmp, args.coverage_gate))
     return results
+
+
+def report_stopped(stop: Stopped) -> int:
+    """What a stopped ``check`` prints (the properties that finished, the failures found
+    so far) and its exit code (:func:`properties.tools.stopping.stopped_exit_code`)."""
+    print(f"\nkvconform check: stopped by {stop.name}; workers and engines ended", flush=True)
+    if stop.results:
+        print(format_results(stop.results))
+    for first in getattr(stop, "found", []):
+        print(f"  found before the stop: {first.describe()}")
+        if first.trace_path is not None:
+            print(f"  trace: {first.trace_path}\n  replay: {first.replay()}")
+    kinds = [result_kind(r) for r in stop.results]
+    kinds += [getattr(f, "kind", "property") for f in getattr(stop, "found", [])]
+    return stopped_exit_code(stop, kinds)
 
 
 def coverage_result(data_dir: str, gate: bool):
@@ -318,12 +337,26 @@ def format_results(results: list) -> str:
 def cmd_replay(args: argparse.Namespace) -> int:
     from properties.core.trace import load_trace
     from properties.runner.check import config_for
-    from properties.runner.run import failure_kind, replay_trace
-    from properties.tools.report import replay_lines
+    from properties.tools.guard import needs_guard, run_guarded
 
     trace = load_trace(Path(args.trace))
+    recorded = (trace.failure or {}).get("engine")
+    if args.engine is None:  # the engine the trace was recorded on, said so
+        if not isinstance(recorded, str) or not recorded:
+            raise usage_error(f"{args.trace} records no engine: give --engine")
+        args.engine = recorded
+        print(f"--engine not given: using {recorded}, the engine recorded in the trace")
     config = config_for("attention" if args.attention else "invariants", config_from_args(args))
     engine = config.resolve_engine()
+    if needs_guard(config):  # an in-process adapter must not end the process with exit 0
+        return run_guarded(lambda: _replay(args, trace, config, engine), on_command_error)
+    return _replay(args, trace, config, engine)
+
+
+def _replay(args: argparse.Namespace, trace, config, engine) -> int:
+    from properties.runner.run import replay_trace
+    from properties.tools.report import replay_lines
+
     print(
         f"replaying {args.trace}: {len(trace.operations)} operations on {trace.layout.describe()}"
     )
@@ -340,16 +373,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print(f"FAILED at operation {op_index}: {run.operations[op_index]!r}")
     print(f"  {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     print("\n".join(replay_lines(run, exc, args.trace, args.engine, args.level, engine)))
-    return EXIT_ENGINE if failure_kind(exc) == "engine" else EXIT_FAILED
+    return Outcome.of_failure(exc).exit_code
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
     from properties.tools.fuzz import run_campaign
 
-    check_count("--workers", args.workers, 1)
-    check_count("--seed", args.seed, 0)
-    if not args.minutes > 0:
-        raise usage_error(f"--minutes must be > 0, got {args.minutes}")
     config = config_from_args(args, preset=args.preset)  # every value checked up front
     return run_campaign(
         engine=config.engine,
@@ -394,7 +423,10 @@ def _corpus(args: argparse.Namespace) -> int:
         return EXIT_PASSED
     print(f"kvconform corpus run: {args.directory} engine={args.engine} level={args.level}")
 
+    shown: list = []
+
     def show(result) -> None:
+        shown.append(result)
         line = f"  {result.status.upper():<4} {result.name}"
         if result.message:
             line += (
@@ -404,7 +436,15 @@ def _corpus(args: argparse.Namespace) -> int:
             )
         print(line, flush=True)
 
-    report = run_corpus(args.directory, args.engine, args.level, on_result=show)
+    try:
+        report = run_corpus(args.directory, args.engine, args.level, on_result=show)
+    except Stopped as stop:  # the cases that ran so far, and their failures
+        failed = [r.kind or "property" for r in shown if r.status == "fail"]
+        print(
+            f"stopped by {stop.name}: {sum(r.status == 'pass' for r in shown)} passed, "
+            f"{len(failed)} failed before the stop"
+        )
+        return stopped_exit_code(stop, failed)
     print(
         f"{report.count('pass')} passed, {report.count('fail')} failed, "
         f"{report.count('skip')} skipped"
@@ -427,12 +467,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from properties.tools.bench.engines import (
             ALL_RECIPES,
             bench_engines,
+            check_engine_names,
             engine_mismatches,
             format_engine_bench,
             recorded_traces,
         )
         from properties.tools.bench.progress import engine_line
 
+        check_engine_names(args.engines)  # before the traces are built
         recipes = [r for r in ALL_RECIPES if not args.traces or r.name in args.traces]
         if not recipes:
             known = ", ".join(r.name for r in ALL_RECIPES)
@@ -629,6 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="replay one trace and show the first failure")
     p.add_argument("trace")
     engine_args(p)
+    p.set_defaults(engine=None)  # the engine recorded in the trace, said so
     p.add_argument("--attention", action="store_true", help="check attention outputs only")
     p.set_defaults(func=cmd_replay)
 
@@ -674,32 +717,43 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)  # bad options: argparse exits 2
     try:
-        return args.func(args)
-    except KeyboardInterrupt:
-        print("\nkvconform: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        with stop_on_signals():
+            check_numbers(args)  # every numeric option finite and in range, or exit 2
+            return args.func(args)
+    except KeyboardInterrupt as stop:
+        from properties.engines.exec_engine import kill_engine_children
+
+        kill_engine_children()
+        print(f"\nkvconform: interrupted ({getattr(stop, 'name', 'SIGINT')})", file=sys.stderr)
+        return stopped_exit_code(stop, [])
     except BaseException as exc:  # noqa: BLE001 - every error becomes one line and a code
-        code, line = classify_error(exc)
-        if getattr(args, "verbose", False):
-            traceback.print_exc()
-        print(f"kvconform: {line}", file=sys.stderr)
-        return code
+        return on_command_error(exc, getattr(args, "verbose", False))
+
+
+def on_command_error(exc: BaseException, verbose: bool = False) -> int:
+    """Print the one line of an error that ended a command (a traceback with
+    ``verbose``) and return its exit code (:func:`classify_error`)."""
+    code, line = classify_error(exc)
+    if verbose:
+        traceback.print_exception(exc)
+    print(f"kvconform: {line}", file=sys.stderr)
+    return code
 
 
 def classify_error(exc: BaseException) -> tuple[int, str]:
-    """The exit code and the one line for an error that ended a command."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if isinstance(exc, EngineLoadError):
-        return EXIT_USAGE, first
-    if isinstance(exc, EngineError):
-        return EXIT_ENGINE, f"engine error: {first}"
-    if isinstance(exc, (KVConformError, ValueError)):
-        return EXIT_USAGE, first
+    """The exit code and the one line for an error that ended a command
+    (:meth:`properties.core.outcome.Outcome.of_error`)."""
     if isinstance(exc, SystemExit):
         raise exc
-    return EXIT_FAILED, (
-        f"internal error: {type(exc).__name__}: {first} (--verbose shows the traceback)"
-    )
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    outcome = Outcome.of_error(exc)
+    if outcome is Outcome.ENGINE:
+        return outcome.exit_code, f"engine error: {first}"
+    if outcome is Outcome.INTERNAL:
+        return outcome.exit_code, (
+            f"internal error: {type(exc).__name__}: {first} (--verbose shows the traceback)"
+        )
+    return outcome.exit_code, first
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from properties.core.engine import (
     RequestInput,
     UnsupportedLayoutError,
 )
+from properties.core.json_input import InputError, read_json
 from properties.core.proxy import EngineProxy
 from properties.core.trace import (
     TRACE_FORMAT,
@@ -424,7 +425,7 @@ def export_corpus(directory: str | Path, per_mode: int = 4, modes: Sequence[str]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise CorpusError(f"unknown corpus modes {unknown}; known: {', '.join(MODES)}")
-    root = Path(directory)
+    root = _corpus_root(directory)
     cases_dir = root / "cases"
     cases_dir.mkdir(parents=True, exist_ok=True)
     for old in cases_dir.glob("*.json"):
@@ -488,13 +489,33 @@ def _version() -> str:
 # Run
 
 
+#: The largest corpus file (manifest or case) kvconform reads.
+MAX_CORPUS_FILE_BYTES = 64 * 1024 * 1024
+
+
 def _read_json(path: Path, what: str) -> Any:
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CorpusError(f"{path}: no such {what}") from None
-    except json.JSONDecodeError as exc:
-        raise CorpusError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}") from None
+        return read_json(path, what, MAX_CORPUS_FILE_BYTES)
+    except InputError as exc:
+        raise CorpusError(str(exc)) from None
+
+
+def _corpus_root(directory: str | Path) -> Path:
+    """The corpus directory; a path that is not a directory is a usage error."""
+    root = Path(directory)
+    if root.exists() and not root.is_dir():
+        raise CorpusError(f"{root} is a file, not a corpus directory")
+    return root
+
+
+def _case_path(root: Path, name: str, index: int) -> Path:
+    """Case ``index`` of the manifest, a file inside the corpus: a manifest naming a path
+    outside it (``../../etc/passwd``, an absolute path, a link out) is refused."""
+    if not (root / name).resolve().is_relative_to(root.resolve()):
+        raise CorpusError(
+            f"{root / MANIFEST}: cases[{index}] names {name!r}, outside the corpus directory"
+        )
+    return root / name
 
 
 def _check_format(data: Any, path: Path) -> None:
@@ -593,7 +614,7 @@ def run_corpus(
     on_result: Callable[[CaseResult], None] | None = None,
 ) -> CorpusReport:
     """Replay every case of the corpus in ``directory`` on ``engine`` at ``level``."""
-    root = Path(directory)
+    root = _corpus_root(directory)
     manifest = load_manifest(root)
     checks = manifest.get("universal_checks", list(INVARIANTS))
     unknown = sorted(set(checks) - set(INVARIANTS))
@@ -608,7 +629,8 @@ def run_corpus(
     for index, entry in enumerate(manifest["cases"]):
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
             raise CorpusError(f"{root / MANIFEST}: cases[{index}] needs a 'file'")
-        result = run_case(root / entry["file"], level, under_test, checks)
+        path = _case_path(root, entry["file"], index)
+        result = run_case(path, level, under_test, checks)
         report.results.append(result)
         if on_result is not None:
             on_result(result)

@@ -9,7 +9,8 @@ workers send their counts every second, within a round too, and a first failure 
 The workers are stopped at most ``STOP_GRACE_SECONDS`` after ``--minutes``. One failure
 is reported once across workers: the key is the check that failed
 (:func:`failure_key`). Then a summary. Ctrl-C (SIGINT) or SIGTERM stops the workers,
-prints the summary and exits 130, or the failure code when something was found (1 a
+prints the summary and exits 130 (SIGINT) or 143 (SIGTERM), or the failure code when
+something was found (1 a
 property failed, 3 the engine broke the protocol). Every failure is saved as a replayable
 trace, once (the same shrunk trace found again is not saved again), and its replay
 command is printed.
@@ -36,8 +37,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 from properties.core.constants import (
@@ -49,13 +49,13 @@ from properties.core.constants import (
     EXIT_COVERAGE,
     EXIT_ENGINE,
     EXIT_FAILED,
-    EXIT_INTERRUPTED,
     EXIT_PASSED,
     EXIT_USAGE,
 )
 from properties.runner.check import replay_command, run_property
 from properties.runner.config import CheckConfig
 from properties.tools.engine_coverage import open_session
+from properties.tools.stopping import stop_on_signals, stopped_exit_code
 from reference.errors import KVConformError
 
 REDIS_SCHEME = "redis://"
@@ -95,7 +95,12 @@ def example_database(spec: str | None, engine: str, level: str):
 
 
 def check_database(spec: str | None) -> None:
-    """Fail early, with one line, when a Redis database cannot be reached."""
+    """Fail early, with one line, when a Redis database cannot be reached or a database
+    directory is a file."""
+    if spec is not None and not spec.startswith(REDIS_SCHEME) and "://" not in spec:
+        if Path(spec).exists() and not Path(spec).is_dir():
+            raise KVConformError(f"--database {spec}: is a file, not a directory")
+        return
     if spec is None or not spec.startswith(REDIS_SCHEME):
         return
     client = _redis_client(spec)
@@ -211,20 +216,6 @@ def print_campaign_coverage(coverage_dir: str) -> None:
     shutil.rmtree(coverage_dir, ignore_errors=True)
 
 
-@contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt in the parent, like Ctrl-C."""
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 class Progress:
     """Progress lines: a live line on a terminal, one plain line per ``every`` seconds
     otherwise (a CI log then gets short lines, never a ``\\r``)."""
@@ -324,8 +315,8 @@ def run_campaign(
     failures: dict[str, tuple] = {}  # failure_key -> failure: one report per distinct failure
     progress = Progress(start, progress_seconds)
     done = 0
-    interrupted = False
-    with _sigterm_interrupts():
+    interrupted: KeyboardInterrupt | None = None
+    with stop_on_signals():
         try:
             for p in procs:
                 p.start()
@@ -355,8 +346,8 @@ def run_campaign(
                 running_ex = sum(e for e, _ in live.values())
                 running_st = sum(n for _, n in live.values())
                 progress.show(examples + running_ex, steps + running_st, len(failures), time.time())
-        except KeyboardInterrupt:
-            interrupted = True
+        except KeyboardInterrupt as stop:
+            interrupted = stop
             print("\ninterrupted: stopping workers", flush=True)
         finally:
             for p in procs:
@@ -393,7 +384,7 @@ def run_campaign(
     if regression:
         print(f"kvconform fuzz: {regression}", file=sys.stderr)
         return EXIT_COVERAGE
-    return EXIT_INTERRUPTED if interrupted else EXIT_PASSED
+    return EXIT_PASSED if interrupted is None else stopped_exit_code(interrupted, [])
 
 
 #: The workers are stopped this long after ``--minutes`` at the latest (a round in

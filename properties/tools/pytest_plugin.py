@@ -37,8 +37,9 @@ from collections.abc import Callable
 import pytest
 
 from properties.core.constants import DEFAULTS, LEVELS, PROFILES
-from properties.core.engine import EngineLoadError
+from properties.core.outcome import Outcome
 from properties.tools import pytest_options
+from reference.errors import KVConformError
 
 
 def _ci() -> bool:
@@ -110,8 +111,10 @@ def pytest_configure(config: pytest.Config) -> None:
         from properties.runner.config import CheckConfig
 
         try:
-            CheckConfig(engine=engine).resolve_engine()
-        except EngineLoadError as exc:
+            CheckConfig(engine=engine).resolve_engine()  # an exec: engine's child starts
+        except KVConformError as exc:
+            if Outcome.of_error(exc) is not Outcome.USAGE:
+                raise
             raise pytest.UsageError(f"--kv-engine: {exc}") from None
     if config.getoption("--kv-engine-coverage") is not None:
         _start_engine_coverage(config, engine)

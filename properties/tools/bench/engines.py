@@ -49,6 +49,7 @@ from properties.core.engine import (
     EngineError,
     KVCacheEngine,
     PlansSteps,
+    load_engine_factory,
 )
 from properties.core.proxy import EngineProxy
 from properties.core.trace import (
@@ -715,6 +716,19 @@ def with_speedups(rows: Sequence[EngineBenchRow], baseline: str = "vllm") -> lis
     return out
 
 
+def check_engine_names(engines: Sequence[str]) -> None:
+    """A name that is no engine is a usage error (``EngineLoadError``, exit 2), not a
+    row's status; an engine whose module is missing gets "not installed" rows."""
+    for name in engines:
+        if name in BUILTIN_ENGINES:
+            continue
+        try:
+            load_engine_factory(name)
+        except EngineError as exc:
+            if not _caused_by_import(exc):  # a module that cannot be imported: a row
+                raise
+
+
 def bench_engines(
     engines: Sequence[str] = ("reference", "vllm"),
     traces: dict[str, Trace] | None = None,
@@ -729,6 +743,7 @@ def bench_engines(
         raise BenchError("engines must name at least one engine, got ()")
     if not isinstance(repeat, int) or repeat < 1:
         raise BenchError(f"repeat must be an integer >= 1, got {repeat!r}")
+    check_engine_names(engines)
     if traces is None:
         traces = recorded_traces()
     rows = []

@@ -11,8 +11,12 @@ function replace the answer of one call: ``BROKEN["hit_none"]`` answers ``None``
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
+import os
 import re
+import stat
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -355,3 +359,90 @@ make_settings_string = _declaring("make_settings_string", production_settings="r
 FULL_ONLY = EngineUnderTest(
     name="full-only reference", factory=ReferenceEngine, spec_types=("full",)
 )
+
+
+# ---------------------------------------------------------------------------
+# Issue 22: engines that corrupt kvconform's state, end the process, or fail once over
+# their lifetime (a failure that does not repeat on replay)
+
+#: ``new_step`` calls this process has answered (over every engine it built)
+_LIFETIME = {"new_step": 0}
+#: the ``new_step`` call (counted over the process's life) at which the engines below fail
+FAIL_AT_CALL = 25
+
+
+def _once_in_a_lifetime(action: Callable[[], Any]) -> Callable:
+    """A rewrite of ``new_step`` that runs ``action`` at call :data:`FAIL_AT_CALL` of this
+    process's life: a fresh engine replaying the same trace does not fail again."""
+
+    def rewrite(answer, engine):
+        _LIFETIME["new_step"] += 1
+        if _LIFETIME["new_step"] == FAIL_AT_CALL:
+            return action()
+        return answer
+
+    return rewrite
+
+
+def _memory_error():
+    raise MemoryError("the engine leaked until it ran out of memory")
+
+
+def _garbage_on_stdout():
+    """Served (``properties.engines.serve``): a garbage line on the protocol stream, the
+    one pipe open for writing (fd 1 then points at stderr)."""
+    for fd in range(3, 64):
+        try:
+            mode = os.fstat(fd).st_mode
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        except OSError:
+            continue
+        if stat.S_ISFIFO(mode) and flags & os.O_ACCMODE == os.O_WRONLY:
+            os.write(fd, b"this is not a protocol response\n")
+
+
+def make_memory_error_once(layout: KVCacheLayout) -> Broken:
+    """An adapter that leaks until ``MemoryError`` once, at the 25th step of its life."""
+    return Broken(layout, "new_step", _once_in_a_lifetime(_memory_error))
+
+
+def make_exits_once(layout: KVCacheLayout) -> Broken:
+    """Served over ``exec:``: the process exits (code 7) at the 25th step of its life."""
+    return Broken(layout, "new_step", _once_in_a_lifetime(lambda: os._exit(7)))
+
+
+def make_garbage_once(layout: KVCacheLayout) -> Broken:
+    """Served over ``exec:``: a garbage line instead of an answer at the 25th step."""
+    return Broken(layout, "new_step", _once_in_a_lifetime(_garbage_on_stdout))
+
+
+def make_exits_zero(layout: KVCacheLayout) -> Broken:
+    """In process: ``os._exit(0)`` at the third ``new_step`` (no verdict may follow)."""
+    calls = itertools.count(1)
+
+    def rewrite(answer, engine):
+        if next(calls) == 3:
+            os._exit(0)
+        return answer
+
+    return Broken(layout, "new_step", rewrite)
+
+
+def make_sys_exit_zero(layout: KVCacheLayout) -> Broken:
+    """In process: ``sys.exit(0)`` inside ``new_step`` (a SystemExit, not a pass)."""
+    return Broken(layout, "new_step", lambda answer, engine: sys.exit(0))
+
+
+class MutatesTokens(Broken):
+    """A correct engine that empties the token list it is given once it has used it
+    (its own business, as long as the list is its own copy)."""
+
+    def append_output_tokens(self, request_id, token_ids):
+        answer = self.ref.append_output_tokens(request_id, list(token_ids))
+        if isinstance(token_ids, list):
+            token_ids.clear()
+        return answer
+
+
+def make_mutates_tokens(layout: KVCacheLayout) -> MutatesTokens:
+    return MutatesTokens(layout, "", lambda answer, engine: answer)

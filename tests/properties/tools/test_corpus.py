@@ -126,9 +126,9 @@ def test_other_versions_and_broken_files_are_refused(corpus: Path, tmp_path) -> 
     with pytest.raises(CorpusError, match="unsupported corpus version 'kvconform-corpus/2'"):
         run_corpus(tmp_path, "reference")
     (tmp_path / "manifest.json").write_text("{")
-    with pytest.raises(CorpusError, match="invalid JSON at line 1"):
+    with pytest.raises(CorpusError, match="is not valid JSON: .* at line 1"):
         run_corpus(tmp_path, "reference")
-    with pytest.raises(CorpusError, match="no such corpus manifest"):
+    with pytest.raises(CorpusError, match="corpus manifest .* does not exist"):
         run_corpus(tmp_path / "missing", "reference")
     assert main(["corpus", "run", str(tmp_path / "missing")]) == 2
     assert main(["corpus", "export", str(tmp_path / "x"), "--per-mode", "0"]) == 2
