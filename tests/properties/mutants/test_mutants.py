@@ -34,11 +34,6 @@ CI_ESCAPES: dict[str, str] = {
         "test_delay_cache_ignored_is_caught_after_a_failed_load, "
         "test_delay_cache_ignored_is_caught_exactly)"
     ),
-    "mamba_leftmost": (
-        "needs a Mamba hit with two cached states in range; the invariants stream's 231 "
-        "examples draw none since the stream no longer depends on the modules loaded "
-        "(test_serving_modes.py::test_mamba_leftmost_is_caught_by_hit_maximality)"
-    ),
 }
 
 
