@@ -6,8 +6,6 @@ Mamba (align mode).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from reference.managers.base import SingleTypeKVCacheManager
 from reference.managers.chunked_local import ChunkedLocalAttentionManager
 from reference.managers.full import FullAttentionManager
@@ -21,7 +19,8 @@ from reference.specs import (
     SlidingWindowSpec,
 )
 
-_MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
+#: spec type -> the manager class that serves it
+MANAGER_CLASSES: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
     ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
@@ -31,19 +30,7 @@ _MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
 
 def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
     """The manager class that serves ``spec`` (looked up along the spec's MRO)."""
-    return class_for_spec(spec, _MANAGERS)
-
-
-def registry_like(classes: Iterable[type]) -> dict[type[KVCacheSpec], type]:
-    """The reference's spec -> manager registry with each manager replaced by the class of
-    ``classes`` of the same name (another engine's managers). Example: the optimized
-    managers give ``{FullAttentionSpec: optimized FullAttentionManager, ...}``; a missing
-    name raises TypeError."""
-    by_name = {cls.__name__: cls for cls in classes}
-    missing = sorted(c.__name__ for c in _MANAGERS.values() if c.__name__ not in by_name)
-    if missing:
-        raise TypeError(f"registry_like: no class named {', '.join(missing)}")
-    return {spec: by_name[cls.__name__] for spec, cls in _MANAGERS.items()}
+    return class_for_spec(spec, MANAGER_CLASSES)
 
 
 def class_for_spec(spec: KVCacheSpec, classes: dict[type[KVCacheSpec], type]) -> type:

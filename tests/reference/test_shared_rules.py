@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from optimized.control.managers import registry_like
 from reference.coordinator import SpecGroup, hybrid_cache_hit
 from reference.errors import InvalidRequestError
 from reference.kv_cache_manager import check_prompt_length, junction
-from reference.managers import registry_like
 from reference.managers.base import blocks_to_allocate
 from reference.managers.chunked_local import chunked_local_hit
 from reference.managers.full import full_attention_hit

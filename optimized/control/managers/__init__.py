@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from optimized.control.managers.base import SingleTypeKVCacheManager
 from optimized.control.managers.chunked_local import ChunkedLocalAttentionManager
 from optimized.control.managers.full import FullAttentionManager
 from optimized.control.managers.mamba import MambaManager
 from optimized.control.managers.sliding_window import SlidingWindowManager
-from reference.managers import class_for_spec, registry_like
+from reference.managers import MANAGER_CLASSES, class_for_spec
 from reference.specs import KVCacheSpec
 
-#: the reference's registry (:func:`reference.managers.registry_like`), optimized classes
+
+def registry_like(classes: Iterable[type]) -> dict[type[KVCacheSpec], type]:
+    """The reference's spec -> manager registry (:data:`reference.managers.MANAGER_CLASSES`)
+    with each manager replaced by the class of ``classes`` of the same name (another
+    engine's managers). Example: the optimized
+    managers give ``{FullAttentionSpec: optimized FullAttentionManager, ...}``; a missing
+    name raises TypeError."""
+    by_name = {cls.__name__: cls for cls in classes}
+    missing = sorted(c.__name__ for c in MANAGER_CLASSES.values() if c.__name__ not in by_name)
+    if missing:
+        raise TypeError(f"registry_like: no class named {', '.join(missing)}")
+    return {spec: by_name[cls.__name__] for spec, cls in MANAGER_CLASSES.items()}
+
+
+#: the reference's registry (:func:`registry_like`), optimized classes
 _MANAGERS = registry_like(
     (
         ChunkedLocalAttentionManager,
