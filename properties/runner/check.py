@@ -378,7 +378,7 @@ def _run_machine(
         found[0] if found else None,
         modes,
         failed_check(error),
-        reduced,
+        reduced=reduced,
         pairs=dict(stats.pairs),
         serving_calls=stats.serving_calls,
     )
