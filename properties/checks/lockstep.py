@@ -137,6 +137,7 @@ class LockstepEngine(EngineProxy):
         self.checker.on_set_computed(request_id, num_computed_tokens)
 
     def new_step(self) -> None:
+        self.checker.on_step_boundary()
         self._call(self.engine.new_step)
         if self.reference is not None:
             self.reference.new_step()

@@ -1,0 +1,179 @@
+"""The large scale tiers of a property: medium and production examples after the small ones.
+
+The small tier is the stateful machine (:mod:`properties.runner.machine`), unchanged. A
+large tier (:data:`properties.generate.strategies.TIERS`) runs a bounded number of whole
+traces per property instead, each a second Hypothesis run of its own (so the small
+tier's stream does not move): a swarm layout (:func:`kvst.swarm_layouts`: each group type
+and pool pressure switched on independently; the production settings on top for the
+``production`` property), a swarm serving mode (:func:`kvst.swarm_modes`; the attention
+property draws a connector mode, as its machine does) and a bulk trace
+(:func:`kvst.tier_operations`: thousands of requests, a few dozen big steps). The O(pool)
+checks run at step boundaries there (``Checker.check_every_call = False``), every other
+check after every call. ``determinism`` runs each trace twice and compares the calls.
+
+Worked example::
+
+    outcome = run_tier("invariants", CheckConfig(), "medium", settings(max_examples=1))
+    assert outcome.failure is None and outcome.examples == 1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hypothesis import given, reject, settings
+from hypothesis import seed as hseed
+from hypothesis import strategies as st
+
+from properties.checks.registry import PropertyViolation
+from properties.core.engine import UnsupportedLayoutError
+from properties.core.modes import SYNC, ServingMode, production_settings
+from properties.core.trace import Operation, Trace
+from properties.generate import strategies as kvst
+from properties.runner.config import CheckConfig
+from properties.runner.machine import (
+    TraceRun,
+    engine_factory,
+    failure_info,
+    known_divergences,
+    spec_types,
+)
+from reference.errors import KVConformError
+from reference.layout import KVCacheLayout
+
+
+@dataclass
+class TierOutcome:
+    """One tier's run of one property: examples and operations run, seconds, and the
+    failing trace (with its failure record) and exception if one failed."""
+
+    tier: str
+    examples: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    failure: BaseException | None = None
+    trace: Trace | None = None
+    timings: list[float] = field(default_factory=list)
+
+
+def tier_layouts(
+    config: CheckConfig, scale: kvst.ScaleTier, factory: Callable | None
+) -> st.SearchStrategy[KVCacheLayout]:
+    """The layouts of a large tier for this engine: swarm layouts of the spec types it
+    supports, the production settings it declares on top for the production property,
+    its documented divergences left out."""
+    strategy = kvst.swarm_layouts(scale, spec_types(factory))
+    if config.production:
+        strategy = kvst.production_layouts(
+            strategy, max_len=scale.max_len, settings=production_settings(factory)
+        )
+    known = known_divergences(factory)
+    if known:
+        strategy = strategy.filter(lambda layout: not any(d.applies(layout) for d in known))
+    return strategy
+
+
+def kept_mode(mode: ServingMode, layout: KVCacheLayout, run: TraceRun, factory) -> ServingMode:
+    """What the engine gets of a drawn mode: the default one without the serving calls,
+    no external hits unless it declares the ``external`` setting, nothing a Mamba group
+    does not model (:func:`kvst.mode_for_layout`)."""
+    if not run.supports_serving_modes():
+        return SYNC
+    mode = kvst.mode_for_layout(mode, layout)
+    if "external" not in production_settings(factory):
+        mode = dataclasses.replace(
+            mode, external_hits=False, async_loads=False, load_failures=False
+        )
+    return mode
+
+
+def _drawn_mode(name: str, data: st.DataObject) -> ServingMode:
+    if name == "attention":
+        return data.draw(kvst.connector_modes(), label="connector mode")
+    return data.draw(kvst.swarm_modes(), label="serving mode")
+
+
+def _run_trace(
+    config: CheckConfig,
+    layout: KVCacheLayout,
+    mode: ServingMode,
+    ops: tuple[Operation, ...],
+    factory: Callable,
+) -> TraceRun:
+    """Run ``ops`` with the O(pool) checks at step boundaries; a layout the engine
+    refuses is not an example. Raises the first violation or engine error with
+    ``run.failed_trace`` set."""
+    try:
+        run = TraceRun(config, layout, factory)
+    except UnsupportedLayoutError:
+        reject()
+    run.lockstep.checker.check_every_call = False
+    run.set_mode(kept_mode(mode, layout, run, factory))
+    try:
+        for op in ops:
+            run.apply(op)
+        run.lockstep.checker.on_step_boundary()
+    except (AssertionError, KVConformError) as exc:
+        exc.failed_trace = run.to_trace(exc)  # type: ignore[attr-defined]
+        raise
+    return run
+
+
+def run_tier(
+    name: str,
+    config: CheckConfig,
+    tier_name: str,
+    hyp_settings: settings,
+    seed: int | None = None,
+    factory: Callable | None = None,
+) -> TierOutcome:
+    """Run ``hyp_settings.max_examples`` examples of tier ``tier_name`` for property
+    ``name`` (``config`` as :func:`properties.runner.check.config_for` gives it).
+    Failures are not shrunk far (a large trace shrinks slowly): the failing trace is
+    the outcome's ``trace``."""
+    scale = kvst.tier(tier_name)
+    factory = factory or engine_factory(config)
+    layouts = tier_layouts(config, scale, factory)
+    outcome = TierOutcome(tier_name)
+
+    def example(data: st.DataObject) -> None:
+        layout = data.draw(layouts, label="layout")
+        mode = _drawn_mode(name, data)
+        ops = data.draw(kvst.tier_operations(layout, scale), label="operations")
+        started = time.perf_counter()
+        run = _run_trace(config, layout, mode, ops, factory)
+        if name == "determinism":
+            again = _run_trace(config, layout, mode, ops, factory)
+            if run.lockstep.log != again.lockstep.log:
+                violation = PropertyViolation(
+                    "determinism", f"two runs of one {tier_name} trace differ in their calls"
+                )
+                trace = dataclasses.replace(
+                    run.to_trace(), failure=failure_info(violation, config)
+                )
+                violation.failed_trace = trace  # type: ignore[attr-defined]
+                raise violation
+        outcome.timings.append(time.perf_counter() - started)
+        outcome.examples += 1
+        outcome.steps += len(ops)
+
+    # the function's name keys the derandomized stream: one stream per property and tier
+    example.__name__ = example.__qualname__ = f"{name}_{tier_name}_tier"
+    test = settings(hyp_settings)(given(st.data())(example))
+    if seed is not None:
+        test = hseed(seed)(test)
+    start = time.perf_counter()
+    try:
+        test()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported
+        inner = getattr(exc, "exceptions", None)
+        error = inner[0] if inner else exc
+        outcome.failure = error
+        outcome.trace = getattr(error, "failed_trace", None)
+    outcome.seconds = time.perf_counter() - start
+    return outcome
