@@ -14,7 +14,11 @@ from properties.core.constants import (
     LEVELS,
 )
 from properties.generate.presets import PRESETS
+from properties.generate.strategies import TIERS
 from reference.errors import KVConformError
+
+#: The scale tiers, smallest first.
+TIER_NAMES: tuple[str, ...] = tuple(TIERS)
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,10 @@ class CheckConfig:
     production: bool = False
     call_timeout: float = DEFAULT_CALL_TIMEOUT_S
     isolation: str = DEFAULT_ISOLATION
+    #: the scale tier (:data:`properties.generate.strategies.TIERS`): ``small`` runs the
+    #: stateful machine (then the profile's medium and production examples), a larger
+    #: one only that tier's examples
+    tier: str = "small"
 
     def __post_init__(self) -> None:
         timeout = self.call_timeout
@@ -55,6 +63,10 @@ class CheckConfig:
         if self.isolation not in ISOLATION_MODES:
             raise KVConformError(
                 f"--isolation must be one of {', '.join(ISOLATION_MODES)}, got {self.isolation!r}"
+            )
+        if self.tier not in TIER_NAMES:
+            raise KVConformError(
+                f"--tier must be one of {', '.join(TIER_NAMES)}, got {self.tier!r}"
             )
         if self.level not in LEVELS:
             raise KVConformError(f"--level must be one of {', '.join(LEVELS)}, got {self.level!r}")

@@ -104,6 +104,26 @@ settings.register_profile(
 )
 
 
+#: Examples of the large scale tiers a property runs after its small ones, per profile
+#: (:mod:`properties.runner.tiers`). Under a derandomized profile the first example of a
+#: tier is its simplest one (one request), so ``ci`` runs 3 production examples to get
+#: two of thousands of requests; a production example costs 10-40 s on the reference.
+TIER_EXAMPLES: dict[str, dict[str, int]] = {
+    "dev": {"medium": 2, "production": 1},
+    "ci": {"medium": 5, "production": 3},
+    "nightly": {"medium": 200, "production": 40},
+    "gpu": {"medium": 5, "production": 3},
+}
+
+
+def tier_examples(name: str) -> dict[str, int]:
+    """The large tiers' example counts of profile ``name``. Example:
+    ``tier_examples("ci") == {"medium": 5, "production": 3}``."""
+    if name not in TIER_EXAMPLES:
+        raise KVConformError(f"--profile must be one of {', '.join(PROFILES)}, got {name!r}")
+    return dict(TIER_EXAMPLES[name])
+
+
 def load_profile(name: str) -> settings:
     """Load and return profile ``name`` (one of :data:`PROFILES`)."""
     if name not in PROFILES:

@@ -115,7 +115,7 @@ def _run_trace(
     try:
         for op in ops:
             run.apply(op)
-        run.lockstep.checker.on_step_boundary()
+        run.lockstep.on_step_boundary()
     except (AssertionError, KVConformError) as exc:
         exc.failed_trace = run.to_trace(exc)  # type: ignore[attr-defined]
         raise
@@ -151,9 +151,7 @@ def run_tier(
                 violation = PropertyViolation(
                     "determinism", f"two runs of one {tier_name} trace differ in their calls"
                 )
-                trace = dataclasses.replace(
-                    run.to_trace(), failure=failure_info(violation, config)
-                )
+                trace = dataclasses.replace(run.to_trace(), failure=failure_info(violation, config))
                 violation.failed_trace = trace  # type: ignore[attr-defined]
                 raise violation
         outcome.timings.append(time.perf_counter() - started)

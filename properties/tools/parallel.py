@@ -97,7 +97,7 @@ def _run(task: PropertyTask, factory):
     from hypothesis import settings
 
     from properties.runner.check import run_property
-    from properties.runner.profiles import load_profile
+    from properties.runner.profiles import load_profile, tier_examples
 
     profile = load_profile(task.profile)
     hyp = settings(profile, max_examples=task.max_examples or profile.max_examples)
@@ -111,6 +111,7 @@ def _run(task: PropertyTask, factory):
         factory,
         shrink_seconds=task.shrink_seconds,
         on_first_failure=announce_first_failure,
+        tiers=tier_examples(task.profile),
     )
 
 
