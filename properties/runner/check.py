@@ -159,7 +159,7 @@ def run_property(
     config = config_for(name, config)
     hyp_settings = settings_for(name, hyp_settings)
     with bounded_shrinking(shrink_seconds):
-        if config.tier != "small":
+        if config.tier != kvst.SMALL:
             result = PropertyResult(name, 0, 0, 0.0, tiers={})
         elif name == "determinism":
             result = _run_determinism(config, hyp_settings, seed, factory)
@@ -178,8 +178,8 @@ def tiers_for(name: str, counts: Mapping[str, int]) -> dict[str, int]:
     {"medium": 5, "production": 3}) == {"medium": 2, "production": 0}``."""
     if name != "attention":
         return dict(counts)
-    medium = counts.get("medium", 0)
-    return {"medium": max(min(2, medium), medium // 3), "production": 0}
+    medium = counts.get(kvst.MEDIUM, 0)
+    return {kvst.MEDIUM: max(min(2, medium), medium // 3), kvst.PRODUCTION: 0}
 
 
 def run_tiers(
@@ -196,10 +196,10 @@ def run_tiers(
     from properties.runner.tiers import run_tier
 
     result.tiers = result.tiers if result.tiers is not None else {}
-    if config.tier == "small":
-        result.tiers["small"] = (result.examples, result.steps, result.seconds)
+    if config.tier == kvst.SMALL:
+        result.tiers[kvst.SMALL] = (result.examples, result.steps, result.seconds)
     for tier, count in counts.items():
-        if count < 1 or config.tier not in ("small", tier):
+        if count < 1 or config.tier not in (kvst.SMALL, tier):
             continue
         tier_settings = settings(hyp_settings, max_examples=count)
         outcome = run_tier(result.name, config, tier, tier_settings, seed, factory)

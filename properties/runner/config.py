@@ -14,11 +14,8 @@ from properties.core.constants import (
     LEVELS,
 )
 from properties.generate.presets import PRESETS
-from properties.generate.strategies import TIERS
+from properties.generate.strategies import SMALL, TIER_NAMES
 from reference.errors import KVConformError
-
-#: The scale tiers, smallest first.
-TIER_NAMES: tuple[str, ...] = tuple(TIERS)
 
 
 @dataclass(frozen=True)
@@ -48,7 +45,7 @@ class CheckConfig:
     #: the scale tier (:data:`properties.generate.strategies.TIERS`): ``small`` runs the
     #: stateful machine (then the profile's medium and production examples), a larger
     #: one only that tier's examples
-    tier: str = "small"
+    tier: str = SMALL
 
     def __post_init__(self) -> None:
         timeout = self.call_timeout

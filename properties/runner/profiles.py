@@ -16,6 +16,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, settings
 
 from properties.core.constants import PROFILES
+from properties.generate.strategies import MEDIUM, PRODUCTION
 from reference.errors import KVConformError
 
 
@@ -109,10 +110,10 @@ settings.register_profile(
 #: tier is its simplest one (one request), so ``ci`` runs 3 production examples to get
 #: two of thousands of requests; a production example costs 10-40 s on the reference.
 TIER_EXAMPLES: dict[str, dict[str, int]] = {
-    "dev": {"medium": 2, "production": 1},
-    "ci": {"medium": 5, "production": 3},
-    "nightly": {"medium": 200, "production": 40},
-    "gpu": {"medium": 5, "production": 3},
+    "dev": {MEDIUM: 2, PRODUCTION: 1},
+    "ci": {MEDIUM: 5, PRODUCTION: 3},
+    "nightly": {MEDIUM: 200, PRODUCTION: 40},
+    "gpu": {MEDIUM: 5, PRODUCTION: 3},
 }
 
 

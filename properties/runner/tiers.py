@@ -102,10 +102,11 @@ def _run_trace(
     mode: ServingMode,
     ops: tuple[Operation, ...],
     factory: Callable,
+    outcome: TierOutcome,
 ) -> TraceRun:
     """Run ``ops`` with the O(pool) checks at step boundaries; a layout the engine
-    refuses is not an example. Raises the first violation or engine error with
-    ``run.failed_trace`` set."""
+    refuses is not an example. Raises the first violation or engine error, its trace
+    kept as ``outcome.trace``."""
     try:
         run = TraceRun(config, layout, factory)
     except UnsupportedLayoutError:
@@ -117,7 +118,7 @@ def _run_trace(
             run.apply(op)
         run.lockstep.on_step_boundary()
     except (AssertionError, KVConformError) as exc:
-        exc.failed_trace = run.to_trace(exc)  # type: ignore[attr-defined]
+        outcome.trace = run.to_trace(exc)
         raise
     return run
 
@@ -144,15 +145,15 @@ def run_tier(
         mode = _drawn_mode(name, data)
         ops = data.draw(kvst.tier_operations(layout, scale), label="operations")
         started = time.perf_counter()
-        run = _run_trace(config, layout, mode, ops, factory)
+        run = _run_trace(config, layout, mode, ops, factory, outcome)
         if name == "determinism":
-            again = _run_trace(config, layout, mode, ops, factory)
+            again = _run_trace(config, layout, mode, ops, factory, outcome)
             if run.lockstep.log != again.lockstep.log:
                 violation = PropertyViolation(
                     "determinism", f"two runs of one {tier_name} trace differ in their calls"
                 )
                 trace = dataclasses.replace(run.to_trace(), failure=failure_info(violation, config))
-                violation.failed_trace = trace  # type: ignore[attr-defined]
+                outcome.trace = trace
                 raise violation
         outcome.timings.append(time.perf_counter() - started)
         outcome.examples += 1
@@ -172,6 +173,5 @@ def run_tier(
         inner = getattr(exc, "exceptions", None)
         error = inner[0] if inner else exc
         outcome.failure = error
-        outcome.trace = getattr(error, "failed_trace", None)
     outcome.seconds = time.perf_counter() - start
     return outcome

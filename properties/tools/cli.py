@@ -229,7 +229,7 @@ def print_result_line(r) -> None:
         f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s)",
         flush=True,
     )
-    if getattr(r, "tiers", None):
+    if r.tiers:
         per_tier = ", ".join(f"{t} {e}/{n} {s:.1f}s" for t, (e, n, s) in r.tiers.items())
         print(f"    tiers (examples/steps, time): {per_tier}", flush=True)
     if getattr(r, "modes", None):
@@ -264,7 +264,7 @@ def format_results(results: list) -> str:
                 result_word(r).lower() if r.passed else result_word(r),
             )
         )
-        for tier, (examples, steps, seconds) in (getattr(r, "tiers", None) or {}).items():
+        for tier, (examples, steps, seconds) in (r.tiers or {}).items():
             rows.append((f"  {tier}", str(examples), str(steps), f"{seconds:.1f}s", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
