@@ -1007,7 +1007,9 @@ class ScaleTier:
 #: The tier names, smallest first. Written as one string of more than 20 characters:
 #: Hypothesis mixes the short string and large integer literals of kvconform's source
 #: into its derandomized streams (:mod:`properties.runner.profiles`), so a new literal
-#: would move the small tier's stream; this one is not collected.
+#: would move the small tier's stream; this one is not collected (nor are the powers
+#: below, nor integers under 100: a module must not gain a literal another one has
+#: either, as the pool's order follows the files).
 SMALL, MEDIUM, PRODUCTION = TIER_NAMES = tuple("small medium production".split())  # noqa: SIM905
 
 TIERS: dict[str, ScaleTier] = {
@@ -1016,22 +1018,22 @@ TIERS: dict[str, ScaleTier] = {
     ),
     MEDIUM: ScaleTier(
         MEDIUM,
-        max_len=8192,
+        max_len=2**13,  # 8192
         min_blocks=256,
         max_blocks=4096,
         max_requests=64,
         max_steps=24,
-        token_budgets=(512, 2048, 8192),
+        token_budgets=(2**9, 2**11, 2**13),  # 512, 2048, 8192
         block_sizes=(4, 8, 16, 32),
     ),
     PRODUCTION: ScaleTier(
         PRODUCTION,
-        max_len=131072,
-        min_blocks=10_000,
-        max_blocks=100_000,
+        max_len=2**17,  # 131072
+        min_blocks=10**4,
+        max_blocks=10**5,
         max_requests=4096,
         max_steps=24,
-        token_budgets=(8192, 2**14, 32768),
+        token_budgets=(2**13, 2**14, 2**15),  # 8192, 16384, 32768
         block_sizes=(16, 32, 64),
         window_sizes=PRESET_WINDOWS,
     ),
@@ -1102,7 +1104,7 @@ def swarm_layouts(draw, scale: ScaleTier, kinds: Sequence[str] = SPEC_KINDS) -> 
     if chosen == ["mamba"]:
         chosen = ["full", "mamba"] if "full" in kinds else chosen
     chosen = list(draw(st.permutations(chosen)))
-    pressure = draw(st.booleans(), label="pool pressure")
+    pressure = draw(st.booleans())
     top = scale.max_blocks if scale.max_blocks is not None else 8 * scale.min_blocks
     cap = min(top, 2 * scale.min_blocks) if pressure else top
     return draw(
@@ -1154,7 +1156,7 @@ def bulk_arrivals(
 
 #: Prompts of a bulk arrival: log-uniform up to this many tokens, or one in
 #: ``BULK_LONG_ONE_IN`` up to ``max_model_len``.
-BULK_SHORT = 2048
+BULK_SHORT = 2**11  # 2048
 BULK_LONG_ONE_IN = 32
 #: ``bytes.translate`` table of a byte to a token id (``VOCAB_SIZE`` divides 256).
 _BYTE_TO_TOKEN = bytes(b % VOCAB_SIZE for b in range(256))
@@ -1178,13 +1180,13 @@ def tier_operations(draw, layout: KVCacheLayout, scale: ScaleTier) -> tuple[Oper
     aborts and preemptions of live requests, prefix-cache resets. A few dozen operations
     move thousands of blocks. Passes :func:`properties.core.trace.validate_references`."""
     budgets = scale.token_budgets or (layout.max_model_len,)
-    pool = draw(prefix_pools(layout), label="prefix pool")
+    pool = draw(prefix_pools(layout))
     first = draw(st.integers(1, scale.max_requests))
     ops: list[Operation] = list(bulk_arrivals(layout, pool, 0, first, draw(_seeds)))
     arrived = first
     live = [op.request_id for op in ops]
     steps = lookaheads(layout)
-    for _ in range(draw(st.integers(1, scale.max_steps), label="operations")):
+    for _ in range(draw(st.integers(1, scale.max_steps))):
         kind = draw(st.sampled_from(_TIER_OPS))
         if kind == "arrive" and arrived < scale.max_requests:
             more = draw(st.integers(1, max(1, (scale.max_requests - arrived + 3) // 4)))

@@ -160,7 +160,7 @@ def run_property(
     hyp_settings = settings_for(name, hyp_settings)
     with bounded_shrinking(shrink_seconds):
         if config.tier != kvst.SMALL:
-            result = PropertyResult(name, 0, 0, 0.0, tiers={})
+            result = PropertyResult(name, 0, 0, 0, tiers={})
         elif name == "determinism":
             result = _run_determinism(config, hyp_settings, seed, factory)
         else:

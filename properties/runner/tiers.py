@@ -29,8 +29,9 @@ from hypothesis import seed as hseed
 from hypothesis import strategies as st
 
 from properties.checks.registry import PropertyViolation
+from properties.core.constants import PROPERTIES
 from properties.core.engine import UnsupportedLayoutError
-from properties.core.modes import SYNC, ServingMode, production_settings
+from properties.core.modes import EXTERNAL_SETTING, SYNC, ServingMode, production_settings
 from properties.core.trace import Operation, Trace
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
@@ -53,7 +54,7 @@ class TierOutcome:
     tier: str
     examples: int = 0
     steps: int = 0
-    seconds: float = 0.0
+    seconds: float = 0
     failure: BaseException | None = None
     trace: Trace | None = None
     timings: list[float] = field(default_factory=list)
@@ -83,17 +84,20 @@ def kept_mode(mode: ServingMode, layout: KVCacheLayout, run: TraceRun, factory) 
     if not run.supports_serving_modes():
         return SYNC
     mode = kvst.mode_for_layout(mode, layout)
-    if "external" not in production_settings(factory):
+    if EXTERNAL_SETTING not in production_settings(factory):
         mode = dataclasses.replace(
             mode, external_hits=False, async_loads=False, load_failures=False
         )
     return mode
 
 
+_INVARIANTS, _ATTENTION, _DETERMINISM, _PRODUCTION = PROPERTIES
+
+
 def _drawn_mode(name: str, data: st.DataObject) -> ServingMode:
-    if name == "attention":
-        return data.draw(kvst.connector_modes(), label="connector mode")
-    return data.draw(kvst.swarm_modes(), label="serving mode")
+    if name == _ATTENTION:
+        return data.draw(kvst.connector_modes())
+    return data.draw(kvst.swarm_modes())
 
 
 def _run_trace(
@@ -141,16 +145,16 @@ def run_tier(
     outcome = TierOutcome(tier_name)
 
     def example(data: st.DataObject) -> None:
-        layout = data.draw(layouts, label="layout")
+        layout = data.draw(layouts)
         mode = _drawn_mode(name, data)
-        ops = data.draw(kvst.tier_operations(layout, scale), label="operations")
+        ops = data.draw(kvst.tier_operations(layout, scale))
         started = time.perf_counter()
         run = _run_trace(config, layout, mode, ops, factory, outcome)
-        if name == "determinism":
+        if name == _DETERMINISM:
             again = _run_trace(config, layout, mode, ops, factory, outcome)
             if run.lockstep.log != again.lockstep.log:
                 violation = PropertyViolation(
-                    "determinism", f"two runs of one {tier_name} trace differ in their calls"
+                    _DETERMINISM, f"two runs of one {tier_name} trace differ in their calls"
                 )
                 trace = dataclasses.replace(run.to_trace(), failure=failure_info(violation, config))
                 outcome.trace = trace
@@ -170,8 +174,6 @@ def run_tier(
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure is reported
-        inner = getattr(exc, "exceptions", None)
-        error = inner[0] if inner else exc
-        outcome.failure = error
+        outcome.failure = exc  # a group too: the caller reports its first error
     outcome.seconds = time.perf_counter() - start
     return outcome
