@@ -2,7 +2,8 @@
 
 * ``kvconform check --engine NAME|module:factory [--level universal|exact]
   [--profile dev|ci|nightly|gpu] [--preset NAME] [--no-attention]``: runs the
-  properties and prints a table (property, examples, steps, time, result); exit 1
+  properties and prints a table (property, examples, steps, time, result; a row per
+  scale tier under each property: small, medium, production); exit 1
   on any failure, after writing the shrunk trace and printing its replay command.
 * ``kvconform fuzz --engine ... --minutes N [--workers K]``: a campaign with a live
   progress line, the Hypothesis database under ``.kvconform/``, Ctrl-C stops cleanly.
