@@ -225,7 +225,7 @@ def test_run_tier_medium_on_the_reference() -> None:
 
 
 def test_tiers_for_attention_and_profiles() -> None:
-    assert tier_examples("ci") == {"medium": 5, "production": 3}
+    assert tier_examples("ci") == {"medium": 5, "production": 2}
     assert tiers_for("attention", {"medium": 5, "production": 3}) == {"medium": 2, "production": 0}
     assert tiers_for("invariants", {"medium": 5, "production": 3}) == {"medium": 5, "production": 3}
     with pytest.raises(KVConformError, match="--profile must be one of"):
