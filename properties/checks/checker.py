@@ -55,6 +55,10 @@ class Checker:
         """``host_tier``: the machine's host tier external hits are bounded by (X1)."""
         validate_disabled(disabled)
         self.state = CheckState(engine, layout, host_tier)
+        #: run the O(pool) checks after every call (True: the small tier, as always); at
+        #: the large tiers they run at step boundaries (:meth:`on_step_boundary`)
+        self.check_every_call = True
+        self._pool_stale = False
         self.disabled = frozenset(disabled)
         #: request id -> slots written before their token was known (group, block,
         #: offset or -1 for a Mamba state, position)
@@ -271,6 +275,19 @@ class Checker:
         self._run("reset", ResetEvent(ok))
 
     def check_pool(self) -> None:
+        """The pool checks (O(pool)): now, or at the next step boundary when
+        ``check_every_call`` is off."""
         if not self._by_event["pool"]:
             return
+        if not self.check_every_call:
+            self._pool_stale = True
+            return
+        self._run("pool", PoolEvent(self.state.tables(), self.state.num_free()))
+
+    def on_step_boundary(self) -> None:
+        """A step starts (or a trace ends): the pool checks deferred since the last
+        boundary run once, on the state now."""
+        if not self._pool_stale:
+            return
+        self._pool_stale = False
         self._run("pool", PoolEvent(self.state.tables(), self.state.num_free()))

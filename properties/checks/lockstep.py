@@ -59,6 +59,8 @@ class LockstepEngine(EngineProxy):
         self.checker = Checker(self.engine, layout, disabled, host_tier)
         self.log: list[dict[str, Any]] = []
         self._ref_hits: dict[str, CacheHit] = {}
+        #: the call after which the free queues were last left uncompared (large tiers)
+        self._queue_stale: str | None = None
         self.engine_name = engine_name(engine)
         self.reference_name = getattr(reference, "name", "reference")
 
@@ -114,12 +116,28 @@ class LockstepEngine(EngineProxy):
         got_free = self.checker.state.num_free()
         if exp_free != got_free:
             self._diverge(f"free block count after {after}", exp_free, got_free)
+        if self.checker.check_every_call:
+            self._compare_free_queue(after)
+        else:  # large tiers: the O(pool) comparison at the next step boundary
+            self._queue_stale = after
+
+    def _compare_free_queue(self, after: str) -> None:
+        """The free queue (front first) equals the reference's, when both expose it."""
         if isinstance(self.engine, ExposesFreeQueue) and isinstance(
             self.reference, ExposesFreeQueue
         ):
             exp_q, got_q = self.reference.free_queue(), self.checker.state.free_queue()
             if exp_q != got_q:
                 self._diverge(f"free queue (front first) after {after}", exp_q, got_q)
+
+    def on_step_boundary(self) -> None:
+        """A step starts or a trace ends: the checks deferred at the large tiers run
+        (``Checker.check_every_call`` off): the pool checks and the free-queue comparison
+        with the reference, on the state after the last call."""
+        self.checker.on_step_boundary()
+        after, self._queue_stale = self._queue_stale, None
+        if after is not None and self.reference is not None:
+            self._compare_free_queue(f"{after} (compared at the step boundary)")
 
     # -- the protocol ---------------------------------------------------------------
     def add_request(self, request: RequestInput) -> None:
@@ -143,6 +161,7 @@ class LockstepEngine(EngineProxy):
         self.checker.on_set_computed(request_id, num_computed_tokens)
 
     def new_step(self) -> None:
+        self.on_step_boundary()
         self._call(self.engine.new_step)
         if self.reference is not None:
             self.reference.new_step()

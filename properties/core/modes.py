@@ -150,6 +150,8 @@ SYNC = ServingMode()
 #: pool sized with the admission caps) and ``external`` (the ``external_hits`` serving
 #: mode: ``allocate_slots(..., num_external_computed_tokens=...)``).
 PRODUCTION_SETTINGS: frozenset[str] = frozenset({"retention", "eagle", "admission_cap", "external"})
+#: The production setting of the ``external_hits`` serving mode.
+EXTERNAL_SETTING = "external"
 
 
 def production_settings(factory: object) -> frozenset[str]:

@@ -33,6 +33,7 @@ import functools
 import math
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
@@ -177,9 +178,20 @@ def mamba_specs(block_size: int, page_size: int | None = None) -> st.SearchStrat
     return st.just(spec)
 
 
-def _kind_specs(kind: str, block_size: int, page_size: int) -> st.SearchStrategy[KVCacheSpec]:
+def _kind_specs(
+    kind: str, block_size: int, page_size: int, window_sizes: Sequence[int] | None = None
+) -> st.SearchStrategy[KVCacheSpec]:
     # page = block_size * 1 head * 2 (K, V) * head_size * 2 bytes.
     head_size = page_size // (4 * block_size)
+    if window_sizes is not None and kind in ("sliding_window", "chunked_local"):
+        fields = _attention_fields(block_size, head_size)
+        if kind == "sliding_window":
+            return st.sampled_from(tuple(window_sizes)).map(
+                lambda w: SlidingWindowSpec(**fields, sliding_window=w)
+            )
+        return st.sampled_from(tuple(window_sizes)).map(
+            lambda c: ChunkedLocalAttentionSpec(**fields, attention_chunk_size=c)
+        )
     if kind == "full":
         return full_specs(block_size, head_size)
     if kind == "sliding_window":
@@ -264,8 +276,16 @@ def layouts(
     max_len: int = 256,
     kinds: Sequence[str] = SPEC_KINDS,
     enable_caching: bool = True,
+    group_kinds: Sequence[str] | None = None,
+    block_sizes: Sequence[int] | None = None,
+    window_sizes: Sequence[int] | None = None,
 ) -> KVCacheLayout:
     """A valid ``KVCacheLayout`` of 1..``max_groups`` groups of the given ``kinds``.
+
+    The larger scale tiers (:class:`ScaleTier`) pass ``group_kinds`` (exactly these
+    groups, in this order), ``block_sizes`` (each group's size drawn from them) and
+    ``window_sizes`` (windows and chunks drawn from them); left at ``None`` (the small
+    tier) nothing else is drawn, so the small tier's stream is today's.
 
     Rules: group kinds in any order (interleaved); block sizes from
     :func:`block_size_lists`; each Mamba group gets block size ``gcd`` of all sizes
@@ -284,13 +304,20 @@ def layouts(
         )
     # hybrids of 2-4 groups drawn as often as any count (they are where bugs live);
     # still shrinks toward 1 group
-    num_groups = draw(
-        st.one_of(st.integers(1, max_groups), st.integers(min(2, max_groups), min(4, max_groups)))
-    )
-    group_kinds = draw(
-        st.lists(st.sampled_from(tuple(kinds)), min_size=num_groups, max_size=num_groups)
-    )
-    sizes = draw(block_size_lists(num_groups))
+    if group_kinds is None:
+        num_groups = draw(
+            st.one_of(
+                st.integers(1, max_groups), st.integers(min(2, max_groups), min(4, max_groups))
+            )
+        )
+        group_kinds = draw(
+            st.lists(st.sampled_from(tuple(kinds)), min_size=num_groups, max_size=num_groups)
+        )
+    num_groups = len(group_kinds)
+    if block_sizes is None:
+        sizes = draw(block_size_lists(num_groups))
+    else:
+        sizes = [draw(st.sampled_from(tuple(block_sizes))) for _ in group_kinds]
     hash_size = math.gcd(*sizes)
     sizes = [hash_size if k == "mamba" else s for k, s in zip(group_kinds, sizes)]
     lcm = math.lcm(*sizes)
@@ -299,7 +326,7 @@ def layouts(
         sizes = [lcm if k == "chunked_local" else s for k, s in zip(group_kinds, sizes)]
     page = 64 * lcm
     groups = tuple(
-        KVCacheGroup((f"layer.{i}",), draw(_kind_specs(kind, bs, page)))
+        KVCacheGroup((f"layer.{i}",), draw(_kind_specs(kind, bs, page, window_sizes)))
         for i, (kind, bs) in enumerate(zip(group_kinds, sizes))
     )
     max_model_len = draw(st.integers(lcm, max(lcm, max_len)))
@@ -933,3 +960,248 @@ def traces(
     """A ``Trace`` (no seed, nothing observed) over generated or preset layouts."""
     layout = draw(any_layouts() if layout_strategy is None else layout_strategy)
     return Trace(layout=layout, operations=draw(operations(layout, max_ops=max_ops)))
+
+
+# ---------------------------------------------------------------------------
+# Scale tiers and swarm testing (issue 18)
+
+
+#: Every window and chunk size of the model presets, unscaled (gemma3's 1024,
+#: gpt-oss's 128, llama4-scout's 8192 chunks, ...): the production tier's windows.
+PRESET_WINDOWS: tuple[int, ...] = tuple(sorted({w for p in PRESETS.values() for w in p.windows}))
+
+
+@dataclass(frozen=True)
+class ScaleTier:
+    """The bounds of one scale tier of generated examples.
+
+    ``max_len`` bounds ``max_model_len`` (and so the prompts); the pool holds
+    ``min_blocks..max_blocks`` blocks; at most ``max_requests`` requests arrive (in bulk:
+    :func:`bulk_arrivals`); a trace has at most ``max_steps`` operations after its first
+    bulk arrival; a step's token budget is one of ``token_budgets``; group block sizes
+    come from ``block_sizes`` and windows and chunks from ``window_sizes`` (``None``:
+    the small tier's own draws). The small tier is run by the stateful machine with
+    today's strategies, unchanged: its entry records those bounds
+    (``CheckConfig.max_len``, ``layouts()``'s pools, ``operations()``'s 8 requests).
+    Example: ``TIERS["medium"].max_requests == 64``.
+    """
+
+    name: str
+    max_len: int
+    min_blocks: int
+    max_blocks: int | None
+    max_requests: int
+    max_steps: int
+    token_budgets: tuple[int, ...] | None = None
+    block_sizes: tuple[int, ...] | None = None
+    window_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_len < 1 or self.min_blocks < 2 or self.max_requests < 1:
+            raise ValueError(f"ScaleTier {self.name!r}: bounds must be positive, got {self!r}")
+        if self.max_blocks is not None and self.max_blocks < self.min_blocks:
+            raise ValueError(f"ScaleTier {self.name!r}: max_blocks < min_blocks")
+
+
+#: The tier names, smallest first. Written as one string of more than 20 characters:
+#: Hypothesis mixes the short string and large integer literals of kvconform's source
+#: into its derandomized streams (:mod:`properties.runner.profiles`), so a new literal
+#: would move the small tier's stream; this one is not collected (nor are the powers
+#: below, nor integers under 100: a module must not gain a literal another one has
+#: either, as the pool's order follows the files).
+SMALL, MEDIUM, PRODUCTION = TIER_NAMES = tuple("small medium production".split())  # noqa: SIM905
+
+TIERS: dict[str, ScaleTier] = {
+    SMALL: ScaleTier(
+        SMALL, max_len=128, min_blocks=5, max_blocks=None, max_requests=8, max_steps=40
+    ),
+    MEDIUM: ScaleTier(
+        MEDIUM,
+        max_len=2**13,  # 8192
+        min_blocks=256,
+        max_blocks=4096,
+        max_requests=64,
+        max_steps=24,
+        token_budgets=(2**9, 2**11, 2**13),  # 512, 2048, 8192
+        block_sizes=(4, 8, 16, 32),
+    ),
+    PRODUCTION: ScaleTier(
+        PRODUCTION,
+        max_len=2**17,  # 131072
+        min_blocks=10**4,
+        max_blocks=10**5,
+        max_requests=4096,
+        max_steps=24,
+        token_budgets=(2**13, 2**14, 2**15),  # 8192, 16384, 32768
+        block_sizes=(16, 32, 64),
+        window_sizes=PRESET_WINDOWS,
+    ),
+}
+#: The tiers run after the small one, in order.
+LARGE_TIERS: tuple[str, ...] = (MEDIUM, PRODUCTION)
+
+
+def tier(name: str) -> ScaleTier:
+    """The tier called ``name``; a clear error for an unknown one."""
+    if name not in TIERS:
+        raise ValueError(f"unknown scale tier {name!r}; known: {', '.join(TIERS)}")
+    return TIERS[name]
+
+
+def swarm_modes() -> st.SearchStrategy[ServingMode]:
+    """Swarm testing of the serving modes: every feature is switched on independently
+    (async scheduling, admission gate, ``k`` drafts, external hits, asynchronous loads,
+    load failures), then the validity rules of :class:`ServingMode` are applied: drafts
+    are dropped under async scheduling, asynchronous loads need external hits, load
+    failures need asynchronous loads. Example: async + drafts 3 + load failures without
+    external hits drawn -> ``ServingMode(async_scheduling=True)``."""
+    return st.builds(
+        _valid_mode,
+        st.booleans(),
+        st.booleans(),
+        st.sampled_from((0, 0, 2, 3, 4)),
+        st.booleans(),
+        st.booleans(),
+        st.booleans(),
+    )
+
+
+def _valid_mode(
+    async_scheduling: bool, gate: bool, drafts: int, external: bool, loads: bool, fails: bool
+) -> ServingMode:
+    loads = loads and external
+    return ServingMode(
+        async_scheduling=async_scheduling,
+        admission_gate=gate,
+        num_draft_tokens=0 if async_scheduling else drafts,
+        external_hits=external,
+        async_loads=loads,
+        load_failures=fails and loads,
+    )
+
+
+def mode_for_layout(mode: ServingMode, layout: KVCacheLayout) -> ServingMode:
+    """``mode`` without what a layout with a Mamba group does not model (external hits
+    and drafts: no loaded or speculative Mamba states)."""
+    if not any(isinstance(s, MambaSpec) for s in layout.specs):
+        return mode
+    return dataclasses.replace(
+        mode, num_draft_tokens=0, external_hits=False, async_loads=False, load_failures=False
+    )
+
+
+@st.composite
+def swarm_layouts(draw, scale: ScaleTier, kinds: Sequence[str] = SPEC_KINDS) -> KVCacheLayout:
+    """A layout of tier ``scale`` whose group types are switched on independently (each of
+    ``kinds``, at least one; full attention when none is drawn), with pool pressure as a
+    feature too: under pressure the pool holds ``min_blocks..2 * min_blocks`` blocks,
+    else up to ``max_blocks``. Example: production, sliding window and Mamba drawn ->
+    two groups (a window from :data:`PRESET_WINDOWS`), block sizes from 16/32/64."""
+    chosen = [k for k in kinds if draw(st.booleans(), label=f"group {k}")]
+    if not chosen:
+        chosen = ["full"] if "full" in kinds else [kinds[0]]
+    if chosen == ["mamba"]:
+        chosen = ["full", "mamba"] if "full" in kinds else chosen
+    chosen = list(draw(st.permutations(chosen)))
+    pressure = draw(st.booleans())
+    top = scale.max_blocks if scale.max_blocks is not None else 8 * scale.min_blocks
+    cap = min(top, 2 * scale.min_blocks) if pressure else top
+    return draw(
+        layouts(
+            min_blocks=scale.min_blocks,
+            max_blocks=cap,
+            max_len=scale.max_len,
+            kinds=kinds,
+            group_kinds=chosen,
+            block_sizes=scale.block_sizes,
+            window_sizes=scale.window_sizes,
+        )
+    )
+
+
+def bulk_arrivals(
+    layout: KVCacheLayout,
+    prefix_pool: Sequence[tuple[int, ...]],
+    first_id: int,
+    count: int,
+    seed: int,
+) -> tuple[Arrive, ...]:
+    """``count`` arrivals ``r<first_id>..`` made from one seed (drawing thousands of
+    requests one by one would overrun Hypothesis's buffer): a prompt's length is
+    log-uniform in ``1..min(room, BULK_SHORT)`` (a chat turn), or one time in
+    ``BULK_LONG_ONE_IN`` in ``1..room`` (up to ``max_model_len``: a long document);
+    half of them start with a cut of a pool prefix; outputs of 0..16 tokens; one in
+    eight has salt ``"s1"``. Always ``len(prompt) + len(output) <= max_model_len``.
+    Example: ``bulk_arrivals(layout, (), 0, 2, 7)`` -> ``Arrive("r0", ...), Arrive("r1", ...)``.
+    """
+    rng = random.Random(seed)
+    limit = layout.max_model_len
+    out = []
+    for i in range(count):
+        output_len = min(rng.randrange(17), limit - 1)
+        room = limit - output_len
+        top = room if rng.randrange(BULK_LONG_ONE_IN) == 0 else min(room, BULK_SHORT)
+        length = max(1, min(top, int(math.exp(rng.uniform(0, math.log(top))))))
+        head: tuple[int, ...] = ()
+        if prefix_pool and rng.randrange(2) == 0:
+            prefix = prefix_pool[rng.randrange(len(prefix_pool))]
+            head = prefix[: min(length, rng.randrange(len(prefix) + 1))]
+        prompt = head + _bulk_tokens(rng, length - len(head))
+        output = _bulk_tokens(rng, output_len)
+        salt = "s1" if rng.randrange(8) == 0 else None
+        out.append(Arrive(f"r{first_id + i}", prompt, output, salt, None))
+    return tuple(out)
+
+
+#: Prompts of a bulk arrival: log-uniform up to this many tokens, or one in
+#: ``BULK_LONG_ONE_IN`` up to ``max_model_len``.
+BULK_SHORT = 2**11  # 2048
+BULK_LONG_ONE_IN = 32
+#: ``bytes.translate`` table of a byte to a token id (``VOCAB_SIZE`` divides 256).
+_BYTE_TO_TOKEN = bytes(b % VOCAB_SIZE for b in range(256))
+
+
+def _bulk_tokens(rng: random.Random, length: int) -> tuple[int, ...]:
+    """``length`` token ids from ``rng``'s bytes (uniform: ``VOCAB_SIZE`` divides 256);
+    a hundred times faster than :func:`random_tokens` for the large tiers' millions of
+    tokens (the small tier keeps :func:`random_tokens`, so its stream does not move)."""
+    return tuple(rng.randbytes(length).translate(_BYTE_TO_TOKEN))
+
+
+_TIER_OPS = ("step", "step", "step", "step", "arrive", "abort", "preempt", "reset_prefix_cache")
+
+
+@st.composite
+def tier_operations(draw, layout: KVCacheLayout, scale: ScaleTier) -> tuple[Operation, ...]:
+    """A trace body of a large tier: a bulk arrival (:func:`bulk_arrivals`) of up to
+    ``max_requests`` requests, then up to ``max_steps`` operations: steps with a budget
+    from ``token_budgets`` (most), more bulk arrivals while the request bound allows,
+    aborts and preemptions of live requests, prefix-cache resets. A few dozen operations
+    move thousands of blocks. Passes :func:`properties.core.trace.validate_references`."""
+    budgets = scale.token_budgets or (layout.max_model_len,)
+    pool = draw(prefix_pools(layout))
+    first = draw(st.integers(1, scale.max_requests))
+    ops: list[Operation] = list(bulk_arrivals(layout, pool, 0, first, draw(_seeds)))
+    arrived = first
+    live = [op.request_id for op in ops]
+    steps = lookaheads(layout)
+    for _ in range(draw(st.integers(1, scale.max_steps))):
+        kind = draw(st.sampled_from(_TIER_OPS))
+        if kind == "arrive" and arrived < scale.max_requests:
+            more = draw(st.integers(1, max(1, (scale.max_requests - arrived + 3) // 4)))
+            new = bulk_arrivals(layout, pool, arrived, more, draw(_seeds))
+            ops.extend(new)
+            arrived += len(new)
+            live.extend(op.request_id for op in new)
+        elif kind in ("abort", "preempt") and live:
+            request_id = live[draw(st.integers(0, len(live) - 1))]
+            if kind == "abort":
+                live.remove(request_id)
+                ops.append(Abort(request_id))
+            else:
+                ops.append(Preempt(request_id))
+        elif kind == "reset_prefix_cache":
+            ops.append(ResetPrefixCache())
+        else:
+            ops.append(Step(draw(st.sampled_from(budgets)), draw(steps)))
+    return tuple(ops)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -133,6 +133,8 @@ class PropertyResult:
     serving_calls: bool = False
     #: what the trace reducer did (sizes before and after), None without a reduction
     reduced: str | None = None
+    #: scale tier -> (examples, steps, seconds), the small tier first (:func:`run_tiers`)
+    tiers: dict[str, tuple[int, int, float]] | None = None
 
     @property
     def passed(self) -> bool:
@@ -166,6 +168,7 @@ def run_property(
     engine: EngineUnderTest | Callable | None = None,
     shrink_seconds: float | None = DEFAULT_SHRINK_SECONDS,
     on_first_failure: Callable[[FirstFailure], None] | None = None,
+    tiers: Mapping[str, int] | None = None,
 ) -> PropertyResult:
     """Run property ``name`` (one of :data:`PROPERTIES`) on ``engine`` and save a
     failure's trace. ``engine``: the engine under test, resolved once by the caller;
@@ -174,6 +177,8 @@ def run_property(
     Shrinking stops after ``shrink_seconds`` (``None``: Hypothesis' own bound) with the
     best trace found so far. The first failure's trace is replayed and saved as soon
     as it is found, and ``on_first_failure`` hears of it then (before any shrinking).
+    ``tiers`` (large tier -> examples, e.g. ``tier_examples("ci")``): then those tiers
+    run too (:func:`run_tiers`); with ``config.tier`` a large tier, only that one.
     """
     if name not in PROPERTIES:
         raise ValueError(f"unknown property {name!r}; known: {', '.join(PROPERTIES)}")
@@ -183,11 +188,70 @@ def run_property(
     hyp_settings = settings_for(name, hyp_settings)
     engine = engine_of(config, engine)
     with bounded_shrinking(shrink_seconds):
-        if name == "determinism":
-            return _run_determinism(config, hyp_settings, seed, engine)
-        return _run_machine(
-            name, config, hyp_settings, seed, engine, on_first_failure, shrink_seconds
-        )
+        if config.tier != kvst.SMALL:
+            result = PropertyResult(name, 0, 0, 0, tiers={})
+        elif name == "determinism":
+            result = _run_determinism(config, hyp_settings, seed, engine)
+        else:
+            result = _run_machine(
+                name, config, hyp_settings, seed, engine, on_first_failure, shrink_seconds
+            )
+        if tiers is not None and result.passed:
+            run_tiers(result, config, hyp_settings, seed, engine, tiers_for(name, tiers))
+    return result
+
+
+def tiers_for(name: str, counts: Mapping[str, int]) -> dict[str, int]:
+    """The large tiers' example counts property ``name`` runs: the attention property
+    (numeric, about 10x a symbolic step) a third of the medium ones (at least 2: the
+    first example of a derandomized run is the simplest) and no production one (numeric
+    attention over a 10^4-block trace takes minutes); determinism no production one
+    either. Example: ``tiers_for("attention", {"medium": 5, "production": 3}) ==
+    {"medium": 2, "production": 0}``."""
+    if name == "determinism":  # two runs of a 10^4-block trace: minutes on 2 cores; the
+        # invariants and production properties run that tier, nightly runs it here too
+        return {t: n for t, n in counts.items() if t != kvst.PRODUCTION}
+    if name != "attention":
+        return dict(counts)
+    medium = counts.get(kvst.MEDIUM, 0)
+    return {kvst.MEDIUM: max(min(2, medium), medium // 3), kvst.PRODUCTION: 0}
+
+
+def run_tiers(
+    result: PropertyResult,
+    config: CheckConfig,
+    hyp_settings: settings,
+    seed: int | None,
+    engine: EngineUnderTest,
+    counts: Mapping[str, int],
+) -> None:
+    """Run the large tiers ``counts`` names (only ``config.tier`` when it is one) after
+    the small one and add them to ``result``: its per-tier counts, its totals, and the
+    first tier failure with its saved trace (the later tiers then do not run)."""
+    from properties.runner.tiers import run_tier
+
+    result.tiers = result.tiers if result.tiers is not None else {}
+    if config.tier == kvst.SMALL:
+        result.tiers[kvst.SMALL] = (result.examples, result.steps, result.seconds)
+    for tier, count in counts.items():
+        if count < 1 or config.tier not in (kvst.SMALL, tier):
+            continue
+        tier_settings = settings(hyp_settings, max_examples=count)
+        outcome = run_tier(result.name, config, tier, tier_settings, seed, engine)
+        result.tiers[tier] = (outcome.examples, outcome.steps, outcome.seconds)
+        result.examples += outcome.examples
+        result.steps += outcome.steps
+        result.seconds += outcome.seconds
+        refused = outcome.examples == 0 and outcome.failure is not None
+        if refused and isinstance(_first_error(outcome.failure), Unsatisfiable):
+            # an engine that refuses every layout of a large tier is not failed for it
+            result.note = f"{tier} tier: the engine refused every layout drawn"
+            continue
+        if outcome.failure is not None:
+            result.kind, text = _classify(outcome.failure, outcome.examples)
+            result.failure = f"[{tier} tier] {text}"
+            result.trace_path, result.note = _save(outcome.trace, config, seed)
+            return
 
 
 @contextmanager

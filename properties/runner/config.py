@@ -16,6 +16,7 @@ from properties.core.constants import (
 )
 from properties.engines.under_test import EngineUnderTest, resolve_engine
 from properties.generate.presets import PRESETS
+from properties.generate.strategies import SMALL, TIER_NAMES
 from reference.errors import KVConformError
 
 
@@ -43,6 +44,10 @@ class CheckConfig:
     production: bool = False
     call_timeout: float = DEFAULT_CALL_TIMEOUT_S
     isolation: str = DEFAULT_ISOLATION
+    #: the scale tier (:data:`properties.generate.strategies.TIERS`): ``small`` runs the
+    #: stateful machine (then the profile's medium and production examples), a larger
+    #: one only that tier's examples
+    tier: str = SMALL
 
     def __post_init__(self) -> None:
         timeout = self.call_timeout
@@ -62,6 +67,10 @@ class CheckConfig:
         if self.isolation not in ISOLATION_MODES:
             raise KVConformError(
                 f"--isolation must be one of {', '.join(ISOLATION_MODES)}, got {self.isolation!r}"
+            )
+        if self.tier not in TIER_NAMES:
+            raise KVConformError(
+                f"--tier must be one of {', '.join(TIER_NAMES)}, got {self.tier!r}"
             )
         if self.level not in LEVELS:
             raise KVConformError(f"--level must be one of {', '.join(LEVELS)}, got {self.level!r}")

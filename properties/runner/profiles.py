@@ -14,6 +14,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, Phase, settings
 
 from properties.core.constants import PROFILES
+from properties.generate.strategies import MEDIUM, PRODUCTION
 from reference.errors import KVConformError
 
 
@@ -86,6 +87,36 @@ settings.register_profile(
     suppress_health_check=_SUPPRESS,
     print_blob=True,
 )
+
+
+#: Examples of the large scale tiers a property runs after its small ones, per profile
+#: (:mod:`properties.runner.tiers`). Under a derandomized profile the first example of a
+#: tier is its simplest one (one request), so ``ci`` runs 2 production examples to get
+#: one of thousands of requests; such an example costs 30-200 s (2 loaded cores).
+TIER_EXAMPLES: dict[str, dict[str, int]] = {
+    "dev": {MEDIUM: 2, PRODUCTION: 1},
+    "ci": {MEDIUM: 5, PRODUCTION: 2},
+    "nightly": {MEDIUM: 200, PRODUCTION: 40},
+    "gpu": {MEDIUM: 5, PRODUCTION: 2},
+}
+
+
+def tier_examples(name: str, only: tuple[str, ...] | None = None) -> dict[str, int]:
+    """The large tiers' example counts of profile ``name``, only the tiers ``only`` names
+    when given (``--tiers``). Example: ``tier_examples("ci") == {"medium": 5,
+    "production": 2}``; ``tier_examples("ci", ("medium",)) == {"medium": 5}``."""
+    if name not in TIER_EXAMPLES:
+        raise KVConformError(f"--profile must be one of {', '.join(PROFILES)}, got {name!r}")
+    counts = dict(TIER_EXAMPLES[name])
+    if only is not None:
+        unknown = sorted(set(only) - set(counts))
+        if unknown:
+            raise KVConformError(
+                f"--tiers names unknown tiers {unknown}; the large tiers are "
+                f"{', '.join(counts)} (or none)"
+            )
+        counts = {tier: n for tier, n in counts.items() if tier in only}
+    return counts
 
 
 def load_profile(name: str) -> settings:

@@ -2,7 +2,8 @@
 
 * ``kvconform check --engine NAME|module:factory [--level universal|exact]
   [--profile dev|ci|nightly|gpu] [--preset NAME] [--no-attention]``: runs the
-  properties and prints a table (property, examples, steps, time, result); exit 1
+  properties and prints a table (property, examples, steps, time, result; a row per
+  scale tier under each property: small, medium, production); exit 1
   on any failure, after writing the shrunk trace and printing its replay command.
 * ``kvconform fuzz --engine ... --minutes N [--workers K]``: a campaign with a live
   progress line, the Hypothesis database under ``.kvconform/``, Ctrl-C stops cleanly.
@@ -181,6 +182,21 @@ def result_word(result) -> str:
     return Outcome.from_kind(result_kind(result)).word
 
 
+def large_tiers(
+    value: str | None, profile: str, max_examples: int | None = None
+) -> tuple[str, ...] | None:
+    """``--tiers``: None (the profile's), ``()`` for ``none``, else the tiers named,
+    checked against the profile's (a usage error names an unknown one). A run bounded by
+    ``--max-examples`` runs the small tier only unless ``--tiers`` names more."""
+    from properties.runner.profiles import tier_examples
+
+    if value is None:
+        return () if max_examples is not None else None
+    names = () if value.strip() == "none" else tuple(t.strip() for t in value.split(","))
+    tier_examples(profile, names)  # raises on an unknown tier
+    return names
+
+
 def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine) -> list:
     """The properties, in ``--workers`` processes (default: the cores), with the rule
     coverage report (``--coverage``) as one more row that fails on a gated gap
@@ -197,8 +213,11 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine
     workers = args.workers if args.workers is not None else default_workers()
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
+    tiers = large_tiers(getattr(args, "tiers", None), args.profile, args.max_examples)
     tasks = [
-        PropertyTask(name, config, args.profile, args.max_examples, seed, args.shrink_seconds)
+        PropertyTask(
+            name, config, args.profile, args.max_examples, seed, args.shrink_seconds, tiers
+        )
         for name in wanted
     ]
     found: list = []  # first failures, kept for a summary if the run is stopped
@@ -279,6 +298,9 @@ def print_result_line(r) -> None:
         f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s)",
         flush=True,
     )
+    if r.tiers:
+        per_tier = ", ".join(f"{t} {e}/{n} {s:.1f}s" for t, (e, n, s) in r.tiers.items())
+        print(f"    tiers (examples/steps, time): {per_tier}", flush=True)
     if getattr(r, "modes", None):
         drawn = ", ".join(f"{tag} {e}/{n}" for tag, (e, n) in r.modes.items())
         print(f"    modes drawn (examples/steps): {drawn}", flush=True)
@@ -328,6 +350,8 @@ def format_results(results: list) -> str:
                 result_word(r).lower() if r.passed else result_word(r),
             )
         )
+        for tier, (examples, steps, seconds) in (r.tiers or {}).items():
+            rows.append((f"  {tier}", str(examples), str(steps), f"{seconds:.1f}s", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -614,6 +638,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-attention", action="store_true", help="skip the attention property")
     p.add_argument("--only", nargs="*", choices=PROPERTIES, help="run only these properties")
+    p.add_argument(
+        "--tiers",
+        default=None,
+        help="the large scale tiers to run after the small one, comma-separated "
+        "(medium,production; 'none': the small tier only; default: the profile's, none "
+        "with --max-examples)",
+    )
     p.add_argument(
         "--max-examples",
         type=int,

@@ -46,6 +46,8 @@ class PropertyTask:
     max_examples: int | None = None
     seed: int | None = None
     shrink_seconds: float | None = None
+    #: the large tiers to run after the small one (None: every tier the profile names)
+    tiers: tuple[str, ...] | None = None
 
 
 def default_workers() -> int:
@@ -109,7 +111,7 @@ def _run(task: PropertyTask, engine, on_first_failure):
     from hypothesis import settings
 
     from properties.runner.check import run_property
-    from properties.runner.profiles import load_profile
+    from properties.runner.profiles import load_profile, tier_examples
 
     profile = load_profile(task.profile)
     hyp = settings(profile, max_examples=task.max_examples or profile.max_examples)
@@ -123,6 +125,7 @@ def _run(task: PropertyTask, engine, on_first_failure):
         engine,
         shrink_seconds=task.shrink_seconds,
         on_first_failure=on_first_failure,
+        tiers=tier_examples(task.profile, task.tiers),
     )
 
 

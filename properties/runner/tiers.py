@@ -1,0 +1,176 @@
+"""The large scale tiers of a property: medium and production examples after the small ones.
+
+The small tier is the stateful machine (:mod:`properties.runner.machine`), unchanged. A
+large tier (:data:`properties.generate.strategies.TIERS`) runs a bounded number of whole
+traces per property instead, each a second Hypothesis run of its own (so the small
+tier's stream does not move): a swarm layout (:func:`kvst.swarm_layouts`: each group type
+and pool pressure switched on independently; the production settings on top for the
+``production`` property), a swarm serving mode (:func:`kvst.swarm_modes`; the attention
+property draws a connector mode, as its machine does) and a bulk trace
+(:func:`kvst.tier_operations`: thousands of requests, a few dozen big steps). The O(pool)
+checks run at step boundaries there (``Checker.check_every_call = False``), every other
+check after every call. ``determinism`` runs each trace twice and compares the calls.
+
+Worked example::
+
+    outcome = run_tier("invariants", CheckConfig(), "medium", settings(max_examples=1))
+    assert outcome.failure is None and outcome.examples == 1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hypothesis import given, reject, settings
+from hypothesis import seed as hseed
+from hypothesis import strategies as st
+
+from properties.checks.registry import PropertyViolation
+from properties.core.constants import PROPERTIES
+from properties.core.engine import UnsupportedLayoutError
+from properties.core.modes import SYNC, ServingMode
+from properties.core.trace import Operation, Trace
+from properties.engines.under_test import EngineUnderTest
+from properties.generate import strategies as kvst
+from properties.runner.config import CheckConfig
+from properties.runner.run import TraceRun, engine_of, failure_info
+from reference.errors import KVConformError
+from reference.layout import KVCacheLayout
+
+
+@dataclass
+class TierOutcome:
+    """One tier's run of one property: examples and operations run, seconds, and the
+    failing trace (with its failure record) and exception if one failed."""
+
+    tier: str
+    examples: int = 0
+    steps: int = 0
+    seconds: float = 0
+    failure: BaseException | None = None
+    trace: Trace | None = None
+    timings: list[float] = field(default_factory=list)
+
+
+def tier_layouts(
+    config: CheckConfig, scale: kvst.ScaleTier, engine: EngineUnderTest
+) -> st.SearchStrategy[KVCacheLayout]:
+    """The layouts of a large tier for this engine: swarm layouts of the spec types it
+    supports, the production settings it declares on top for the production property,
+    its documented divergences left out."""
+    strategy = kvst.swarm_layouts(scale, engine.spec_types)
+    if config.production:
+        strategy = kvst.production_layouts(
+            strategy, max_len=scale.max_len, settings=engine.production_settings
+        )
+    known = engine.known_divergences
+    if known:
+        strategy = strategy.filter(lambda layout: not any(d.applies(layout) for d in known))
+    return strategy
+
+
+def kept_mode(
+    mode: ServingMode, layout: KVCacheLayout, supports: bool, engine: EngineUnderTest
+) -> ServingMode:
+    """What the engine gets of a drawn mode: nothing a Mamba group does not model
+    (:func:`kvst.mode_for_layout`), then what its declarations take
+    (:meth:`properties.engines.under_test.EngineUnderTest.serving_mode`: the default mode
+    without the serving calls, no external hits unless it declares them)."""
+    if not supports:
+        return SYNC
+    return engine.serving_mode(kvst.mode_for_layout(mode, layout), supports)
+
+
+_INVARIANTS, _ATTENTION, _DETERMINISM, _PRODUCTION = PROPERTIES
+
+
+def _drawn_mode(name: str, data: st.DataObject) -> ServingMode:
+    if name == _ATTENTION:
+        return data.draw(kvst.connector_modes())
+    return data.draw(kvst.swarm_modes())
+
+
+def _run_trace(
+    config: CheckConfig,
+    layout: KVCacheLayout,
+    mode: ServingMode,
+    ops: tuple[Operation, ...],
+    engine: EngineUnderTest,
+    outcome: TierOutcome,
+) -> TraceRun:
+    """Run ``ops`` with the O(pool) checks at step boundaries; a layout the engine
+    refuses is not an example. Raises the first violation or engine error, its trace
+    kept as ``outcome.trace``."""
+    try:
+        run = TraceRun(
+            config,
+            layout,
+            engine,
+            choose_mode=lambda supports: kept_mode(mode, layout, supports, engine),
+        )
+    except UnsupportedLayoutError:
+        reject()
+    run.lockstep.checker.check_every_call = False
+    try:
+        for op in ops:
+            run.apply(op)
+        run.lockstep.on_step_boundary()
+    except (AssertionError, KVConformError) as exc:
+        outcome.trace = run.to_trace(exc)
+        raise
+    return run
+
+
+def run_tier(
+    name: str,
+    config: CheckConfig,
+    tier_name: str,
+    hyp_settings: settings,
+    seed: int | None = None,
+    engine: EngineUnderTest | Callable | None = None,
+) -> TierOutcome:
+    """Run ``hyp_settings.max_examples`` examples of tier ``tier_name`` for property
+    ``name`` (``config`` as :func:`properties.runner.check.config_for` gives it).
+    Failures are not shrunk far (a large trace shrinks slowly): the failing trace is
+    the outcome's ``trace``."""
+    scale = kvst.tier(tier_name)
+    engine = engine_of(config, engine)
+    layouts = tier_layouts(config, scale, engine)
+    outcome = TierOutcome(tier_name)
+
+    def example(data: st.DataObject) -> None:
+        layout = data.draw(layouts)
+        mode = _drawn_mode(name, data)
+        ops = data.draw(kvst.tier_operations(layout, scale))
+        started = time.perf_counter()
+        run = _run_trace(config, layout, mode, ops, engine, outcome)
+        if name == _DETERMINISM:
+            again = _run_trace(config, layout, mode, ops, engine, outcome)
+            if run.lockstep.log != again.lockstep.log:
+                violation = PropertyViolation(
+                    _DETERMINISM, f"two runs of one {tier_name} trace differ in their calls"
+                )
+                trace = dataclasses.replace(run.to_trace(), failure=failure_info(violation, config))
+                outcome.trace = trace
+                raise violation
+        outcome.timings.append(time.perf_counter() - started)
+        outcome.examples += 1
+        outcome.steps += len(ops)
+
+    # the function's name keys the derandomized stream: one stream per property and tier
+    example.__name__ = example.__qualname__ = f"{name}_{tier_name}_tier"
+    test = settings(hyp_settings)(given(st.data())(example))
+    if seed is not None:
+        test = hseed(seed)(test)
+    start = time.perf_counter()
+    try:
+        test()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported
+        outcome.failure = exc  # a group too: the caller reports its first error
+    outcome.seconds = time.perf_counter() - start
+    return outcome
