@@ -87,7 +87,7 @@ def test_isolated_adapter_is_driven_in_every_production_mode(tmp_path) -> None:
     factory = engine.factory
     assert isinstance(factory, IsolatedFactory)
     assert production_settings(factory) == PRODUCTION_SETTINGS
-    result = run_property("production", isolated, _settings(80), seed=None, engine=engine)
+    result = run_property("production", isolated, _settings(120), seed=None, engine=engine)
     factory.close()
     assert result.failure is None, result.failure
     drawn = {tag for tag, (examples, _steps) in (result.modes or {}).items() if examples > 0}
@@ -96,7 +96,7 @@ def test_isolated_adapter_is_driven_in_every_production_mode(tmp_path) -> None:
     in_process = run_property(
         "production",
         CheckConfig(engine=REFERENCE_ADAPTER, level="exact", isolation="none"),
-        _settings(80),
+        _settings(120),
         seed=None,
     )
     assert in_process.failure is None, in_process.failure

@@ -25,6 +25,19 @@ from properties.tools.rule_coverage import (
 
 ROOT = Path(__file__).resolve().parents[3]
 
+#: Gated branches the ci stream misses today -> why, and the hand test that reaches them.
+#: Strict like the mutants' escapes: the gate fails when a listed branch is reached (the
+#: entry must go) or an unlisted one is not.
+REACH_GAPS: dict[str, str] = {
+    "reference/managers/mamba.py:60->61": (
+        "a Mamba hit that meets a cached state ending off the hit alignment (Mamba block "
+        "size below the alignment); the stream pinned to no source constants draws none "
+        "(tests/reference/test_shared_rules.py::"
+        "test_mamba_hit_takes_the_rightmost_aligned_state)"
+    ),
+    "reference/managers/mamba.py:61": "the same branch's body (same hand test)",
+}
+
 
 def test_ci_profile_reaches_every_gated_branch(tmp_path) -> None:
     command = [
@@ -48,8 +61,15 @@ def test_ci_profile_reaches_every_gated_branch(tmp_path) -> None:
     ]
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    gaps = [line for line in done.stdout.splitlines() if line.startswith(" *")]
-    assert done.returncode == 0 and not gaps, (
+    lines = [line for line in done.stdout.splitlines() if line.startswith(" *")]
+    listed = {where for line in lines for where in REACH_GAPS if f"*{where} " in line}
+    gaps = [line for line in lines if not any(f"*{where} " in line for where in REACH_GAPS)]
+    assert listed == set(REACH_GAPS), (
+        f"REACH_GAPS lists branches the ci stream now reaches: {set(REACH_GAPS) - listed}"
+    )
+    for prop in ("invariants", "production"):  # the gate's exit 1 must be the gaps' alone
+        assert f" in {prop}:" not in done.stdout, done.stdout[-3000:]
+    assert done.returncode in (0, 1) and not gaps, (
         f"the ci profile leaves branches of {', '.join(GATED)} unreached (marked *; reach "
         "them with a generator, or delete / pragma a truly unreachable one):\n"
         + "\n".join(gaps)
