@@ -344,7 +344,8 @@ def active_checks_for(
     engine: EngineUnderTest, config: CheckConfig
 ) -> tuple[list[str], frozenset[str]]:
     """The invariants that run for this engine (its optional capabilities decide) and
-    the capabilities, read from an engine built on a small probe layout."""
+    the capabilities, read from an engine built on a small probe layout (with
+    ``serving_modes`` when it offers the serving-mode calls)."""
     from properties.checks.checker import Checker
 
     for layout in _probe_layouts():
@@ -353,7 +354,8 @@ def active_checks_for(
         except UnsupportedLayoutError:
             continue
         checker = Checker(built, layout, config.disabled)
-        return checker.active_checks(), checker.state.capabilities()
+        serving = {"serving_modes"} if isinstance(built, SupportsServingModes) else set()
+        return checker.active_checks(), checker.state.capabilities() | serving
     return [], frozenset()
 
 
