@@ -244,10 +244,12 @@ def test_run_property_reports_examples_per_tier() -> None:
 
 @pytest.mark.slow
 def test_cli_check_prints_the_tiers(tmp_path: Path) -> None:
-    """The CLI table has one row per tier under each property."""
+    """The CLI table has one row per tier under each property (``--max-examples`` alone
+    runs the small tier only, so the large ones are named)."""
     out = subprocess.run(
         [sys.executable, "-m", "properties.tools.cli", "check", "--engine", "reference",
-         "--profile", "dev", "--max-examples", "3", "--only", "invariants"],
+         "--profile", "dev", "--max-examples", "3", "--only", "invariants",
+         "--tiers", "medium,production"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
@@ -255,3 +257,12 @@ def test_cli_check_prints_the_tiers(tmp_path: Path) -> None:
     assert any(line.startswith("  small ") for line in lines), out.stdout
     assert any(line.startswith("  medium ") for line in lines), out.stdout
     assert any(line.startswith("  production ") for line in lines), out.stdout
+
+
+def test_max_examples_alone_runs_the_small_tier_only() -> None:
+    from properties.tools.cli import large_tiers
+
+    assert large_tiers(None, "ci") is None  # the profile's tiers
+    assert large_tiers(None, "ci", 5) == ()
+    assert large_tiers("medium", "ci", 5) == ("medium",)
+    assert large_tiers("none", "ci") == ()
