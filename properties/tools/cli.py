@@ -132,7 +132,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
         row = PropertyResult("engine-coverage", 0, 0, 0.0, regression, kind="coverage")
         results = [*results, row]
-    print(format_results(results))
+    for r in results:  # each result once: the rows not announced as they ended
+        if not getattr(r, "announced", False):
+            print_result_line(r)
     print("\n".join(format_pair_reach(results, engine)))
     failed = [r for r in results if not r.passed]
     reports = {}
@@ -293,12 +295,14 @@ def coverage_result(data_dir: str, gate: bool):
 
 
 def print_result_line(r) -> None:
+    """A property's result, printed once, when it ends (marked ``announced``)."""
+    r.announced = True
     print(
         f"  {r.name:<12} {result_word(r)} "
         f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s)",
         flush=True,
     )
-    if r.tiers:
+    if r.tiers and len(r.tiers) > 1:  # the small tier alone is the line above
         per_tier = ", ".join(f"{t} {e}/{n} {s:.1f}s" for t, (e, n, s) in r.tiers.items())
         print(f"    tiers (examples/steps, time): {per_tier}", flush=True)
     if getattr(r, "modes", None):
