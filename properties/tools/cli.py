@@ -461,7 +461,7 @@ def cmd_corpus(args: argparse.Namespace) -> int:
 
 
 def _corpus(args: argparse.Namespace) -> int:
-    from properties.tools.corpus import export_corpus, run_corpus
+    from properties.tools.corpus import export_corpus
 
     if args.action == "export":
         manifest = export_corpus(args.directory, per_mode=args.per_mode)
@@ -471,6 +471,19 @@ def _corpus(args: argparse.Namespace) -> int:
         )
         print(f"  coverage: {json.dumps(manifest['coverage'])}")
         return EXIT_PASSED
+    from properties.core.engine import BUILTIN_ENGINES
+    from properties.tools.guard import run_guarded
+
+    if not (args.engine.startswith("exec:") or args.engine in BUILTIN_ENGINES):
+        # the corpus runs an adapter in this process: in a forked child, so one that ends
+        # the process (os._exit(0)) is an engine error, never a silent pass
+        return run_guarded(lambda: _corpus_run(args), on_command_error)
+    return _corpus_run(args)
+
+
+def _corpus_run(args: argparse.Namespace) -> int:
+    from properties.tools.corpus import run_corpus
+
     print(f"kvconform corpus run: {args.directory} engine={args.engine} level={args.level}")
 
     shown: list = []

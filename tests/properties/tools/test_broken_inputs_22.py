@@ -423,3 +423,18 @@ def test_outcome_table():
     assert Outcome.of_failure(AssertionError()) is Outcome.PROPERTY
     assert Outcome.of_failure(KeyError()) is Outcome.INTERNAL
     assert Outcome.of_error(ValueError()) is Outcome.USAGE
+
+
+def test_corpus_run_on_an_engine_calling_os_exit_0_is_an_engine_error(tmp_path):
+    """``corpus run`` drives an adapter in this process: in a forked child, so an engine
+    that ends the process is an engine error (exit 3), not a silent exit 0."""
+    corpus = tmp_path / "corpus"
+    code, out, err = run_cli("corpus", "export", str(corpus), "--per-mode", "1")
+    assert code == 0, out + err
+    engine = f"{BROKEN_MODULE}:make_exits_zero"
+    code, out, err = run_cli("corpus", "run", str(corpus), "--engine", engine)
+    assert code == EXIT_ENGINE, out + err
+    assert (
+        "ENGINE ERROR (the engine broke the protocol): the engine ended the process "
+        "(exit code 0) during broken: new_step(), before any verdict"
+    ) in out.splitlines()
