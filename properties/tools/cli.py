@@ -521,11 +521,37 @@ def _corpus_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    finished: list = []  # rows measured so far (a stopped bench summarises them)
+    try:
+        return _bench(args, finished)
+    except Stopped as stop:
+        print(f"stopped by {stop.name}: {len(finished)} rows finished before the stop")
+        mismatch = False
+        if finished and args.what == "engines":
+            from properties.tools.bench.engines import engine_mismatches, format_engine_bench
+
+            print(format_engine_bench(finished))
+            mismatch = bool(engine_mismatches(finished))
+        elif finished:
+            from properties.tools.bench.suite import format_suite
+
+            print(format_suite(finished))
+        return stopped_exit_code(stop, ["property"] if mismatch else [])
+
+
+def _bench(args: argparse.Namespace, finished: list) -> int:
+    def keeping(show):
+        def on_row(row) -> None:
+            finished.append(row)
+            show(row)
+
+        return on_row
+
     if args.what == "suite":
         from properties.tools.bench.progress import suite_line
         from properties.tools.bench.suite import bench_suite, format_suite
 
-        print(format_suite(bench_suite(profile=args.profile, on_row=suite_line)))
+        print(format_suite(bench_suite(profile=args.profile, on_row=keeping(suite_line))))
     elif args.what == "engines":
         from properties.tools.bench.engines import (
             ALL_RECIPES,
@@ -547,7 +573,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             traces=recorded_traces(scale=args.scale, recipes=recipes),
             repeat=args.repeat,
             memory=args.memory,
-            on_row=engine_line,
+            on_row=keeping(engine_line),
         )
         print(format_engine_bench(rows))
         return 1 if engine_mismatches(rows) else 0

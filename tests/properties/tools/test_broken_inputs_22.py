@@ -438,3 +438,24 @@ def test_corpus_run_on_an_engine_calling_os_exit_0_is_an_engine_error(tmp_path):
         "ENGINE ERROR (the engine broke the protocol): the engine ended the process "
         "(exit code 0) during broken: new_step(), before any verdict"
     ) in out.splitlines()
+
+
+def test_signal_stops_bench_with_a_summary_of_the_rows_finished():
+    """``bench engines`` stopped by SIGTERM after its first row: 143, and the rows
+    measured so far are summarised (a table), not lost."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "properties.tools.cli", "bench", "engines", "--engines",
+         "reference", "optimized", "--scale", "16"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    _read_until(proc, "bench: ")
+    start = time.monotonic()
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_TERMINATED, out + err
+    assert time.monotonic() - start < 5
+    line = next(x for x in out.splitlines() if x.startswith("stopped by SIGTERM: "))
+    finished = int(line.split(": ")[1].split()[0])
+    assert finished >= 1 and line.endswith("rows finished before the stop")
+    assert "Traceback" not in err
