@@ -4,6 +4,7 @@ before any shrinking; shrinking is bounded; workers give the result of one proce
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,9 +84,10 @@ def test_two_workers_give_the_table_of_one(tmp_path) -> None:
         env = {**os.environ, "PYTHONHASHSEED": "0"}
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stdout + done.stderr
-        rows = [line.split() for line in done.stdout.splitlines()]
-        names = ("invariants", "determinism")
-        return [r[:3] for r in rows if len(r) > 2 and r[0] in names and r[1].isdigit()]
+        # each property's result line: "  invariants   PASS (15 examples, 210 steps, 0.3s)"
+        line = re.compile(r"^  (invariants|determinism) +PASS \((\d+) examples, (\d+) steps")
+        found = (line.match(x) for x in done.stdout.splitlines())
+        return sorted(m.groups() for m in found if m)
 
     one, two = table(1), table(2)
     assert one == two and len(one) == 2
