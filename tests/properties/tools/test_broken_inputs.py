@@ -526,8 +526,9 @@ def test_pytest_failure_prints_the_trace_and_the_replay_command(tmp_path):
     )
 
 
-def test_pytest_with_a_bad_engine_fails_and_never_skips():
-    proc = subprocess.run(
+def run_pytest_with_engine(engine: str) -> subprocess.CompletedProcess:
+    """pytest with kvconform's plugin and ``--kv-engine engine`` over a small test file."""
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -538,7 +539,7 @@ def test_pytest_with_a_bad_engine_fails_and_never_skips():
             "no:cacheprovider",
             "tests/properties/runner/test_machine.py",
             "--kv-engine",
-            "no_such_module:make",
+            engine,
         ],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -546,6 +547,10 @@ def test_pytest_with_a_bad_engine_fails_and_never_skips():
         text=True,
         timeout=120,
     )
+
+
+def test_pytest_with_a_bad_engine_fails_and_never_skips():
+    proc = run_pytest_with_engine("no_such_module:make")
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout + proc.stderr
     assert "cannot import module 'no_such_module'" in proc.stderr
     assert "skipped" not in proc.stdout

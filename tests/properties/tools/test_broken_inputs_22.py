@@ -47,6 +47,7 @@ from tests.properties.tools.test_broken_inputs import (
     _trace_json,
     one_line,
     run_cli,
+    run_pytest_with_engine,
     saved_traces,
 )
 
@@ -363,25 +364,7 @@ def test_bench_with_an_unknown_engine_is_a_usage_error():
 
 
 def test_pytest_with_an_exec_engine_that_cannot_start_is_a_usage_error():
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "properties.tools.pytest_plugin",
-            "-p",
-            "no:cacheprovider",
-            "tests/properties/runner/test_machine.py",
-            "--kv-engine",
-            "exec:./nonexistent",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_pytest_with_engine("exec:./nonexistent")
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout + proc.stderr
     assert "--kv-engine: exec engine './nonexistent': cannot start './nonexistent'" in (proc.stderr)
     assert "Traceback" not in proc.stdout + proc.stderr
