@@ -41,6 +41,10 @@ from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
 from reference.specs import MambaSpec, cdiv
 
+#: The checks that compare the ref counts or free queue before a call with after it
+#: (H5, A1): the only readers of a full snapshot.
+_SNAPSHOT_READERS = frozenset({"lookup_no_side_effects", "failed_allocation"})
+
 
 class Checker:
     """Runs the invariants against one engine (see the module docstring)."""
@@ -55,9 +59,6 @@ class Checker:
         """``host_tier``: the machine's host tier external hits are bounded by (X1)."""
         validate_disabled(disabled)
         self.state = CheckState(engine, layout, host_tier)
-        #: run the O(pool) checks after every call (True: the small tier, as always); at
-        #: the large tiers they run at step boundaries (:meth:`on_step_boundary`)
-        self.check_every_call = True
         self._pool_stale = False
         self.disabled = frozenset(disabled)
         #: request id -> slots written before their token was known (group, block,
@@ -72,6 +73,25 @@ class Checker:
             )
             for event in EVENTS
         }
+        active = self.active_checks()
+        #: the shadow of block contents is kept only for the invariants that read it
+        self._shadowed = bool(active)
+        #: the checks that compare ref counts or the free queue before and after a call
+        self._full_snapshots = any(name in _SNAPSHOT_READERS for name in active)
+        self.check_every_call = True
+
+    @property
+    def check_every_call(self) -> bool:
+        """Run the O(pool) checks and reads after every call (True: the small tier, as
+        always). Off at the large tiers: the pool checks run at step boundaries
+        (:meth:`on_step_boundary`), a call's snapshot holds the free counts only
+        (:meth:`snapshot`) and only the tables a call names are read again
+        (:meth:`properties.checks.state.CheckState.invalidate`)."""
+        return self.state.per_call_reads
+
+    @check_every_call.setter
+    def check_every_call(self, value: bool) -> None:
+        self.state.per_call_reads = value
 
     @property
     def requests(self) -> dict[str, TrackedRequest]:
@@ -83,7 +103,11 @@ class Checker:
         return [name for name in CHECKS if name in active]
 
     def snapshot(self) -> Snapshot:
-        return self.state.snapshot()
+        """The engine before a call: the ref counts and free queue (O(pool)) only when
+        they are read every call and a running check compares them (H5, A1); else the
+        free counts alone. Example: a lockstep-only replay (every invariant disabled)
+        snapshots ``(num_free, None, None, None)`` for a one-pool engine."""
+        return self.state.snapshot(full=self._full_snapshots and self.check_every_call)
 
     def _run(self, event_name: str, event: object) -> None:
         for check in self._by_event[event_name]:
@@ -144,14 +168,21 @@ class Checker:
             req, table, tables_before, main + num_lookahead_tokens, main, estimate, mml
         )
         self._run("table", allocated)
-        others = {o: t for o, t in self.state.tables().items() if o != request_id}
+        others = (
+            {o: t for o, t in self.state.tables().items() if o != request_id}
+            if self._by_event["group_write"] or self._by_event["external_load"]
+            else {}
+        )
         if external:
             self._run("external_load", ExternalLoadEvent(req, table, local, start, others))
-            self._record_load(req, table, local, start)
+            if self._shadowed:
+                self._record_load(req, table, local, start)
         for gid, row in enumerate(table):
             self._run("group_write", GroupWriteEvent(req, gid, row, start, end, others))
-            self._record_writes(req, gid, row, start, end)
-        self.state.last_reads[request_id] = self._reads(table, start, end)
+            if self._shadowed:
+                self._record_writes(req, gid, row, start, end)
+        if self._shadowed:
+            self.state.last_reads[request_id] = self._reads(table, start, end)
         self._run("allocate", allocated)
         self.check_pool()
 
@@ -290,4 +321,5 @@ class Checker:
         if not self._pool_stale:
             return
         self._pool_stale = False
+        self.state.reread_tables()
         self._run("pool", PoolEvent(self.state.tables(), self.state.num_free()))

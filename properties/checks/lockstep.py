@@ -65,13 +65,14 @@ class LockstepEngine(EngineProxy):
         self.reference_name = getattr(reference, "name", "reference")
 
     # -- plumbing -------------------------------------------------------------------
-    def _call(self, fn, *args):
+    def _call(self, fn, *args, names: Iterable[str] | None = None):
         """A call that may change the engine (through its boundary): the checks' cached
-        reads of the engine are stale afterwards."""
+        reads of the engine are stale afterwards (``names``: the requests whose tables
+        the call can change; ``None``: any, as for ``new_step``)."""
         try:
             return fn(*args)
         finally:
-            self.checker.state.invalidate()
+            self.checker.state.invalidate(names)
 
     def _record(self, call: str, args: dict, result: Any) -> None:
         self.log.append({"call": call, **args, "result": result})
@@ -141,7 +142,7 @@ class LockstepEngine(EngineProxy):
 
     # -- the protocol ---------------------------------------------------------------
     def add_request(self, request: RequestInput) -> None:
-        self._call(self.engine.add_request, request)
+        self._call(self.engine.add_request, request, names=(request.request_id,))
         if self.reference is not None:
             self.reference.add_request(request)
         self.checker.on_add(
@@ -149,13 +150,18 @@ class LockstepEngine(EngineProxy):
         )
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
-        self._call(self.engine.append_output_tokens, request_id, token_ids)
+        self._call(self.engine.append_output_tokens, request_id, token_ids, names=(request_id,))
         if self.reference is not None:
             self.reference.append_output_tokens(request_id, token_ids)
         self.checker.on_append(request_id, token_ids)
 
     def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
-        self._call(self.engine.set_num_computed_tokens, request_id, num_computed_tokens)
+        self._call(
+            self.engine.set_num_computed_tokens,
+            request_id,
+            num_computed_tokens,
+            names=(request_id,),
+        )
         if self.reference is not None:
             self.reference.set_num_computed_tokens(request_id, num_computed_tokens)
         self.checker.on_set_computed(request_id, num_computed_tokens)
@@ -169,7 +175,7 @@ class LockstepEngine(EngineProxy):
 
     def get_computed_blocks(self, request_id: str) -> CacheHit:
         before = self.checker.snapshot()
-        hit = self._call(self.engine.get_computed_blocks, request_id)
+        hit = self._call(self.engine.get_computed_blocks, request_id, names=(request_id,))
         self._record(
             "get_computed_blocks",
             {"request_id": request_id},
@@ -201,7 +207,7 @@ class LockstepEngine(EngineProxy):
             else None
         )
         what = allocation.describe()
-        result = self._call(allocate, self.engine, allocation)
+        result = self._call(allocate, self.engine, allocation, names=(request_id,))
         estimate = None
         if result is not None:
             table = self.checker.state.table_of(request_id)
@@ -242,14 +248,20 @@ class LockstepEngine(EngineProxy):
     def set_in_flight(
         self, request_id: str, num_in_flight_tokens: int, num_pending_tokens: int
     ) -> None:
-        self._call(self.engine.set_in_flight, request_id, num_in_flight_tokens, num_pending_tokens)
+        self._call(
+            self.engine.set_in_flight,
+            request_id,
+            num_in_flight_tokens,
+            num_pending_tokens,
+            names=(request_id,),
+        )
         if self.reference is not None:
             self.reference.set_in_flight(request_id, num_in_flight_tokens, num_pending_tokens)
         self.checker.on_in_flight(request_id, num_in_flight_tokens)
 
     def cache_blocks(self, request_id: str, num_tokens: int) -> None:
         what = f"cache_blocks({request_id!r}, {num_tokens})"
-        self._call(self.engine.cache_blocks, request_id, num_tokens)
+        self._call(self.engine.cache_blocks, request_id, num_tokens, names=(request_id,))
         self._record("cache_blocks", {"request_id": request_id, "num_tokens": num_tokens}, None)
         if self.reference is not None:
             self.reference.cache_blocks(request_id, num_tokens)
@@ -280,7 +292,9 @@ class LockstepEngine(EngineProxy):
             if tracked is not None and tracked.holds_blocks:
                 tables_before[item.request_id] = self.engine.get_block_ids(item.request_id)
         what = schedule_text(items)
-        results = self._call(self.engine.schedule_step, list(items))
+        results = self._call(
+            self.engine.schedule_step, list(items), names=[i.request_id for i in items]
+        )
         for item, result in zip(items, results):
             call = (
                 f"allocate_slots({item.request_id!r}, num_new_tokens={item.num_new_tokens}, "
@@ -320,7 +334,7 @@ class LockstepEngine(EngineProxy):
         return results
 
     def free(self, request_id: str) -> None:
-        self._call(self.engine.free, request_id)
+        self._call(self.engine.free, request_id, names=(request_id,))
         if self.reference is not None:
             self.reference.free(request_id)
         self._record("free", {"request_id": request_id}, None)
@@ -328,7 +342,7 @@ class LockstepEngine(EngineProxy):
         self._compare_state(f"free({request_id!r})", None)
 
     def remove_request(self, request_id: str) -> None:
-        self._call(self.engine.remove_request, request_id)
+        self._call(self.engine.remove_request, request_id, names=(request_id,))
         if self.reference is not None:
             self.reference.remove_request(request_id)
         self.checker.on_remove(request_id)

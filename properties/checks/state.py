@@ -17,6 +17,7 @@ never change it. One event dataclass per moment a check can run:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from properties.checks.oracles import ShadowCache, extend_prefix_ids
@@ -93,6 +94,9 @@ class CheckState:
         self.host_tier = host_tier
         self._reads: dict[str, object] = {}
         self._tables: dict[str, BlockIds] = {}
+        #: read every table again after every call (the small tier); off at the large
+        #: tiers (:meth:`invalidate`), set through ``Checker.check_every_call``
+        self.per_call_reads = True
 
     def capabilities(self) -> frozenset[str]:
         """The optional capabilities the engine offers (names as in the registry)."""
@@ -107,11 +111,28 @@ class CheckState:
         return frozenset(name for name, present in names if present)
 
     # -- reads of the engine, once per engine call ------------------------------------
-    def invalidate(self) -> None:
+    def invalidate(self, request_ids: Iterable[str] | None = None) -> None:
         """The engine was called: everything read from it may have changed. Until the
         next call, each read below asks the engine once (the checks of one event, the
-        lockstep comparison and the next call's snapshot share it)."""
+        lockstep comparison and the next call's snapshot share it).
+
+        Block tables: with ``per_call_reads`` on (the small tier) every table is read
+        again; off (the large tiers) only the tables of ``request_ids``, the requests
+        the call names (``None``: every table), are: a call changes its own request's
+        table only, and the step boundary reads every table again
+        (:meth:`reread_tables`) before the pool checks, which would see another
+        request's table changed behind a call. Example: at the production tier an
+        ``allocate_slots('r7', ...)`` among 4096 running requests reads one table, not
+        4096."""
         self._reads.clear()
+        if self.per_call_reads or request_ids is None:
+            self._tables.clear()
+            return
+        for rid in request_ids:
+            self._tables.pop(rid, None)
+
+    def reread_tables(self) -> None:
+        """Forget every table read (a step boundary at the large tiers)."""
         self._tables.clear()
 
     def _read(self, what: str, fn):
@@ -145,13 +166,21 @@ class CheckState:
         """The block table of every request that holds blocks."""
         return {rid: self.table_of(rid) for rid, r in self.requests.items() if r.holds_blocks}
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, full: bool = True) -> Snapshot:
+        """The free count, ref counts, free queue and per-pool free counts now; with
+        ``full`` off the two O(pool) reads (ref counts, free queue) are left ``None``."""
         return (
             self.num_free(),
-            self.ref_counts() if self.has_ref_counts else None,
-            self.free_queue() if self.has_free_queue else None,
+            self.ref_counts() if full and self.has_ref_counts else None,
+            self.free_queue() if full and self.has_free_queue else None,
             {p.name: p.num_free for p in self.pools()} if self.has_pools else None,
         )
+
+    def snapshot_like(self, before: Snapshot) -> Snapshot:
+        """A snapshot now with the parts ``before`` has (a light one stays light), so
+        the two compare. Example: ``before == (12, None, None, None)`` gives
+        ``(num_free, None, None, None)`` without reading the ref counts or queue."""
+        return self.snapshot(full=before[1] is not None or before[2] is not None)
 
 
 @dataclass(frozen=True)
