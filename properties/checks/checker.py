@@ -31,6 +31,7 @@ from properties.checks.state import (
     FreeEvent,
     GroupWriteEvent,
     LookupEvent,
+    OtherTables,
     PoolEvent,
     ResetEvent,
     Snapshot,
@@ -168,10 +169,10 @@ class Checker:
             req, table, tables_before, main + num_lookahead_tokens, main, estimate, mml
         )
         self._run("table", allocated)
-        others = (
+        others = OtherTables(
             {o: t for o, t in self.state.tables().items() if o != request_id}
             if self._by_event["group_write"] or self._by_event["external_load"]
-            else {}
+            else None
         )
         if external:
             self._run("external_load", ExternalLoadEvent(req, table, local, start, others))

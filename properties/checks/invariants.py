@@ -15,7 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from properties.checks.oracles import brute_force_longest_hit, missing_context
+from properties.checks.oracles import (
+    brute_force_longest_hit,
+    content_bound_longest_hit,
+    missing_context,
+)
 from properties.checks.state import (
     AllocateEvent,
     CheckState,
@@ -116,16 +120,26 @@ def hit_maximality(state: CheckState, event: LookupEvent) -> str | None:
     Not asserted for EAGLE layouts (``use_eagle``): the drop needs one block past the
     hit, and lookahead hashes key a block by the tokens after it, which the cached
     contents do not show; the exact level compares those hits with the reference.
+
+    At the large tiers the cached blocks (O(pool)) are read only when the hit is
+    shorter than the longest hit the shadow's contents could serve
+    (:func:`properties.checks.oracles.content_bound_longest_hit`): the same verdict,
+    as no cached block serves a hit that bound excludes.
     """
     if not state.layout.enable_caching or state.layout.use_eagle:
         return None
     req = event.request
+    max_length = len(req.token_ids) - 1
+    if not state.per_call_reads and event.hit.num_tokens >= content_bound_longest_hit(
+        state.layout, state.shadow, req.ids, max_length, state.alignment
+    ):
+        return None  # large tiers: no longer hit could be served, cached or not
     best = brute_force_longest_hit(
         state.layout,
         state.shadow,
         state.cached_blocks(),
         req.ids,
-        len(req.token_ids) - 1,
+        max_length,
         state.alignment,
     )
     if best > event.hit.num_tokens:
@@ -184,13 +198,12 @@ def exclusive_write(state: CheckState, event: GroupWriteEvent) -> str | None:
         if col >= len(row):
             continue  # window_liveness reports it
         block = row[col]
-        for other, otable in event.others.items():
-            groups = range(len(otable)) if state.shared_pool else [gid]
-            if any(block in otable[g] for g in groups):
-                return (
-                    f"request {event.request.request_id!r} writes block {block} (group {gid}, "
-                    f"index {col}) that request {other!r} also holds"
-                )
+        other = event.others.holder(gid, block, state.shared_pool)
+        if other is not None:
+            return (
+                f"request {event.request.request_id!r} writes block {block} (group {gid}, "
+                f"index {col}) that request {other!r} also holds"
+            )
     return None
 
 

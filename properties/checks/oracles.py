@@ -21,7 +21,7 @@ block summarises. From it:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from properties.core.diff import token_range
@@ -90,14 +90,30 @@ class ShadowCache:
         self.layout = layout
         self.shared_pool = shared_pool
         self.slots: dict[object, dict[int, SlotContent]] = {}
+        #: ``(group, prefix id)`` -> the blocks whose last slot (a Mamba state: slot -1)
+        #: holds that group's KV of that prefix: the blocks that may end a hit there
+        self._ends: dict[tuple[int, int], set[int]] = {}
+        self._last = [
+            -1 if isinstance(g.spec, MambaSpec) else g.spec.block_size - 1 for g in layout.groups
+        ]
 
     def _key(self, group_id: int, block_id: int) -> object:
         return block_id if self.shared_pool else (group_id, block_id)
 
     def write(self, group_id: int, block_id: int, offset: int, prefix_id: int) -> None:
-        self.slots.setdefault(self._key(group_id, block_id), {})[offset] = SlotContent(
-            group_id, prefix_id
-        )
+        slots = self.slots.setdefault(self._key(group_id, block_id), {})
+        old = slots.get(offset)
+        if old is not None and offset == self._last[old.group_id]:
+            self._ends.get((old.group_id, old.prefix_id), set()).discard(block_id)
+        slots[offset] = SlotContent(group_id, prefix_id)
+        if offset == self._last[group_id]:
+            self._ends.setdefault((group_id, prefix_id), set()).add(block_id)
+
+    def blocks_ending(self, group_id: int, prefix_id: int) -> set[int]:
+        """The blocks whose last slot holds group ``group_id``'s KV of the prefix
+        ``prefix_id`` (Mamba: whose state is that prefix's). Example: after
+        ``write(0, 7, 3, h)`` in a bs-4 group, ``blocks_ending(0, h) == {7}``."""
+        return self._ends.get((group_id, prefix_id), set())
 
     def read(self, group_id: int, block_id: int, offset: int) -> SlotContent | None:
         return self.slots.get(self._key(group_id, block_id), {}).get(offset)
@@ -198,9 +214,40 @@ def brute_force_longest_hit(
     by_group: dict[tuple[int, int], list[int]] = {}
     for cb in cached:
         by_group.setdefault((cb.group_id, cb.num_tokens), []).append(cb.block_id)
+    return _longest(
+        layout, shadow, lambda gid, end: by_group.get((gid, end), ()), ids, max_length, alignment
+    )
+
+
+def content_bound_longest_hit(
+    layout: KVCacheLayout, shadow: ShadowCache, ids: Sequence[int], max_length: int, alignment: int
+) -> int:
+    """An upper bound of :func:`brute_force_longest_hit` that reads no cached block:
+    the same search over every block whose content could serve (its last slot holds
+    the prefix ending there, :meth:`ShadowCache.blocks_ending`), cached or not. A
+    cached block that serves a hit holds that prefix, so the bound is never below the
+    longest servable hit; a hit at least this long needs no read of the cached blocks.
+    Example: nothing written yet gives 0 for any request."""
+
+    def candidates(gid: int, end: int) -> set[int]:
+        return shadow.blocks_ending(gid, ids[end - 1])
+
+    return _longest(layout, shadow, candidates, ids, max_length, alignment)
+
+
+def _longest(
+    layout: KVCacheLayout,
+    shadow: ShadowCache,
+    candidates: Callable[[int, int], Iterable[int]],
+    ids: Sequence[int],
+    max_length: int,
+    alignment: int,
+) -> int:
+    """The longest aligned hit every group serves, each block index's candidate blocks
+    given by ``candidates(group, end of the block in tokens)``."""
     for length in range(max_length // alignment * alignment, 0, -alignment):
         if all(
-            _group_serves(layout.groups[gid].spec, shadow, by_group, gid, ids, length)
+            _group_serves(layout.groups[gid].spec, shadow, candidates, gid, ids, length)
             for gid in range(len(layout.groups))
         ):
             return length
@@ -210,7 +257,7 @@ def brute_force_longest_hit(
 def _group_serves(
     spec: KVCacheSpec,
     shadow: ShadowCache,
-    by_group: dict[tuple[int, int], list[int]],
+    candidates_of: Callable[[int, int], Iterable[int]],
     gid: int,
     ids: Sequence[int],
     length: int,
@@ -219,7 +266,7 @@ def _group_serves(
     if length % bs:
         return False
     for i in blocks_needed_for_hit(spec, length):
-        candidates = by_group.get((gid, (i + 1) * bs), ())
+        candidates = candidates_of(gid, (i + 1) * bs)
         if isinstance(spec, MambaSpec):
             ok = any(shadow.holds(gid, b, -1, ids[length - 1]) for b in candidates)
         else:

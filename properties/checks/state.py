@@ -183,6 +183,33 @@ class CheckState:
         return self.snapshot(full=before[1] is not None or before[2] is not None)
 
 
+class OtherTables(dict):
+    """The tables of the other requests that hold blocks (request id -> table), with
+    the first holder of each block indexed on first use: one pass over the tables per
+    allocation, however many blocks the step writes.
+
+    Example: ``OtherTables({"b": ((3, 4),)}).holder(0, 4, shared_pool=True) == "b"``;
+    with separate pools a block id names a block of one group only, so
+    ``holder(1, 4, shared_pool=False)`` is None."""
+
+    def __init__(self, tables: dict[str, BlockIds] | None = None) -> None:
+        super().__init__(tables or {})
+        self._first: dict[tuple[int, int], str] | None = None
+        self._shared: bool | None = None
+
+    def holder(self, group_id: int, block_id: int, shared_pool: bool) -> str | None:
+        """The first request (in table order) holding ``block_id``: in any group of
+        its table with one shared pool, in group ``group_id`` with separate pools."""
+        if self._first is None or self._shared != shared_pool:
+            first: dict[tuple[int, int], str] = {}
+            for rid, table in self.items():
+                for g, row in enumerate(table):
+                    for b in row:
+                        first.setdefault((-1 if shared_pool else g, b), rid)
+            self._first, self._shared = first, shared_pool
+        return self._first.get((-1 if shared_pool else group_id, block_id))
+
+
 @dataclass(frozen=True)
 class LookupEvent:
     request: TrackedRequest
@@ -199,7 +226,7 @@ class GroupWriteEvent:
     row: tuple[int, ...]
     start: int
     end: int
-    others: dict[str, BlockIds]
+    others: OtherTables
 
 
 @dataclass(frozen=True)
