@@ -105,11 +105,15 @@ class TraceRun:
         mode: ServingMode = SYNC,
         expected: KVCacheEngine | None = None,
         choose_mode: ModeChooser | None = None,
+        at_boundaries: bool = False,
     ) -> None:
         """``expected`` (exact level): what the engine is compared with instead of a fresh
         reference, e.g. the recorded results of a corpus case. ``choose_mode``: called
         with whether the built engine offers the serving calls, it gives the mode
-        (instead of ``mode``), so that the machine draws it once the engine is built."""
+        (instead of ``mode``), so that the machine draws it once the engine is built.
+        ``at_boundaries``: the O(pool) checks and reads run at step boundaries and at
+        :meth:`finish` instead of after every call (the large tiers, the bench traces:
+        ``Checker.check_every_call`` off)."""
         self.config = config
         self.layout = layout
         # an engine in a child process has its own deadline, which kills the child
@@ -152,7 +156,12 @@ class TraceRun:
             on_load=self._on_load if self.attention is not None else None,
             host_tier=host_tier,
         )
+        self.lockstep.checker.check_every_call = not at_boundaries
         self.operations: list[Operation] = []
+
+    def finish(self) -> None:
+        """The trace ended: the checks deferred to the next step boundary run now."""
+        self.lockstep.on_step_boundary()
 
     def supports_serving_modes(self) -> bool:
         return isinstance(self.lockstep.engine, SupportsServingModes)
@@ -254,14 +263,16 @@ def engine_of(config: CheckConfig, engine: EngineUnderTest | Callable | None) ->
 
 
 def replay_trace(
-    trace: Trace, config: CheckConfig, engine: EngineUnderTest
+    trace: Trace, config: CheckConfig, engine: EngineUnderTest, at_boundaries: bool = False
 ) -> tuple[TraceRun, BaseException | None]:
     """Replay ``trace`` (in its serving mode) with every check; returns the run and the
-    first failure (or None)."""
-    run = TraceRun(config, trace.layout, engine, trace.mode)
+    first failure (or None). ``at_boundaries``: the O(pool) checks at step boundaries
+    (:class:`TraceRun`), as for a bench trace of 10^5 blocks."""
+    run = TraceRun(config, trace.layout, engine, trace.mode, at_boundaries=at_boundaries)
     try:
         for op in trace.operations:
             run.apply(op)
+        run.finish()
     except (AssertionError, KVConformError) as exc:  # violations and engine errors
         return run, exc
     return run, None

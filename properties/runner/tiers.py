@@ -110,14 +110,14 @@ def _run_trace(
             layout,
             engine,
             choose_mode=lambda supports: kept_mode(mode, layout, supports, engine),
+            at_boundaries=True,
         )
     except UnsupportedLayoutError:
         reject()
-    run.lockstep.checker.check_every_call = False
     try:
         for op in ops:
             run.apply(op)
-        run.lockstep.on_step_boundary()
+        run.finish()
     except (AssertionError, KVConformError) as exc:
         outcome.trace = run.to_trace(exc)
         raise
