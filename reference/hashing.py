@@ -49,7 +49,7 @@ def hash_block_tokens(
     parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple | None
 ) -> bytes:
     """One link of the chain; a missing parent is NONE_HASH."""
-    return sha256_pickle((parent or NONE_HASH, tuple(int(t) for t in token_ids), extra_keys))
+    return sha256_pickle((parent or NONE_HASH, tuple(map(int, token_ids)), extra_keys))
 
 
 def extend_block_hashes(

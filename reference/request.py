@@ -58,7 +58,7 @@ class Request:
                 f"Request.prompt_token_ids of {request_id!r} must not be empty, got []"
             )
         self.request_id = request_id
-        self.prompt_token_ids: tuple[int, ...] = tuple(int(t) for t in prompt_token_ids)
+        self.prompt_token_ids: tuple[int, ...] = tuple(map(int, prompt_token_ids))
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.cache_salt = cache_salt

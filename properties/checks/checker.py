@@ -124,7 +124,8 @@ class Checker:
 
     def on_lookup(self, request_id: str, hit: CacheHit, before: Snapshot) -> None:
         req = self.state.requests[request_id]
-        req.refresh_ids()
+        if self._shadowed:  # the prefix ids are the shadow's keys
+            req.refresh_ids()
         self._run("lookup", LookupEvent(req, hit, before))
 
     def on_allocate(
@@ -161,7 +162,8 @@ class Checker:
         local = req.num_computed_tokens + (hit.num_tokens if hit is not None else 0)
         start = local + external
         end = start + num_new_tokens
-        req.refresh_ids()
+        if self._shadowed:
+            req.refresh_ids()
         table = self.state.table_of(request_id)
         mml = self.state.layout.max_model_len
         main = min(start, mml) + num_new_tokens
