@@ -32,28 +32,34 @@ from properties.tools.bench.engines import (
     recorded_traces,
 )
 
-LOCKSTEP_ONLY = config_for(
-    "invariants",
-    CheckConfig(engine="optimized", level="exact", disabled=disabled_all_but(()), call_timeout=0),
-)
+
+@pytest.fixture
+def lockstep_engine(kv_engine: str) -> str:
+    """The engine replayed beside the reference: ``--kv-engine`` (CI's engines step runs
+    this module with ``--kv-engine vllm``), the optimized engine when that names the
+    reference itself (the default)."""
+    return "optimized" if kv_engine == "reference" else kv_engine
 
 
-def _replay(recipe: TraceRecipe, scale: int, at_boundaries: bool = False) -> None:
+def _replay(engine: str, recipe: TraceRecipe, scale: int, at_boundaries: bool = False) -> None:
+    config = config_for(
+        "invariants",
+        CheckConfig(engine=engine, level="exact", disabled=disabled_all_but(()), call_timeout=0),
+    )
     trace = recorded_traces(scale=scale, directory=None, recipes=(recipe,))[recipe.name]
-    engine = engine_of(LOCKSTEP_ONLY, None)
-    run, exc = replay_trace(trace, LOCKSTEP_ONLY, engine, at_boundaries=at_boundaries)
+    run, exc = replay_trace(trace, config, engine_of(config, None), at_boundaries=at_boundaries)
     assert exc is None, f"{recipe.name} (scale {scale}), operation {len(run.operations) - 1}: {exc}"
     assert len(run.operations) == len(trace.operations)
 
 
 @pytest.mark.parametrize("recipe", [*RECIPES, HYBRID_6], ids=lambda r: r.name)
-def test_recorded_trace_replays_in_lockstep(recipe: TraceRecipe) -> None:
-    _replay(recipe, scale=1)
+def test_recorded_trace_replays_in_lockstep(lockstep_engine: str, recipe: TraceRecipe) -> None:
+    _replay(lockstep_engine, recipe, scale=1)
 
 
 @pytest.mark.parametrize("recipe", SWEEP_RECIPES, ids=lambda r: r.name)
-def test_sweep_trace_replays_in_lockstep(recipe: TraceRecipe) -> None:
-    _replay(recipe, scale=1, at_boundaries=True)
+def test_sweep_trace_replays_in_lockstep(lockstep_engine: str, recipe: TraceRecipe) -> None:
+    _replay(lockstep_engine, recipe, scale=1, at_boundaries=True)
 
 
 class NoHitEngine(ReferenceEngine):
