@@ -171,11 +171,7 @@ class Checker:
             req, table, tables_before, main + num_lookahead_tokens, main, estimate, mml
         )
         self._run("table", allocated)
-        others = OtherTables(
-            {o: t for o, t in self.state.tables().items() if o != request_id}
-            if self._by_event["group_write"] or self._by_event["external_load"]
-            else None
-        )
+        others = OtherTables(self.state, request_id)
         if external:
             self._run("external_load", ExternalLoadEvent(req, table, local, start, others))
             if self._shadowed:
@@ -301,6 +297,7 @@ class Checker:
         self.check_pool()
 
     def on_remove(self, request_id: str) -> None:
+        self.state.forget(request_id)
         self.state.requests.pop(request_id, None)
         self.deferred_writes.pop(request_id, None)
         self.state.last_reads.pop(request_id, None)

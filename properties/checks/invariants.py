@@ -198,7 +198,7 @@ def exclusive_write(state: CheckState, event: GroupWriteEvent) -> str | None:
         if col >= len(row):
             continue  # window_liveness reports it
         block = row[col]
-        other = event.others.holder(gid, block, state.shared_pool)
+        other = event.others.holder(gid, block)
         if other is not None:
             return (
                 f"request {event.request.request_id!r} writes block {block} (group {gid}, "
@@ -260,14 +260,13 @@ def external_load_exclusive(state: CheckState, event: ExternalLoadEvent) -> str 
     which a double allocation across groups would do). Null entries (positions below a
     sliding window) are not loaded."""
     for gid, col, block in _loaded_blocks(state, event):
-        for other, otable in event.others.items():
-            groups = range(len(otable)) if state.shared_pool else [gid]
-            if any(block in otable[g] for g in groups):
-                return (
-                    f"request {event.request.request_id!r} loads external tokens into "
-                    f"block {block} (group {gid}, index {col}) that request {other!r} "
-                    "also holds"
-                )
+        other = event.others.holder(gid, block)
+        if other is not None:
+            return (
+                f"request {event.request.request_id!r} loads external tokens into "
+                f"block {block} (group {gid}, index {col}) that request {other!r} "
+                "also holds"
+            )
     return None
 
 

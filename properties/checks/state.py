@@ -17,7 +17,7 @@ never change it. One event dataclass per moment a check can run:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from properties.checks.oracles import ShadowCache, extend_prefix_ids
@@ -94,6 +94,10 @@ class CheckState:
         self.host_tier = host_tier
         self._reads: dict[str, object] = {}
         self._tables: dict[str, BlockIds] = {}
+        #: the index of block holders (:meth:`holder`): every request's table as last
+        #: read, and index key -> the requests whose last read table has it
+        self._known: dict[str, BlockIds] = {}
+        self._holders: dict[tuple[int, int], dict[str, None]] = {}
         #: read every table again after every call (the small tier); off at the large
         #: tiers (:meth:`invalidate`), set through ``Checker.check_every_call``
         self.per_call_reads = True
@@ -160,7 +164,45 @@ class CheckState:
         if table is None:
             table = tuple(tuple(g) for g in self.engine.get_block_ids(request_id))
             self._tables[request_id] = table
+            self._index(request_id, table)
         return table
+
+    def _keys(self, table: BlockIds) -> set[tuple[int, int]]:
+        """The index keys of a table's entries: ``(-1, block)`` with one shared pool (an
+        id names one block whatever the group), ``(group, block)`` with separate pools."""
+        return {(-1 if self.shared_pool else g, b) for g, row in enumerate(table) for b in row}
+
+    def _index(self, request_id: str, table: BlockIds) -> None:
+        """Record the table just read in the index of block holders (a table read
+        unchanged costs one comparison)."""
+        old = self._known.get(request_id)
+        if old == table:
+            return
+        if old is not None:
+            for key in self._keys(old):
+                self._holders.get(key, {}).pop(request_id, None)
+        for key in self._keys(table):
+            self._holders.setdefault(key, {})[request_id] = None
+        self._known[request_id] = table
+
+    def holder(self, group_id: int, block_id: int, other_than: str) -> str | None:
+        """A request other than ``other_than`` that holds blocks and whose table, as last
+        read, has ``block_id`` (in group ``group_id`` with separate pools), or None.
+        Example: ``a`` read as ``((3, 4),)`` and holding blocks: ``holder(0, 4, "b")
+        == "a"``, ``holder(0, 4, "a") is None``."""
+        key = (-1 if self.shared_pool else group_id, block_id)
+        for rid in self._holders.get(key, ()):
+            tracked = self.requests.get(rid)
+            if rid != other_than and tracked is not None and tracked.holds_blocks:
+                return rid
+        return None
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone: out of the table reads and the index."""
+        self._tables.pop(request_id, None)
+        old = self._known.pop(request_id, None)
+        for key in self._keys(old) if old is not None else ():
+            self._holders.get(key, {}).pop(request_id, None)
 
     def tables(self) -> dict[str, BlockIds]:
         """The block table of every request that holds blocks."""
@@ -183,31 +225,40 @@ class CheckState:
         return self.snapshot(full=before[1] is not None or before[2] is not None)
 
 
-class OtherTables(dict):
-    """The tables of the other requests that hold blocks (request id -> table), with
-    the first holder of each block indexed on first use: one pass over the tables per
-    allocation, however many blocks the step writes.
+class OtherTables(Mapping[str, BlockIds]):
+    """The tables of the requests other than ``request_id`` that hold blocks (request
+    id -> table), read only when a check iterates them, and :meth:`holder`, which
+    answers from the state's index of block holders (:meth:`CheckState.holder`).
 
-    Example: ``OtherTables({"b": ((3, 4),)}).holder(0, 4, shared_pool=True) == "b"``;
-    with separate pools a block id names a block of one group only, so
-    ``holder(1, 4, shared_pool=False)`` is None."""
+    Example: with ``b`` holding ``((3, 4),)`` and the allocating request ``a``,
+    ``OtherTables(state, "a").holder(0, 4) == "b"``."""
 
-    def __init__(self, tables: dict[str, BlockIds] | None = None) -> None:
-        super().__init__(tables or {})
-        self._first: dict[tuple[int, int], str] | None = None
-        self._shared: bool | None = None
+    def __init__(self, state: CheckState, request_id: str) -> None:
+        self._state = state
+        self._request_id = request_id
+        self._tables: dict[str, BlockIds] | None = None
 
-    def holder(self, group_id: int, block_id: int, shared_pool: bool) -> str | None:
-        """The first request (in table order) holding ``block_id``: in any group of
-        its table with one shared pool, in group ``group_id`` with separate pools."""
-        if self._first is None or self._shared != shared_pool:
-            first: dict[tuple[int, int], str] = {}
-            for rid, table in self.items():
-                for g, row in enumerate(table):
-                    for b in row:
-                        first.setdefault((-1 if shared_pool else g, b), rid)
-            self._first, self._shared = first, shared_pool
-        return self._first.get((-1 if shared_pool else group_id, block_id))
+    def _read(self) -> dict[str, BlockIds]:
+        if self._tables is None:
+            self._tables = {o: t for o, t in self._state.tables().items() if o != self._request_id}
+        return self._tables
+
+    def __getitem__(self, request_id: str) -> BlockIds:
+        return self._read()[request_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+    def holder(self, group_id: int, block_id: int) -> str | None:
+        """Another request holding ``block_id`` (any group of its table with one shared
+        pool, group ``group_id`` with separate pools), or None. With per-call reads (the
+        small tier) every table is read again first."""
+        if self._state.per_call_reads:
+            self._read()
+        return self._state.holder(group_id, block_id, self._request_id)
 
 
 @dataclass(frozen=True)
@@ -238,7 +289,7 @@ class ExternalLoadEvent:
     table: BlockIds
     start: int
     end: int
-    others: dict[str, BlockIds]
+    others: OtherTables
 
 
 @dataclass(frozen=True)

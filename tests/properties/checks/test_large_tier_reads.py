@@ -11,7 +11,7 @@ from properties.checks.checker import Checker
 from properties.checks.lockstep import LockstepEngine
 from properties.checks.oracles import ShadowCache, content_bound_longest_hit, extend_prefix_ids
 from properties.checks.registry import CHECKS, PropertyViolation, disabled_all_but
-from properties.checks.state import OtherTables
+from properties.checks.state import CheckState, OtherTables, TrackedRequest
 from properties.core.engine import CacheHit
 from properties.core.trace import Arrive, Step
 from properties.engines.reference import ReferenceEngine
@@ -21,6 +21,14 @@ from reference.specs import FullAttentionSpec, MambaSpec
 
 LAYOUT = KVCacheLayout(
     groups=(KVCacheGroup(("l0",), FullAttentionSpec(block_size=4)),),
+    num_blocks=16,
+    max_model_len=32,
+)
+LAYOUT2 = KVCacheLayout(
+    groups=(
+        KVCacheGroup(("l0",), FullAttentionSpec(block_size=4)),
+        KVCacheGroup(("l1",), FullAttentionSpec(block_size=4)),
+    ),
     num_blocks=16,
     max_model_len=32,
 )
@@ -144,10 +152,47 @@ def test_content_bound_of_a_mamba_group_reads_the_state_slot() -> None:
     assert content_bound_longest_hit(layout, shadow, ids, 8, 4) == 8
 
 
-def test_other_tables_name_the_first_holder() -> None:
-    others = OtherTables({"b": ((3, 4), (5,)), "c": ((4,), (6,))})
-    assert others.holder(0, 4, shared_pool=True) == "b"
-    assert others.holder(1, 3, shared_pool=True) == "b"  # one pool: any group
-    assert others.holder(1, 3, shared_pool=False) is None  # separate pools: group 1 only
-    assert others.holder(1, 6, shared_pool=False) == "c"
-    assert OtherTables().holder(0, 4, shared_pool=True) is None
+class TablesOnly:
+    """An engine that only answers tables (``tables``: request id -> table)."""
+
+    def __init__(self, tables: dict) -> None:
+        self.tables = tables
+
+    def num_free_blocks(self) -> int:
+        return 10
+
+    def get_block_ids(self, request_id: str):
+        return self.tables[request_id]
+
+
+def _holding(engine: TablesOnly, shared_pool: bool = True) -> CheckState:
+    engine.separate_group_pools = not shared_pool
+    state = CheckState(engine, LAYOUT2)
+    for rid in engine.tables:
+        state.requests[rid] = TrackedRequest(rid, [1], None, None, holds_blocks=True)
+    return state
+
+
+def test_other_tables_name_a_holder_from_the_index() -> None:
+    engine = TablesOnly({"a": ((1, 2), (9,)), "b": ((3, 4), (5,)), "c": ((4,), (6,))})
+    state = _holding(engine)
+    others = OtherTables(state, "a")
+    assert sorted(others) == ["b", "c"] and others["b"] == ((3, 4), (5,))
+    assert others.holder(0, 4) == "b"  # b was read before c
+    assert others.holder(1, 3) == "b"  # one pool: any group
+    assert others.holder(0, 1) is None  # a's own block
+    state.requests["b"].holds_blocks = False  # freed: no longer a holder
+    assert others.holder(0, 4) == "c" and others.holder(0, 3) is None
+    state.forget("c")
+    assert others.holder(0, 4) is None
+
+
+def test_the_index_follows_a_table_read_again() -> None:
+    engine = TablesOnly({"a": ((1,), (2,)), "b": ((3,), (4,))})
+    state = _holding(engine, shared_pool=False)
+    assert OtherTables(state, "a").holder(1, 4) == "b"
+    assert OtherTables(state, "a").holder(1, 3) is None  # separate pools: group 1 only
+    engine.tables["b"] = ((3,), (7,))  # b's SWA block 4 freed, 7 taken
+    state.invalidate(["b"])
+    assert OtherTables(state, "a").holder(1, 4) is None
+    assert OtherTables(state, "a").holder(1, 7) == "b"
