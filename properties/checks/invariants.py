@@ -307,13 +307,7 @@ def pulled_blocks(state: CheckState, event: AllocateEvent) -> list[tuple[int, in
     if not candidates:
         return []
     rid = event.request.request_id
-    held: set = set()
-    for other, table in state.tables().items():
-        if other == rid:
-            continue
-        for gid, row in enumerate(table):
-            held.update(row if state.shared_pool else ((gid, b) for b in row))
-    return [c for c in candidates if (c[2] if state.shared_pool else (c[0], c[2])) not in held]
+    return [c for c in candidates if state.holder(c[0], c[2], rid) is None]
 
 
 def estimate_matches_pulls(state: CheckState, event: AllocateEvent) -> str | None:

@@ -189,7 +189,11 @@ class CheckState:
         """A request other than ``other_than`` that holds blocks and whose table, as last
         read, has ``block_id`` (in group ``group_id`` with separate pools), or None.
         Example: ``a`` read as ``((3, 4),)`` and holding blocks: ``holder(0, 4, "b")
-        == "a"``, ``holder(0, 4, "a") is None``."""
+        == "a"``, ``holder(0, 4, "a") is None``. With per-call reads (the small tier)
+        every table is read again first; at the large tiers the index holds each table
+        as the last call naming its request left it (:meth:`invalidate`)."""
+        if self.per_call_reads:
+            self.tables()
         key = (-1 if self.shared_pool else group_id, block_id)
         for rid in self._holders.get(key, ()):
             tracked = self.requests.get(rid)
@@ -254,10 +258,7 @@ class OtherTables(Mapping[str, BlockIds]):
 
     def holder(self, group_id: int, block_id: int) -> str | None:
         """Another request holding ``block_id`` (any group of its table with one shared
-        pool, group ``group_id`` with separate pools), or None. With per-call reads (the
-        small tier) every table is read again first."""
-        if self._state.per_call_reads:
-            self._read()
+        pool, group ``group_id`` with separate pools), or None."""
         return self._state.holder(group_id, block_id, self._request_id)
 
 

@@ -5,14 +5,12 @@ with expected values derived by hand."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from properties.checks import invariants as inv
 from properties.checks.answers import AnswerError, check_estimate
 from properties.checks.registry import PropertyViolation
-from properties.checks.state import AllocateEvent, TrackedRequest
+from properties.checks.state import AllocateEvent, CheckState, TrackedRequest
 from properties.core.engine import ReportsAllocationEstimate, RequestInput
 from properties.core.modes import SYNC, ServingMode
 from properties.core.trace import Arrive, Step
@@ -47,9 +45,26 @@ SWA = KVCacheLayout(
 )
 
 
-def _state(layout, tables):
-    """What the check functions read: the layout, one shared pool, every table."""
-    return SimpleNamespace(layout=layout, shared_pool=True, tables=lambda: dict(tables))
+class _TablesOnly:
+    """An engine that answers only its requests' tables."""
+
+    def __init__(self, tables) -> None:
+        self.tables = dict(tables)
+
+    def num_free_blocks(self) -> int:
+        return 0
+
+    def get_block_ids(self, request_id: str):
+        return self.tables[request_id]
+
+
+def _state(layout, tables) -> CheckState:
+    """What the check functions read: the layout, one shared pool, every table (each
+    request holding blocks)."""
+    state = CheckState(_TablesOnly(tables), layout)
+    for rid in tables:
+        state.requests[rid] = TrackedRequest(rid, [], None, None, holds_blocks=True)
+    return state
 
 
 def _event(table, before=None, slots=0, main=0, estimate=None, rid="a", max_model_len=64):

@@ -183,7 +183,8 @@ def test_other_tables_name_a_holder_from_the_index() -> None:
     assert others.holder(0, 1) is None  # a's own block
     state.requests["b"].holds_blocks = False  # freed: no longer a holder
     assert others.holder(0, 4) == "c" and others.holder(0, 3) is None
-    state.forget("c")
+    state.forget("c")  # removed (Checker.on_remove)
+    del state.requests["c"]
     assert others.holder(0, 4) is None
 
 
