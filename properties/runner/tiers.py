@@ -8,8 +8,12 @@ and pool pressure switched on independently; the production settings on top for 
 ``production`` property), a swarm serving mode (:func:`kvst.swarm_modes`; the attention
 property draws a connector mode, as its machine does) and a bulk trace
 (:func:`kvst.tier_operations`: thousands of requests, a few dozen big steps). The O(pool)
-checks run at step boundaries there (``Checker.check_every_call = False``), every other
-check after every call. ``determinism`` runs each trace twice and compares the calls.
+checks and reads leave the per-call path there (``TraceRun(..., at_boundaries=True)``):
+the pool checks and the free-queue comparison run at step boundaries, a call's snapshot
+holds the free counts only, a call reads again only the table of the request it names
+(every table at the boundary), and H3 reads the cached blocks only when the shadow's
+contents allow a longer hit; every other check runs after every call. ``determinism``
+runs each trace twice and compares the calls.
 
 Worked example::
 
