@@ -77,6 +77,7 @@ class Checker:
         active = self.active_checks()
         #: the shadow of block contents is kept only for the invariants that read it
         self._shadowed = bool(active)
+        self.state.index_holders = bool(active)
         #: the checks that compare ref counts or the free queue before and after a call
         self._full_snapshots = any(name in _SNAPSHOT_READERS for name in active)
         self.check_every_call = True

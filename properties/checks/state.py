@@ -98,6 +98,8 @@ class CheckState:
         #: read, and index key -> the requests whose last read table has it
         self._known: dict[str, BlockIds] = {}
         self._holders: dict[tuple[int, int], dict[str, None]] = {}
+        #: keep that index (off when no check asks :meth:`holder`: a lockstep-only run)
+        self.index_holders = True
         #: read every table again after every call (the small tier); off at the large
         #: tiers (:meth:`invalidate`), set through ``Checker.check_every_call``
         self.per_call_reads = True
@@ -164,7 +166,8 @@ class CheckState:
         if table is None:
             table = tuple(tuple(g) for g in self.engine.get_block_ids(request_id))
             self._tables[request_id] = table
-            self._index(request_id, table)
+            if self.index_holders:
+                self._index(request_id, table)
         return table
 
     def _keys(self, table: BlockIds) -> set[tuple[int, int]]:
