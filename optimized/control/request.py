@@ -70,21 +70,32 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def append_token(self, token: int) -> None:
+        """Append one decoded token (a decode step's commit); hash the block it completes.
+
+        Example: ``H = 4``, 7 tokens, 1 hash: appending a token makes 8 tokens, 2 hashes.
+        """
+        n = self.num_tokens
+        if n >= self._tokens.size:
+            self.append_output_token_ids((token,))
+            return
+        self._tokens[n] = token
+        n += 1
+        self.num_tokens = n
+        if n % self.hash_block_size == 0:
+            extend_block_hashes(
+                self.block_hashes,
+                self._tokens,
+                n,
+                self.hash_block_size,
+                self.cache_salt,
+                self.lora_name,
+            )
+
     def append_output_token_ids(self, token_ids: Sequence[int]) -> None:
         """Append decoded tokens and hash every block they complete."""
         if len(token_ids) == 1 and self.num_tokens < self._tokens.size:
-            # decode: one token, room in the array; hash only when it completes a block
-            self._tokens[self.num_tokens] = token_ids[0]
-            self.num_tokens += 1
-            if self.num_tokens % self.hash_block_size == 0:
-                extend_block_hashes(
-                    self.block_hashes,
-                    self._tokens,
-                    self.num_tokens,
-                    self.hash_block_size,
-                    self.cache_salt,
-                    self.lora_name,
-                )
+            self.append_token(token_ids[0])
             return
         new = np.asarray(token_ids, dtype=TOKEN_DTYPE).reshape(-1)
         end = self.num_tokens + new.size

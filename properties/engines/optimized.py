@@ -80,7 +80,7 @@ class OptimizedEngine(ManagerEngine):
             if num_computed_tokens == 0:
                 req.status = preempted
             if token is not None:
-                req.append_output_token_ids((token,))
+                req.append_token(token)
 
     def new_step(self) -> None:
         self.manager.new_step_starts()
