@@ -100,7 +100,10 @@ class Request:
         new = np.asarray(token_ids, dtype=TOKEN_DTYPE).reshape(-1)
         end = self.num_tokens + new.size
         if end > self._tokens.size:
-            grown = np.empty(max(end, 2 * self._tokens.size), dtype=TOKEN_DTYPE)
+            # headroom of an eighth (at least 64 tokens): amortised O(1) appends without
+            # doubling a long prompt's array on its first output token
+            size = self._tokens.size
+            grown = np.empty(max(end, size + max(64, size // 8)), dtype=TOKEN_DTYPE)
             grown[: self.num_tokens] = self._tokens[: self.num_tokens]
             self._tokens = grown
         self._tokens[self.num_tokens : end] = new
