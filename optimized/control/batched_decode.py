@@ -10,8 +10,10 @@ Per item the reference does, in order: free the blocks that left the window
 ``need <= free``, pop the new blocks from the front, cache the full blocks. Done for all
 items at once this gives the same state when
 
-* every freed block reaching ref count 0 is hashed (it goes to the back, never to the
-  front where a later pop would take it) and no block is freed twice in the step;
+* no block is freed twice in the step, and a block reaching ref count 0 unhashed (it goes
+  to the front, where a later pop would take it) only in a step with no pops: then each
+  free call's unhashed blocks are prepended in call order (the last call's end up first)
+  and the hashed ones appended;
 * the pops stay within the blocks free before the step (``sum(pops) <= free``), so they
   never reach a block appended by this step; then the queue ends as
   ``queue[pops:] + freed blocks in item order``;
@@ -75,36 +77,21 @@ def apply_decode_items(
             first_free[:, g] = lead
             last_free[:, g] = np.maximum(np.minimum(skipped_blocks, held), lead)
     # the freed blocks in the reference's order: item, group, tail first
-    freed_parts: list[np.ndarray] = []
+    freed, freed_item, freed_call = _freed_blocks(managers, rows, first_free, last_free)
     freed_per_item = np.zeros(m, dtype=np.int64)
-    has_frees = np.flatnonzero((last_free > first_free).any(axis=1))
-    for i in has_frees.tolist():
-        for g, mg in enumerate(managers):
-            a, b = int(first_free[i, g]), int(last_free[i, g])
-            if b > a:
-                part = mg.table[rows[i], a:b][::-1].astype(np.int64)
-                freed_parts.append(part[part != NULL_BLOCK_ID])
-    freed = np.concatenate(freed_parts) if freed_parts else np.zeros(0, dtype=np.int64)
-    zero = np.zeros(0, dtype=bool)
+    zero = front = np.zeros(0, dtype=bool)
     if freed.size:
-        if np.bincount(freed, minlength=pool.num_blocks).max() > 1:
+        ordered = np.sort(freed)  # (a bincount would cost the whole pool per step)
+        if (ordered[1:] == ordered[:-1]).any():
             return None  # a block shared by two requests: its last free decides its place
         after = pool.ref_cnt[freed] - 1
         if (after < 0).any():
             return None
         zero = after == 0
-        if (pool.block_group[freed[zero]] < 0).any():
-            return None
-        k = 0
-        for i in has_frees.tolist():
-            count = 0
-            for g in range(num_groups):
-                a, b = int(first_free[i, g]), int(last_free[i, g])
-                if b > a:
-                    seg = count_real_blocks(managers[g], int(rows[i]), a, b)
-                    count += int(zero[k : k + seg].sum())
-                    k += seg
-            freed_per_item[i] = count
+        front = zero & (pool.block_group[freed] < 0)
+        if front.any() and pops.any():
+            return None  # a later pop could take a block freed to the front this step
+        freed_per_item = np.bincount(freed_item[zero], minlength=m)
     pops_per_item = pops.sum(axis=1)
     free_before = pool.get_num_free_blocks()
     free_at_turn = (
@@ -115,15 +102,24 @@ def apply_decode_items(
     # -- apply: frees, pops, tables, caching -------------------------------------------
     if freed.size:
         pool.ref_cnt[freed] -= 1
-        for i in has_frees.tolist():
-            row = int(rows[i])
-            for g, mg in enumerate(managers):
-                a, b = int(first_free[i, g]), int(last_free[i, g])
-                if b > a:
-                    mg.table[row, a:b] = NULL_BLOCK_ID
-                    mg.num_leading_null[row] = b
-                    mg.dirty_rows[row] = True
-        pool.free_block_queue.append_n(freed[zero])
+        for g, mg in enumerate(managers):
+            idx = np.flatnonzero(last_free[:, g] > first_free[:, g])
+            if not idx.size:
+                continue
+            grow = rows[idx]
+            a, b = first_free[idx, g], last_free[idx, g]
+            if ((b - a) == 1).all():
+                mg.table[grow, a] = NULL_BLOCK_ID
+            else:
+                for row, lo, hi in zip(grow.tolist(), a.tolist(), b.tolist()):
+                    mg.table[row, lo:hi] = NULL_BLOCK_ID
+            mg.num_leading_null[grow] = b
+            mg.dirty_rows[grow] = True
+        queue = pool.free_block_queue
+        # each free call prepends its unhashed blocks: later calls end up nearer the front
+        if front.any():
+            queue.prepend_n(freed[front][np.argsort(-freed_call[front], kind="stable")])
+        queue.append_n(freed[zero & ~front])
     total_pops = int(pops_per_item.sum())
     popped = pool.get_new_blocks(total_pops) if total_pops else []
     results: list[list[list[int]]] = []
@@ -191,6 +187,34 @@ def apply_decode_item(
     return new_blocks
 
 
-def count_real_blocks(mg, row: int, a: int, b: int) -> int:
-    """How many non-null entries ``table[row, a:b]`` holds."""
-    return int(np.count_nonzero(mg.table[row, a:b]))
+def _freed_blocks(
+    managers, rows: np.ndarray, first_free: np.ndarray, last_free: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The blocks ``remove_skipped_blocks`` frees for every item, in the reference's call
+    order (item, then group, each group's span tail first, nulls skipped), with each
+    block's item and call index (``item * num_groups + group``). Item ``i`` frees
+    ``table[rows[i], first_free[i, g]:last_free[i, g]]`` in group ``g``. One array gather
+    per group when no span exceeds one block (a decode step's window move), else a walk.
+    Example: 2 items, 2 groups, spans ``[[0, 1], [1, 1]]`` of blocks ``[[-, 7], [5, 9]]``
+    -> blocks ``[7, 5, 9]``, items ``[0, 1, 1]``, calls ``[1, 2, 3]``."""
+    num_groups = len(managers)
+    span = last_free - first_free
+    if (span > 1).any():
+        parts: list[np.ndarray] = []
+        items: list[np.ndarray] = []
+        calls: list[np.ndarray] = []
+        for i, g in zip(*np.nonzero(span > 0)):
+            part = managers[g].table[rows[i], first_free[i, g] : last_free[i, g]][::-1]
+            part = part[part != NULL_BLOCK_ID].astype(np.int64)
+            parts.append(part)
+            items.append(np.full(part.size, i, dtype=np.int64))
+            calls.append(np.full(part.size, i * num_groups + g, dtype=np.int64))
+        return np.concatenate(parts), np.concatenate(items), np.concatenate(calls)
+    ii, gg = np.nonzero(span > 0)  # row-major: item order, then group order
+    blocks = np.zeros(ii.size, dtype=np.int64)
+    for g, mg in enumerate(managers):
+        sel = gg == g
+        if sel.any():
+            blocks[sel] = mg.table[rows[ii[sel]], first_free[ii[sel], g]]
+    real = blocks != NULL_BLOCK_ID
+    return blocks[real], ii[real], (ii * num_groups + gg)[real]

@@ -70,26 +70,40 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def append_token(self, token: int) -> None:
+        """Append one decoded token (a decode step's commit); hash the block it completes.
+
+        Example: ``H = 4``, 7 tokens, 1 hash: appending a token makes 8 tokens, 2 hashes.
+        """
+        n = self.num_tokens
+        if n >= self._tokens.size:
+            self.append_output_token_ids((token,))
+            return
+        self._tokens[n] = token
+        n += 1
+        self.num_tokens = n
+        if n % self.hash_block_size == 0:
+            extend_block_hashes(
+                self.block_hashes,
+                self._tokens,
+                n,
+                self.hash_block_size,
+                self.cache_salt,
+                self.lora_name,
+            )
+
     def append_output_token_ids(self, token_ids: Sequence[int]) -> None:
         """Append decoded tokens and hash every block they complete."""
         if len(token_ids) == 1 and self.num_tokens < self._tokens.size:
-            # decode: one token, room in the array; hash only when it completes a block
-            self._tokens[self.num_tokens] = token_ids[0]
-            self.num_tokens += 1
-            if self.num_tokens % self.hash_block_size == 0:
-                extend_block_hashes(
-                    self.block_hashes,
-                    self._tokens,
-                    self.num_tokens,
-                    self.hash_block_size,
-                    self.cache_salt,
-                    self.lora_name,
-                )
+            self.append_token(token_ids[0])
             return
         new = np.asarray(token_ids, dtype=TOKEN_DTYPE).reshape(-1)
         end = self.num_tokens + new.size
         if end > self._tokens.size:
-            grown = np.empty(max(end, 2 * self._tokens.size), dtype=TOKEN_DTYPE)
+            # headroom of an eighth (at least 64 tokens): amortised O(1) appends without
+            # doubling a long prompt's array on its first output token
+            size = self._tokens.size
+            grown = np.empty(max(end, size + max(64, size // 8)), dtype=TOKEN_DTYPE)
             grown[: self.num_tokens] = self._tokens[: self.num_tokens]
             self._tokens = grown
         self._tokens[self.num_tokens : end] = new

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from optimized.control.kv_cache_manager import ComputedBlocks, KVCacheManager, StepItem
+from optimized.control.kv_cache_manager import ComputedBlocks, KVCacheManager
 from optimized.control.request import Request
 from optimized.device.data_plane import DataPlane
 from properties.core.allocation import Allocation
@@ -80,7 +80,7 @@ class OptimizedEngine(ManagerEngine):
             if num_computed_tokens == 0:
                 req.status = preempted
             if token is not None:
-                req.append_output_token_ids((token,))
+                req.append_token(token)
 
     def new_step(self) -> None:
         self.manager.new_step_starts()
@@ -116,12 +116,15 @@ class OptimizedEngine(ManagerEngine):
     def schedule_step(self, items: Sequence[SlotRequest]) -> list[BlockIds | None]:
         """The batched step
         (:meth:`optimized.control.kv_cache_manager.KVCacheManager.schedule_step`)."""
-        step = [
-            StepItem(self._request(i.request_id), i.num_new_tokens, 0, None, i.num_lookahead_tokens)
-            for i in items
-        ]
+        requests = self.requests
         try:
-            results = self.manager.schedule_step(step)
+            step = [requests[i.request_id] for i in items]
+        except KeyError:  # the unknown id's error, from the per-request lookup
+            step = [self._request(i.request_id) for i in items]
+        try:
+            results = self.manager.schedule_columns(
+                step, [i.num_new_tokens for i in items], [i.num_lookahead_tokens for i in items]
+            )
         except KVConformError as exc:
             raise EngineError(f"optimized: schedule_step: {exc}") from exc
         empty = self.manager.no_new_blocks

@@ -180,7 +180,7 @@ class SingleTypeKVCacheManager(ManagerBase):
             request.block_hashes, request.hash_block_size, self.block_size
         )
         self.block_pool.cache_full_blocks(
-            self.table[row, num_cached:num_full].tolist(),
+            self.table[row, num_cached:num_full],
             hashes[num_cached:num_full],
             self.group_id,
             num_cached,

@@ -1,0 +1,116 @@
+"""The batched control plane, hand-valued: ``schedule_columns`` (the step as columns), the
+vectorised decode apply with window frees to the front (no pops in the step) and its
+fallback to the per-item path (a pop after a front free), and the free queue's run pops.
+
+Queue values follow the reference rule (:mod:`reference.block_pool`): a block reaching ref
+count 0 unhashed goes to the front, each free call before the earlier ones; pops take the
+front."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import optimized.control.kv_cache_manager as kvm
+from optimized.control.block_pool import FreeBlockQueue
+from optimized.control.kv_cache_manager import KVCacheManager, StepBatch, StepItem
+from reference.errors import InvalidRequestError
+from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.specs import SlidingWindowSpec
+
+
+def _swa_manager() -> KVCacheManager:
+    """One sliding group (bs 4, w 4), no prefix cache: freed blocks go to the front."""
+    group = KVCacheGroup(("s",), SlidingWindowSpec(block_size=4, sliding_window=4))
+    layout = KVCacheLayout((group,), num_blocks=20, max_model_len=64, enable_caching=False)
+    manager = KVCacheManager(layout, max_num_reqs=4)
+    manager.min_batched_apply = 0  # every working decode item through apply_decode_items
+    return manager
+
+
+def _prefilled(manager: KVCacheManager, lengths: list[int]):
+    """Requests of ``lengths`` prompt tokens, prefilled in order and given one output."""
+    reqs = []
+    for i, n in enumerate(lengths):
+        req = manager.make_request(f"r{i}", list(range(100 * i, 100 * i + n)))
+        assert manager.allocate_slots(req, n) is not None
+        req.num_computed_tokens = n
+        req.append_token(7)
+        reqs.append(req)
+    return reqs
+
+
+def test_window_frees_to_the_front_in_one_batched_pass(monkeypatch) -> None:
+    manager = _swa_manager()
+    r0, r1 = _prefilled(manager, [7, 7])  # r0 holds [1, 2], r1 [3, 4]
+    assert manager.get_block_ids("r0") == ((1, 2),)
+    assert manager.get_block_ids("r1") == ((3, 4),)
+
+    def per_item(*args, **kwargs):
+        raise AssertionError("the per-item path ran")
+
+    monkeypatch.setattr(kvm, "apply_decode_item", per_item)
+    monkeypatch.setattr(manager, "allocate_slots", per_item)
+    # total 7, w 4: 4 tokens skipped -> block 0 of each row leaves; 8 slots: no new block
+    out = manager.schedule_columns([r0, r1], [1, 1], [0, 0])
+    assert out == [[[]], [[]]]
+    assert manager.get_block_ids("r0") == ((0, 2),)
+    assert manager.get_block_ids("r1") == ((0, 4),)
+    # r0's free call puts 1 first, r1's then puts 3 before it
+    assert manager.block_pool.free_block_queue.block_ids() == [3, 1, *range(5, 20)]
+    assert manager.block_pool.ref_cnt[[1, 2, 3, 4]].tolist() == [0, 1, 0, 1]
+
+
+def test_a_pop_after_a_front_free_falls_back_to_the_item_path(monkeypatch) -> None:
+    manager = _swa_manager()
+    r0, r1 = _prefilled(manager, [7, 8])  # r0 holds [1, 2], r1 [3, 4]
+    calls: list[object] = []
+    batched = kvm.apply_decode_items
+
+    def spy(*args):
+        result = batched(*args)
+        calls.append(result)
+        return result
+
+    monkeypatch.setattr(kvm, "apply_decode_items", spy)
+    # r0 frees 1 (front); r1 frees 3 (front, before 1), then needs a block for slot 9:
+    # the reference pops 3 again
+    out = manager.schedule_columns([r0, r1], [1, 1], [0, 0])
+    assert calls == [None]  # the batched pass refused, nothing changed, items one by one
+    assert [list(map(list, r)) for r in out] == [[[]], [[3]]]
+    assert manager.get_block_ids("r1") == ((0, 4, 3),)
+    assert manager.block_pool.free_block_queue.block_ids() == [1, *range(5, 20)]
+
+
+def test_schedule_columns_is_schedule_step_of_the_same_items() -> None:
+    a, b = _swa_manager(), _swa_manager()
+    ra, rb = _prefilled(a, [7, 8]), _prefilled(b, [7, 8])
+    out_a = a.schedule_columns(ra, [1, 1], [0, 2])
+    out_b = b.schedule_step([StepItem(r, 1, 0, None, k) for r, k in zip(rb, (0, 2))])
+    assert [list(map(list, r)) for r in out_a] == [list(map(list, r)) for r in out_b]
+    assert a.get_block_ids("r1") == b.get_block_ids("r1") == ((0, 4, 3),)
+    assert StepBatch(ra, [1, 1], [0, 2])[1] == StepItem(ra[1], 1, 0, None, 2)
+
+
+def test_schedule_columns_errors() -> None:
+    manager = _swa_manager()
+    r0, r1 = _prefilled(manager, [7, 7])
+    with pytest.raises(InvalidRequestError, match="columns of unequal lengths 2, 1, 2"):
+        manager.schedule_columns([r0, r1], [1], [0, 0])
+    with pytest.raises(InvalidRequestError, match="'r0' appears twice"):
+        manager.schedule_columns([r0, r0], [1, 1], [0, 0])
+    with pytest.raises(InvalidRequestError, match=r"computed 7 \+ hit 0 \+ new 2 exceeds"):
+        manager.schedule_columns([r0, r1], [1, 2], [0, 0])
+    assert manager.get_block_ids("r0") == ((1, 2),)  # nothing applied
+
+
+def test_free_queue_pops_ascending_and_descending_runs() -> None:
+    queue = FreeBlockQueue(40)
+    assert queue.popleft_n(1) == [0]
+    assert queue.popleft_n(30) == list(range(1, 31))
+    queue.prepend_n(np.arange(30, 10, -1))  # a request's blocks back, tail first
+    want = [*range(30, 10, -1), *range(31, 40)]
+    assert queue.block_ids() == want
+    assert queue.popleft_n(25) == want[:25]
+    assert queue.block_ids() == want[25:]
+    assert queue.num_free_blocks == 4
