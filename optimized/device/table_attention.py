@@ -21,6 +21,7 @@ of those three values.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -138,5 +139,7 @@ def _attend(
         def score_mod(score, b, h, q_idx, kv_idx):
             return torch.where(mask[b, q_idx, kv_idx], score, -math.inf)
 
-        out = flex_attention(qt, kt, vt, score_mod=score_mod)
+        with warnings.catch_warnings():  # eager FlexAttention (no torch.compile) is intended
+            warnings.filterwarnings("ignore", message="flex_attention called without")
+            out = flex_attention(qt, kt, vt, score_mod=score_mod)
     return out.transpose(1, 2)
