@@ -163,3 +163,18 @@ def test_device_table_mirrors_the_control_plane_over_traces(recipe, seed: int) -
     # far less than re-uploading every table at every step
     assert 0 < moved < steps * slots * width * len(before) // 4, (moved, steps)
     assert steps > 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_device_table_mirrors_the_control_plane() -> None:
+    trace = _small_trace(PREFIX_HEAVY, 5)
+    engine = make_engine(trace.layout)
+    scheduler = Scheduler(engine, trace.layout)
+    source = table_source(engine.manager)
+    tables = DeviceBlockTables(source, torch.device("cuda"))
+    for op in trace.operations:
+        scheduler.apply(op)
+        if isinstance(op, Step):
+            tables.sync()
+            assert_mirrors(tables, source)
