@@ -167,12 +167,22 @@ def test_device_table_mirrors_the_control_plane_over_traces(recipe, seed: int) -
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_device_table_mirrors_the_control_plane() -> None:
+@pytest.mark.parametrize("kernels", ["torch", "nvrtc"])
+def test_cuda_device_table_mirrors_the_control_plane(kernels: str) -> None:
+    device = torch.device("cuda")
+    loaded = None
+    if kernels == "nvrtc":
+        from optimized.device.nvrtc_kernels import CudaKernels, NvrtcUnavailableError
+
+        try:
+            loaded = CudaKernels(device)
+        except NvrtcUnavailableError as exc:
+            pytest.skip(f"NVRTC unavailable: {exc}")
     trace = _small_trace(PREFIX_HEAVY, 5)
     engine = make_engine(trace.layout)
     scheduler = Scheduler(engine, trace.layout)
     source = table_source(engine.manager)
-    tables = DeviceBlockTables(source, torch.device("cuda"))
+    tables = DeviceBlockTables(source, device, loaded)
     for op in trace.operations:
         scheduler.apply(op)
         if isinstance(op, Step):
