@@ -84,30 +84,34 @@ def table_attention(
     num_req = len(live)
     num_cols = max(e - f for f, e in zip(first_cols, end_cols))
     num_q = max(counts[i] for i in live)
-    live_counts = torch.tensor([counts[i] for i in live], device=device)
-    c0 = torch.tensor(first_cols, device=device)
+    # two host -> device copies per call: per request (slot, c0, c1, count), per token
+    # (position, first visible key)
+    per_req = torch.tensor(
+        [[slots[i] for i in live], first_cols, end_cols, [counts[i] for i in live]]
+    ).to(device)
+    slot_t, c0, c1, live_counts = per_req
+    positions = [starts[i] + k for i in live for k in range(counts[i])]
+    per_tok = torch.tensor([positions, [first_visible_key(spec, p) for p in positions]])
+    tok_pos, tok_first = per_tok.to(device)
     col = c0[:, None] + torch.arange(num_cols, device=device)[None, :]
-    inside = col < torch.tensor(end_cols, device=device)[:, None]
-    slot_t = torch.tensor([slots[i] for i in live], device=device)
+    inside = col < c1[:, None]
     blocks = table[slot_t[:, None], col.clamp(max=table.shape[1] - 1)].to(torch.int64)
     blocks = torch.where(inside, blocks, torch.zeros_like(blocks))  # padding reads null
     keys = cache.key[blocks].reshape(num_req, num_cols * bs, heads, dim)
     values = cache.value[blocks].reshape(num_req, num_cols * bs, heads, dim)
     key_pos = c0[:, None] * bs + torch.arange(num_cols * bs, device=device)[None, :]
     # per token: its request (among the live ones) and its offset in the request
-    req_of = torch.repeat_interleave(torch.arange(num_req, device=device), live_counts)
+    # (output_size given: no device -> host sync on CUDA)
+    req_of = torch.repeat_interleave(
+        torch.arange(num_req, device=device), live_counts, output_size=total
+    )
     offset = torch.arange(total, device=device) - torch.repeat_interleave(
-        torch.cumsum(live_counts, 0) - live_counts, live_counts
+        torch.cumsum(live_counts, 0) - live_counts, live_counts, output_size=total
     )
     q_pos = torch.full((num_req, num_q), -1, dtype=torch.int64, device=device)
-    q_pos[req_of, offset] = torch.tensor(
-        [starts[i] + k for i in live for k in range(counts[i])], device=device
-    )
+    q_pos[req_of, offset] = tok_pos
     q_first = torch.zeros((num_req, num_q), dtype=torch.int64, device=device)
-    q_first[req_of, offset] = torch.tensor(
-        [first_visible_key(spec, starts[i] + k) for i in live for k in range(counts[i])],
-        device=device,
-    )
+    q_first[req_of, offset] = tok_first
     mask = (key_pos[:, None, :] <= q_pos[:, :, None]) & (key_pos[:, None, :] >= q_first[:, :, None])
     # keys no query sees (the head of the first block, padding, stale pages) are zeroed:
     # unwritten pages are NaN and NaN * 0 would leak through the product
