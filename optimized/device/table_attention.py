@@ -115,10 +115,9 @@ def table_attention(
     mask = (key_pos[:, None, :] <= q_pos[:, :, None]) & (key_pos[:, None, :] >= q_first[:, :, None])
     # keys no query sees (the head of the first block, padding, stale pages) are zeroed:
     # unwritten pages are NaN and NaN * 0 would leak through the product
-    used = mask.any(dim=1)[:, :, None, None]
-    zero = torch.zeros((), dtype=keys.dtype, device=device)
-    keys = torch.where(used, keys, zero)
-    values = torch.where(used, values, zero)
+    unused = ~mask.any(dim=1)[:, :, None, None]
+    keys.masked_fill_(unused, 0)  # in place: the gather made fresh tensors
+    values.masked_fill_(unused, 0)
     padded = torch.zeros((num_req, num_q, heads, dim), dtype=keys.dtype, device=device)
     padded[req_of, offset] = queries.to(device=device, dtype=keys.dtype)
     out = _attend(padded, keys, values, mask, backend)
