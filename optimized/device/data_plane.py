@@ -1,11 +1,13 @@
 """The device data plane of the optimized engine: caches, device tables, writes, attention.
 
-Per step (:meth:`DataPlane.begin_step` first uploads the changed block-table rows):
+Per step (:meth:`DataPlane.begin_step` first uploads the block-table entries the control
+plane changed, :class:`optimized.device.device_tables.DeviceBlockTables`):
 
 * attention groups: :meth:`DataPlane.attention` maps every scheduled token to its slot
   through the group's **device** table (:func:`optimized.device.slot_mapping.slot_mapping`),
   writes K/V into the group's paged cache through those slots, and attends each request's
-  queries through the same device rows (:func:`paged.paged_attention.paged_attention`);
+  queries through the same device table, gathered on the device
+  (:func:`optimized.device.table_attention.table_attention`);
 * Mamba groups: :meth:`DataPlane.read_state` / :meth:`DataPlane.write_state` address the
   state page in column ``cdiv(n, bs) - 1`` of the device row.
 
@@ -22,7 +24,8 @@ import torch
 
 from optimized.device.device_tables import DeviceBlockTables
 from optimized.device.slot_mapping import slot_mapping, step_positions
-from paged.paged_attention import RequestQueries, paged_attention
+from optimized.device.table_attention import table_attention
+from optimized.device.table_source import table_source
 from paged.paged_cache import CacheShape, PagedKVCache, PagedStateCache
 from reference.errors import KVConformError
 from reference.specs import AttentionSpec, MambaSpec, cdiv
@@ -33,7 +36,12 @@ class DataPlaneError(KVConformError):
 
 
 class DataPlane:
-    """Paged caches and device block tables for every group of a manager's layout."""
+    """Paged caches and device block tables for every group of a manager's layout.
+
+    The manager's tables are read through :func:`optimized.device.table_source.table_source`
+    (``manager.layout`` names the groups)."""
+
+    tables_cls = DeviceBlockTables
 
     def __init__(
         self,
@@ -54,7 +62,7 @@ class DataPlane:
         self.layout = manager.layout
         self.device = torch.device(device)
         self.backend = backend
-        self.tables = DeviceBlockTables(manager.coordinator.managers, self.device)
+        self.source = table_source(manager)
         self.caches: list[PagedKVCache | PagedStateCache] = []
         for g in self.layout.groups:
             if isinstance(g.spec, MambaSpec):
@@ -80,13 +88,14 @@ class DataPlane:
                     raise
         elif kernels == "nvrtc":
             raise DataPlaneError("kernels='nvrtc' needs a float32 cache on a CUDA device")
+        self.tables = self.tables_cls(self.source, self.device, self.kernels)
 
     def begin_step(self) -> int:
-        """Upload the rows the manager changed since the last step (delta)."""
+        """Upload the table entries the manager changed since the last step; how many."""
         return self.tables.sync()
 
     def _row(self, request_id: str) -> int:
-        row = self.manager.coordinator.row_of.get(request_id)
+        row = self.source.slot_of(request_id)
         if row is None:
             raise DataPlaneError(f"data plane: request {request_id!r} holds no row")
         return row
@@ -122,13 +131,13 @@ class DataPlane:
                 )
             else:
                 cache.write(slots, keys.to(self.device), values.to(self.device))
-        bs = spec.block_size
-        requests = []
-        for row, start, count, q in zip(rows, starts, counts, queries):
-            end_col = cdiv(start + count, bs)
-            device_row = tuple(table[row, :end_col].tolist()) if count else ()
-            requests.append(RequestQueries(device_row, tuple(range(start, start + count)), q))
-        return paged_attention(cache, spec, requests, backend=self.backend)
+        flat = [q for q in queries if q.shape[0]]
+        shape = (0, cache.shape.num_kv_heads, cache.shape.head_size)
+        queries_t = torch.cat(flat) if flat else torch.zeros(shape, dtype=cache.key.dtype)
+        out = table_attention(
+            cache, spec, table, rows, starts, counts, queries_t, backend=self.backend
+        )
+        return list(torch.split(out, list(counts)))
 
     def slot_mapping(
         self, table: torch.Tensor, token_rows: torch.Tensor, positions: torch.Tensor, bs: int

@@ -1,9 +1,12 @@
 """CUDA kernels of the data plane, compiled at run time with NVRTC (``cuda-python``).
 
-Two kernels, each the rule of its torch twin:
+Three kernels, each the rule of its torch twin:
 
 * ``slot_mapping``: ``slots[i] = table[rows[i], pos[i] / bs] * bs + pos[i] % bs``
-  (:func:`optimized.device.slot_mapping.slot_mapping`); one thread per token.
+  (:func:`optimized.device.slot_mapping.slot_mapping`); one thread per token. ``table`` may
+  be a group's view of the 3-D device table (row stride given, columns contiguous).
+* ``table_update``: ``table[s, g, c] = b`` for each packed ``(s, g, c, b)`` entry of a sync
+  (:meth:`optimized.device.device_tables.DeviceBlockTables.sync`); one thread per entry.
 * ``kv_write``: ``key_cache[slots[i], e] = key[i, e]`` and the same for values, slots
   ``-1`` skipped (:meth:`paged.paged_cache.PagedKVCache.write`, without its checks,
   which the caller runs first); one thread per (token, element).
@@ -23,7 +26,7 @@ import torch
 
 from reference.errors import KVConformError
 
-KERNEL_NAMES = ("slot_mapping", "kv_write")
+KERNEL_NAMES = ("slot_mapping", "kv_write", "table_update")
 
 KERNEL_SOURCE = r"""
 extern "C" __global__ void slot_mapping(
@@ -36,6 +39,18 @@ extern "C" __global__ void slot_mapping(
     long long pos = positions[i];
     long long block = table[rows[i] * table_stride + pos / block_size];
     slots[i] = block * block_size + pos % block_size;
+}
+
+extern "C" __global__ void table_update(
+    int* __restrict__ table, long long slot_stride, long long group_stride,
+    const long long* __restrict__ packed, int num_entries)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= num_entries) return;
+    long long slot = packed[i];
+    long long group = packed[num_entries + i];
+    long long col = packed[2 * num_entries + i];
+    table[slot * slot_stride + group * group_stride + col] = (int)packed[3 * num_entries + i];
 }
 
 extern "C" __global__ void kv_write(
@@ -136,7 +151,8 @@ class CudaKernels:
     def slot_mapping(
         self, table: torch.Tensor, token_rows: torch.Tensor, positions: torch.Tensor, bs: int
     ) -> torch.Tensor:
-        table = table.contiguous()
+        if table.stride(1) != 1:
+            table = table.contiguous()
         rows = token_rows.to(torch.int64).contiguous()
         pos = positions.to(torch.int64).contiguous()
         slots = torch.empty_like(pos)
@@ -164,6 +180,20 @@ class CudaKernels:
             ),
         )
         return slots
+
+    def table_update(self, table: torch.Tensor, packed: torch.Tensor) -> None:
+        """``table[s, g, c] = b`` for each column ``(s, g, c, b)`` of ``packed``
+        (int64 ``[4, n]``); ``table`` is the contiguous int32 3-D device table."""
+        if table.dtype != torch.int32 or table.stride(2) != 1:
+            raise KVConformError("table_update needs an int32 table with contiguous columns")
+        packed = packed.to(device=table.device, dtype=torch.int64).contiguous()
+        n = packed.shape[1]
+        self._launch(
+            "table_update",
+            n,
+            (table.data_ptr(), table.stride(0), table.stride(1), packed.data_ptr(), n),
+            (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int),
+        )
 
     def kv_write(
         self,

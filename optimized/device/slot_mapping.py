@@ -19,16 +19,15 @@ def step_positions(
     rows: Sequence[int], starts: Sequence[int], counts: Sequence[int], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per scheduled token: its request's row and its position (int64, on ``device``)."""
-    counts_t = torch.tensor(list(counts), dtype=torch.int64, device=device)
     total = int(sum(counts))
-    token_rows = torch.repeat_interleave(
-        torch.tensor(list(rows), dtype=torch.int64, device=device), counts_t
-    )
-    first = torch.repeat_interleave(
-        torch.tensor(list(starts), dtype=torch.int64, device=device), counts_t
-    )
+    # one host -> device copy; output_size given, so no device -> host sync on CUDA
+    rows_t, starts_t, counts_t = torch.tensor(
+        [list(rows), list(starts), list(counts)], dtype=torch.int64
+    ).to(device)
+    token_rows = torch.repeat_interleave(rows_t, counts_t, output_size=total)
+    first = torch.repeat_interleave(starts_t, counts_t, output_size=total)
     offsets = torch.arange(total, device=device) - torch.repeat_interleave(
-        torch.cumsum(counts_t, 0) - counts_t, counts_t
+        torch.cumsum(counts_t, 0) - counts_t, counts_t, output_size=total
     )
     return token_rows, first + offsets
 

@@ -158,15 +158,13 @@ def make_free_queue_remove_unlinked(layout: KVCacheLayout) -> OptimizedMutantEng
 class SkippingDeviceTables(DeviceBlockTables):
     """The delta upload drops the last changed row when several rows changed."""
 
-    def dirty_rows(self, manager) -> np.ndarray:
-        rows = np.flatnonzero(manager.dirty_rows)
+    def dirty_rows(self, gid: int) -> np.ndarray:
+        rows = super().dirty_rows(gid)
         return rows[:-1] if rows.size > 1 else rows  # BUG: the last changed row is skipped
 
 
 class SkippingDataPlane(DataPlane):
-    def __init__(self, manager, **kwargs) -> None:
-        super().__init__(manager, **kwargs)
-        self.tables = SkippingDeviceTables(manager.coordinator.managers, self.device)
+    tables_cls = SkippingDeviceTables
 
 
 class _SkippingUploadEngine(OptimizedMutantEngine):

@@ -12,7 +12,7 @@
 * ``kvconform corpus export DIR`` / ``corpus run DIR --engine ... [--level]``: the
   conformance corpus (traces with the reference's expected results), replayed without
   Hypothesis (:mod:`properties.tools.corpus`, ``docs/corpus-format.md``).
-* ``kvconform bench suite|engines|attention``: speed figures.
+* ``kvconform bench suite|engines|attention|device``: speed figures.
 
 Exit codes (one table: :mod:`properties.core.outcome`): 0 passed, 1 a property failed,
 2 usage or configuration error (bad option or value, unknown preset, an adapter that
@@ -577,6 +577,10 @@ def _bench(args: argparse.Namespace, finished: list) -> int:
         )
         print(format_engine_bench(rows))
         return 1 if engine_mismatches(rows) else 0
+    elif args.what == "device":
+        from properties.tools.bench.device import run_device_bench
+
+        return run_device_bench(args.device or "cuda", args.sizes, args.context, args.threads)
     else:
         from properties.tools.bench.attention import bench_attention, format_bench
 
@@ -584,7 +588,7 @@ def _bench(args: argparse.Namespace, finished: list) -> int:
             print(
                 format_bench(
                     bench_attention(
-                        args.device, args.seed, backend=backend, num_threads=args.threads
+                        args.device or "cpu", args.seed, backend=backend, num_threads=args.threads
                     )
                 )
             )
@@ -787,10 +791,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_corpus)
 
     p = sub.add_parser("bench", help="speed figures")
-    p.add_argument("what", choices=("suite", "engines", "attention"))
+    p.add_argument("what", choices=("suite", "engines", "attention", "device"))
     p.add_argument("--profile", default=DEFAULT_PROFILE, choices=PROFILES)
     p.add_argument("--engines", nargs="*", default=["reference", "vllm"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default=None, help="attention: cpu (default); device: cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeat", type=int, default=1, help="engines: keep the fastest of N")
@@ -801,6 +805,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--memory", action="store_true", help="engines: also measure control-plane KiB/request"
     )
+    p.add_argument("--sizes", type=int, nargs="*", default=None, help="device: concurrencies")
+    p.add_argument("--context", type=int, default=2048, help="device: prompt tokens")
     verbose_arg(p)
     p.set_defaults(func=cmd_bench)
     return parser

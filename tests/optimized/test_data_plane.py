@@ -53,7 +53,7 @@ def _layout() -> KVCacheLayout:
     return KVCacheLayout(groups, num_blocks=400, max_model_len=64)
 
 
-def test_delta_upload_moves_only_changed_rows() -> None:
+def test_delta_upload_moves_only_changed_entries() -> None:
     manager = KVCacheManager(_layout(), max_num_reqs=4)
     plane = DataPlane(manager)
     reqs = [manager.make_request(f"r{i}", list(range(i, i + 5 + i))) for i in range(6)]
@@ -64,6 +64,7 @@ def test_delta_upload_moves_only_changed_rows() -> None:
     for gid, m in enumerate(manager.coordinator.managers):
         assert np.array_equal(plane.tables.tables[gid].numpy(), m.table)
     # a decode step where only some requests cross a block boundary
+    before = [m.table.copy() for m in manager.coordinator.managers]
     for r in reqs:
         r.append_output_token_ids([7])
     manager.schedule_step([StepItem(r, 1) for r in reqs])
@@ -75,9 +76,11 @@ def test_delta_upload_moves_only_changed_rows() -> None:
         manager.coordinator.row_of[r.request_id] for r in reqs if (r.num_tokens - 1) % 4 == 0
     }
     assert changed[0] == crossing  # full attention changes only on a new block
-    moved = plane.begin_step()
-    assert moved == sum(len(v) for v in changed.values())
-    assert moved < 6 * 4
+    moved = plane.begin_step()  # entries, not rows: only what differs from the last sync
+    assert moved == sum(
+        int(np.count_nonzero(m.table != b)) for m, b in zip(manager.coordinator.managers, before)
+    )
+    assert 0 < moved < 6 * 4
     for gid, m in enumerate(manager.coordinator.managers):
         assert np.array_equal(plane.tables.tables[gid].numpy(), m.table)
         assert not m.dirty_rows.any()

@@ -1,5 +1,5 @@
 """The NVRTC kernels: compiled on any machine with cuda-python (no GPU needed), and on
-CUDA compared with their torch twins (slot mapping, K/V write)."""
+CUDA compared with their torch twins (slot mapping, K/V write, table update)."""
 
 from __future__ import annotations
 
@@ -52,3 +52,28 @@ def test_cuda_kernels_match_torch() -> None:
     torch.cuda.synchronize()
     assert torch.equal(torch_cache.key.nan_to_num(7.0), nvrtc_cache.key.nan_to_num(7.0))
     assert torch.equal(torch_cache.value.nan_to_num(7.0), nvrtc_cache.value.nan_to_num(7.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_table_update_and_view_slot_mapping() -> None:
+    from optimized.device.nvrtc_kernels import CudaKernels
+
+    _ptx_or_skip()
+    device = torch.device("cuda")
+    kernels = CudaKernels(device)
+    table = torch.zeros((4, 2, 5), dtype=torch.int32, device=device)
+    # (slot, group, column, block): slot 3 group 1 gets blocks 8, 9; slot 0 group 0 block 4
+    packed = torch.tensor([[3, 3, 0], [1, 1, 0], [0, 1, 2], [8, 9, 4]], device=device)
+    kernels.table_update(table, packed)
+    torch.cuda.synchronize()
+    want = torch.zeros((4, 2, 5), dtype=torch.int32)
+    want[3, 1, :2] = torch.tensor([8, 9], dtype=torch.int32)
+    want[0, 0, 2] = 4
+    assert torch.equal(table.cpu(), want)
+    # the slot mapping reads a group's strided view of the 3-D table: bs 4, slot 3 of
+    # group 1, positions 1 and 6 -> 8 * 4 + 1 = 33 and 9 * 4 + 2 = 38
+    view = table[:, 1, :]
+    rows = torch.tensor([3, 3], device=device)
+    positions = torch.tensor([1, 6], device=device)
+    assert kernels.slot_mapping(view, rows, positions, 4).tolist() == [33, 38]
