@@ -134,6 +134,9 @@ class VLLMSchedulerHarness:
         self._accepted = accepted
         self._outputs: dict[str, tuple[int, ...]] = {}
         self._num_draft_tokens = num_draft_tokens
+        #: preempted by a trace operation since the last step (vLLM reports them with
+        #: the next step's preemptions; they are not the step's decisions)
+        self._external_preemptions: set[str] = set()
         self._mro = ModelRunnerOutput
         self._draft_ids = DraftTokenIds
         length = layout.max_model_len
@@ -232,6 +235,7 @@ class VLLMSchedulerHarness:
         if request is None or request not in self.scheduler.running:
             return
         self.scheduler.running.remove(request)
+        self._external_preemptions.add(request_id)
         _call("_preempt_request", (request_id,), self.scheduler._preempt_request, request, 0.0)
 
     def reset_prefix_cache(self) -> bool:
@@ -243,6 +247,7 @@ class VLLMSchedulerHarness:
         s = self.scheduler
         s.max_num_scheduled_tokens = token_budget
         before = {rid: r.num_computed_tokens for rid, r in s.requests.items()}
+        running_before = [r.request_id for r in s.running]
         out = _call("schedule", (token_budget,), s.schedule)
         order = [r.request_id for r in s.running if r.request_id in out.num_scheduled_tokens]
         missing = set(out.num_scheduled_tokens) - set(order)
@@ -260,7 +265,12 @@ class VLLMSchedulerHarness:
                 start = cached.num_computed_tokens[i] if rid in resumed else before[rid]
             n = out.num_scheduled_tokens[rid]
             decisions.append(ScheduledDecision(rid, start, n, len(spec.get(rid, ()))))
-        preempted = tuple(sorted(out.preempted_req_ids or ()))
+        # victims go newest first (vLLM's FCFS policy pops the running list's tail)
+        victims = set(out.preempted_req_ids or ()) - self._external_preemptions
+        self._external_preemptions.clear()
+        preempted = tuple(rid for rid in reversed(running_before) if rid in victims)
+        if len(preempted) != len(victims):
+            raise EngineError(f"vllm scheduler: preempted {sorted(victims)} not all running")
         sampled = [self._sampled(d) for d in decisions]
         output = self._mro(
             req_ids=order,
