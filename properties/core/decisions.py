@@ -25,12 +25,14 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ScheduledDecision:
     """One request's share of a step: ``num_tokens`` from ``start``, ``num_drafts`` of
-    them draft tokens."""
+    them draft tokens, ``num_accepted`` of those accepted."""
 
     request_id: str
     start: int
     num_tokens: int
     num_drafts: int = 0
+    #: drafts the step accepts (the model's verdict, the same on both sides)
+    num_accepted: int = 0
 
 
 @dataclass(frozen=True)

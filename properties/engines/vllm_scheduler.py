@@ -36,8 +36,9 @@ The model runner's output
 -------------------------
 For each scheduled request whose tokens reach its end, the sampled tokens are the
 trace's next output token, plus, after a decode with ``d`` drafts, the ``a`` accepted
-ones (``accepted(request_id, start, d)``, the caller's function: the same on both
-sides). A request with no output samples one token (vLLM samples after every prefill)
+ones (``accepted(request_id, start, d)``, the caller's function, at most the outputs
+left; 0 for the ``-1`` drafts vLLM pads a new 1-token request with); ``a`` goes into
+the step's decisions. A request with no output samples one token (vLLM samples after every prefill)
 and finishes, as kvconform's scheduler finishes it after its prefill.
 
 Trace operations: ``Arrive`` -> ``add_request``; ``Step`` -> ``schedule`` +
@@ -52,7 +53,7 @@ EAGLE, lookahead hashes), drafts with a Mamba group.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -263,8 +264,10 @@ class VLLMSchedulerHarness:
             if start is None:
                 i = cached.req_ids.index(rid)
                 start = cached.num_computed_tokens[i] if rid in resumed else before[rid]
+            drafts = spec.get(rid, ())
+            accepted = self._num_accepted(rid, start, drafts)
             n = out.num_scheduled_tokens[rid]
-            decisions.append(ScheduledDecision(rid, start, n, len(spec.get(rid, ()))))
+            decisions.append(ScheduledDecision(rid, start, n, len(drafts), accepted))
         # victims go newest first (vLLM's FCFS policy pops the running list's tail)
         victims = set(out.preempted_req_ids or ()) - self._external_preemptions
         self._external_preemptions.clear()
@@ -290,8 +293,17 @@ class VLLMSchedulerHarness:
             return []
         outputs = self._outputs[d.request_id]
         g = request.num_output_tokens
-        accepted = self._accepted(d.request_id, d.start, d.num_drafts) if d.num_drafts else 0
-        return list(outputs[g : g + 1 + accepted]) or [0]
+        return list(outputs[g : g + 1 + d.num_accepted]) or [0]
+
+    def _num_accepted(self, request_id: str, start: int, drafts: Sequence[int]) -> int:
+        """Drafts the model accepts: ``accepted(...)``, at most the outputs left after the
+        next one; none of vLLM's padding drafts (``-1``: a 1-token request padded to the
+        step's draft size)."""
+        if not drafts or any(t < 0 for t in drafts):
+            return 0
+        request = self.scheduler.requests[request_id]
+        left = len(self._outputs[request_id]) - request.num_output_tokens - 1
+        return max(0, min(self._accepted(request_id, start, len(drafts)), left))
 
     def _propose_drafts(self) -> None:
         """The drafter: every running decoding request proposes its next ``k`` outputs."""

@@ -29,7 +29,7 @@ tables differ (``r0 group 0: engine (1, 2, 3), reference (1, 2)``) and the free 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from properties.core.decisions import StepDecisions
@@ -62,11 +62,39 @@ class DecidedScheduler(Scheduler):
         """One step on ``decisions`` (checks 1 run before the step's output)."""
         self._decisions = decisions
         self._victims = list(decisions.preempted)
+        if self.drafts is not None:
+            # the model's verdict on the drafts: the decided count (an instance attribute
+            # shadows Drafts.accepted_drafts for this scheduler's hook only)
+            self.drafts.accepted_drafts = self._accepted  # type: ignore[method-assign]
         return self.step(token_budget)
 
+    def _accepted(self, request_id: str, position: int, num_drafts: int) -> int:
+        d = self._decisions.of(request_id)
+        return 0 if d is None else d.num_accepted
+
     def _chunk(self, state: RequestState, start: int, budget: int) -> int:
+        """The decided tokens; a running request's drafts come from
+        :meth:`_propose_drafts`, an admitted one's (vLLM pads a 1-token admission with
+        drafts) are announced here."""
         d = self._decisions.of(state.request_id)
-        return 0 if d is None else d.num_tokens - d.num_drafts
+        if d is None:
+            return 0
+        if state.request_id in self.running:
+            return d.num_tokens - d.num_drafts
+        if d.num_drafts:
+            self.engine.set_in_flight(state.request_id, 0, d.num_drafts)
+        return d.num_tokens
+
+    def _schedule_running(self, record: StepRecord, budget: int, lookahead: int) -> int:
+        """Rule 2 on the decisions; then the victims left are requests the engine
+        preempted when their own allocation failed (the newest running ones, preempted
+        last): they are preempted here, in order."""
+        budget = super()._schedule_running(record, budget, lookahead)
+        while self._victims and self._victims[0] in self.running:
+            victim = self._victims.pop(0)
+            self._preempt(victim)
+            record.preempted.append(victim)
+        return budget
 
     def _propose_drafts(self, state: RequestState, n: int, budget: int) -> int:
         d = self._decisions.of(state.request_id)
@@ -91,6 +119,10 @@ class DecidedScheduler(Scheduler):
         return victim
 
     def _check_scheduled(self, scheduler: Scheduler, record: StepRecord) -> None:
+        for i, item in enumerate(record.scheduled):  # drafts of admitted requests
+            d = self._decisions.of(item.request_id)
+            if d is not None and d.num_drafts != item.num_drafts:
+                record.scheduled[i] = replace(item, num_drafts=d.num_drafts)
         want = [(d.request_id, d.start, d.num_tokens) for d in self._decisions.scheduled]
         got = [(s.request_id, s.start, s.num_tokens) for s in record.scheduled]
         where = f"step {self.num_steps} ({self._decisions.describe()})"
