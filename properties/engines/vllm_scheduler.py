@@ -72,8 +72,8 @@ COVERAGE_MODULES = ("vllm.v1.core.sched.scheduler",)
 
 @dataclass(frozen=True)
 class ModelStub:
-    """The ``model_config`` fields vLLM's scheduler and structured-output manager read, for a decoder-only text
-    model with no multimodal inputs (there is no model)."""
+    """The ``model_config`` fields vLLM's scheduler and structured-output manager read,
+    for a decoder-only text model with no multimodal inputs (there is no model)."""
 
     max_model_len: int
     uses_mrope: bool = False

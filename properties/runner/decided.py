@@ -75,8 +75,13 @@ class DecidedScheduler(Scheduler):
     def _chunk(self, state: RequestState, start: int, budget: int) -> int:
         """The decided tokens; a running request's drafts come from
         :meth:`_propose_drafts`, an admitted one's (vLLM pads a 1-token admission with
-        drafts) are announced here."""
+        drafts) are announced here. A running request the engine preempted instead of
+        scheduling gets kvconform's own chunk: its allocation must fail."""
         d = self._decisions.of(state.request_id)
+        if d is None and state.request_id in self._victims and state.request_id in self.running:
+            # the engine preempted this running request when its own allocation failed:
+            # the reference tries kvconform's chunk and must fail the same way
+            return super()._chunk(state, start, budget)
         if d is None:
             return 0
         if state.request_id in self.running:
@@ -84,17 +89,6 @@ class DecidedScheduler(Scheduler):
         if d.num_drafts:
             self.engine.set_in_flight(state.request_id, 0, d.num_drafts)
         return d.num_tokens
-
-    def _schedule_running(self, record: StepRecord, budget: int, lookahead: int) -> int:
-        """Rule 2 on the decisions; then the victims left are requests the engine
-        preempted when their own allocation failed (the newest running ones, preempted
-        last): they are preempted here, in order."""
-        budget = super()._schedule_running(record, budget, lookahead)
-        while self._victims and self._victims[0] in self.running:
-            victim = self._victims.pop(0)
-            self._preempt(victim)
-            record.preempted.append(victim)
-        return budget
 
     def _propose_drafts(self, state: RequestState, n: int, budget: int) -> int:
         d = self._decisions.of(state.request_id)

@@ -1,0 +1,182 @@
+"""``kvconform check --engine vllm-scheduler``: the scheduler level for vLLM.
+
+vLLM's own ``Scheduler`` (:mod:`properties.engines.vllm_scheduler`) runs generated
+traces while :class:`properties.runner.decided.DecidedScheduler` replays its decisions
+on the reference (:mod:`properties.runner.decided`: the checks). Run it with vLLM's
+interpreter::
+
+    .engines/vllm/bin/python -m properties.tools.cli check --engine vllm-scheduler \\
+        --level exact --profile ci --engine-coverage
+
+Examples per profile: :data:`EXAMPLES` (derandomized on ``ci``; ``--seed N`` draws
+another stream). Each example is a trace of the small tier's strategies (``layouts``:
+1-3 groups of the kinds in :data:`KINDS`; ``operations``: up to 30) in one of the modes
+of :data:`MODES` (sync, drafts 2, the admission gate). The first disagreement stops the
+run: its trace is saved under ``.kvconform/failures/`` with the failure, and its replay
+command printed (``--replay FILE`` runs one trace again); exit 1. ``--engine-coverage``
+measures ``vllm.v1.core.sched.scheduler`` (no value) or the modules named; exit 0 when
+every example agreed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+from properties.core.trace import Trace, load_trace, save_trace
+
+#: examples per profile
+EXAMPLES: dict[str, int] = {"dev": 20, "ci": 60, "nightly": 600, "gpu": 60}
+
+#: spec kinds the level draws (see docs/scheduler-level.md for sliding windows)
+KINDS: tuple[str, ...] = ("full", "chunked_local", "mamba")
+
+#: the engine name the CLI resolves to this level
+ENGINE = "vllm-scheduler"
+
+
+def _modes():
+    from properties.core.modes import ServingMode
+
+    return (ServingMode(), ServingMode(num_draft_tokens=2), ServingMode(admission_gate=True))
+
+
+def _harness_factory(mutant: str | None) -> Callable:
+    from properties.engines.vllm_scheduler import make_harness
+
+    if mutant is None:
+        return make_harness
+    from properties.mutants.vllm_scheduler_mutants import mutant_class
+
+    cls = mutant_class(mutant)
+    return lambda layout, **kw: make_harness(layout, scheduler_class=cls, **kw)
+
+
+def run_one(trace: Trace, mutant: str | None = None) -> int:
+    """Run one trace (raises ``DecisionMismatch``); returns the steps run."""
+    from properties.runner.decided import run_decided
+
+    return run_decided(trace, _harness_factory(mutant))
+
+
+def search(
+    examples: int,
+    seed: int | None = None,
+    mutant: str | None = None,
+    kinds: tuple[str, ...] = KINDS,
+) -> tuple[int, int, Trace | None, str | None]:
+    """Draw up to ``examples`` traces; returns ``(examples run, steps, failing trace,
+    message)`` (no shrinking: the first failing trace as drawn)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+    from hypothesis import strategies as st
+
+    from properties.generate.strategies import layouts, operations
+    from properties.runner.decided import DecisionMismatch
+    from reference.specs import MambaSpec
+
+    modes = _modes()
+    state: dict = {"n": 0, "steps": 0, "trace": None, "msg": None}
+
+    @st.composite
+    def traces(draw) -> Trace:
+        mode = draw(st.sampled_from(modes))
+        layout = draw(layouts(kinds=kinds, max_groups=3))
+        if mode.num_draft_tokens and any(isinstance(s, MambaSpec) for s in layout.specs):
+            mode = modes[0]  # drafts are not modelled with a Mamba group
+        return Trace(layout=layout, operations=draw(operations(layout, max_ops=30)), mode=mode)
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=seed is None,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    )
+    @given(traces())
+    def body(trace: Trace) -> None:
+        if state["trace"] is not None:
+            return
+        state["n"] += 1
+        try:
+            state["steps"] += run_one(trace, mutant)
+        except DecisionMismatch as exc:
+            state["trace"], state["msg"] = trace, str(exc)
+
+    if seed is not None:
+        body = hseed(seed)(body)
+    body()
+    return state["n"], state["steps"], state["trace"], state["msg"]
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """The ``check`` command for ``--engine vllm-scheduler`` (see the module docstring)."""
+    from properties.core.coverage_probe import start_measuring, stop_measuring
+    from properties.engines.vllm_scheduler import COVERAGE_MODULES
+    from properties.tools.engine_coverage import cli_session
+
+    def factory() -> None:  # what --engine-coverage reads: the default modules
+        return None
+
+    factory.coverage_modules = COVERAGE_MODULES  # type: ignore[attr-defined]
+    examples = EXAMPLES.get(args.profile, EXAMPLES["ci"])
+    print(
+        f"kvconform check: engine={ENGINE} level=exact profile={args.profile} "
+        f"examples={examples} seed={args.seed if args.seed is not None else 'derandomized'}",
+        flush=True,
+    )
+    if args.level != "exact":
+        print(f"kvconform check: --engine {ENGINE} runs at --level exact only", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    with cli_session(args, factory) as finish:
+        start_measuring()
+        n, steps, trace, message = search(examples, args.seed)
+        stop_measuring()
+        regression = finish()
+    took = time.monotonic() - start
+    if trace is not None:
+        failed = Trace(
+            layout=trace.layout,
+            operations=trace.operations,
+            mode=trace.mode,
+            failure={
+                "property": "scheduler",
+                "message": message,
+                "engine": ENGINE,
+                "level": "exact",
+            },
+        )
+        path = save_trace(failed)
+        print(f"scheduler level: FAILED after {n} examples: {message}")
+        print(f"  trace: {path}")
+        replay = ".engines/vllm/bin/python -m properties.tools.scheduler_level --replay"
+        print(f"  replay: {replay} {path}")
+        return 1
+    print(f"scheduler level: {n} examples, {steps} steps, {took:.1f}s: passed")
+    return 4 if regression else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m properties.tools.scheduler_level --replay FILE [--mutant NAME]``."""
+    parser = argparse.ArgumentParser(prog="kvconform-scheduler-level")
+    parser.add_argument("--replay", required=True, metavar="FILE")
+    parser.add_argument("--mutant", default=None)
+    args = parser.parse_args(argv)
+    from properties.runner.decided import DecisionMismatch
+
+    trace = load_trace(args.replay)
+    try:
+        steps = run_one(trace, args.mutant)
+    except DecisionMismatch as exc:
+        print(f"scheduler level: FAILED: {exc}")
+        return 1
+    print(f"scheduler level: {steps} steps: passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
