@@ -11,7 +11,9 @@ interpreter::
 Examples per profile: :data:`EXAMPLES` (derandomized on ``ci``; ``--seed N`` draws
 another stream). Each example is a trace of the small tier's strategies (``layouts``:
 1-3 groups of the kinds in :data:`KINDS`; ``operations``: up to 30) in one of the modes
-of :data:`MODES` (sync, drafts 2, the admission gate). The first disagreement stops the
+of :func:`_modes` (sync, drafts 2, the admission gate); layouts where one of vLLM's known
+divergences of its manager applies (``properties.engines.vllm.KNOWN_DIVERGENCES``,
+``findings/vllm/``) are not drawn, as at the manager level. The first disagreement stops the
 run: its trace is saved under ``.kvconform/failures/`` with the failure, and its replay
 command printed (``--replay FILE`` runs one trace again); exit 1. ``--engine-coverage``
 measures ``vllm.v1.core.sched.scheduler`` (no value) or the modules named; exit 0 when
@@ -28,7 +30,7 @@ from collections.abc import Callable
 from properties.core.trace import Trace, load_trace, save_trace
 
 #: examples per profile
-EXAMPLES: dict[str, int] = {"dev": 20, "ci": 60, "nightly": 600, "gpu": 60}
+EXAMPLES: dict[str, int] = {"dev": 20, "ci": 150, "nightly": 1000, "gpu": 150}
 
 #: spec kinds the level draws (see docs/scheduler-level.md for sliding windows)
 KINDS: tuple[str, ...] = ("full", "chunked_local", "mamba")
@@ -69,10 +71,11 @@ def search(
 ) -> tuple[int, int, Trace | None, str | None]:
     """Draw up to ``examples`` traces; returns ``(examples run, steps, failing trace,
     message)`` (no shrinking: the first failing trace as drawn)."""
-    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import HealthCheck, Phase, assume, given, settings
     from hypothesis import seed as hseed
     from hypothesis import strategies as st
 
+    from properties.engines.vllm import KNOWN_DIVERGENCES
     from properties.generate.strategies import layouts, operations
     from properties.runner.decided import DecisionMismatch
     from reference.specs import MambaSpec
@@ -84,6 +87,8 @@ def search(
     def traces(draw) -> Trace:
         mode = draw(st.sampled_from(modes))
         layout = draw(layouts(kinds=kinds, max_groups=3))
+        # vLLM's known divergences of the manager (findings/vllm/) are not drawn here either
+        assume(not any(d.applies(layout) for d in KNOWN_DIVERGENCES))
         if mode.num_draft_tokens and any(isinstance(s, MambaSpec) for s in layout.specs):
             mode = modes[0]  # drafts are not modelled with a Mamba group
         return Trace(layout=layout, operations=draw(operations(layout, max_ops=30)), mode=mode)
