@@ -32,8 +32,8 @@ from properties.core.trace import Trace, load_trace, save_trace
 #: examples per profile
 EXAMPLES: dict[str, int] = {"dev": 20, "ci": 150, "nightly": 1000, "gpu": 150}
 
-#: spec kinds the level draws (see docs/scheduler-level.md for sliding windows)
-KINDS: tuple[str, ...] = ("full", "chunked_local", "mamba")
+#: spec kinds the level draws (every kind kvconform models)
+KINDS: tuple[str, ...] = ("full", "sliding_window", "chunked_local", "mamba")
 
 #: the engine name the CLI resolves to this level
 ENGINE = "vllm-scheduler"
