@@ -41,6 +41,9 @@ class StepDecisions:
 
     scheduled: tuple[ScheduledDecision, ...] = ()
     preempted: tuple[str, ...] = ()
+    #: draft tokens each running request carried into the step (the drafter's last
+    #: proposal): what a request the engine preempted instead of scheduling tried to run
+    proposed_drafts: tuple[tuple[str, int], ...] = ()
 
     def of(self, request_id: str) -> ScheduledDecision | None:
         """The decision for ``request_id`` (None: not scheduled in this step)."""

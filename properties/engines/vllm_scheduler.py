@@ -249,6 +249,7 @@ class VLLMSchedulerHarness:
         s.max_num_scheduled_tokens = token_budget
         before = {rid: r.num_computed_tokens for rid, r in s.requests.items()}
         running_before = [r.request_id for r in s.running]
+        proposed = tuple((r.request_id, len(r.spec_token_ids)) for r in s.running)
         out = _call("schedule", (token_budget,), s.schedule)
         order = [r.request_id for r in s.running if r.request_id in out.num_scheduled_tokens]
         missing = set(out.num_scheduled_tokens) - set(order)
@@ -282,7 +283,7 @@ class VLLMSchedulerHarness:
         )
         _call("update_from_output", (token_budget,), s.update_from_output, out, output)
         self._propose_drafts()
-        return StepDecisions(tuple(decisions), preempted)
+        return StepDecisions(tuple(decisions), preempted, proposed)
 
     def _sampled(self, d: ScheduledDecision) -> list[int]:
         """The tokens the model samples for ``d``: none mid-prefill; else the next output

@@ -91,8 +91,13 @@ class DecidedScheduler(Scheduler):
         return d.num_tokens
 
     def _propose_drafts(self, state: RequestState, n: int, budget: int) -> int:
+        """The decided drafts; a running request the engine preempted instead of
+        scheduling tries the drafts it carried (within the budget)."""
         d = self._decisions.of(state.request_id)
         drafts = 0 if d is None else d.num_drafts
+        if d is None and state.request_id in self._victims:
+            carried = dict(self._decisions.proposed_drafts).get(state.request_id, 0)
+            drafts = max(0, min(carried, budget - n))
         if drafts:
             self.engine.set_in_flight(state.request_id, 0, drafts)
         return drafts
