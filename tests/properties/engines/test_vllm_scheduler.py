@@ -100,3 +100,15 @@ def test_unknown_mutant_is_one_line() -> None:
 
     with pytest.raises(KeyError, match="unknown vLLM scheduler mutant 'nope'"):
         mutant_class("nope")
+
+
+@pytest.mark.parametrize("mutant", ["lookahead-on-running", "preemption-frees-late"])
+def test_generated_traces_catch_each_mutant(mutant: str) -> None:
+    """The ci profile's draws (not only the hand-built trace) find each mutant."""
+    from properties.tools.scheduler_level import EXAMPLES, search
+
+    n, _, trace, message = search(EXAMPLES["ci"], mutant=mutant)
+    assert trace is not None, f"{mutant} survived {n} generated traces"
+    # the message names where: a step's decisions ("step N (...)") or the state after an
+    # operation ("operation i (Step|Preempt|...)")
+    assert message is not None and message.startswith(("step ", "operation "))
