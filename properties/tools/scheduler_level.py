@@ -129,12 +129,20 @@ def cmd_check(args: argparse.Namespace) -> int:
     factory.coverage_modules = COVERAGE_MODULES  # type: ignore[attr-defined]
     examples = EXAMPLES.get(args.profile, EXAMPLES["ci"])
     print(
-        f"kvconform check: engine={ENGINE} level=exact profile={args.profile} "
+        f"kvconform check: engine={ENGINE} level={args.level} profile={args.profile} "
         f"examples={examples} seed={args.seed if args.seed is not None else 'derandomized'}",
         flush=True,
     )
     if args.level != "exact":
         print(f"kvconform check: --engine {ENGINE} runs at --level exact only", file=sys.stderr)
+        return 2
+    from properties.core.engine import EngineError
+    from properties.engines.vllm import _import_vllm
+
+    try:
+        _import_vllm()
+    except EngineError as exc:  # vLLM missing: a configuration error, one line
+        print(f"kvconform check: {exc}", file=sys.stderr)
         return 2
     start = time.monotonic()
     with cli_session(args, factory) as finish:
