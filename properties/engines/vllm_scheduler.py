@@ -117,6 +117,7 @@ class VLLMSchedulerHarness:
         admission_gate: bool = False,
         scheduler_class: type | None = None,
         accepted: AcceptFn = _no_drafts,
+        asynchronous: bool = False,
     ) -> None:
         v = _import_vllm()
         from vllm.config import (
@@ -126,6 +127,7 @@ class VLLMSchedulerHarness:
             SpeculativeConfig,
             VllmConfig,
         )
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
         from vllm.v1.structured_output import StructuredOutputManager
@@ -147,7 +149,7 @@ class VLLMSchedulerHarness:
             max_model_len=length,
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
-            async_scheduling=False,
+            async_scheduling=asynchronous,
             scheduler_reserve_full_isl=admission_gate,
         )
         cache_config = CacheConfig(
@@ -183,7 +185,14 @@ class VLLMSchedulerHarness:
         kv_cache_config = v.kvi.KVCacheConfig(
             num_blocks=layout.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
         )
-        cls = scheduler_class or Scheduler
+        cls = scheduler_class or (AsyncScheduler if asynchronous else Scheduler)
+        self.asynchronous = asynchronous
+        #: asynchronous scheduling: the step scheduled and not processed yet (its
+        #: SchedulerOutput, order and the requests that sample)
+        self._in_flight: tuple[Any, list[str], set[str]] | None = None
+        self._aborts: list[str] = []
+        #: vLLM's bound on unprocessed tokens (max_concurrent_batches * budget cap)
+        self.max_in_flight_tokens = int(config.max_in_flight_tokens)
         self.scheduler = _call(
             "Scheduler",
             (layout.describe(),),
@@ -226,14 +235,24 @@ class VLLMSchedulerHarness:
         _call("add_request", (op.request_id,), self.scheduler.add_request, request)
 
     def abort(self, request_id: str) -> None:
+        """``finish_requests(id, FINISHED_ABORTED)``; under asynchronous scheduling a
+        request with tokens in flight is aborted once that step is processed (when
+        kvconform's asynchronous scheduler releases it)."""
+        request = self.scheduler.requests.get(request_id)
+        if self.asynchronous and request is not None and request.num_in_flight_tokens > 0:
+            self._aborts.append(request_id)
+            return
         status = self._v.RequestStatus.FINISHED_ABORTED
         _call("finish_requests", (request_id,), self.scheduler.finish_requests, request_id, status)
 
     def preempt(self, request_id: str) -> None:
         """vLLM's own preemption of a running request (``_preempt_request``, the path its
-        ``reset_prefix_cache`` and allocation failures take); no-op otherwise."""
+        ``reset_prefix_cache`` and allocation failures take); no-op otherwise, and for a
+        request with tokens in flight (kvconform's asynchronous scheduler ignores it)."""
         request = self.scheduler.requests.get(request_id)
         if request is None or request not in self.scheduler.running:
+            return
+        if request.num_in_flight_tokens > 0:
             return
         self.scheduler.running.remove(request)
         self._external_preemptions.add(request_id)
@@ -275,15 +294,47 @@ class VLLMSchedulerHarness:
         preempted = tuple(rid for rid in reversed(running_before) if rid in victims)
         if len(preempted) != len(victims):
             raise EngineError(f"vllm scheduler: preempted {sorted(victims)} not all running")
-        sampled = [self._sampled(d) for d in decisions]
+        if self.asynchronous:
+            # schedule N, then process N - 1 (as vLLM's engine core does); the requests
+            # whose chunk reaches the last known or pending token sample
+            samples = {rid for rid in order if not s.requests[rid].is_prefill_chunk}
+            previous, self._in_flight = self._in_flight, (out, order, samples)
+            if previous is not None:
+                self._process(*previous)
+        else:
+            sampled = [self._sampled(d) for d in decisions]
+            output = self._mro(
+                req_ids=order,
+                req_id_to_index={rid: i for i, rid in enumerate(order)},
+                sampled_token_ids=sampled,
+            )
+            _call("update_from_output", (token_budget,), s.update_from_output, out, output)
+            self._propose_drafts()
+        return StepDecisions(tuple(decisions), preempted, proposed)
+
+    def _process(self, out: Any, order: list[str], samples: set[str]) -> None:
+        """Asynchronous scheduling: the output of a step scheduled earlier; a request that
+        samples gets its next trace output (outputs are processed in order)."""
+        sampled = []
+        for rid in order:
+            request = self.scheduler.requests.get(rid)
+            if rid not in samples or request is None:
+                sampled.append([])
+                continue
+            outputs = self._outputs[rid]
+            sampled.append(
+                list(outputs[request.num_output_tokens : request.num_output_tokens + 1]) or [0]
+            )
         output = self._mro(
             req_ids=order,
             req_id_to_index={rid: i for i, rid in enumerate(order)},
             sampled_token_ids=sampled,
         )
-        _call("update_from_output", (token_budget,), s.update_from_output, out, output)
-        self._propose_drafts()
-        return StepDecisions(tuple(decisions), preempted, proposed)
+        s = self.scheduler
+        _call("update_from_output", ("async",), s.update_from_output, out, output)
+        aborts, self._aborts = self._aborts, []
+        for rid in aborts:
+            self.abort(rid)
 
     def _sampled(self, d: ScheduledDecision) -> list[int]:
         """The tokens the model samples for ``d``: none mid-prefill; else the next output

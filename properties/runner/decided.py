@@ -37,6 +37,7 @@ from properties.core.engine import KVCacheEngine
 from properties.core.modes import ServingMode
 from properties.core.trace import Abort, Arrive, Operation, Preempt, ResetPrefixCache, Step, Trace
 from properties.engines.reference import make_engine as make_reference
+from properties.runner.async_scheduler import AsyncScheduler
 from properties.runner.scheduler import Drafts, RequestState, Scheduler, StepRecord
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
@@ -49,9 +50,11 @@ class DecisionMismatch(KVConformError):
 class DecidedScheduler(Scheduler):
     """kvconform's scheduler with the engine's decisions (see the module docstring).
 
-    Example: ``DecidedScheduler(engine, layout).step_as(StepDecisions((
+    Example: ``DecidedScheduler(engine, layout, ServingMode()).step_as(StepDecisions((
     ScheduledDecision("r0", 0, 8),)), 64)`` admits ``r0`` with 8 tokens whatever the
-    budget rule would give, and fails if ``r0``'s hit is not 0."""
+    budget rule would give, and fails if ``r0``'s hit is not 0. With
+    ``mode.async_scheduling`` use :func:`decided_scheduler` (the same overrides on
+    :class:`AsyncScheduler`)."""
 
     def __init__(self, engine: KVCacheEngine, layout: KVCacheLayout, mode: ServingMode) -> None:
         super().__init__(engine, layout, mode, on_scheduled=self._check_scheduled)
@@ -138,6 +141,19 @@ class DecidedScheduler(Scheduler):
             )
 
 
+class DecidedAsyncScheduler(DecidedScheduler, AsyncScheduler):
+    """:class:`DecidedScheduler`'s overrides on kvconform's :class:`AsyncScheduler` (plan
+    a step, then process the previous one)."""
+
+
+def decided_scheduler(
+    engine: KVCacheEngine, layout: KVCacheLayout, mode: ServingMode
+) -> DecidedScheduler:
+    """The decided scheduler for ``mode`` (asynchronous or not)."""
+    cls = DecidedAsyncScheduler if mode.async_scheduling else DecidedScheduler
+    return cls(engine, layout, mode)
+
+
 @dataclass(frozen=True)
 class View:
     """Per live request its block ids and computed tokens, and the free block count."""
@@ -191,15 +207,21 @@ def run_decided(trace: Trace, make_harness: HarnessFactory) -> int:
     reference; raises :class:`DecisionMismatch` at the first disagreement, returns the
     number of steps run. ``trace.mode`` gives drafts and the admission gate."""
     mode = ServingMode(
-        admission_gate=trace.mode.admission_gate, num_draft_tokens=trace.mode.num_draft_tokens
+        async_scheduling=trace.mode.async_scheduling,
+        admission_gate=trace.mode.admission_gate,
+        num_draft_tokens=trace.mode.num_draft_tokens,
     )
     harness = make_harness(
         trace.layout,
         num_draft_tokens=mode.num_draft_tokens,
         admission_gate=mode.admission_gate,
         accepted=Drafts.accepted_drafts,
+        asynchronous=mode.async_scheduling,
     )
-    ref = DecidedScheduler(make_reference(trace.layout), trace.layout, mode)
+    # the reference bounds unprocessed tokens as the engine does (vLLM: batches in
+    # flight x the budget cap; the layout's default is max_model_len)
+    layout = replace(trace.layout, max_in_flight_tokens=harness.max_in_flight_tokens)
+    ref = decided_scheduler(make_reference(layout), layout, mode)
     for index, op in enumerate(trace.operations):
         _apply(harness, ref, op, index)
     return ref.num_steps
@@ -231,8 +253,10 @@ def _apply(harness: Any, ref: DecidedScheduler, op: Operation, index: int) -> No
 
 
 __all__ = [
+    "DecidedAsyncScheduler",
     "DecidedScheduler",
     "DecisionMismatch",
+    "decided_scheduler",
     "View",
     "compare_views",
     "reference_view",
