@@ -112,3 +112,26 @@ def test_generated_traces_catch_each_mutant(mutant: str) -> None:
     # the message names where: a step's decisions ("step N (...)") or the state after an
     # operation ("operation i (Step|Preempt|...)")
     assert message is not None and message.startswith(("step ", "operation "))
+
+
+def test_asynchronous_scheduling_agrees_on_a_short_trace() -> None:
+    """vLLM's AsyncScheduler: step 1 plans the 3-token prefill (computed 3 at once, blocks
+    (1, 2) of size 2); step 2 plans position 3 (block 2 still) before step 1's output is
+    processed; the reference's asynchronous scheduler agrees at every step."""
+    from properties.core.modes import ServingMode
+    from properties.engines.vllm_scheduler import make_harness
+    from properties.tools.scheduler_level import run_one
+
+    h = make_harness(LAYOUT, asynchronous=True)
+    h.arrive(Arrive("r0", (1, 2, 3), (5, 6)))
+    assert h.step(16).scheduled == (ScheduledDecision("r0", 0, 3),)
+    assert h.view().block_ids == {"r0": ((1, 2),)}
+    assert h.view().num_computed_tokens == {"r0": 3}
+    assert h.step(16).scheduled == (ScheduledDecision("r0", 3, 1),)
+    assert h.view().block_ids == {"r0": ((1, 2),)}
+    trace = Trace(
+        layout=LAYOUT,
+        operations=(Arrive("r0", (1, 2, 3), (5, 6)),) + (Step(16),) * 5,
+        mode=ServingMode(async_scheduling=True),
+    )
+    assert run_one(trace) == 5
