@@ -46,9 +46,12 @@ Trace operations: ``Arrive`` -> ``add_request``; ``Step`` -> ``schedule`` +
 ``Preempt`` -> vLLM's own ``_preempt_request`` on a running request (the path
 ``reset_prefix_cache`` takes); ``ResetPrefixCache`` -> ``reset_prefix_cache()``.
 
-Not driven (named in ``docs/scheduler-level.md``): asynchronous scheduling
-(``AsyncScheduler``), KV connectors, layouts with production settings (retention,
-EAGLE, lookahead hashes), drafts with a Mamba group.
+Asynchronous scheduling (``asynchronous=True``): vLLM's ``AsyncScheduler``; each step
+schedules step N, then processes step N - 1's output (as vLLM's engine core does); an
+``Abort`` of a request with tokens in flight waits for that processing, a ``Preempt`` of
+one is ignored (kvconform's asynchronous model). Not driven (``docs/scheduler-level.md``):
+KV connectors, layouts with production settings (retention, EAGLE, lookahead hashes),
+drafts with a Mamba group.
 """
 
 from __future__ import annotations
