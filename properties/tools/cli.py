@@ -81,6 +81,10 @@ def config_from_args(args: argparse.Namespace, **extra):
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    if args.engine == "vllm-scheduler":  # vLLM's own scheduler (issue 19, item 5)
+        from properties.tools.scheduler_level import cmd_check as scheduler_level
+
+        return scheduler_level(args)
     from properties.core.constants import SPEC_KINDS
     from properties.runner.profiles import load_profile
     from properties.tools.selection import with_skips

@@ -1,6 +1,7 @@
 """Skip engine adapter tests cleanly when their engine is not installed or importable.
 
-``tests/properties/engines/test_<name>_adapter.py`` needs ``.engines/<name>/.kvconform-complete``
+``tests/properties/engines/test_<name>_adapter.py`` (``test_vllm_scheduler*.py``: vLLM)
+needs ``.engines/<name>/.kvconform-complete``
 (written by ``bash ci/engines/<name>``) and must run under that environment's
 interpreter (``.engines/<name>/bin/python -m pytest tests/properties/engines``). Otherwise every
 test of the module is skipped with the reason, e.g.
@@ -41,6 +42,8 @@ def _engine_of(path: Path) -> str | None:
     stem = path.stem
     if stem.startswith("test_") and stem.endswith("_adapter"):
         return stem[len("test_") : -len("_adapter")]
+    if stem.startswith("test_vllm_scheduler"):  # the scheduler level drives vLLM too
+        return "vllm"
     return None
 
 

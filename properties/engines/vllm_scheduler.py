@@ -1,0 +1,406 @@
+"""vLLM 0.33.0's own ``Scheduler`` driven with no model: the engine side of the scheduler level.
+
+The manager-level adapter (:mod:`properties.engines.vllm`) drives vLLM's
+``KVCacheManager`` while kvconform plays the scheduler, so vLLM's scheduler code that
+decides what to pass to the manager (``vllm/v1/core/sched/scheduler.py``) never runs.
+:class:`VLLMSchedulerHarness` runs that code: it builds vLLM's ``Scheduler`` for a
+kvconform layout, adds a trace's requests, calls ``schedule()``, feeds a synthetic
+``ModelRunnerOutput`` to ``update_from_output`` and reads back what the scheduler decided
+(:class:`properties.core.decisions.StepDecisions`) and the state of its cache manager.
+:mod:`properties.runner.decided` replays the decisions on the reference and compares.
+
+How it is built (no model, no GPU, nothing downloaded)
+------------------------------------------------------
+* ``KVCacheConfig`` from the layout exactly as the manager-level adapter builds it
+  (:func:`properties.engines.vllm.to_vllm_spec`); ``CacheConfig(block_size =
+  layout.scheduler_block_size, enable_prefix_caching, mamba_cache_mode="align")`` with
+  ``num_gpu_blocks = layout.num_blocks``.
+* ``SchedulerConfig(max_num_batched_tokens = max_model_len, chunked prefill, FCFS,
+  async_scheduling=False, scheduler_reserve_full_isl = admission_gate)``; the step's
+  ``token_budget`` is set on ``scheduler.max_num_scheduled_tokens`` before each
+  ``schedule()``. So vLLM's ``max_in_flight_tokens`` is ``max_model_len``, the
+  reference's default.
+* Draft tokens: ``SpeculativeConfig(method="ngram", num_speculative_tokens=k)`` (a
+  drafter with no model of its own: no lookahead slots). After every step the harness
+  proposes, as the drafter would, the request's next ``k`` trace outputs
+  (``update_draft_token_ids``), bounded by its remaining outputs and ``max_model_len``.
+* ``VllmConfig(scheduler_config, cache_config, speculative_config, device_config=cpu)``
+  with no model; the scheduler reads seven fields of ``model_config`` and vLLM's
+  ``StructuredOutputManager`` one more, which a frozen :class:`ModelStub` provides (a
+  decoder-only text model, ``max_model_len`` of the layout, no tokenizer: no grammar is
+  ever used).
+* Requests: vLLM ``Request`` objects with ``SamplingParams(max_tokens = len(output)
+  or 1, ignore_eos=True)`` hashed like the manager-level adapter's.
+
+The model runner's output
+-------------------------
+For each scheduled request whose tokens reach its end, the sampled tokens are the
+trace's next output token, plus, after a decode with ``d`` drafts, the ``a`` accepted
+ones (``accepted(request_id, start, d)``, the caller's function, at most the outputs
+left; 0 for the ``-1`` drafts vLLM pads a new 1-token request with); ``a`` goes into
+the step's decisions. A request with no output samples one token (vLLM samples after every prefill)
+and finishes, as kvconform's scheduler finishes it after its prefill.
+
+Trace operations: ``Arrive`` -> ``add_request``; ``Step`` -> ``schedule`` +
+``update_from_output``; ``Abort`` -> ``finish_requests(id, FINISHED_ABORTED)``;
+``Preempt`` -> vLLM's own ``_preempt_request`` on a running request (the path
+``reset_prefix_cache`` takes); ``ResetPrefixCache`` -> ``reset_prefix_cache()``.
+
+Asynchronous scheduling (``asynchronous=True``): vLLM's ``AsyncScheduler``; each step
+schedules step N, then processes step N - 1's output (as vLLM's engine core does); an
+``Abort`` of a request with tokens in flight waits for that processing, a ``Preempt`` of
+one is ignored (kvconform's asynchronous model). Not driven (``docs/scheduler-level.md``):
+KV connectors, layouts with production settings (retention, EAGLE, lookahead hashes),
+drafts with a Mamba group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from properties.core.decisions import ScheduledDecision, StepDecisions
+from properties.core.engine import EngineError
+from properties.core.trace import Arrive
+from properties.engines.vllm import _call, _import_vllm, to_vllm_spec
+from reference.layout import KVCacheLayout
+
+#: ``accepted(request_id, start, num_drafts)``: how many drafts a step accepts.
+AcceptFn = Callable[[str, int, int], int]
+
+#: The scheduler modules the level measures (``--engine-coverage``).
+COVERAGE_MODULES = ("vllm.v1.core.sched.scheduler",)
+
+
+@dataclass(frozen=True)
+class ModelStub:
+    """The ``model_config`` fields vLLM's scheduler and structured-output manager read,
+    for a decoder-only text model with no multimodal inputs (there is no model)."""
+
+    max_model_len: int
+    uses_mrope: bool = False
+    is_encoder_decoder: bool = False
+    runner_type: str = "generate"
+    is_diffusion: bool = False
+    supports_multimodal_inputs: bool = False
+    return_sampling_mask: bool = False
+    #: read by vLLM's ``StructuredOutputManager``: no tokenizer (no grammar is used)
+    skip_tokenizer_init: bool = True
+    #: read by ``VllmConfig.is_mm_encoder_only``: no multimodal config
+    multimodal_config: None = None
+
+
+@dataclass(frozen=True)
+class ManagerView:
+    """What the level compares after a step: per live request its block ids per group and
+    computed tokens, and the free block count."""
+
+    block_ids: dict[str, tuple[tuple[int, ...], ...]]
+    num_computed_tokens: dict[str, int]
+    num_free_blocks: int
+
+
+def _no_drafts(request_id: str, start: int, num_drafts: int) -> int:
+    return 0
+
+
+class VLLMSchedulerHarness:
+    """vLLM's ``Scheduler`` (or ``scheduler_class``, a subclass: the mutants) for
+    ``layout``; see the module docstring.
+
+    Example: ``h = VLLMSchedulerHarness(layout); h.arrive(op); d = h.step(64)`` gives
+    ``d.scheduled == (ScheduledDecision("r0", 0, 8),)`` for an 8-token prompt, no hit.
+    """
+
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        num_draft_tokens: int = 0,
+        admission_gate: bool = False,
+        scheduler_class: type | None = None,
+        accepted: AcceptFn = _no_drafts,
+        asynchronous: bool = False,
+    ) -> None:
+        v = _import_vllm()
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            SchedulerConfig,
+            SpeculativeConfig,
+            VllmConfig,
+        )
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.layout = layout
+        self._v = v
+        self._accepted = accepted
+        self._outputs: dict[str, tuple[int, ...]] = {}
+        self._num_draft_tokens = num_draft_tokens
+        #: preempted by a trace operation since the last step (vLLM reports them with
+        #: the next step's preemptions; they are not the step's decisions)
+        self._external_preemptions: set[str] = set()
+        self._mro = ModelRunnerOutput
+        self._draft_ids = DraftTokenIds
+        length = layout.max_model_len
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=min(64, length),
+            max_num_batched_tokens=length,
+            max_model_len=length,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+            async_scheduling=asynchronous,
+            scheduler_reserve_full_isl=admission_gate,
+        )
+        cache_config = CacheConfig(
+            block_size=layout.scheduler_block_size,
+            enable_prefix_caching=layout.enable_caching,
+            mamba_cache_mode="align",
+        )
+        cache_config.num_gpu_blocks = layout.num_blocks
+        speculative = (
+            SpeculativeConfig(
+                method="ngram",
+                num_speculative_tokens=num_draft_tokens,
+                prompt_lookup_max=1,
+                prompt_lookup_min=1,
+            )
+            if num_draft_tokens
+            else None
+        )
+        config = VllmConfig(
+            scheduler_config=scheduler_config,
+            cache_config=cache_config,
+            speculative_config=speculative,
+            device_config=DeviceConfig(device="cpu"),
+        )
+        # no model: the scheduler reads only ModelStub's fields of model_config
+        object.__setattr__(config, "model_config", ModelStub(max_model_len=length))
+        groups = [
+            v.kvi.KVCacheGroupSpec(
+                list(g.layer_names), to_vllm_spec(v, g.spec), is_eagle_group=g.is_eagle_group
+            )
+            for g in layout.groups
+        ]
+        kv_cache_config = v.kvi.KVCacheConfig(
+            num_blocks=layout.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
+        )
+        cls = scheduler_class or (AsyncScheduler if asynchronous else Scheduler)
+        self.asynchronous = asynchronous
+        #: asynchronous scheduling: the step scheduled and not processed yet (its
+        #: SchedulerOutput, order and the requests that sample)
+        self._in_flight: tuple[Any, list[str], set[str]] | None = None
+        self._aborts: list[str] = []
+        #: vLLM's bound on unprocessed tokens (max_concurrent_batches * budget cap)
+        self.max_in_flight_tokens = int(config.max_in_flight_tokens)
+        self.scheduler = _call(
+            "Scheduler",
+            (layout.describe(),),
+            cls,
+            config,
+            kv_cache_config,
+            StructuredOutputManager(config),
+            block_size=layout.scheduler_block_size,
+            hash_block_size=layout.hash_block_size,
+            log_stats=True,
+        )
+        self._hasher = (
+            v.get_request_block_hasher(layout.hash_block_size, v.sha256, 0)
+            if layout.enable_caching
+            else None
+        )
+
+    # -- trace operations ------------------------------------------------------
+    def arrive(self, op: Arrive) -> None:
+        v = self._v
+        params = v.SamplingParams(max_tokens=max(1, len(op.output)), ignore_eos=True)
+        lora = (
+            None
+            if op.lora_name is None
+            else v.LoRARequest(op.lora_name, 1 + sum(map(ord, op.lora_name)), "/kvconform/lora")
+        )
+        request = _call(
+            "Request",
+            (op.request_id,),
+            v.Request,
+            op.request_id,
+            list(op.prompt),
+            params,
+            None,
+            lora_request=lora,
+            cache_salt=op.cache_salt,
+            block_hasher=self._hasher,
+        )
+        self._outputs[op.request_id] = tuple(op.output)
+        _call("add_request", (op.request_id,), self.scheduler.add_request, request)
+
+    def abort(self, request_id: str) -> None:
+        """``finish_requests(id, FINISHED_ABORTED)``; under asynchronous scheduling a
+        request with tokens in flight is aborted once that step is processed (when
+        kvconform's asynchronous scheduler releases it)."""
+        request = self.scheduler.requests.get(request_id)
+        if self.asynchronous and request is not None and request.num_in_flight_tokens > 0:
+            self._aborts.append(request_id)
+            return
+        status = self._v.RequestStatus.FINISHED_ABORTED
+        _call("finish_requests", (request_id,), self.scheduler.finish_requests, request_id, status)
+
+    def preempt(self, request_id: str) -> None:
+        """vLLM's own preemption of a running request (``_preempt_request``, the path its
+        ``reset_prefix_cache`` and allocation failures take); no-op otherwise, and for a
+        request with tokens in flight (kvconform's asynchronous scheduler ignores it)."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request not in self.scheduler.running:
+            return
+        if request.num_in_flight_tokens > 0:
+            return
+        self.scheduler.running.remove(request)
+        self._external_preemptions.add(request_id)
+        _call("_preempt_request", (request_id,), self.scheduler._preempt_request, request, 0.0)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(_call("reset_prefix_cache", (), self.scheduler.reset_prefix_cache))
+
+    def step(self, token_budget: int) -> StepDecisions:
+        """``schedule()`` with ``token_budget``, the synthetic output, ``update_from_output``
+        and the drafter's proposals; returns what the scheduler decided."""
+        s = self.scheduler
+        s.max_num_scheduled_tokens = token_budget
+        before = {rid: r.num_computed_tokens for rid, r in s.requests.items()}
+        running_before = [r.request_id for r in s.running]
+        proposed = tuple((r.request_id, len(r.spec_token_ids)) for r in s.running)
+        out = _call("schedule", (token_budget,), s.schedule)
+        order = [r.request_id for r in s.running if r.request_id in out.num_scheduled_tokens]
+        missing = set(out.num_scheduled_tokens) - set(order)
+        if missing:
+            raise EngineError(f"vllm scheduler: scheduled {sorted(missing)} but not running")
+        spec = out.scheduled_spec_decode_tokens
+        new = {d.req_id: d.num_computed_tokens for d in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        resumed = set(cached.resumed_req_ids)
+        decisions = []
+        for rid in order:
+            start = new.get(rid)
+            if start is None:
+                i = cached.req_ids.index(rid)
+                start = cached.num_computed_tokens[i] if rid in resumed else before[rid]
+            drafts = spec.get(rid, ())
+            accepted = self._num_accepted(rid, start, drafts)
+            n = out.num_scheduled_tokens[rid]
+            decisions.append(ScheduledDecision(rid, start, n, len(drafts), accepted))
+        # victims go newest first (vLLM's FCFS policy pops the running list's tail)
+        victims = set(out.preempted_req_ids or ()) - self._external_preemptions
+        self._external_preemptions.clear()
+        preempted = tuple(rid for rid in reversed(running_before) if rid in victims)
+        if len(preempted) != len(victims):
+            raise EngineError(f"vllm scheduler: preempted {sorted(victims)} not all running")
+        if self.asynchronous:
+            # schedule N, then process N - 1 (as vLLM's engine core does); the requests
+            # whose chunk reaches the last known or pending token sample
+            samples = {rid for rid in order if not s.requests[rid].is_prefill_chunk}
+            previous, self._in_flight = self._in_flight, (out, order, samples)
+            if previous is not None:
+                self._process(*previous)
+        else:
+            sampled = [self._sampled(d) for d in decisions]
+            output = self._mro(
+                req_ids=order,
+                req_id_to_index={rid: i for i, rid in enumerate(order)},
+                sampled_token_ids=sampled,
+            )
+            _call("update_from_output", (token_budget,), s.update_from_output, out, output)
+            self._propose_drafts()
+        return StepDecisions(tuple(decisions), preempted, proposed)
+
+    def _process(self, out: Any, order: list[str], samples: set[str]) -> None:
+        """Asynchronous scheduling: the output of a step scheduled earlier; a request that
+        samples gets its next trace output (outputs are processed in order)."""
+        sampled = []
+        for rid in order:
+            request = self.scheduler.requests.get(rid)
+            if rid not in samples or request is None:
+                sampled.append([])
+                continue
+            outputs = self._outputs[rid]
+            sampled.append(
+                list(outputs[request.num_output_tokens : request.num_output_tokens + 1]) or [0]
+            )
+        output = self._mro(
+            req_ids=order,
+            req_id_to_index={rid: i for i, rid in enumerate(order)},
+            sampled_token_ids=sampled,
+        )
+        s = self.scheduler
+        _call("update_from_output", ("async",), s.update_from_output, out, output)
+        aborts, self._aborts = self._aborts, []
+        for rid in aborts:
+            self.abort(rid)
+
+    def _sampled(self, d: ScheduledDecision) -> list[int]:
+        """The tokens the model samples for ``d``: none mid-prefill; else the next output
+        (``0`` for a request with no output) and the accepted drafts."""
+        request = self.scheduler.requests[d.request_id]
+        end = d.start + d.num_tokens - d.num_drafts
+        if end < request.num_tokens:
+            return []
+        outputs = self._outputs[d.request_id]
+        g = request.num_output_tokens
+        return list(outputs[g : g + 1 + d.num_accepted]) or [0]
+
+    def _num_accepted(self, request_id: str, start: int, drafts: Sequence[int]) -> int:
+        """Drafts the model accepts: ``accepted(...)``, at most the outputs left after the
+        next one; none of vLLM's padding drafts (``-1``: a 1-token request padded to the
+        step's draft size)."""
+        if not drafts or any(t < 0 for t in drafts):
+            return 0
+        request = self.scheduler.requests[request_id]
+        left = len(self._outputs[request_id]) - request.num_output_tokens - 1
+        return max(0, min(self._accepted(request_id, start, len(drafts)), left))
+
+    def _propose_drafts(self) -> None:
+        """The drafter: every running decoding request proposes its next ``k`` outputs."""
+        k = self._num_draft_tokens
+        if not k:
+            return
+        ids, drafts = [], []
+        for request in self.scheduler.running:
+            if request.num_computed_tokens < request.num_tokens - 1:
+                continue
+            outputs = self._outputs[request.request_id]
+            g = request.num_output_tokens
+            room = min(len(outputs) - g - 1, self.layout.max_model_len - request.num_tokens)
+            proposal = list(outputs[g + 1 : g + 1 + min(k, max(0, room))])
+            ids.append(request.request_id)
+            drafts.append(proposal)
+        if ids:
+            _call(
+                "update_draft_token_ids",
+                (ids,),
+                self.scheduler.update_draft_token_ids,
+                self._draft_ids(ids, drafts),
+            )
+
+    # -- state -------------------------------------------------------------------
+    def view(self) -> ManagerView:
+        """The cache manager's state: what :mod:`properties.runner.decided` compares."""
+        manager = self.scheduler.kv_cache_manager
+        blocks, computed = {}, {}
+        for rid, request in self.scheduler.requests.items():
+            if request.is_finished():
+                continue
+            ids = _call("get_block_ids", (rid,), manager.get_block_ids, rid)
+            blocks[rid] = tuple(tuple(group) for group in ids)
+            computed[rid] = request.num_computed_tokens
+        free = int(manager.block_pool.get_num_free_blocks())
+        return ManagerView(blocks, computed, free)
+
+
+def make_harness(layout: KVCacheLayout, **kwargs: Any) -> VLLMSchedulerHarness:
+    """Build a :class:`VLLMSchedulerHarness` (vLLM is imported here)."""
+    return VLLMSchedulerHarness(layout, **kwargs)
+
+
+__all__ = ["COVERAGE_MODULES", "ManagerView", "ModelStub", "VLLMSchedulerHarness", "make_harness"]

@@ -1,0 +1,86 @@
+"""Realistic bugs of vLLM's scheduler in its calls into the cache manager, each a subclass of
+vLLM 0.33's ``Scheduler``: the scheduler level (:mod:`properties.runner.decided`) must
+catch every one, and pass unmutated vLLM (``tests/properties/engines/
+test_vllm_scheduler_mutants.py``).
+
+* ``lookahead-on-running``: running requests get one lookahead slot too many in
+  ``allocate_slots`` (the bonus token reserved as if it were a drafter's lookahead).
+  Example: bs 1, ``r0`` decoding position 9: vLLM allocates slots 9 and 10, the
+  reference slot 9; the block tables differ after the step.
+* ``preemption-frees-late``: a preempted request's blocks go back to the pool at the end
+  of ``schedule()`` instead of at the preemption, so the retried allocation still fails
+  and the scheduler preempts more requests than it needs (down to the request itself).
+
+Each mutant is built on first use (vLLM is imported then): :func:`mutant_class`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: name -> one-line description of each mutant
+MUTANTS: dict[str, str] = {
+    "lookahead-on-running": "running requests get num_lookahead_tokens + 1 in allocate_slots",
+    "preemption-frees-late": "a preempted request's blocks are freed at the end of schedule()",
+}
+
+
+def _lookahead_on_running(base: type) -> type:
+    class LookaheadOnRunning(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            manager = self.kv_cache_manager
+            allocate = manager.allocate_slots
+            running = self.running
+
+            def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+                if request in running and "num_lookahead_tokens" in kwargs:
+                    kwargs["num_lookahead_tokens"] += 1
+                return allocate(request, *args, **kwargs)
+
+            manager.allocate_slots = allocate_slots
+
+    return LookaheadOnRunning
+
+
+def _preemption_frees_late(base: type) -> type:
+    class PreemptionFreesLate(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._late: list[Any] = []
+
+        def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> None:
+            free = self._free_request_blocks
+            self._free_request_blocks = self._late.append  # type: ignore[method-assign]
+            try:
+                super()._preempt_request(request, *args, **kwargs)
+            finally:
+                self._free_request_blocks = free  # type: ignore[method-assign]
+
+        def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().schedule(*args, **kwargs)
+            late, self._late = self._late, []
+            for request in late:
+                self.kv_cache_manager.free(request)
+            return out
+
+    return PreemptionFreesLate
+
+
+_BUILDERS = {
+    "lookahead-on-running": _lookahead_on_running,
+    "preemption-frees-late": _preemption_frees_late,
+}
+
+
+def mutant_class(name: str) -> type:
+    """The mutant ``name`` as a subclass of vLLM's ``Scheduler`` (an unknown name is a
+    one-line ``KeyError``)."""
+    if name not in _BUILDERS:
+        raise KeyError(f"unknown vLLM scheduler mutant {name!r}; known: {sorted(MUTANTS)}")
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return _BUILDERS[name](Scheduler)
+
+
+__all__ = ["MUTANTS", "mutant_class"]

@@ -1,0 +1,215 @@
+"""``kvconform check --engine vllm-scheduler``: the scheduler level for vLLM.
+
+vLLM's own ``Scheduler`` (:mod:`properties.engines.vllm_scheduler`) runs generated
+traces while :class:`properties.runner.decided.DecidedScheduler` replays its decisions
+on the reference (:mod:`properties.runner.decided`: the checks). Run it with vLLM's
+interpreter::
+
+    .engines/vllm/bin/python -m properties.tools.cli check --engine vllm-scheduler \\
+        --level exact --profile ci --engine-coverage
+
+Examples per profile: :data:`EXAMPLES` (derandomized on ``ci``; ``--seed N`` draws
+another stream), an equal share for each mode of :func:`_modes` (synchronous, 2 drafts,
+the admission gate; asynchronous scheduling, without ``Abort`` operations, only with
+``search(..., asynchronous=True)``). Each example is a trace of the small tier's
+strategies (``layouts``: 1-3 groups of the kinds in :data:`KINDS`; ``operations``: up
+to 30); layouts where one of vLLM's known divergences of its manager applies
+(``properties.engines.vllm.KNOWN_DIVERGENCES``, ``findings/vllm/``) are not drawn, as at
+the manager level. The first disagreement stops the run: its trace is saved under
+``.kvconform/failures/`` with the failure, and its replay command printed
+(``--replay FILE`` runs one trace again); exit 1. ``--engine-coverage`` measures
+``vllm.v1.core.sched.scheduler`` (no value) or the modules named; exit 0 when every
+example agreed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+from properties.core.trace import Abort, Trace, load_trace, save_trace
+
+#: examples per profile
+EXAMPLES: dict[str, int] = {"dev": 30, "ci": 300, "nightly": 1500, "gpu": 300}
+
+#: spec kinds the level draws (every kind kvconform models)
+KINDS: tuple[str, ...] = ("full", "sliding_window", "chunked_local", "mamba")
+
+#: the engine name the CLI resolves to this level
+ENGINE = "vllm-scheduler"
+
+
+def _modes(asynchronous: bool = False):
+    """The modes drawn: synchronous, 2 drafts, the admission gate; with ``asynchronous``
+    also asynchronous scheduling, which is not drawn by default: vLLM preempts a request
+    with tokens in flight (its output then arrives stale) where kvconform's asynchronous
+    model never does, so replays disagree there (docs/scheduler-level.md)."""
+    from properties.core.modes import ServingMode
+
+    modes = (ServingMode(), ServingMode(num_draft_tokens=2), ServingMode(admission_gate=True))
+    return modes + ((ServingMode(async_scheduling=True),) if asynchronous else ())
+
+
+def _harness_factory(mutant: str | None) -> Callable:
+    from properties.engines.vllm_scheduler import make_harness
+
+    if mutant is None:
+        return make_harness
+    from properties.mutants.vllm_scheduler_mutants import mutant_class
+
+    cls = mutant_class(mutant)
+    return lambda layout, **kw: make_harness(layout, scheduler_class=cls, **kw)
+
+
+def run_one(trace: Trace, mutant: str | None = None) -> int:
+    """Run one trace (raises ``DecisionMismatch``); returns the steps run."""
+    from properties.runner.decided import run_decided
+
+    return run_decided(trace, _harness_factory(mutant))
+
+
+def search(
+    examples: int,
+    seed: int | None = None,
+    mutant: str | None = None,
+    kinds: tuple[str, ...] = KINDS,
+    asynchronous: bool = False,
+) -> tuple[int, int, Trace | None, str | None]:
+    """Draw up to ``examples`` traces, an equal share per mode of :func:`_modes`; returns
+    ``(examples run, steps, failing trace, message)`` (no shrinking: the first failing
+    trace as drawn stops the search)."""
+    from hypothesis import HealthCheck, Phase, assume, given, settings
+    from hypothesis import seed as hseed
+    from hypothesis import strategies as st
+
+    from properties.engines.vllm import KNOWN_DIVERGENCES
+    from properties.generate.strategies import layouts, operations
+    from properties.runner.decided import DecisionMismatch
+    from reference.specs import MambaSpec
+
+    state: dict = {"n": 0, "steps": 0, "trace": None, "msg": None}
+
+    def traces(mode) -> st.SearchStrategy[Trace]:
+        @st.composite
+        def draw_trace(draw) -> Trace:
+            layout = draw(layouts(kinds=kinds, max_groups=3))
+            # vLLM's known divergences of the manager (findings/vllm/) are not drawn
+            assume(not any(d.applies(layout) for d in KNOWN_DIVERGENCES))
+            # drafts are not modelled with a Mamba group
+            assume(
+                not (mode.num_draft_tokens and any(isinstance(s, MambaSpec) for s in layout.specs))
+            )
+            ops = draw(operations(layout, max_ops=30))
+            if mode.async_scheduling:
+                # vLLM frees an aborted request's blocks at once, its step still in
+                # flight; kvconform's asynchronous model releases them once the step is
+                # processed: a difference of model, not compared (docs/scheduler-level.md)
+                ops = tuple(op for op in ops if not isinstance(op, Abort))
+            return Trace(layout=layout, operations=ops, mode=mode)
+
+        return draw_trace()
+
+    def body(trace: Trace) -> None:
+        if state["trace"] is not None:
+            return
+        state["n"] += 1
+        try:
+            state["steps"] += run_one(trace, mutant)
+        except DecisionMismatch as exc:
+            state["trace"], state["msg"] = trace, str(exc)
+
+    modes = _modes(asynchronous)
+    for i, mode in enumerate(modes):  # each mode its share of the examples
+        share = examples // len(modes) + (i < examples % len(modes))
+        run = settings(
+            max_examples=share,
+            deadline=None,
+            database=None,
+            derandomize=seed is None,
+            suppress_health_check=list(HealthCheck),
+            phases=[Phase.explicit, Phase.reuse, Phase.generate],
+        )(given(traces(mode))(body))
+        if seed is not None:
+            run = hseed(seed + i)(run)
+        run()
+    return state["n"], state["steps"], state["trace"], state["msg"]
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """The ``check`` command for ``--engine vllm-scheduler`` (see the module docstring)."""
+    from properties.core.coverage_probe import start_measuring, stop_measuring
+    from properties.engines.vllm_scheduler import COVERAGE_MODULES
+    from properties.tools.engine_coverage import cli_session
+
+    def factory() -> None:  # what --engine-coverage reads: the default modules
+        return None
+
+    factory.coverage_modules = COVERAGE_MODULES  # type: ignore[attr-defined]
+    examples = EXAMPLES.get(args.profile, EXAMPLES["ci"])
+    print(
+        f"kvconform check: engine={ENGINE} level={args.level} profile={args.profile} "
+        f"examples={examples} seed={args.seed if args.seed is not None else 'derandomized'}",
+        flush=True,
+    )
+    if args.level != "exact":
+        print(f"kvconform check: --engine {ENGINE} runs at --level exact only", file=sys.stderr)
+        return 2
+    from properties.core.engine import EngineError
+    from properties.engines.vllm import _import_vllm
+
+    try:
+        _import_vllm()
+    except EngineError as exc:  # vLLM missing: a configuration error, one line
+        print(f"kvconform check: {exc}", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    with cli_session(args, factory) as finish:
+        start_measuring()
+        n, steps, trace, message = search(examples, args.seed)
+        stop_measuring()
+        regression = finish()
+    took = time.monotonic() - start
+    if trace is not None:
+        failed = Trace(
+            layout=trace.layout,
+            operations=trace.operations,
+            mode=trace.mode,
+            failure={
+                "property": "scheduler",
+                "message": message,
+                "engine": ENGINE,
+                "level": "exact",
+            },
+        )
+        path = save_trace(failed)
+        print(f"scheduler level: FAILED after {n} examples: {message}")
+        print(f"  trace: {path}")
+        replay = ".engines/vllm/bin/python -m properties.tools.scheduler_level --replay"
+        print(f"  replay: {replay} {path}")
+        return 1
+    print(f"scheduler level: {n} examples, {steps} steps, {took:.1f}s: passed")
+    return 4 if regression else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m properties.tools.scheduler_level --replay FILE [--mutant NAME]``."""
+    parser = argparse.ArgumentParser(prog="kvconform-scheduler-level")
+    parser.add_argument("--replay", required=True, metavar="FILE")
+    parser.add_argument("--mutant", default=None)
+    args = parser.parse_args(argv)
+    from properties.runner.decided import DecisionMismatch
+
+    trace = load_trace(args.replay)
+    try:
+        steps = run_one(trace, args.mutant)
+    except DecisionMismatch as exc:
+        print(f"scheduler level: FAILED: {exc}")
+        return 1
+    print(f"scheduler level: {steps} steps: passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The scheduler level: vLLM 0.33.0's own ``Scheduler`` against the reference on its decisions.
+
+Run with ``.engines/vllm/bin/python -m pytest tests/properties/engines/test_vllm_scheduler.py``
+(``conftest.py`` skips the module when vLLM is not installed). One hand-built trace
+that preempts: expected decisions and block tables are derived by hand below; the two
+scheduler mutants of :mod:`properties.mutants.vllm_scheduler_mutants` must fail it,
+unmutated vLLM must pass it.
+
+The trace (one full-attention group, block size 2, 6 usable blocks, budget 16):
+``r0`` prompt (1, 2, 3, 4) and ``r1`` prompt (4, 3, 2, 1), 6 outputs each.
+
+* step 1: both admitted, 4 tokens each: ``r0`` blocks (1, 2), ``r1`` (3, 4); 2 free.
+* step 2: decodes at position 4: ``r0`` gets block 5, ``r1`` block 6; 0 free.
+* step 3: decodes at position 5: inside blocks 5 and 6; 0 free.
+* step 4: ``r0`` at position 6 needs a block, none is free: vLLM preempts the newest,
+  ``r1`` (freed tail first: 6, 4, 3), and ``r0`` takes block 6; 2 free.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from properties.core.decisions import ScheduledDecision
+from properties.core.trace import Arrive, Step, Trace
+from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.specs import FullAttentionSpec
+
+pytestmark = pytest.mark.engine
+
+LAYOUT = KVCacheLayout(
+    groups=(KVCacheGroup(("l0",), FullAttentionSpec(block_size=2, num_kv_heads=1, head_size=8)),),
+    num_blocks=7,
+    max_model_len=16,
+)
+ARRIVALS = (
+    Arrive("r0", (1, 2, 3, 4), (5, 6, 7, 8, 9, 10)),
+    Arrive("r1", (4, 3, 2, 1), (1, 1, 1, 1, 1, 1)),
+)
+TRACE = Trace(layout=LAYOUT, operations=ARRIVALS + (Step(16),) * 16)
+
+
+def test_decisions_and_tables_by_hand() -> None:
+    from properties.engines.vllm_scheduler import make_harness
+
+    h = make_harness(LAYOUT)
+    for op in ARRIVALS:
+        h.arrive(op)
+    d1 = h.step(16)
+    assert d1.scheduled == (ScheduledDecision("r0", 0, 4), ScheduledDecision("r1", 0, 4))
+    assert h.view().block_ids == {"r0": ((1, 2),), "r1": ((3, 4),)}
+    h.step(16)
+    assert h.view().block_ids == {"r0": ((1, 2, 5),), "r1": ((3, 4, 6),)}
+    assert h.view().num_free_blocks == 0
+    h.step(16)
+    d4 = h.step(16)
+    assert d4.scheduled == (ScheduledDecision("r0", 6, 1),)
+    assert d4.preempted == ("r1",)
+    view = h.view()
+    assert view.block_ids == {"r0": ((1, 2, 5, 6),), "r1": ((),)}
+    assert view.num_computed_tokens == {"r0": 7, "r1": 0}
+    assert view.num_free_blocks == 2
+
+
+def test_unmutated_vllm_passes() -> None:
+    from properties.tools.scheduler_level import run_one
+
+    assert run_one(TRACE) == 16
+
+
+@pytest.mark.parametrize(
+    ("mutant", "message"),
+    [
+        # step 3: r0 at position 5 reserves slot 6 too, needs a block and preempts r1;
+        # the reference (slot 5 only, in block 5) can still run r1
+        (
+            "lookahead-on-running",
+            "step 3 (r0+1@5; preempted r1): the engine scheduled (request, start, tokens) "
+            "[('r0', 5, 1)], the reference on the same decisions [('r0', 5, 1), ('r1', 5, 1)]",
+        ),
+        # step 4: r1's blocks are not back when r0 retries, so r0 preempts itself too;
+        # the reference frees r1 and runs r0
+        (
+            "preemption-frees-late",
+            "step 4 (nothing scheduled; preempted r1, r0): the engine scheduled (request, "
+            "start, tokens) [], the reference on the same decisions [('r0', 6, 1)]",
+        ),
+    ],
+)
+def test_scheduler_mutant_is_caught(mutant: str, message: str) -> None:
+    from properties.runner.decided import DecisionMismatch
+    from properties.tools.scheduler_level import run_one
+
+    with pytest.raises(DecisionMismatch) as caught:
+        run_one(TRACE, mutant)
+    assert message in str(caught.value)
+
+
+def test_unknown_mutant_is_one_line() -> None:
+    from properties.mutants.vllm_scheduler_mutants import mutant_class
+
+    with pytest.raises(KeyError, match="unknown vLLM scheduler mutant 'nope'"):
+        mutant_class("nope")
+
+
+@pytest.mark.parametrize("mutant", ["lookahead-on-running", "preemption-frees-late"])
+def test_generated_traces_catch_each_mutant(mutant: str) -> None:
+    """The ci profile's draws (not only the hand-built trace) find each mutant."""
+    from properties.tools.scheduler_level import EXAMPLES, search
+
+    n, _, trace, message = search(EXAMPLES["ci"], mutant=mutant)
+    assert trace is not None, f"{mutant} survived {n} generated traces"
+    # the message names where: a step's decisions ("step N (...)") or the state after an
+    # operation ("operation i (Step|Preempt|...)")
+    assert message is not None and message.startswith(("step ", "operation "))
+
+
+def test_asynchronous_scheduling_agrees_on_a_short_trace() -> None:
+    """vLLM's AsyncScheduler: step 1 plans the 3-token prefill (computed 3 at once, blocks
+    (1, 2) of size 2); step 2 plans position 3 (block 2 still) before step 1's output is
+    processed; the reference's asynchronous scheduler agrees at every step."""
+    from properties.core.modes import ServingMode
+    from properties.engines.vllm_scheduler import make_harness
+    from properties.tools.scheduler_level import run_one
+
+    h = make_harness(LAYOUT, asynchronous=True)
+    h.arrive(Arrive("r0", (1, 2, 3), (5, 6)))
+    assert h.step(16).scheduled == (ScheduledDecision("r0", 0, 3),)
+    assert h.view().block_ids == {"r0": ((1, 2),)}
+    assert h.view().num_computed_tokens == {"r0": 3}
+    assert h.step(16).scheduled == (ScheduledDecision("r0", 3, 1),)
+    assert h.view().block_ids == {"r0": ((1, 2),)}
+    trace = Trace(
+        layout=LAYOUT,
+        operations=(Arrive("r0", (1, 2, 3), (5, 6)),) + (Step(16),) * 5,
+        mode=ServingMode(async_scheduling=True),
+    )
+    assert run_one(trace) == 5
