@@ -18,7 +18,8 @@ The groups of names:
 * the engine protocol and its optional capabilities: :class:`KVCacheEngine`,
   :class:`ExposesRefCounts`, :class:`ExposesFreeQueue`, :class:`ExposesCachedBlocks`,
   :class:`ReportsAllocationEstimate`, :class:`ReportsPools`, :class:`PlansSteps`,
-  :class:`CommitsSteps`, :class:`ExposesDataPlane`, :class:`SupportsServingModes`, with the
+  :class:`CommitsSteps`, :class:`ExposesDataPlane`, :class:`SupportsServingModes`,
+  :class:`HasSelfChecks` (checks the bench turns off), with the
   values they take and return (:class:`RequestInput`, :class:`CacheHit`,
   :class:`CachedBlock`, :class:`PoolUsage`,
   :class:`SlotRequest`, :class:`StepUpdate`, ``BlockIds``, ``EngineFactory``) and
@@ -52,6 +53,7 @@ from properties.core.engine import (
     EngineLoadError,
     ExposesCachedBlocks,
     ExposesDataPlane,
+    HasSelfChecks,
     ExposesFreeQueue,
     ExposesRefCounts,
     KnownDivergence,
@@ -98,6 +100,7 @@ __all__ = [
     "PlansSteps",
     "CommitsSteps",
     "ExposesDataPlane",
+    "HasSelfChecks",
     "SupportsServingModes",
     "RequestInput",
     "CacheHit",

@@ -281,6 +281,20 @@ class CommitsSteps(Protocol):
 
 
 @runtime_checkable
+class HasSelfChecks(Protocol):
+    """An adapter that checks its engine on its own, at a cost that is not the engine's.
+
+    ``disable_self_checks`` turns those checks off for the rest of the engine's life; the
+    bench calls it before timing, so that a row measures the engine, not the adapter.
+    Example: the vLLM adapter compares every hash in vLLM's pool with the KV events at
+    each step (O(cached blocks)); after ``disable_self_checks()`` it only drains the
+    events, as vLLM's own engine core does.
+    """
+
+    def disable_self_checks(self) -> None: ...
+
+
+@runtime_checkable
 class ExposesDataPlane(Protocol):
     """The engine's own data plane, driven by the ``attention`` property.
 

@@ -263,3 +263,30 @@ def test_kv_events_are_checked_against_the_pool_and_catch_two_event_mutants(monk
             patch.setattr(owner, method, function)
             with pytest.raises(EngineError, match=message):
                 scenario()
+
+
+def test_disable_self_checks_stops_the_event_audit_the_bench_would_time(monkeypatch):
+    """The bench builds engines through ``engine_alone``, which calls the adapter's
+    ``disable_self_checks``: the per-step audit of the pool against the KV events is the
+    adapter's cost, not vLLM's. Scenario: ``event_offset`` makes vLLM announce a wrong
+    hash; with the audit on, the step after the second block is cached raises; with it
+    off (as the bench builds it) the same steps run to the end with the same tables."""
+    from properties.tools.bench.engines import engine_alone
+    from tests.properties.engines.vllm_event_mutants import mutated
+
+    def steps(engine) -> None:
+        engine.add_request(RequestInput("a", (1, 2, 3, 4, 5)))
+        hit = engine.get_computed_blocks("a")
+        assert engine.allocate_slots("a", 2, 0, hit) == ((1,),)
+        engine.set_num_computed_tokens("a", 2)
+        engine.new_step()
+        assert engine.allocate_slots("a", 2) == ((2,),)
+        engine.set_num_computed_tokens("a", 4)
+        engine.new_step()
+
+    owner, method, function = mutated("event_offset")
+    with monkeypatch.context() as patch:
+        patch.setattr(owner, method, function)
+        with pytest.raises(EngineError, match="that no BlockStored event announced"):
+            steps(make((FullAttentionSpec(block_size=2),), 4))
+        steps(engine_alone(make((FullAttentionSpec(block_size=2),), 4)))
