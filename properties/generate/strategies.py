@@ -414,9 +414,9 @@ def production_layouts(
       flagged: all drop), and lookahead hashes ``L`` in ``{0, 1, 2}``, 0 half the time
       (``L > 0`` turns the drop off: the drop and the lookahead hashes each come with a
       quarter of the layouts, and half of the chunked-local and Mamba groups drawn
-      stay, so each meets the other settings). EAGLE is modelled without chunked-local and Mamba groups (vLLM
-      turns the hybrid manager off with chunked local attention), so such groups
-      are left out of an EAGLE layout;
+      stay, so each meets the other settings). EAGLE is modelled without chunked-local
+      and Mamba groups (vLLM turns the hybrid manager off with chunked local
+      attention), so such groups are left out of an EAGLE layout;
     * the retention interval (:func:`retention_intervals`);
     * ``max_in_flight_tokens`` (``None``, or 1 or 2 scheduler blocks): the bound of
       the per-request admission caps of windowed groups (the pool is then redrawn
@@ -456,9 +456,7 @@ def production_layouts(
                 dataclasses.replace(g, is_eagle_group=f) for g, f in zip(layout.groups, flags)
             ),
             use_eagle=True,
-            num_hash_lookahead_tokens=draw(
-                st.sampled_from((0, 1, 0, 2)), label="lookahead hashes"
-            ),
+            num_hash_lookahead_tokens=draw(st.sampled_from((0, 1, 0, 2)), label="lookahead hashes"),
         )
     return layout
 
