@@ -400,6 +400,13 @@ def _without_chunked_and_mamba(layout: KVCacheLayout) -> KVCacheLayout:
     return dataclasses.replace(layout, groups=kept, name="")
 
 
+#: Whether a production layout runs EAGLE, drawn from these: two in three when all its
+#: groups are full or sliding-window attention, one in four when EAGLE would take its
+#: chunked-local or Mamba groups away (:func:`production_layouts`).
+_EAGLE_ODDS_PLAIN = (False, True, True)
+_EAGLE_ODDS_WITH_CHUNKED_OR_MAMBA = (False, False, False, True)
+
+
 @st.composite
 def production_layouts(
     draw,
@@ -410,13 +417,13 @@ def production_layouts(
     """``base`` with the production settings drawn on top, each with its own draws
     (after the base layout's, so the base stays as it was):
 
-    * EAGLE, one time in two: ``use_eagle``, the groups flagged as EAGLE groups (none
-      flagged: all drop), and lookahead hashes ``L`` in ``{0, 1, 2}``, 0 half the time
-      (``L > 0`` turns the drop off: the drop and the lookahead hashes each come with a
-      quarter of the layouts, and half of the chunked-local and Mamba groups drawn
-      stay, so each meets the other settings). EAGLE is modelled without chunked-local
-      and Mamba groups (vLLM turns the hybrid manager off with chunked local
-      attention), so such groups are left out of an EAGLE layout;
+    * EAGLE: ``use_eagle``, the groups flagged as EAGLE groups (none flagged: all
+      drop), and lookahead hashes ``L`` in ``{0, 1, 2}``, 0 half the time (``L > 0``
+      turns the drop off). EAGLE is modelled without chunked-local and Mamba groups
+      (vLLM turns the hybrid manager off with chunked local attention), so such groups
+      are left out of an EAGLE layout; it is drawn two times in three on a layout
+      without them, one time in four on a layout with them (three in four keep them,
+      so they meet the other settings: swarm testing counts pairs);
     * the retention interval (:func:`retention_intervals`);
     * ``max_in_flight_tokens`` (``None``, or 1 or 2 scheduler blocks): the bound of
       the per-request admission caps of windowed groups (the pool is then redrawn
@@ -427,7 +434,9 @@ def production_layouts(
     sparse, EAGLE on the full group only, ``L = 0``.
     """
     layout = draw(base)
-    eagle = "eagle" in settings and draw(st.booleans(), label="eagle")
+    plain = _without_chunked_and_mamba(layout) is layout
+    odds = _EAGLE_ODDS_PLAIN if plain else _EAGLE_ODDS_WITH_CHUNKED_OR_MAMBA
+    eagle = "eagle" in settings and draw(st.sampled_from(odds), label="eagle")
     if eagle:
         layout = _without_chunked_and_mamba(layout)
     if "retention" in settings:
@@ -1050,7 +1059,7 @@ def swarm_modes() -> st.SearchStrategy[ServingMode]:
         st.sampled_from(SCHEDULING),
         st.booleans(),
         st.sampled_from((2, 3, 4)),
-        st.integers(0, CONNECTOR_LEVELS - 1),
+        st.sampled_from(range(CONNECTOR_LEVELS)),
     )
 
 
