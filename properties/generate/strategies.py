@@ -1035,22 +1035,23 @@ def tier(name: str) -> ScaleTier:
 
 #: The scheduling feature of a swarm mode: synchronous, asynchronous, or synchronous with
 #: draft tokens (drafts with asynchronous scheduling are not modelled, so the two are
-#: levels of one feature rather than two switches that would cancel each other).
-SCHEDULING: tuple[str, ...] = ("sync", "async", "drafts")
-#: The connector feature of a swarm mode, by level: none, external hits loaded
-#: synchronously, loaded asynchronously, asynchronous loads that may fail (each level
-#: needs the one before it).
-CONNECTOR_LEVELS = 4
+#: levels of one feature rather than two switches that would cancel each other); listed
+#: with repeats so that asynchronous scheduling and drafts come with two examples in five
+#: each (a derandomized stream draws the first entry, its shrink target, more often).
+SCHEDULING: tuple[str, ...] = ("sync", "async", "drafts", "async", "drafts")
+#: The connector feature of a swarm mode, by level: 0 none, 1 external hits loaded
+#: synchronously, 2 loaded asynchronously, 3 asynchronous loads that may fail (each level
+#: needs the one before it); failing loads in a third of the draws.
+CONNECTOR_LEVELS: tuple[int, ...] = (0, 1, 2, 3, 3, 2)
 
 
 def swarm_modes() -> st.SearchStrategy[ServingMode]:
     """Swarm testing of the serving modes, at every tier (the small tier's production
     property and the large tiers): each feature is drawn independently of the others,
-    scheduling (:data:`SCHEDULING`, a third each), the admission gate (half), the draft
-    count (2, 3 or 4, used with ``drafts``) and the connector level (a quarter each of
-    none, synchronous loads, asynchronous loads, failing asynchronous loads). Features
-    that need one another are levels of one draw, so no switch is wasted: load failures
-    come with a quarter of the examples, drafts with external hits with a twelfth.
+    scheduling (:data:`SCHEDULING`), the admission gate (half), the draft count (2, 3 or
+    4, used with ``drafts``) and the connector level (:data:`CONNECTOR_LEVELS`).
+    Features that need one another are levels of one draw, so no switch is wasted: load
+    failures come with a third of the examples, drafts with external hits with a third.
     Shrinks toward the synchronous, ungated mode without a connector. Example:
     ``drafts``, gate, 3, level 3 -> ``ServingMode(admission_gate=True,
     num_draft_tokens=3, external_hits=True, async_loads=True, load_failures=True)``."""
@@ -1059,7 +1060,7 @@ def swarm_modes() -> st.SearchStrategy[ServingMode]:
         st.sampled_from(SCHEDULING),
         st.booleans(),
         st.sampled_from((2, 3, 4)),
-        st.sampled_from(range(CONNECTOR_LEVELS)),
+        st.sampled_from(CONNECTOR_LEVELS),
     )
 
 
