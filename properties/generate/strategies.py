@@ -1110,8 +1110,9 @@ def swarm_layouts(draw, scale: ScaleTier, kinds: Sequence[str] = SPEC_KINDS) -> 
     small tier (no bound; pools are sized by the request, :func:`pool_sizes`): under
     pressure the pool holds one request of ``max_model_len`` but not two
     (``need + 1..2 * need`` blocks, at least ``min_blocks``), else :func:`pool_sizes`
-    draws it. Example: production, sliding window and Mamba drawn -> two groups (a
-    window from :data:`PRESET_WINDOWS`), block sizes from 16/32/64; small, full
+    draws it. Chunked-local chunks are a multiple of their block size half the time
+    (:func:`_chunks_aligned`). Example: production, sliding window and Mamba drawn -> two
+    groups (a window from :data:`PRESET_WINDOWS`), block sizes from 16/32/64; small, full
     attention of block size 4 and ``max_model_len`` 32 under pressure -> 9..16 blocks."""
     chosen = [k for k in kinds if draw(st.booleans(), label=f"group {k}")]
     if not chosen:
@@ -1135,12 +1136,35 @@ def swarm_layouts(draw, scale: ScaleTier, kinds: Sequence[str] = SPEC_KINDS) -> 
             window_sizes=scale.window_sizes,
         )
     )
+    if "chunked_local" in chosen and draw(st.booleans(), label="chunks aligned"):
+        layout = _chunks_aligned(layout)
     if pressure and scale.max_blocks is None:
         need = _blocks_one_request_needs(layout)
         low = max(scale.min_blocks, need + 1)
         pool = draw(st.integers(low, max(low, 2 * need)), label="pool under pressure")
         layout = dataclasses.replace(layout, num_blocks=pool)
     return layout
+
+
+def _chunks_aligned(layout: KVCacheLayout) -> KVCacheLayout:
+    """``layout`` with every chunked-local chunk rounded up to a multiple of its group's
+    block size (as deployed models have them: llama4's 8192 over blocks of 16 to 64; an
+    engine may refuse other chunks). Example: chunk 6 over blocks of 4 -> 8; chunk 1 ->
+    4; chunk 8 stays 8."""
+    groups = tuple(
+        dataclasses.replace(
+            g,
+            spec=dataclasses.replace(
+                g.spec,
+                attention_chunk_size=-(-g.spec.attention_chunk_size // g.spec.block_size)
+                * g.spec.block_size,
+            ),
+        )
+        if isinstance(g.spec, ChunkedLocalAttentionSpec)
+        else g
+        for g in layout.groups
+    )
+    return dataclasses.replace(layout, groups=groups)
 
 
 def production_base_layouts(
