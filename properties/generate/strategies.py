@@ -1110,8 +1110,9 @@ def swarm_layouts(draw, scale: ScaleTier, kinds: Sequence[str] = SPEC_KINDS) -> 
     small tier (no bound; pools are sized by the request, :func:`pool_sizes`): under
     pressure the pool holds one request of ``max_model_len`` but not two
     (``need + 1..2 * need`` blocks, at least ``min_blocks``), else :func:`pool_sizes`
-    draws it. Chunked-local chunks are a multiple of their block size half the time
-    (:func:`_chunks_aligned`). Example: production, sliding window and Mamba drawn -> two
+    draws it, and chunked-local chunks are a multiple of their block size
+    (:func:`_chunks_aligned`: every engine takes those; the scenario mix's targeted
+    layouts draw the other chunks). Example: production, sliding window and Mamba drawn -> two
     groups (a window from :data:`PRESET_WINDOWS`), block sizes from 16/32/64; small, full
     attention of block size 4 and ``max_model_len`` 32 under pressure -> 9..16 blocks."""
     chosen = [k for k in kinds if draw(st.booleans(), label=f"group {k}")]
@@ -1136,7 +1137,7 @@ def swarm_layouts(draw, scale: ScaleTier, kinds: Sequence[str] = SPEC_KINDS) -> 
             window_sizes=scale.window_sizes,
         )
     )
-    if "chunked_local" in chosen and draw(st.booleans(), label="chunks aligned"):
+    if scale.max_blocks is None and "chunked_local" in chosen:
         layout = _chunks_aligned(layout)
     if pressure and scale.max_blocks is None:
         need = _blocks_one_request_needs(layout)
