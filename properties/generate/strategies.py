@@ -400,6 +400,13 @@ def _without_chunked_and_mamba(layout: KVCacheLayout) -> KVCacheLayout:
     return dataclasses.replace(layout, groups=kept, name="")
 
 
+#: Whether a production layout runs EAGLE, drawn from these: two in three when all its
+#: groups are full or sliding-window attention, one in four when EAGLE would take its
+#: chunked-local or Mamba groups away (:func:`production_layouts`).
+_EAGLE_ODDS_PLAIN = (False, True, True)
+_EAGLE_ODDS_WITH_CHUNKED_OR_MAMBA = (False, False, False, True)
+
+
 @st.composite
 def production_layouts(
     draw,
@@ -410,11 +417,13 @@ def production_layouts(
     """``base`` with the production settings drawn on top, each with its own draws
     (after the base layout's, so the base stays as it was):
 
-    * EAGLE, two times in three: ``use_eagle``, the groups flagged as EAGLE groups (none
-      flagged: all drop), and lookahead hashes ``L`` in ``{0, 1, 2}`` (``L > 0`` turns
-      the drop off). EAGLE is modelled without chunked-local and Mamba groups (vLLM
-      turns the hybrid manager off with chunked local attention), so such groups
-      are left out of an EAGLE layout;
+    * EAGLE: ``use_eagle``, the groups flagged as EAGLE groups (none flagged: all
+      drop), and lookahead hashes ``L`` in ``{0, 1, 2}``, 0 half the time (``L > 0``
+      turns the drop off). EAGLE is modelled without chunked-local and Mamba groups
+      (vLLM turns the hybrid manager off with chunked local attention), so such groups
+      are left out of an EAGLE layout; it is drawn two times in three on a layout
+      without them, one time in four on a layout with them (three in four keep them,
+      so they meet the other settings: swarm testing counts pairs);
     * the retention interval (:func:`retention_intervals`);
     * ``max_in_flight_tokens`` (``None``, or 1 or 2 scheduler blocks): the bound of
       the per-request admission caps of windowed groups (the pool is then redrawn
@@ -425,7 +434,9 @@ def production_layouts(
     sparse, EAGLE on the full group only, ``L = 0``.
     """
     layout = draw(base)
-    eagle = "eagle" in settings and draw(st.sampled_from((False, True, True)), label="eagle")
+    plain = _without_chunked_and_mamba(layout) is layout
+    odds = _EAGLE_ODDS_PLAIN if plain else _EAGLE_ODDS_WITH_CHUNKED_OR_MAMBA
+    eagle = "eagle" in settings and draw(st.sampled_from(odds), label="eagle")
     if eagle:
         layout = _without_chunked_and_mamba(layout)
     if "retention" in settings:
@@ -454,9 +465,7 @@ def production_layouts(
                 dataclasses.replace(g, is_eagle_group=f) for g, f in zip(layout.groups, flags)
             ),
             use_eagle=True,
-            num_hash_lookahead_tokens=draw(
-                st.sampled_from((0, 1, 2, 1, 0, 1)), label="lookahead hashes"
-            ),
+            num_hash_lookahead_tokens=draw(st.sampled_from((0, 1, 0, 2)), label="lookahead hashes"),
         )
     return layout
 
@@ -630,30 +639,6 @@ def any_layouts(
             )
         )
     return st.one_of(parts)
-
-
-def serving_modes() -> st.SearchStrategy[ServingMode]:
-    """Synchronous or asynchronous scheduling, with or without the admission gate, or
-    synchronous with 2 or 3 draft tokens per decode step (speculative decoding); external
-    hits (a KV connector over the host tier: synchronous loads without the gate, or
-    asynchronous loads with gated asynchronous scheduling; the
-    machine turns them off for engines that do not declare the ``external`` production
-    setting, so the draw is the same for every engine); shrinks toward the
-    synchronous, ungated mode."""
-    gated_async = ServingMode(async_scheduling=True, admission_gate=True)
-    return st.sampled_from(
-        (
-            ServingMode(),
-            ServingMode(async_scheduling=True),
-            ServingMode(admission_gate=True),
-            gated_async,
-            ServingMode(external_hits=True),
-            dataclasses.replace(gated_async, external_hits=True, async_loads=True),
-            ServingMode(num_draft_tokens=2),
-            ServingMode(admission_gate=True, num_draft_tokens=3),
-            ServingMode(num_draft_tokens=4),
-        )
-    )
 
 
 def connector_modes() -> st.SearchStrategy[ServingMode]:
@@ -1048,21 +1033,47 @@ def tier(name: str) -> ScaleTier:
     return TIERS[name]
 
 
+#: The scheduling feature of a swarm mode: synchronous, asynchronous, or synchronous with
+#: draft tokens (drafts with asynchronous scheduling are not modelled, so the two are
+#: levels of one feature rather than two switches that would cancel each other); listed
+#: with repeats so that asynchronous scheduling and drafts come with two examples in five
+#: each (a derandomized stream draws the first entry, its shrink target, more often).
+SCHEDULING: tuple[str, ...] = ("sync", "async", "drafts", "async", "drafts")
+#: The connector feature of a swarm mode, by level: 0 none, 1 external hits loaded
+#: synchronously, 2 loaded asynchronously, 3 asynchronous loads that may fail (each level
+#: needs the one before it); failing loads in a third of the draws.
+CONNECTOR_LEVELS: tuple[int, ...] = (0, 1, 2, 3, 3, 2)
+
+
 def swarm_modes() -> st.SearchStrategy[ServingMode]:
-    """Swarm testing of the serving modes: every feature is switched on independently
-    (async scheduling, admission gate, ``k`` drafts, external hits, asynchronous loads,
-    load failures), then the validity rules of :class:`ServingMode` are applied: drafts
-    are dropped under async scheduling, asynchronous loads need external hits, load
-    failures need asynchronous loads. Example: async + drafts 3 + load failures without
-    external hits drawn -> ``ServingMode(async_scheduling=True)``."""
+    """Swarm testing of the serving modes, at every tier (the small tier's production
+    property and the large tiers): each feature is drawn independently of the others,
+    scheduling (:data:`SCHEDULING`), the admission gate (half), the draft count (2, 3 or
+    4, used with ``drafts``) and the connector level (:data:`CONNECTOR_LEVELS`).
+    Features that need one another are levels of one draw, so no switch is wasted: load
+    failures come with a third of the examples, drafts with external hits with a third.
+    Shrinks toward the synchronous, ungated mode without a connector. Example:
+    ``drafts``, gate, 3, level 3 -> ``ServingMode(admission_gate=True,
+    num_draft_tokens=3, external_hits=True, async_loads=True, load_failures=True)``."""
     return st.builds(
-        _valid_mode,
+        _levelled_mode,
+        st.sampled_from(SCHEDULING),
         st.booleans(),
-        st.booleans(),
-        st.sampled_from((0, 0, 2, 3, 4)),
-        st.booleans(),
-        st.booleans(),
-        st.booleans(),
+        st.sampled_from((2, 3, 4)),
+        st.sampled_from(CONNECTOR_LEVELS),
+    )
+
+
+def _levelled_mode(scheduling: str, gate: bool, drafts: int, connector: int) -> ServingMode:
+    """The mode of one swarm draw (:func:`swarm_modes`); connector levels count up:
+    ``connector >= 1`` external hits, ``>= 2`` asynchronous loads, ``3`` failures."""
+    return _valid_mode(
+        scheduling == "async",
+        gate,
+        drafts if scheduling == "drafts" else 0,
+        connector >= 1,
+        connector >= 2,
+        connector >= 3,
     )
 
 
@@ -1094,9 +1105,16 @@ def mode_for_layout(mode: ServingMode, layout: KVCacheLayout) -> ServingMode:
 def swarm_layouts(draw, scale: ScaleTier, kinds: Sequence[str] = SPEC_KINDS) -> KVCacheLayout:
     """A layout of tier ``scale`` whose group types are switched on independently (each of
     ``kinds``, at least one; full attention when none is drawn), with pool pressure as a
-    feature too: under pressure the pool holds ``min_blocks..2 * min_blocks`` blocks,
-    else up to ``max_blocks``. Example: production, sliding window and Mamba drawn ->
-    two groups (a window from :data:`PRESET_WINDOWS`), block sizes from 16/32/64."""
+    feature too. A tier with a ``max_blocks`` bound (medium, production): under pressure
+    the pool holds ``min_blocks..2 * min_blocks`` blocks, else up to ``max_blocks``. The
+    small tier (no bound; pools are sized by the request, :func:`pool_sizes`): under
+    pressure the pool holds one request of ``max_model_len`` but not two
+    (``need + 1..2 * need`` blocks, at least ``min_blocks``), else :func:`pool_sizes`
+    draws it, and chunked-local chunks are a multiple of their block size
+    (:func:`_chunks_aligned`: every engine takes those; the scenario mix's targeted
+    layouts draw the other chunks). Example: production, sliding window and Mamba drawn -> two
+    groups (a window from :data:`PRESET_WINDOWS`), block sizes from 16/32/64; small, full
+    attention of block size 4 and ``max_model_len`` 32 under pressure -> 9..16 blocks."""
     chosen = [k for k in kinds if draw(st.booleans(), label=f"group {k}")]
     if not chosen:
         chosen = ["full"] if "full" in kinds else [kinds[0]]
@@ -1104,9 +1122,11 @@ def swarm_layouts(draw, scale: ScaleTier, kinds: Sequence[str] = SPEC_KINDS) -> 
         chosen = ["full", "mamba"] if "full" in kinds else chosen
     chosen = list(draw(st.permutations(chosen)))
     pressure = draw(st.booleans())
-    top = scale.max_blocks if scale.max_blocks is not None else 8 * scale.min_blocks
-    cap = min(top, 2 * scale.min_blocks) if pressure else top
-    return draw(
+    if scale.max_blocks is None:
+        cap = None
+    else:
+        cap = min(scale.max_blocks, 2 * scale.min_blocks) if pressure else scale.max_blocks
+    layout = draw(
         layouts(
             min_blocks=scale.min_blocks,
             max_blocks=cap,
@@ -1117,6 +1137,49 @@ def swarm_layouts(draw, scale: ScaleTier, kinds: Sequence[str] = SPEC_KINDS) -> 
             window_sizes=scale.window_sizes,
         )
     )
+    if scale.max_blocks is None and "chunked_local" in chosen:
+        layout = _chunks_aligned(layout)
+    if pressure and scale.max_blocks is None:
+        need = _blocks_one_request_needs(layout)
+        low = max(scale.min_blocks, need + 1)
+        pool = draw(st.integers(low, max(low, 2 * need)), label="pool under pressure")
+        layout = dataclasses.replace(layout, num_blocks=pool)
+    return layout
+
+
+def _chunks_aligned(layout: KVCacheLayout) -> KVCacheLayout:
+    """``layout`` with every chunked-local chunk rounded up to a multiple of its group's
+    block size (as deployed models have them: llama4's 8192 over blocks of 16 to 64; an
+    engine may refuse other chunks). Example: chunk 6 over blocks of 4 -> 8; chunk 1 ->
+    4; chunk 8 stays 8."""
+    groups = tuple(
+        dataclasses.replace(
+            g,
+            spec=dataclasses.replace(
+                g.spec,
+                attention_chunk_size=-(-g.spec.attention_chunk_size // g.spec.block_size)
+                * g.spec.block_size,
+            ),
+        )
+        if isinstance(g.spec, ChunkedLocalAttentionSpec)
+        else g
+        for g in layout.groups
+    )
+    return dataclasses.replace(layout, groups=groups)
+
+
+def production_base_layouts(
+    max_len: int = 128, kinds: Sequence[str] = SPEC_KINDS
+) -> st.SearchStrategy[KVCacheLayout]:
+    """The small tier's layouts of the production property, before its settings
+    (:func:`production_layouts`): the scenario mix (:func:`any_layouts`: presets and
+    targeted layouts) or, as often, a swarm layout of the small tier
+    (:func:`swarm_layouts`: each group type and pool pressure an independent switch), so
+    that every serving mode and setting meets every group type. Example: a draw of the
+    second branch with chunked local and Mamba switched on -> a two-group layout of
+    at most ``max_len`` tokens."""
+    small = dataclasses.replace(TIERS[SMALL], max_len=max_len)
+    return st.one_of(any_layouts(max_len=max_len, kinds=kinds), swarm_layouts(small, kinds))
 
 
 def bulk_arrivals(

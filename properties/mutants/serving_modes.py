@@ -141,7 +141,8 @@ class _ExternalCountedTwice:
 
 @REGISTRY.mutant(
     "exact",
-    ["exact_match", "EngineError"],
+    # table_covers_slots: the blocks past the loaded prefix are stray blocks (A5)
+    ["exact_match", "EngineError", "table_covers_slots"],
     "external computed tokens counted twice (as local hit and as external): every "
     "group allocates blocks past the loaded prefix",
     "production",

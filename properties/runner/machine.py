@@ -152,7 +152,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if self.config.production and supports:
             if self.config.preset is not None:
                 return kvst.PRODUCTION_MODE
-            return data.draw(kvst.serving_modes(), label="serving mode")
+            return data.draw(kvst.swarm_modes(), label="serving mode")
         if self.config.attention:
             return data.draw(kvst.connector_modes(), label="connector mode")
         return None

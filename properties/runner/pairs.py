@@ -98,11 +98,12 @@ def features(layout: KVCacheLayout, mode: ServingMode | None) -> frozenset[str]:
     if layout.num_blocks - 1 < 2 * layout.blocks_per_request():
         out.add("pool-pressure")
     if mode is not None:
+        # what a Mamba layout does not model is not run: no drafts, no connector
         has_mamba = "mamba" in out
         for name, on in (
             ("async", mode.async_scheduling),
             ("admission-gate", mode.admission_gate),
-            ("drafts", mode.num_draft_tokens > 0),
+            ("drafts", mode.num_draft_tokens > 0 and not has_mamba),
             ("external-hits", mode.external_hits and not has_mamba),
             ("async-loads", mode.async_loads and not has_mamba),
             ("load-failures", mode.load_failures and not has_mamba),

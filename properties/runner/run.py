@@ -322,6 +322,8 @@ def layout_strategy(config: CheckConfig, engine: EngineUnderTest):
         strategy = kvst.preset_layouts(
             names=[config.preset], max_len=config.max_len, served=config.production
         )
+    elif config.production:
+        strategy = kvst.production_base_layouts(max_len=config.max_len, kinds=kinds)
     else:
         strategy = kvst.any_layouts(max_len=config.max_len, kinds=kinds)
     if config.production and config.preset is None:

@@ -51,6 +51,7 @@ EVERY_MODE = (
     "drafts",
     "eagle-drop",
     "external-hits",
+    "load-failures",
     "lookahead-hashes",
     "retention=dense",
     "retention=interval",

@@ -16,10 +16,13 @@ from hypothesis.internal.constants_ast import _constants_from_source
 
 from properties.core.modes import ServingMode
 from properties.core.trace import Arrive, Step, validate_references
+from properties.engines.under_test import resolve_engine
 from properties.generate import strategies as kvst
-from properties.runner.check import PropertyResult, run_property, tiers_for
+from properties.runner.check import PropertyResult, config_for, run_property, tiers_for
 from properties.runner.config import CheckConfig
+from properties.runner.pairs import Declared, all_pairs, count_pairs, features, pair_status
 from properties.runner.profiles import tier_examples
+from properties.runner.run import layout_strategy
 from properties.runner.tiers import run_tier
 from reference.errors import KVConformError
 from reference.layout import KVCacheGroup, KVCacheLayout
@@ -206,6 +209,89 @@ def test_swarm_modes_switch_every_feature_on_and_combine_them() -> None:
     assert not drafts.async_scheduling
 
 
+def test_swarm_mode_levels_by_hand() -> None:
+    # (scheduling, gate, drafts, connector level): drafts count only with "drafts"; each
+    # connector level adds external hits, then asynchronous loads, then failures
+    assert kvst._levelled_mode("sync", False, 2, 0) == ServingMode()
+    assert kvst._levelled_mode("async", True, 4, 1) == ServingMode(
+        async_scheduling=True, admission_gate=True, external_hits=True
+    )
+    assert kvst._levelled_mode("drafts", False, 3, 2) == ServingMode(
+        num_draft_tokens=3, external_hits=True, async_loads=True
+    )
+    assert kvst._levelled_mode("async", False, 3, 3) == ServingMode(
+        async_scheduling=True, external_hits=True, async_loads=True, load_failures=True
+    )
+
+
+def test_swarm_modes_draw_load_failures_with_every_other_mode_feature() -> None:
+    few = settings(max_examples=500, derandomize=True, database=None)
+    with_async = find(
+        kvst.swarm_modes(), lambda m: m.load_failures and m.async_scheduling, settings=few
+    )
+    assert with_async.async_loads and with_async.external_hits
+    with_drafts = find(
+        kvst.swarm_modes(), lambda m: m.load_failures and m.num_draft_tokens, settings=few
+    )
+    assert not with_drafts.async_scheduling and with_drafts.num_draft_tokens in (2, 3, 4)
+
+
+@FEW
+@given(kvst.swarm_layouts(kvst.TIERS["small"]))
+def test_small_tier_swarm_layouts_stay_small(layout: KVCacheLayout) -> None:
+    assert layout.max_model_len <= 128 and layout.num_blocks >= 5
+
+
+def test_small_tier_swarm_layouts_switch_pressure_and_groups_independently() -> None:
+    small = kvst.TIERS["small"]
+    few = settings(max_examples=500, derandomize=True, database=None)
+
+    def need(layout: KVCacheLayout) -> int:
+        return layout.blocks_per_request()
+
+    # pressure: one request of max_model_len fits, two do not
+    tight = find(
+        kvst.swarm_layouts(small),
+        lambda lay: (
+            {"chunked_local", "mamba"} <= {s.type_name for s in lay.specs}
+            and lay.num_blocks <= 2 * need(lay)
+            and need(lay) > 5
+        ),
+        settings=few,
+    )
+    assert need(tight) + 1 <= tight.num_blocks <= 2 * need(tight)
+    roomy = find(
+        kvst.swarm_layouts(small),
+        lambda lay: "mamba" in {s.type_name for s in lay.specs} and lay.num_blocks > 2 * need(lay),
+        settings=few,
+    )
+    assert roomy.num_blocks > 2 * need(roomy)
+
+
+def test_production_draws_reach_every_pair_the_reference_supports() -> None:
+    """The small tier's production property draws (its layouts and swarm modes, as the
+    machine draws them) reach every pair the reference supports within 600 examples of a
+    derandomized stream of the draws alone (consecutive examples of a stream are often
+    variants of one another; the ci run's own reach, 200 examples with the rules' draws
+    between, is gated in tests/properties/tools/test_rule_coverage.py)."""
+    engine = resolve_engine("reference", isolation="none")
+    layouts = layout_strategy(config_for("production", CheckConfig()), engine)
+    counts: dict[tuple[str, str], int] = {}
+
+    @settings(FEW, max_examples=600)
+    @given(st.data())
+    def draw(data) -> None:
+        layout = data.draw(layouts)
+        mode = engine.serving_mode(data.draw(kvst.swarm_modes()), True)
+        count_pairs(counts, features(layout, mode))
+
+    draw()
+    declared = Declared(frozenset(engine.production_settings), True, engine.spec_types)
+    missed = [p for p in all_pairs() if pair_status(p, counts, declared) == "MISSED"]
+    assert missed == []
+    assert counts[("async", "load-failures")] > 0 and counts[("drafts", "external-hits")] > 0
+
+
 def test_invalid_combinations_are_dropped_by_the_rules() -> None:
     assert kvst._valid_mode(True, False, 3, False, True, True) == ServingMode(async_scheduling=True)
     mamba = kvst.PRESETS["jamba"].layout(64, 128, block_size=4, scale_windows=1)
@@ -267,3 +353,18 @@ def test_max_examples_alone_runs_the_small_tier_only() -> None:
     assert large_tiers(None, "ci", 5) == ()
     assert large_tiers("medium", "ci", 5) == ("medium",)
     assert large_tiers("none", "ci") == ()
+
+
+def test_chunks_aligned_rounds_each_chunk_up_to_its_block_size() -> None:
+    from reference.specs import ChunkedLocalAttentionSpec, FullAttentionSpec
+
+    def chunked(chunk: int) -> KVCacheGroup:
+        spec = ChunkedLocalAttentionSpec(block_size=4, attention_chunk_size=chunk)
+        return KVCacheGroup(("c",), spec)
+
+    full = KVCacheGroup(("f",), FullAttentionSpec(block_size=4))
+    for chunk, aligned in ((6, 8), (1, 4), (8, 8), (9, 12)):
+        layout = KVCacheLayout(groups=(full, chunked(chunk)), num_blocks=40, max_model_len=64)
+        out = kvst._chunks_aligned(layout)
+        assert out.groups[0] == full
+        assert out.groups[1].spec.attention_chunk_size == aligned

@@ -60,6 +60,22 @@ def test_external_hits_do_not_count_with_mamba() -> None:
     assert features(layout, mode) == {"full", "mamba"}
 
 
+def test_drafts_do_not_count_with_mamba() -> None:
+    # the scheduler proposes no drafts with a Mamba group (no speculative Mamba blocks)
+    mamba = KVCacheLayout(
+        groups=(
+            KVCacheGroup(("full",), FullAttentionSpec(block_size=4)),
+            KVCacheGroup(("m",), MambaSpec(block_size=4)),
+        ),
+        num_blocks=200,
+        max_model_len=32,
+    )
+    full = dataclasses.replace(mamba, groups=mamba.groups[:1])
+    mode = ServingMode(admission_gate=True, num_draft_tokens=3)
+    assert features(mamba, mode) == {"admission-gate", "full", "mamba"}
+    assert features(full, mode) == {"admission-gate", "drafts", "full"}
+
+
 def test_count_pairs_counts_each_pair_of_features_once_per_example() -> None:
     counts: dict[tuple[str, str], int] = {}
     count_pairs(counts, {"async", "admission-gate", "full", "sliding_window"})

@@ -4,7 +4,8 @@ the report names what is unreached (file:line, function, source line).
 The gate runs ``kvconform check --engine reference --level exact --profile ci --only
 invariants production --coverage --coverage-gate`` as its own process (the production
 property reaches the retention, EAGLE, asynchronous, draft and admission rules),
-exactly as a user would: the
+exactly as a user would (the same run must reach every pair of features the reference
+supports: ``pairs reached: N of N``): the
 derandomized examples depend on the local modules loaded (Hypothesis draws integers from
 the constants of local code), so only the check's own process sees the check's examples.
 """
@@ -76,6 +77,14 @@ def test_ci_profile_reaches_every_gated_branch(tmp_path) -> None:
         + f"\n--- output ---\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
     )
     assert "rule coverage of reference/" in done.stdout
+    # the same run reaches every pair of features the reference supports (swarm testing)
+    reach = [line for line in done.stdout.splitlines() if line.startswith("pairs reached: ")]
+    assert len(reach) == 1, done.stdout[-3000:]
+    reached, supported = (
+        reach[0].removeprefix("pairs reached: ").split(" the engine")[0].split(" of ")
+    )
+    missed = [line for line in done.stdout.splitlines() if line.startswith("  missed: ")]
+    assert reached == supported and not missed, "\n".join([reach[0], *missed])
 
 
 def test_report_names_each_unreached_branch() -> None:
