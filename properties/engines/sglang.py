@@ -198,6 +198,9 @@ class _Request:
     #: SWA row entries below this page index read null: pages of the adopted hit that
     #: SGLang's lock leaves evictable (it locks only the last window of the hit)
     swa_unlocked_pages: int = 0
+    #: publish the computed prefix after each prefill step (``checkpoint_kv_cache``);
+    #: False: at ``free`` only
+    checkpoints: bool = False
 
 
 class _SGLangModules:
@@ -313,8 +316,12 @@ class SGLangEngine:
         req.extra_key = request.lora_name
         req.cache_salt = request.cache_salt or None
         req.refresh_fill_ids()
+        # every other request publishes its prefix after each prefill step, as SGLang's
+        # scheduler does; the others at free only, so both insert paths are driven
         self._requests[request.request_id] = _Request(
-            req=req, tokens=list(request.prompt_token_ids)
+            req=req,
+            tokens=list(request.prompt_token_ids),
+            checkpoints=len(self._requests) % 2 == 1,
         )
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
@@ -330,10 +337,36 @@ class SGLangEngine:
                 f"sglang adapter: num_computed_tokens out of range for "
                 f"{request_id!r}: {num_computed_tokens}"
             )
+        previous = state.num_computed_tokens
         state.num_computed_tokens = num_computed_tokens
         kv = state.req.kv
         if kv.holds_kv:
             kv.kv_committed_len = min(num_computed_tokens, kv.kv_allocated_len)
+            prefill_step = previous < len(state.req.origin_input_ids)
+            if state.checkpoints and prefill_step and num_computed_tokens > previous:
+                self._checkpoint_unfinished(state)
+
+    def _checkpoint_unfinished(self, state: _Request) -> None:
+        """After a prefill (extend) step, publish what the running request computed, as
+        SGLang's scheduler does (``checkpoint_kv_cache``): the tree takes the page-aligned
+        prefix ``[protected, computed)``, frees the request's slots it already held, rewrites
+        the row with its own and moves the request's lock onto the inserted node.
+
+        Then pages of the row below the lock's SWA window are tree-owned and unlocked, so
+        they read null in the SWA group (note 6). Example: bs 2, sws 3, a 9-token prompt
+        computed in one chunk of 9: the tree takes 8 tokens (4 pages); the lock keeps
+        ``ceil(3 / 2) = 2`` SWA pages, so pages 0 and 1 read null.
+        """
+        req, kv = state.req, state.req.kv
+        up_to = kv.kv_committed_len
+        if up_to <= kv.cache_protected_len:
+            return
+        self.cache.checkpoint(req, up_to=up_to)
+        page = self.config.page_size
+        kept = _cdiv(max(self.config.sglang_window, page), page)
+        state.swa_unlocked_pages = max(
+            state.swa_unlocked_pages, kv.cache_protected_len // page - kept
+        )
 
     def new_step(self) -> None:
         """SGLang has no per-step hook the KV cache needs."""
@@ -497,16 +530,21 @@ class SGLangEngine:
         torch = m["torch"]
         page = self.config.page_size
         need = target - before
-        m["evict_from_tree_cache"](self.cache, need + (page if page > 1 else 0))
-        if page == 1:
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        last = int(row[before - 1]) if before > 0 else -1
+
+        def t(v: int) -> Any:
+            return torch.tensor([v], dtype=torch.int64)
+
+        if page > 1 and before > 0 and need == 1:
+            # one decode slot: SGLang's alloc_for_decode (evict a page, alloc_decode)
+            m["evict_from_tree_cache"](self.cache, page)
+            out = self.allocator.alloc_decode(t(target), t(target), t(last))
+        elif page == 1:
+            m["evict_from_tree_cache"](self.cache, need)
             out = self.allocator.alloc(need)
         else:
-            row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-            last = int(row[before - 1]) if before > 0 else -1
-
-            def t(v: int) -> Any:
-                return torch.tensor([v], dtype=torch.int64)
-
+            m["evict_from_tree_cache"](self.cache, need + page)
             out = self.allocator.alloc_extend(
                 t(before), t(before), t(target), t(target), t(last), need
             )
