@@ -435,7 +435,7 @@ class SGLangEngine:
         num_lookahead_tokens: int = 0,
     ) -> BlockIds | None:
         state = self._get(request_id)
-        req, kv = state.req, state.req.kv
+        kv = state.req.kv
         hit_tokens = hit.num_tokens if hit is not None else 0
         if num_new_computed_tokens != hit_tokens:
             raise EngineError(
@@ -457,8 +457,7 @@ class SGLangEngine:
         elif hit_tokens:
             raise EngineError(f"sglang adapter: a hit for running request {request_id!r}")
         elif state.num_computed_tokens > 0:
-            # decode-time window slide (ScheduleBatch.maybe_evict_swa)
-            self.cache.evict_sliding_windows(req, state.num_computed_tokens)
+            self._slide_window(state)
         computed = state.num_computed_tokens + hit_tokens
         target = computed + num_new_tokens + num_lookahead_tokens
         if target > self.row_width:
@@ -478,6 +477,25 @@ class SGLangEngine:
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :target].tolist()
         ids = self._block_ids_of(row)
         return tuple(tuple(g[first_new_page:]) for g in ids)
+
+    def _slide_window(self, state: _Request) -> None:
+        """The decode-time window slide of SGLang's ``ScheduleBatch.maybe_evict_swa``, in a
+        free group as there: free the out-of-window SWA slots the request owns, and once
+        the window ``[p - sws, p]`` has passed the tree-owned prefix (``p - sws >=
+        protected``), release the SWA part of the request's tree lock
+        (``release_swa_prefix_lock``), which leaves the prefix's SWA pages evictable: they
+        read null from then on. Example: sws 3, a protected prefix of 8 tokens, bs 2: at
+        ``p = 11`` the lock's SWA part is released and pages 0-3 read null."""
+        req, kv = state.req, state.req.kv
+        p = state.num_computed_tokens
+        self.allocator.free_group_begin()
+        self.cache.evict_sliding_windows(req, p)
+        self.allocator.free_group_end()
+        protected = kv.cache_protected_len
+        if req.lock is not None and protected and p - self.config.sglang_window >= protected:
+            self.cache.release_swa_prefix_lock(req)
+            page = self.config.page_size
+            state.swa_unlocked_pages = max(state.swa_unlocked_pages, protected // page)
 
     def _admit(self, state: _Request, hit_tokens: int, row: int) -> None:
         """Take ``row``, lock and write the hit (what ``match_kv_cache`` records)."""
