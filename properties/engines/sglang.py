@@ -575,10 +575,21 @@ class SGLangEngine:
     # ------------------------------------------------------------------- free
     def free(self, request_id: str) -> None:
         state = self._get(request_id)
-        req, kv = state.req, state.req.kv
+        kv = state.req.kv
         state.pending = None
         if not kv.holds_kv:
             return
+        # SGLang releases finished requests inside a free group (the result processing
+        # of a batch): the pools take the freed slots back at free_group_end
+        self.allocator.free_group_begin()
+        try:
+            self._release(state)
+        finally:
+            self.allocator.free_group_end()
+
+    def _release(self, state: _Request) -> None:
+        """``release_kv_cache(req, checkpoint=True)`` of note 7."""
+        req, kv = state.req, state.req.kv
         page = self.config.page_size
         committed = min(state.num_computed_tokens, kv.kv_allocated_len)
         kv.kv_committed_len = committed
