@@ -677,7 +677,8 @@ def make_engine_rust(layout: KVCacheLayout) -> SGLangEngine:
 
 def sglang_layouts():
     """The layouts this adapter drives: one full and one sliding-window group (``w >= 2``)
-    with one block size (SGLang's page size) in ``SUPPORTED_PAGE_SIZES``."""
+    with one block size (SGLang's page size) in ``SUPPORTED_PAGE_SIZES``; prefix caching
+    is off in one layout of eight."""
     from hypothesis import strategies as st
 
     from reference.layout import KVCacheGroup
@@ -694,7 +695,10 @@ def sglang_layouts():
         max_len = draw(st.integers(8 * page, 96))
         per_request = -(-max_len // page) + 1
         num_blocks = draw(st.integers(per_request + 2, 4 * per_request))
-        return KVCacheLayout((full, swa) if full_first else (swa, full), num_blocks, max_len)
+        # one layout in eight turns prefix caching off (SGLang's ``disable``)
+        caching = draw(st.integers(0, 7)) != 0
+        groups = (full, swa) if full_first else (swa, full)
+        return KVCacheLayout(groups, num_blocks, max_len, enable_caching=caching)
 
     return build()
 
