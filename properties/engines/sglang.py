@@ -39,7 +39,9 @@ How each difference from vLLM is bridged
 5. **Allocation.** ``allocate_slots`` grows the request's row to
    ``computed + hit + new + lookahead`` tokens: it first lets the tree evict
    (``evict_from_tree_cache``), then calls ``alloc`` (bs 1) or ``alloc_extend``
-   (bs > 1), which take a full *and* an SWA slot per token. Before that, the budget
+   (bs > 1), which take a full *and* an SWA slot per token; one decode slot of a running
+   request at bs > 1 comes from ``alloc_decode`` after evicting one page, as SGLang's
+   ``alloc_for_decode`` does. Before that, the budget
    check of SGLang's ``PrefillAdder`` (new pages <= available + evictable, per pool,
    with the hit already locked) returns ``None`` without touching anything; when the
    allocator still fails after evicting, ``None`` too, and tree entries evicted while
@@ -50,7 +52,10 @@ How each difference from vLLM is bridged
    (``evict_sliding_windows`` -> ``free_swa_out_of_window_slots``): it keeps
    ``ceil(max(sws, bs) / bs)`` pages behind the next position ``p``, frees whole pages
    below, and never frees tree-owned (protected) pages itself. The adapter calls it at
-   every ``allocate_slots`` of a request with computed tokens, with ``pre_len = p``.
+   every ``allocate_slots`` of a request with computed tokens, with ``pre_len = p``, in a
+   free group; once the window has passed the tree-owned prefix (``p - sws >=
+   protected``) it releases the SWA part of the request's lock
+   (``release_swa_prefix_lock``), and those pages read null from then on.
    The freed pages read as null (0) in the SWA group; the full group never frees.
    Pages of an adopted hit that SGLang's lock leaves evictable (all but the last
    ``ceil(max(sws, bs) / bs)``: it locks only the hit's last window in the SWA tree) read
@@ -61,7 +66,11 @@ How each difference from vLLM is bridged
    (the tree frees the request's duplicate slots itself and rewrites its row), then
    ``free_kv_row`` releases ``[protected, computed)`` and the over-allocated tail
    ``[ceil(computed / bs) * bs, allocated)``, the lock is dropped, ``on_release`` runs
-   and the row is returned. SGLang's own preemption (retract) does **not** insert;
+   and the row is returned, all in a free group. Every other request (the second, the
+   fourth, ... added) also publishes its computed prefix after each prefill step
+   (``checkpoint_kv_cache``: ``cache.checkpoint`` of a running request), as SGLang's
+   scheduler does; the others publish at ``free`` only, so both insert paths run.
+   SGLang's own preemption (retract) does **not** insert;
    the protocol's preemption (free, then computed = 0) does, like vLLM.
 8. **num_free_blocks** = ``min`` over the two pools of ``(available + evictable) //
    bs``: pages an allocation could obtain now, evicting unlocked tree entries.
