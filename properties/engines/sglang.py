@@ -39,7 +39,9 @@ How each difference from vLLM is bridged
 5. **Allocation.** ``allocate_slots`` grows the request's row to
    ``computed + hit + new + lookahead`` tokens: it first lets the tree evict
    (``evict_from_tree_cache``), then calls ``alloc`` (bs 1) or ``alloc_extend``
-   (bs > 1), which take a full *and* an SWA slot per token. Before that, the budget
+   (bs > 1), which take a full *and* an SWA slot per token; one decode slot of a running
+   request at bs > 1 comes from ``alloc_decode`` after evicting one page, as SGLang's
+   ``alloc_for_decode`` does. Before that, the budget
    check of SGLang's ``PrefillAdder`` (new pages <= available + evictable, per pool,
    with the hit already locked) returns ``None`` without touching anything; when the
    allocator still fails after evicting, ``None`` too, and tree entries evicted while
@@ -50,7 +52,10 @@ How each difference from vLLM is bridged
    (``evict_sliding_windows`` -> ``free_swa_out_of_window_slots``): it keeps
    ``ceil(max(sws, bs) / bs)`` pages behind the next position ``p``, frees whole pages
    below, and never frees tree-owned (protected) pages itself. The adapter calls it at
-   every ``allocate_slots`` of a request with computed tokens, with ``pre_len = p``.
+   every ``allocate_slots`` of a request with computed tokens, with ``pre_len = p``, in a
+   free group; once the window has passed the tree-owned prefix (``p - sws >=
+   protected``) it releases the SWA part of the request's lock
+   (``release_swa_prefix_lock``), and those pages read null from then on.
    The freed pages read as null (0) in the SWA group; the full group never frees.
    Pages of an adopted hit that SGLang's lock leaves evictable (all but the last
    ``ceil(max(sws, bs) / bs)``: it locks only the hit's last window in the SWA tree) read
@@ -61,7 +66,11 @@ How each difference from vLLM is bridged
    (the tree frees the request's duplicate slots itself and rewrites its row), then
    ``free_kv_row`` releases ``[protected, computed)`` and the over-allocated tail
    ``[ceil(computed / bs) * bs, allocated)``, the lock is dropped, ``on_release`` runs
-   and the row is returned. SGLang's own preemption (retract) does **not** insert;
+   and the row is returned, all in a free group. Every other request (the second, the
+   fourth, ... added) also publishes its computed prefix after each prefill step
+   (``checkpoint_kv_cache``: ``cache.checkpoint`` of a running request), as SGLang's
+   scheduler does; the others publish at ``free`` only, so both insert paths run.
+   SGLang's own preemption (retract) does **not** insert;
    the protocol's preemption (free, then computed = 0) does, like vLLM.
 8. **num_free_blocks** = ``min`` over the two pools of ``(available + evictable) //
    bs``: pages an allocation could obtain now, evicting unlocked tree entries.
@@ -198,6 +207,9 @@ class _Request:
     #: SWA row entries below this page index read null: pages of the adopted hit that
     #: SGLang's lock leaves evictable (it locks only the last window of the hit)
     swa_unlocked_pages: int = 0
+    #: publish the computed prefix after each prefill step (``checkpoint_kv_cache``);
+    #: False: at ``free`` only
+    checkpoints: bool = False
 
 
 class _SGLangModules:
@@ -313,8 +325,12 @@ class SGLangEngine:
         req.extra_key = request.lora_name
         req.cache_salt = request.cache_salt or None
         req.refresh_fill_ids()
+        # every other request publishes its prefix after each prefill step, as SGLang's
+        # scheduler does; the others at free only, so both insert paths are driven
         self._requests[request.request_id] = _Request(
-            req=req, tokens=list(request.prompt_token_ids)
+            req=req,
+            tokens=list(request.prompt_token_ids),
+            checkpoints=len(self._requests) % 2 == 1,
         )
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
@@ -330,10 +346,36 @@ class SGLangEngine:
                 f"sglang adapter: num_computed_tokens out of range for "
                 f"{request_id!r}: {num_computed_tokens}"
             )
+        previous = state.num_computed_tokens
         state.num_computed_tokens = num_computed_tokens
         kv = state.req.kv
         if kv.holds_kv:
             kv.kv_committed_len = min(num_computed_tokens, kv.kv_allocated_len)
+            prefill_step = previous < len(state.req.origin_input_ids)
+            if state.checkpoints and prefill_step and num_computed_tokens > previous:
+                self._checkpoint_unfinished(state)
+
+    def _checkpoint_unfinished(self, state: _Request) -> None:
+        """After a prefill (extend) step, publish what the running request computed, as
+        SGLang's scheduler does (``checkpoint_kv_cache``): the tree takes the page-aligned
+        prefix ``[protected, computed)``, frees the request's slots it already held, rewrites
+        the row with its own and moves the request's lock onto the inserted node.
+
+        Then pages of the row below the lock's SWA window are tree-owned and unlocked, so
+        they read null in the SWA group (note 6). Example: bs 2, sws 3, a 9-token prompt
+        computed in one chunk of 9: the tree takes 8 tokens (4 pages); the lock keeps
+        ``ceil(3 / 2) = 2`` SWA pages, so pages 0 and 1 read null.
+        """
+        req, kv = state.req, state.req.kv
+        up_to = kv.kv_committed_len
+        if up_to <= kv.cache_protected_len:
+            return
+        self.cache.checkpoint(req, up_to=up_to)
+        page = self.config.page_size
+        kept = _cdiv(max(self.config.sglang_window, page), page)
+        state.swa_unlocked_pages = max(
+            state.swa_unlocked_pages, kv.cache_protected_len // page - kept
+        )
 
     def new_step(self) -> None:
         """SGLang has no per-step hook the KV cache needs."""
@@ -402,7 +444,7 @@ class SGLangEngine:
         num_lookahead_tokens: int = 0,
     ) -> BlockIds | None:
         state = self._get(request_id)
-        req, kv = state.req, state.req.kv
+        kv = state.req.kv
         hit_tokens = hit.num_tokens if hit is not None else 0
         if num_new_computed_tokens != hit_tokens:
             raise EngineError(
@@ -424,8 +466,7 @@ class SGLangEngine:
         elif hit_tokens:
             raise EngineError(f"sglang adapter: a hit for running request {request_id!r}")
         elif state.num_computed_tokens > 0:
-            # decode-time window slide (ScheduleBatch.maybe_evict_swa)
-            self.cache.evict_sliding_windows(req, state.num_computed_tokens)
+            self._slide_window(state)
         computed = state.num_computed_tokens + hit_tokens
         target = computed + num_new_tokens + num_lookahead_tokens
         if target > self.row_width:
@@ -445,6 +486,25 @@ class SGLangEngine:
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :target].tolist()
         ids = self._block_ids_of(row)
         return tuple(tuple(g[first_new_page:]) for g in ids)
+
+    def _slide_window(self, state: _Request) -> None:
+        """The decode-time window slide of SGLang's ``ScheduleBatch.maybe_evict_swa``, in a
+        free group as there: free the out-of-window SWA slots the request owns, and once
+        the window ``[p - sws, p]`` has passed the tree-owned prefix (``p - sws >=
+        protected``), release the SWA part of the request's tree lock
+        (``release_swa_prefix_lock``), which leaves the prefix's SWA pages evictable: they
+        read null from then on. Example: sws 3, a protected prefix of 8 tokens, bs 2: at
+        ``p = 11`` the lock's SWA part is released and pages 0-3 read null."""
+        req, kv = state.req, state.req.kv
+        p = state.num_computed_tokens
+        self.allocator.free_group_begin()
+        self.cache.evict_sliding_windows(req, p)
+        self.allocator.free_group_end()
+        protected = kv.cache_protected_len
+        if req.lock is not None and protected and p - self.config.sglang_window >= protected:
+            self.cache.release_swa_prefix_lock(req)
+            page = self.config.page_size
+            state.swa_unlocked_pages = max(state.swa_unlocked_pages, protected // page)
 
     def _admit(self, state: _Request, hit_tokens: int, row: int) -> None:
         """Take ``row``, lock and write the hit (what ``match_kv_cache`` records)."""
@@ -497,16 +557,21 @@ class SGLangEngine:
         torch = m["torch"]
         page = self.config.page_size
         need = target - before
-        m["evict_from_tree_cache"](self.cache, need + (page if page > 1 else 0))
-        if page == 1:
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        last = int(row[before - 1]) if before > 0 else -1
+
+        def t(v: int) -> Any:
+            return torch.tensor([v], dtype=torch.int64)
+
+        if page > 1 and before > 0 and need == 1:
+            # one decode slot: SGLang's alloc_for_decode (evict a page, alloc_decode)
+            m["evict_from_tree_cache"](self.cache, page)
+            out = self.allocator.alloc_decode(t(target), t(target), t(last))
+        elif page == 1:
+            m["evict_from_tree_cache"](self.cache, need)
             out = self.allocator.alloc(need)
         else:
-            row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-            last = int(row[before - 1]) if before > 0 else -1
-
-            def t(v: int) -> Any:
-                return torch.tensor([v], dtype=torch.int64)
-
+            m["evict_from_tree_cache"](self.cache, need + page)
             out = self.allocator.alloc_extend(
                 t(before), t(before), t(target), t(target), t(last), need
             )
@@ -519,10 +584,21 @@ class SGLangEngine:
     # ------------------------------------------------------------------- free
     def free(self, request_id: str) -> None:
         state = self._get(request_id)
-        req, kv = state.req, state.req.kv
+        kv = state.req.kv
         state.pending = None
         if not kv.holds_kv:
             return
+        # SGLang releases finished requests inside a free group (the result processing
+        # of a batch): the pools take the freed slots back at free_group_end
+        self.allocator.free_group_begin()
+        try:
+            self._release(state)
+        finally:
+            self.allocator.free_group_end()
+
+    def _release(self, state: _Request) -> None:
+        """``release_kv_cache(req, checkpoint=True)`` of note 7."""
+        req, kv = state.req, state.req.kv
         page = self.config.page_size
         committed = min(state.num_computed_tokens, kv.kv_allocated_len)
         kv.kv_committed_len = committed
@@ -610,7 +686,8 @@ def make_engine_rust(layout: KVCacheLayout) -> SGLangEngine:
 
 def sglang_layouts():
     """The layouts this adapter drives: one full and one sliding-window group (``w >= 2``)
-    with one block size (SGLang's page size) in ``SUPPORTED_PAGE_SIZES``."""
+    with one block size (SGLang's page size) in ``SUPPORTED_PAGE_SIZES``; prefix caching
+    is off in one layout of eight."""
     from hypothesis import strategies as st
 
     from reference.layout import KVCacheGroup
@@ -627,7 +704,10 @@ def sglang_layouts():
         max_len = draw(st.integers(8 * page, 96))
         per_request = -(-max_len // page) + 1
         num_blocks = draw(st.integers(per_request + 2, 4 * per_request))
-        return KVCacheLayout((full, swa) if full_first else (swa, full), num_blocks, max_len)
+        # one layout in eight turns prefix caching off (SGLang's ``disable``)
+        caching = draw(st.integers(0, 7)) != 0
+        groups = (full, swa) if full_first else (swa, full)
+        return KVCacheLayout(groups, num_blocks, max_len, enable_caching=caching)
 
     return build()
 

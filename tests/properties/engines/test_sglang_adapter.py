@@ -278,3 +278,107 @@ def test_per_pool_accounting_catches_swa_locked_pages_counted_free():
         messages[name] = pool_accounting_per_pool(state, event)
     assert messages["sglang"] is None
     assert messages["mutant"] is not None and "pool 'swa'" in messages["mutant"]
+
+
+# -- issue 19: calls that drive branches the ci profile did not reach before -------------
+
+
+def _mutant_patched(monkeypatch, name: str) -> None:
+    from tests.properties.engines.sglang_mutants import mutated
+
+    owner, method, function = mutated(name)
+    monkeypatch.setattr(owner, method, function)
+
+
+def test_decode_slot_comes_from_alloc_decode_and_a_mapping_mutant_shares_a_page(monkeypatch):
+    """bs 2, window 4 (SGLang's 3). A and B each prefill 4 tokens: A pages 1, 2 and B
+    pages 3, 4 in both pools. A's decode token at position 4 opens a page: SGLang's
+    ``alloc_decode`` hands out page 5 in both pools; the next one (position 5) stays in
+    it (no new page). The ``decode_mapping`` mutant maps the new slot to the SWA slot after
+    A's last one (A's last SWA slot is 2 * 2 + 1 = 5, so slot 6 = page 3): B's SWA page,
+    now in both rows."""
+    for mutant in (False, True):
+        with monkeypatch.context() as patch:
+            if mutant:
+                _mutant_patched(patch, "decode_mapping")
+            engine = make_engine(hybrid(2))
+            prefill(engine, "A", (1, 2, 3, 4))
+            prefill(engine, "B", (5, 6, 7, 8))
+            assert engine.get_block_ids("B") == ((3, 4), (3, 4))
+            new = engine.allocate_slots("A", 1)
+            if not mutant:
+                assert new == ((5,), (5,))
+                engine.set_num_computed_tokens("A", 5)
+                assert engine.allocate_slots("A", 1) == ((), ())
+                assert engine.get_block_ids("A") == ((1, 2, 5), (1, 2, 5))
+            else:
+                assert new == ((5,), (3,))  # B's SWA page 3
+
+
+def test_odd_requests_publish_their_prefix_after_prefill_and_release_the_swa_lock_later():
+    """bs 2, window 4 (SGLang's 3: the lock keeps ceil(3 / 2) = 2 SWA pages). A (the
+    first request) prefills 12 tokens and publishes nothing until it is freed: a lookup
+    of its prompt hits 0. B (the second) prefills 12 other tokens and publishes them at
+    once (``checkpoint_kv_cache``): a lookup hits 12 while B runs, and B's SWA pages 0-3
+    (tokens 0-7, below its lock's window) read null. At ``p = 15`` B's window [12, 15]
+    has passed the 12 published tokens: the SWA part of its lock is released, once: the
+    tree's locked SWA tokens (only B locks anything) all become evictable, and B's pages
+    0-5 read null."""
+    engine = make_engine(hybrid(2))
+    a_prompt = tuple(range(100, 112))
+    b_prompt = tuple(range(200, 212))
+    prefill(engine, "A", a_prompt)
+    prefill(engine, "B", b_prompt)
+    engine.add_request(RequestInput("C", a_prompt + (1,)))
+    assert engine.get_computed_blocks("C").num_tokens == 0
+    engine.add_request(RequestInput("D", b_prompt + (1,)))
+    assert engine.get_computed_blocks("D").num_tokens == 12
+    # A: full 1-6, SWA 1-6; B: full 7-12, SWA 7-12
+    assert engine.get_block_ids("B") == ((7, 8, 9, 10, 11, 12), (0, 0, 0, 0, 11, 12))
+    for p in (12, 13, 14):
+        assert engine.allocate_slots("B", 1) is not None
+        engine.set_num_computed_tokens("B", p + 1)
+    locked, evictable = engine.cache.swa_protected_size(), engine.cache.swa_evictable_size()
+    assert locked > 0
+    assert engine.allocate_slots("B", 1) is not None  # p = 15: released
+    assert engine.cache.swa_protected_size() == 0
+    assert engine.cache.swa_evictable_size() == evictable + locked
+    assert engine.get_block_ids("B")[1][:6] == (0, 0, 0, 0, 0, 0)
+    engine.set_num_computed_tokens("B", 16)
+    assert engine.allocate_slots("B", 1) is not None  # released once: nothing changes
+    assert engine.cache.swa_protected_size() == 0
+    assert engine.cache.swa_evictable_size() == evictable + locked
+    engine.free("B")
+
+
+def _check_mutant(name: str) -> str:
+    """``kvconform check --only invariants`` against mutant ``name`` (20 examples, the
+    small tier, in process): its output. Caught at example 13 (``decode_mapping``) and
+    10 (``swa_release_twice``)."""
+    import os
+    import subprocess
+    import sys
+
+    command = [
+        sys.executable, "-W", "ignore", "-m", "properties.tools.cli", "check",
+        "--engine", f"tests.properties.engines.sglang_mutants:make_{name}",
+        "--isolation", "none", "--level", "universal", "--profile", "ci",
+        "--only", "invariants", "--max-examples", "20", "--tiers", "none",
+        "--workers", "1", "--shrink-seconds", "5",
+    ]  # fmt: skip
+    # one torch thread: torch's thread pool can deadlock in the forked run worker
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_ROOT)}
+    done = subprocess.run(command, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0, done.stdout[-2000:]
+    return done.stdout
+
+
+def test_the_gate_catches_the_decode_mapping_mutant():
+    """A page shared by two requests' SWA rows is written by both: exclusive_write."""
+    assert "first failure [exclusive_write]" in _check_mutant("decode_mapping")
+
+
+def test_the_gate_catches_the_swa_released_twice_mutant():
+    """The second release drops the SWA lock count of the prefix below zero: SGLang's
+    own lock-count assertion fails, an engine error."""
+    assert "first failure [EngineError]" in _check_mutant("swa_release_twice")

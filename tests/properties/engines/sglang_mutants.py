@@ -1,0 +1,90 @@
+"""Two realistic bugs in SGLang's cache, placed in branches the ci profile did not reach
+before the SGLang adapter drove decode allocation and the prefix's SWA lock release
+(issue 19): each must be caught by kvconform's checks. Test fixtures, not part of the
+package; they need SGLang (``.engines/sglang``).
+
+* ``decode_mapping``: ``SWATokenToKVPoolAllocator.alloc_decode`` maps a new decode slot
+  to the SWA slot after the request's last one (``swa_last_loc + 1``) instead of the one
+  the SWA allocator handed out: right inside a page, wrong at a page boundary, where the
+  request's new SWA page is whatever page follows its last one (another request's).
+* ``swa_release_twice``: ``UnifiedRadixCache.release_swa`` forgets to mark the lock's
+  SWA part released (``lock.swa_released = True``), so every later decode step releases
+  it again and the SWA lock counts of the prefix go down past the request's own lock.
+
+Each mutation rewrites one line of the method's source at run time and is applied once
+per process, when the factory first builds an engine.
+
+Worked example::
+
+    kvconform check --engine tests.properties.engines.sglang_mutants:make_decode_mapping \\
+        --isolation none --level universal --only invariants
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+import textwrap
+from collections.abc import Callable
+
+from properties.engines import sglang as adapter
+from reference.layout import KVCacheLayout
+
+#: name -> (module, class, method, the line as SGLang has it, the mutated line)
+MUTATIONS = {
+    "decode_mapping": (
+        "sglang.srt.mem_cache.allocator.swa",
+        "SWATokenToKVPoolAllocator",
+        "alloc_decode",
+        "self.full_to_swa_index_mapping[alloc_full_indices] = alloc_swa_indices",
+        "self.full_to_swa_index_mapping[alloc_full_indices] = swa_last_loc + 1",
+    ),
+    "swa_release_twice": (
+        "sglang.srt.mem_cache.unified_radix_cache",
+        "UnifiedRadixCache",
+        "release_swa",
+        "lock.swa_released = True",
+        "pass",
+    ),
+}
+_APPLIED: set[str] = set()
+
+
+def mutated(name: str) -> tuple[type, str, Callable]:
+    """``(class, method, mutated function)`` for mutant ``name`` (see
+    :data:`MUTATIONS`): the method's source with one line replaced."""
+    module_name, class_name, method, old, new = MUTATIONS[name]
+    module = importlib.import_module(module_name)
+    owner = getattr(module, class_name)
+    function = inspect.unwrap(getattr(owner, method))
+    source = textwrap.dedent(inspect.getsource(function))
+    if source.count(old) != 1:
+        raise RuntimeError(f"mutant {name}: {old!r} not found once in {class_name}.{method}")
+    source = "\n".join(line for line in source.splitlines() if not line.startswith("@"))
+    namespace: dict = {}
+    code = compile(source.replace(old, new), f"<mutant {name}>", "exec")
+    exec(code, vars(sys.modules[owner.__module__]), namespace)
+    return owner, method, namespace[method]
+
+
+def _mutate(name: str) -> None:
+    """Apply mutant ``name`` for the rest of this process (once)."""
+    if name not in _APPLIED:
+        owner, method, function = mutated(name)
+        setattr(owner, method, function)
+        _APPLIED.add(name)
+
+
+def _factory(name: str) -> Callable[[KVCacheLayout], object]:
+    def make(layout: KVCacheLayout) -> object:
+        _mutate(name)
+        return adapter.make_engine(layout)
+
+    make.layout_strategy = adapter.make_engine.layout_strategy  # type: ignore[attr-defined]
+    make.__name__ = f"make_{name}"
+    return make
+
+
+make_decode_mapping = _factory("decode_mapping")
+make_swa_release_twice = _factory("swa_release_twice")
