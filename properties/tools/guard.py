@@ -70,12 +70,12 @@ def run_guarded(fn: Callable[[], int], on_error: Callable[[BaseException], int])
 
 
 def _child(fn, on_error, writer, buffer) -> None:
-    from properties.core.deadline import stop_ticking
+    from properties.core.forked import settle_forked_child
     from properties.tools.parallel import _end_worker
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _end_worker)
-    stop_ticking()
+    settle_forked_child()
     current_call.install(buffer)
     try:
         code = fn()

@@ -161,9 +161,9 @@ def _worker(
     from properties.runner.config import CheckConfig
 
     task = PropertyTask(config=CheckConfig(**config_fields), **fields)
-    from properties.core.deadline import stop_ticking
+    from properties.core.forked import settle_forked_child
 
-    stop_ticking()  # a forked worker has the flag but not the parent's timer
+    settle_forked_child()  # a forked worker: no parent's timer, torch on one thread
     current_call.install(buffer)
     try:
         result = run_task(task, on_first_failure=lambda first: out.put(("first", index, first)))
