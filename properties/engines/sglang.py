@@ -714,6 +714,11 @@ def sglang_layouts():
 
 make_engine.layout_strategy = sglang_layouts  # type: ignore[attr-defined]
 make_engine_rust.layout_strategy = sglang_layouts  # type: ignore[attr-defined]
+#: The group types the adapter builds (SGLang's full and SWA pools): pairs with chunked
+#: local attention or Mamba are the adapter's exclusions, not gaps of the draws.
+SGLANG_SPEC_TYPES = ("full", "sliding_window")
+make_engine.spec_types = SGLANG_SPEC_TYPES  # type: ignore[attr-defined]
+make_engine_rust.spec_types = SGLANG_SPEC_TYPES  # type: ignore[attr-defined]
 #: The SGLang modules the adapter drives: the radix cache, its Python tree core and
 #: components, and the SWA allocator with its token allocators (``--engine-coverage``).
 SGLANG_COVERAGE_MODULES = (
