@@ -309,6 +309,12 @@ def print_result_line(r) -> None:
     if r.tiers and len(r.tiers) > 1:  # the small tier alone is the line above
         per_tier = ", ".join(f"{t} {e}/{n} {s:.1f}s" for t, (e, n, s) in r.tiers.items())
         print(f"    tiers (examples/steps, time): {per_tier}", flush=True)
+        for tier in (t for t, (e, _, _) in r.tiers.items() if e == 0):
+            print(
+                f"    WARNING: no example ran at the {tier} tier (the engine refused or "
+                "its declarations filtered every layout drawn): that tier proves nothing",
+                flush=True,
+            )
     if getattr(r, "modes", None):
         drawn = ", ".join(f"{tag} {e}/{n}" for tag, (e, n) in r.modes.items())
         print(f"    modes drawn (examples/steps): {drawn}", flush=True)

@@ -368,3 +368,21 @@ def test_chunks_aligned_rounds_each_chunk_up_to_its_block_size() -> None:
         out = kvst._chunks_aligned(layout)
         assert out.groups[0] == full
         assert out.groups[1].spec.attention_chunk_size == aligned
+
+
+def test_a_tier_that_ran_no_example_is_named_a_warning(capsys) -> None:
+    """A large tier whose every drawn layout the engine refused ran 0 examples: the result
+    lines say so, since that tier proves nothing (SGLang's production tier did, silently)."""
+    from types import SimpleNamespace
+
+    from properties.tools.cli import print_result_line
+
+    result = SimpleNamespace(
+        name="invariants", passed=True, failure=None, examples=241, steps=7575, seconds=124.9,
+        tiers={"small": (236, 7396, 28.6), "medium": (5, 179, 22.4), "production": (0, 0, 73.9)},
+        modes=None, skipped=None, flaky=None, known=None,
+    )  # fmt: skip
+    print_result_line(result)
+    lines = capsys.readouterr().out.splitlines()
+    warnings = [line for line in lines if "WARNING" in line]
+    assert len(warnings) == 1 and "no example ran at the production tier" in warnings[0]
