@@ -450,8 +450,16 @@ class VLLMEngine:
 
     def get_computed_blocks(self, request_id: str) -> CacheHit:
         req = self._request(request_id)
+        # the "full" report-mode requests pass vLLM's default bound (tokens - 1)
+        # explicitly, as vLLM's scheduler does when it bounds the lookup itself
+        explicit = req.sampling_params.extra_args["kv_cache_report_mode"] == "full"
+        bound = (req.num_tokens - 1,) if explicit else ()
         blocks, num_tokens, junction = _call(
-            "get_computed_blocks", (request_id,), self.manager.get_computed_blocks, req
+            "get_computed_blocks",
+            (request_id, *bound),
+            self.manager.get_computed_blocks,
+            req,
+            *bound,
         )
         # vLLM's scheduler keeps the junction on the request after every lookup
         req.shared_prefix_boundary = junction
@@ -511,7 +519,11 @@ class VLLMEngine:
             )
             if self.layout.enable_caching:
                 self._admissions.append((req.num_tokens, hit.num_tokens, req.num_preemptions > 0))
-        return tuple(tuple(b for b in group if b != 0) for group in new.get_block_ids())
+        # vLLM's scheduler reads the new blocks with allow_none (None: no group got one)
+        ids = new.get_block_ids(allow_none=True)
+        if ids is None:
+            return tuple(() for _ in self.layout.groups)
+        return tuple(tuple(b for b in group if b != 0) for group in ids)
 
     # -- serving modes (SupportsServingModes) -------------------------------------
     def set_in_flight(
