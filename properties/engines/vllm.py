@@ -17,12 +17,18 @@ How our layout maps to vLLM objects
   mamba_cache_mode="align")`` (no speculative or prefill-checkpoint blocks).
 * ``KVCacheManager(config, max_model_len, scheduler_block_size=layout.scheduler_block_size,
   hash_block_size=layout.hash_block_size, max_in_flight_tokens=layout.max_in_flight_tokens,
-  enable_caching=layout.enable_caching, log_stats=True, enable_kv_cache_events=True)``;
+  enable_caching=layout.enable_caching, log_stats=on, enable_kv_cache_events=on)`` with
+  ``on = observes_stats_and_events(layout)`` (off for one layout in four);
   watermark 0, no EAGLE, no connector. Every other request asks for the ``full`` KV event
-  report mode (events for its reused blocks too). KV events are drained at every ``new_step`` and
+  report mode (events for its reused blocks too) and passes the lookup bound explicitly.
+  KV events are drained at every ``new_step`` and
   after ``reset_prefix_cache`` and checked against the pool (every cached hash was
-  announced by a ``BlockStored``, every ``BlockRemoved`` names an announced one); the
-  prefix cache stats are taken at every step.
+  announced by a ``BlockStored``, every ``BlockRemoved`` names an announced one); each
+  admission with a lookup is recorded (``record_prefix_cache_stats``, as vLLM's scheduler
+  does) and the prefix cache stats taken at every step must match the admissions;
+  ``usage`` is checked at every step; ``free_queue`` compares ``get_all_free_blocks`` with
+  the cursor walk ``iter_blocks_after``. With stats and events off, the stats must be
+  ``None`` and no event may come.
 * Requests are vLLM ``Request`` objects (``SamplingParams(max_tokens=max_model_len)``),
   hashed by ``get_request_block_hasher(hash_block_size, sha256)`` when caching is on.
   ``cache_salt`` goes to ``Request(cache_salt=...)``; a LoRA name becomes
