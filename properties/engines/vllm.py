@@ -17,12 +17,18 @@ How our layout maps to vLLM objects
   mamba_cache_mode="align")`` (no speculative or prefill-checkpoint blocks).
 * ``KVCacheManager(config, max_model_len, scheduler_block_size=layout.scheduler_block_size,
   hash_block_size=layout.hash_block_size, max_in_flight_tokens=layout.max_in_flight_tokens,
-  enable_caching=layout.enable_caching, log_stats=True, enable_kv_cache_events=True)``;
+  enable_caching=layout.enable_caching, log_stats=on, enable_kv_cache_events=on)`` with
+  ``on = observes_stats_and_events(layout)`` (off for one layout in four);
   watermark 0, no EAGLE, no connector. Every other request asks for the ``full`` KV event
-  report mode (events for its reused blocks too). KV events are drained at every ``new_step`` and
+  report mode (events for its reused blocks too) and passes the lookup bound explicitly.
+  KV events are drained at every ``new_step`` and
   after ``reset_prefix_cache`` and checked against the pool (every cached hash was
-  announced by a ``BlockStored``, every ``BlockRemoved`` names an announced one); the
-  prefix cache stats are taken at every step.
+  announced by a ``BlockStored``, every ``BlockRemoved`` names an announced one); each
+  admission with a lookup is recorded (``record_prefix_cache_stats``, as vLLM's scheduler
+  does) and the prefix cache stats taken at every step must match the admissions;
+  ``usage`` is checked at every step; ``free_queue`` compares ``get_all_free_blocks`` with
+  the cursor walk ``iter_blocks_after``. With stats and events off, the stats must be
+  ``None`` and no event may come.
 * Requests are vLLM ``Request`` objects (``SamplingParams(max_tokens=max_model_len)``),
   hashed by ``get_request_block_hasher(hash_block_size, sha256)`` when caching is on.
   ``cache_salt`` goes to ``Request(cache_salt=...)``; a LoRA name becomes
@@ -68,6 +74,7 @@ Not bridged / differences
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -211,6 +218,19 @@ def to_vllm_spec(v: _VLLM, spec: KVCacheSpec) -> Any:
     raise EngineError(f"vllm: no vLLM spec for {owner} {spec!r}")
 
 
+def observes_stats_and_events(layout: KVCacheLayout) -> bool:
+    """Whether the adapter builds vLLM's manager with ``log_stats`` and KV cache events on.
+
+    Rule: on, except for one layout in four chosen by ``crc32(layout.describe()) % 4 == 0``
+    (a function of the layout, so a replayed example builds the same manager): vLLM's
+    paths with stats and events off (the early returns of ``make_prefix_cache_stats``,
+    ``take_events``, the event hooks of the pool) run too. Example: a layout whose
+    description hashes to 8 runs with both off; its stats are ``None`` and it emits no
+    event.
+    """
+    return zlib.crc32(layout.describe().encode()) % 4 != 0
+
+
 class VLLMEngine:
     """vLLM's ``KVCacheManager`` driven through the engine protocol."""
 
@@ -233,6 +253,7 @@ class VLLMEngine:
         )
         # vLLM's scheduler turns the block drop off when lookahead hashes are on
         drop_eagle = layout.use_eagle and layout.num_hash_lookahead_tokens == 0
+        self._observe = observes_stats_and_events(layout)
         self.manager = _call(
             "KVCacheManager",
             (layout.describe(),),
@@ -245,8 +266,8 @@ class VLLMEngine:
             enable_caching=layout.enable_caching,
             use_eagle=drop_eagle,
             num_hash_lookahead_tokens=layout.num_hash_lookahead_tokens,
-            log_stats=True,
-            enable_kv_cache_events=True,
+            log_stats=self._observe,
+            enable_kv_cache_events=self._observe,
         )
         self._hasher = (
             v.get_request_block_hasher(
@@ -264,6 +285,10 @@ class VLLMEngine:
         self._announced: set[tuple[int, Any]] = set()
         #: whether _drain_events checks the events against the pool (HasSelfChecks)
         self._self_checks = True
+        #: (tokens, hit tokens, preempted) of each admission recorded since the last step
+        self._admissions: list[tuple[int, int, bool]] = []
+        #: whether reset_prefix_cache succeeded since the last step
+        self._reset_since_stats = False
 
     def _record_estimates(self, coordinator: Any) -> None:
         """Wrap this coordinator's ``get_num_blocks_to_allocate`` (on the instance only) to
@@ -347,8 +372,55 @@ class VLLMEngine:
 
     def new_step(self) -> None:
         self._drain_events()
-        _call("make_prefix_cache_stats", (), self.manager.make_prefix_cache_stats)
+        stats = _call("make_prefix_cache_stats", (), self.manager.make_prefix_cache_stats)
+        if self._self_checks:
+            self._check_stats(stats)
+            self._check_usage()
+        self._admissions.clear()
+        self._reset_since_stats = False
         _call("new_step_starts", (), self.manager.new_step_starts)
+
+    def _check_stats(self, stats: Any) -> None:
+        """vLLM's prefix cache stats of a step against the admissions the adapter recorded.
+
+        Rule: with stats on, the step's ``requests``, ``queries`` and ``hits`` (plus their
+        ``preempted_`` parts) are the count, token sum and hit sum of the admissions the
+        adapter passed to ``record_prefix_cache_stats``, and ``reset`` says whether
+        ``reset_prefix_cache`` succeeded; with stats off the stats are ``None``. Example:
+        two admissions of 9 and 5 tokens hitting 4 and 0 give requests 2, queries 14, hits 4.
+        """
+        if not self._observe:
+            if stats is not None:
+                raise EngineError(f"vllm: make_prefix_cache_stats gave {stats!r} with stats off")
+            return
+        got = (
+            stats.requests + stats.preempted_requests,
+            stats.queries + stats.preempted_queries,
+            stats.hits + stats.preempted_hits,
+            bool(stats.reset),
+        )
+        want = (
+            len(self._admissions),
+            sum(a[0] for a in self._admissions),
+            sum(a[1] for a in self._admissions),
+            self._reset_since_stats,
+        )
+        if got != want:
+            raise EngineError(
+                f"vllm: prefix cache stats (requests, queries, hits, reset) = {got}, "
+                f"the step's admissions give {want}"
+            )
+
+    def _check_usage(self) -> None:
+        """``KVCacheManager.usage`` is ``1 - free / (num_blocks - 1)`` (null block excluded).
+
+        Example: 7 blocks (6 usable), 3 free: usage 0.5.
+        """
+        usage = _call("usage", (), lambda: self.manager.usage)
+        usable = self.layout.num_blocks - 1
+        want = 1.0 - self.num_free_blocks() / usable if usable else 0
+        if abs(usage - want) > 1e-9:
+            raise EngineError(f"vllm: usage {usage} != 1 - free / usable blocks = {want}")
 
     def disable_self_checks(self) -> None:
         """Stop checking the KV events against the pool (the bench times vLLM alone)."""
@@ -360,7 +432,9 @@ class VLLMEngine:
         hash the pool holds was announced. Example: a block cached and evicted in one step
         gives BlockStored([h]) then BlockRemoved([h]), and ``h`` leaves the pool."""
         events = _call("take_events", (), self.manager.take_events)
-        if not self._self_checks:
+        if not self._observe and events:
+            raise EngineError(f"vllm: take_events gave {events!r} with events off")
+        if not self._self_checks or not self._observe:
             return
         cleared, removed, stored = self._v.events
         for event in events:
@@ -382,8 +456,16 @@ class VLLMEngine:
 
     def get_computed_blocks(self, request_id: str) -> CacheHit:
         req = self._request(request_id)
+        # the "full" report-mode requests pass vLLM's default bound (tokens - 1)
+        # explicitly, as vLLM's scheduler does when it bounds the lookup itself
+        explicit = req.sampling_params.extra_args["kv_cache_report_mode"] == "full"
+        bound = (req.num_tokens - 1,) if explicit else ()
         blocks, num_tokens, junction = _call(
-            "get_computed_blocks", (request_id,), self.manager.get_computed_blocks, req
+            "get_computed_blocks",
+            (request_id, *bound),
+            self.manager.get_computed_blocks,
+            req,
+            *bound,
         )
         # vLLM's scheduler keeps the junction on the request after every lookup
         req.shared_prefix_boundary = junction
@@ -432,7 +514,22 @@ class VLLMEngine:
         )
         if new is None:
             return None
-        return tuple(tuple(b for b in group if b != 0) for group in new.get_block_ids())
+        if hit is not None:
+            # vLLM's scheduler records the lookup at admission (allocation succeeded)
+            _call(
+                "record_prefix_cache_stats",
+                (request_id, hit.num_tokens),
+                self.manager.record_prefix_cache_stats,
+                req,
+                hit.num_tokens,
+            )
+            if self.layout.enable_caching:
+                self._admissions.append((req.num_tokens, hit.num_tokens, req.num_preemptions > 0))
+        # vLLM's scheduler reads the new blocks with allow_none (None: no group got one)
+        ids = new.get_block_ids(allow_none=True)
+        if ids is None:
+            return tuple(() for _ in self.layout.groups)
+        return tuple(tuple(b for b in group if b != 0) for group in ids)
 
     # -- serving modes (SupportsServingModes) -------------------------------------
     def set_in_flight(
@@ -459,6 +556,7 @@ class VLLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         done = bool(_call("reset_prefix_cache", (), self.manager.reset_prefix_cache))
+        self._reset_since_stats = self._reset_since_stats or done
         self._drain_events()
         return done
 
@@ -482,8 +580,25 @@ class VLLMEngine:
     def free_queue(self) -> list[int]:
         """The free list from the front (next to allocate) to the back (vLLM's own walk,
         ``FreeKVCacheBlockQueue.get_all_free_blocks``)."""
-        blocks = _call("get_all_free_blocks", (), self._pool.free_block_queue.get_all_free_blocks)
-        return [block.block_id for block in blocks]
+        queue = self._pool.free_block_queue
+        ids = [b.block_id for b in _call("get_all_free_blocks", (), queue.get_all_free_blocks)]
+        if self._self_checks:
+            # vLLM's cursor walk (what its offloading connector uses) gives the same order,
+            # from the head (cursor None) and from after the first block
+            def walk(cursor: Any) -> list[int]:
+                blocks = _call(
+                    "iter_blocks_after", (cursor,), list, queue.iter_blocks_after(cursor)
+                )
+                return [b.block_id for b in blocks]
+
+            walked = walk(None)
+            after_first = walk(queue.fake_free_list_head.next_free_block) if ids else []
+            if walked != ids or after_first != ids[1:]:
+                raise EngineError(
+                    f"vllm: free queue walks differ: get_all_free_blocks {ids}, "
+                    f"iter_blocks_after(None) {walked}, after the first {after_first}"
+                )
+        return ids
 
     def cached_blocks(self) -> list[CachedBlock]:
         """Every block registered in the prefix cache under its primary key.

@@ -290,3 +290,90 @@ def test_disable_self_checks_stops_the_event_audit_the_bench_would_time(monkeypa
         with pytest.raises(EngineError, match="that no BlockStored event announced"):
             steps(make((FullAttentionSpec(block_size=2),), 4))
         steps(engine_alone(make((FullAttentionSpec(block_size=2),), 4)))
+
+
+def test_one_layout_in_four_runs_with_stats_and_events_off():
+    """``observes_stats_and_events``: off where ``crc32(describe()) % 4 == 0``. Full bs 2
+    with 7 blocks hashes to 0 mod 4 (zlib below), with 4 blocks not. With both off, a
+    computed and cached prompt emits no event, the stats are None and the steps and
+    reset run without error."""
+    import zlib
+
+    from properties.engines.vllm import observes_stats_and_events
+
+    off = make((FullAttentionSpec(block_size=2),), 7)
+    on = make((FullAttentionSpec(block_size=2),), 4)
+    assert zlib.crc32(off.layout.describe().encode()) % 4 == 0
+    assert zlib.crc32(on.layout.describe().encode()) % 4 != 0
+    assert not observes_stats_and_events(off.layout) and observes_stats_and_events(on.layout)
+    assert (off.manager.log_stats, off.manager.enable_kv_cache_events) == (False, False)
+    assert (on.manager.log_stats, on.manager.enable_kv_cache_events) == (True, True)
+    assert run_prompt(off, "a", (1, 2, 3, 4, 5)) == ((1, 2, 3),)
+    off.new_step()
+    assert off.manager.take_events() == []
+    assert off.manager.make_prefix_cache_stats() is None
+    off.free("a")
+    assert off.reset_prefix_cache() is True
+    off.new_step()
+
+
+def test_prefix_cache_stats_and_usage_are_checked_each_step(monkeypatch):
+    """Each admission with a lookup is recorded (``record_prefix_cache_stats``) and the
+    step's stats must match: "a" (13 tokens, no hit) and "b" (13 tokens, 10 hit) give
+    requests 2, queries 26, hits 10; ``usage`` is 1 - free / 19. Mutants: stats that
+    drop the hits, and a usage that counts the null block, are each caught at new_step."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.metrics.stats import PrefixCacheStats
+
+    def scenario() -> float:
+        engine = full_swa()
+        run_prompt(engine, "a", tuple(range(13)))
+        engine.add_request(RequestInput("b", tuple(range(10)) + (50, 51, 52)))
+        hit = engine.get_computed_blocks("b")
+        assert hit.num_tokens == 10
+        engine.allocate_slots("b", 3, 10, hit)
+        assert engine._admissions == [(13, 0, False), (13, 10, False)]
+        usage = engine.manager.usage
+        engine.new_step()
+        assert engine.reset_prefix_cache() is False  # blocks in use
+        engine.new_step()
+        return usage
+
+    # 14 + 4 blocks taken of 19 usable: usage 18/19
+    assert abs(scenario() - 18 / 19) < 1e-12
+    record = PrefixCacheStats.record
+
+    def no_hits(self, num_tokens, num_hits, preempted, hits_by_source=None):
+        record(self, num_tokens, 0, preempted, hits_by_source)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PrefixCacheStats, "record", no_hits)
+        with pytest.raises(EngineError, match=r"stats .* = \(2, 26, 0, False\).* \(2, 26, 10"):
+            scenario()
+    with monkeypatch.context() as patch:
+        patch.setattr(BlockPool, "get_usage", lambda self: 1 - self.get_num_free_blocks() / 20)
+        with pytest.raises(EngineError, match="usage"):
+            scenario()
+
+
+def test_free_queue_is_walked_twice_and_a_cursor_mutant_is_caught(monkeypatch):
+    """``free_queue`` compares ``get_all_free_blocks`` with vLLM's cursor walk
+    ``iter_blocks_after`` from the head and from after the first block. 4 blocks, "a"
+    takes 1: the queue is [2, 3], after the first [3]. A mutant that starts the walk at
+    the cursor (not after it) is caught."""
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    engine = make((FullAttentionSpec(block_size=2),), 4)
+    engine.add_request(RequestInput("a", (1, 2)))
+    assert engine.allocate_slots("a", 2, 0, engine.get_computed_blocks("a")) == ((1,),)
+    assert engine.free_queue() == [2, 3]
+    walk = FreeKVCacheBlockQueue.iter_blocks_after
+
+    def from_cursor(self, cursor):
+        if cursor is not None:
+            yield cursor
+        yield from walk(self, cursor)
+
+    monkeypatch.setattr(FreeKVCacheBlockQueue, "iter_blocks_after", from_cursor)
+    with pytest.raises(EngineError, match=r"after the first \[2, 3\]"):
+        engine.free_queue()
