@@ -423,7 +423,8 @@ class VLLMEngine:
             raise EngineError(f"vllm: usage {usage} != 1 - free / usable blocks = {want}")
 
     def disable_self_checks(self) -> None:
-        """Stop checking the KV events against the pool (the bench times vLLM alone)."""
+        """Stop the adapter's own checks of vLLM (KV events against the pool, prefix cache
+        stats, usage, the free-queue cursor walk): the bench times vLLM alone."""
         self._self_checks = False
 
     def _drain_events(self) -> None:
