@@ -183,16 +183,31 @@ def apply_decode_item(
     needs no new block: only the 5 SWA managers run ``remove_skipped_blocks``.
     """
     managers = manager.coordinator.managers
+    pool = manager.block_pool
     for g in groups:
         managers[g].remove_skipped_blocks(row, total)
-    need = 0
-    for g in groups:
-        need += managers[g].get_num_blocks_to_allocate(row, slots, (), total, main)
-    if need > manager.block_pool.get_num_free_blocks():
-        return None
     new_blocks: list[list[int]] = [[] for _ in managers]
-    for g in groups:
-        new_blocks[g] = managers[g].allocate_new_blocks(row, slots, main)
+    pops = _running_pops(managers, groups, row, slots)
+    if pops is not None:
+        need = sum(pops)
+        if need > pool.get_num_free_blocks():
+            return None
+        if need:  # one pop for every group, split in group order
+            popped = pool.get_new_blocks(need)
+            k = 0
+            for g, n in zip(groups, pops):
+                if n:
+                    new_blocks[g] = popped[k : k + n]
+                    managers[g]._append(row, new_blocks[g])
+                    k += n
+    else:
+        need = 0
+        for g in groups:
+            need += managers[g].get_num_blocks_to_allocate(row, slots, (), total, main)
+        if need > pool.get_num_free_blocks():
+            return None
+        for g in groups:
+            new_blocks[g] = managers[g].allocate_new_blocks(row, slots, main)
     if manager.enable_caching:
         for g in groups:
             managers[g].cache_blocks(request, row, cache_tokens)
@@ -200,6 +215,23 @@ def apply_decode_item(
     if request.status is not RequestStatus.FINISHED:
         request.status = RequestStatus.RUNNING
     return new_blocks
+
+
+def _running_pops(managers, groups: Sequence[int], row: int, slots: int) -> list[int] | None:
+    """Blocks each of ``groups`` pops for ``slots`` when the row runs in all of them (has
+    allocated: ``num_cached_block >= 0``), else None. A running row needs and pops
+    ``max(cdiv(slots, bs) - held, 0)`` (``blocks_to_allocate``'s running rule), and
+    popping every group's blocks at once then splitting them in group order takes the
+    same blocks as one pop per group (no free comes between; evicting a popped block's
+    key leaves the queue alone). Example: bs 16 and 16, held 2 and 3, 33 slots -> [1, 0].
+    """
+    pops: list[int] = []
+    for g in groups:
+        mg = managers[g]
+        if mg.num_cached_block.item(row) < 0:
+            return None
+        pops.append(max(-(-slots // mg.block_size) - mg.row_len.item(row), 0))
+    return pops
 
 
 def _pops_from_own_front(

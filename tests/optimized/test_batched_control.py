@@ -12,12 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import optimized.control.batched_decode as bd
 import optimized.control.kv_cache_manager as kvm
 from optimized.control.block_pool import FreeBlockQueue
 from optimized.control.kv_cache_manager import KVCacheManager, StepBatch, StepItem
 from reference.errors import InvalidRequestError
 from reference.layout import KVCacheGroup, KVCacheLayout
-from reference.specs import SlidingWindowSpec
+from reference.specs import FullAttentionSpec, SlidingWindowSpec
 
 
 def _swa_manager() -> KVCacheManager:
@@ -119,6 +120,36 @@ def test_a_pop_past_the_items_own_front_frees_falls_back_to_the_item_path(
     assert manager.get_block_ids("r0") == ((0, 2),)
     assert manager.get_block_ids("r1") == ((3, 1),)
     assert manager.block_pool.free_block_queue.block_ids() == list(range(4, 20))
+
+
+def test_the_item_path_pops_every_group_at_once_in_group_order(monkeypatch) -> None:
+    # full (group 0) + SWA (group 1, w 4), bs 4, prefix cache on; one working item, so it
+    # takes the per-item path. Prefill of 8 tokens: full [1, 2], SWA [3, 4]
+    groups = (
+        KVCacheGroup(("f",), FullAttentionSpec(block_size=4)),
+        KVCacheGroup(("s",), SlidingWindowSpec(block_size=4, sliding_window=4)),
+    )
+    layout = KVCacheLayout(groups, num_blocks=20, max_model_len=64, enable_caching=True)
+    manager = KVCacheManager(layout, max_num_reqs=4)
+    (req,) = _prefilled(manager, [8])
+    # every full block is cached (dense retention): full 1, 2 and SWA 3, 4
+    assert manager.block_pool.cached_block_entries() == [(1, 0, 4), (2, 0, 8), (3, 1, 4), (4, 1, 8)]
+    assert manager.get_block_ids("r0") == ((1, 2), (3, 4))
+    seen: list[object] = []
+    running_pops = bd._running_pops
+
+    def spy(*args):
+        seen.append(running_pops(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(bd, "_running_pops", spy)
+    # reference: SWA frees 3 (8 - 4 + 1 = 5 tokens skipped; hashed: to the back), then the
+    # full group pops 5 and the SWA group pops 6 (9 slots: a 3rd block each)
+    out = manager.schedule_columns([req], [1], [0])
+    assert seen == [[1, 1]]
+    assert [list(map(list, r)) for r in out] == [[[5], [6]]]
+    assert manager.get_block_ids("r0") == ((1, 2, 5), (0, 4, 6))
+    assert manager.block_pool.free_block_queue.block_ids() == [*range(7, 20), 3]
 
 
 def test_schedule_columns_is_schedule_step_of_the_same_items() -> None:
