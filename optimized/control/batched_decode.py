@@ -271,22 +271,14 @@ def _freed_blocks(
     order (item, then group, each group's span tail first, nulls skipped), with each
     block's item and call index (``item * num_groups + group``). Item ``i`` frees
     ``table[rows[i], first_free[i, g]:last_free[i, g]]`` in group ``g``. One array gather
-    per group when no span exceeds one block (a decode step's window move), else a walk.
+    per group when no span exceeds one block (a decode step's window move), else
+    :func:`_freed_spans`.
     Example: 2 items, 2 groups, spans ``[[0, 1], [1, 1]]`` of blocks ``[[-, 7], [5, 9]]``
     -> blocks ``[7, 5, 9]``, items ``[0, 1, 1]``, calls ``[1, 2, 3]``."""
     num_groups = len(managers)
     span = last_free - first_free
     if (span > 1).any():
-        parts: list[np.ndarray] = []
-        items: list[np.ndarray] = []
-        calls: list[np.ndarray] = []
-        for i, g in zip(*np.nonzero(span > 0)):
-            part = managers[g].table[rows[i], first_free[i, g] : last_free[i, g]][::-1]
-            part = part[part != NULL_BLOCK_ID].astype(np.int64)
-            parts.append(part)
-            items.append(np.full(part.size, i, dtype=np.int64))
-            calls.append(np.full(part.size, i * num_groups + g, dtype=np.int64))
-        return np.concatenate(parts), np.concatenate(items), np.concatenate(calls)
+        return _freed_spans(managers, rows, last_free, span)
     ii, gg = np.nonzero(span > 0)  # row-major: item order, then group order
     blocks = np.zeros(ii.size, dtype=np.int64)
     for g, mg in enumerate(managers):
@@ -295,3 +287,28 @@ def _freed_blocks(
             blocks[sel] = mg.table[rows[ii[sel]], first_free[ii[sel], g]]
     real = blocks != NULL_BLOCK_ID
     return blocks[real], ii[real], (ii * num_groups + gg)[real]
+
+
+def _freed_spans(
+    managers, rows: np.ndarray, last_free: np.ndarray, span: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_freed_blocks` when spans exceed one block (the first decode step after a
+    long prefill drops most of a window), with one gather per group: every freed table
+    cell ``(rows[i], last_free[i, g] - 1 - k)`` for ``k < span[i, g]``, laid out pair by
+    pair (item, then group, as ``np.nonzero`` walks), each pair tail first. Example: one
+    item, one group, span 2 ending at 3 of row ``[-, 4, 6, ...]`` -> blocks ``[6, 4]``."""
+    num_groups = len(managers)
+    ii, gg = np.nonzero(span > 0)
+    lengths = span[ii, gg]
+    seg = np.repeat(np.arange(ii.size), lengths)  # the pair of each freed cell
+    offset = np.arange(seg.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    col = last_free[ii, gg][seg] - 1 - offset
+    row = rows[ii][seg]
+    group = gg[seg]
+    blocks = np.zeros(seg.size, dtype=np.int64)
+    for g, mg in enumerate(managers):
+        sel = group == g
+        if sel.any():
+            blocks[sel] = mg.table[row[sel], col[sel]]
+    real = blocks != NULL_BLOCK_ID
+    return blocks[real], ii[seg][real], (ii * num_groups + gg)[seg][real]

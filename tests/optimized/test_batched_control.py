@@ -184,3 +184,22 @@ def test_free_queue_pops_ascending_and_descending_runs() -> None:
     assert queue.popleft_n(25) == want[:25]
     assert queue.block_ids() == want[25:]
     assert queue.num_free_blocks == 4
+
+
+def test_freed_blocks_of_long_spans_in_call_order_tail_first() -> None:
+    # 2 items (rows 1 and 0), 2 groups; spans [[2, 0], [1, 3]]; null cells (0) skipped
+    class Table:
+        def __init__(self, table: list[list[int]]) -> None:
+            self.table = np.array(table, dtype=np.int32)
+
+    g0 = Table([[0, 11, 12, 0], [0, 21, 22, 23]])
+    g1 = Table([[31, 0, 33, 34], [41, 42, 43, 44]])
+    rows = np.array([1, 0])
+    first = np.array([[1, 0], [0, 0]])
+    last = np.array([[3, 0], [1, 3]])
+    blocks, items, calls = bd._freed_blocks([g0, g1], rows, first, last)
+    # item 0 (row 1): group 0 cells 2, 1 -> 22, 21; item 1 (row 0): group 0 cell 0 (null),
+    # group 1 cells 2, 1, 0 -> 33, (null), 31
+    assert blocks.tolist() == [22, 21, 33, 31]
+    assert items.tolist() == [0, 0, 1, 1]
+    assert calls.tolist() == [0, 0, 3, 3]
