@@ -10,13 +10,16 @@ Per item the reference does, in order: free the blocks that left the window
 ``need <= free``, pop the new blocks from the front, cache the full blocks. Done for all
 items at once this gives the same state when
 
-* no block is freed twice in the step, and a block reaching ref count 0 unhashed (it goes
-  to the front, where a later pop would take it) only in a step with no pops: then each
-  free call's unhashed blocks are prepended in call order (the last call's end up first)
-  and the hashed ones appended;
-* the pops stay within the blocks free before the step (``sum(pops) <= free``), so they
-  never reach a block appended by this step; then the queue ends as
-  ``queue[pops:] + freed blocks in item order``;
+* no block is freed twice in the step; then each free call's unhashed blocks (ref count
+  0) are prepended in call order (the last call's end up first) and the hashed ones
+  appended;
+* with no unhashed block freed, the pops take the front in item order: the blocks free
+  before the step, then the hashed blocks this step appended, in item order (each item's
+  pops fit what is free at its turn, so it never takes a block a later item frees);
+* with unhashed blocks freed and pops, every item pops at most the unhashed blocks it
+  freed itself (its free calls put them at the front just before its pops):
+  :func:`_pops_from_own_front` (a window dropping many blocks on the first decode step
+  after a long prefill, while the full group pops one);
 * every item's ``need`` fits what would be free at its turn;
 * no group is Mamba (its state retirement is per step and per request).
 
@@ -89,15 +92,20 @@ def apply_decode_items(
             return None
         zero = after == 0
         front = zero & (pool.block_group[freed] < 0)
-        if front.any() and pops.any():
-            return None  # a later pop could take a block freed to the front this step
         freed_per_item = np.bincount(freed_item[zero], minlength=m)
+    own = None  # per item, its own front-freed blocks it pops (None: pops from the queue)
+    if front.any() and pops.any():
+        own = _pops_from_own_front(
+            freed[front], freed_item[front], freed_call[front], pops.sum(axis=1), num_groups
+        )
+        if own is None:
+            return None  # a pop would reach past the item's own front-freed blocks
     pops_per_item = pops.sum(axis=1)
     free_before = pool.get_num_free_blocks()
     free_at_turn = (
         free_before + np.cumsum(freed_per_item) - (np.cumsum(pops_per_item) - pops_per_item)
     )
-    if (pops_per_item > free_at_turn).any() or pops_per_item.sum() > free_before:
+    if (pops_per_item > free_at_turn).any():
         return None
     # -- apply: frees, pops, tables, caching -------------------------------------------
     if freed.size:
@@ -117,11 +125,18 @@ def apply_decode_items(
             mg.dirty_rows[grow] = True
         queue = pool.free_block_queue
         # each free call prepends its unhashed blocks: later calls end up nearer the front
-        if front.any():
+        if own is not None:
+            popped_arr, left = own
+            if left.size:
+                queue.prepend_n(left)
+            pool.ref_cnt[popped_arr] = 1
+            popped = popped_arr.tolist()
+        elif front.any():
             queue.prepend_n(freed[front][np.argsort(-freed_call[front], kind="stable")])
         queue.append_n(freed[zero & ~front])
     total_pops = int(pops_per_item.sum())
-    popped = pool.get_new_blocks(total_pops) if total_pops else []
+    if own is None:
+        popped = pool.get_new_blocks(total_pops) if total_pops else []
     results: list[list[list[int]]] = []
     k = 0
     for i in range(m):
@@ -168,16 +183,31 @@ def apply_decode_item(
     needs no new block: only the 5 SWA managers run ``remove_skipped_blocks``.
     """
     managers = manager.coordinator.managers
+    pool = manager.block_pool
     for g in groups:
         managers[g].remove_skipped_blocks(row, total)
-    need = 0
-    for g in groups:
-        need += managers[g].get_num_blocks_to_allocate(row, slots, (), total, main)
-    if need > manager.block_pool.get_num_free_blocks():
-        return None
     new_blocks: list[list[int]] = [[] for _ in managers]
-    for g in groups:
-        new_blocks[g] = managers[g].allocate_new_blocks(row, slots, main)
+    pops = _running_pops(managers, groups, row, slots)
+    if pops is not None:
+        need = sum(pops)
+        if need > pool.get_num_free_blocks():
+            return None
+        if need:  # one pop for every group, split in group order
+            popped = pool.get_new_blocks(need)
+            k = 0
+            for g, n in zip(groups, pops):
+                if n:
+                    new_blocks[g] = popped[k : k + n]
+                    managers[g]._append(row, new_blocks[g])
+                    k += n
+    else:
+        need = 0
+        for g in groups:
+            need += managers[g].get_num_blocks_to_allocate(row, slots, (), total, main)
+        if need > pool.get_num_free_blocks():
+            return None
+        for g in groups:
+            new_blocks[g] = managers[g].allocate_new_blocks(row, slots, main)
     if manager.enable_caching:
         for g in groups:
             managers[g].cache_blocks(request, row, cache_tokens)
@@ -187,6 +217,53 @@ def apply_decode_item(
     return new_blocks
 
 
+def _running_pops(managers, groups: Sequence[int], row: int, slots: int) -> list[int] | None:
+    """Blocks each of ``groups`` pops for ``slots`` when the row runs in all of them (has
+    allocated: ``num_cached_block >= 0``), else None. A running row needs and pops
+    ``max(cdiv(slots, bs) - held, 0)`` (``blocks_to_allocate``'s running rule), and
+    popping every group's blocks at once then splitting them in group order takes the
+    same blocks as one pop per group (no free comes between; evicting a popped block's
+    key leaves the queue alone). Example: bs 16 and 16, held 2 and 3, 33 slots -> [1, 0].
+    """
+    pops: list[int] = []
+    for g in groups:
+        mg = managers[g]
+        if mg.num_cached_block.item(row) < 0:
+            return None
+        pops.append(max(-(-slots // mg.block_size) - mg.row_len.item(row), 0))
+    return pops
+
+
+def _pops_from_own_front(
+    blocks: np.ndarray, items: np.ndarray, calls: np.ndarray, pops: np.ndarray, num_groups: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The pops of a step whose items free unhashed blocks (to the front) and pop, when
+    every item pops no more than the unhashed blocks it freed itself: ``(popped blocks in
+    item order, what is left at the front in queue order)``, else None.
+
+    ``blocks`` are the unhashed blocks reaching ref count 0, in the reference's free order
+    (item, group, tail first), with their item and call (``item * num_groups + group``).
+    Per item the reference frees every group (each call prepends, so the last group's
+    blocks come first), then pops from the front: its own blocks, while it pops no more
+    than it freed. What it leaves stays at the front, and the next item's frees go before
+    it. So item ``i`` pops the first ``pops[i]`` of its front run ``S_i`` and the queue
+    starts ``S_m[p_m:] + ... + S_1[p_1:]``. Example: 2 items, 1 group, item 0 frees
+    ``[5, 4]`` and pops 1, item 1 frees ``[9, 8]`` and pops 1: pops ``[5, 9]``, front
+    ``[8, 4]``.
+    """
+    group = calls - items * num_groups
+    order = np.argsort(items * num_groups + (num_groups - 1 - group), kind="stable")
+    run, run_item = blocks[order], items[order]
+    sizes = np.bincount(run_item, minlength=pops.size)
+    if (pops > sizes).any():
+        return None
+    starts = np.cumsum(sizes) - sizes
+    position = np.arange(run.size) - starts[run_item]
+    take = position < pops[run_item]
+    left, left_item = run[~take], run_item[~take]
+    return run[take], left[np.argsort(-left_item, kind="stable")]
+
+
 def _freed_blocks(
     managers, rows: np.ndarray, first_free: np.ndarray, last_free: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -194,22 +271,14 @@ def _freed_blocks(
     order (item, then group, each group's span tail first, nulls skipped), with each
     block's item and call index (``item * num_groups + group``). Item ``i`` frees
     ``table[rows[i], first_free[i, g]:last_free[i, g]]`` in group ``g``. One array gather
-    per group when no span exceeds one block (a decode step's window move), else a walk.
+    per group when no span exceeds one block (a decode step's window move), else
+    :func:`_freed_spans`.
     Example: 2 items, 2 groups, spans ``[[0, 1], [1, 1]]`` of blocks ``[[-, 7], [5, 9]]``
     -> blocks ``[7, 5, 9]``, items ``[0, 1, 1]``, calls ``[1, 2, 3]``."""
     num_groups = len(managers)
     span = last_free - first_free
     if (span > 1).any():
-        parts: list[np.ndarray] = []
-        items: list[np.ndarray] = []
-        calls: list[np.ndarray] = []
-        for i, g in zip(*np.nonzero(span > 0)):
-            part = managers[g].table[rows[i], first_free[i, g] : last_free[i, g]][::-1]
-            part = part[part != NULL_BLOCK_ID].astype(np.int64)
-            parts.append(part)
-            items.append(np.full(part.size, i, dtype=np.int64))
-            calls.append(np.full(part.size, i * num_groups + g, dtype=np.int64))
-        return np.concatenate(parts), np.concatenate(items), np.concatenate(calls)
+        return _freed_spans(managers, rows, last_free, span)
     ii, gg = np.nonzero(span > 0)  # row-major: item order, then group order
     blocks = np.zeros(ii.size, dtype=np.int64)
     for g, mg in enumerate(managers):
@@ -218,3 +287,28 @@ def _freed_blocks(
             blocks[sel] = mg.table[rows[ii[sel]], first_free[ii[sel], g]]
     real = blocks != NULL_BLOCK_ID
     return blocks[real], ii[real], (ii * num_groups + gg)[real]
+
+
+def _freed_spans(
+    managers, rows: np.ndarray, last_free: np.ndarray, span: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_freed_blocks` when spans exceed one block (the first decode step after a
+    long prefill drops most of a window), with one gather per group: every freed table
+    cell ``(rows[i], last_free[i, g] - 1 - k)`` for ``k < span[i, g]``, laid out pair by
+    pair (item, then group, as ``np.nonzero`` walks), each pair tail first. Example: one
+    item, one group, span 2 ending at 3 of row ``[-, 4, 6, ...]`` -> blocks ``[6, 4]``."""
+    num_groups = len(managers)
+    ii, gg = np.nonzero(span > 0)
+    lengths = span[ii, gg]
+    seg = np.repeat(np.arange(ii.size), lengths)  # the pair of each freed cell
+    offset = np.arange(seg.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    col = last_free[ii, gg][seg] - 1 - offset
+    row = rows[ii][seg]
+    group = gg[seg]
+    blocks = np.zeros(seg.size, dtype=np.int64)
+    for g, mg in enumerate(managers):
+        sel = group == g
+        if sel.any():
+            blocks[sel] = mg.table[row[sel], col[sel]]
+    real = blocks != NULL_BLOCK_ID
+    return blocks[real], ii[seg][real], (ii * num_groups + gg)[seg][real]

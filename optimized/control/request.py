@@ -6,7 +6,7 @@ Example: a prompt of 10 tokens with ``H = 4`` has 2 hashes; 2 more outputs make 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -122,3 +122,37 @@ class Request:
             f"Request({self.request_id!r}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, {self.status.value})"
         )
+
+
+def commit_updates(
+    requests: Mapping[str, Request], updates: Iterable[tuple[str, int, int | None]]
+) -> str | None:
+    """The end of a step for every ``(request_id, num_computed_tokens, token)`` in order:
+    set the computed tokens (0 marks the request preempted), then append ``token`` unless
+    it is None. A token that completes no hash block and fits the array is written in
+    place (no call); one completing a block goes through :meth:`Request.append_token`,
+    which hashes it. Returns the first unknown id (the updates before it are applied,
+    none after), else None.
+
+    Example: ``H = 4``, a request of 5 tokens, update ``("a", 5, 9)``: computed 5, tokens
+    6, still 1 hash; a second ``("a", 6, 3)`` and ``("a", 7, 3)`` make 8 tokens, 2 hashes.
+    """
+    preempted = RequestStatus.PREEMPTED
+    get = requests.get
+    for request_id, num_computed_tokens, token in updates:
+        req = get(request_id)
+        if req is None:
+            return request_id
+        req.num_computed_tokens = num_computed_tokens
+        if num_computed_tokens == 0:
+            req.status = preempted
+        if token is None:
+            continue
+        n = req.num_tokens
+        tokens = req._tokens
+        if n < tokens.size and (n + 1) % req.hash_block_size:
+            tokens[n] = token
+            req.num_tokens = n + 1
+        else:
+            req.append_token(token)
+    return None

@@ -16,7 +16,7 @@ import os
 from collections.abc import Sequence
 
 from optimized.control.kv_cache_manager import ComputedBlocks, KVCacheManager
-from optimized.control.request import Request
+from optimized.control.request import Request, commit_updates
 from optimized.device.data_plane import DataPlane
 from properties.core.allocation import Allocation
 from properties.core.engine import (
@@ -70,17 +70,9 @@ class OptimizedEngine(ManagerEngine):
     def commit_step(self, updates: Sequence[StepUpdate]) -> None:
         """The batched end of a step (``CommitsSteps``): per update, what
         :meth:`set_num_computed_tokens` and :meth:`append_output_tokens` do."""
-        requests = self.requests
-        preempted = RequestStatus.PREEMPTED
-        for request_id, num_computed_tokens, token in updates:
-            req = requests.get(request_id)
-            if req is None:
-                raise EngineError(f"optimized: unknown request {request_id!r}")
-            req.num_computed_tokens = num_computed_tokens
-            if num_computed_tokens == 0:
-                req.status = preempted
-            if token is not None:
-                req.append_token(token)
+        unknown = commit_updates(self.requests, updates)
+        if unknown is not None:
+            raise EngineError(f"optimized: unknown request {unknown!r}")
 
     def new_step(self) -> None:
         self.manager.new_step_starts()

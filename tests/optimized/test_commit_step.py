@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 
+from optimized.control.request import Request, commit_updates
 from properties.core.engine import CommitsSteps, StepUpdate
 from properties.core.trace import Step
 from properties.engines.optimized import make_engine
 from properties.engines.reference import make_engine as make_reference_engine
 from properties.runner.scheduler import Scheduler
 from properties.tools.bench.engines import DECODE_HEAVY, HYBRID_6, PREFIX_HEAVY, build_trace, timed
+from reference.request import RequestStatus
 
 
 def _state(scheduler: Scheduler) -> tuple:
@@ -58,3 +60,20 @@ def test_bench_timer_exposes_commit_step_only_when_the_engine_has_it() -> None:
     layout = build_trace(DECODE_HEAVY.scaled(32)).layout
     assert isinstance(timed(make_engine(layout)), CommitsSteps)
     assert not isinstance(timed(make_reference_engine(layout)), CommitsSteps)
+
+
+def test_commit_updates_writes_in_place_and_hashes_each_completed_block() -> None:
+    # H = 4, 5 prompt tokens (1 hash); 3 updates append 9, 3, 3 -> 8 tokens, 2 hashes,
+    # the second hash that of a request built with all 8 tokens at once
+    req = Request("a", [1, 2, 3, 4, 5], 4)
+    assert len(req.block_hashes) == 1
+    assert commit_updates({"a": req}, [("a", 5, 9)]) is None
+    assert (req.num_computed_tokens, req.num_tokens, len(req.block_hashes)) == (5, 6, 1)
+    assert commit_updates({"a": req}, [("a", 6, 3), ("a", 7, 3)]) is None
+    assert req.all_token_ids == [1, 2, 3, 4, 5, 9, 3, 3]
+    assert req.block_hashes == Request("b", [1, 2, 3, 4, 5, 9, 3, 3], 4).block_hashes
+    assert len(req.block_hashes) == 2
+    # preemption without a token; an unknown id stops there (earlier updates applied)
+    assert commit_updates({"a": req}, [("a", 0, None), ("zz", 1, 1), ("a", 3, 4)]) == "zz"
+    assert req.num_computed_tokens == 0 and req.status is RequestStatus.PREEMPTED
+    assert req.num_tokens == 8
