@@ -143,7 +143,29 @@ class DecidedScheduler(Scheduler):
 
 class DecidedAsyncScheduler(DecidedScheduler, AsyncScheduler):
     """:class:`DecidedScheduler`'s overrides on kvconform's :class:`AsyncScheduler` (plan
-    a step, then process the previous one)."""
+    a step, then process the previous one), with the engine's timing of the two releases
+    of a request with tokens in flight (the spec's: without a KV connector neither waits
+    for the step):
+
+    * a victim with tokens in flight (the engine's, or a trace's ``Preempt``) is
+      preempted at once, its in-flight output stale (:class:`AsyncScheduler`'s
+      stale-output rule);
+    * an ``Abort`` frees the request's blocks at once; the output of its step in flight
+      is dropped when processed.
+
+    Example: ``r1`` (8 tokens in flight, blocks 3-4) is aborted: the reference frees
+    blocks 3-4 at once (2 more free blocks, as vLLM's ``finish_requests``), and the
+    next step's processing skips ``r1``."""
+
+    def _defers_abort(self, state: RequestState) -> bool:
+        """Never: released at once (see the class docstring)."""
+        return False
+
+    def preempt(self, request_id: str) -> None:
+        """A trace's ``Preempt`` of a running request, at once also with tokens in flight
+        (stale output, as the engine's own preemptions)."""
+        if request_id in self.running:
+            self._preempt(request_id)
 
 
 def decided_scheduler(
