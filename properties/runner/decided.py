@@ -83,8 +83,12 @@ class DecidedScheduler(Scheduler):
         d = self._decisions.of(state.request_id)
         if d is None and state.request_id in self._victims and state.request_id in self.running:
             # the engine preempted this running request when its own allocation failed:
-            # the reference tries kvconform's chunk and must fail the same way
-            return super()._chunk(state, start, budget)
+            # the reference tries kvconform's chunk and must fail the same way; where
+            # kvconform's Mamba rule cuts the chunk to 0 (a Mamba block wider than the
+            # step's budget), vLLM's scheduler advances sub-block: the uncut chunk
+            # (Mamba bs 22, computed 110, budget 19: 19 tokens, not 0)
+            n = super()._chunk(state, start, budget)
+            return n if n > 0 else min(self._end(state) - start, budget)
         if d is None:
             return 0
         if state.request_id in self.running:

@@ -280,3 +280,45 @@ def test_async_preempt_op_holds_stale_request_and_abort_frees_at_once() -> None:
     from properties.tools.scheduler_level import run_one
 
     assert run_one(trace) == 16
+
+
+def test_self_preemption_of_a_sub_block_mamba_chunk() -> None:
+    """Full + Mamba groups of block size 22, 19 usable blocks, asynchronous. ``r0``
+    (prompt 175) and ``r1`` (prompt 131) prefill over steps 1-3 (budgets 306, 46, 233).
+    Step 4 (budget 20): ``r0`` decodes at 176 and takes the last free block; ``r1``
+    (computed 110) has 19 tokens of budget left, less than one Mamba block, so vLLM
+    advances it sub-block (kvconform's own Mamba rule would cut the chunk to 0), finds no
+    block and preempts ``r1`` itself. The reference, on vLLM's decisions, must try the
+    uncut 19 tokens and fail the same way (before the fix: "the engine preempted
+    ['r1'] although the reference had room")."""
+    from properties.core.modes import ServingMode
+    from properties.engines.vllm_scheduler import make_harness
+    from properties.tools.scheduler_level import run_one
+    from reference.specs import MambaSpec
+
+    layout = KVCacheLayout(
+        groups=(
+            KVCacheGroup(("l0",), FullAttentionSpec(block_size=22, num_kv_heads=1, head_size=16)),
+            KVCacheGroup(
+                ("l1",), MambaSpec(block_size=22, shapes=((4, 8),), page_size_padded=1408)
+            ),
+        ),
+        num_blocks=20,
+        max_model_len=233,
+    )
+    ops = (Arrive("r0", (1,) * 175, (3,) * 29), Arrive("r1", (2,) * 131, (5,) * 45))
+    budgets = (306, 46, 233, 20)
+    h = make_harness(layout, asynchronous=True)
+    for op in ops:
+        h.arrive(op)
+    decisions = [h.step(b) for b in budgets]
+    assert [(s.request_id, s.start, s.num_tokens) for s in decisions[3].scheduled] == [
+        ("r0", 176, 1)
+    ]
+    assert decisions[3].preempted == ("r1",)
+    trace = Trace(
+        layout=layout,
+        operations=ops + tuple(Step(b) for b in budgets),
+        mode=ServingMode(async_scheduling=True),
+    )
+    assert run_one(trace) == 4
