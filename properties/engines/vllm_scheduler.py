@@ -48,8 +48,9 @@ Trace operations: ``Arrive`` -> ``add_request``; ``Step`` -> ``schedule`` +
 
 Asynchronous scheduling (``asynchronous=True``): vLLM's ``AsyncScheduler``; each step
 schedules step N, then processes step N - 1's output (as vLLM's engine core does); an
-``Abort`` of a request with tokens in flight waits for that processing, a ``Preempt`` of
-one is ignored (kvconform's asynchronous model). Not driven (``docs/scheduler-level.md``):
+``Abort`` and a ``Preempt`` are vLLM's, at once also with tokens in flight (blocks freed;
+a preempted request's in-flight output arrives stale and it is not resumed before).
+Not driven (``docs/scheduler-level.md``):
 KV connectors, layouts with production settings (retention, EAGLE, lookahead hashes),
 drafts with a Mamba group.
 """
@@ -193,7 +194,6 @@ class VLLMSchedulerHarness:
         #: asynchronous scheduling: the step scheduled and not processed yet (its
         #: SchedulerOutput, order and the requests that sample)
         self._in_flight: tuple[Any, list[str], set[str]] | None = None
-        self._aborts: list[str] = []
         #: vLLM's bound on unprocessed tokens (max_concurrent_batches * budget cap)
         self.max_in_flight_tokens = int(config.max_in_flight_tokens)
         self.scheduler = _call(
@@ -238,24 +238,17 @@ class VLLMSchedulerHarness:
         _call("add_request", (op.request_id,), self.scheduler.add_request, request)
 
     def abort(self, request_id: str) -> None:
-        """``finish_requests(id, FINISHED_ABORTED)``; under asynchronous scheduling a
-        request with tokens in flight is aborted once that step is processed (when
-        kvconform's asynchronous scheduler releases it)."""
-        request = self.scheduler.requests.get(request_id)
-        if self.asynchronous and request is not None and request.num_in_flight_tokens > 0:
-            self._aborts.append(request_id)
-            return
+        """``finish_requests(id, FINISHED_ABORTED)`` (at once, also with tokens in
+        flight)."""
         status = self._v.RequestStatus.FINISHED_ABORTED
         _call("finish_requests", (request_id,), self.scheduler.finish_requests, request_id, status)
 
     def preempt(self, request_id: str) -> None:
         """vLLM's own preemption of a running request (``_preempt_request``, the path its
-        ``reset_prefix_cache`` and allocation failures take); no-op otherwise, and for a
-        request with tokens in flight (kvconform's asynchronous scheduler ignores it)."""
+        ``reset_prefix_cache`` and allocation failures take, also with tokens in
+        flight); no-op otherwise."""
         request = self.scheduler.requests.get(request_id)
         if request is None or request not in self.scheduler.running:
-            return
-        if request.num_in_flight_tokens > 0:
             return
         self.scheduler.running.remove(request)
         self._external_preemptions.add(request_id)
@@ -335,9 +328,6 @@ class VLLMSchedulerHarness:
         )
         s = self.scheduler
         _call("update_from_output", ("async",), s.update_from_output, out, output)
-        aborts, self._aborts = self._aborts, []
-        for rid in aborts:
-            self.abort(rid)
 
     def _sampled(self, d: ScheduledDecision) -> list[int]:
         """The tokens the model samples for ``d``: none mid-prefill; else the next output

@@ -15,19 +15,38 @@
   ``update_from_output`` does for requests with placeholders), the connector's *output
   processed* hook runs, and requests that finished are freed.
 
-A request is never freed, preempted or aborted while tokens of it are in flight: a finish
-or an ``Abort`` is deferred until its last step is processed (``release``), a ``Preempt``
-of it is ignored, and allocation failures only preempt requests with nothing in flight
-among those not scheduled yet in the step (otherwise the request waits a step,
-:meth:`AsyncScheduler._victim`). Scheduling reaches the known tokens plus the pending
-ones (:meth:`AsyncScheduler._end`); blocks are freed on the processed basis
-``num_computed_tokens - num_in_flight``.
+kvconform's own rules never free, preempt or abort a request while tokens of it are in
+flight: a finish or an ``Abort`` is deferred until its last step is processed
+(``release``), a ``Preempt`` of it is ignored, and allocation failures only preempt
+requests with nothing in flight among those not scheduled yet in the step (otherwise the
+request waits a step, :meth:`AsyncScheduler._victim`). Scheduling reaches the known
+tokens plus the pending ones (:meth:`AsyncScheduler._end`); blocks are freed on the
+processed basis ``num_computed_tokens - num_in_flight``.
+
+**Stale output** (a subclass that takes an engine's victims and ``Preempt`` timing, as
+vLLM's scheduler does: :class:`properties.runner.decided.DecidedAsyncScheduler`). A
+request preempted with tokens in flight is preempted at once (blocks freed, computed
+tokens 0, pending tokens dropped) and its in-flight tokens become *stale*
+(``num_stale``): when their step is processed they leave the flight and a sampled token
+is still appended (the model did sample it), but nothing is committed (no
+``cache_blocks``); the request is not re-admitted while stale tokens are in flight (it
+keeps its place at the head of the waiting queue, later requests may pass it); if the
+stale token was its last output (or the stale step completed the prompt of a request
+with no output) it finishes there.
 
 Worked example (a 6-token prompt with one output token, budget 8): step 1 plans the
 prefill (computed 6, in flight 6, one pending token); step 2 plans position 6 (computed 7,
 in flight 7), then step 1's output is processed (in flight 1, the token is appended,
 pending 0 + 1 for step 2's own sample); step 3 plans nothing, processes step 2 and
 finishes the request.
+
+Worked example of stale output (bs 2, 6 usable blocks, budget 16; ``r0`` and ``r1``:
+prompt 4, 6 outputs each; ``tests/properties/engines/test_vllm_scheduler.py``): steps
+1-3 leave ``r0`` (1, 2, 5) and ``r1`` (3, 4, 6) at computed 6, 0 free, each with its
+step-3 token in flight. Step 4: ``r0`` at position 6 needs a block; the engine preempts
+``r1`` (stale 1): its blocks go back at once (6, not cached, to the front), ``r0`` takes
+6, 2 free. Step 3 is then processed: ``r1``'s stale token is appended (3 outputs),
+nothing is cached, stale 0, and ``r1`` waits with nothing in flight.
 """
 
 from __future__ import annotations
@@ -37,7 +56,13 @@ from dataclasses import dataclass, replace
 from properties.core.engine import KVCacheEngine
 from properties.core.modes import ServingMode
 from properties.runner.connector import Connector
-from properties.runner.scheduler import RequestState, Scheduler, StepObserver, StepRecord
+from properties.runner.scheduler import (
+    RequestState,
+    ScheduledRequest,
+    Scheduler,
+    StepObserver,
+    StepRecord,
+)
 from reference.layout import KVCacheLayout
 
 
@@ -50,6 +75,8 @@ class AsyncRequestState(RequestState):
     num_in_flight: int = 0
     num_pending: int = 0
     release: str | None = None
+    #: in-flight tokens of a preemption (their output is appended, nothing committed)
+    num_stale: int = 0
 
 
 class AsyncScheduler(Scheduler):
@@ -88,6 +115,28 @@ class AsyncScheduler(Scheduler):
         if request_id in self.running and self._async_state(request_id).num_in_flight > 0:
             return
         super().preempt(request_id)
+
+    def _preempt(self, request_id: str) -> None:
+        """Preempted at once; tokens in flight become stale (module docstring)."""
+        state = self._async_state(request_id)
+        super()._preempt(request_id)
+        state.num_stale = state.num_in_flight
+        state.num_pending = 0
+        if state.num_stale:
+            self.engine.set_in_flight(request_id, state.num_in_flight, 0)
+
+    def _admit_waiting(self, record: StepRecord, budget: int, lookahead: int) -> None:
+        """Rule 3 without the requests whose stale tokens are still in flight (they keep
+        their places at the head of the queue)."""
+        held = [r for r in self.waiting if self._async_state(r).num_stale > 0]
+        if not held:
+            super()._admit_waiting(record, budget, lookahead)
+            return
+        self.waiting = [r for r in self.waiting if r not in held]
+        try:
+            super()._admit_waiting(record, budget, lookahead)
+        finally:
+            self.waiting = held + self.waiting
 
     def is_idle(self) -> bool:
         return super().is_idle() and not self.in_flight_requests()
@@ -155,8 +204,13 @@ class AsyncScheduler(Scheduler):
         ``record``, the step being planned now)."""
         for item in previous.scheduled:
             rid = item.request_id
+            if rid not in self.requests:
+                continue  # aborted at once while in flight (a subclass's rule)
             state = self._async_state(rid)
             state.num_in_flight -= item.num_tokens
+            if state.num_stale > 0:
+                self._process_stale(item, state, record)
+                continue
             if item.samples:
                 state.num_pending -= 1
                 if state.release is None:
@@ -180,3 +234,22 @@ class AsyncScheduler(Scheduler):
                 if state.release == "finish":
                     self.finished.append(rid)
                     record.finished.append(rid)
+
+    def _process_stale(
+        self, item: ScheduledRequest, state: AsyncRequestState, record: StepRecord
+    ) -> None:
+        """Stale output (module docstring): the flight drains, a sampled token is
+        appended, nothing is committed; the last output finishes the request."""
+        rid = item.request_id
+        state.num_stale -= item.num_tokens
+        self.engine.set_in_flight(rid, state.num_in_flight, state.num_pending)
+        if item.samples:
+            state.num_generated += 1
+            self.engine.append_output_tokens(rid, [state.output[state.num_generated - 1]])
+        # the step completed the prompt and every output is known (a request with no
+        # output finishes after its prefill, as in the synchronous rule)
+        completes = item.start + item.num_tokens >= len(state.input.prompt_token_ids)
+        if completes and state.num_generated >= len(state.output) and state.num_in_flight == 0:
+            self._forget(rid)
+            self.finished.append(rid)
+            record.finished.append(rid)

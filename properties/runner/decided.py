@@ -83,8 +83,12 @@ class DecidedScheduler(Scheduler):
         d = self._decisions.of(state.request_id)
         if d is None and state.request_id in self._victims and state.request_id in self.running:
             # the engine preempted this running request when its own allocation failed:
-            # the reference tries kvconform's chunk and must fail the same way
-            return super()._chunk(state, start, budget)
+            # the reference tries kvconform's chunk and must fail the same way; where
+            # kvconform's Mamba rule cuts the chunk to 0 (a Mamba block wider than the
+            # step's budget), vLLM's scheduler advances sub-block: the uncut chunk
+            # (Mamba bs 22, computed 110, budget 19: 19 tokens, not 0)
+            n = super()._chunk(state, start, budget)
+            return n if n > 0 else min(self._end(state) - start, budget)
         if d is None:
             return 0
         if state.request_id in self.running:
@@ -143,7 +147,29 @@ class DecidedScheduler(Scheduler):
 
 class DecidedAsyncScheduler(DecidedScheduler, AsyncScheduler):
     """:class:`DecidedScheduler`'s overrides on kvconform's :class:`AsyncScheduler` (plan
-    a step, then process the previous one)."""
+    a step, then process the previous one), with the engine's timing of the two releases
+    of a request with tokens in flight (the spec's: without a KV connector neither waits
+    for the step):
+
+    * a victim with tokens in flight (the engine's, or a trace's ``Preempt``) is
+      preempted at once, its in-flight output stale (:class:`AsyncScheduler`'s
+      stale-output rule);
+    * an ``Abort`` frees the request's blocks at once; the output of its step in flight
+      is dropped when processed.
+
+    Example: ``r1`` (8 tokens in flight, blocks 3-4) is aborted: the reference frees
+    blocks 3-4 at once (2 more free blocks, as vLLM's ``finish_requests``), and the
+    next step's processing skips ``r1``."""
+
+    def _defers_abort(self, state: RequestState) -> bool:
+        """Never: released at once (see the class docstring)."""
+        return False
+
+    def preempt(self, request_id: str) -> None:
+        """A trace's ``Preempt`` of a running request, at once also with tokens in flight
+        (stale output, as the engine's own preemptions)."""
+        if request_id in self.running:
+            self._preempt(request_id)
 
 
 def decided_scheduler(

@@ -10,8 +10,7 @@ interpreter::
 
 Examples per profile: :data:`EXAMPLES` (derandomized on ``ci``; ``--seed N`` draws
 another stream), an equal share for each mode of :func:`_modes` (synchronous, 2 drafts,
-the admission gate; asynchronous scheduling, without ``Abort`` operations, only with
-``search(..., asynchronous=True)``). Each example is a trace of the small tier's
+the admission gate, asynchronous scheduling). Each example is a trace of the small tier's
 strategies (``layouts``: 1-3 groups of the kinds in :data:`KINDS`; ``operations``: up
 to 30); layouts where one of vLLM's known divergences of its manager applies
 (``properties.engines.vllm.KNOWN_DIVERGENCES``, ``findings/vllm/``) are not drawn, as at
@@ -29,7 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from properties.core.trace import Abort, Trace, load_trace, save_trace
+from properties.core.trace import Trace, load_trace, save_trace
 
 #: examples per profile
 EXAMPLES: dict[str, int] = {"dev": 30, "ci": 300, "nightly": 1500, "gpu": 300}
@@ -41,15 +40,18 @@ KINDS: tuple[str, ...] = ("full", "sliding_window", "chunked_local", "mamba")
 ENGINE = "vllm-scheduler"
 
 
-def _modes(asynchronous: bool = False):
-    """The modes drawn: synchronous, 2 drafts, the admission gate; with ``asynchronous``
-    also asynchronous scheduling, which is not drawn by default: vLLM preempts a request
-    with tokens in flight (its output then arrives stale) where kvconform's asynchronous
-    model never does, so replays disagree there (docs/scheduler-level.md)."""
+def _modes():
+    """The modes drawn: synchronous, 2 drafts, the admission gate, asynchronous scheduling
+    (vLLM's preemptions of requests with tokens in flight and its immediate aborts
+    replayed on the reference: :class:`properties.runner.decided.DecidedAsyncScheduler`)."""
     from properties.core.modes import ServingMode
 
-    modes = (ServingMode(), ServingMode(num_draft_tokens=2), ServingMode(admission_gate=True))
-    return modes + ((ServingMode(async_scheduling=True),) if asynchronous else ())
+    return (
+        ServingMode(),
+        ServingMode(num_draft_tokens=2),
+        ServingMode(admission_gate=True),
+        ServingMode(async_scheduling=True),
+    )
 
 
 def _harness_factory(mutant: str | None) -> Callable:
@@ -75,7 +77,6 @@ def search(
     seed: int | None = None,
     mutant: str | None = None,
     kinds: tuple[str, ...] = KINDS,
-    asynchronous: bool = False,
 ) -> tuple[int, int, Trace | None, str | None]:
     """Draw up to ``examples`` traces, an equal share per mode of :func:`_modes`; returns
     ``(examples run, steps, failing trace, message)`` (no shrinking: the first failing
@@ -102,11 +103,6 @@ def search(
                 not (mode.num_draft_tokens and any(isinstance(s, MambaSpec) for s in layout.specs))
             )
             ops = draw(operations(layout, max_ops=30))
-            if mode.async_scheduling:
-                # vLLM frees an aborted request's blocks at once, its step still in
-                # flight; kvconform's asynchronous model releases them once the step is
-                # processed: a difference of model, not compared (docs/scheduler-level.md)
-                ops = tuple(op for op in ops if not isinstance(op, Abort))
             return Trace(layout=layout, operations=ops, mode=mode)
 
         return draw_trace()
@@ -120,7 +116,7 @@ def search(
         except DecisionMismatch as exc:
             state["trace"], state["msg"] = trace, str(exc)
 
-    modes = _modes(asynchronous)
+    modes = _modes()
     for i, mode in enumerate(modes):  # each mode its share of the examples
         share = examples // len(modes) + (i < examples % len(modes))
         run = settings(

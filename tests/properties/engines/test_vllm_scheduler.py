@@ -135,3 +135,190 @@ def test_asynchronous_scheduling_agrees_on_a_short_trace() -> None:
         mode=ServingMode(async_scheduling=True),
     )
     assert run_one(trace) == 5
+
+
+# -- asynchronous scheduling: preemption of a request with tokens in flight --------------
+# The module's trace (ARRIVALS, block size 2, 6 usable blocks, budget 16) under vLLM's
+# AsyncScheduler: step N is scheduled, then step N - 1's output is processed.
+#
+# step | scheduled        | preempted | r0 blocks    | r1 blocks | computed | free | outputs
+#  1   | r0 0+4, r1 0+4   |           | 1 2          | 3 4       | 4, 4     | 2    | 0, 0
+#  2   | r0 4+1, r1 4+1   |           | 1 2 5        | 3 4 6     | 5, 5     | 0    | 1, 1
+#  3   | r0 5+1, r1 5+1   |           | 1 2 5        | 3 4 6     | 6, 6     | 0    | 2, 2
+#  4   | r0 6+1           | r1        | 1 2 5 6      | -         | 7, 0     | 2    | 3, 3
+#
+# Step 4: r0 at position 6 needs a block and none is free; vLLM preempts r1 although
+# its step-3 token (position 5) is still in flight: r1's blocks go back at once, tail
+# first (6, 4, 3), r0 takes block 6, 2 free (4, 3). Step 3's output is processed after
+# step 4 is scheduled: r1's token is stale but still delivered (outputs 3), nothing is
+# committed, and r1 waits with nothing in flight. Step 5: r1 (7 tokens) hits its prompt
+# blocks 3 and 4 (the 2 free ones) and needs 2 more blocks: it is not admitted; r0 runs
+# position 7 in block 6.
+ASYNC_TABLES = (
+    ((("r0", 0, 4), ("r1", 0, 4)), (), {"r0": ((1, 2),), "r1": ((3, 4),)}, {"r0": 4, "r1": 4}, 2),
+    (
+        (("r0", 4, 1), ("r1", 4, 1)),
+        (),
+        {"r0": ((1, 2, 5),), "r1": ((3, 4, 6),)},
+        {"r0": 5, "r1": 5},
+        0,
+    ),
+    (
+        (("r0", 5, 1), ("r1", 5, 1)),
+        (),
+        {"r0": ((1, 2, 5),), "r1": ((3, 4, 6),)},
+        {"r0": 6, "r1": 6},
+        0,
+    ),
+    ((("r0", 6, 1),), ("r1",), {"r0": ((1, 2, 5, 6),), "r1": ((),)}, {"r0": 7, "r1": 0}, 2),
+    ((("r0", 7, 1),), (), {"r0": ((1, 2, 5, 6),), "r1": ((),)}, {"r0": 8, "r1": 0}, 2),
+)
+
+
+def test_async_preemption_with_tokens_in_flight_by_hand() -> None:
+    """vLLM and the reference (on vLLM's decisions) both follow ASYNC_TABLES; r1's stale
+    output is delivered on both sides and nothing of it is in flight after step 4."""
+    from properties.core.modes import ServingMode
+    from properties.engines.reference import make_engine
+    from properties.engines.vllm_scheduler import make_harness
+    from properties.runner.decided import compare_views, decided_scheduler, reference_view
+
+    h = make_harness(LAYOUT, asynchronous=True)
+    ref = decided_scheduler(make_engine(LAYOUT), LAYOUT, ServingMode(async_scheduling=True))
+    for op in ARRIVALS:
+        h.arrive(op)
+        ref.arrive(op)
+    for k, (scheduled, preempted, blocks, computed, free) in enumerate(ASYNC_TABLES, 1):
+        if k == 4:  # r1 has its step-3 token in flight when vLLM picks it as the victim
+            assert h.scheduler.requests["r1"].num_in_flight_tokens == 1
+            assert ref.requests["r1"].num_in_flight == 1
+        d = h.step(16)
+        ref.step_as(d, 16)
+        assert [(s.request_id, s.start, s.num_tokens) for s in d.scheduled] == list(scheduled)
+        assert d.preempted == preempted
+        view = h.view()
+        assert (view.block_ids, view.num_computed_tokens) == (blocks, computed)
+        assert view.num_free_blocks == free
+        compare_views(view, reference_view(ref), f"step {k}")
+        if k == 4:
+            r1 = ref.requests["r1"]
+            assert (r1.num_generated, r1.num_in_flight, r1.num_stale) == (3, 0, 0)
+            assert h.scheduler.requests["r1"].num_output_tokens == 3
+            assert ref.waiting == ["r1"]
+    trace = Trace(
+        layout=LAYOUT,
+        operations=ARRIVALS + (Step(16),) * 16,
+        mode=ServingMode(async_scheduling=True),
+    )
+    from properties.tools.scheduler_level import run_one
+
+    assert run_one(trace) == 16
+
+
+def test_async_preempt_op_holds_stale_request_and_abort_frees_at_once() -> None:
+    """ARRIVALS with 8 usable blocks (free queue 5..8), asynchronous. Steps 1-3 as in
+    ASYNC_TABLES but with 2 more free blocks: r0 (1, 2, 5), r1 (3, 4, 6), 2 free (7, 8).
+    A trace's ``Preempt`` of r1 (its position-5 token in flight): its blocks go back at
+    once, 5 free; block 6 is not cached (only position 4 of 4-5 is processed), so it goes
+    to the front, 3 and 4 (cached) to the back: queue 6, 7, 8, 4, 3.
+    Step 4: r0 at position 6 takes block 6 (4 free); r1 would fit (hit 3, 4 and one new
+    block) but its stale token is in flight: not re-admitted. Step 3's output is then
+    processed (r1's stale token delivered: 3 outputs).
+    ``Abort`` of r0 (its position-6 token in flight): blocks freed at once, 8 free; 6 (not
+    cached) to the front: queue 6, 7, 8, 4, 3, 5, 2, 1.
+    Step 5: r1 (7 tokens) hits 3, 4 and takes 6, 7 for positions 4-6: (3, 4, 6, 7), 4 free.
+    """
+    from dataclasses import replace
+
+    from properties.core.modes import ServingMode
+    from properties.core.trace import Abort, Preempt
+    from properties.engines.reference import make_engine
+    from properties.engines.vllm_scheduler import make_harness
+    from properties.runner.decided import compare_views, decided_scheduler, reference_view
+
+    layout = replace(LAYOUT, num_blocks=9)
+    mode = ServingMode(async_scheduling=True)
+    h = make_harness(layout, asynchronous=True)
+    ref = decided_scheduler(make_engine(layout), layout, mode)
+    for op in ARRIVALS:
+        h.arrive(op)
+        ref.arrive(op)
+    for _ in range(3):
+        ref.step_as(h.step(16), 16)
+    assert h.view().block_ids == {"r0": ((1, 2, 5),), "r1": ((3, 4, 6),)}
+    assert h.view().num_free_blocks == 2
+    h.preempt("r1")
+    ref.preempt("r1")
+    assert h.view().num_free_blocks == 5
+    assert (ref.requests["r1"].num_stale, ref.requests["r1"].num_in_flight) == (1, 1)
+    compare_views(h.view(), reference_view(ref), "preempt")
+    d = h.step(16)
+    ref.step_as(d, 16)
+    assert [(s.request_id, s.start, s.num_tokens) for s in d.scheduled] == [("r0", 6, 1)]
+    assert h.view().block_ids == {"r0": ((1, 2, 5, 6),), "r1": ((),)}
+    assert h.view().num_free_blocks == 4
+    assert (ref.requests["r1"].num_generated, ref.requests["r1"].num_stale) == (3, 0)
+    compare_views(h.view(), reference_view(ref), "step 4")
+    h.abort("r0")
+    ref.abort("r0")
+    assert h.view().num_free_blocks == 8
+    compare_views(h.view(), reference_view(ref), "abort")
+    d = h.step(16)
+    ref.step_as(d, 16)
+    assert [(s.request_id, s.start, s.num_tokens) for s in d.scheduled] == [("r1", 4, 3)]
+    assert h.view().block_ids == {"r1": ((3, 4, 6, 7),)}
+    assert h.view().num_free_blocks == 4
+    compare_views(h.view(), reference_view(ref), "step 5")
+    trace = Trace(
+        layout=layout,
+        operations=ARRIVALS
+        + (Step(16),) * 3
+        + (Preempt("r1"), Step(16), Abort("r0"))
+        + (Step(16),) * 12,
+        mode=mode,
+    )
+    from properties.tools.scheduler_level import run_one
+
+    assert run_one(trace) == 16
+
+
+def test_self_preemption_of_a_sub_block_mamba_chunk() -> None:
+    """Full + Mamba groups of block size 22, 19 usable blocks, asynchronous. ``r0``
+    (prompt 175) and ``r1`` (prompt 131) prefill over steps 1-3 (budgets 306, 46, 233).
+    Step 4 (budget 20): ``r0`` decodes at 176 and takes the last free block; ``r1``
+    (computed 110) has 19 tokens of budget left, less than one Mamba block, so vLLM
+    advances it sub-block (kvconform's own Mamba rule would cut the chunk to 0), finds no
+    block and preempts ``r1`` itself. The reference, on vLLM's decisions, must try the
+    uncut 19 tokens and fail the same way (before the fix: "the engine preempted
+    ['r1'] although the reference had room")."""
+    from properties.core.modes import ServingMode
+    from properties.engines.vllm_scheduler import make_harness
+    from properties.tools.scheduler_level import run_one
+    from reference.specs import MambaSpec
+
+    layout = KVCacheLayout(
+        groups=(
+            KVCacheGroup(("l0",), FullAttentionSpec(block_size=22, num_kv_heads=1, head_size=16)),
+            KVCacheGroup(
+                ("l1",), MambaSpec(block_size=22, shapes=((4, 8),), page_size_padded=1408)
+            ),
+        ),
+        num_blocks=20,
+        max_model_len=233,
+    )
+    ops = (Arrive("r0", (1,) * 175, (3,) * 29), Arrive("r1", (2,) * 131, (5,) * 45))
+    budgets = (306, 46, 233, 20)
+    h = make_harness(layout, asynchronous=True)
+    for op in ops:
+        h.arrive(op)
+    decisions = [h.step(b) for b in budgets]
+    assert [(s.request_id, s.start, s.num_tokens) for s in decisions[3].scheduled] == [
+        ("r0", 176, 1)
+    ]
+    assert decisions[3].preempted == ("r1",)
+    trace = Trace(
+        layout=layout,
+        operations=ops + tuple(Step(b) for b in budgets),
+        mode=ServingMode(async_scheduling=True),
+    )
+    assert run_one(trace) == 4
