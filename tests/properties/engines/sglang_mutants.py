@@ -12,7 +12,7 @@ package; they need SGLang (``.engines/sglang``).
   it again and the SWA lock counts of the prefix go down past the request's own lock.
 
 Each mutation rewrites one line of the method's source at run time and is applied once
-per process, when the factory first builds an engine.
+per process, when the factory first builds an engine (:mod:`tests.properties.engines.line_mutants`).
 
 Worked example::
 
@@ -23,13 +23,10 @@ Worked example::
 from __future__ import annotations
 
 import importlib
-import inspect
-import sys
-import textwrap
 from collections.abc import Callable
 
 from properties.engines import sglang as adapter
-from reference.layout import KVCacheLayout
+from tests.properties.engines.line_mutants import mutant_factory, mutated_method
 
 #: name -> (module, class, method, the line as SGLang has it, the mutated line)
 MUTATIONS = {
@@ -48,42 +45,17 @@ MUTATIONS = {
         "pass",
     ),
 }
-_APPLIED: set[str] = set()
 
 
 def mutated(name: str) -> tuple[type, str, Callable]:
-    """``(class, method, mutated function)`` for mutant ``name`` (see
-    :data:`MUTATIONS`): the method's source with one line replaced."""
+    """``(class, method, mutated function)`` for mutant ``name`` (see :data:`MUTATIONS`)."""
     module_name, class_name, method, old, new = MUTATIONS[name]
-    module = importlib.import_module(module_name)
-    owner = getattr(module, class_name)
-    function = inspect.unwrap(getattr(owner, method))
-    source = textwrap.dedent(inspect.getsource(function))
-    if source.count(old) != 1:
-        raise RuntimeError(f"mutant {name}: {old!r} not found once in {class_name}.{method}")
-    source = "\n".join(line for line in source.splitlines() if not line.startswith("@"))
-    namespace: dict = {}
-    code = compile(source.replace(old, new), f"<mutant {name}>", "exec")
-    exec(code, vars(sys.modules[owner.__module__]), namespace)
-    return owner, method, namespace[method]
+    owner = getattr(importlib.import_module(module_name), class_name)
+    return owner, method, mutated_method(owner, method, old, new, name)
 
 
-def _mutate(name: str) -> None:
-    """Apply mutant ``name`` for the rest of this process (once)."""
-    if name not in _APPLIED:
-        owner, method, function = mutated(name)
-        setattr(owner, method, function)
-        _APPLIED.add(name)
-
-
-def _factory(name: str) -> Callable[[KVCacheLayout], object]:
-    def make(layout: KVCacheLayout) -> object:
-        _mutate(name)
-        return adapter.make_engine(layout)
-
-    make.layout_strategy = adapter.make_engine.layout_strategy  # type: ignore[attr-defined]
-    make.__name__ = f"make_{name}"
-    return make
+def _factory(name: str) -> Callable:
+    return mutant_factory(name, mutated, adapter.make_engine, ("layout_strategy",))
 
 
 make_decode_mapping = _factory("decode_mapping")

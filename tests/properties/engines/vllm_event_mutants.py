@@ -10,8 +10,9 @@ they need vLLM (``.engines/vllm``).
 * ``make_removed_with_group``: ``BlockPool._emit_block_removed_events`` announces the pool
   key (hash plus the 4-byte group id) instead of the hash (``get_block_hash`` forgotten).
 
-Each mutation rewrites one line of the method's source at run time (``_mutate``) and is
-applied once per process, when the factory first builds an engine.
+Each mutation rewrites one line of the method's source at run time and is applied once per
+process, when the factory first builds an engine
+(:mod:`tests.properties.engines.line_mutants`).
 
 Worked example::
 
@@ -21,13 +22,10 @@ Worked example::
 
 from __future__ import annotations
 
-import inspect
-import sys
-import textwrap
 from collections.abc import Callable
 
 from properties.engines import vllm as adapter
-from reference.layout import KVCacheLayout
+from tests.properties.engines.line_mutants import mutant_factory, mutated_method
 
 #: name -> (method of BlockPool, the line as vLLM has it, the mutated line)
 MUTATIONS = {
@@ -42,41 +40,19 @@ MUTATIONS = {
         "block_hashes=[maybe_convert_block_hash(block_hash)],",
     ),
 }
-_APPLIED: set[str] = set()
 
 
 def mutated(name: str) -> tuple[type, str, Callable]:
-    """``(BlockPool, method, mutated function)`` for mutant ``name`` (see
-    :data:`MUTATIONS`): the method's source with one line replaced."""
+    """``(BlockPool, method, mutated function)`` for mutant ``name`` (see :data:`MUTATIONS`)."""
     from vllm.v1.core.block_pool import BlockPool
 
     method, old, new = MUTATIONS[name]
-    source = textwrap.dedent(inspect.getsource(getattr(BlockPool, method)))
-    if source.count(old) != 1:
-        raise RuntimeError(f"mutant {name}: {old!r} not found once in BlockPool.{method}")
-    namespace: dict = {}
-    code = compile(source.replace(old, new), f"<mutant {name}>", "exec")
-    exec(code, vars(sys.modules[BlockPool.__module__]), namespace)
-    return BlockPool, method, namespace[method]
+    return BlockPool, method, mutated_method(BlockPool, method, old, new, name)
 
 
-def _mutate(name: str) -> None:
-    """Apply mutant ``name`` for the rest of this process (once)."""
-    if name not in _APPLIED:
-        owner, method, function = mutated(name)
-        setattr(owner, method, function)
-        _APPLIED.add(name)
-
-
-def _factory(name: str) -> Callable[[KVCacheLayout], object]:
-    def make(layout: KVCacheLayout) -> object:
-        _mutate(name)
-        return adapter.make_engine(layout)
-
-    for attribute in ("known_divergences", "production_settings"):
-        setattr(make, attribute, getattr(adapter.make_engine, attribute))
-    make.__name__ = f"make_{name}"
-    return make
+def _factory(name: str) -> Callable:
+    attributes = ("known_divergences", "production_settings")
+    return mutant_factory(name, mutated, adapter.make_engine, attributes)
 
 
 make_event_offset = _factory("event_offset")
