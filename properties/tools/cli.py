@@ -19,7 +19,8 @@ Exit codes (one table: :mod:`properties.core.outcome`): 0 passed, 1 a property f
 cannot be loaded, an engine that rejects every layout, an input file beyond its bounds),
 3 the engine broke the protocol (an exception, a malformed answer, a call past
 ``--call-timeout``, a worker it ended), 4 an engine branch unreached that
-``--engine-coverage-baseline`` does not list, 70 a bug of kvconform itself, 130 SIGINT
+``--engine-coverage-baseline`` does not list (or, with ``--pairs-gate``, a supported
+pair of features unreached), 70 a bug of kvconform itself, 130 SIGINT
 and 143 SIGTERM when nothing failed before (:mod:`properties.tools.stopping`). When
 several properties end differently the code is the most severe: 70, 2, 3, 1, 4. Errors
 are one line; a traceback only with ``--verbose``.
@@ -139,7 +140,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     for r in results:  # each result once: the rows not announced as they ended
         if not getattr(r, "announced", False):
             print_result_line(r)
-    print("\n".join(format_pair_reach(results, engine)))
+    pair_lines = format_pair_reach(results, engine)
+    print("\n".join(pair_lines))
+    if getattr(args, "pairs_gate", False):
+        results = [*results, *pair_gate_results(pair_lines)]
     failed = [r for r in results if not r.passed]
     reports = {}
     for r in failed:
@@ -318,6 +322,24 @@ def print_result_line(r) -> None:
     if getattr(r, "modes", None):
         drawn = ", ".join(f"{tag} {e}/{n}" for tag, (e, n) in r.modes.items())
         print(f"    modes drawn (examples/steps): {drawn}", flush=True)
+
+
+def pair_gate_results(pair_lines: list[str]) -> list:
+    """``--pairs-gate``: a failed ``pair-reach`` row (exit 4, a reach regression) when the
+    pair table has ``missed:`` lines, else nothing. Example: ``["pairs reached: 101 of
+    103 ...", "  missed: drafts x {external, load-failures}"]`` -> one row whose failure
+    reads ``2 supported pairs unreached: drafts x {external, load-failures}``."""
+    from properties.runner.check import PropertyResult
+
+    missed = [line.strip().removeprefix("missed: ") for line in pair_lines if "missed:" in line]
+    if not missed:
+        return []
+    count = sum(len(m.split("{", 1)[1].split(",")) for m in missed)
+    listed = "; ".join(missed)
+    failure = f"{count} supported pairs unreached" + (
+        f": {listed}" if len(listed) <= 200 else " (the 'missed:' lines of the pair table)"
+    )
+    return [PropertyResult("pair-reach", 0, 0, 0.0, failure, kind="coverage")]
 
 
 def format_pair_reach(results, engine) -> list[str]:
@@ -745,6 +767,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     shrink_args(p)
     coverage_args(p)
+    p.add_argument(
+        "--pairs-gate",
+        action="store_true",
+        help="fail (exit 4) if a pair of features the engine supports was not reached",
+    )
     check_outputs.add_arguments(p)
     engine_coverage_args(p)
     p.set_defaults(func=cmd_check)
