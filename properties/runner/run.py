@@ -31,6 +31,7 @@ import dataclasses
 from collections.abc import Callable
 
 from hypothesis import reject
+from hypothesis import strategies as st
 
 from properties.checks.boundary import build_engine, engine_name
 from properties.checks.lockstep import LockstepEngine
@@ -326,9 +327,23 @@ def layout_strategy(config: CheckConfig, engine: EngineUnderTest):
         strategy = kvst.production_base_layouts(max_len=config.max_len, kinds=kinds)
     else:
         strategy = kvst.any_layouts(max_len=config.max_len, kinds=kinds)
-    if config.production and config.preset is None:
+    production = config.production and config.preset is None
+    return declared_layouts(strategy, engine, config.max_len, production)
+
+
+def declared_layouts(
+    strategy: st.SearchStrategy[KVCacheLayout],
+    engine: EngineUnderTest,
+    max_len: int,
+    production: bool,
+) -> st.SearchStrategy[KVCacheLayout]:
+    """``strategy`` as the engine's declarations take it: the production settings it
+    declares drawn on top (``production``), its documented divergences left out. Example:
+    an engine declaring only ``retention`` gets no EAGLE layouts, and vLLM no chunked
+    layouts whose chunk is not a multiple of the block size."""
+    if production:
         strategy = kvst.production_layouts(
-            strategy, max_len=config.max_len, settings=engine.production_settings
+            strategy, max_len=max_len, settings=engine.production_settings
         )
     known = engine.known_divergences
     if known:

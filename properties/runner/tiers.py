@@ -40,7 +40,7 @@ from properties.core.trace import Operation, Trace
 from properties.engines.under_test import EngineUnderTest
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
-from properties.runner.run import TraceRun, engine_of, failure_info
+from properties.runner.run import TraceRun, declared_layouts, engine_of, failure_info
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
 
@@ -66,14 +66,7 @@ def tier_layouts(
     supports, the production settings it declares on top for the production property,
     its documented divergences left out."""
     strategy = kvst.swarm_layouts(scale, engine.spec_types)
-    if config.production:
-        strategy = kvst.production_layouts(
-            strategy, max_len=scale.max_len, settings=engine.production_settings
-        )
-    known = engine.known_divergences
-    if known:
-        strategy = strategy.filter(lambda layout: not any(d.applies(layout) for d in known))
-    return strategy
+    return declared_layouts(strategy, engine, scale.max_len, config.production)
 
 
 def kept_mode(

@@ -224,6 +224,19 @@ def test_chunked_local_hits_whole_chunks_without_lookup():
     assert engine.num_free_blocks() == 18
 
 
+def _cache_two_blocks_of_a(engine) -> None:
+    """Full attention bs 2: "a" (5 tokens) computes 2 tokens (block 1 cached), then 2 more
+    (block 2 cached), a step after each."""
+    engine.add_request(RequestInput("a", (1, 2, 3, 4, 5)))
+    hit = engine.get_computed_blocks("a")
+    assert engine.allocate_slots("a", 2, 0, hit) == ((1,),)
+    engine.set_num_computed_tokens("a", 2)
+    engine.new_step()
+    assert engine.allocate_slots("a", 2) == ((2,),)
+    engine.set_num_computed_tokens("a", 4)
+    engine.new_step()
+
+
 def test_kv_events_are_checked_against_the_pool_and_catch_two_event_mutants(monkeypatch):
     """The adapter drains vLLM's KV events at every step and checks them against the pool
     (every cached hash announced by a BlockStored, every BlockRemoved names an announced
@@ -237,14 +250,7 @@ def test_kv_events_are_checked_against_the_pool_and_catch_two_event_mutants(monk
 
     def scenario() -> None:
         engine = make((FullAttentionSpec(block_size=2),), 4)
-        engine.add_request(RequestInput("a", (1, 2, 3, 4, 5)))
-        hit = engine.get_computed_blocks("a")
-        assert engine.allocate_slots("a", 2, 0, hit) == ((1,),)
-        engine.set_num_computed_tokens("a", 2)
-        engine.new_step()
-        assert engine.allocate_slots("a", 2) == ((2,),)
-        engine.set_num_computed_tokens("a", 4)
-        engine.new_step()
+        _cache_two_blocks_of_a(engine)
         engine.free("a")
         engine.remove_request("a")
         engine.add_request(RequestInput("b", (7, 8, 9, 10, 11, 12)))
@@ -274,22 +280,12 @@ def test_disable_self_checks_stops_the_event_audit_the_bench_would_time(monkeypa
     from properties.tools.bench.engines import engine_alone
     from tests.properties.engines.vllm_event_mutants import mutated
 
-    def steps(engine) -> None:
-        engine.add_request(RequestInput("a", (1, 2, 3, 4, 5)))
-        hit = engine.get_computed_blocks("a")
-        assert engine.allocate_slots("a", 2, 0, hit) == ((1,),)
-        engine.set_num_computed_tokens("a", 2)
-        engine.new_step()
-        assert engine.allocate_slots("a", 2) == ((2,),)
-        engine.set_num_computed_tokens("a", 4)
-        engine.new_step()
-
     owner, method, function = mutated("event_offset")
     with monkeypatch.context() as patch:
         patch.setattr(owner, method, function)
         with pytest.raises(EngineError, match="that no BlockStored event announced"):
-            steps(make((FullAttentionSpec(block_size=2),), 4))
-        steps(engine_alone(make((FullAttentionSpec(block_size=2),), 4)))
+            _cache_two_blocks_of_a(make((FullAttentionSpec(block_size=2),), 4))
+        _cache_two_blocks_of_a(engine_alone(make((FullAttentionSpec(block_size=2),), 4)))
 
 
 def test_one_layout_in_four_runs_with_stats_and_events_off():
