@@ -304,37 +304,86 @@ def format_engine_coverage(result: EngineCoverage, table_file: str = TABLE_FILE)
 
 BASELINE_HEADER = (
     "# kvconform engine coverage baseline: branches allowed to stay unreached.\n"
-    "# where<TAB>function<TAB>source<TAB>target; matched without line numbers.\n"
+    "# where<TAB>function<TAB>source<TAB>target[<TAB>reason]; matched without line numbers.\n"
+    "# reason: why the branch is out of the adapter's reach; 'open gap' (or none): reachable.\n"
 )
+#: The reason of a listed branch the adapter's calls can reach but the run did not.
+OPEN_GAP = "open gap"
 
 
-def write_baseline(result: EngineCoverage, path: str) -> None:
-    """Write ``result``'s unreached branches as a baseline file."""
-    lines = ["\t".join((u.where, u.function, u.source, u.target_source)) for u in result.unreached]
+def write_baseline(
+    result: EngineCoverage, path: str, reasons: dict[tuple[str, ...], str] | None = None
+) -> None:
+    """Write ``result``'s unreached branches as a baseline file; a branch ``reasons``
+    classifies keeps its reason (a re-written baseline keeps the classification)."""
+    reasons = reasons or {}
+    lines = []
+    for u in result.unreached:
+        fields = [u.where, u.function, u.source, u.target_source]
+        if reasons.get(u.key):
+            fields.append(reasons[u.key])
+        lines.append("\t".join(fields))
     Path(path).write_text(BASELINE_HEADER + "".join(line + "\n" for line in lines))
 
 
-def read_baseline(path: str) -> Counter:
-    """The branch keys a baseline lists (with multiplicity); one-line error when bad."""
+def _baseline_rows(path: str) -> Iterator[tuple[tuple[str, str, str, str], str]]:
+    """``(key, reason)`` per line of a baseline (reason ``""`` when the line has none);
+    one-line error when the file is bad."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise EngineCoverageError(
             f"--engine-coverage-baseline: cannot read {path}: {exc}"
         ) from None
-    keys: Counter = Counter()
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
         fields = line.split("\t")
-        if len(fields) != 4:
+        if len(fields) not in (4, 5):
             raise EngineCoverageError(
-                f"--engine-coverage-baseline: {path}:{number}: expected 4 tab-separated "
-                f"fields (where, function, source, target), got {len(fields)}"
+                f"--engine-coverage-baseline: {path}:{number}: expected 4 or 5 tab-separated "
+                f"fields (where, function, source, target[, reason]), got {len(fields)}"
             )
-        where, function, source, target = fields
-        keys[(where.split(":")[0], function, source, target)] += 1
-    return keys
+        where, function, source, target = fields[:4]
+        reason = fields[4].strip() if len(fields) == 5 else ""
+        yield (where.split(":")[0], function, source, target), reason
+
+
+def read_baseline(path: str) -> Counter:
+    """The branch keys a baseline lists (with multiplicity); one-line error when bad."""
+    return Counter(key for key, _ in _baseline_rows(path))
+
+
+def read_reasons(path: str) -> dict[tuple[str, ...], str]:
+    """The reason each classified branch of a baseline carries (lines with none left out)."""
+    return {key: reason for key, reason in _baseline_rows(path) if reason}
+
+
+def out_of_reach(result: EngineCoverage, reasons: dict[tuple[str, ...], str]) -> list[Branch]:
+    """The unreached branches ``reasons`` classifies as out of the adapter's reach (any
+    reason but :data:`OPEN_GAP`)."""
+    return [u for u in result.unreached if reasons.get(u.key, OPEN_GAP) != OPEN_GAP]
+
+
+def reach_lines(result: EngineCoverage, reasons: dict[tuple[str, ...], str]) -> list[str]:
+    """The coverage of the branches the adapter's calls can reach: every branch but the
+    unreached ones the baseline gives a reason for, then a count per reason.
+
+    Worked example: 840 branches, 322 unreached, 293 of them classified (HiSparse,
+    error paths, ...) and 29 open gaps (no reason, or ``open gap``): reachable
+    840 - 293 = 547, reached 547 - 29 = 518, ``94.7% of 547``.
+    """
+    outside = out_of_reach(result, reasons)
+    reachable = result.branches - len(outside)
+    gaps = len(result.unreached) - len(outside)
+    percent = 100.0 * (reachable - gaps) / reachable if reachable else 100.0
+    lines = [
+        f"adapter-reachable branch coverage: {percent:.1f}% of {reachable} branches "
+        f"({gaps} open gaps; {len(outside)} unreached branches out of the adapter's reach)"
+    ]
+    for reason, n in Counter(reasons[u.key] for u in outside).most_common():
+        lines.append(f"  {n:>4}  {reason}")
+    return lines
 
 
 def regressions(result: EngineCoverage, baseline: Counter) -> list[Branch]:
@@ -372,8 +421,11 @@ def report(
     wait_for_savers(request.data_dir)
     result = analyse(request)
     print(format_engine_coverage(result), flush=True)
+    reasons = read_reasons(baseline) if baseline else {}
+    if reasons:
+        print("\n".join(reach_lines(result, reasons)), flush=True)
     if write:
-        write_baseline(result, write)
+        write_baseline(result, write, reasons)
         print(f"engine coverage baseline written: {write} ({len(result.unreached)} branches)")
     if baseline is None:
         return None

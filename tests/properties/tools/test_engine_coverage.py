@@ -28,7 +28,9 @@ from properties.tools.engine_coverage import (
     FunctionRow,
     first_reached,
     format_engine_coverage,
+    reach_lines,
     read_baseline,
+    read_reasons,
     regressions,
     write_baseline,
 )
@@ -166,10 +168,49 @@ def test_baseline_matches_without_line_numbers_and_counts_repeats(tmp_path) -> N
 def test_bad_baseline_is_one_line_error(tmp_path) -> None:
     path = tmp_path / "b.txt"
     path.write_text("# header\nonly\ttwo\n")
-    with pytest.raises(EngineCoverageError, match=r"b.txt:2: expected 4 tab-separated fields"):
+    with pytest.raises(EngineCoverageError, match=r"b.txt:2: expected 4 or 5 tab-separated fields"):
         read_baseline(str(path))
     with pytest.raises(EngineCoverageError, match="cannot read"):
         read_baseline(str(tmp_path / "missing.txt"))
+
+
+def test_reasons_split_the_reachable_branches_from_the_out_of_reach_ones(tmp_path) -> None:
+    # 10 branches, 4 unreached: 2 with a reason (out of reach), 1 "open gap", 1 with none.
+    # Reachable 10 - 2 = 8, of which 8 - 2 = 6 reached: 75.0%.
+    unreached = (
+        _branch(3, 4, "x = 1"),
+        _branch(5, 6, "raise E", "if bad:"),
+        _branch(9, 10, "y = 1", "if b:"),
+        _branch(9, 12, "y = 2", "if b:"),
+    )
+    result = EngineCoverage((FunctionRow("m.py", "f", 10, 4),), unreached)
+    path = tmp_path / "b.txt"
+    path.write_text(
+        "# header\n"
+        "m.py:3->4\tf\tif a:\tx = 1\tHiCache (out of scope)\n"
+        "m.py:5->6\tf\tif bad:\traise E\terror path\n"
+        "m.py:9->10\tf\tif b:\ty = 1\topen gap\n"
+        "m.py:9->12\tf\tif b:\ty = 2\n"
+    )
+    reasons = read_reasons(str(path))
+    assert len(reasons) == 3 and sum(read_baseline(str(path)).values()) == 4
+    lines = reach_lines(result, reasons)
+    assert lines[0] == (
+        "adapter-reachable branch coverage: 75.0% of 8 branches "
+        "(2 open gaps; 2 unreached branches out of the adapter's reach)"
+    )
+    assert sorted(line.split(maxsplit=1)[1] for line in lines[1:]) == [
+        "HiCache (out of scope)",
+        "error path",
+    ]
+    # a re-written baseline keeps the reasons of the branches still unreached
+    fewer = EngineCoverage(result.functions, unreached[1:])
+    again = tmp_path / "again.txt"
+    write_baseline(fewer, str(again), reasons)
+    assert read_reasons(str(again)) == {
+        ("m.py", "f", "if bad:", "raise E"): "error path",
+        ("m.py", "f", "if b:", "y = 1"): "open gap",
+    }
 
 
 def test_long_table_goes_to_a_file(tmp_path) -> None:
