@@ -27,8 +27,18 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
-from properties.core.trace import Trace, load_trace, save_trace
+from properties.core.trace import (
+    Arrive,
+    Operation,
+    ResetPrefixCache,
+    Step,
+    Trace,
+    load_trace,
+    save_trace,
+)
+from reference.layout import KVCacheLayout
 
 #: examples per profile
 EXAMPLES: dict[str, int] = {"dev": 30, "ci": 300, "nightly": 1500, "gpu": 300}
@@ -51,6 +61,28 @@ def _modes():
         ServingMode(num_draft_tokens=2),
         ServingMode(admission_gate=True),
         ServingMode(async_scheduling=True),
+        ServingMode(external_hits=True),
+        ServingMode(external_hits=True, async_loads=True, load_failures=True),
+    )
+
+
+def reload_tail(layout: KVCacheLayout, ops: tuple[Operation, ...]) -> tuple[Operation, ...]:
+    """The end of a connector mode's trace, so that it loads from the host tier: steps
+    with a budget for every request until all have ended (one per output token of the
+    longest, twice over for preemptions; their blocks go to the tier), a
+    ``ResetPrefixCache``, the longest request back as
+    :func:`properties.generate.strategies.reload_ops` (its head computed on the device,
+    the rest loaded) or whole, and the same steps again. Example: ``r0`` (12 prompt
+    tokens, 2 outputs) alone, alignment 4 -> 8 steps, the reset, ``r1`` (the first 4
+    tokens), ``r2`` (all 14 and 3 more), 8 steps."""
+    from properties.generate.strategies import reload_ops
+
+    arrivals = [op for op in ops if isinstance(op, Arrive)]
+    drain = (Step(2 * layout.max_model_len),) * (2 * max(len(a.output) for a in arrivals) + 4)
+    old = max(arrivals, key=lambda a: len(a.prompt) + len(a.output))
+    again = replace(old, request_id=f"r{len(arrivals)}", output=())
+    return (
+        drain + (ResetPrefixCache(),) + (reload_ops(layout, old, len(arrivals)) or (again,)) + drain
     )
 
 
@@ -98,11 +130,16 @@ def search(
             layout = draw(layouts(kinds=kinds, max_groups=3))
             # vLLM's known divergences of the manager (findings/vllm/) are not drawn
             assume(not any(d.applies(layout) for d in KNOWN_DIVERGENCES))
-            # drafts are not modelled with a Mamba group
+            # drafts and connectors are not modelled with a Mamba group
             assume(
-                not (mode.num_draft_tokens and any(isinstance(s, MambaSpec) for s in layout.specs))
+                not (
+                    (mode.num_draft_tokens or mode.external_hits)
+                    and any(isinstance(s, MambaSpec) for s in layout.specs)
+                )
             )
             ops = draw(operations(layout, max_ops=30))
+            if mode.external_hits:
+                ops = ops + reload_tail(layout, ops)
             return Trace(layout=layout, operations=ops, mode=mode)
 
         return draw_trace()
