@@ -10,6 +10,12 @@ test_vllm_scheduler_mutants.py``).
 * ``preemption-frees-late``: a preempted request's blocks go back to the pool at the end
   of ``schedule()`` instead of at the preemption, so the retried allocation still fails
   and the scheduler preempts more requests than it needs (down to the request itself).
+* ``connector-told-new-blocks`` (a KV connector path): at admission the connector is told
+  the blocks ``allocate_slots`` returned (only the newly allocated ones) instead of the
+  request's whole table (``kv_cache_manager.get_blocks``), so it would load the
+  external tokens into blocks that are not theirs. Example: bs 2, ``r1`` loads 4
+  external tokens and computes 3 more: vLLM tells ``(6, 3)``, the request's table is
+  ``(4, 5, 6, 3)``.
 
 Each mutant is built on first use (vLLM is imported then): :func:`mutant_class`.
 """
@@ -22,6 +28,7 @@ from typing import Any
 MUTANTS: dict[str, str] = {
     "lookahead-on-running": "running requests get num_lookahead_tokens + 1 in allocate_slots",
     "preemption-frees-late": "a preempted request's blocks are freed at the end of schedule()",
+    "connector-told-new-blocks": "update_state_after_alloc gets allocate_slots' new blocks only",
 }
 
 
@@ -67,9 +74,37 @@ def _preemption_frees_late(base: type) -> type:
     return PreemptionFreesLate
 
 
+def _connector_told_new_blocks(base: type) -> type:
+    class ConnectorToldNewBlocks(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            manager = self.kv_cache_manager
+            allocate = manager.allocate_slots
+            returned: dict[str, Any] = {}
+
+            def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+                new = allocate(request, *args, **kwargs)
+                returned[request.request_id] = new
+                return new
+
+            manager.allocate_slots = allocate_slots
+            connector = self.connector
+            if connector is None:
+                return
+            tell = connector.update_state_after_alloc
+
+            def update_state_after_alloc(request: Any, blocks: Any, num_external: int) -> Any:
+                return tell(request, returned.get(request.request_id, blocks), num_external)
+
+            connector.update_state_after_alloc = update_state_after_alloc
+
+    return ConnectorToldNewBlocks
+
+
 _BUILDERS = {
     "lookahead-on-running": _lookahead_on_running,
     "preemption-frees-late": _preemption_frees_late,
+    "connector-told-new-blocks": _connector_told_new_blocks,
 }
 
 
