@@ -17,6 +17,12 @@ test_vllm_scheduler_mutants.py``).
   external tokens and computes 3 more: vLLM tells ``(6, 3)``, the request's table is
   ``(4, 5, 6, 3)``.
 
+* ``connector-end-keeps-skipped-blocks`` (a KV connector path): at a request's end the
+  scheduler hands the connector its table without first freeing the blocks that fell
+  out of a sliding window on the processed basis (``remove_skipped_blocks`` skipped in
+  ``_connector_finished``): the connector is told blocks the window no longer covers,
+  and they go back to the pool with the rest, tail first, instead of before it.
+
 Each mutant is built on first use (vLLM is imported then): :func:`mutant_class`.
 """
 
@@ -29,6 +35,7 @@ MUTANTS: dict[str, str] = {
     "lookahead-on-running": "running requests get num_lookahead_tokens + 1 in allocate_slots",
     "preemption-frees-late": "a preempted request's blocks are freed at the end of schedule()",
     "connector-told-new-blocks": "update_state_after_alloc gets allocate_slots' new blocks only",
+    "connector-end-keeps-skipped-blocks": "_connector_finished does not remove skipped blocks",
 }
 
 
@@ -101,10 +108,24 @@ def _connector_told_new_blocks(base: type) -> type:
     return ConnectorToldNewBlocks
 
 
+def _connector_end_keeps_skipped_blocks(base: type) -> type:
+    class ConnectorEndKeepsSkippedBlocks(base):  # type: ignore[misc, valid-type]
+        def _connector_finished(self, request: Any) -> Any:
+            manager = self.kv_cache_manager
+            manager.remove_skipped_blocks = lambda *args, **kwargs: None
+            try:
+                return super()._connector_finished(request)
+            finally:
+                del manager.remove_skipped_blocks
+
+    return ConnectorEndKeepsSkippedBlocks
+
+
 _BUILDERS = {
     "lookahead-on-running": _lookahead_on_running,
     "preemption-frees-late": _preemption_frees_late,
     "connector-told-new-blocks": _connector_told_new_blocks,
+    "connector-end-keeps-skipped-blocks": _connector_end_keeps_skipped_blocks,
 }
 
 

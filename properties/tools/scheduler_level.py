@@ -44,7 +44,7 @@ from properties.core.trace import (
 from reference.layout import KVCacheLayout
 
 #: examples per profile
-EXAMPLES: dict[str, int] = {"dev": 49, "ci": 490, "nightly": 2450, "gpu": 490}
+EXAMPLES: dict[str, int] = {"dev": 56, "ci": 525, "nightly": 2625, "gpu": 525}
 
 #: spec kinds the level draws (every kind kvconform models)
 KINDS: tuple[str, ...] = ("full", "sliding_window", "chunked_local", "mamba")

@@ -104,7 +104,13 @@ def test_unknown_mutant_is_one_line() -> None:
 
 
 @pytest.mark.parametrize(
-    "mutant", ["lookahead-on-running", "preemption-frees-late", "connector-told-new-blocks"]
+    "mutant",
+    [
+        "lookahead-on-running",
+        "preemption-frees-late",
+        "connector-told-new-blocks",
+        "connector-end-keeps-skipped-blocks",
+    ],
 )
 def test_generated_traces_catch_each_mutant(mutant: str) -> None:
     """The ci profile's draws (not only the hand-built trace) find each mutant."""
