@@ -51,7 +51,8 @@ schedules step N, then processes step N - 1's output (as vLLM's engine core does
 ``Abort`` and a ``Preempt`` are vLLM's, at once also with tokens in flight (blocks freed;
 a preempted request's in-flight output arrives stale and it is not resumed before).
 
-KV connector (``lookup`` given: the ``external_hits`` modes, synchronous scheduling):
+KV connector (``lookup`` given: the ``external_hits`` modes, synchronous scheduling,
+drafts or not):
 ``KVTransferConfig`` names the stub :class:`properties.engines.vllm_connector.
 KVConformConnector` (``kv_both``, ``recompute`` load-failure policy), which answers
 ``get_num_new_matched_tokens`` from ``lookup(request_id, token_ids, computed)`` (the
@@ -66,8 +67,8 @@ completes (``_update_waiting_for_remote_kv``) and every allocation's
 ``update_state_after_alloc`` (block ids, external tokens); the block ids told at a
 request's end (``request_finished_all_groups``) are kept in :attr:`told_at_end`.
 
-Not driven (``docs/scheduler-level.md``): KV connectors with asynchronous scheduling or
-drafts, layouts with production settings (retention, EAGLE, lookahead hashes), drafts
+Not driven (``docs/scheduler-level.md``): KV connectors with asynchronous scheduling,
+layouts with production settings (retention, EAGLE, lookahead hashes), drafts
 with a Mamba group.
 """
 
@@ -205,10 +206,10 @@ class VLLMSchedulerHarness:
             if num_draft_tokens
             else None
         )
-        if lookup is not None and (asynchronous or num_draft_tokens):
+        if lookup is not None and asynchronous:
             raise EngineError(
-                "vllm scheduler: a KV connector with asynchronous scheduling or drafts is "
-                "not driven (docs/scheduler-level.md)"
+                "vllm scheduler: a KV connector with asynchronous scheduling is not driven "
+                "(docs/scheduler-level.md)"
             )
         transfer = (
             None

@@ -299,6 +299,8 @@ class DecidedScheduler(Scheduler):
             d = self._decisions.of(rid)
             state = self.requests[rid]
             n = 0 if d is None else d.num_tokens
+            if d is not None and d.num_drafts:  # vLLM pads a 1-token admission
+                self.engine.set_in_flight(rid, 0, d.num_drafts)
             gate = self.mode.admission_gate
             new = allocate(self.engine, Allocation(rid, n, 0, None, lookahead, gate))
             if new is None:
@@ -310,7 +312,8 @@ class DecidedScheduler(Scheduler):
             self.running.append(rid)
             hit, external = connector.take_loaded(rid)
             start = state.num_computed_tokens
-            record.scheduled.append(ScheduledRequest(rid, start, n, hit, new))
+            drafts = 0 if d is None else d.num_drafts
+            record.scheduled.append(ScheduledRequest(rid, start, n, hit, new, num_drafts=drafts))
             told_external, asynchronous = 0, False
         else:
             queue = self.waiting

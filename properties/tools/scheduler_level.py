@@ -10,8 +10,9 @@ interpreter::
 
 Examples per profile: :data:`EXAMPLES` (derandomized on ``ci``; ``--seed N`` draws
 another stream), an equal share for each mode of :func:`_modes` (synchronous, 2 drafts,
-the admission gate, asynchronous scheduling, and three KV connector modes: synchronous
-loads, asynchronous loads that may fail, asynchronous loads with the gate). Each example
+the admission gate, asynchronous scheduling, and four KV connector modes: synchronous
+loads, asynchronous loads that may fail, asynchronous loads with the gate, and with 2
+drafts). Each example
 is a trace of the small tier's strategies (``layouts``: 1-3 groups of the kinds in
 :data:`KINDS`; ``operations``: up to 30; in a connector mode, no Mamba group and
 :func:`reload_tail` at the end); layouts where one of vLLM's known divergences of its
@@ -44,7 +45,7 @@ from properties.core.trace import (
 from reference.layout import KVCacheLayout
 
 #: examples per profile
-EXAMPLES: dict[str, int] = {"dev": 56, "ci": 525, "nightly": 2625, "gpu": 525}
+EXAMPLES: dict[str, int] = {"dev": 64, "ci": 600, "nightly": 3000, "gpu": 600}
 
 #: spec kinds the level draws (every kind kvconform models)
 KINDS: tuple[str, ...] = ("full", "sliding_window", "chunked_local", "mamba")
@@ -58,7 +59,8 @@ def _modes():
     (vLLM's preemptions of requests with tokens in flight and its immediate aborts
     replayed on the reference: :class:`properties.runner.decided.DecidedAsyncScheduler`),
     and a KV connector (:mod:`properties.engines.vllm_connector`) loading synchronously,
-    asynchronously with failing loads, and asynchronously under the admission gate."""
+    asynchronously with failing loads, asynchronously under the admission gate, and
+    asynchronously with failing loads and 2 drafts."""
     from properties.core.modes import ServingMode
 
     return (
@@ -69,6 +71,7 @@ def _modes():
         ServingMode(external_hits=True),
         ServingMode(external_hits=True, async_loads=True, load_failures=True),
         ServingMode(admission_gate=True, external_hits=True, async_loads=True),
+        ServingMode(num_draft_tokens=2, external_hits=True, async_loads=True, load_failures=True),
     )
 
 
