@@ -437,3 +437,13 @@ def test_connector_trace_agrees_and_the_told_blocks_mutant_is_caught() -> None:
         "connector (external tokens, asynchronous, block ids) (4, False, ((5, 6),)), the "
         "reference's (4, False, ((3, 4, 5, 6),))"
     ) in str(caught.value)
+
+
+def test_connector_with_asynchronous_scheduling_is_refused_in_one_line() -> None:
+    """vLLM defers a consumer connector's frees under asynchronous scheduling, which the
+    reference does not model: the harness says so rather than drive it."""
+    from properties.core.engine import EngineError
+    from properties.engines.vllm_scheduler import make_harness
+
+    with pytest.raises(EngineError, match="KV connector with asynchronous scheduling"):
+        make_harness(CONNECTOR_LAYOUT, lookup=_store_of_4, asynchronous=True)
