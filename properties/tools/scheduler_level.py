@@ -168,6 +168,8 @@ def search(
 
     modes = _modes()
     for i, mode in enumerate(modes):  # each mode its share of the examples
+        if state["trace"] is not None:
+            break  # the first failing trace stops the search
         share = examples // len(modes) + (i < examples % len(modes))
         run = settings(
             max_examples=share,
