@@ -234,7 +234,7 @@ class DecidedScheduler(Scheduler):
         rid = state.request_id
         self.connector.release(state, self._processed(state))
         if state.holds_blocks:
-            self.engine.manager.coordinator.remove_skipped_blocks(rid, self._processed(state))
+            self._remove_skipped_blocks(rid, self._processed(state))
         table = self.engine.get_block_ids(rid)
         want = tuple(
             tuple(row[: cdiv(state.num_computed_tokens, g.spec.block_size)])
@@ -248,6 +248,17 @@ class DecidedScheduler(Scheduler):
                 f"{state.num_computed_tokens} computed tokens are {want}"
             )
         self.engine.free(rid)
+
+    def _remove_skipped_blocks(self, request_id: str, num_processed_tokens: int) -> None:
+        """The reference manager's ``remove_skipped_blocks`` (not an engine protocol
+        call: the replay runs on the reference engine, :func:`run_decided`)."""
+        manager = getattr(self.engine, "manager", None)
+        if manager is None:
+            raise KVConformError(
+                "DecidedScheduler with a connector runs on the reference engine (it frees "
+                "a request's skipped blocks through its manager)"
+            )
+        manager.coordinator.remove_skipped_blocks(request_id, num_processed_tokens)
 
     def _end_step(self, record: StepRecord) -> StepRecord:
         record = super()._end_step(record)
