@@ -447,3 +447,34 @@ def test_connector_with_asynchronous_scheduling_is_refused_in_one_line() -> None
 
     with pytest.raises(EngineError, match="KV connector with asynchronous scheduling"):
         make_harness(CONNECTOR_LAYOUT, lookup=_store_of_4, asynchronous=True)
+
+
+def test_end_with_a_connector_frees_skipped_blocks_first_and_the_mutant_is_caught() -> None:
+    """A sliding window ``w = 2`` (bs 2): ``r0`` (6 prompt tokens, 1 output) computes its
+    prompt in blocks (1, 2, 3) and ends. Its end first frees the blocks below the window
+    on the processed basis: ``6 - 2 + 1 = 5`` skipped tokens -> blocks 0 and 1 become
+    null, so the connector is told ``(0, 0, 3)``. The mutant skips that: it tells
+    ``(1, 2, 3)``."""
+    from properties.runner.decided import DecisionMismatch
+    from properties.tools.scheduler_level import run_one
+    from reference.specs import SlidingWindowSpec
+
+    spec = SlidingWindowSpec(block_size=2, num_kv_heads=1, head_size=8, sliding_window=2)
+    layout = KVCacheLayout(groups=(KVCacheGroup(("l0",), spec),), num_blocks=9, max_model_len=16)
+    trace = Trace(
+        layout=layout,
+        operations=(
+            Arrive("r0", (1, 2, 3, 4, 5, 6), (7,)),
+            Step(16),
+            Arrive("r1", (9, 9, 9, 9), (1,)),
+            Step(16),
+        ),
+        mode=ServingMode(external_hits=True),
+    )
+    assert run_one(trace) == 2
+    with pytest.raises(DecisionMismatch) as caught:
+        run_one(trace, "connector-end-keeps-skipped-blocks")
+    assert str(caught.value) == (
+        "step 1: at r0's end the engine told its connector block ids ((1, 2, 3),), the "
+        "reference's blocks covering its 6 computed tokens are ((0, 0, 3),)"
+    )
