@@ -3,8 +3,9 @@
 Run with ``.engines/vllm/bin/python -m pytest tests/properties/engines/test_vllm_scheduler.py``
 (``conftest.py`` skips the module when vLLM is not installed). One hand-built trace
 that preempts: expected decisions and block tables are derived by hand below; the two
-scheduler mutants of :mod:`properties.mutants.vllm_scheduler_mutants` must fail it,
-unmutated vLLM must pass it.
+manager-call mutants of :mod:`properties.mutants.vllm_scheduler_mutants` must fail it,
+unmutated vLLM must pass it. The KV connector's tests (hand-built loads, the two
+connector mutants) are at the end of the module.
 
 The trace (one full-attention group, block size 2, 6 usable blocks, budget 16):
 ``r0`` prompt (1, 2, 3, 4) and ``r1`` prompt (4, 3, 2, 1), 6 outputs each.
