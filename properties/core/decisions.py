@@ -9,7 +9,10 @@ the level checks):
 * ``scheduled``: the requests that run in the step, in scheduling order, each with its
   computed tokens when it was scheduled (``start``; for a request admitted in the step:
   its prefix-cache hit), the tokens it computes (drafts included) and its drafts;
-* ``preempted``: the requests preempted to make room, in order.
+* ``preempted``: the requests preempted to make room, in order;
+* ``connector_events`` (with a KV connector): the admission phase's connector events in
+  order (:class:`ConnectorEvent`): an asynchronous load completed, and every admission's
+  allocation with the blocks and external tokens the connector was told.
 
 Worked example: a step that runs ``r0``'s decode at position 9 with 2 drafts and admits
 ``r1`` (8 prompt tokens, a 4-token hit), preempting ``r2``, is
@@ -35,6 +38,29 @@ class ScheduledDecision:
     num_accepted: int = 0
 
 
+#: :attr:`ConnectorEvent.kind` of an asynchronous load the scheduler completes (cached, or
+#: freed when it failed) before it handles the request again
+PROMOTE = "promote"
+#: :attr:`ConnectorEvent.kind` of an admission's allocation (``update_state_after_alloc``)
+ALLOCATED = "allocated"
+
+
+@dataclass(frozen=True)
+class ConnectorEvent:
+    """One event of a step's admission phase with a KV connector: ``PROMOTE`` (the load
+    of ``request_id`` is completed) or ``ALLOCATED`` (it was allocated; the connector
+    was told ``block_ids`` and ``external_tokens``, loaded asynchronously or not).
+
+    Example: ``ConnectorEvent(ALLOCATED, "r1", 8, True, ((1, 2, 3),))``: ``r1`` starts an
+    asynchronous load of 8 tokens into blocks 1-3."""
+
+    kind: str
+    request_id: str
+    external_tokens: int = 0
+    asynchronous: bool = False
+    block_ids: tuple[tuple[int, ...], ...] = ()
+
+
 @dataclass(frozen=True)
 class StepDecisions:
     """One step's decisions (see the module docstring)."""
@@ -44,6 +70,8 @@ class StepDecisions:
     #: draft tokens each running request carried into the step (the drafter's last
     #: proposal): what a request the engine preempted instead of scheduling tried to run
     proposed_drafts: tuple[tuple[str, int], ...] = ()
+    #: the admission phase's KV connector events, in order (none without a connector)
+    connector_events: tuple[ConnectorEvent, ...] = ()
 
     def of(self, request_id: str) -> ScheduledDecision | None:
         """The decision for ``request_id`` (None: not scheduled in this step)."""
@@ -63,7 +91,13 @@ class StepDecisions:
         text = " ".join(parts) or "nothing scheduled"
         if self.preempted:
             text += "; preempted " + ", ".join(self.preempted)
+        for e in self.connector_events:
+            if e.kind == PROMOTE:
+                text += f"; {e.request_id}'s load completed"
+            elif e.external_tokens:
+                how = "asynchronously" if e.asynchronous else "synchronously"
+                text += f"; {e.request_id} loads {e.external_tokens} tokens {how}"
         return text
 
 
-__all__ = ["ScheduledDecision", "StepDecisions"]
+__all__ = ["ALLOCATED", "PROMOTE", "ConnectorEvent", "ScheduledDecision", "StepDecisions"]

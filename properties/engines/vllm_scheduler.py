@@ -50,9 +50,26 @@ Asynchronous scheduling (``asynchronous=True``): vLLM's ``AsyncScheduler``; each
 schedules step N, then processes step N - 1's output (as vLLM's engine core does); an
 ``Abort`` and a ``Preempt`` are vLLM's, at once also with tokens in flight (blocks freed;
 a preempted request's in-flight output arrives stale and it is not resumed before).
-Not driven (``docs/scheduler-level.md``):
-KV connectors, layouts with production settings (retention, EAGLE, lookahead hashes),
-drafts with a Mamba group.
+
+KV connector (``lookup`` given: the ``external_hits`` modes, synchronous scheduling,
+drafts or not):
+``KVTransferConfig`` names the stub :class:`properties.engines.vllm_connector.
+KVConformConnector` (``kv_both``, ``recompute`` load-failure policy), which answers
+``get_num_new_matched_tokens`` from ``lookup(request_id, token_ids, computed)`` (the
+store's tokens beyond the computed prefix), asynchronously with ``async_loads``. The
+worker's half: every asynchronous load started in a step is reported done in that
+step's output (``KVConnectorOutput.finished_recving``), and failed too
+(``failed_recving``) when ``load_fails(request_id, attempt)`` says so
+(:func:`properties.core.modes.load_fails`, the reference's rule, with
+``load_failures``). A step's decisions then carry its admission phase's connector
+events in order (:class:`properties.core.decisions.ConnectorEvent`): the loads vLLM
+completes (``_update_waiting_for_remote_kv``) and every allocation's
+``update_state_after_alloc`` (block ids, external tokens); the block ids told at a
+request's end (``request_finished_all_groups``) are kept in :attr:`told_at_end`.
+
+Not driven (``docs/scheduler-level.md``): KV connectors with asynchronous scheduling,
+layouts with production settings (retention, EAGLE, lookahead hashes), drafts
+with a Mamba group.
 """
 
 from __future__ import annotations
@@ -61,14 +78,27 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from properties.core.decisions import ScheduledDecision, StepDecisions
+from properties.core.decisions import (
+    ALLOCATED,
+    PROMOTE,
+    ConnectorEvent,
+    ScheduledDecision,
+    StepDecisions,
+)
 from properties.core.engine import EngineError
+from properties.core.modes import load_fails
 from properties.core.trace import Arrive
 from properties.engines.vllm import _call, _import_vllm, to_vllm_spec
 from reference.layout import KVCacheLayout
 
 #: ``accepted(request_id, start, num_drafts)``: how many drafts a step accepts.
 AcceptFn = Callable[[str, int, int], int]
+#: ``lookup(request_id, token_ids, num_computed_tokens)``: a KV connector's store, the
+#: tokens it holds beyond the computed prefix.
+LookupFn = Callable[[str, tuple[int, ...], int], int]
+#: the module and class vLLM loads as the KV connector (``kv_connector_module_path``)
+CONNECTOR_MODULE = "properties.engines.vllm_connector"
+CONNECTOR_CLASS = "KVConformConnector"
 
 #: The scheduler modules the level measures (``--engine-coverage``).
 COVERAGE_MODULES = ("vllm.v1.core.sched.scheduler",)
@@ -122,11 +152,15 @@ class VLLMSchedulerHarness:
         scheduler_class: type | None = None,
         accepted: AcceptFn = _no_drafts,
         asynchronous: bool = False,
+        lookup: LookupFn | None = None,
+        async_loads: bool = False,
+        load_failures: bool = False,
     ) -> None:
         v = _import_vllm()
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
+            KVTransferConfig,
             SchedulerConfig,
             SpeculativeConfig,
             VllmConfig,
@@ -172,11 +206,27 @@ class VLLMSchedulerHarness:
             if num_draft_tokens
             else None
         )
+        if lookup is not None and asynchronous:
+            raise EngineError(
+                "vllm scheduler: a KV connector with asynchronous scheduling is not driven "
+                "(docs/scheduler-level.md)"
+            )
+        transfer = (
+            None
+            if lookup is None
+            else KVTransferConfig(
+                kv_connector=CONNECTOR_CLASS,
+                kv_connector_module_path=CONNECTOR_MODULE,
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",
+            )
+        )
         config = VllmConfig(
             scheduler_config=scheduler_config,
             cache_config=cache_config,
             speculative_config=speculative,
             device_config=DeviceConfig(device="cpu"),
+            kv_transfer_config=transfer,
         )
         # no model: the scheduler reads only ModelStub's fields of model_config
         object.__setattr__(config, "model_config", ModelStub(max_model_len=length))
@@ -212,6 +262,26 @@ class VLLMSchedulerHarness:
             if layout.enable_caching
             else None
         )
+        #: the KV connector stub (None without ``lookup``)
+        self.connector = self.scheduler.connector
+        self._load_failures = load_failures
+        #: loads started per request (``load_fails``' attempt)
+        self._load_attempts: dict[str, int] = {}
+        #: block ids told at each request's end (``request_finished_all_groups``), not
+        #: read yet: request id -> block ids
+        self.told_at_end: dict[str, tuple[tuple[int, ...], ...]] = {}
+        #: the admission phase's connector events of the step being scheduled
+        self._events: list[ConnectorEvent] = []
+        if self.connector is not None:
+            self.connector.lookup = lookup
+            self.connector.asynchronous = async_loads
+            promote = self.scheduler._update_waiting_for_remote_kv
+
+            def promoted(request: Any) -> None:  # observed, not changed
+                self._events.append(ConnectorEvent(PROMOTE, request.request_id))
+                promote(request)
+
+            self.scheduler._update_waiting_for_remote_kv = promoted
 
     # -- trace operations ------------------------------------------------------
     def arrive(self, op: Arrive) -> None:
@@ -242,6 +312,7 @@ class VLLMSchedulerHarness:
         flight)."""
         status = self._v.RequestStatus.FINISHED_ABORTED
         _call("finish_requests", (request_id,), self.scheduler.finish_requests, request_id, status)
+        self._read_told()
 
     def preempt(self, request_id: str) -> None:
         """vLLM's own preemption of a running request (``_preempt_request``, the path its
@@ -265,7 +336,9 @@ class VLLMSchedulerHarness:
         before = {rid: r.num_computed_tokens for rid, r in s.requests.items()}
         running_before = [r.request_id for r in s.running]
         proposed = tuple((r.request_id, len(r.spec_token_ids)) for r in s.running)
+        self._events = []
         out = _call("schedule", (token_budget,), s.schedule)
+        events = self._connector_events()
         order = [r.request_id for r in s.running if r.request_id in out.num_scheduled_tokens]
         missing = set(out.num_scheduled_tokens) - set(order)
         if missing:
@@ -303,10 +376,66 @@ class VLLMSchedulerHarness:
                 req_ids=order,
                 req_id_to_index={rid: i for i, rid in enumerate(order)},
                 sampled_token_ids=sampled,
+                kv_connector_output=self._worker_output(),
             )
             _call("update_from_output", (token_budget,), s.update_from_output, out, output)
+            self._read_told()
             self._propose_drafts()
-        return StepDecisions(tuple(decisions), preempted, proposed)
+        return StepDecisions(tuple(decisions), preempted, proposed, events)
+
+    # -- the KV connector ----------------------------------------------------------
+    def _connector_events(self) -> tuple[ConnectorEvent, ...]:
+        """The step's admission-phase events: the loads completed (observed as they
+        happen) merged with the stub's ``update_state_after_alloc`` calls; every
+        completion precedes the allocation of the request it completes, so both
+        lists in call order give the interleaving."""
+        if self.connector is None:
+            return ()
+        promoted = list(self._events)
+        events: list[ConnectorEvent] = []
+        for told in self._read_told():
+            while promoted and promoted[0].request_id != told.request_id:
+                events.append(promoted.pop(0))
+            if promoted:
+                events.append(promoted.pop(0))
+            request = self.scheduler.requests[told.request_id]
+            waits = request.status == self._v.RequestStatus.WAITING_FOR_REMOTE_KVS
+            external = int(told.num_external_tokens or 0)
+            events.append(
+                ConnectorEvent(ALLOCATED, told.request_id, external, waits, told.block_ids)
+            )
+        return tuple(events + promoted)
+
+    def _read_told(self) -> list[Any]:
+        """The stub's records since the last call: ends go to :attr:`told_at_end`, the
+        admissions are returned."""
+        if self.connector is None:
+            return []
+        admissions = []
+        for told in self.connector.take_told():
+            if told.num_external_tokens is None:
+                self.told_at_end[told.request_id] = told.block_ids
+            else:
+                admissions.append(told)
+        return admissions
+
+    def _worker_output(self) -> Any:
+        """The worker's connector output for this step: the asynchronous loads started
+        in it are done, and failed where ``load_fails`` says so."""
+        if self.connector is None:
+            return None
+        from vllm.v1.outputs import KVConnectorOutput
+
+        done = self.connector.take_loads()
+        if not done:
+            return None
+        failed = set()
+        for rid in done:
+            attempt = self._load_attempts.get(rid, 0)
+            self._load_attempts[rid] = attempt + 1
+            if self._load_failures and load_fails(rid, attempt):
+                failed.add(rid)
+        return KVConnectorOutput(finished_recving=set(done), failed_recving=failed)
 
     def _process(self, out: Any, order: list[str], samples: set[str]) -> None:
         """Asynchronous scheduling: the output of a step scheduled earlier; a request that
@@ -393,4 +522,11 @@ def make_harness(layout: KVCacheLayout, **kwargs: Any) -> VLLMSchedulerHarness:
     return VLLMSchedulerHarness(layout, **kwargs)
 
 
-__all__ = ["COVERAGE_MODULES", "ManagerView", "ModelStub", "VLLMSchedulerHarness", "make_harness"]
+__all__ = [
+    "COVERAGE_MODULES",
+    "LookupFn",
+    "ManagerView",
+    "ModelStub",
+    "VLLMSchedulerHarness",
+    "make_harness",
+]

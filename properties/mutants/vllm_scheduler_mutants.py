@@ -10,6 +10,18 @@ test_vllm_scheduler_mutants.py``).
 * ``preemption-frees-late``: a preempted request's blocks go back to the pool at the end
   of ``schedule()`` instead of at the preemption, so the retried allocation still fails
   and the scheduler preempts more requests than it needs (down to the request itself).
+* ``connector-told-new-blocks`` (a KV connector path): at admission the connector is told
+  the blocks ``allocate_slots`` returned (only the newly allocated ones) instead of the
+  request's whole table (``kv_cache_manager.get_blocks``), so it would load the
+  external tokens into blocks that are not theirs. Example: bs 2, ``r1`` loads 4
+  external tokens and computes 3 more: vLLM tells ``(6, 3)``, the request's table is
+  ``(4, 5, 6, 3)``.
+
+* ``connector-end-keeps-skipped-blocks`` (a KV connector path): at a request's end the
+  scheduler hands the connector its table without first freeing the blocks that fell
+  out of a sliding window on the processed basis (``remove_skipped_blocks`` skipped in
+  ``_connector_finished``): the connector is told blocks the window no longer covers,
+  and they go back to the pool with the rest, tail first, instead of before it.
 
 Each mutant is built on first use (vLLM is imported then): :func:`mutant_class`.
 """
@@ -22,6 +34,8 @@ from typing import Any
 MUTANTS: dict[str, str] = {
     "lookahead-on-running": "running requests get num_lookahead_tokens + 1 in allocate_slots",
     "preemption-frees-late": "a preempted request's blocks are freed at the end of schedule()",
+    "connector-told-new-blocks": "update_state_after_alloc gets allocate_slots' new blocks only",
+    "connector-end-keeps-skipped-blocks": "_connector_finished does not remove skipped blocks",
 }
 
 
@@ -67,9 +81,51 @@ def _preemption_frees_late(base: type) -> type:
     return PreemptionFreesLate
 
 
+def _connector_told_new_blocks(base: type) -> type:
+    class ConnectorToldNewBlocks(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            manager = self.kv_cache_manager
+            allocate = manager.allocate_slots
+            returned: dict[str, Any] = {}
+
+            def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+                new = allocate(request, *args, **kwargs)
+                returned[request.request_id] = new
+                return new
+
+            manager.allocate_slots = allocate_slots
+            connector = self.connector
+            if connector is None:
+                return
+            tell = connector.update_state_after_alloc
+
+            def update_state_after_alloc(request: Any, blocks: Any, num_external: int) -> Any:
+                return tell(request, returned.get(request.request_id, blocks), num_external)
+
+            connector.update_state_after_alloc = update_state_after_alloc
+
+    return ConnectorToldNewBlocks
+
+
+def _connector_end_keeps_skipped_blocks(base: type) -> type:
+    class ConnectorEndKeepsSkippedBlocks(base):  # type: ignore[misc, valid-type]
+        def _connector_finished(self, request: Any) -> Any:
+            manager = self.kv_cache_manager
+            manager.remove_skipped_blocks = lambda *args, **kwargs: None
+            try:
+                return super()._connector_finished(request)
+            finally:
+                del manager.remove_skipped_blocks
+
+    return ConnectorEndKeepsSkippedBlocks
+
+
 _BUILDERS = {
     "lookahead-on-running": _lookahead_on_running,
     "preemption-frees-late": _preemption_frees_late,
+    "connector-told-new-blocks": _connector_told_new_blocks,
+    "connector-end-keeps-skipped-blocks": _connector_end_keeps_skipped_blocks,
 }
 
 

@@ -20,6 +20,20 @@ Checks (:func:`run_decided`, each a :class:`DecisionMismatch` naming the step):
 2. after the step, per live request the same block ids in every group and the same
    computed tokens, and the same number of free blocks.
 
+With a KV connector (the ``external_hits`` modes, synchronous scheduling) the reference
+runs kvconform's :class:`properties.runner.connector.Connector` over a host tier that
+also answers the engine's connector (:func:`run_decided` gives the engine side
+``lookup``: the tier's tokens beyond a computed prefix, read without touching it), and
+the admission phase replays the engine's connector events in order
+(:class:`DecidedScheduler`, "Connector events"). Further checks:
+
+3. every admission tells the connector the request's whole block table after its
+   allocation and the external tokens the reference's rule gives (hit extended by the
+   tier; asynchronously in ``async_loads``);
+4. a finished or aborted request's end tells the connector its blocks covering the
+   computed tokens, after its out-of-window blocks were freed on the processed basis
+   (``remove_skipped_blocks``, so they go back to the pool before the rest).
+
 Worked example: vLLM's scheduler passes ``num_lookahead_tokens=2`` too many to
 ``allocate_slots`` for a running request at position 7 (bs 4): vLLM's table gets block
 3 for positions 8..9 that the reference does not allocate; after the step the block
@@ -32,19 +46,60 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from properties.core.decisions import StepDecisions
+from properties.core.allocation import Allocation, allocate
+from properties.core.decisions import ALLOCATED, PROMOTE, ConnectorEvent, StepDecisions
 from properties.core.engine import KVCacheEngine
-from properties.core.modes import ServingMode
+from properties.core.modes import ServingMode, load_fails
 from properties.core.trace import Abort, Arrive, Operation, Preempt, ResetPrefixCache, Step, Trace
 from properties.engines.reference import make_engine as make_reference
 from properties.runner.async_scheduler import AsyncScheduler
-from properties.runner.scheduler import Drafts, RequestState, Scheduler, StepRecord
+from properties.runner.connector import Connector
+from properties.runner.scheduler import (
+    Drafts,
+    RequestState,
+    ScheduledRequest,
+    Scheduler,
+    StepRecord,
+)
+from properties.runner.serving import connector_host_tier
 from reference.errors import KVConformError
+from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
+from reference.specs import cdiv
 
 
 class DecisionMismatch(KVConformError):
     """The engine's scheduler and the reference disagree (the message says where)."""
+
+
+class DecidedConnector(Connector):
+    """kvconform's connector with the engine's worker timing: every asynchronous load
+    started in a step is reported at the end of that step, a failing one
+    (:func:`properties.core.modes.load_fails`) setting the request's computed tokens
+    back to 0 at once (vLLM's ``recompute`` policy: ``_handle_failed_recving``); the load
+    completes (cached, or freed) when the engine's scheduler completes it
+    (:meth:`DecidedScheduler.promote`). Example: ``r1`` (hit 0, 8 external tokens)
+    starts loading in step 3 and its first load fails: after step 3 ``r1`` holds its
+    blocks with 0 computed tokens."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: asynchronous loads started in the current step
+        self.started: list[str] = []
+
+    def start_load(self, request_id: str, hit_tokens: int, external_tokens: int) -> None:
+        super().start_load(request_id, hit_tokens, external_tokens)
+        self.started.append(request_id)
+
+    def report(self, scheduler: Scheduler) -> None:
+        """The end of a step: the worker reports the loads started in it."""
+        for rid in self.started:
+            attempt = self.num_load_attempts.get(rid, 0)
+            state = scheduler.requests.get(rid)
+            if state is not None and self.failures and load_fails(rid, attempt):
+                state.num_computed_tokens = 0
+                self.engine.set_num_computed_tokens(rid, 0)
+        self.started = []
 
 
 class DecidedScheduler(Scheduler):
@@ -54,12 +109,36 @@ class DecidedScheduler(Scheduler):
     ScheduledDecision("r0", 0, 8),)), 64)`` admits ``r0`` with 8 tokens whatever the
     budget rule would give, and fails if ``r0``'s hit is not 0. With
     ``mode.async_scheduling`` use :func:`decided_scheduler` (the same overrides on
-    :class:`AsyncScheduler`)."""
+    :class:`AsyncScheduler`).
 
-    def __init__(self, engine: KVCacheEngine, layout: KVCacheLayout, mode: ServingMode) -> None:
-        super().__init__(engine, layout, mode, on_scheduled=self._check_scheduled)
+    Connector events (with a :class:`DecidedConnector`): the admission phase replays the
+    step's :class:`ConnectorEvent` list in order instead of walking the waiting queue:
+    ``PROMOTE`` completes the request's load (``cache_blocks``; a failed one is freed
+    and queued first, to be looked up anew), the request then waits to be scheduled;
+    ``ALLOCATED`` admits the request: a loaded one with ``allocate_slots(n, 0, None,
+    lookahead)`` (no lookup), any other by kvconform's admission rule (device hit,
+    external tokens from the tier, synchronous or asynchronous load), and checks 3.
+    An ``Abort`` frees a loading request at once (the engine's worker has reported
+    its load by then), and a finished or aborted request's end runs check 4."""
+
+    def __init__(
+        self,
+        engine: KVCacheEngine,
+        layout: KVCacheLayout,
+        mode: ServingMode,
+        connector: Connector | None = None,
+    ) -> None:
+        super().__init__(engine, layout, mode, self._check_scheduled, connector)
         self._decisions = StepDecisions()
         self._victims: list[str] = []
+        #: loads completed and not scheduled since (the engine's waiting requests that
+        #: hold blocks), in order
+        self.loaded: list[str] = []
+        #: block ids the engine's connector was told at each request's end (the engine
+        #: side fills it; check 4 reads it)
+        self.told_at_end: dict[str, tuple[tuple[int, ...], ...]] = {}
+        #: a request is ending (finished or aborted): check 4 runs when it is freed
+        self._ending = False
 
     def step_as(self, decisions: StepDecisions, token_budget: int) -> StepRecord:
         """One step on ``decisions`` (checks 1 run before the step's output)."""
@@ -90,7 +169,9 @@ class DecidedScheduler(Scheduler):
             n = super()._chunk(state, start, budget)
             return n if n > 0 else min(self._end(state) - start, budget)
         if d is None:
-            return 0
+            # an asynchronous load computes nothing: any positive chunk (the load
+            # allocates none) lets kvconform's admission rule start it
+            return 1 if self._loads_asynchronously(state.request_id) else 0
         if state.request_id in self.running:
             return d.num_tokens - d.num_drafts
         if d.num_drafts:
@@ -108,6 +189,175 @@ class DecidedScheduler(Scheduler):
         if drafts:
             self.engine.set_in_flight(state.request_id, 0, drafts)
         return drafts
+
+    def _loads_asynchronously(self, request_id: str) -> bool:
+        return any(
+            e.kind == ALLOCATED and e.request_id == request_id and e.asynchronous
+            for e in self._decisions.connector_events
+        )
+
+    # -- the KV connector (see the class docstring) ------------------------------------
+    def _complete_loads(self) -> None:
+        """Loads complete at the engine's ``PROMOTE`` events, not at a step's start."""
+
+    def _defers_abort(self, state: RequestState) -> bool:
+        """An ``Abort`` of a loading or loaded request frees it at once."""
+        if self.connector is not None:
+            rid = state.request_id
+            if rid in self.connector.loading:
+                self.connector.loading.remove(rid)
+            if rid in self.loaded:
+                self.loaded.remove(rid)
+            return False
+        return super()._defers_abort(state)
+
+    def abort(self, request_id: str) -> None:
+        self._ending = True
+        try:
+            super().abort(request_id)
+        finally:
+            self._ending = False
+
+    def _finish(self, request_id: str, record: StepRecord) -> None:
+        self._ending = True
+        try:
+            super()._finish(request_id, record)
+        finally:
+            self._ending = False
+
+    def _free(self, state: RequestState) -> None:
+        """Check 4 at a request's end with a connector (its skipped blocks freed first),
+        then kvconform's free."""
+        if self.connector is None or not self._ending:
+            super()._free(state)
+            return
+        rid = state.request_id
+        self.connector.release(state, self._processed(state))
+        if state.holds_blocks:
+            self._remove_skipped_blocks(rid, self._processed(state))
+        table = self.engine.get_block_ids(rid)
+        want = tuple(
+            tuple(row[: cdiv(state.num_computed_tokens, g.spec.block_size)])
+            for row, g in zip(table, self.layout.groups)
+        )
+        told = self.told_at_end.pop(rid, None)
+        if told != want:
+            raise DecisionMismatch(
+                f"step {self.num_steps}: at {rid}'s end the engine told its connector block "
+                f"ids {told}, the reference's blocks covering its "
+                f"{state.num_computed_tokens} computed tokens are {want}"
+            )
+        self.engine.free(rid)
+
+    def _remove_skipped_blocks(self, request_id: str, num_processed_tokens: int) -> None:
+        """The reference manager's ``remove_skipped_blocks`` (not an engine protocol
+        call: the replay runs on the reference engine, :func:`run_decided`)."""
+        manager = getattr(self.engine, "manager", None)
+        if manager is None:
+            raise KVConformError(
+                "DecidedScheduler with a connector runs on the reference engine (it frees "
+                "a request's skipped blocks through its manager)"
+            )
+        manager.coordinator.remove_skipped_blocks(request_id, num_processed_tokens)
+
+    def _end_step(self, record: StepRecord) -> StepRecord:
+        record = super()._end_step(record)
+        if isinstance(self.connector, DecidedConnector):
+            self.connector.report(self)
+        return record
+
+    def _admit_waiting(self, record: StepRecord, budget: int, lookahead: int) -> None:
+        """With a connector, the engine's connector events in order (class docstring)."""
+        if self.connector is None:
+            super()._admit_waiting(record, budget, lookahead)
+            return
+        for event in self._decisions.connector_events:
+            if event.kind == PROMOTE:
+                self.promote(event.request_id)
+            else:
+                budget = self._admit_one(record, event, budget, lookahead)
+
+    def promote(self, request_id: str) -> None:
+        """The engine completes ``request_id``'s load: cached (then it waits to be
+        scheduled), or, failed, freed and queued first."""
+        connector = self.connector
+        assert connector is not None
+        where = f"step {self.num_steps} ({self._decisions.describe()})"
+        if request_id not in connector.loading:
+            raise DecisionMismatch(
+                f"{where}: the engine completed {request_id}'s load, which the reference "
+                f"is not loading (loading: {connector.loading})"
+            )
+        connector.loading.remove(request_id)
+        state = self.requests[request_id]
+        if connector.complete_load(state):
+            self.loaded.append(request_id)
+            return
+        self._fail_load(state)
+        self.waiting.insert(0, request_id)
+
+    def _admit_one(
+        self, record: StepRecord, event: ConnectorEvent, budget: int, lookahead: int
+    ) -> int:
+        """The admission of ``event``'s request on the reference, then check 3; returns
+        the budget left."""
+        connector = self.connector
+        assert connector is not None
+        rid = event.request_id
+        where = f"step {self.num_steps} ({self._decisions.describe()})"
+        before = len(record.scheduled)
+        if rid in self.loaded:
+            d = self._decisions.of(rid)
+            state = self.requests[rid]
+            n = 0 if d is None else d.num_tokens
+            if d is not None and d.num_drafts:  # vLLM pads a 1-token admission
+                self.engine.set_in_flight(rid, 0, d.num_drafts)
+            gate = self.mode.admission_gate
+            new = allocate(self.engine, Allocation(rid, n, 0, None, lookahead, gate))
+            if new is None:
+                raise DecisionMismatch(
+                    f"{where}: the engine allocated {n} tokens for loaded {rid}, the "
+                    "reference cannot"
+                )
+            self.loaded.remove(rid)
+            self.running.append(rid)
+            hit, external = connector.take_loaded(rid)
+            start = state.num_computed_tokens
+            drafts = 0 if d is None else d.num_drafts
+            record.scheduled.append(ScheduledRequest(rid, start, n, hit, new, num_drafts=drafts))
+            told_external, asynchronous = 0, False
+        else:
+            queue = self.waiting
+            if rid not in queue:
+                raise DecisionMismatch(
+                    f"{where}: the engine admitted {rid}, which is not waiting on the "
+                    f"reference (waiting: {queue})"
+                )
+            self.waiting = [rid]
+            try:
+                super()._admit_waiting(record, budget, lookahead)
+            finally:
+                admitted = not self.waiting
+                self.waiting = [r for r in queue if r != rid or not admitted]
+            if not admitted:
+                raise DecisionMismatch(
+                    f"{where}: the engine admitted {rid}, the reference's admission of it "
+                    "fails on the same decisions"
+                )
+            asynchronous = rid in connector.loading
+            if asynchronous:
+                told_external = connector.loaded[rid][1]
+            else:
+                told_external = record.scheduled[-1].external_tokens
+        want = tuple(map(tuple, self.engine.get_block_ids(rid)))
+        got = (event.external_tokens, event.asynchronous, event.block_ids)
+        if got != (told_external, asynchronous, want):
+            raise DecisionMismatch(
+                f"{where}: {rid}'s admission told the engine's connector (external tokens, "
+                f"asynchronous, block ids) {got}, the reference's "
+                f"{(told_external, asynchronous, want)}"
+            )
+        return budget - sum(s.num_tokens for s in record.scheduled[before:])
 
     def _victim(self, current: int) -> str | None:
         rid = self.running[current]
@@ -173,11 +423,17 @@ class DecidedAsyncScheduler(DecidedScheduler, AsyncScheduler):
 
 
 def decided_scheduler(
-    engine: KVCacheEngine, layout: KVCacheLayout, mode: ServingMode
+    engine: KVCacheEngine,
+    layout: KVCacheLayout,
+    mode: ServingMode,
+    host_tier: HostTier | None = None,
 ) -> DecidedScheduler:
-    """The decided scheduler for ``mode`` (asynchronous or not)."""
+    """The decided scheduler for ``mode`` (asynchronous or not; with a
+    :class:`DecidedConnector` over ``host_tier`` when one is given)."""
     cls = DecidedAsyncScheduler if mode.async_scheduling else DecidedScheduler
-    return cls(engine, layout, mode)
+    if host_tier is None:
+        return cls(engine, layout, mode)
+    return cls(engine, layout, mode, DecidedConnector(engine, layout, mode, host_tier))
 
 
 @dataclass(frozen=True)
@@ -232,22 +488,41 @@ def run_decided(trace: Trace, make_harness: HarnessFactory) -> int:
     """Run ``trace`` on the engine's scheduler and on :class:`DecidedScheduler` over the
     reference; raises :class:`DecisionMismatch` at the first disagreement, returns the
     number of steps run. ``trace.mode`` gives drafts and the admission gate."""
-    mode = ServingMode(
-        async_scheduling=trace.mode.async_scheduling,
-        admission_gate=trace.mode.admission_gate,
-        num_draft_tokens=trace.mode.num_draft_tokens,
-    )
+    mode = trace.mode
+    # the connector's store: made first, it answers both sides (None: no connector)
+    tier = connector_host_tier(trace.layout, mode)
+    requests: dict[str, RequestState] = {}
+
+    def lookup(request_id: str, token_ids: tuple[int, ...], num_computed_tokens: int) -> int:
+        """The tier's tokens beyond ``num_computed_tokens`` (read only: the reference's
+        connector touches what it serves)."""
+        assert tier is not None
+        req = requests[request_id].input
+        end = tier.longest_prefix(req.cache_salt, req.lora_name, token_ids, num_computed_tokens)
+        return end - num_computed_tokens
+
+    connector_kw: dict[str, Any] = {}
+    if tier is not None:
+        connector_kw = {
+            "lookup": lookup,
+            "async_loads": mode.async_loads,
+            "load_failures": mode.load_failures,
+        }
     harness = make_harness(
         trace.layout,
         num_draft_tokens=mode.num_draft_tokens,
         admission_gate=mode.admission_gate,
         accepted=Drafts.accepted_drafts,
         asynchronous=mode.async_scheduling,
+        **connector_kw,
     )
     # the reference bounds unprocessed tokens as the engine does (vLLM: batches in
     # flight x the budget cap; the layout's default is max_model_len)
     layout = replace(trace.layout, max_in_flight_tokens=harness.max_in_flight_tokens)
-    ref = decided_scheduler(make_reference(layout), layout, mode)
+    ref = decided_scheduler(make_reference(layout), layout, mode, tier)
+    requests = ref.requests
+    if tier is not None:
+        ref.told_at_end = harness.told_at_end
     for index, op in enumerate(trace.operations):
         _apply(harness, ref, op, index)
     return ref.num_steps
@@ -280,6 +555,7 @@ def _apply(harness: Any, ref: DecidedScheduler, op: Operation, index: int) -> No
 
 __all__ = [
     "DecidedAsyncScheduler",
+    "DecidedConnector",
     "DecidedScheduler",
     "DecisionMismatch",
     "decided_scheduler",

@@ -10,11 +10,14 @@ interpreter::
 
 Examples per profile: :data:`EXAMPLES` (derandomized on ``ci``; ``--seed N`` draws
 another stream), an equal share for each mode of :func:`_modes` (synchronous, 2 drafts,
-the admission gate, asynchronous scheduling). Each example is a trace of the small tier's
-strategies (``layouts``: 1-3 groups of the kinds in :data:`KINDS`; ``operations``: up
-to 30); layouts where one of vLLM's known divergences of its manager applies
-(``properties.engines.vllm.KNOWN_DIVERGENCES``, ``findings/vllm/``) are not drawn, as at
-the manager level. The first disagreement stops the run: its trace is saved under
+the admission gate, asynchronous scheduling, and four KV connector modes: synchronous
+loads, asynchronous loads that may fail, asynchronous loads with the gate, and with 2
+drafts). Each example
+is a trace of the small tier's strategies (``layouts``: 1-3 groups of the kinds in
+:data:`KINDS`; ``operations``: up to 30; in a connector mode, no Mamba group and
+:func:`reload_tail` at the end); layouts where one of vLLM's known divergences of its
+manager applies (``properties.engines.vllm.KNOWN_DIVERGENCES``, ``findings/vllm/``) are
+not drawn, as at the manager level. The first disagreement stops the run: its trace is saved under
 ``.kvconform/failures/`` with the failure, and its replay command printed
 (``--replay FILE`` runs one trace again); exit 1. ``--engine-coverage`` measures
 ``vllm.v1.core.sched.scheduler`` (no value) or the modules named; exit 0 when every
@@ -27,11 +30,22 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
-from properties.core.trace import Trace, load_trace, save_trace
+from properties.core.trace import (
+    Abort,
+    Arrive,
+    Operation,
+    ResetPrefixCache,
+    Step,
+    Trace,
+    load_trace,
+    save_trace,
+)
+from reference.layout import KVCacheLayout
 
 #: examples per profile
-EXAMPLES: dict[str, int] = {"dev": 30, "ci": 300, "nightly": 1500, "gpu": 300}
+EXAMPLES: dict[str, int] = {"dev": 64, "ci": 600, "nightly": 3000, "gpu": 600}
 
 #: spec kinds the level draws (every kind kvconform models)
 KINDS: tuple[str, ...] = ("full", "sliding_window", "chunked_local", "mamba")
@@ -43,7 +57,10 @@ ENGINE = "vllm-scheduler"
 def _modes():
     """The modes drawn: synchronous, 2 drafts, the admission gate, asynchronous scheduling
     (vLLM's preemptions of requests with tokens in flight and its immediate aborts
-    replayed on the reference: :class:`properties.runner.decided.DecidedAsyncScheduler`)."""
+    replayed on the reference: :class:`properties.runner.decided.DecidedAsyncScheduler`),
+    and a KV connector (:mod:`properties.engines.vllm_connector`) loading synchronously,
+    asynchronously with failing loads, asynchronously under the admission gate, and
+    asynchronously with failing loads and 2 drafts."""
     from properties.core.modes import ServingMode
 
     return (
@@ -51,7 +68,35 @@ def _modes():
         ServingMode(num_draft_tokens=2),
         ServingMode(admission_gate=True),
         ServingMode(async_scheduling=True),
+        ServingMode(external_hits=True),
+        ServingMode(external_hits=True, async_loads=True, load_failures=True),
+        ServingMode(admission_gate=True, external_hits=True, async_loads=True),
+        ServingMode(num_draft_tokens=2, external_hits=True, async_loads=True, load_failures=True),
     )
+
+
+def reload_tail(
+    layout: KVCacheLayout, ops: tuple[Operation, ...], abort: bool = False
+) -> tuple[Operation, ...]:
+    """The end of a connector mode's trace, so that it loads from the host tier: steps
+    with a budget for every request until all have ended (one per output token of the
+    longest, twice over for preemptions; their blocks go to the tier), a
+    ``ResetPrefixCache``, the longest request back as
+    :func:`properties.generate.strategies.reload_ops` (its head computed on the device,
+    the rest loaded) or whole, and the same steps again; with ``abort``, the last
+    request back is aborted after the first of them (while it runs, or while its
+    asynchronous load waits). Example: ``r0`` (12 prompt tokens, 2 outputs) alone,
+    alignment 4 -> 8 steps, the reset, ``r1`` (the first 4 tokens), ``r2`` (all 14 and
+    3 more), 8 steps."""
+    from properties.generate.strategies import reload_ops
+
+    arrivals = [op for op in ops if isinstance(op, Arrive)]
+    drain = (Step(2 * layout.max_model_len),) * (2 * max(len(a.output) for a in arrivals) + 4)
+    old = max(arrivals, key=lambda a: len(a.prompt) + len(a.output))
+    again = replace(old, request_id=f"r{len(arrivals)}", output=())
+    back = reload_ops(layout, old, len(arrivals)) or (again,)
+    cut = (drain[0], Abort(back[-1].request_id)) if abort else ()
+    return drain + (ResetPrefixCache(),) + back + cut + drain
 
 
 def _harness_factory(mutant: str | None) -> Callable:
@@ -98,11 +143,16 @@ def search(
             layout = draw(layouts(kinds=kinds, max_groups=3))
             # vLLM's known divergences of the manager (findings/vllm/) are not drawn
             assume(not any(d.applies(layout) for d in KNOWN_DIVERGENCES))
-            # drafts are not modelled with a Mamba group
+            # drafts and connectors are not modelled with a Mamba group
             assume(
-                not (mode.num_draft_tokens and any(isinstance(s, MambaSpec) for s in layout.specs))
+                not (
+                    (mode.num_draft_tokens or mode.external_hits)
+                    and any(isinstance(s, MambaSpec) for s in layout.specs)
+                )
             )
             ops = draw(operations(layout, max_ops=30))
+            if mode.external_hits:
+                ops = ops + reload_tail(layout, ops, draw(st.booleans()))
             return Trace(layout=layout, operations=ops, mode=mode)
 
         return draw_trace()
@@ -118,6 +168,8 @@ def search(
 
     modes = _modes()
     for i, mode in enumerate(modes):  # each mode its share of the examples
+        if state["trace"] is not None:
+            break  # the first failing trace stops the search
         share = examples // len(modes) + (i < examples % len(modes))
         run = settings(
             max_examples=share,

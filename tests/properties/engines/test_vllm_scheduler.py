@@ -3,8 +3,9 @@
 Run with ``.engines/vllm/bin/python -m pytest tests/properties/engines/test_vllm_scheduler.py``
 (``conftest.py`` skips the module when vLLM is not installed). One hand-built trace
 that preempts: expected decisions and block tables are derived by hand below; the two
-scheduler mutants of :mod:`properties.mutants.vllm_scheduler_mutants` must fail it,
-unmutated vLLM must pass it.
+manager-call mutants of :mod:`properties.mutants.vllm_scheduler_mutants` must fail it,
+unmutated vLLM must pass it. The KV connector's tests (hand-built loads, the two
+connector mutants) are at the end of the module.
 
 The trace (one full-attention group, block size 2, 6 usable blocks, budget 16):
 ``r0`` prompt (1, 2, 3, 4) and ``r1`` prompt (4, 3, 2, 1), 6 outputs each.
@@ -21,7 +22,8 @@ from __future__ import annotations
 import pytest
 
 from properties.core.decisions import ScheduledDecision
-from properties.core.trace import Arrive, Step, Trace
+from properties.core.modes import ServingMode
+from properties.core.trace import Arrive, ResetPrefixCache, Step, Trace
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec
 
@@ -102,7 +104,15 @@ def test_unknown_mutant_is_one_line() -> None:
         mutant_class("nope")
 
 
-@pytest.mark.parametrize("mutant", ["lookahead-on-running", "preemption-frees-late"])
+@pytest.mark.parametrize(
+    "mutant",
+    [
+        "lookahead-on-running",
+        "preemption-frees-late",
+        "connector-told-new-blocks",
+        "connector-end-keeps-skipped-blocks",
+    ],
+)
 def test_generated_traces_catch_each_mutant(mutant: str) -> None:
     """The ci profile's draws (not only the hand-built trace) find each mutant."""
     from properties.tools.scheduler_level import EXAMPLES, search
@@ -322,3 +332,150 @@ def test_self_preemption_of_a_sub_block_mamba_chunk() -> None:
         mode=ServingMode(async_scheduling=True),
     )
     assert run_one(trace) == 4
+
+
+# -- KV connector ----------------------------------------------------------------------
+# One full-attention group, block size 2, 8 usable blocks (ids 1..8). vLLM's free queue:
+# a request's blocks are freed tail first, those without a hash (a partial block, the
+# blocks of a load that was never cached) to the queue's head, hashed ones to its tail;
+# a reset of the prefix cache drops the hashes and keeps the order.
+CONNECTOR_LAYOUT = KVCacheLayout(
+    groups=(KVCacheGroup(("l0",), FullAttentionSpec(block_size=2, num_kv_heads=1, head_size=8)),),
+    num_blocks=9,
+    max_model_len=16,
+)
+
+
+def _store_of_4(request_id: str, token_ids: tuple[int, ...], num_computed_tokens: int) -> int:
+    """A store holding the first 4 tokens of every request."""
+    return max(0, 4 - num_computed_tokens)
+
+
+def test_connector_synchronous_load_by_hand() -> None:
+    """``r1`` (7 prompt tokens, 1 output) with nothing on the device and 4 tokens in the
+    store: vLLM admits it from position 4 with 3 new tokens; the connector is told the
+    whole table: 2 blocks for the external tokens, then 2 for positions 4..6 (the free
+    queue's first four, 1-4), and at the end (7 computed tokens, cdiv(7, 2) = 4 blocks)
+    the same four."""
+    from properties.core.decisions import ALLOCATED, ConnectorEvent
+    from properties.engines.vllm_scheduler import make_harness
+
+    h = make_harness(CONNECTOR_LAYOUT, lookup=_store_of_4)
+    h.arrive(Arrive("r1", (1, 2, 3, 4, 5, 6, 7), (8,)))
+    d = h.step(16)
+    assert d.scheduled == (ScheduledDecision("r1", 4, 3),)
+    assert d.connector_events == (ConnectorEvent(ALLOCATED, "r1", 4, False, ((1, 2, 3, 4),)),)
+    assert h.told_at_end == {"r1": ((1, 2, 3, 4),)}
+    assert h.view().num_free_blocks == 8
+
+
+def test_connector_asynchronous_failed_load_by_hand() -> None:
+    """``r0`` (7 prompt tokens, 2 outputs) loads 4 tokens asynchronously; its first load
+    fails (``load_fails("r0", 0)``), a retry never:
+
+    * step 1: the load starts into blocks (1, 2) (the external tokens only, nothing
+      scheduled); the worker reports it failed: computed tokens 0, blocks still held;
+    * step 2: vLLM completes the load: it frees (2, 1) uncached (to the queue's head),
+      looks ``r0`` up anew and starts a second load into (2, 1);
+    * step 3: the load completes (cached), ``r0`` runs from 4 with 3 tokens: blocks 3, 4;
+    * step 4: the last output; ``r0`` ends with 8 computed tokens: 4 blocks told."""
+    from properties.core.decisions import ALLOCATED, PROMOTE, ConnectorEvent
+    from properties.core.modes import load_fails
+    from properties.engines.vllm_scheduler import make_harness
+
+    assert load_fails("r0", 0) and not load_fails("r0", 1)
+    h = make_harness(CONNECTOR_LAYOUT, lookup=_store_of_4, async_loads=True, load_failures=True)
+    h.arrive(Arrive("r0", (1, 2, 3, 4, 5, 6, 7), (8, 9)))
+    d1 = h.step(16)
+    assert d1.scheduled == ()
+    assert d1.connector_events == (ConnectorEvent(ALLOCATED, "r0", 4, True, ((1, 2),)),)
+    assert (h.view().block_ids, h.view().num_computed_tokens) == ({"r0": ((1, 2),)}, {"r0": 0})
+    d2 = h.step(16)
+    assert d2.connector_events == (
+        ConnectorEvent(PROMOTE, "r0"),
+        ConnectorEvent(ALLOCATED, "r0", 4, True, ((2, 1),)),
+    )
+    assert h.view().num_computed_tokens == {"r0": 4}
+    d3 = h.step(16)
+    assert d3.scheduled == (ScheduledDecision("r0", 4, 3),)
+    assert d3.connector_events == (
+        ConnectorEvent(PROMOTE, "r0"),
+        ConnectorEvent(ALLOCATED, "r0", 0, False, ((2, 1, 3, 4),)),
+    )
+    h.step(16)
+    assert h.told_at_end == {"r0": ((2, 1, 3, 4),)}
+    assert h.view().num_free_blocks == 8
+
+
+#: ``r0`` ends (its two full blocks go to the host tier), the device cache is reset, and
+#: ``r1`` (the same 4 tokens first) loads them synchronously.
+CONNECTOR_TRACE = Trace(
+    layout=CONNECTOR_LAYOUT,
+    operations=(
+        Arrive("r0", (1, 2, 3, 4, 5), (6,)),
+        Step(16),
+        ResetPrefixCache(),
+        Arrive("r1", (1, 2, 3, 4, 5, 6, 7), (8,)),
+        Step(16),
+    ),
+    mode=ServingMode(external_hits=True),
+)
+
+
+def test_connector_trace_agrees_and_the_told_blocks_mutant_is_caught() -> None:
+    """Unmutated, both steps agree. ``r0``'s blocks (1, 2, 3) are freed tail first: the
+    partial 3 to the head, 2 and 1 to the tail; after the reset ``r1`` takes 3, 4 for
+    its 4 external tokens and 5, 6 for positions 4..6. The mutant tells the connector
+    the blocks ``allocate_slots`` returned, (5, 6)."""
+    from properties.runner.decided import DecisionMismatch
+    from properties.tools.scheduler_level import run_one
+
+    assert run_one(CONNECTOR_TRACE) == 2
+    with pytest.raises(DecisionMismatch) as caught:
+        run_one(CONNECTOR_TRACE, "connector-told-new-blocks")
+    assert (
+        "step 2 (r1+3@4; r1 loads 4 tokens synchronously): r1's admission told the engine's "
+        "connector (external tokens, asynchronous, block ids) (4, False, ((5, 6),)), the "
+        "reference's (4, False, ((3, 4, 5, 6),))"
+    ) in str(caught.value)
+
+
+def test_connector_with_asynchronous_scheduling_is_refused_in_one_line() -> None:
+    """vLLM defers a consumer connector's frees under asynchronous scheduling, which the
+    reference does not model: the harness says so rather than drive it."""
+    from properties.core.engine import EngineError
+    from properties.engines.vllm_scheduler import make_harness
+
+    with pytest.raises(EngineError, match="KV connector with asynchronous scheduling"):
+        make_harness(CONNECTOR_LAYOUT, lookup=_store_of_4, asynchronous=True)
+
+
+def test_end_with_a_connector_frees_skipped_blocks_first_and_the_mutant_is_caught() -> None:
+    """A sliding window ``w = 2`` (bs 2): ``r0`` (6 prompt tokens, 1 output) computes its
+    prompt in blocks (1, 2, 3) and ends. Its end first frees the blocks below the window
+    on the processed basis: ``6 - 2 + 1 = 5`` skipped tokens -> blocks 0 and 1 become
+    null, so the connector is told ``(0, 0, 3)``. The mutant skips that: it tells
+    ``(1, 2, 3)``."""
+    from properties.runner.decided import DecisionMismatch
+    from properties.tools.scheduler_level import run_one
+    from reference.specs import SlidingWindowSpec
+
+    spec = SlidingWindowSpec(block_size=2, num_kv_heads=1, head_size=8, sliding_window=2)
+    layout = KVCacheLayout(groups=(KVCacheGroup(("l0",), spec),), num_blocks=9, max_model_len=16)
+    trace = Trace(
+        layout=layout,
+        operations=(
+            Arrive("r0", (1, 2, 3, 4, 5, 6), (7,)),
+            Step(16),
+            Arrive("r1", (9, 9, 9, 9), (1,)),
+            Step(16),
+        ),
+        mode=ServingMode(external_hits=True),
+    )
+    assert run_one(trace) == 2
+    with pytest.raises(DecisionMismatch) as caught:
+        run_one(trace, "connector-end-keeps-skipped-blocks")
+    assert str(caught.value) == (
+        "step 1: at r0's end the engine told its connector block ids ((1, 2, 3),), the "
+        "reference's blocks covering its 6 computed tokens are ((0, 0, 3),)"
+    )
