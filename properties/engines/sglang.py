@@ -411,6 +411,11 @@ class SGLangEngine:
         up_to = kv.kv_committed_len
         if up_to <= kv.cache_protected_len:
             return
+        # the round just computed ends at ``up_to`` (SGLang's ``PrefillAdder`` sets
+        # ``extend_end`` per chunk; ``get_fill_ids`` is the fill ids up to it): after a
+        # branch insert the tree frees the request's out-of-window SWA slots up to the
+        # fill ids' end, so the whole prompt there would free row entries past the chunk
+        req.extend_end = up_to
         self.cache.checkpoint(req, up_to=up_to)
         page = self.config.page_size
         kept = _cdiv(max(self.config.sglang_window, page), page)
