@@ -494,3 +494,37 @@ def test_every_request_is_matched_and_locked_at_its_node():
     )
     off.free("C")
     assert [p.num_free for p in off.pool_usage()] == [32, 32]
+
+
+def test_a_chunk_checkpoint_frees_out_of_window_swa_only_up_to_the_chunk():
+    """bs 2, window 4 (SGLang's 3). X (30 tokens) runs and goes: its row, with its 30
+    slots still written in it, is the next request's. A (8 tokens, a publishing request)
+    decodes 8 more and goes: the tree holds its 16 tokens, with SWA KV gone below A's
+    window. B shares A's first 10 tokens: the full KV matches 10, the SWA window only 8,
+    so SGLang records a branch at 10. B computes a first chunk of 12 tokens and publishes
+    it: the insert ends at the branch, and SGLang then frees B's out-of-window SWA slots up
+    to the end of B's fill ids, which must be the chunk's end (``extend_end``, as
+    SGLang's scheduler sets it), not the whole 30-token prompt: else it frees X's stale
+    row entries past the chunk, and the SWA pool counts more free pages than it has."""
+    engine = make_engine(hybrid(2, pool_pages=32))
+    prefill(engine, "X", tuple(range(500, 530)))
+    engine.free("X")
+    a = tuple(range(100, 108))
+    prefill(engine, "A", a)
+    for t in range(8):
+        engine.append_output_tokens("A", [300 + t])
+        assert engine.allocate_slots("A", 1) is not None
+        engine.set_num_computed_tokens("A", 9 + t)
+    engine.free("A")
+    engine.add_request(RequestInput("D", (1, 2, 3)))  # B is a publishing request
+    engine.add_request(RequestInput("B", a + (300, 301) + tuple(range(700, 718))))
+    hit = engine.get_computed_blocks("B")
+    assert hit.num_tokens == 8
+    assert engine._requests["B"].pending.swa_branching_seqlen == 10
+    assert engine.allocate_slots("B", 4, 8, hit) is not None
+    engine.set_num_computed_tokens("B", 12)
+    req = engine._requests["B"].req
+    swa = engine._m["ComponentType"].SWA
+    assert req.kv.get_evicted_seqlen(swa) <= 12
+    full, swa_pool = engine.pool_usage()
+    assert swa_pool.num_free <= swa_pool.num_blocks == 32
