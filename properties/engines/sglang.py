@@ -78,7 +78,9 @@ How each difference from vLLM is bridged
    (``checkpoint_kv_cache``: ``cache.checkpoint`` of a running request), as SGLang's
    scheduler does; the others publish at ``free`` only, so both insert paths run.
    SGLang's own preemption (retract) does **not** insert;
-   the protocol's preemption (free, then computed = 0) does, like vLLM.
+   the protocol's preemption (free, then computed = 0) does, like vLLM. A request freed
+   before its whole prompt is computed is released without the insert, as SGLang
+   releases the chunked request it aborts (``checkpoint=False``).
 8. **num_free_blocks** = ``min`` over the two pools of ``(available + evictable) //
    bs``: pages an allocation could obtain now, evicting unlocked tree entries.
    ``pool_usage`` (``ReportsPools``) reports each pool's figure, so S1-S3 check them
@@ -649,13 +651,14 @@ class SGLangEngine:
             self.allocator.free_group_end()
 
     def _release(self, state: _Request) -> None:
-        """``release_kv_cache(req, checkpoint=True)`` of note 7."""
+        """``release_kv_cache(req, checkpoint=...)`` of note 7: with the insert unless
+        :meth:`_inserts_at_release` says no."""
         req, kv = state.req, state.req.kv
         page = self.config.page_size
         committed = min(state.num_computed_tokens, kv.kv_allocated_len)
         kv.kv_committed_len = committed
         req.refresh_fill_ids()
-        checkpoint = committed > 0
+        checkpoint = committed > 0 and self._inserts_at_release(state)
         if checkpoint:
             req.finished_reason = self._m["FINISH_LENGTH"](length=len(req.output_ids))
             self.cache.checkpoint(req, up_to=committed)
@@ -673,6 +676,17 @@ class SGLangEngine:
         kv.mark_kv_released()
         req.finished_reason = None
         req.reset_for_retract()
+
+    @staticmethod
+    def _inserts_at_release(state: _Request) -> bool:
+        """Whether ``free`` inserts the request's computed prefix first (SGLang's
+        ``release_kv_cache(..., checkpoint=True)``). Not while its prompt is still being
+        computed: SGLang frees a request mid-prefill only when it aborts its chunked
+        request, without an insert (``Scheduler``: ``release_kv_cache(req, tree_cache,
+        checkpoint=False)``; only decoding requests are retracted). Example: a 20-token
+        prompt freed after a first chunk of 8 -> no insert; after its first output token
+        -> insert."""
+        return state.num_computed_tokens >= len(state.req.origin_input_ids)
 
     def reset_prefix_cache(self) -> bool:
         if any(s.req.kv.holds_kv for s in self._requests.values()):

@@ -531,3 +531,32 @@ def test_a_chunk_checkpoint_frees_out_of_window_swa_only_up_to_the_chunk():
     assert req.kv.get_evicted_seqlen(swa) <= 12
     full, swa_pool = engine.pool_usage()
     assert swa_pool.num_free <= swa_pool.num_blocks == 32
+
+
+@pytest.mark.parametrize("publishing", [False, True], ids=["first", "second"])
+def test_a_request_freed_mid_prefill_is_released_without_an_insert(publishing):
+    """bs 2, 32 pages per pool. A's 20-token prompt is freed after a first chunk of 8, as
+    SGLang releases the chunked request it aborts (``checkpoint=False``): nothing of A is
+    inserted at ``free``, so a lookup of the same prompt misses and both pools are whole
+    again (32 free pages each, nothing cached). A publishing request (the second added)
+    already put its 8 computed tokens in the tree after the chunk: those stay cached (hit
+    8, 4 pages evictable: 32 free still). A request freed after its whole prompt inserts
+    it: a lookup of the same 20 tokens hits 18 (its limit 19, floored to whole pages)."""
+    engine = make_engine(hybrid(2))
+    if publishing:
+        engine.add_request(RequestInput("pad", (1,)))
+    prompt = tuple(range(100, 120))
+    engine.add_request(RequestInput("A", prompt))
+    assert engine.get_computed_blocks("A").num_tokens == 0
+    assert engine.allocate_slots("A", 8) is not None
+    engine.set_num_computed_tokens("A", 8)
+    engine.free("A")
+    engine.add_request(RequestInput("B", prompt))
+    assert engine.get_computed_blocks("B").num_tokens == (8 if publishing else 0)
+    assert [p.num_free for p in engine.pool_usage()] == [32, 32]
+    assert engine.cache.full_evictable_size() == (8 if publishing else 0)
+    assert engine.allocate_slots("B", 20) is not None
+    engine.set_num_computed_tokens("B", 20)
+    engine.free("B")
+    engine.add_request(RequestInput("C", prompt))
+    assert engine.get_computed_blocks("C").num_tokens == 18
