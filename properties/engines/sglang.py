@@ -5,8 +5,9 @@ the same block size ``bs`` in {1, 2, 4}; ``bs`` becomes SGLang's page size. Anyt
 else raises :class:`EngineError` naming the layout. Two factories pick the tree core:
 ``make_engine`` (``python``) and ``make_engine_rust`` (the bundled ``rust`` core).
 
-Objects built per engine (all SGLang's own): ``SWAKVPool`` (a full pool and an SWA
-pool, each ``(num_blocks - 1) * bs`` token slots), ``SWATokenToKVPoolAllocator``,
+Objects built per engine (all SGLang's own): ``SWAKVPool`` (a full pool of
+``(num_blocks - 1) * bs`` token slots and an SWA pool of ``swa_full_tokens_ratio`` of
+that, 1.0, 0.8 or 0.5 by layout: :func:`swa_pool_pages`), ``SWATokenToKVPoolAllocator``,
 ``ReqToTokenPool`` (one row per request, ``max_model_len + LOOKAHEAD_MARGIN`` wide),
 ``UnifiedRadixCache`` with ``tree_components=(FULL, SWA)``, and one real SGLang ``Req``
 per request (its ``ReqKvInfo`` carries the row, protected length and SWA cursor).
@@ -23,7 +24,11 @@ How each difference from vLLM is bridged
    full group -> ``full_slot // bs``; SWA group -> ``mapping[full_slot] // bs``, or 0
    (null) where the mapping is 0. Slot 0 (page 0) of each pool is SGLang's padding
    slot and is never handed out, so 0 is a safe null id in both groups. Equal ids in
-   the two groups are legal (``separate_group_pools = True``).
+   the two groups are legal (``separate_group_pools = True``). As SGLang deploys it
+   (``--swa-full-tokens-ratio``, default 0.8), the SWA pool may be the smaller one:
+   then an allocation can find the full pool roomy and the SWA pool short, and the
+   tree's SWA eviction walk runs on its own (it evicts an unlocked leaf whole, or
+   frees an inner node's SWA KV and leaves a tombstone).
 3. **Token-granular tree, page-rounded hits.** ``match_prefix`` walks a radix tree
    of tokens and rounds the key down to whole pages itself. SGLang's scheduler caps
    the key at ``Req._compute_max_prefix_len(n) = n - 1`` (``RadixKey.limit``); the
@@ -34,8 +39,10 @@ How each difference from vLLM is bridged
    the matched path and may split a radix node at the hit boundary. No slot, lock or
    free count changes, but later eviction order can (see ``findings/sglang/``).
    ``get_computed_blocks`` keeps the matched node id (no lock); ``allocate_slots``
-   locks it (``cache.lock``) *before* evicting for new slots, as SGLang's scheduler
-   does on admission, and ``free`` unlocks it.
+   locks it (``cache.lock``; the root for a miss) *before* evicting for new slots, as
+   SGLang's scheduler does on admission, and ``free`` unlocks it. Every request is
+   matched, as SGLang's ``match_kv_cache`` does: a one-token prompt (key limit 0) and
+   a tree with prefix caching off (``disable``) answer no hit.
 5. **Allocation.** ``allocate_slots`` grows the request's row to
    ``computed + hit + new + lookahead`` tokens: it first lets the tree evict
    (``evict_from_tree_cache``), then calls ``alloc`` (bs 1) or ``alloc_extend``
@@ -71,7 +78,9 @@ How each difference from vLLM is bridged
    (``checkpoint_kv_cache``: ``cache.checkpoint`` of a running request), as SGLang's
    scheduler does; the others publish at ``free`` only, so both insert paths run.
    SGLang's own preemption (retract) does **not** insert;
-   the protocol's preemption (free, then computed = 0) does, like vLLM.
+   the protocol's preemption (free, then computed = 0) does, like vLLM. A request freed
+   before its whole prompt is computed is released without the insert, as SGLang
+   releases the chunked request it aborts (``checkpoint=False``).
 8. **num_free_blocks** = ``min`` over the two pools of ``(available + evictable) //
    bs``: pages an allocation could obtain now, evicting unlocked tree entries.
    ``pool_usage`` (``ReportsPools``) reports each pool's figure, so S1-S3 check them
@@ -106,6 +115,11 @@ SUPPORTED_PAGE_SIZES = (1, 2, 4)
 LOOKAHEAD_MARGIN = 64
 #: Request rows in the ``ReqToTokenPool`` (concurrent requests holding KV).
 MAX_RUNNING_REQUESTS = 256
+#: SGLang's ``--swa-full-tokens-ratio`` (SWA pool tokens / full pool tokens) values the
+#: adapter builds: equal pools, SGLang's default (0.8) and a small SWA pool (0.5). Which
+#: one a layout gets is :func:`swa_full_tokens_ratio` (a function of the layout, so a
+#: saved trace replays with the same pools).
+SWA_FULL_TOKENS_RATIOS = (1.0, 0.8, 0.5)
 
 _EMPTY: BlockIds = ((), ())
 
@@ -122,6 +136,8 @@ class SGLangConfig:
     tree_core: str
     full_group: int
     swa_group: int
+    #: pages of the SWA pool (:func:`swa_pool_pages`); ``pool_pages`` is the full pool's
+    swa_pool_pages: int = 0
 
     @property
     def sglang_window(self) -> int:
@@ -131,6 +147,29 @@ class SGLangConfig:
     @property
     def pool_tokens(self) -> int:
         return self.pool_pages * self.page_size
+
+    @property
+    def swa_pool_tokens(self) -> int:
+        return (self.swa_pool_pages or self.pool_pages) * self.page_size
+
+
+def swa_full_tokens_ratio(layout: KVCacheLayout) -> float:
+    """The ``--swa-full-tokens-ratio`` the adapter deploys SGLang with for ``layout``:
+    :data:`SWA_FULL_TOKENS_RATIOS` indexed by ``num_blocks`` modulo 3, so the layouts a
+    strategy draws spread over the three and a trace replays with its own. Example:
+    ``num_blocks`` 33 -> 1.0, 34 -> 0.8, 35 -> 0.5."""
+    return SWA_FULL_TOKENS_RATIOS[layout.num_blocks % len(SWA_FULL_TOKENS_RATIOS)]
+
+
+def swa_pool_pages(pool_pages: int, ratio: float, page: int, max_model_len: int) -> int:
+    """SGLang's SWA pool for a full pool of ``pool_pages`` pages: its pool configurator's
+    ``align_page_size(int(full_tokens * ratio))``, in pages, raised to what one request
+    of ``max_model_len`` tokens needs at once (``cdiv(max_model_len, page) + 1`` pages, the
+    bound the layouts give the full pool: the adapter's prefill takes an SWA slot per
+    token) and at most the full pool. Example: 32 pages of 2 tokens, ratio 0.5,
+    ``max_model_len`` 20 -> ``int(64 * 0.5) // 2 = 16`` pages (11 needed)."""
+    share = int(pool_pages * page * ratio) // page
+    return min(pool_pages, max(share, -(-max_model_len // page) + 1))
 
 
 def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
@@ -175,15 +214,19 @@ def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
             "sglang adapter needs sliding_window >= 2 (SGLang's window is w - 1 and must "
             f"be positive), got layout {layout.describe()}"
         )
+    pool_pages = layout.num_blocks - 1
     return SGLangConfig(
         page_size=page,
         sliding_window=window,
-        pool_pages=layout.num_blocks - 1,
+        pool_pages=pool_pages,
         max_model_len=layout.max_model_len,
         enable_caching=layout.enable_caching,
         tree_core=tree_core,
         full_group=full[0],
         swa_group=swa[0],
+        swa_pool_pages=swa_pool_pages(
+            pool_pages, swa_full_tokens_ratio(layout), page, layout.max_model_len
+        ),
     )
 
 
@@ -275,7 +318,7 @@ class SGLangEngine:
         heads, head_dim = _heads(layout)
         self.kv_pool = m["SWAKVPool"](
             size=cfg.pool_tokens,
-            size_swa=cfg.pool_tokens,
+            size_swa=cfg.swa_pool_tokens,
             page_size=cfg.page_size,
             dtype=dtype,
             head_num=heads,
@@ -286,7 +329,7 @@ class SGLangEngine:
         )
         self.allocator = m["SWATokenToKVPoolAllocator"](
             size=cfg.pool_tokens,
-            size_swa=cfg.pool_tokens,
+            size_swa=cfg.swa_pool_tokens,
             page_size=cfg.page_size,
             dtype=dtype,
             device="cpu",
@@ -370,6 +413,11 @@ class SGLangEngine:
         up_to = kv.kv_committed_len
         if up_to <= kv.cache_protected_len:
             return
+        # the round just computed ends at ``up_to`` (SGLang's ``PrefillAdder`` sets
+        # ``extend_end`` per chunk; ``get_fill_ids`` is the fill ids up to it): after a
+        # branch insert the tree frees the request's out-of-window SWA slots up to the
+        # fill ids' end, so the whole prompt there would free row entries past the chunk
+        req.extend_end = up_to
         self.cache.checkpoint(req, up_to=up_to)
         page = self.config.page_size
         kept = _cdiv(max(self.config.sglang_window, page), page)
@@ -391,9 +439,9 @@ class SGLangEngine:
         state = self._get(request_id)
         state.pending = None
         n = len(state.tokens)
-        if not self.config.enable_caching or n <= 1:
-            return CacheHit(_EMPTY, 0)
         req = state.req
+        # SGLang's scheduler matches every request (``match_kv_cache``), a one-token
+        # prompt (key limit 0) and a tree with caching off (``disable``) included
         limit = req._compute_max_prefix_len(n)  # SGLang's own cap: n - 1
         key = self._m["RadixKey"](
             array("q", state.tokens),
@@ -404,7 +452,7 @@ class SGLangEngine:
         match = self.cache.match_prefix(self._m["MatchPrefixParams"](key=key))
         hit = int(match.device_prefix_len)
         page = self.config.page_size
-        if hit > n - 1 or hit % page:
+        if hit > max(0, n - 1) or hit % page or (hit and not self.config.enable_caching):
             raise EngineError(
                 f"sglang adapter: match_prefix returned {hit} tokens for "
                 f"{n} tokens at page size {page}"
@@ -512,13 +560,19 @@ class SGLangEngine:
         kv.req_pool_idx = row
         pending = state.pending
         state.pending = None
+        if hit_tokens and (pending is None or pending.num_tokens != hit_tokens):
+            raise EngineError(
+                f"sglang adapter: allocate_slots got a hit of {hit_tokens} tokens "
+                f"for {req.rid!r} without a matching get_computed_blocks"
+            )
+        # SGLang locks the matched node of every admitted request, the root for a miss
+        # (``PrefillAdder._commit_prefill_admission``: ``tree_cache.lock(req.last_node)``)
         if hit_tokens:
-            if pending is None or pending.num_tokens != hit_tokens:
-                raise EngineError(
-                    f"sglang adapter: allocate_slots got a hit of {hit_tokens} tokens "
-                    f"for {req.rid!r} without a matching get_computed_blocks"
-                )
-            req.lock = self.cache.lock(pending.node)
+            node = pending.node
+        else:  # a miss (or no lookup): the root
+            node = self.cache.tree_core.empty_match_result.last_device_node
+        req.lock = self.cache.lock(node)
+        if hit_tokens:
             slots = self.cache.path_device_indices(pending.node)
             self.req_to_token_pool.write((kv.req_pool_idx, slice(0, hit_tokens)), slots)
             req.last_node = pending.node
@@ -597,13 +651,14 @@ class SGLangEngine:
             self.allocator.free_group_end()
 
     def _release(self, state: _Request) -> None:
-        """``release_kv_cache(req, checkpoint=True)`` of note 7."""
+        """``release_kv_cache(req, checkpoint=...)`` of note 7: with the insert unless
+        :meth:`_inserts_at_release` says no."""
         req, kv = state.req, state.req.kv
         page = self.config.page_size
         committed = min(state.num_computed_tokens, kv.kv_allocated_len)
         kv.kv_committed_len = committed
         req.refresh_fill_ids()
-        checkpoint = committed > 0
+        checkpoint = committed > 0 and self._inserts_at_release(state)
         if checkpoint:
             req.finished_reason = self._m["FINISH_LENGTH"](length=len(req.output_ids))
             self.cache.checkpoint(req, up_to=committed)
@@ -622,6 +677,17 @@ class SGLangEngine:
         req.finished_reason = None
         req.reset_for_retract()
 
+    @staticmethod
+    def _inserts_at_release(state: _Request) -> bool:
+        """Whether ``free`` inserts the request's computed prefix first (SGLang's
+        ``release_kv_cache(..., checkpoint=True)``). Not while its prompt is still being
+        computed: SGLang frees a request mid-prefill only when it aborts its chunked
+        request, without an insert (``Scheduler``: ``release_kv_cache(req, tree_cache,
+        checkpoint=False)``; only decoding requests are retracted). Example: a 20-token
+        prompt freed after a first chunk of 8 -> no insert; after its first output token
+        -> insert."""
+        return state.num_computed_tokens >= len(state.req.origin_input_ids)
+
     def reset_prefix_cache(self) -> bool:
         if any(s.req.kv.holds_kv for s in self._requests.values()):
             return False
@@ -636,13 +702,15 @@ class SGLangEngine:
         return min(self._obtainable_slots()) // self.config.page_size
 
     def pool_usage(self) -> tuple[PoolUsage, ...]:
-        """The full and the SWA pool (``ReportsPools``): each ``pool_pages`` pages, free =
+        """The full pool (``pool_pages`` pages) and the SWA pool (``swa_pool_pages``), free =
         obtainable slots // page."""
         cfg = self.config
         full, swa = self._obtainable_slots()
         return (
             PoolUsage("full", (cfg.full_group,), cfg.pool_pages, full // cfg.page_size),
-            PoolUsage("swa", (cfg.swa_group,), cfg.pool_pages, swa // cfg.page_size),
+            PoolUsage(
+                "swa", (cfg.swa_group,), cfg.swa_pool_tokens // cfg.page_size, swa // cfg.page_size
+            ),
         )
 
     # ---------------------------------------------------------------- helpers

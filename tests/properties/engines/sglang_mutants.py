@@ -10,6 +10,11 @@ package; they need SGLang (``.engines/sglang``).
 * ``swa_release_twice``: ``UnifiedRadixCache.release_swa`` forgets to mark the lock's
   SWA part released (``lock.swa_released = True``), so every later decode step releases
   it again and the SWA lock counts of the prefix go down past the request's own lock.
+* ``swa_leaf_kept``: ``SWAComponent._evict_device_next_node``, the SWA eviction walk,
+  stops at an unlocked leaf instead of handing it over for eviction (``return None`` for
+  ``return x.id``), so an allocation that the SWA pool's free and evictable pages cover
+  fails. Reached only once the SWA pool can be the smaller one (the adapter's
+  ``swa_full_tokens_ratio``): with equal pools the full walk always frees enough.
 
 Each mutation rewrites one line of the method's source at run time and is applied once
 per process, when the factory first builds an engine (:mod:`tests.properties.engines.line_mutants`).
@@ -44,6 +49,13 @@ MUTATIONS = {
         "lock.swa_released = True",
         "pass",
     ),
+    "swa_leaf_kept": (
+        "sglang.srt.mem_cache.unified_cache.components.swa",
+        "SWAComponent",
+        "_evict_device_next_node",
+        "return x.id",
+        "return None",
+    ),
 }
 
 
@@ -60,3 +72,4 @@ def _factory(name: str) -> Callable:
 
 make_decode_mapping = _factory("decode_mapping")
 make_swa_release_twice = _factory("swa_release_twice")
+make_swa_leaf_kept = _factory("swa_leaf_kept")

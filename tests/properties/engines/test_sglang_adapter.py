@@ -8,6 +8,7 @@ tests/properties/engines/test_sglang_adapter.py``.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -352,9 +353,12 @@ def test_odd_requests_publish_their_prefix_after_prefill_and_release_the_swa_loc
 
 
 def _check_mutant(name: str) -> str:
-    """``kvconform check --only invariants`` against mutant ``name`` (20 examples, the
-    small tier, in process): its output. Caught at example 13 (``decode_mapping``) and
-    10 (``swa_release_twice``)."""
+    """``kvconform check --only invariants`` against mutant ``name`` (100 examples, the
+    small tier, in process): its output. Caught at example 24 (``decode_mapping``), 18
+    (``swa_release_twice``) and 9 (``swa_leaf_kept``); since the SWA pool may be the
+    smaller one (``swa_full_tokens_ratio``), the first two come later than with equal
+    pools (13 and 10 of 20 examples), hence 100 examples (the stream depends on the
+    bound: 40 examples miss both)."""
     import os
     import subprocess
     import sys
@@ -363,7 +367,7 @@ def _check_mutant(name: str) -> str:
         sys.executable, "-W", "ignore", "-m", "properties.tools.cli", "check",
         "--engine", f"tests.properties.engines.sglang_mutants:make_{name}",
         "--isolation", "none", "--level", "universal", "--profile", "ci",
-        "--only", "invariants", "--max-examples", "20", "--tiers", "none",
+        "--only", "invariants", "--max-examples", "100", "--tiers", "none",
         "--workers", "1", "--shrink-seconds", "5",
     ]  # fmt: skip
     # torch's own thread count: the forked run worker settles it (properties.core.forked)
@@ -382,3 +386,177 @@ def test_the_gate_catches_the_swa_released_twice_mutant():
     """The second release drops the SWA lock count of the prefix below zero: SGLang's
     own lock-count assertion fails, an engine error."""
     assert "first failure [EngineError]" in _check_mutant("swa_release_twice")
+
+
+def test_the_gate_catches_the_swa_leaf_kept_mutant():
+    """The SWA walk keeps the leaf it should hand over: an allocation the SWA pool's free
+    and evictable pages cover fails (S3)."""
+    assert "first failure [allocation_fits_per_pool]" in _check_mutant("swa_leaf_kept")
+
+
+# ---------------------------------------------- SGLang's scheduler calls (issue 19, tree)
+@pytest.mark.parametrize(
+    ("pool_pages", "ratio", "page", "max_len", "expected"),
+    [
+        (32, 0.5, 2, 20, 16),  # int(64 * 0.5) // 2 = 16 >= cdiv(20, 2) + 1 = 11
+        (19, 0.5, 2, 16, 9),  # int(38 * 0.5) // 2 = 9 = cdiv(16, 2) + 1
+        (16, 0.8, 2, 12, 12),  # int(32 * 0.8) = 25 // 2 = 12
+        (12, 0.5, 1, 10, 11),  # 6 pages < one 10-token request: raised to 11
+        (10, 0.5, 4, 40, 10),  # raised to cdiv(40, 4) + 1 = 11, capped at the full pool
+    ],
+)
+def test_swa_pool_pages(pool_pages, ratio, page, max_len, expected):
+    from properties.engines.sglang import swa_pool_pages
+
+    assert swa_pool_pages(pool_pages, ratio, page, max_len) == expected
+
+
+def test_swa_full_tokens_ratio_follows_num_blocks():
+    from properties.engines.sglang import swa_full_tokens_ratio
+
+    assert [swa_full_tokens_ratio(hybrid(2, pool_pages=n - 1)) for n in (33, 34, 35)] == [
+        1.0,
+        0.8,
+        0.5,
+    ]
+
+
+def _short_swa_pool(pool_pages: int) -> KVCacheLayout:
+    """bs 2, window 4 (SGLang's 3), max_model_len 16; ``pool_pages`` full pages."""
+    return KVCacheLayout(
+        groups=(
+            KVCacheGroup(("full",), FullAttentionSpec(block_size=2)),
+            KVCacheGroup(("swa",), SlidingWindowSpec(block_size=2, sliding_window=4)),
+        ),
+        num_blocks=pool_pages + 1,
+        max_model_len=16,
+    )
+
+
+@pytest.mark.parametrize("mutant", [False, True], ids=["sglang", "swa_leaf_kept"])
+def test_a_short_swa_pool_evicts_an_unlocked_leaf_whole(monkeypatch, mutant):
+    """num_blocks 20 -> ratio 0.5: 19 full pages, ``int(38 * 0.5) // 2 = 9`` SWA pages.
+    A caches 4 tokens (2 pages, one leaf of the tree). B's 16 tokens need 8 pages in each
+    pool: the full pool has 17 free, the SWA pool 7 free and A's 2 evictable. Only the SWA
+    pool is short, so only SGLang's SWA walk runs: A's leaf is its least recent unlocked
+    node and goes whole (its full pages too): a later lookup of A's prompt misses, and
+    the full pool holds B's 8 pages only (19 - 8 = 11 free). With num_blocks 21 (ratio
+    1.0: 20 pages in both pools) nothing is short and A's prefix stays cached (hit 4). The
+    ``swa_leaf_kept`` mutant's walk stops at A's leaf: B's allocation fails although the
+    SWA pool reported 9 free pages for its 8 (S3)."""
+    if mutant:
+        _mutant_patched(monkeypatch, "swa_leaf_kept")
+    a = tuple(range(100, 104))
+    for pool_pages, short in ((19, True), (20, False)):
+        engine = make_engine(_short_swa_pool(pool_pages))
+        usage = [(p.name, p.num_blocks, p.num_free) for p in engine.pool_usage()]
+        assert usage == [
+            ("full", pool_pages, pool_pages),
+            ("swa", 9 if short else 20, 9 if short else 20),
+        ]
+        prefill(engine, "A", a)
+        engine.free("A")
+        engine.add_request(RequestInput("B", tuple(range(200, 216))))
+        assert engine.get_computed_blocks("B").num_tokens == 0
+        new = engine.allocate_slots("B", 16)
+        if mutant and short:
+            assert new is None
+            continue
+        assert new is not None
+        engine.add_request(RequestInput("A2", a + (1,)))
+        assert engine.get_computed_blocks("A2").num_tokens == (0 if short else 4)
+        assert engine.pool_usage()[0].num_free == (11 if short else 12)
+
+
+def test_every_request_is_matched_and_locked_at_its_node():
+    """SGLang's scheduler matches every request and locks the node the match ended on
+    (the root for a miss): a one-token prompt is matched (key limit 0: no hit) and its
+    lock sits on the root; a hit's lock sits on the matched node; with prefix caching off
+    (``disable``) the lookup of a cached prompt misses, and freeing gives every page back."""
+    engine = make_engine(hybrid(2))
+    root = engine.cache.tree_core.empty_match_result.last_device_node
+    prefill(engine, "A", PREFIX)
+    engine.free("A")
+    engine.add_request(RequestInput("one", (100,)))
+    assert engine.get_computed_blocks("one").num_tokens == 0
+    assert engine.allocate_slots("one", 1) is not None
+    assert engine._requests["one"].req.lock.node == root
+    hit, _ = prefill(engine, "B", PREFIX + (7,))
+    assert hit.num_tokens == 12
+    assert engine._requests["B"].req.lock.node != root
+    engine.free("one")
+    engine.free("B")
+    assert engine._requests["one"].req.lock is None
+    off = make_engine(dataclasses.replace(hybrid(2), enable_caching=False))
+    prefill(off, "A", PREFIX)
+    off.free("A")
+    hit, _ = prefill(off, "C", PREFIX + (7,))
+    assert hit.num_tokens == 0
+    assert (
+        off._requests["C"].req.lock.node == off.cache.tree_core.empty_match_result.last_device_node
+    )
+    off.free("C")
+    assert [p.num_free for p in off.pool_usage()] == [32, 32]
+
+
+def test_a_chunk_checkpoint_frees_out_of_window_swa_only_up_to_the_chunk():
+    """bs 2, window 4 (SGLang's 3). X (30 tokens) runs and goes: its row, with its 30
+    slots still written in it, is the next request's. A (8 tokens, a publishing request)
+    decodes 8 more and goes: the tree holds its 16 tokens, with SWA KV gone below A's
+    window. B shares A's first 10 tokens: the full KV matches 10, the SWA window only 8,
+    so SGLang records a branch at 10. B computes a first chunk of 12 tokens and publishes
+    it: the insert ends at the branch, and SGLang then frees B's out-of-window SWA slots up
+    to the end of B's fill ids, which must be the chunk's end (``extend_end``, as
+    SGLang's scheduler sets it), not the whole 30-token prompt: else it frees X's stale
+    row entries past the chunk, and the SWA pool counts more free pages than it has."""
+    engine = make_engine(hybrid(2, pool_pages=32))
+    prefill(engine, "X", tuple(range(500, 530)))
+    engine.free("X")
+    a = tuple(range(100, 108))
+    prefill(engine, "A", a)
+    for t in range(8):
+        engine.append_output_tokens("A", [300 + t])
+        assert engine.allocate_slots("A", 1) is not None
+        engine.set_num_computed_tokens("A", 9 + t)
+    engine.free("A")
+    engine.add_request(RequestInput("D", (1, 2, 3)))  # B is a publishing request
+    engine.add_request(RequestInput("B", a + (300, 301) + tuple(range(700, 718))))
+    hit = engine.get_computed_blocks("B")
+    assert hit.num_tokens == 8
+    assert engine._requests["B"].pending.swa_branching_seqlen == 10
+    assert engine.allocate_slots("B", 4, 8, hit) is not None
+    engine.set_num_computed_tokens("B", 12)
+    req = engine._requests["B"].req
+    swa = engine._m["ComponentType"].SWA
+    assert req.kv.get_evicted_seqlen(swa) <= 12
+    full, swa_pool = engine.pool_usage()
+    assert swa_pool.num_free <= swa_pool.num_blocks == 32
+
+
+@pytest.mark.parametrize("publishing", [False, True], ids=["first", "second"])
+def test_a_request_freed_mid_prefill_is_released_without_an_insert(publishing):
+    """bs 2, 32 pages per pool. A's 20-token prompt is freed after a first chunk of 8, as
+    SGLang releases the chunked request it aborts (``checkpoint=False``): nothing of A is
+    inserted at ``free``, so a lookup of the same prompt misses and both pools are whole
+    again (32 free pages each, nothing cached). A publishing request (the second added)
+    already put its 8 computed tokens in the tree after the chunk: those stay cached (hit
+    8, 4 pages evictable: 32 free still). A request freed after its whole prompt inserts
+    it: a lookup of the same 20 tokens hits 18 (its limit 19, floored to whole pages)."""
+    engine = make_engine(hybrid(2))
+    if publishing:
+        engine.add_request(RequestInput("pad", (1,)))
+    prompt = tuple(range(100, 120))
+    engine.add_request(RequestInput("A", prompt))
+    assert engine.get_computed_blocks("A").num_tokens == 0
+    assert engine.allocate_slots("A", 8) is not None
+    engine.set_num_computed_tokens("A", 8)
+    engine.free("A")
+    engine.add_request(RequestInput("B", prompt))
+    assert engine.get_computed_blocks("B").num_tokens == (8 if publishing else 0)
+    assert [p.num_free for p in engine.pool_usage()] == [32, 32]
+    assert engine.cache.full_evictable_size() == (8 if publishing else 0)
+    assert engine.allocate_slots("B", 20) is not None
+    engine.set_num_computed_tokens("B", 20)
+    engine.free("B")
+    engine.add_request(RequestInput("C", prompt))
+    assert engine.get_computed_blocks("C").num_tokens == 18
