@@ -5,8 +5,9 @@ the same block size ``bs`` in {1, 2, 4}; ``bs`` becomes SGLang's page size. Anyt
 else raises :class:`EngineError` naming the layout. Two factories pick the tree core:
 ``make_engine`` (``python``) and ``make_engine_rust`` (the bundled ``rust`` core).
 
-Objects built per engine (all SGLang's own): ``SWAKVPool`` (a full pool and an SWA
-pool, each ``(num_blocks - 1) * bs`` token slots), ``SWATokenToKVPoolAllocator``,
+Objects built per engine (all SGLang's own): ``SWAKVPool`` (a full pool of
+``(num_blocks - 1) * bs`` token slots and an SWA pool of the same size, or, in one layout
+of two, of 4/5 of its pages: :func:`swa_pool_pages`), ``SWATokenToKVPoolAllocator``,
 ``ReqToTokenPool`` (one row per request, ``max_model_len + LOOKAHEAD_MARGIN`` wide),
 ``UnifiedRadixCache`` with ``tree_components=(FULL, SWA)``, and one real SGLang ``Req``
 per request (its ``ReqKvInfo`` carries the row, protected length and SWA cursor).
@@ -37,16 +38,18 @@ How each difference from vLLM is bridged
    locks it (``cache.lock``) *before* evicting for new slots, as SGLang's scheduler
    does on admission, and ``free`` unlocks it.
 5. **Allocation.** ``allocate_slots`` grows the request's row to
-   ``computed + hit + new + lookahead`` tokens: it first lets the tree evict
-   (``evict_from_tree_cache``), then calls ``alloc`` (bs 1) or ``alloc_extend``
-   (bs > 1), which take a full *and* an SWA slot per token; one decode slot of a running
-   request at bs > 1 comes from ``alloc_decode`` after evicting one page, as SGLang's
-   ``alloc_for_decode`` does. Before that, the budget
-   check of SGLang's ``PrefillAdder`` (new pages <= available + evictable, per pool,
-   with the hit already locked) returns ``None`` without touching anything; when the
-   allocator still fails after evicting, ``None`` too, and tree entries evicted while
-   trying stay evicted. Either way the hit lock, the row and the request state are
-   rolled back.
+   ``computed + hit + new + lookahead`` tokens (:meth:`SGLangEngine._alloc`). An extend
+   (an admission, or a prefill chunk of a running request) is SGLang's
+   ``alloc_for_extend``: the tree evicts (``evict_from_tree_cache``), then ``alloc``
+   (bs 1) or ``alloc_extend`` (bs > 1) take a full *and* an SWA slot per token, and
+   SGLang's allocator alone decides: its ``None`` (a pool short of pages even after
+   evicting) is the protocol's refusal, where SGLang's ``alloc_token_slots`` would raise.
+   One decode slot of a request that has computed its prompt is SGLang's decode step:
+   ``check_decode_capacity`` first (``ScheduleBatch.check_decode_mem``: evict, then the
+   page growth must fit both pools; ``False``, where SGLang retracts, is the refusal),
+   then ``alloc_for_decode`` (evict one page, ``alloc_decode`` at bs > 1, ``alloc`` at
+   bs 1). Tree entries evicted before a refusal stay evicted; the hit lock, the row and
+   the request state are rolled back.
    There is no ``num_tokens - 1`` cap on slots; rows are capped at ``max_model_len``.
 6. **Out-of-window SWA KV of a running request** is freed by SGLang at decode steps
    (``evict_sliding_windows`` -> ``free_swa_out_of_window_slots``): it keeps
@@ -83,6 +86,7 @@ How each difference from vLLM is bridged
 from __future__ import annotations
 
 import os
+import zlib
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -122,6 +126,8 @@ class SGLangConfig:
     tree_core: str
     full_group: int
     swa_group: int
+    #: pages of the SWA pool (``pool_pages`` or fewer: :func:`swa_pool_pages`)
+    swa_pool_pages: int
 
     @property
     def sglang_window(self) -> int:
@@ -131,6 +137,34 @@ class SGLangConfig:
     @property
     def pool_tokens(self) -> int:
         return self.pool_pages * self.page_size
+
+    @property
+    def swa_pool_tokens(self) -> int:
+        return self.swa_pool_pages * self.page_size
+
+
+#: SGLang's ``swa_full_tokens_ratio`` (SWA pool / full pool, in ``(0, 1]``) of the layouts
+#: that draw a smaller SWA pool.
+SMALL_SWA_RATIO = (4, 5)
+
+
+def swa_pool_pages(layout: KVCacheLayout, page: int) -> int:
+    """Pages of the SWA pool for ``layout``: the full pool's ``num_blocks - 1``, or, in one
+    layout of two (``crc32(layout.describe())`` odd, a function of the layout so a replay
+    builds the same pools), SGLang's ``swa_full_tokens_ratio`` of 4/5 of them, never
+    below ``cdiv(max_model_len, bs) + 2`` pages (the least the layout strategy gives the
+    full pool), nor above the full pool. A smaller SWA pool
+    is how SGLang sizes it by default; it makes the SWA pool the one that runs short.
+
+    Example: 40 blocks, bs 2, max_model_len 32, an odd crc: ``max(32 * 4 // 5,
+    cdiv(32, 2) + 2) = max(31, 18) = 31`` pages (of 39).
+    """
+    full = layout.num_blocks - 1
+    if zlib.crc32(layout.describe().encode()) % 2 == 0:
+        return full
+    num, den = SMALL_SWA_RATIO
+    least = _cdiv(layout.max_model_len, page) + 2
+    return min(full, max(full * num // den, least))
 
 
 def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
@@ -184,6 +218,7 @@ def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
         tree_core=tree_core,
         full_group=full[0],
         swa_group=swa[0],
+        swa_pool_pages=swa_pool_pages(layout, page),
     )
 
 
@@ -275,7 +310,7 @@ class SGLangEngine:
         heads, head_dim = _heads(layout)
         self.kv_pool = m["SWAKVPool"](
             size=cfg.pool_tokens,
-            size_swa=cfg.pool_tokens,
+            size_swa=cfg.swa_pool_tokens,
             page_size=cfg.page_size,
             dtype=dtype,
             head_num=heads,
@@ -286,7 +321,7 @@ class SGLangEngine:
         )
         self.allocator = m["SWATokenToKVPoolAllocator"](
             size=cfg.pool_tokens,
-            size_swa=cfg.pool_tokens,
+            size_swa=cfg.swa_pool_tokens,
             page_size=cfg.page_size,
             dtype=dtype,
             device="cpu",
@@ -476,7 +511,8 @@ class SGLangEngine:
         before = kv.kv_allocated_len
         new_slots: list[int] | None = []
         if target > before:
-            new_slots = self._alloc(kv, before, target) if self._fits(before, target) else None
+            decode = not admitted_now and computed >= len(state.req.origin_input_ids)
+            new_slots = self._alloc(kv, before, target, decode=decode)
         if new_slots is None:
             if admitted_now:
                 self._rollback_admission(state)
@@ -538,12 +574,6 @@ class SGLangEngine:
         req.kv.mark_kv_released()
         req.reset_for_retract()
 
-    def _fits(self, before: int, target: int) -> bool:
-        """SGLang's admission budget: new pages <= available + evictable, in both pools."""
-        page = self.config.page_size
-        need = (_cdiv(target, page) - _cdiv(before, page)) * page
-        return need <= min(self._obtainable_slots())
-
     def _obtainable_slots(self) -> tuple[int, int]:
         """Slots an allocation could obtain now in the full and the SWA pool: available
         plus evictable (unlocked tree entries)."""
@@ -551,8 +581,17 @@ class SGLangEngine:
         swa = self.allocator.swa_available_size() + self.cache.swa_evictable_size()
         return full, swa
 
-    def _alloc(self, kv: Any, before: int, target: int) -> list[int] | None:
-        """Evict from the tree, then allocate slots ``[before, target)`` of the row."""
+    def _alloc(self, kv: Any, before: int, target: int, decode: bool) -> list[int] | None:
+        """Allocate slots ``[before, target)`` of the row as SGLang's scheduler does (note
+        5); ``None`` when SGLang's own checks refuse.
+
+        ``decode`` (one slot of a request past its prompt): ``check_decode_capacity`` with
+        the page growth, then ``alloc_for_decode``. Otherwise ``alloc_for_extend``: evict
+        ``need`` (bs 1) or ``need + bs`` tokens (SGLang's one-extra-page estimate), then the
+        allocator answers. Example: bs 2, a row of 5 slots, target 6: a decode within page
+        2, growth 0: the check evicts nothing and passes, ``alloc_decode`` hands out the
+        slot after slot 4's.
+        """
         m = self._m
         torch = m["torch"]
         page = self.config.page_size
@@ -563,10 +602,20 @@ class SGLangEngine:
         def t(v: int) -> Any:
             return torch.tensor([v], dtype=torch.int64)
 
-        if page > 1 and before > 0 and need == 1:
-            # one decode slot: SGLang's alloc_for_decode (evict a page, alloc_decode)
+        if decode and need == 1:
+            growth = (_cdiv(target, page) - _cdiv(before, page)) * page
+            if not self.allocator.check_decode_capacity(num_tokens=growth, tree_cache=self.cache):
+                return None
             m["evict_from_tree_cache"](self.cache, page)
-            out = self.allocator.alloc_decode(t(target), t(target), t(last))
+            if page == 1:
+                out = self.allocator.alloc(1)
+            else:
+                out = self.allocator.alloc_decode(t(target), t(target), t(last))
+            if out is None:
+                raise EngineError(
+                    f"sglang adapter: the decode allocation failed after "
+                    f"check_decode_capacity({growth}) passed"
+                )
         elif page == 1:
             m["evict_from_tree_cache"](self.cache, need)
             out = self.allocator.alloc(need)
@@ -636,13 +685,14 @@ class SGLangEngine:
         return min(self._obtainable_slots()) // self.config.page_size
 
     def pool_usage(self) -> tuple[PoolUsage, ...]:
-        """The full and the SWA pool (``ReportsPools``): each ``pool_pages`` pages, free =
-        obtainable slots // page."""
+        """The full pool (``pool_pages`` pages) and the SWA pool (``swa_pool_pages``)
+        (``ReportsPools``); free = obtainable slots // page."""
         cfg = self.config
         full, swa = self._obtainable_slots()
+        swa_pages = cfg.swa_pool_tokens // cfg.page_size
         return (
             PoolUsage("full", (cfg.full_group,), cfg.pool_pages, full // cfg.page_size),
-            PoolUsage("swa", (cfg.swa_group,), cfg.pool_pages, swa // cfg.page_size),
+            PoolUsage("swa", (cfg.swa_group,), swa_pages, swa // cfg.page_size),
         )
 
     # ---------------------------------------------------------------- helpers
