@@ -1,0 +1,141 @@
+"""Hand scenarios for the allocation side of the SGLang adapter (issue 19): SGLang's own
+allocator answers an extend (its ``None`` is the protocol's refusal), a decode goes
+through SGLang's ``check_decode_capacity`` first, and one layout in two draws an SWA pool
+of 4/5 of the full pool's pages (SGLang's ``swa_full_tokens_ratio``).
+
+Expected ids and sizes follow from SGLang's allocators on a fresh pool: pages are handed
+out in ascending order from 1 (page 0 is the padding page). Run with
+``.engines/sglang/bin/python -W ignore -m pytest`` and this file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from properties.core.engine import RequestInput
+from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.specs import FullAttentionSpec, SlidingWindowSpec
+
+pytestmark = pytest.mark.engine
+
+_ROOT = Path(__file__).resolve().parents[3]
+if not (_ROOT / ".engines" / "sglang" / ".kvconform-complete").exists():
+    pytest.skip("SGLang is not installed (.engines/sglang)", allow_module_level=True)
+pytest.importorskip("sglang.srt.mem_cache.unified_radix_cache")
+
+from properties.engines.sglang import SGLangEngine, make_engine, swa_pool_pages  # noqa: E402
+
+
+def layout(
+    page: int, *, window: int = 4, pool_pages: int = 32, max_len: int = 160, caching=True
+) -> KVCacheLayout:
+    return KVCacheLayout(
+        groups=(
+            KVCacheGroup(("full",), FullAttentionSpec(block_size=page)),
+            KVCacheGroup(("swa",), SlidingWindowSpec(block_size=page, sliding_window=window)),
+        ),
+        num_blocks=pool_pages + 1,
+        max_model_len=max_len,
+        enable_caching=caching,
+    )
+
+
+def free_pages(engine: SGLangEngine) -> tuple[int, int]:
+    """(full, SWA) pages the allocator has free now (no tree entry to evict here)."""
+    a, page = engine.allocator, engine.config.page_size
+    return a.full_available_size() // page, a.swa_available_size() // page
+
+
+def admit(engine: SGLangEngine, rid: str, prompt: tuple[int, ...], computed: bool = True):
+    """Admit ``rid`` (no hit) with its whole prompt in one step: the new ids or None."""
+    engine.add_request(RequestInput(rid, prompt))
+    new = engine.allocate_slots(rid, len(prompt))
+    if new is not None and computed:
+        engine.set_num_computed_tokens(rid, len(prompt))
+    return new
+
+
+def test_swa_pool_pages_follow_sglang_ratio_with_a_floor():
+    """An odd ``crc32(layout.describe())`` draws 4/5 of the full pool, never below
+    ``cdiv(max_model_len, bs) + 2`` nor above the full pool; an even one (the last layout
+    here) keeps the full pool's size."""
+    assert swa_pool_pages(layout(1, max_len=16), 1) == 25  # max(32 * 4 // 5, 16 + 2)
+    assert swa_pool_pages(layout(2, window=5, max_len=56), 2) == 30  # max(25, 28 + 2)
+    assert swa_pool_pages(layout(1, max_len=160), 1) == 32  # floor 162 capped at 32
+    assert swa_pool_pages(layout(1, window=5, max_len=16), 1) == 32
+    engine = make_engine(layout(1, max_len=16))
+    assert [(p.name, p.num_blocks, p.num_free) for p in engine.pool_usage()] == [
+        ("full", 32, 32),
+        ("swa", 25, 25),
+    ]
+    assert engine.num_free_blocks() == 25
+
+
+def test_bs1_extend_refused_by_the_full_pool():
+    """bs 1, both pools 32 pages: H holds 30 slots; B's 3 tokens need 3 full slots, 2 are
+    free: SGLang's ``alloc`` returns None (its full-pool check). Nothing is taken, B holds
+    no row; once H is freed B fits."""
+    engine = make_engine(layout(1))
+    assert admit(engine, "H", tuple(range(100, 130))) is not None
+    assert free_pages(engine) == (2, 2)
+    assert admit(engine, "B", (1, 2, 3)) is None
+    assert free_pages(engine) == (2, 2)
+    assert engine.get_block_ids("B") == ((), ())
+    engine.free("H")
+    assert engine.allocate_slots("B", 3) is not None
+
+
+def test_bs1_extend_refused_by_the_smaller_swa_pool_only():
+    """bs 1, full pool 32 pages, SWA pool 25: H1 and H2 hold 12 slots each, leaving 8
+    full slots and 1 SWA slot. B's 2 tokens fit the full pool but not the SWA pool:
+    SGLang's ``alloc`` returns None from its SWA check, taking nothing from either
+    pool."""
+    engine = make_engine(layout(1, max_len=16))
+    assert admit(engine, "H1", tuple(range(100, 112))) is not None
+    # H2 is not computed yet: it publishes nothing, so the tree has nothing to evict
+    assert admit(engine, "H2", tuple(range(200, 212)), computed=False) is not None
+    assert free_pages(engine) == (8, 1)
+    assert admit(engine, "B", (1, 2)) is None
+    assert free_pages(engine) == (8, 1)
+    assert [p.num_free for p in engine.pool_usage()] == [8, 1]
+    assert admit(engine, "C", (3,)) == ((25,), (25,))  # one slot fits both pools
+
+
+def test_bs2_extend_refused_by_alloc_extend():
+    """bs 2, 32 pages: H holds 30 pages (60 tokens); B's 6 tokens need 3 pages, 2 are
+    free: ``alloc_extend``'s page check returns None and nothing is taken."""
+    engine = make_engine(layout(2))
+    assert admit(engine, "H", tuple(range(100, 160))) is not None
+    assert free_pages(engine) == (2, 2)
+    assert admit(engine, "B", tuple(range(6))) is None
+    assert free_pages(engine) == (2, 2)
+    assert admit(engine, "C", tuple(range(4))) == ((31, 32), (31, 32))
+
+
+@pytest.mark.parametrize("page", [1, 2])
+def test_decode_is_gated_by_check_decode_capacity_with_caching_off(page):
+    """Prefix caching off (SGLang's ``disable``: no prefix sharing, so the decode check's
+    eviction returns at once). bs 2: H takes 30 pages, D's 3-token prompt the last 2; D's
+    decode at p = 3 stays in its second page (growth 0: allowed, the slot after slot
+    2's); at p = 4 it needs a page and none is free: ``check_decode_capacity`` says no, the
+    allocation is refused and D's row is unchanged. bs 1: H takes 28 slots, D 3; every
+    decode slot is a page: the last free one (32) goes to p = 3, none is left for p = 4."""
+    engine = make_engine(layout(page, caching=False))
+    assert not engine.cache.supports_prefix_sharing()
+    held = {1: 28, 2: 30}[page] * page
+    assert admit(engine, "H", tuple(range(100, 100 + held))) is not None
+    assert admit(engine, "D", (1, 2, 3)) is not None
+    assert free_pages(engine) == {1: (1, 1), 2: (0, 0)}[page]
+    engine.append_output_tokens("D", [7])
+    new = engine.allocate_slots("D", 1)  # p = 3
+    assert new == {1: ((32,), (32,)), 2: ((), ())}[page]
+    engine.set_num_computed_tokens("D", 4)
+    engine.append_output_tokens("D", [8])
+    full_row = engine.get_block_ids("D")[0]
+    assert engine.allocate_slots("D", 1) is None  # p = 4: no page left in the full pool
+    # nothing taken (the decode-time window slide before the check may free SWA pages)
+    assert engine.get_block_ids("D")[0] == full_row
+    engine.free("H")
+    assert engine.allocate_slots("D", 1) is not None
