@@ -1,7 +1,7 @@
-"""Two realistic bugs in SGLang's cache, placed in branches the ci profile did not reach
-before the SGLang adapter drove decode allocation and the prefix's SWA lock release
-(issue 19): each must be caught by kvconform's checks. Test fixtures, not part of the
-package; they need SGLang (``.engines/sglang``).
+"""Realistic bugs in SGLang's cache, placed in branches the ci profile did not reach
+before the SGLang adapter drove decode allocation, the prefix's SWA lock release and
+the allocator's own refusals (issue 19): each must be caught by kvconform's checks.
+Test fixtures, not part of the package; they need SGLang (``.engines/sglang``).
 
 * ``decode_mapping``: ``SWATokenToKVPoolAllocator.alloc_decode`` maps a new decode slot
   to the SWA slot after the request's last one (``swa_last_loc + 1``) instead of the one
@@ -10,6 +10,10 @@ package; they need SGLang (``.engines/sglang``).
 * ``swa_release_twice``: ``UnifiedRadixCache.release_swa`` forgets to mark the lock's
   SWA part released (``lock.swa_released = True``), so every later decode step releases
   it again and the SWA lock counts of the prefix go down past the request's own lock.
+* ``extend_page_slack``: ``SWATokenToKVPoolAllocator.alloc_extend`` asks both pools for
+  one page more than the extend needs before it allocates, so an extend that exactly
+  fits the pages left is refused (``allocation_fits_per_pool``). Its branch, the
+  allocator's own refusal, was unreached while the adapter pre-checked SGLang's budget.
 
 Each mutation rewrites one line of the method's source at run time and is applied once
 per process, when the factory first builds an engine (:mod:`tests.properties.engines.line_mutants`).
@@ -44,6 +48,13 @@ MUTATIONS = {
         "lock.swa_released = True",
         "pass",
     ),
+    "extend_page_slack": (
+        "sglang.srt.mem_cache.allocator.swa",
+        "SWATokenToKVPoolAllocator",
+        "alloc_extend",
+        "if not self.new_pages_available(num_new_pages, num_new_pages):",
+        "if not self.new_pages_available(num_new_pages + 1, num_new_pages + 1):",
+    ),
 }
 
 
@@ -60,3 +71,4 @@ def _factory(name: str) -> Callable:
 
 make_decode_mapping = _factory("decode_mapping")
 make_swa_release_twice = _factory("swa_release_twice")
+make_extend_page_slack = _factory("extend_page_slack")
