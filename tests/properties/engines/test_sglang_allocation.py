@@ -139,3 +139,32 @@ def test_decode_is_gated_by_check_decode_capacity_with_caching_off(page):
     assert engine.get_block_ids("D")[0] == full_row
     engine.free("H")
     assert engine.allocate_slots("D", 1) is not None
+
+
+def test_extend_page_slack_mutant_refuses_an_exact_fit(monkeypatch):
+    """bs 2, 32 pages: H holds 30, C's 4 tokens need the 2 pages left. SGLang hands out
+    pages 31 and 32; the ``extend_page_slack`` mutant asks ``alloc_extend`` for 3 pages
+    and refuses, and S3 (``allocation_fits_per_pool``) reports it: each pool needed 2 of
+    its 2 free pages."""
+    from properties.checks.invariants import allocation_fits_per_pool
+    from properties.checks.state import CheckState, FailedAllocationEvent
+    from tests.properties.engines.sglang_mutants import mutated
+
+    for mutant in (False, True):
+        with monkeypatch.context() as patch:
+            if mutant:
+                owner, method, function = mutated("extend_page_slack")
+                patch.setattr(owner, method, function)
+            engine = make_engine(layout(2))
+            state = CheckState(engine, layout(2))
+            assert admit(engine, "H", tuple(range(100, 160))) is not None
+            state.invalidate()
+            before = state.snapshot()
+            new = admit(engine, "C", tuple(range(4)), computed=False)
+            if not mutant:
+                assert new == ((31, 32), (31, 32))
+                continue
+            assert new is None
+            event = FailedAllocationEvent("C", None, before, ((), ()), num_slots=4)
+            message = allocation_fits_per_pool(state, event)
+            assert message is not None and "full: 2 of 2 free; swa: 2 of 2 free" in message
