@@ -361,9 +361,10 @@ def test_odd_requests_publish_their_prefix_after_prefill_and_release_the_swa_loc
 
 
 def _check_mutant(name: str) -> str:
-    """``kvconform check --only invariants`` against mutant ``name`` (20 examples, the
-    small tier, in process): its output. Caught at example 13 (``decode_mapping``) and
-    10 (``swa_release_twice``)."""
+    """``kvconform check --only invariants`` against mutant ``name`` (100 examples, the
+    small tier, in process; the run stops at the first failure): its output. Caught at
+    example 53 (``decode_mapping``), 18 (``swa_release_twice``) and 21
+    (``extend_page_slack``)."""
     import os
     import subprocess
     import sys
@@ -372,7 +373,7 @@ def _check_mutant(name: str) -> str:
         sys.executable, "-W", "ignore", "-m", "properties.tools.cli", "check",
         "--engine", f"tests.properties.engines.sglang_mutants:make_{name}",
         "--isolation", "none", "--level", "universal", "--profile", "ci",
-        "--only", "invariants", "--max-examples", "20", "--tiers", "none",
+        "--only", "invariants", "--max-examples", "100", "--tiers", "none",
         "--workers", "1", "--shrink-seconds", "5",
     ]  # fmt: skip
     # torch's own thread count: the forked run worker settles it (properties.core.forked)
@@ -391,3 +392,9 @@ def test_the_gate_catches_the_swa_released_twice_mutant():
     """The second release drops the SWA lock count of the prefix below zero: SGLang's
     own lock-count assertion fails, an engine error."""
     assert "first failure [EngineError]" in _check_mutant("swa_release_twice")
+
+
+def test_the_gate_catches_the_extend_page_slack_mutant():
+    """An extend that exactly fits the pages left is refused: allocation_fits_per_pool
+    (the refusal branch of ``alloc_extend`` is reached since SGLang's allocator answers)."""
+    assert "first failure [allocation_fits_per_pool]" in _check_mutant("extend_page_slack")
