@@ -168,3 +168,29 @@ def test_extend_page_slack_mutant_refuses_an_exact_fit(monkeypatch):
             event = FailedAllocationEvent("C", None, before, ((), ()), num_slots=4)
             message = allocation_fits_per_pool(state, event)
             assert message is not None and "full: 2 of 2 free; swa: 2 of 2 free" in message
+
+
+def test_ungated_alloc_decode_refusal_leaks_a_full_page():
+    """Why decodes go through ``check_decode_capacity`` first, as in SGLang's scheduler
+    (``check_decode_mem`` before ``alloc_for_decode``): SGLang 0.5.23's ``alloc_decode``
+    takes the full pool's page before it asks the SWA pool, and returns None without
+    giving it back. bs 2, full pool 32 pages, SWA pool 25 (window 4, max_model_len 44):
+    49 tokens fill the SWA pool but half a page; slot 49 stays in that page; slot 50 needs
+    a page in both pools: the SWA pool has none, None, and the full pool is one page (2
+    slots) short with nothing holding it. Behind the gate the adapter never reaches this
+    refusal (SGLang's own flow does not either)."""
+    import torch
+
+    engine = make_engine(layout(2, max_len=44))
+    assert engine.config.swa_pool_pages == 25
+    allocator = engine.allocator
+
+    def t(v: int):
+        return torch.tensor([v], dtype=torch.int64)
+
+    out = allocator.alloc_extend(t(0), t(0), t(49), t(49), t(-1), 49)
+    assert (allocator.full_available_size(), allocator.swa_available_size()) == (14, 0)
+    last = allocator.alloc_decode(t(50), t(50), t(int(out[-1])))
+    assert last is not None and int(last) == int(out[-1]) + 1
+    assert allocator.alloc_decode(t(51), t(51), t(int(last))) is None
+    assert (allocator.full_available_size(), allocator.swa_available_size()) == (12, 0)
