@@ -171,8 +171,8 @@ def swa_pool_pages(layout: KVCacheLayout, page: int) -> int:
 def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
     """Check ``layout`` is in scope and derive the SGLang configuration.
 
-    Example: full(bs=2) + SWA(bs=2, w=4), num_blocks=17 -> page 2, window 3,
-    16 pages (32 slots) per pool.
+    Example: full(bs=2) + SWA(bs=2, w=4), num_blocks=17 -> page 2, window 3, 16 pages
+    (32 slots) in the full pool and :func:`swa_pool_pages` pages in the SWA pool.
     """
     if tree_core not in ("python", "rust"):
         raise EngineError(
@@ -690,10 +690,9 @@ class SGLangEngine:
         (``ReportsPools``); free = obtainable slots // page."""
         cfg = self.config
         full, swa = self._obtainable_slots()
-        swa_pages = cfg.swa_pool_tokens // cfg.page_size
         return (
             PoolUsage("full", (cfg.full_group,), cfg.pool_pages, full // cfg.page_size),
-            PoolUsage("swa", (cfg.swa_group,), swa_pages, swa // cfg.page_size),
+            PoolUsage("swa", (cfg.swa_group,), cfg.swa_pool_pages, swa // cfg.page_size),
         )
 
     # ---------------------------------------------------------------- helpers
