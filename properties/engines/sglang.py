@@ -6,9 +6,8 @@ else raises :class:`EngineError` naming the layout. Two factories pick the tree 
 ``make_engine`` (``python``) and ``make_engine_rust`` (the bundled ``rust`` core).
 
 Objects built per engine (all SGLang's own): ``SWAKVPool`` (a full pool of
-``(num_blocks - 1) * bs`` token slots and an SWA pool of the same size or smaller, as
-SGLang's ``swa_full_tokens_ratio`` makes it: :func:`swa_pool_pages`),
-``SWATokenToKVPoolAllocator``,
+``(num_blocks - 1) * bs`` token slots and an SWA pool of the same size, or, in one layout
+of two, of 4/5 of its pages: :func:`swa_pool_pages`), ``SWATokenToKVPoolAllocator``,
 ``ReqToTokenPool`` (one row per request, ``max_model_len + LOOKAHEAD_MARGIN`` wide),
 ``UnifiedRadixCache`` with ``tree_components=(FULL, SWA)``, and one real SGLang ``Req``
 per request (its ``ReqKvInfo`` carries the row, protected length and SWA cursor).
@@ -144,26 +143,26 @@ class SGLangConfig:
         return self.swa_pool_pages * self.page_size
 
 
-#: SGLang's ``swa_full_tokens_ratio`` (SWA pool / full pool, in ``(0, 1]``), one per
-#: layout by ``crc32(layout.describe()) % 3``: equal pools, SGLang's 4/5, and ``0``: the
-#: least SWA pool one request fits in (the floor of :func:`swa_pool_pages`).
-SWA_POOL_RATIOS = ((1, 1), (4, 5), (0, 1))
+#: SGLang's ``swa_full_tokens_ratio`` (SWA pool / full pool, in ``(0, 1]``) of the layouts
+#: that draw a smaller SWA pool.
+SMALL_SWA_RATIO = (4, 5)
 
 
 def swa_pool_pages(layout: KVCacheLayout, page: int) -> int:
-    """Pages of the SWA pool for ``layout``: ``full * ratio`` for the full pool's ``full =
-    num_blocks - 1`` pages and the layout's ratio (:data:`SWA_POOL_RATIOS`, picked by a
-    function of the layout so a replay builds the same pools), never below
-    ``cdiv(max_model_len, bs) + 2`` pages (the least the layout strategy gives the full
-    pool) nor above the full pool. SGLang sizes its SWA pool below the full one by
-    default; a smaller one makes the SWA pool the one that runs short, so SGLang evicts
-    SWA KV alone (tombstones) and its allocator refuses for the SWA pool.
+    """Pages of the SWA pool for ``layout``: the full pool's ``num_blocks - 1``, or, in one
+    layout of two (``crc32(layout.describe())`` odd, a function of the layout so a replay
+    builds the same pools), SGLang's ``swa_full_tokens_ratio`` of 4/5 of them, never
+    below ``cdiv(max_model_len, bs) + 2`` pages (the least the layout strategy gives the
+    full pool), nor above the full pool. A smaller SWA pool
+    is how SGLang sizes it by default; it makes the SWA pool the one that runs short.
 
-    Example: 40 blocks, bs 2, max_model_len 32: ratio 4/5 gives ``max(39 * 4 // 5,
-    cdiv(32, 2) + 2) = max(31, 18) = 31`` pages (of 39); ratio 0 gives 18.
+    Example: 40 blocks, bs 2, max_model_len 32, an odd crc: ``max(32 * 4 // 5,
+    cdiv(32, 2) + 2) = max(31, 18) = 31`` pages (of 39).
     """
     full = layout.num_blocks - 1
-    num, den = SWA_POOL_RATIOS[zlib.crc32(layout.describe().encode()) % len(SWA_POOL_RATIOS)]
+    if zlib.crc32(layout.describe().encode()) % 2 == 0:
+        return full
+    num, den = SMALL_SWA_RATIO
     least = _cdiv(layout.max_model_len, page) + 2
     return min(full, max(full * num // den, least))
 

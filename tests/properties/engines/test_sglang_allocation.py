@@ -1,7 +1,7 @@
 """Hand scenarios for the allocation side of the SGLang adapter (issue 19): SGLang's own
 allocator answers an extend (its ``None`` is the protocol's refusal), a decode goes
-through SGLang's ``check_decode_capacity`` first, and layouts draw an SWA pool smaller
-than the full pool (SGLang's ``swa_full_tokens_ratio``).
+through SGLang's ``check_decode_capacity`` first, and one layout in two draws an SWA pool
+of 4/5 of the full pool's pages (SGLang's ``swa_full_tokens_ratio``).
 
 Expected ids and sizes follow from SGLang's allocators on a fresh pool: pages are handed
 out in ascending order from 1 (page 0 is the padding page). Run with
@@ -58,15 +58,14 @@ def admit(engine: SGLangEngine, rid: str, prompt: tuple[int, ...], computed: boo
 
 
 def test_swa_pool_pages_follow_sglang_ratio_with_a_floor():
-    """``crc32(layout.describe()) % 3`` picks the ratio (computed by hand for these
-    layouts): 1 -> 4/5 of the full pool, 2 -> the floor ``cdiv(max_model_len, bs) + 2``,
-    0 -> the full pool's size; never below the floor nor above the full pool."""
-    assert swa_pool_pages(layout(1, window=5, max_len=16), 1) == 25  # 4/5: max(25, 18)
-    assert swa_pool_pages(layout(2, window=4, max_len=56), 2) == 30  # 4/5: max(25, 28 + 2)
-    assert swa_pool_pages(layout(1, window=6, max_len=16), 1) == 18  # floor: 16 + 2
-    assert swa_pool_pages(layout(1, window=4, max_len=16), 1) == 32  # equal pools
-    assert swa_pool_pages(layout(1, window=4, max_len=160), 1) == 32  # floor 162 > 32
-    engine = make_engine(layout(1, window=5, max_len=16))
+    """An odd ``crc32(layout.describe())`` draws 4/5 of the full pool, never below
+    ``cdiv(max_model_len, bs) + 2`` nor above the full pool; an even one (the last layout
+    here) keeps the full pool's size."""
+    assert swa_pool_pages(layout(1, max_len=16), 1) == 25  # max(32 * 4 // 5, 16 + 2)
+    assert swa_pool_pages(layout(2, window=5, max_len=56), 2) == 30  # max(25, 28 + 2)
+    assert swa_pool_pages(layout(1, max_len=160), 1) == 32  # floor 162 capped at 32
+    assert swa_pool_pages(layout(1, window=5, max_len=16), 1) == 32
+    engine = make_engine(layout(1, max_len=16))
     assert [(p.name, p.num_blocks, p.num_free) for p in engine.pool_usage()] == [
         ("full", 32, 32),
         ("swa", 25, 25),
@@ -93,7 +92,7 @@ def test_bs1_extend_refused_by_the_smaller_swa_pool_only():
     full slots and 1 SWA slot. B's 2 tokens fit the full pool but not the SWA pool:
     SGLang's ``alloc`` returns None from its SWA check, taking nothing from either
     pool."""
-    engine = make_engine(layout(1, window=5, max_len=16))
+    engine = make_engine(layout(1, max_len=16))
     assert admit(engine, "H1", tuple(range(100, 112))) is not None
     # H2 is not computed yet: it publishes nothing, so the tree has nothing to evict
     assert admit(engine, "H2", tuple(range(200, 212)), computed=False) is not None
@@ -175,23 +174,23 @@ def test_ungated_alloc_decode_refusal_leaks_a_full_page():
     """Why decodes go through ``check_decode_capacity`` first, as in SGLang's scheduler
     (``check_decode_mem`` before ``alloc_for_decode``): SGLang 0.5.23's ``alloc_decode``
     takes the full pool's page before it asks the SWA pool, and returns None without
-    giving it back. bs 2, full pool 32 pages, SWA pool 18 (window 4, max_model_len 32:
-    the floor ratio): 35 tokens fill the SWA pool but half a page; slot 35 stays in that
-    page; slot 36 needs a page in both pools: the SWA pool has none, None, and the full
-    pool is one page (2 slots) short with nothing holding it. Behind the gate the adapter
-    never reaches this refusal (SGLang's own flow does not either)."""
+    giving it back. bs 2, full pool 32 pages, SWA pool 25 (window 4, max_model_len 44):
+    49 tokens fill the SWA pool but half a page; slot 49 stays in that page; slot 50 needs
+    a page in both pools: the SWA pool has none, None, and the full pool is one page (2
+    slots) short with nothing holding it. Behind the gate the adapter never reaches this
+    refusal (SGLang's own flow does not either)."""
     import torch
 
-    engine = make_engine(layout(2, max_len=32))
-    assert engine.config.swa_pool_pages == 18
+    engine = make_engine(layout(2, max_len=44))
+    assert engine.config.swa_pool_pages == 25
     allocator = engine.allocator
 
     def t(v: int):
         return torch.tensor([v], dtype=torch.int64)
 
-    out = allocator.alloc_extend(t(0), t(0), t(35), t(35), t(-1), 35)
-    assert (allocator.full_available_size(), allocator.swa_available_size()) == (28, 0)
-    last = allocator.alloc_decode(t(36), t(36), t(int(out[-1])))
+    out = allocator.alloc_extend(t(0), t(0), t(49), t(49), t(-1), 49)
+    assert (allocator.full_available_size(), allocator.swa_available_size()) == (14, 0)
+    last = allocator.alloc_decode(t(50), t(50), t(int(out[-1])))
     assert last is not None and int(last) == int(out[-1]) + 1
-    assert allocator.alloc_decode(t(37), t(37), t(int(last))) is None
-    assert (allocator.full_available_size(), allocator.swa_available_size()) == (26, 0)
+    assert allocator.alloc_decode(t(51), t(51), t(int(last))) is None
+    assert (allocator.full_available_size(), allocator.swa_available_size()) == (12, 0)
