@@ -153,10 +153,11 @@ def swa_pool_pages(layout: KVCacheLayout, page: int) -> int:
     layout of two (``crc32(layout.describe())`` odd, a function of the layout so a replay
     builds the same pools), SGLang's ``swa_full_tokens_ratio`` of 4/5 of them, never
     below ``cdiv(max_model_len, bs) + 2`` pages (the least the layout strategy gives the
-    full pool), nor above the full pool. A smaller SWA pool
-    is how SGLang sizes it by default; it makes the SWA pool the one that runs short.
+    full pool), nor above the full pool. SGLang sizes its SWA pool below the full one by
+    default; a smaller one makes the SWA pool the one that runs short, so SGLang evicts
+    SWA KV alone (tombstones) and its allocator refuses for the SWA pool.
 
-    Example: 40 blocks, bs 2, max_model_len 32, an odd crc: ``max(32 * 4 // 5,
+    Example: 40 blocks, bs 2, max_model_len 32, an odd crc: ``max(39 * 4 // 5,
     cdiv(32, 2) + 2) = max(31, 18) = 31`` pages (of 39).
     """
     full = layout.num_blocks - 1
