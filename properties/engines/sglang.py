@@ -44,16 +44,18 @@ How each difference from vLLM is bridged
    matched, as SGLang's ``match_kv_cache`` does: a one-token prompt (key limit 0) and
    a tree with prefix caching off (``disable``) answer no hit.
 5. **Allocation.** ``allocate_slots`` grows the request's row to
-   ``computed + hit + new + lookahead`` tokens: it first lets the tree evict
-   (``evict_from_tree_cache``), then calls ``alloc`` (bs 1) or ``alloc_extend``
-   (bs > 1), which take a full *and* an SWA slot per token; one decode slot of a running
-   request at bs > 1 comes from ``alloc_decode`` after evicting one page, as SGLang's
-   ``alloc_for_decode`` does. Before that, the budget
-   check of SGLang's ``PrefillAdder`` (new pages <= available + evictable, per pool,
-   with the hit already locked) returns ``None`` without touching anything; when the
-   allocator still fails after evicting, ``None`` too, and tree entries evicted while
-   trying stay evicted. Either way the hit lock, the row and the request state are
-   rolled back.
+   ``computed + hit + new + lookahead`` tokens (:meth:`SGLangEngine._alloc`). An extend
+   (an admission, or a prefill chunk of a running request) is SGLang's
+   ``alloc_for_extend``: the tree evicts (``evict_from_tree_cache``), then ``alloc``
+   (bs 1) or ``alloc_extend`` (bs > 1) take a full *and* an SWA slot per token, and
+   SGLang's allocator alone decides: its ``None`` (a pool short of pages even after
+   evicting) is the protocol's refusal, where SGLang's ``alloc_token_slots`` would raise.
+   One decode slot of a request that has computed its prompt is SGLang's decode step:
+   ``check_decode_capacity`` first (``ScheduleBatch.check_decode_mem``: evict, then the
+   page growth must fit both pools; ``False``, where SGLang retracts, is the refusal),
+   then ``alloc_for_decode`` (evict one page, ``alloc_decode`` at bs > 1, ``alloc`` at
+   bs 1). Tree entries evicted before a refusal stay evicted; the hit lock, the row and
+   the request state are rolled back.
    There is no ``num_tokens - 1`` cap on slots; rows are capped at ``max_model_len``.
 6. **Out-of-window SWA KV of a running request** is freed by SGLang at decode steps
    (``evict_sliding_windows`` -> ``free_swa_out_of_window_slots``): it keeps
@@ -175,8 +177,8 @@ def swa_pool_pages(pool_pages: int, ratio: float, page: int, max_model_len: int)
 def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
     """Check ``layout`` is in scope and derive the SGLang configuration.
 
-    Example: full(bs=2) + SWA(bs=2, w=4), num_blocks=17 -> page 2, window 3,
-    16 pages (32 slots) per pool.
+    Example: full(bs=2) + SWA(bs=2, w=4), num_blocks=17 -> page 2, window 3, 16 pages
+    (32 slots) in the full pool and :func:`swa_pool_pages` pages in the SWA pool.
     """
     if tree_core not in ("python", "rust"):
         raise EngineError(
@@ -524,7 +526,8 @@ class SGLangEngine:
         before = kv.kv_allocated_len
         new_slots: list[int] | None = []
         if target > before:
-            new_slots = self._alloc(kv, before, target) if self._fits(before, target) else None
+            decode = not admitted_now and computed >= len(state.req.origin_input_ids)
+            new_slots = self._alloc(kv, before, target, decode=decode)
         if new_slots is None:
             if admitted_now:
                 self._rollback_admission(state)
@@ -592,12 +595,6 @@ class SGLangEngine:
         req.kv.mark_kv_released()
         req.reset_for_retract()
 
-    def _fits(self, before: int, target: int) -> bool:
-        """SGLang's admission budget: new pages <= available + evictable, in both pools."""
-        page = self.config.page_size
-        need = (_cdiv(target, page) - _cdiv(before, page)) * page
-        return need <= min(self._obtainable_slots())
-
     def _obtainable_slots(self) -> tuple[int, int]:
         """Slots an allocation could obtain now in the full and the SWA pool: available
         plus evictable (unlocked tree entries)."""
@@ -605,8 +602,17 @@ class SGLangEngine:
         swa = self.allocator.swa_available_size() + self.cache.swa_evictable_size()
         return full, swa
 
-    def _alloc(self, kv: Any, before: int, target: int) -> list[int] | None:
-        """Evict from the tree, then allocate slots ``[before, target)`` of the row."""
+    def _alloc(self, kv: Any, before: int, target: int, decode: bool) -> list[int] | None:
+        """Allocate slots ``[before, target)`` of the row as SGLang's scheduler does (note
+        5); ``None`` when SGLang's own checks refuse.
+
+        ``decode`` (one slot of a request past its prompt): ``check_decode_capacity`` with
+        the page growth, then ``alloc_for_decode``. Otherwise ``alloc_for_extend``: evict
+        ``need`` (bs 1) or ``need + bs`` tokens (SGLang's one-extra-page estimate), then the
+        allocator answers. Example: bs 2, a row of 5 slots, target 6: a decode within page
+        2, growth 0: the check evicts nothing and passes, ``alloc_decode`` hands out the
+        slot after slot 4's.
+        """
         m = self._m
         torch = m["torch"]
         page = self.config.page_size
@@ -617,10 +623,20 @@ class SGLangEngine:
         def t(v: int) -> Any:
             return torch.tensor([v], dtype=torch.int64)
 
-        if page > 1 and before > 0 and need == 1:
-            # one decode slot: SGLang's alloc_for_decode (evict a page, alloc_decode)
+        if decode and need == 1:
+            growth = (_cdiv(target, page) - _cdiv(before, page)) * page
+            if not self.allocator.check_decode_capacity(num_tokens=growth, tree_cache=self.cache):
+                return None
             m["evict_from_tree_cache"](self.cache, page)
-            out = self.allocator.alloc_decode(t(target), t(target), t(last))
+            if page == 1:
+                out = self.allocator.alloc(1)
+            else:
+                out = self.allocator.alloc_decode(t(target), t(target), t(last))
+            if out is None:
+                raise EngineError(
+                    f"sglang adapter: the decode allocation failed after "
+                    f"check_decode_capacity({growth}) passed"
+                )
         elif page == 1:
             m["evict_from_tree_cache"](self.cache, need)
             out = self.allocator.alloc(need)

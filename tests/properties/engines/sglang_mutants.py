@@ -1,7 +1,7 @@
-"""Two realistic bugs in SGLang's cache, placed in branches the ci profile did not reach
-before the SGLang adapter drove decode allocation and the prefix's SWA lock release
-(issue 19): each must be caught by kvconform's checks. Test fixtures, not part of the
-package; they need SGLang (``.engines/sglang``).
+"""Realistic bugs in SGLang's cache, placed in branches the ci profile did not reach
+before the SGLang adapter drove decode allocation, the prefix's SWA lock release and
+the allocator's own refusals (issue 19): each must be caught by kvconform's checks.
+Test fixtures, not part of the package; they need SGLang (``.engines/sglang``).
 
 * ``decode_mapping``: ``SWATokenToKVPoolAllocator.alloc_decode`` maps a new decode slot
   to the SWA slot after the request's last one (``swa_last_loc + 1``) instead of the one
@@ -15,6 +15,10 @@ package; they need SGLang (``.engines/sglang``).
   ``return x.id``), so an allocation that the SWA pool's free and evictable pages cover
   fails. Reached only once the SWA pool can be the smaller one (the adapter's
   ``swa_full_tokens_ratio``): with equal pools the full walk always frees enough.
+* ``extend_page_slack``: ``SWATokenToKVPoolAllocator.alloc_extend`` asks both pools for
+  one page more than the extend needs before it allocates, so an extend that exactly
+  fits the pages left is refused (``allocation_fits_per_pool``). Its branch, the
+  allocator's own refusal, was unreached while the adapter pre-checked SGLang's budget.
 
 Each mutation rewrites one line of the method's source at run time and is applied once
 per process, when the factory first builds an engine (:mod:`tests.properties.engines.line_mutants`).
@@ -56,6 +60,13 @@ MUTATIONS = {
         "return x.id",
         "return None",
     ),
+    "extend_page_slack": (
+        "sglang.srt.mem_cache.allocator.swa",
+        "SWATokenToKVPoolAllocator",
+        "alloc_extend",
+        "if not self.new_pages_available(num_new_pages, num_new_pages):",
+        "if not self.new_pages_available(num_new_pages + 1, num_new_pages + 1):",
+    ),
 }
 
 
@@ -73,3 +84,4 @@ def _factory(name: str) -> Callable:
 make_decode_mapping = _factory("decode_mapping")
 make_swa_release_twice = _factory("swa_release_twice")
 make_swa_leaf_kept = _factory("swa_leaf_kept")
+make_extend_page_slack = _factory("extend_page_slack")
