@@ -203,6 +203,22 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.cached: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
         self.duplicates: list[dict[bytes, list[int]]] = [{} for _ in range(num_groups)]
+        #: scratch of :meth:`has_repeats` (one slot per block, allocated on first use)
+        self._mark: np.ndarray | None = None
+
+    def has_repeats(self, ids: np.ndarray) -> bool:
+        """Does some block id occur twice in ``ids``? A mark array over the pool instead of a
+        sort: position ``k`` is written into ``mark[ids[k]]``; an id occurring twice keeps
+        only one of its positions, so some occurrence reads another position back (whichever
+        write numpy keeps). O(len(ids)). Example: ``[4, 7, 4]`` -> True; ``[4, 7]`` -> False.
+        """
+        if ids.size < 2:
+            return False
+        if self._mark is None:
+            self._mark = np.zeros(self.num_blocks, dtype=np.int32)
+        position = np.arange(ids.size, dtype=np.int32)
+        self._mark[ids] = position
+        return bool((self._mark[ids] != position).any())
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -338,30 +354,44 @@ class BlockPool:
         calls: hashed blocks reaching 0 go to the back in list order; unhashed ones go to the
         front list by list, so a later list's blocks end up before an earlier list's.
         Example: lists ``[a1, a2]``, ``[b1]``, all unhashed -> queue ``[b1, a1, a2, ...]``.
+
+        About a dozen numpy calls whatever the number of lists: the list of each block is
+        only worked out when unhashed blocks of several lists reach 0 (then the front is
+        laid out list by list, last list first).
         """
         lengths = [len(ids) for ids in lists]
         if sum(lengths) <= SMALL_FREE or len(lists) == 1:
             for ids in lists:
                 self.free_blocks(ids)
             return
-        ids = np.concatenate(lists).astype(np.int64, copy=False)
-        which = np.repeat(np.arange(len(lists)), lengths)
+        ids = np.concatenate(lists)
         real = ids != NULL_BLOCK_ID
-        ids, which = ids[real], which[real]
+        if not real.all():
+            ids = ids[real]
+            kept = np.concatenate(([0], np.cumsum(real)))[np.cumsum(lengths)]
+            lengths = np.diff(kept, prepend=0).tolist()
         if ids.size == 0:
             return
         after = self._drop_references(ids)
         zero = after == 0
-        ids, which = ids[zero], which[zero]
-        if ids.size == 0:
-            return
-        hashed = self.block_group[ids] >= 0
-        front, front_list = ids[~hashed], which[~hashed]
-        if front.size:
-            # later lists first, each keeping its own order (a stable sort on -list index)
-            self.free_block_queue.prepend_n(front[np.argsort(-front_list, kind="stable")])
-        if hashed.any():
-            self.free_block_queue.append_n(ids[hashed])
+        unhashed = self.block_group[ids] < 0
+        front = zero & unhashed
+        queue = self.free_block_queue
+        if front.any():
+            front_ids = ids[front]
+            # the list of each front block; one list: already in queue order
+            ends = np.cumsum(lengths)
+            first, last = np.flatnonzero(front)[[0, -1]]
+            if np.searchsorted(ends, first, side="right") == np.searchsorted(
+                ends, last, side="right"
+            ):
+                queue.prepend_n(front_ids)
+            else:
+                which = np.repeat(np.arange(len(lengths)), lengths)[front]
+                queue.prepend_n(front_ids[np.argsort(-which, kind="stable")])
+        back = zero & ~unhashed
+        if back.any():
+            queue.append_n(ids[back])
 
     def _free_few(self, ordered_blocks: Sequence[int]) -> None:
         """:meth:`free_blocks` for a few blocks (a decode step's): scalar steps, same order."""
