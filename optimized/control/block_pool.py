@@ -372,26 +372,43 @@ class BlockPool:
             lengths = np.diff(kept, prepend=0).tolist()
         if ids.size == 0:
             return
-        after = self._drop_references(ids)
-        zero = after == 0
+        ref = self.ref_cnt
+        after = ref[ids] - 1
+        ref[ids] = after
+        if after.min() < 0:
+            raise KVConformError(f"block {int(ids[after < 0][0])} freed more often than allocated")
         unhashed = self.block_group[ids] < 0
-        front = zero & unhashed
         queue = self.free_block_queue
+        if after.any():  # some block stays held (shared): only those reaching 0 move
+            zero = after == 0
+            front, back = zero & unhashed, zero & ~unhashed
+        elif not unhashed.any():  # all hashed, all free: to the back in list order
+            queue.append_n(ids)
+            return
+        else:
+            front, back = unhashed, ~unhashed
         if front.any():
-            front_ids = ids[front]
-            # the list of each front block; one list: already in queue order
-            ends = np.cumsum(lengths)
-            first, last = np.flatnonzero(front)[[0, -1]]
-            if np.searchsorted(ends, first, side="right") == np.searchsorted(
-                ends, last, side="right"
-            ):
-                queue.prepend_n(front_ids)
-            else:
-                which = np.repeat(np.arange(len(lengths)), lengths)[front]
-                queue.prepend_n(front_ids[np.argsort(-which, kind="stable")])
-        back = zero & ~unhashed
+            self._prepend_lists(ids, front, lengths)
         if back.any():
             queue.append_n(ids[back])
+
+    def _prepend_lists(self, ids: np.ndarray, front: np.ndarray, lengths: Sequence[int]) -> None:
+        """Prepend ``ids[front]`` as successive ``free_blocks`` calls over lists of
+        ``lengths`` would: the last list's blocks first, each list keeping its order.
+        Example: lists ``[a1, a2]``, ``[b1]`` all in front -> ``[b1, a1, a2]``."""
+        front_ids = ids[front]
+        where = np.flatnonzero(front)
+        first, last = where.item(0), where.item(where.size - 1)
+        end = 0
+        for n in lengths:  # one list holds them all: already in queue order
+            end += n
+            if first < end:
+                break
+        if last < end:
+            self.free_block_queue.prepend_n(front_ids)
+            return
+        which = np.repeat(np.arange(len(lengths)), lengths)[front]
+        self.free_block_queue.prepend_n(front_ids[np.argsort(-which, kind="stable")])
 
     def _free_few(self, ordered_blocks: Sequence[int]) -> None:
         """:meth:`free_blocks` for a few blocks (a decode step's): scalar steps, same order."""
