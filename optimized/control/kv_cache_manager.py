@@ -372,14 +372,16 @@ class KVCacheManager(ManagerBookkeeping):
             requests, n_new, n_hit, hit_blocks, n_ahead = zip(*items)
         rids = list(map(_REQUEST_ID, requests))
         computed, num_tokens, num_prompt = (
-            np.fromiter(map(getter, requests), dtype=np.int64, count=n)
-            for getter in _REQUEST_INTS
+            np.fromiter(map(getter, requests), dtype=np.int64, count=n) for getter in _REQUEST_INTS
         )
         num_hashes = np.fromiter(map(len, map(_REQUEST_HASHES, requests)), np.int64, count=n)
         new = np.fromiter(n_new, dtype=np.int64, count=n)
         ahead = np.fromiter(n_ahead, dtype=np.int64, count=n)
         flagged = (
-            (new < 1) | (ahead < 0) | (computed + new > num_tokens) | (num_tokens > self.max_model_len)
+            (new < 1)
+            | (ahead < 0)
+            | (computed + new > num_tokens)
+            | (num_tokens > self.max_model_len)
         )
         # statuses compared by identity (a set of enum members would hash each in Python)
         statuses = list(map(_REQUEST_STATUS, requests))
