@@ -365,13 +365,13 @@ class BlockPool:
                 self.free_blocks(ids)
             return
         ids = np.concatenate(lists)
-        real = ids != NULL_BLOCK_ID
-        if not real.all():
+        if np.count_nonzero(ids) != ids.size:  # nulls (a Mamba row's gaps) are skipped
+            real = ids != NULL_BLOCK_ID
             ids = ids[real]
             kept = np.concatenate(([0], np.cumsum(real)))[np.cumsum(lengths)]
             lengths = np.diff(kept, prepend=0).tolist()
-        if ids.size == 0:
-            return
+            if ids.size == 0:
+                return
         ref = self.ref_cnt
         after = ref[ids] - 1
         ref[ids] = after
@@ -379,36 +379,37 @@ class BlockPool:
             raise KVConformError(f"block {int(ids[after < 0][0])} freed more often than allocated")
         unhashed = self.block_group[ids] < 0
         queue = self.free_block_queue
-        if after.any():  # some block stays held (shared): only those reaching 0 move
+        if np.count_nonzero(after):  # some block stays held (shared): only those at 0 move
             zero = after == 0
             front, back = zero & unhashed, zero & ~unhashed
-        elif not unhashed.any():  # all hashed, all free: to the back in list order
-            queue.append_n(ids)
-            return
         else:
+            num_unhashed = np.count_nonzero(unhashed)
+            if num_unhashed == 0:  # all hashed, all free: to the back in list order
+                queue.append_n(ids)
+                return
             front, back = unhashed, ~unhashed
-        if front.any():
+            if num_unhashed == ids.size:
+                back = None
+        if np.count_nonzero(front):
             self._prepend_lists(ids, front, lengths)
-        if back.any():
+        if back is not None and np.count_nonzero(back):
             queue.append_n(ids[back])
 
     def _prepend_lists(self, ids: np.ndarray, front: np.ndarray, lengths: Sequence[int]) -> None:
         """Prepend ``ids[front]`` as successive ``free_blocks`` calls over lists of
         ``lengths`` would: the last list's blocks first, each list keeping its order.
         Example: lists ``[a1, a2]``, ``[b1]`` all in front -> ``[b1, a1, a2]``."""
-        front_ids = ids[front]
-        where = np.flatnonzero(front)
-        first, last = where.item(0), where.item(where.size - 1)
-        end = 0
-        for n in lengths:  # one list holds them all: already in queue order
-            end += n
-            if first < end:
-                break
-        if last < end:
-            self.free_block_queue.prepend_n(front_ids)
+        if len(lengths) > 3:
+            which = np.repeat(np.arange(len(lengths)), lengths)[front]
+            self.free_block_queue.prepend_n(ids[front][np.argsort(-which, kind="stable")])
             return
-        which = np.repeat(np.arange(len(lengths)), lengths)[front]
-        self.free_block_queue.prepend_n(front_ids[np.argsort(-which, kind="stable")])
+        pieces = []
+        end = len(ids)
+        for n in reversed(lengths):  # one slice per list, last list first
+            start = end - n
+            pieces.append(ids[start:end][front[start:end]])
+            end = start
+        self.free_block_queue.prepend_n(np.concatenate(pieces))
 
     def _free_few(self, ordered_blocks: Sequence[int]) -> None:
         """:meth:`free_blocks` for a few blocks (a decode step's): scalar steps, same order."""
