@@ -264,8 +264,15 @@ def apply_decode_item(
         for g in groups:
             new_blocks[g] = managers[g].allocate_new_blocks(row, slots, main)
     if manager.enable_caching:
+        # only groups where ``cache_blocks`` registers something (``cacheable_full_blocks``
+        # past the cached count), or whose block size differs from the hash block size
+        h = request.hash_block_size
+        limit = min(cache_tokens, len(request.block_hashes) * h)
         for g in groups:
-            managers[g].cache_blocks(request, row, cache_tokens)
+            mg = managers[g]
+            bs = mg.block_size
+            if bs != h or limit // bs > mg.num_cached_block.item(row):
+                mg.cache_blocks(request, row, cache_tokens)
     manager._known.add(request.request_id)
     if request.status is not RequestStatus.FINISHED:
         request.status = RequestStatus.RUNNING

@@ -324,12 +324,11 @@ class KVCacheManager(ManagerBookkeeping):
                         int(cache_tokens[k]),
                         np.flatnonzero(flags[:, k]).tolist(),
                     )
-        results: list[list[list[int]] | None] = []
-        for i in range(n):
-            if idle[i]:
-                self._settle_idle(requests[i])
-                results.append(self.no_new_blocks)
-                continue
+        # working items in order (each allocate_slots' effect is its own; an idle item's
+        # settling touches only its request), the idle ones before the first None together
+        results: list[list[list[int]] | None] = [self.no_new_blocks] * n
+        stop = n
+        for i in np.flatnonzero(~idle).tolist():
             item = items[i]
             args = single.get(i)
             if args is not None:
@@ -342,10 +341,14 @@ class KVCacheManager(ManagerBookkeeping):
                     item.new_computed_blocks,
                     item.num_lookahead_tokens,
                 )
-            results.append(new_blocks)
+            results[i] = new_blocks
             if new_blocks is None:
+                stop = i + 1
                 break
-        return results
+        settled = np.flatnonzero(idle[:stop]).tolist()
+        if settled:
+            self._settle_idle_all([requests[i] for i in settled])
+        return results if stop == n else results[:stop]
 
     def _gather(self, items: Sequence[StepItem]):
         """Validate every item (``_validate``'s rules) and gather, for the items with no hit
@@ -426,14 +429,9 @@ class KVCacheManager(ManagerBookkeeping):
                 )
             seen.add(rid)
 
-    def _settle_idle(self, request: Request) -> None:
-        """What ``allocate_slots`` does to an item with nothing to free, allocate or cache."""
-        self._known.add(request.request_id)
-        if request.status is not RequestStatus.FINISHED:
-            request.status = RequestStatus.RUNNING
-
     def _settle_idle_all(self, requests: Sequence[Request]) -> None:
-        """:meth:`_settle_idle` of every item's request (validated, so none is finished).
+        """What ``allocate_slots`` does to items with nothing to free, allocate or cache:
+        record each request as known and mark it running (validated: none is finished).
         When the whole step's requests are already running (``_gather`` saw their
         statuses), only the ids are recorded."""
         running = RequestStatus.RUNNING
