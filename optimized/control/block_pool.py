@@ -364,7 +364,7 @@ class BlockPool:
             for ids in lists:
                 self.free_blocks(ids)
             return
-        ids = np.concatenate(lists)
+        ids = np.concatenate(lists, dtype=np.intp)  # (intp: no conversion per fancy index)
         if np.count_nonzero(ids) != ids.size:  # nulls (a Mamba row's gaps) are skipped
             real = ids != NULL_BLOCK_ID
             ids = ids[real]
@@ -375,7 +375,7 @@ class BlockPool:
         ref = self.ref_cnt
         after = ref[ids] - 1
         ref[ids] = after
-        if after.min() < 0:
+        if np.count_nonzero(after < 0):
             raise KVConformError(f"block {int(ids[after < 0][0])} freed more often than allocated")
         unhashed = self.block_group[ids] < 0
         queue = self.free_block_queue
