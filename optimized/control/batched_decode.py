@@ -323,6 +323,11 @@ def _pops_from_own_front(
     sizes = np.bincount(run_item, minlength=pops.size)
     if (pops > sizes).any():
         return None
+    k, p = sizes.item(0), pops.item(0)
+    if k and (sizes == k).all() and (pops == p).all():
+        # every item frees k and pops p (a batch prefilled together): rows of a matrix
+        runs = run.reshape(-1, k)
+        return runs[:, :p].ravel(), runs[::-1, p:].ravel()
     starts = np.cumsum(sizes) - sizes
     position = np.arange(run.size) - starts[run_item]
     take = position < pops[run_item]
@@ -372,9 +377,22 @@ def _freed_padded(
     batch prefilled together): per group one 2-D gather of ``widest[g]`` cells per item
     (``(rows[i], last_free[i, g] - 1 - k)``, tail first), the cells past an item's span
     masked off; the groups' blocks side by side, read row by row, give the order item,
-    group, tail first. Example: one item, one group, span 2 ending at 3 of row
-    ``[-, 4, 6, ...]`` -> blocks ``[6, 4]``."""
+    group, tail first. When one group frees the same columns of every row, one slice per
+    row does. Example: one item, one group, span 2 ending at 3 of row ``[-, 4, 6, ...]``
+    -> blocks ``[6, 4]``."""
     num_groups = len(managers)
+    m = rows.size
+    freeing = np.flatnonzero(widest)
+    if freeing.size == 1:
+        g = freeing.item(0)
+        width = int(widest[g])
+        hi = last_free.item(0, g)
+        if (span[:, g] == width).all() and (last_free[:, g] == hi).all():
+            # one group frees the same columns of every row: one slice per row, tail first
+            blocks = managers[g].table[rows, hi - width : hi][:, ::-1].ravel().astype(np.int64)
+            ii = np.repeat(np.arange(m), width)
+            real = blocks != NULL_BLOCK_ID
+            return blocks[real], ii[real], (ii * num_groups + g)[real]
     parts, valid, calls = [], [], []
     for g, mg in enumerate(managers):
         width = int(widest[g])

@@ -79,6 +79,35 @@ def test_own_front_pops_in_and_out_of_run_order(groups: int) -> None:
     assert out[1].tolist() == front
 
 
+def test_one_group_freeing_the_same_columns_of_every_row_by_hand() -> None:
+    # the one-slice-per-row path: group 0 frees cols 1..2 of both rows, group 1 nothing
+    managers = [_Rows([[0, 2, 3, 4], [0, 6, 7, 8]]), _Rows([[9, 0, 0, 0], [10, 0, 0, 0]])]
+    rows, last = np.array([1, 0]), np.array([[3, 0], [3, 0]])
+    span = np.array([[2, 0], [2, 0]])
+    for blocks, items, calls in (
+        bd._freed_padded(managers, rows, last, span, span.max(axis=0)),
+        bd._freed_spans(managers, rows, last, span),
+    ):
+        assert blocks.tolist() == [7, 6, 3, 2]  # row 1 first (item 0), tail first
+        assert items.tolist() == [0, 0, 1, 1]
+        assert calls.tolist() == [0, 0, 2, 2]  # item * 2 + group 0
+
+
+def test_own_front_pops_of_unequal_runs_by_hand() -> None:
+    # item 0 frees [5, 4, 3] and pops 1, item 1 frees [9, 8] and pops 1: pops [5, 9]; the
+    # front is item 1's leftover [8], then item 0's [4, 3]
+    out = bd._pops_from_own_front(
+        np.array([5, 4, 3, 9, 8]),
+        np.array([0, 0, 0, 1, 1]),
+        np.array([0, 0, 0, 1, 1]),
+        np.array([1, 1]),
+        1,
+    )
+    assert out is not None
+    assert out[0].tolist() == [5, 9]
+    assert out[1].tolist() == [8, 4, 3]
+
+
 def test_own_front_pops_refused_past_the_items_own_blocks() -> None:
     out = bd._pops_from_own_front(
         np.array([5, 9]), np.array([0, 1]), np.array([0, 1]), np.array([2, 0]), 1
