@@ -121,6 +121,8 @@ def apply_decode_items(
             a, b = first_free[idx, g], last_free[idx, g]
             if ((b - a) == 1).all():
                 mg.table[grow, a] = NULL_BLOCK_ID
+            elif (a == a[0]).all() and (b == b[0]).all():  # the same columns of every row
+                mg.table[grow, a.item(0) : b.item(0)] = NULL_BLOCK_ID
             else:
                 for row, lo, hi in zip(grow.tolist(), a.tolist(), b.tolist()):
                     mg.table[row, lo:hi] = NULL_BLOCK_ID
@@ -239,10 +241,17 @@ def apply_decode_item(
     """
     managers = manager.coordinator.managers
     pool = manager.block_pool
+    twin_of = manager._twin_of  # twin groups hold the same counts: computed once
+    ends: dict[int, int] = {}
     for g in groups:
-        managers[g].remove_skipped_blocks(row, total)
+        mg = managers[g]
+        end = ends.get(twin_of[g])
+        if end is None:
+            end = ends[twin_of[g]] = mg.skipped_end(row, total)
+        if end > 0:  # remove_skipped_blocks
+            mg._remove_blocks_in_range(row, 0, end)
     new_blocks: list[list[int]] = [[] for _ in managers]
-    pops = _running_pops(managers, groups, row, slots)
+    pops = _running_pops(managers, groups, row, slots, twin_of)
     if pops is not None:
         need = sum(pops)
         if need > pool.get_num_free_blocks():
@@ -279,20 +288,27 @@ def apply_decode_item(
     return new_blocks
 
 
-def _running_pops(managers, groups: Sequence[int], row: int, slots: int) -> list[int] | None:
+def _running_pops(
+    managers, groups: Sequence[int], row: int, slots: int, twin_of: Sequence[int]
+) -> list[int] | None:
     """Blocks each of ``groups`` pops for ``slots`` when the row runs in all of them (has
     allocated: ``num_cached_block >= 0``), else None. A running row needs and pops
     ``max(cdiv(slots, bs) - held, 0)`` (``blocks_to_allocate``'s running rule), and
     popping every group's blocks at once then splitting them in group order takes the
     same blocks as one pop per group (no free comes between; evicting a popped block's
-    key leaves the queue alone). Example: bs 16 and 16, held 2 and 3, 33 slots -> [1, 0].
+    key leaves the queue alone). A group whose twin (``twin_of``) was seen takes its
+    figure. Example: bs 16 and 16, held 2 and 3, 33 slots -> [1, 0].
     """
     pops: list[int] = []
+    seen: dict[int, int] = {}
     for g in groups:
-        mg = managers[g]
-        if mg.num_cached_block.item(row) < 0:
-            return None
-        pops.append(max(-(-slots // mg.block_size) - mg.row_len.item(row), 0))
+        n = seen.get(twin_of[g])
+        if n is None:
+            mg = managers[g]
+            if mg.num_cached_block.item(row) < 0:
+                return None
+            n = seen[twin_of[g]] = max(-(-slots // mg.block_size) - mg.row_len.item(row), 0)
+        pops.append(n)
     return pops
 
 
@@ -391,6 +407,8 @@ def _freed_padded(
             # one group frees the same columns of every row: one slice per row, tail first
             blocks = managers[g].table[rows, hi - width : hi][:, ::-1].ravel().astype(np.int64)
             ii = np.repeat(np.arange(m), width)
+            if np.count_nonzero(blocks) == blocks.size:
+                return blocks, ii, ii * num_groups + g
             real = blocks != NULL_BLOCK_ID
             return blocks[real], ii[real], (ii * num_groups + g)[real]
     parts, valid, calls = [], [], []
