@@ -127,13 +127,7 @@ class KVCacheCoordinator:
         if row is None:
             return
         # each group's blocks in reverse order (``SingleTypeKVCacheManager.free``), in one pass
-        # (the leading nulls of a row are skipped: only nulls lie before ``num_leading_null``)
-        self.block_pool.free_block_lists(
-            [
-                m.table[row, m.num_leading_null.item(row) : m.row_len.item(row)][::-1]
-                for m in self.managers
-            ]
-        )
+        self.block_pool.free_block_lists([m.held_blocks(row)[::-1] for m in self.managers])
         for m in self.managers:
             m.release_row(row)
         heapq.heappush(self._free_rows, row)
