@@ -35,12 +35,16 @@ cached.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 import numpy as np
 
 from optimized.control.block_pool import NULL_BLOCK_ID
 from optimized.control.managers.mamba import MambaManager
 from reference.request import RequestStatus
+
+_REQUEST_ID = attrgetter("request_id")
+_REQUEST_HASHES = attrgetter("block_hashes")
 
 
 def apply_decode_items(
@@ -84,8 +88,7 @@ def apply_decode_items(
     freed_per_item = np.zeros(m, dtype=np.int64)
     zero = front = np.zeros(0, dtype=bool)
     if freed.size:
-        ordered = np.sort(freed)  # (a bincount would cost the whole pool per step)
-        if (ordered[1:] == ordered[:-1]).any():
+        if pool.has_repeats(freed):
             return None  # a block shared by two requests: its last free decides its place
         after = pool.ref_cnt[freed] - 1
         if (after < 0).any():
@@ -118,6 +121,8 @@ def apply_decode_items(
             a, b = first_free[idx, g], last_free[idx, g]
             if ((b - a) == 1).all():
                 mg.table[grow, a] = NULL_BLOCK_ID
+            elif (a == a[0]).all() and (b == b[0]).all():  # the same columns of every row
+                mg.table[grow, a.item(0) : b.item(0)] = NULL_BLOCK_ID
             else:
                 for row, lo, hi in zip(grow.tolist(), a.tolist(), b.tolist()):
                     mg.table[row, lo:hi] = NULL_BLOCK_ID
@@ -137,27 +142,79 @@ def apply_decode_items(
     total_pops = int(pops_per_item.sum())
     if own is None:
         popped = pool.get_new_blocks(total_pops) if total_pops else []
-    results: list[list[list[int]]] = []
-    k = 0
-    for i in range(m):
-        row = int(rows[i])
-        per_group: list[list[int]] = []
-        for g, mg in enumerate(managers):
-            n = int(pops[i, g])
-            if n:
-                ids = popped[k : k + n]
-                k += n
-                mg._append(row, ids)
-                per_group.append(ids)
-            else:
-                per_group.append([])
-        results.append(per_group)
-    for i, request in enumerate(requests):
-        coord.cache_blocks(request, int(rows[i]), int(cache_tokens[i]))
-        manager._known.add(request.request_id)
-        if request.status is not RequestStatus.FINISHED:
-            request.status = RequestStatus.RUNNING
+    results = _append_popped(managers, rows, pops, popped)
+    if manager.enable_caching:
+        caching = _caching_items(managers, rows, cache_tokens, requests)
+        for i in caching:
+            coord.cache_blocks(requests[i], rows.item(i), cache_tokens.item(i))
+    manager._known.update(map(_REQUEST_ID, requests))
+    finished = RequestStatus.FINISHED
+    running = RequestStatus.RUNNING
+    for request in requests:
+        if request.status is not finished:
+            request.status = running
     return results
+
+
+def _append_popped(
+    managers, rows: np.ndarray, pops: np.ndarray, popped: Sequence[int]
+) -> list[list[list[int]]]:
+    """Append each item's popped blocks to its rows (``popped`` in item order, then group
+    order: ``pops[i, g]`` blocks for item ``i`` in group ``g``) and return them per item and
+    group. One table write per group when every item pops at most one block there (a
+    decode step), else a write per item. Example: pops ``[[1, 0], [1, 1]]``, popped
+    ``[7, 8, 9]`` -> ``[[[7], []], [[8], [9]]]``."""
+    m, num_groups = pops.shape
+    flat = pops.ravel()
+    start = np.cumsum(flat) - flat  # where each (item, group) cell's blocks start
+    popped_arr = np.asarray(popped, dtype=np.int64)
+    columns: list[list] = []
+    for g, mg in enumerate(managers):
+        col = pops[:, g]
+        if not col.any():
+            columns.append([[] for _ in range(m)])
+            continue
+        if col.max() == 1:
+            idx = np.flatnonzero(col)
+            grow = rows[idx]
+            ids = popped_arr[start[idx * num_groups + g]]
+            held = mg.row_len[grow]
+            mg.table[grow, held] = ids
+            mg.row_len[grow] = held + 1
+            mg.dirty_rows[grow] = True
+            cells: list = [[] for _ in range(m)]
+            for i, b in zip(idx.tolist(), ids.tolist()):
+                cells[i] = [b]
+            columns.append(cells)
+            continue
+        cells = []
+        for i in range(m):
+            n = col.item(i)
+            k = start.item(i * num_groups + g)
+            ids = list(popped[k : k + n])
+            if n:
+                mg._append(rows.item(i), ids)
+            cells.append(ids)
+        columns.append(cells)
+    return [list(cells) for cells in zip(*columns)]
+
+
+def _caching_items(managers, rows: np.ndarray, cache_tokens: np.ndarray, requests) -> list[int]:
+    """The items for which some group's ``cache_blocks`` would register a block: ``min(
+    cache_tokens, hashed tokens) // bs > num_cached`` (``cacheable_full_blocks``), or, for a
+    full group whose block size differs from the hash block size, any item (its partial
+    tail key is checked by ``cache_blocks`` itself). Others would change nothing.
+    Example: bs 16, 40 tokens to cache, 32 hashed, 2 blocks cached -> not caching."""
+    m = len(rows)
+    h = managers[0].block_pool.hash_block_size
+    if any(mg.block_size != h for mg in managers):
+        return list(range(m))
+    hashed = np.fromiter(map(len, map(_REQUEST_HASHES, requests)), dtype=np.int64, count=m) * h
+    full = np.minimum(cache_tokens, hashed)
+    work = np.zeros(m, dtype=bool)
+    for mg in managers:
+        work |= full // mg.block_size > np.maximum(mg.num_cached_block[rows], 0)
+    return np.flatnonzero(work).tolist()
 
 
 def apply_decode_item(
@@ -184,10 +241,17 @@ def apply_decode_item(
     """
     managers = manager.coordinator.managers
     pool = manager.block_pool
+    twin_of = manager._twin_of  # twin groups hold the same counts: computed once
+    ends: dict[int, int] = {}
     for g in groups:
-        managers[g].remove_skipped_blocks(row, total)
+        mg = managers[g]
+        end = ends.get(twin_of[g])
+        if end is None:
+            end = ends[twin_of[g]] = mg.skipped_end(row, total)
+        if end > 0:  # remove_skipped_blocks
+            mg._remove_blocks_in_range(row, 0, end)
     new_blocks: list[list[int]] = [[] for _ in managers]
-    pops = _running_pops(managers, groups, row, slots)
+    pops = _running_pops(managers, groups, row, slots, twin_of)
     if pops is not None:
         need = sum(pops)
         if need > pool.get_num_free_blocks():
@@ -209,28 +273,42 @@ def apply_decode_item(
         for g in groups:
             new_blocks[g] = managers[g].allocate_new_blocks(row, slots, main)
     if manager.enable_caching:
+        # only groups where ``cache_blocks`` registers something (``cacheable_full_blocks``
+        # past the cached count), or whose block size differs from the hash block size
+        h = request.hash_block_size
+        limit = min(cache_tokens, len(request.block_hashes) * h)
         for g in groups:
-            managers[g].cache_blocks(request, row, cache_tokens)
+            mg = managers[g]
+            bs = mg.block_size
+            if bs != h or limit // bs > mg.num_cached_block.item(row):
+                mg.cache_blocks(request, row, cache_tokens)
     manager._known.add(request.request_id)
     if request.status is not RequestStatus.FINISHED:
         request.status = RequestStatus.RUNNING
     return new_blocks
 
 
-def _running_pops(managers, groups: Sequence[int], row: int, slots: int) -> list[int] | None:
+def _running_pops(
+    managers, groups: Sequence[int], row: int, slots: int, twin_of: Sequence[int]
+) -> list[int] | None:
     """Blocks each of ``groups`` pops for ``slots`` when the row runs in all of them (has
     allocated: ``num_cached_block >= 0``), else None. A running row needs and pops
     ``max(cdiv(slots, bs) - held, 0)`` (``blocks_to_allocate``'s running rule), and
     popping every group's blocks at once then splitting them in group order takes the
     same blocks as one pop per group (no free comes between; evicting a popped block's
-    key leaves the queue alone). Example: bs 16 and 16, held 2 and 3, 33 slots -> [1, 0].
+    key leaves the queue alone). A group whose twin (``twin_of``) was seen takes its
+    figure. Example: bs 16 and 16, held 2 and 3, 33 slots -> [1, 0].
     """
     pops: list[int] = []
+    seen: dict[int, int] = {}
     for g in groups:
-        mg = managers[g]
-        if mg.num_cached_block.item(row) < 0:
-            return None
-        pops.append(max(-(-slots // mg.block_size) - mg.row_len.item(row), 0))
+        n = seen.get(twin_of[g])
+        if n is None:
+            mg = managers[g]
+            if mg.num_cached_block.item(row) < 0:
+                return None
+            n = seen[twin_of[g]] = max(-(-slots // mg.block_size) - mg.row_len.item(row), 0)
+        pops.append(n)
     return pops
 
 
@@ -252,16 +330,32 @@ def _pops_from_own_front(
     ``[8, 4]``.
     """
     group = calls - items * num_groups
-    order = np.argsort(items * num_groups + (num_groups - 1 - group), kind="stable")
-    run, run_item = blocks[order], items[order]
+    key = items * num_groups + (num_groups - 1 - group)
+    if key.size > 1 and (key[1:] < key[:-1]).any():
+        order = np.argsort(key, kind="stable")
+        run, run_item = blocks[order], items[order]
+    else:  # one group frees (the window after a prefill): already in run order
+        run, run_item = blocks, items
     sizes = np.bincount(run_item, minlength=pops.size)
     if (pops > sizes).any():
         return None
+    k, p = sizes.item(0), pops.item(0)
+    if k and (sizes == k).all() and (pops == p).all():
+        # every item frees k and pops p (a batch prefilled together): rows of a matrix
+        runs = run.reshape(-1, k)
+        return runs[:, :p].ravel(), runs[::-1, p:].ravel()
     starts = np.cumsum(sizes) - sizes
     position = np.arange(run.size) - starts[run_item]
     take = position < pops[run_item]
     left, left_item = run[~take], run_item[~take]
-    return run[take], left[np.argsort(-left_item, kind="stable")]
+    # last item's leftovers first, each item's kept in order: a stable sort on -item, as
+    # positions (run order is item order)
+    left_sizes = sizes - np.minimum(pops, sizes)
+    ends = np.cumsum(left_sizes)
+    rank = np.arange(left.size) - (ends - left_sizes)[left_item]
+    front = np.empty_like(left)
+    front[(left.size - ends)[left_item] + rank] = left
+    return run[take], front
 
 
 def _freed_blocks(
@@ -278,6 +372,9 @@ def _freed_blocks(
     num_groups = len(managers)
     span = last_free - first_free
     if (span > 1).any():
+        widest = span.max(axis=0)
+        if rows.size * int(widest.sum()) <= 2 * int(span.sum()) + 64:
+            return _freed_padded(managers, rows, last_free, span, widest)
         return _freed_spans(managers, rows, last_free, span)
     ii, gg = np.nonzero(span > 0)  # row-major: item order, then group order
     blocks = np.zeros(ii.size, dtype=np.int64)
@@ -287,6 +384,51 @@ def _freed_blocks(
             blocks[sel] = mg.table[rows[ii[sel]], first_free[ii[sel], g]]
     real = blocks != NULL_BLOCK_ID
     return blocks[real], ii[real], (ii * num_groups + gg)[real]
+
+
+def _freed_padded(
+    managers, rows: np.ndarray, last_free: np.ndarray, span: np.ndarray, widest: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_freed_spans` when the spans are about equal (the first decode step of a
+    batch prefilled together): per group one 2-D gather of ``widest[g]`` cells per item
+    (``(rows[i], last_free[i, g] - 1 - k)``, tail first), the cells past an item's span
+    masked off; the groups' blocks side by side, read row by row, give the order item,
+    group, tail first. When one group frees the same columns of every row, one slice per
+    row does. Example: one item, one group, span 2 ending at 3 of row ``[-, 4, 6, ...]``
+    -> blocks ``[6, 4]``."""
+    num_groups = len(managers)
+    m = rows.size
+    freeing = np.flatnonzero(widest)
+    if freeing.size == 1:
+        g = freeing.item(0)
+        width = int(widest[g])
+        hi = last_free.item(0, g)
+        if (span[:, g] == width).all() and (last_free[:, g] == hi).all():
+            # one group frees the same columns of every row: one slice per row, tail first
+            blocks = managers[g].table[rows, hi - width : hi][:, ::-1].ravel().astype(np.int64)
+            ii = np.repeat(np.arange(m), width)
+            if np.count_nonzero(blocks) == blocks.size:
+                return blocks, ii, ii * num_groups + g
+            real = blocks != NULL_BLOCK_ID
+            return blocks[real], ii[real], (ii * num_groups + g)[real]
+    parts, valid, calls = [], [], []
+    for g, mg in enumerate(managers):
+        width = int(widest[g])
+        if width == 0:
+            continue
+        k = np.arange(width)
+        col = last_free[:, g, None] - 1 - k
+        ok = k < span[:, g, None]
+        parts.append(mg.table[rows[:, None], np.where(ok, col, 0)])
+        valid.append(ok)
+        calls.append(np.full(width, g))
+    blocks = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+    ok = np.concatenate(valid, axis=1) if len(valid) > 1 else valid[0]
+    group = np.concatenate(calls) if len(calls) > 1 else calls[0]
+    ii, cc = np.nonzero(ok)
+    blocks = blocks[ii, cc].astype(np.int64)
+    real = blocks != NULL_BLOCK_ID
+    return blocks[real], ii[real], (ii * num_groups + group[cc])[real]
 
 
 def _freed_spans(

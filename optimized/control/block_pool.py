@@ -203,6 +203,22 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.cached: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
         self.duplicates: list[dict[bytes, list[int]]] = [{} for _ in range(num_groups)]
+        #: scratch of :meth:`has_repeats` (one slot per block, allocated on first use)
+        self._mark: np.ndarray | None = None
+
+    def has_repeats(self, ids: np.ndarray) -> bool:
+        """Does some block id occur twice in ``ids``? A mark array over the pool instead of a
+        sort: position ``k`` is written into ``mark[ids[k]]``; an id occurring twice keeps
+        only one of its positions, so some occurrence reads another position back (whichever
+        write numpy keeps). O(len(ids)). Example: ``[4, 7, 4]`` -> True; ``[4, 7]`` -> False.
+        """
+        if ids.size < 2:
+            return False
+        if self._mark is None:
+            self._mark = np.zeros(self.num_blocks, dtype=np.int32)
+        position = np.arange(ids.size, dtype=np.int32)
+        self._mark[ids] = position
+        return bool((self._mark[ids] != position).any())
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -338,30 +354,62 @@ class BlockPool:
         calls: hashed blocks reaching 0 go to the back in list order; unhashed ones go to the
         front list by list, so a later list's blocks end up before an earlier list's.
         Example: lists ``[a1, a2]``, ``[b1]``, all unhashed -> queue ``[b1, a1, a2, ...]``.
+
+        About a dozen numpy calls whatever the number of lists: the list of each block is
+        only worked out when unhashed blocks of several lists reach 0 (then the front is
+        laid out list by list, last list first).
         """
         lengths = [len(ids) for ids in lists]
         if sum(lengths) <= SMALL_FREE or len(lists) == 1:
             for ids in lists:
                 self.free_blocks(ids)
             return
-        ids = np.concatenate(lists).astype(np.int64, copy=False)
-        which = np.repeat(np.arange(len(lists)), lengths)
-        real = ids != NULL_BLOCK_ID
-        ids, which = ids[real], which[real]
-        if ids.size == 0:
+        ids = np.concatenate(lists, dtype=np.intp)  # (intp: no conversion per fancy index)
+        if np.count_nonzero(ids) != ids.size:  # nulls (a Mamba row's gaps) are skipped
+            real = ids != NULL_BLOCK_ID
+            ids = ids[real]
+            kept = np.concatenate(([0], np.cumsum(real)))[np.cumsum(lengths)]
+            lengths = np.diff(kept, prepend=0).tolist()
+            if ids.size == 0:
+                return
+        ref = self.ref_cnt
+        after = ref[ids] - 1
+        ref[ids] = after
+        if np.count_nonzero(after < 0):
+            raise KVConformError(f"block {int(ids[after < 0][0])} freed more often than allocated")
+        unhashed = self.block_group[ids] < 0
+        queue = self.free_block_queue
+        if np.count_nonzero(after):  # some block stays held (shared): only those at 0 move
+            zero = after == 0
+            front, back = zero & unhashed, zero & ~unhashed
+        else:
+            num_unhashed = np.count_nonzero(unhashed)
+            if num_unhashed == 0:  # all hashed, all free: to the back in list order
+                queue.append_n(ids)
+                return
+            front, back = unhashed, ~unhashed
+            if num_unhashed == ids.size:
+                back = None
+        if np.count_nonzero(front):
+            self._prepend_lists(ids, front, lengths)
+        if back is not None and np.count_nonzero(back):
+            queue.append_n(ids[back])
+
+    def _prepend_lists(self, ids: np.ndarray, front: np.ndarray, lengths: Sequence[int]) -> None:
+        """Prepend ``ids[front]`` as successive ``free_blocks`` calls over lists of
+        ``lengths`` would: the last list's blocks first, each list keeping its order.
+        Example: lists ``[a1, a2]``, ``[b1]`` all in front -> ``[b1, a1, a2]``."""
+        if len(lengths) > 3:
+            which = np.repeat(np.arange(len(lengths)), lengths)[front]
+            self.free_block_queue.prepend_n(ids[front][np.argsort(-which, kind="stable")])
             return
-        after = self._drop_references(ids)
-        zero = after == 0
-        ids, which = ids[zero], which[zero]
-        if ids.size == 0:
-            return
-        hashed = self.block_group[ids] >= 0
-        front, front_list = ids[~hashed], which[~hashed]
-        if front.size:
-            # later lists first, each keeping its own order (a stable sort on -list index)
-            self.free_block_queue.prepend_n(front[np.argsort(-front_list, kind="stable")])
-        if hashed.any():
-            self.free_block_queue.append_n(ids[hashed])
+        pieces = []
+        end = len(ids)
+        for n in reversed(lengths):  # one slice per list, last list first
+            start = end - n
+            pieces.append(ids[start:end][front[start:end]])
+            end = start
+        self.free_block_queue.prepend_n(np.concatenate(pieces))
 
     def _free_few(self, ordered_blocks: Sequence[int]) -> None:
         """:meth:`free_blocks` for a few blocks (a decode step's): scalar steps, same order."""

@@ -127,9 +127,7 @@ class KVCacheCoordinator:
         if row is None:
             return
         # each group's blocks in reverse order (``SingleTypeKVCacheManager.free``), in one pass
-        self.block_pool.free_block_lists(
-            [m.table[row, : m.row_len[row]][::-1] for m in self.managers]
-        )
+        self.block_pool.free_block_lists([m.held_blocks(row)[::-1] for m in self.managers])
         for m in self.managers:
             m.release_row(row)
         heapq.heappush(self._free_rows, row)

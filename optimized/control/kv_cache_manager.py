@@ -141,6 +141,24 @@ class KVCacheManager(ManagerBookkeeping):
             isinstance(m, MambaManager) for m in self.coordinator.managers
         )
         self._known: set[str] = set()
+        #: per group, the first group of the same manager class and spec. Such groups get
+        #: the same calls with the same counts (hit lengths, allocations, frees, caching
+        #: masks depend on the spec only), so their rows hold the same lengths, leading
+        #: nulls and cached counts, and ``pending_work`` is computed once for them. Example:
+        #: gemma3 (full + 5 identical windows) -> ``[0, 1, 1, 1, 1, 1]``.
+        managers = self.coordinator.managers
+        self._twin_of: tuple[int, ...] = tuple(
+            next(
+                k
+                for k in range(g + 1)
+                if type(managers[k]) is type(m) and managers[k].spec == m.spec
+            )
+            for g, m in enumerate(managers)
+        )
+        #: set by ``_gather`` for the step being planned: its request ids, and whether all
+        #: of its requests were already running
+        self._step_ids: list[str] = []
+        self._all_running = False
         #: the blocks the last ``allocate_slots`` estimated it needed (None: it returned
         #: before estimating; not a per-item figure after a batched ``schedule_step``)
         self.last_num_blocks_to_allocate: int | None = None
@@ -276,11 +294,11 @@ class KVCacheManager(ManagerBookkeeping):
             row_arr = gathered[0]
             flags, total, main, slots, cache_tokens, raw_cache_tokens = self._pending_work(gathered)
             work = flags.any(axis=0)
-            idle[fast_idx] = ~work
             busy = np.flatnonzero(work)
             if len(fast_idx) == n and not busy.size:
                 self._settle_idle_all(requests)
                 return [self.no_new_blocks] * n
+            idle[fast_idx if len(fast_idx) < n else slice(None)] = ~work
             if len(fast_idx) == n and busy.size >= self.min_batched_apply:
                 applied = apply_decode_items(
                     self,
@@ -306,12 +324,11 @@ class KVCacheManager(ManagerBookkeeping):
                         int(cache_tokens[k]),
                         np.flatnonzero(flags[:, k]).tolist(),
                     )
-        results: list[list[list[int]] | None] = []
-        for i in range(n):
-            if idle[i]:
-                self._settle_idle(requests[i])
-                results.append(self.no_new_blocks)
-                continue
+        # working items in order (each allocate_slots' effect is its own; an idle item's
+        # settling touches only its request), the idle ones before the first None together
+        results: list[list[list[int]] | None] = [self.no_new_blocks] * n
+        stop = n
+        for i in np.flatnonzero(~idle).tolist():
             item = items[i]
             args = single.get(i)
             if args is not None:
@@ -324,10 +341,14 @@ class KVCacheManager(ManagerBookkeeping):
                     item.new_computed_blocks,
                     item.num_lookahead_tokens,
                 )
-            results.append(new_blocks)
+            results[i] = new_blocks
             if new_blocks is None:
+                stop = i + 1
                 break
-        return results
+        settled = np.flatnonzero(idle[:stop]).tolist()
+        if settled:
+            self._settle_idle_all([requests[i] for i in settled])
+        return results if stop == n else results[:stop]
 
     def _gather(self, items: Sequence[StepItem]):
         """Validate every item (``_validate``'s rules) and gather, for the items with no hit
@@ -354,30 +375,35 @@ class KVCacheManager(ManagerBookkeeping):
             requests, n_new, n_hit, hit_blocks, n_ahead = zip(*items)
         rids = list(map(_REQUEST_ID, requests))
         computed, num_tokens, num_prompt = (
-            np.array(list(map(getter, requests)), dtype=np.int64) for getter in _REQUEST_INTS
+            np.fromiter(map(getter, requests), dtype=np.int64, count=n) for getter in _REQUEST_INTS
         )
-        num_hashes = np.array(list(map(len, map(_REQUEST_HASHES, requests))), dtype=np.int64)
-        new = np.array(n_new, dtype=np.int64)
-        ahead = np.array(n_ahead, dtype=np.int64)
-        hit = np.fromiter(n_hit, dtype=np.int64, count=n)
+        num_hashes = np.fromiter(map(len, map(_REQUEST_HASHES, requests)), np.int64, count=n)
+        new = np.fromiter(n_new, dtype=np.int64, count=n)
+        ahead = np.fromiter(n_ahead, dtype=np.int64, count=n)
         flagged = (
             (new < 1)
-            | (hit != 0)
             | (ahead < 0)
             | (computed + new > num_tokens)
             | (num_tokens > self.max_model_len)
         )
-        if RequestStatus.FINISHED in set(map(_REQUEST_STATUS, requests)):
+        # statuses compared by identity (a set of enum members would hash each in Python)
+        statuses = list(map(_REQUEST_STATUS, requests))
+        if RequestStatus.FINISHED in statuses:
             flagged |= np.fromiter(
-                (r.status is RequestStatus.FINISHED for r in requests), dtype=bool, count=n
+                (s is RequestStatus.FINISHED for s in statuses), dtype=bool, count=n
             )
+        self._all_running = statuses.count(RequestStatus.RUNNING) == n
+        self._step_ids = rids
         slow = flagged.copy()
-        num_groups = self.num_groups
-        for i, blocks in enumerate(hit_blocks):
-            if blocks is not None:
-                if len(blocks.blocks) != num_groups:
-                    flagged[i] = True
-                slow[i] |= any(blocks.blocks)
+        if not isinstance(items, StepBatch):
+            flagged |= np.fromiter(n_hit, dtype=np.int64, count=n) != 0
+            slow = flagged.copy()
+            num_groups = self.num_groups
+            for i, blocks in enumerate(hit_blocks):
+                if blocks is not None:
+                    if len(blocks.blocks) != num_groups:
+                        flagged[i] = True
+                    slow[i] |= any(blocks.blocks)
         if flagged.any() or len(set(rids)) != n:
             self._check_items(items)
         rows = np.array(list(map(self.coordinator.row_of.get, rids, repeat(-1))), dtype=np.int64)
@@ -403,15 +429,15 @@ class KVCacheManager(ManagerBookkeeping):
                 )
             seen.add(rid)
 
-    def _settle_idle(self, request: Request) -> None:
-        """What ``allocate_slots`` does to an item with nothing to free, allocate or cache."""
-        self._known.add(request.request_id)
-        if request.status is not RequestStatus.FINISHED:
-            request.status = RequestStatus.RUNNING
-
     def _settle_idle_all(self, requests: Sequence[Request]) -> None:
-        """:meth:`_settle_idle` of every item's request (validated, so none is finished)."""
+        """What ``allocate_slots`` does to items with nothing to free, allocate or cache:
+        record each request as known and mark it running (validated: none is finished).
+        When the whole step's requests are already running (``_gather`` saw their
+        statuses), only the ids are recorded."""
         running = RequestStatus.RUNNING
+        if self._all_running and len(requests) == len(self._step_ids):
+            self._known.update(self._step_ids)
+            return
         self._known.update(map(_REQUEST_ID, requests))
         for request in requests:
             request.status = running
@@ -431,8 +457,11 @@ class KVCacheManager(ManagerBookkeeping):
             cache_tokens = cache_tokens // lcm * lcm  # HybridCoordinator.num_cacheable_tokens
         managers = self.coordinator.managers
         flags = np.empty((len(managers), len(rows)), dtype=bool)
-        for g, manager in enumerate(managers):
-            flags[g] = manager.pending_work(
+        for g, twin in enumerate(self._twin_of):
+            if twin < g:  # a group of the same class and spec: the same counts, the same test
+                flags[g] = flags[twin]
+                continue
+            flags[g] = managers[g].pending_work(
                 rows, total, main, slots, cache_tokens, num_hashed, boundary
             )
         return flags, total, main, slots, cache_tokens, raw_cache_tokens

@@ -132,26 +132,31 @@ def commit_updates(
     it is None. A token that completes no hash block and fits the array is written in
     place (no call); one completing a block goes through :meth:`Request.append_token`,
     which hashes it. Returns the first unknown id (the updates before it are applied,
-    none after), else None.
+    none after), else None. The requests are looked up together first (a map over the ids).
 
     Example: ``H = 4``, a request of 5 tokens, update ``("a", 5, 9)``: computed 5, tokens
     6, still 1 hash; a second ``("a", 6, 3)`` and ``("a", 7, 3)`` make 8 tokens, 2 hashes.
     """
+    updates = updates if isinstance(updates, (list, tuple)) else list(updates)
+    if not updates:
+        return None
+    ids, computed, tokens = zip(*updates)
+    found = list(map(requests.get, ids))  # the requests looked up in one pass
+    if None in found:
+        k = found.index(None)
+        commit_updates(requests, updates[:k])
+        return ids[k]
     preempted = RequestStatus.PREEMPTED
-    get = requests.get
-    for request_id, num_computed_tokens, token in updates:
-        req = get(request_id)
-        if req is None:
-            return request_id
+    for req, num_computed_tokens, token in zip(found, computed, tokens):
         req.num_computed_tokens = num_computed_tokens
         if num_computed_tokens == 0:
             req.status = preempted
         if token is None:
             continue
         n = req.num_tokens
-        tokens = req._tokens
-        if n < tokens.size and (n + 1) % req.hash_block_size:
-            tokens[n] = token
+        array = req._tokens
+        if n < array.size and (n + 1) % req.hash_block_size:
+            array[n] = token
             req.num_tokens = n + 1
         else:
             req.append_token(token)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from operator import attrgetter
 
 from optimized.control.kv_cache_manager import ComputedBlocks, KVCacheManager
 from optimized.control.request import Request, commit_updates
@@ -32,6 +33,11 @@ from properties.engines.manager_engine import ManagerEngine
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
 from reference.request import RequestStatus
+
+#: the columns of a batched step's items (read with ``map``: no per-item Python frame)
+_REQUEST_ID = attrgetter("request_id")
+_NEW_TOKENS = attrgetter("num_new_tokens")
+_LOOKAHEAD = attrgetter("num_lookahead_tokens")
 
 #: Environment variable naming the data plane's device (``cpu`` when unset).
 DEVICE_ENV = "KVCONFORM_DEVICE"
@@ -110,17 +116,17 @@ class OptimizedEngine(ManagerEngine):
         (:meth:`optimized.control.kv_cache_manager.KVCacheManager.schedule_step`)."""
         requests = self.requests
         try:
-            step = [requests[i.request_id] for i in items]
+            step = list(map(requests.__getitem__, map(_REQUEST_ID, items)))
         except KeyError:  # the unknown id's error, from the per-request lookup
             step = [self._request(i.request_id) for i in items]
         try:
             results = self.manager.schedule_columns(
-                step, [i.num_new_tokens for i in items], [i.num_lookahead_tokens for i in items]
+                step, list(map(_NEW_TOKENS, items)), list(map(_LOOKAHEAD, items))
             )
         except KVConformError as exc:
             raise EngineError(f"optimized: schedule_step: {exc}") from exc
         empty = self.manager.no_new_blocks
-        return [r if r is None or r is empty else tuple(tuple(g) for g in r) for r in results]
+        return [r if r is None or r is empty else tuple(map(tuple, r)) for r in results]
 
     # optional capabilities -------------------------------------------------------------
     def cached_blocks(self) -> list[CachedBlock]:

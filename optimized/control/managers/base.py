@@ -95,6 +95,16 @@ class SingleTypeKVCacheManager(ManagerBase):
         self.num_cached_block[row] = -1
         self.num_leading_null[row] = 0
 
+    def held_blocks(self, row: int) -> np.ndarray:
+        """The row's entries that may hold blocks, as a view: from ``num_leading_null`` on
+        when the entries before it are all null (as they should be), else the whole row
+        (nulls are skipped by value when freed). Example: row ``[0, 0, 7, 9]``, leading 2
+        -> ``[7, 9]``."""
+        lead = self.num_leading_null.item(row)
+        if lead and np.count_nonzero(self.table[row, :lead]):
+            lead = 0
+        return self.table[row, lead : self.row_len.item(row)]
+
     def blocks(self, row: int) -> BlockList:
         return self.table[row, : self.row_len[row]].tolist()
 
@@ -190,13 +200,19 @@ class SingleTypeKVCacheManager(ManagerBase):
         self.num_cached_block[row] = num_full
 
     # -- freeing -----------------------------------------------------------------
-    def remove_skipped_blocks(self, row: int, num_computed_tokens: int) -> None:
+    def skipped_end(self, row: int, num_computed_tokens: int) -> int:
+        """How many leading columns of the row left the window (or chunk) once
+        ``num_computed_tokens`` are computed: ``min(skipped // bs, len)``, 0 when none.
+        Example: w 4, bs 2, 7 computed, 4 columns -> 4 skipped tokens -> 2."""
         skipped = self.spec.num_skipped_tokens(num_computed_tokens)
         if skipped <= 0:
-            return
-        self._remove_blocks_in_range(
-            row, 0, min(skipped // self.block_size, int(self.row_len[row]))
-        )
+            return 0
+        return min(skipped // self.block_size, self.row_len.item(row))
+
+    def remove_skipped_blocks(self, row: int, num_computed_tokens: int) -> None:
+        end = self.skipped_end(row, num_computed_tokens)
+        if end > 0:
+            self._remove_blocks_in_range(row, 0, end)
 
     def _remove_blocks_in_range(self, row: int, first: int, last: int) -> None:
         """Free ``row[max(first, leading) : last]`` tail first and null it."""
