@@ -481,3 +481,29 @@ def test_mamba_retention_interval_of_one_block_keeps_every_state():
         rows[interval] = (engine.get_block_ids("a"), mamba)
     assert rows[4] == (((1, 3, 5, 7), (0, 0, 6, 8)), [(4, 2), (8, 4), (12, 6), (16, 8)])
     assert rows[8] == (((1, 3, 2, 6), (0, 0, 5, 7)), [(8, 4), (16, 7)])
+
+
+def test_lookahead_hashes_end_the_full_group_view_before_the_lookup_bound():
+    """Full attention bs 4 + a window bs 2 (w 4): hashes per 2 tokens, the full group
+    reads them through a 4-token view. EAGLE with 2 lookahead hashes: a hash block is
+    hashed once 2 tokens follow it (and nothing is dropped). "a" (16 tokens) is cached;
+    "b" (its first 9 tokens) has hashes for 6 tokens (3 blocks: 3 * 2 + 2 <= 9), a view
+    of 1 full block, while the lookup bound 8 asks for 2: the view is read to its end and
+    the hit is 4 tokens (full block 1; the window's 2 blocks ending at 4: ids 5 and 6, as
+    "a" took 1..4 for full attention and 5..12 for the window)."""
+    from properties.engines.vllm import make_engine
+
+    groups = (FullAttentionSpec(block_size=4), SlidingWindowSpec(block_size=2, sliding_window=4))
+    layout = KVCacheLayout(
+        groups=tuple(KVCacheGroup((f"l{i}",), spec) for i, spec in enumerate(groups)),
+        num_blocks=60,
+        max_model_len=64,
+        use_eagle=True,
+        num_hash_lookahead_tokens=2,
+    )
+    engine = make_engine(layout)
+    run_prompt(engine, "a", tuple(range(16)))
+    assert engine.get_block_ids("a") == ((1, 2, 3, 4), tuple(range(5, 13)))
+    engine.new_step()
+    engine.add_request(RequestInput("b", tuple(range(9))))
+    assert engine.get_computed_blocks("b") == CacheHit(((1,), (5, 6)), 4)
