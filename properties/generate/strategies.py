@@ -1199,24 +1199,28 @@ def edge_layouts(draw, max_len: int = 128, kinds: Sequence[str] = SPEC_KINDS) ->
     * full attention + Mamba, both of block size ``b`` (the scheduler block size): a
       retention interval of one scheduler block then makes every Mamba block a segment
       boundary (the production property draws that interval one time in six);
-    * full attention of block size ``2b`` beside a sliding window of block size ``b``
-      wider than the hit alignment (``w`` in ``2b+2 .. 6b``): a hit shorter than the
-      window's run ends on an aligned block, and under EAGLE (drawn on top by
-      :func:`production_layouts`) its drop re-aligns it one alignment lower.
+    * (drawn twice as often) full attention of block size ``2b`` beside a sliding
+      window of block size ``b`` wider than the hit alignment (``w`` in ``3b+2 .. 8b``):
+      a hit shorter than the window's run ends on an aligned block, and under EAGLE
+      (drawn on top by :func:`production_layouts`) its drop re-aligns it one alignment
+      lower; with 2 lookahead hashes the full group's view of the hashes can end
+      before the lookup bound.
 
     ``max_model_len`` is at least 4 alignments (``_sized``); pools from tiny to roomy.
     """
     cases = edge_case_kinds(kinds)
     if not cases:
         raise ValueError(f"edge_layouts(kinds=...) has no case made of {tuple(kinds)!r}")
-    group_kinds, multiples = _EDGE_CASES[draw(st.sampled_from(cases), label="edge case")]
+    # the fine window counts twice: its edge needs EAGLE (drawn on top) as well
+    weighted = cases + tuple(i for i in cases if _EDGE_CASES[i][0] == ("full", "sliding_window"))
+    group_kinds, multiples = _EDGE_CASES[draw(st.sampled_from(weighted), label="edge case")]
     base = draw(st.sampled_from((2, 4)), label="edge block size")
     sizes = [m * base for m in multiples]
     page = 64 * math.lcm(*sizes)
     if "chunked_local" in group_kinds:
         extent = draw(st.integers(2, 4)) * base  # the chunk
     elif "sliding_window" in group_kinds:
-        extent = draw(st.integers(2 * base + 2, 6 * base))  # the window
+        extent = draw(st.integers(3 * base + 2, 8 * base))  # the window
     else:
         extent = None
     windows_of = None if extent is None else (extent,)
@@ -1234,7 +1238,7 @@ def production_base_layouts(
     (:func:`production_layouts`): the scenario mix (:func:`any_layouts`: presets and
     targeted layouts) or, as often, a swarm layout of the small tier
     (:func:`swarm_layouts`: each group type and pool pressure an independent switch), so
-    that every serving mode and setting meets every group type; one draw in five is an
+    that every serving mode and setting meets every group type; one draw in three is an
     :func:`edge_layouts` layout instead (where one of its cases is made of ``kinds``),
     so the settings drawn on top meet the hit rules' edges (an EAGLE drop re-aligning
     a fine window's hit, a retention interval of one Mamba block). Example: a draw of the
@@ -1245,7 +1249,7 @@ def production_base_layouts(
     swarm = swarm_layouts(small, kinds)
     if not edge_case_kinds(kinds):
         return st.one_of(mixed, swarm)
-    return st.one_of(mixed, swarm, mixed, swarm, edge_layouts(max_len=max_len, kinds=kinds))
+    return st.one_of(mixed, swarm, edge_layouts(max_len=max_len, kinds=kinds))
 
 
 def bulk_arrivals(
