@@ -1187,7 +1187,12 @@ def edge_case_kinds(kinds: Sequence[str]) -> tuple[int, ...]:
 
 
 @st.composite
-def edge_layouts(draw, max_len: int = 128, kinds: Sequence[str] = SPEC_KINDS) -> KVCacheLayout:
+def edge_layouts(
+    draw,
+    max_len: int = 128,
+    kinds: Sequence[str] = SPEC_KINDS,
+    settings: frozenset[str] = frozenset(),
+) -> KVCacheLayout:
     """Layouts at the edges of the hit rules that the generic draws rarely make (only
     the cases made of ``kinds``, at least one must be):
 
@@ -1202,11 +1207,17 @@ def edge_layouts(draw, max_len: int = 128, kinds: Sequence[str] = SPEC_KINDS) ->
     * (drawn twice as often) full attention of block size ``2b`` beside a sliding
       window of block size ``b`` wider than the hit alignment (``w`` in ``3b+2 .. 8b``):
       a hit shorter than the window's run ends on an aligned block, and under EAGLE
-      (drawn on top by :func:`production_layouts`) its drop re-aligns it one alignment
       lower; with 2 lookahead hashes the full group's view of the hashes can end
-      before the lookup bound.
+      before the lookup bound. That edge needs EAGLE, so where ``settings`` (the
+      production settings the engine declares) has ``"eagle"``, this case comes with
+      ``use_eagle`` on and lookahead hashes ``L`` in ``{0, 0, 2}`` (the settings that
+      :func:`production_layouts` draws on top may replace them; drawn alone, they
+      would meet this case rarely: Hypothesis' generation keeps the settings of a few
+      draws).
 
     ``max_model_len`` is at least 4 alignments (``_sized``); pools from tiny to roomy.
+    Example: ``settings={"eagle"}``, the fine window drawn with ``b = 2``: full
+    attention bs 4, a window bs 2 of ``w = 11``, EAGLE on, ``L = 0``.
     """
     cases = edge_case_kinds(kinds)
     if not cases:
@@ -1228,28 +1239,39 @@ def edge_layouts(draw, max_len: int = 128, kinds: Sequence[str] = SPEC_KINDS) ->
         KVCacheGroup((f"layer.{i}",), draw(_kind_specs(kind, bs, page, windows_of)))
         for i, (kind, bs) in enumerate(zip(group_kinds, sizes))
     )
-    return draw(_sized(groups, max_len, 4 * math.lcm(*sizes)))
+    layout = draw(_sized(groups, max_len, 4 * math.lcm(*sizes)))
+    if group_kinds == ("full", "sliding_window") and "eagle" in settings:
+        lookahead = draw(st.sampled_from((0, 0, 2)), label="edge lookahead hashes")
+        layout = dataclasses.replace(layout, use_eagle=True, num_hash_lookahead_tokens=lookahead)
+    return layout
 
 
 def production_base_layouts(
-    max_len: int = 128, kinds: Sequence[str] = SPEC_KINDS
+    max_len: int = 128,
+    kinds: Sequence[str] = SPEC_KINDS,
+    settings: frozenset[str] = frozenset(),
 ) -> st.SearchStrategy[KVCacheLayout]:
     """The small tier's layouts of the production property, before its settings
-    (:func:`production_layouts`): the scenario mix (:func:`any_layouts`: presets and
-    targeted layouts) or, as often, a swarm layout of the small tier
-    (:func:`swarm_layouts`: each group type and pool pressure an independent switch), so
-    that every serving mode and setting meets every group type; one draw in three is an
-    :func:`edge_layouts` layout instead (where one of its cases is made of ``kinds``),
-    so the settings drawn on top meet the hit rules' edges (an EAGLE drop re-aligning
-    a fine window's hit, a retention interval of one Mamba block). Example: a draw of the
-    second branch with chunked local and Mamba switched on -> a two-group layout of
-    at most ``max_len`` tokens."""
+    (:func:`production_layouts`), one branch each (Hypothesis flattens the nested
+    choices): the scenario mix's generated layouts, presets and targeted layouts
+    (:func:`any_layouts`), a swarm layout of the small tier (:func:`swarm_layouts`: each
+    group type and pool pressure an independent switch, so that every serving mode and
+    setting meets every group type), and two branches of :func:`edge_layouts` (where one
+    of its cases is made of ``kinds``, with the engine's production ``settings``), so
+    that the settings meet the hit rules' edges (an EAGLE drop re-aligning a fine
+    window's hit, a retention interval of one Mamba block): two branches of six with
+    every kind.
+    Example: a swarm draw with chunked local and Mamba switched on -> a two-group
+    layout of at most ``max_len`` tokens."""
     small = dataclasses.replace(TIERS[SMALL], max_len=max_len)
     mixed = any_layouts(max_len=max_len, kinds=kinds)
     swarm = swarm_layouts(small, kinds)
     if not edge_case_kinds(kinds):
         return st.one_of(mixed, swarm)
-    return st.one_of(mixed, swarm, edge_layouts(max_len=max_len, kinds=kinds))
+    # Hypothesis flattens nested ``one_of``s into one list of branches and drops a
+    # branch object it has seen: two separate edge strategies weigh two branches
+    edges = [edge_layouts(max_len=max_len, kinds=kinds, settings=settings) for _ in range(2)]
+    return st.one_of(mixed, swarm, *edges)
 
 
 def bulk_arrivals(

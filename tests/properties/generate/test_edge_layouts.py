@@ -55,3 +55,17 @@ def test_each_edge_layout_is_one_of_its_cases(layout) -> None:
 @given(edge_layouts(kinds=("full", "sliding_window")))
 def test_an_engine_of_full_and_window_kinds_gets_the_fine_window_only(layout) -> None:
     assert [type(g.spec) for g in layout.groups] == [FullAttentionSpec, SlidingWindowSpec]
+
+
+@EXAMPLES
+@given(edge_layouts(kinds=("full", "sliding_window"), settings=frozenset({"eagle"})))
+def test_the_fine_window_comes_with_eagle_where_the_engine_declares_it(layout) -> None:
+    assert layout.use_eagle
+    assert layout.num_hash_lookahead_tokens in (0, 2)
+    assert not any(g.is_eagle_group for g in layout.groups)  # none flagged: all drop
+
+
+@EXAMPLES
+@given(edge_layouts(settings=frozenset({"retention"})))
+def test_no_edge_layout_has_eagle_where_the_engine_does_not_declare_it(layout) -> None:
+    assert not layout.use_eagle and layout.num_hash_lookahead_tokens == 0
