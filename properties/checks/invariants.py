@@ -520,8 +520,16 @@ def freed_on_free(state: CheckState, event: FreeEvent) -> str | None:
 
 
 def reset_prefix_cache(state: CheckState, event: ResetEvent) -> str | None:
-    """R1: reset succeeds iff no request holds blocks; afterwards nothing is cached."""
-    holders = [rid for rid, r in state.requests.items() if r.holds_blocks]
+    """R1: reset succeeds iff no request holds blocks; afterwards nothing is cached.
+
+    A request holds blocks when a non-null id stands in its table: one whose allocations
+    gave only null blocks holds none (an asynchronous load of 1 token into a window of 1
+    token, skipped at once, leaves the table ``((),)`` and a reset succeeds)."""
+    holders = [
+        rid
+        for rid, r in state.requests.items()
+        if r.holds_blocks and any(b for row in state.table_of(rid) for b in row)
+    ]
     if event.ok and holders:
         return f"reset_prefix_cache succeeded while {short(holders)} hold blocks"
     if not event.ok and not holders:

@@ -1168,18 +1168,110 @@ def _chunks_aligned(layout: KVCacheLayout) -> KVCacheLayout:
     return dataclasses.replace(layout, groups=groups)
 
 
+#: The cases of :func:`edge_layouts`: (group kinds, block size of each as a multiple of
+#: the base size ``b``: 2 for the coarse full group beside a fine window).
+_EDGE_CASES: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...] = (
+    (("chunked_local",), (1,)),
+    (("full", "chunked_local"), (1, 1)),
+    (("full", "mamba"), (1, 1)),
+    (("full", "sliding_window"), (2, 1)),
+)
+
+
+def edge_case_kinds(kinds: Sequence[str]) -> tuple[int, ...]:
+    """The indexes of :data:`_EDGE_CASES` made only of ``kinds``.
+
+    Example: ``("full", "sliding_window")`` -> ``(3,)``; all four kinds -> ``(0, 1, 2, 3)``.
+    """
+    return tuple(i for i, (case, _) in enumerate(_EDGE_CASES) if set(case) <= set(kinds))
+
+
+@st.composite
+def edge_layouts(
+    draw,
+    max_len: int = 128,
+    kinds: Sequence[str] = SPEC_KINDS,
+    settings: frozenset[str] = frozenset(),
+) -> KVCacheLayout:
+    """Layouts at the edges of the hit rules that the generic draws rarely make (only
+    the cases made of ``kinds``, at least one must be):
+
+    * chunked-local attention alone or beside full attention of the same block size
+      ``b`` in ``{2, 4}``, with a chunk of 2..4 blocks: a lookup whose range ends past
+      the chunk's first block stops at the first uncached block of its chunk (bs 4,
+      chunk 8, a fresh 16-token prompt: the search bound 15 starts the chunk at block
+      2, uncached, so the hit is the 8 tokens of the two null blocks before it);
+    * full attention + Mamba, both of block size ``b`` (the scheduler block size): a
+      retention interval of one scheduler block then makes every Mamba block a segment
+      boundary (the production property draws that interval one time in six);
+    * (drawn twice as often) full attention of block size ``2b`` beside a sliding
+      window of block size ``b`` wider than the hit alignment (``w`` in ``3b+2 .. 8b``):
+      a hit shorter than the window's run ends on an aligned block, and under EAGLE
+      lower; with 2 lookahead hashes the full group's view of the hashes can end
+      before the lookup bound. That edge needs EAGLE, so where ``settings`` (the
+      production settings the engine declares) has ``"eagle"``, this case comes with
+      ``use_eagle`` on and lookahead hashes ``L`` in ``{0, 0, 2}`` (the settings that
+      :func:`production_layouts` draws on top may replace them; drawn alone, they
+      would meet this case rarely: Hypothesis' generation keeps the settings of a few
+      draws).
+
+    ``max_model_len`` is at least 4 alignments (``_sized``); pools from tiny to roomy.
+    Example: ``settings={"eagle"}``, the fine window drawn with ``b = 2``: full
+    attention bs 4, a window bs 2 of ``w = 11``, EAGLE on, ``L = 0``.
+    """
+    cases = edge_case_kinds(kinds)
+    if not cases:
+        raise ValueError(f"edge_layouts(kinds=...) has no case made of {tuple(kinds)!r}")
+    # the fine window counts twice: its edge needs EAGLE (drawn on top) as well
+    weighted = cases + tuple(i for i in cases if _EDGE_CASES[i][0] == ("full", "sliding_window"))
+    group_kinds, multiples = _EDGE_CASES[draw(st.sampled_from(weighted), label="edge case")]
+    base = draw(st.sampled_from((2, 4)), label="edge block size")
+    sizes = [m * base for m in multiples]
+    page = 64 * math.lcm(*sizes)
+    if "chunked_local" in group_kinds:
+        extent = draw(st.integers(2, 4)) * base  # the chunk
+    elif "sliding_window" in group_kinds:
+        extent = draw(st.integers(3 * base + 2, 8 * base))  # the window
+    else:
+        extent = None
+    windows_of = None if extent is None else (extent,)
+    groups = tuple(
+        KVCacheGroup((f"layer.{i}",), draw(_kind_specs(kind, bs, page, windows_of)))
+        for i, (kind, bs) in enumerate(zip(group_kinds, sizes))
+    )
+    layout = draw(_sized(groups, max_len, 4 * math.lcm(*sizes)))
+    if group_kinds == ("full", "sliding_window") and "eagle" in settings:
+        lookahead = draw(st.sampled_from((0, 0, 2)), label="edge lookahead hashes")
+        layout = dataclasses.replace(layout, use_eagle=True, num_hash_lookahead_tokens=lookahead)
+    return layout
+
+
 def production_base_layouts(
-    max_len: int = 128, kinds: Sequence[str] = SPEC_KINDS
+    max_len: int = 128,
+    kinds: Sequence[str] = SPEC_KINDS,
+    settings: frozenset[str] = frozenset(),
 ) -> st.SearchStrategy[KVCacheLayout]:
     """The small tier's layouts of the production property, before its settings
-    (:func:`production_layouts`): the scenario mix (:func:`any_layouts`: presets and
-    targeted layouts) or, as often, a swarm layout of the small tier
-    (:func:`swarm_layouts`: each group type and pool pressure an independent switch), so
-    that every serving mode and setting meets every group type. Example: a draw of the
-    second branch with chunked local and Mamba switched on -> a two-group layout of
-    at most ``max_len`` tokens."""
+    (:func:`production_layouts`), one branch each (Hypothesis flattens the nested
+    choices): the scenario mix's generated layouts, presets and targeted layouts
+    (:func:`any_layouts`), a swarm layout of the small tier (:func:`swarm_layouts`: each
+    group type and pool pressure an independent switch, so that every serving mode and
+    setting meets every group type), and two branches of :func:`edge_layouts` (where one
+    of its cases is made of ``kinds``, with the engine's production ``settings``), so
+    that the settings meet the hit rules' edges (an EAGLE drop re-aligning a fine
+    window's hit, a retention interval of one Mamba block): two branches of six with
+    every kind.
+    Example: a swarm draw with chunked local and Mamba switched on -> a two-group
+    layout of at most ``max_len`` tokens."""
     small = dataclasses.replace(TIERS[SMALL], max_len=max_len)
-    return st.one_of(any_layouts(max_len=max_len, kinds=kinds), swarm_layouts(small, kinds))
+    mixed = any_layouts(max_len=max_len, kinds=kinds)
+    swarm = swarm_layouts(small, kinds)
+    if not edge_case_kinds(kinds):
+        return st.one_of(mixed, swarm)
+    # Hypothesis flattens nested ``one_of``s into one list of branches and drops a
+    # branch object it has seen: two separate edge strategies weigh two branches
+    edges = [edge_layouts(max_len=max_len, kinds=kinds, settings=settings) for _ in range(2)]
+    return st.one_of(mixed, swarm, *edges)
 
 
 def bulk_arrivals(

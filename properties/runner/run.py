@@ -324,7 +324,9 @@ def layout_strategy(config: CheckConfig, engine: EngineUnderTest):
             names=[config.preset], max_len=config.max_len, served=config.production
         )
     elif config.production:
-        strategy = kvst.production_base_layouts(max_len=config.max_len, kinds=kinds)
+        strategy = kvst.production_base_layouts(
+            max_len=config.max_len, kinds=kinds, settings=engine.production_settings
+        )
     else:
         strategy = kvst.any_layouts(max_len=config.max_len, kinds=kinds)
     production = config.production and config.preset is None

@@ -373,3 +373,137 @@ def test_free_queue_is_walked_twice_and_a_cursor_mutant_is_caught(monkeypatch):
     monkeypatch.setattr(FreeKVCacheBlockQueue, "iter_blocks_after", from_cursor)
     with pytest.raises(EngineError, match=r"after the first \[2, 3\]"):
         engine.free_queue()
+
+
+# -- hit rules at their edges (issue 19: branches the ci profile did not reach) ---------
+
+
+def test_chunked_lookup_stops_at_the_first_uncached_block_of_its_chunk():
+    """Chunked local bs 4, chunk 8, a fresh 16-token prompt: the lookup bound 15 puts
+    the chunk start at 8 (block 2) and the search covers blocks [2, 15 // 4 = 3); block 2
+    is not cached, so the search stops there and the hit is the two null blocks before
+    the chunk (8 tokens). The step then needs cdiv(16, 4) = 4 columns: 2 new blocks."""
+    engine = make((ChunkedLocalAttentionSpec(block_size=4, attention_chunk_size=8),), 40)
+    engine.add_request(RequestInput("a", tuple(range(16))))
+    hit = engine.get_computed_blocks("a")
+    assert hit == CacheHit(((0, 0),), 8)
+    assert engine.allocate_slots("a", 8, 8, hit) == ((1, 2),)
+    assert engine.get_block_ids("a") == ((0, 0, 1, 2),)
+
+
+def _eagle_fine_window():
+    """Full attention bs 4 + a sliding window of bs 2 and w 11 (alignment 4, EAGLE)."""
+    from properties.engines.vllm import make_engine
+
+    groups = (FullAttentionSpec(block_size=4), SlidingWindowSpec(block_size=2, sliding_window=11))
+    layout = KVCacheLayout(
+        groups=tuple(KVCacheGroup((f"l{i}",), spec) for i, spec in enumerate(groups)),
+        num_blocks=40,
+        max_model_len=64,
+        use_eagle=True,
+    )
+    return make_engine(layout)
+
+
+def _eagle_short_hit(engine) -> CacheHit:
+    """ "a" (24 tokens) computed and freed; "b" shares its first 14 tokens. Full
+    attention matches 3 blocks (12 tokens), EAGLE drops one: 8. The window then searches
+    up to 8 + 2 (EAGLE's margin) = 10 tokens: blocks 0..4 are cached (w 11 needs
+    cdiv(10, 2) + 1 = 6 blocks, more than the 2 of an alignment, so every block is), the
+    run from block 4 down to 0 is 5 < 6 blocks: no full match, the run from block 0
+    counts. 5 blocks = 10 tokens align down to 8 (4 blocks); the EAGLE drop leaves 3
+    blocks (6 tokens), which re-align down to 4: the hit is 4 tokens (full block 1,
+    window blocks 7 and 8: "a"'s first ones, full group first in the queue)."""
+    run_prompt(engine, "a", tuple(range(24)))
+    engine.free("a")
+    engine.add_request(RequestInput("b", tuple(range(14)) + tuple(range(100, 110))))
+    return engine.get_computed_blocks("b")
+
+
+def test_eagle_drop_re_aligns_a_fine_window_hit():
+    engine = _eagle_fine_window()
+    hit = _eagle_short_hit(engine)
+    assert hit == CacheHit(((1,), (7, 8)), 4)
+    # 24 tokens: 6 full columns (5 new) and 12 window columns (10 new), from the queue
+    # front 19.. (the freed blocks of "a" went to its back)
+    assert engine.allocate_slots("b", 20, 4, hit) == (
+        (19, 20, 21, 22, 23),
+        tuple(range(24, 34)),
+    )
+
+
+def test_a_mutant_without_the_eagle_re_alignment_is_caught(monkeypatch):
+    """vLLM without the re-alignment after the EAGLE drop (a branch the ci profile did
+    not reach before issue 19) returns the 6-token window hit, off the alignment 4."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    from tests.properties.engines.line_mutants import mutated_method
+
+    # the method's source is dedented once: the loop's ``while`` stands at 8 spaces
+    old = "# different page sizes, e.g. Gemma4).\n        while ("
+    new = "# different page sizes, e.g. Gemma4).\n        while False and ("
+    mutant = mutated_method(
+        SlidingWindowManager, "find_longest_cache_hit", old, new, "no_eagle_realign"
+    )
+    monkeypatch.setattr(SlidingWindowManager, "find_longest_cache_hit", classmethod(mutant))
+    hit = _eagle_short_hit(_eagle_fine_window())
+    assert hit.num_tokens == 6 and hit.num_tokens % 4 != 0
+
+
+def test_mamba_retention_interval_of_one_block_keeps_every_state():
+    """Full attention + Mamba, both bs 4, a 17-token prompt computed 4 tokens a step.
+    Interval 4 (one block): every state block ends a segment, so the states at 4, 8, 12
+    and 16 (ids 2, 4, 6, 8) all stay cached. Interval 8: the state at 4 (id 2) ends no
+    segment and is no replay boundary, so it is not cached and its block, freed when
+    the state moves on at 12, goes to the queue front and is the next full block."""
+    from properties.engines.vllm import make_engine
+
+    rows = {}
+    for interval in (4, 8):
+        groups = (FullAttentionSpec(block_size=4), MambaSpec(block_size=4))
+        layout = KVCacheLayout(
+            groups=tuple(KVCacheGroup((f"l{i}",), spec) for i, spec in enumerate(groups)),
+            num_blocks=40,
+            max_model_len=64,
+            prefix_cache_retention_interval=interval,
+        )
+        engine = make_engine(layout)
+        engine.add_request(RequestInput("a", tuple(range(17))))
+        hit = engine.get_computed_blocks("a")
+        for done in range(0, 16, 4):
+            engine.new_step()
+            new = engine.allocate_slots("a", 4, 0, hit) if done == 0 else None
+            if done:
+                new = engine.allocate_slots("a", 4)
+            assert new is not None
+            engine.set_num_computed_tokens("a", done + 4)
+        mamba = sorted((c.num_tokens, c.block_id) for c in engine.cached_blocks() if c.group_id)
+        rows[interval] = (engine.get_block_ids("a"), mamba)
+    assert rows[4] == (((1, 3, 5, 7), (0, 0, 6, 8)), [(4, 2), (8, 4), (12, 6), (16, 8)])
+    assert rows[8] == (((1, 3, 2, 6), (0, 0, 5, 7)), [(8, 4), (16, 7)])
+
+
+def test_lookahead_hashes_end_the_full_group_view_before_the_lookup_bound():
+    """Full attention bs 4 + a window bs 2 (w 4): hashes per 2 tokens, the full group
+    reads them through a 4-token view. EAGLE with 2 lookahead hashes: a hash block is
+    hashed once 2 tokens follow it (and nothing is dropped). "a" (16 tokens) is cached;
+    "b" (its first 9 tokens) has hashes for 6 tokens (3 blocks: 3 * 2 + 2 <= 9), a view
+    of 1 full block, while the lookup bound 8 asks for 2: the view is read to its end and
+    the hit is 4 tokens (full block 1; the window's 2 blocks ending at 4: ids 5 and 6, as
+    "a" took 1..4 for full attention and 5..12 for the window)."""
+    from properties.engines.vllm import make_engine
+
+    groups = (FullAttentionSpec(block_size=4), SlidingWindowSpec(block_size=2, sliding_window=4))
+    layout = KVCacheLayout(
+        groups=tuple(KVCacheGroup((f"l{i}",), spec) for i, spec in enumerate(groups)),
+        num_blocks=60,
+        max_model_len=64,
+        use_eagle=True,
+        num_hash_lookahead_tokens=2,
+    )
+    engine = make_engine(layout)
+    run_prompt(engine, "a", tuple(range(16)))
+    assert engine.get_block_ids("a") == ((1, 2, 3, 4), tuple(range(5, 13)))
+    engine.new_step()
+    engine.add_request(RequestInput("b", tuple(range(9))))
+    assert engine.get_computed_blocks("b") == CacheHit(((1,), (5, 6)), 4)
