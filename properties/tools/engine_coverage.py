@@ -305,23 +305,25 @@ def format_engine_coverage(result: EngineCoverage, table_file: str = TABLE_FILE)
 BASELINE_HEADER = (
     "# kvconform engine coverage baseline: branches allowed to stay unreached.\n"
     "# where<TAB>function<TAB>source<TAB>target[<TAB>reason]; matched without line numbers.\n"
-    "# reason: why the branch is out of the adapter's reach; 'open gap' (or none): reachable.\n"
+    "# reason: why the branch is out of the adapter's reach ('kind — detail'; the report counts\n"
+    "# kinds); 'open gap' (or none): reachable by the adapter's calls, not reached.\n"
 )
 #: The reason of a listed branch the adapter's calls can reach but the run did not.
 OPEN_GAP = "open gap"
+#: Splits a reason into its kind (counted in the report) and the branch's own detail.
+DETAIL = " — "
 
 
 def write_baseline(
-    result: EngineCoverage, path: str, reasons: dict[tuple[str, ...], str] | None = None
+    result: EngineCoverage, path: str, reasons: dict[tuple[str, ...], list[str]] | None = None
 ) -> None:
     """Write ``result``'s unreached branches as a baseline file; a branch ``reasons``
     classifies keeps its reason (a re-written baseline keeps the classification)."""
-    reasons = reasons or {}
     lines = []
-    for u in result.unreached:
+    for u, reason in zip(result.unreached, assign_reasons(result, reasons or {})):
         fields = [u.where, u.function, u.source, u.target_source]
-        if reasons.get(u.key):
-            fields.append(reasons[u.key])
+        if reason:
+            fields.append(reason)
         lines.append("\t".join(fields))
     Path(path).write_text(BASELINE_HEADER + "".join(line + "\n" for line in lines))
 
@@ -354,20 +356,45 @@ def read_baseline(path: str) -> Counter:
     return Counter(key for key, _ in _baseline_rows(path))
 
 
-def read_reasons(path: str) -> dict[tuple[str, ...], str]:
-    """The reason each classified branch of a baseline carries (lines with none left out)."""
-    return {key: reason for key, reason in _baseline_rows(path) if reason}
+def read_reasons(path: str) -> dict[tuple[str, ...], list[str]]:
+    """Per branch key, the reasons of the baseline's lines with that key, in file order
+    (``""`` for a line with none). A key names one branch unless two branches of a
+    function have the same two lines (two equal loops): their reasons then go to the
+    unreached branches in line order (:func:`assign_reasons`)."""
+    reasons: dict[tuple[str, ...], list[str]] = {}
+    for key, reason in _baseline_rows(path):
+        reasons.setdefault(key, []).append(reason)
+    return reasons
 
 
-def out_of_reach(result: EngineCoverage, reasons: dict[tuple[str, ...], str]) -> list[Branch]:
-    """The unreached branches ``reasons`` classifies as out of the adapter's reach (any
-    reason but :data:`OPEN_GAP`)."""
-    return [u for u in result.unreached if reasons.get(u.key, OPEN_GAP) != OPEN_GAP]
+def assign_reasons(result: EngineCoverage, reasons: dict[tuple[str, ...], list[str]]) -> list[str]:
+    """The reason of each of ``result.unreached`` (``""``: none), the i-th unreached
+    branch of a key taking the key's i-th reason."""
+    used: Counter = Counter()
+    out = []
+    for u in result.unreached:
+        listed = reasons.get(u.key, [])
+        out.append(listed[used[u.key]] if used[u.key] < len(listed) else "")
+        used[u.key] += 1
+    return out
 
 
-def reach_lines(result: EngineCoverage, reasons: dict[tuple[str, ...], str]) -> list[str]:
+def out_of_reach(
+    result: EngineCoverage, reasons: dict[tuple[str, ...], list[str]]
+) -> list[tuple[Branch, str]]:
+    """The unreached branches ``reasons`` classifies as out of the adapter's reach (a
+    reason other than :data:`OPEN_GAP`), with their reasons."""
+    return [
+        (u, r)
+        for u, r in zip(result.unreached, assign_reasons(result, reasons))
+        if r not in ("", OPEN_GAP)
+    ]
+
+
+def reach_lines(result: EngineCoverage, reasons: dict[tuple[str, ...], list[str]]) -> list[str]:
     """The coverage of the branches the adapter's calls can reach: every branch but the
-    unreached ones the baseline gives a reason for, then a count per reason.
+    unreached ones the baseline gives a reason for, then a count per kind of reason (the
+    text before :data:`DETAIL`).
 
     Worked example: 840 branches, 322 unreached, 293 of them classified (HiSparse,
     error paths, ...) and 29 open gaps (no reason, or ``open gap``): reachable
@@ -381,7 +408,7 @@ def reach_lines(result: EngineCoverage, reasons: dict[tuple[str, ...], str]) -> 
         f"adapter-reachable branch coverage: {percent:.1f}% of {reachable} branches "
         f"({gaps} open gaps; {len(outside)} unreached branches out of the adapter's reach)"
     ]
-    for reason, n in Counter(reasons[u.key] for u in outside).most_common():
+    for reason, n in Counter(r.split(DETAIL)[0] for _, r in outside).most_common():
         lines.append(f"  {n:>4}  {reason}")
     return lines
 
@@ -422,7 +449,7 @@ def report(
     result = analyse(request)
     print(format_engine_coverage(result), flush=True)
     reasons = read_reasons(baseline) if baseline else {}
-    if reasons:
+    if any(r for listed in reasons.values() for r in listed):
         print("\n".join(reach_lines(result, reasons)), flush=True)
     if write:
         write_baseline(result, write, reasons)

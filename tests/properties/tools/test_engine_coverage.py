@@ -187,30 +187,51 @@ def test_reasons_split_the_reachable_branches_from_the_out_of_reach_ones(tmp_pat
     path = tmp_path / "b.txt"
     path.write_text(
         "# header\n"
-        "m.py:3->4\tf\tif a:\tx = 1\tHiCache (out of scope)\n"
+        "m.py:3->4\tf\tif a:\tx = 1\terror path — only a corrupt pool\n"
         "m.py:5->6\tf\tif bad:\traise E\terror path\n"
         "m.py:9->10\tf\tif b:\ty = 1\topen gap\n"
         "m.py:9->12\tf\tif b:\ty = 2\n"
     )
     reasons = read_reasons(str(path))
-    assert len(reasons) == 3 and sum(read_baseline(str(path)).values()) == 4
+    assert len(reasons) == 4 and sum(read_baseline(str(path)).values()) == 4
     lines = reach_lines(result, reasons)
     assert lines[0] == (
         "adapter-reachable branch coverage: 75.0% of 8 branches "
         "(2 open gaps; 2 unreached branches out of the adapter's reach)"
     )
-    assert sorted(line.split(maxsplit=1)[1] for line in lines[1:]) == [
-        "HiCache (out of scope)",
-        "error path",
-    ]
+    # the two reasons are one kind ("error path"; the detail follows " — ")
+    assert [line.split(maxsplit=1) for line in lines[1:]] == [["2", "error path"]]
     # a re-written baseline keeps the reasons of the branches still unreached
     fewer = EngineCoverage(result.functions, unreached[1:])
     again = tmp_path / "again.txt"
     write_baseline(fewer, str(again), reasons)
     assert read_reasons(str(again)) == {
-        ("m.py", "f", "if bad:", "raise E"): "error path",
-        ("m.py", "f", "if b:", "y = 1"): "open gap",
+        ("m.py", "f", "if bad:", "raise E"): ["error path"],
+        ("m.py", "f", "if b:", "y = 1"): ["open gap"],
+        ("m.py", "f", "if b:", "y = 2"): [""],
     }
+
+
+def test_two_branches_with_the_same_lines_take_their_reasons_in_line_order(tmp_path) -> None:
+    # two equal loops in one function: "for c in cs: -> c.go()" at lines 5 and 9; the
+    # first is out of reach (rotation), the second an open gap: 1 of 3 out of reach,
+    # reachable 4 - 1 = 3, reached 3 - 1 = 2 (66.7%)
+    unreached = (_branch(5, 6, "c.go()", "for c in cs:"), _branch(9, 10, "c.go()", "for c in cs:"))
+    result = EngineCoverage((FunctionRow("m.py", "f", 4, 2),), unreached)
+    path = tmp_path / "b.txt"
+    path.write_text(
+        "m.py:5->6\tf\tfor c in cs:\tc.go()\trotation\n"
+        "m.py:9->10\tf\tfor c in cs:\tc.go()\topen gap\n"
+    )
+    lines = reach_lines(result, read_reasons(str(path)))
+    assert lines[0].startswith("adapter-reachable branch coverage: 66.7% of 3 branches (1 open")
+    again = tmp_path / "again.txt"
+    write_baseline(result, str(again), read_reasons(str(path)))
+    rows = [line for line in again.read_text().splitlines() if not line.startswith("#")]
+    assert [line.split("\t")[4] for line in rows] == [
+        "rotation",
+        "open gap",
+    ]
 
 
 def test_long_table_goes_to_a_file(tmp_path) -> None:
