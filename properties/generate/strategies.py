@@ -698,7 +698,8 @@ def prefix_pools(draw, layout: KVCacheLayout, max_prefixes: int = 3) -> tuple[tu
     """1..``max_prefixes`` shared prefixes; later ones may fork an earlier one.
 
     A fork keeps ``base[:cut]`` and continues differently, so two prompts share a
-    prefix and then diverge (possibly inside a block).
+    prefix and then diverge (possibly inside a block; with lookahead hashes, also inside
+    a block's lookahead: :func:`_cuts`).
     """
     limit = layout.max_model_len
     pool: list[tuple[int, ...]] = []
@@ -707,7 +708,12 @@ def prefix_pools(draw, layout: KVCacheLayout, max_prefixes: int = 3) -> tuple[tu
         head: tuple[int, ...] = ()
         if pool and draw(st.booleans()):
             base = draw(st.sampled_from(pool))
-            head = base[: draw(st.integers(0, min(len(base), length)))]
+            if layout.num_hash_lookahead_tokens:
+                unit, lookahead = layout.hash_block_size, layout.num_hash_lookahead_tokens
+                cut = draw(_cuts(min(len(base), length), unit, lookahead))
+            else:
+                cut = draw(st.integers(0, min(len(base), length)))
+            head = base[:cut]
         pool.append(head + random_tokens(draw(_seeds), length - len(head)))
     return tuple(pool)
 
@@ -726,15 +732,28 @@ def prompts(
     head: tuple[int, ...] = ()
     if prefix_pool and draw(st.booleans()):
         prefix = prefix_pool[draw(st.integers(0, len(prefix_pool) - 1))]
-        cut = draw(_cuts(len(prefix)))
+        lookahead = layout.num_hash_lookahead_tokens
+        cut = draw(_cuts(len(prefix), layout.hash_block_size if lookahead else 0, lookahead))
         head = prefix[: min(cut, length)]
     return head + random_tokens(draw(_seeds), length - len(head))
 
 
 @functools.lru_cache(maxsize=4096)
-def _cuts(length: int) -> st.SearchStrategy[int]:
-    """Where to cut a pool prefix: the whole prefix, or anywhere."""
-    return st.one_of(st.just(length), st.integers(0, length))
+def _cuts(length: int, unit: int = 0, lookahead: int = 0) -> st.SearchStrategy[int]:
+    """Where to cut a pool prefix: the whole prefix, or anywhere; with ``lookahead``
+    hashes (``L`` tokens after a block of ``unit`` tokens are part of its hash) also
+    inside a block's lookahead: ``k * unit + d`` with ``0 <= d < L``, so the two
+    prompts share block ``k - 1`` but not its whole hash (a hit there is wrong).
+    Example: ``unit`` 4, ``L`` 2, a 12-token prefix: 4, 5, 8 or 9 among the cuts."""
+    whole_or_any = (st.just(length), st.integers(0, length))
+    if not lookahead or length < unit:
+        return st.one_of(*whole_or_any)
+    edge = st.builds(
+        lambda k, d: min(length, k * unit + d),
+        st.integers(1, length // unit),
+        st.integers(0, lookahead - 1),
+    )
+    return st.one_of(*whole_or_any, edge)
 
 
 @functools.lru_cache(maxsize=4096)
