@@ -281,6 +281,18 @@ class CommitsSteps(Protocol):
 
 
 @runtime_checkable
+class FreesInBatch(Protocol):
+    """The batched ``free`` of the requests that end in the same step."""
+
+    def free_requests(self, request_ids: Sequence[str]) -> None:
+        """Exactly ``free(r)`` for each id in order (same state, same free queue), in one
+        call. The scheduler calls it when two or more requests finish in one step, after
+        the connector's release hook of each. Example: ``free_requests(["a", "b"])`` equals
+        ``free("a"); free("b")``."""
+        ...
+
+
+@runtime_checkable
 class HasSelfChecks(Protocol):
     """An adapter that checks its engine on its own, at a cost that is not the engine's.
 

@@ -47,6 +47,7 @@ from properties.core.engine import (
     BUILTIN_ENGINES,
     CommitsSteps,
     EngineError,
+    FreesInBatch,
     HasSelfChecks,
     KVCacheEngine,
     PlansSteps,
@@ -502,9 +503,18 @@ class _TimedCommits:
         return self._timed(self.engine.commit_step, updates)
 
 
+class _TimedFrees:
+    def free_requests(self, request_ids):
+        return self._timed(self.engine.free_requests, request_ids)
+
+
 #: only the batched calls are passed on: the scheduler then makes the same calls as on
 #: the bare engine
-TimedEngine.CAPABILITIES = ((PlansSteps, _TimedPlans), (CommitsSteps, _TimedCommits))
+TimedEngine.CAPABILITIES = (
+    (PlansSteps, _TimedPlans),
+    (CommitsSteps, _TimedCommits),
+    (FreesInBatch, _TimedFrees),
+)
 
 
 def timed(engine: KVCacheEngine) -> TimedEngine:
