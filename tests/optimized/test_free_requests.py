@@ -179,3 +179,15 @@ def test_freeing_every_running_request_at_once_matches_the_reference(recipe, at_
     assert ours.engine.free_queue() == ref.engine.free_queue()
     assert ours.engine.ref_counts() == ref.engine.ref_counts()
     assert ours.engine.num_free_blocks() == ref.engine.num_free_blocks()
+
+
+def test_bench_timer_times_free_requests_once_with_its_clock() -> None:
+    """A clock that advances 1.0 per reading: a timed call adds exactly 1.0 (two readings),
+    so one ``free_requests`` of two requests counts once, not once per request."""
+    ticks = iter(range(1000))
+    engine = timed(make_engine(_hand_layout()), clock=lambda: float(next(ticks)))
+    _two_sharing(engine)
+    before = engine.seconds
+    engine.free_requests(["a", "b"])
+    assert engine.seconds - before == 1.0
+    assert engine.engine.free_queue() == EXPECTED_QUEUE
