@@ -408,7 +408,7 @@ class BlockPool:
         """
         ref = self.ref_cnt
         before = ref[ids]
-        np.subtract.at(ref, ids, 1)
+        np.subtract.at(ref, ids, ref.dtype.type(1))  # (same dtype: numpy's fast path)
         after = ref[ids]
         if np.count_nonzero(after < 0):
             raise KVConformError(f"block {int(ids[after < 0][0])} freed more often than allocated")
