@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 
+from optimized.control.coordinator import KVCacheCoordinator
 from properties.core.engine import CacheHit, FreesInBatch, RequestInput
 from properties.core.trace import Step
 from properties.engines.optimized import make_engine
@@ -31,6 +32,15 @@ from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec
 
 EXPECTED_QUEUE = [5, 3, *range(6, 20), 4, 2, 1]
+
+
+@pytest.fixture(params=[2, None], ids=["one-pass", "default"], autouse=True)
+def min_batched_free(request, monkeypatch):
+    """Every test twice: with the one-pass free from 2 requests on, and with the default
+    threshold (small batches freed row by row)."""
+    if request.param is not None:
+        monkeypatch.setattr(KVCacheCoordinator, "min_batched_free", request.param)
+    return request.param
 
 
 def _hand_layout() -> KVCacheLayout:
