@@ -395,12 +395,13 @@ class BlockPool:
         if back is not None and np.count_nonzero(back):
             queue.append_n(ids[back])
 
-    def free_block_runs(self, ids: np.ndarray, which: np.ndarray) -> None:
+    def free_block_runs(self, ids: np.ndarray, runs_of: Callable[[np.ndarray], np.ndarray]) -> None:
         """Successive ``free_blocks`` calls over consecutive lists in one pass, where a block
         may appear in several lists (a prefix block shared by requests freed together:
         ``free`` of several requests, :meth:`KVCacheCoordinator.free_many`). ``ids`` are the
-        lists' non-null blocks laid end to end, ``which[i]`` the list of ``ids[i]``
-        (non-decreasing). Same counts and queue as the successive calls: each occurrence
+        lists' non-null blocks laid end to end; ``runs_of(mask)`` gives the list of each
+        ``ids[mask]`` (non-decreasing; only asked for the blocks going to the front). Same
+        counts and queue as the successive calls: each occurrence
         drops one reference; a block moves at its last occurrence when its count reaches 0
         there, hashed to the back in order, unhashed to the front with a later list's blocks
         before an earlier list's. Example: lists ``[a, s]``, ``[s, b]`` with ``s`` held twice
@@ -423,7 +424,7 @@ class BlockPool:
         front = moving & unhashed
         back = moving & ~unhashed
         if np.count_nonzero(front):
-            order = np.argsort(-which[front], kind="stable")
+            order = np.argsort(-runs_of(front), kind="stable")
             self.free_block_queue.prepend_n(ids[front][order])
         if np.count_nonzero(back):
             self.free_block_queue.append_n(ids[back])

@@ -149,12 +149,18 @@ class KVCacheCoordinator:
         num_groups = len(self.managers)
         # one (rows x columns) sheet: each group's columns reversed, groups side by side
         sheets = [m.release_rows(at)[:, ::-1] for m in self.managers]
-        sheet = np.concatenate(sheets, axis=1)
+        flat = np.concatenate(sheets, axis=1).ravel()
+        width = flat.size // len(rows)
         group_of_column = np.repeat(np.arange(num_groups), [s.shape[1] for s in sheets])
-        row_idx, col_idx = np.nonzero(sheet)
-        if row_idx.size:
-            which = row_idx * num_groups + group_of_column[col_idx]
-            self.block_pool.free_block_runs(sheet[row_idx, col_idx].astype(np.intp), which)
+        at_blocks = np.flatnonzero(flat)
+        if at_blocks.size:
+
+            def runs_of(picked: np.ndarray) -> np.ndarray:
+                """The (request, group) run of the picked blocks: row * groups + group."""
+                where = at_blocks[picked]
+                return where // width * num_groups + group_of_column[where % width]
+
+            self.block_pool.free_block_runs(flat[at_blocks].astype(np.intp), runs_of)
         for row in rows:
             heapq.heappush(self._free_rows, row)
 
