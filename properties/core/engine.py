@@ -32,7 +32,9 @@ cached prefix: hit maximality at the universal level), ``PlansSteps`` (a batched
 ``schedule_step`` for the running requests of a step: the scheduler then drives it, and
 the lockstep compares it with the reference's per-request calls), ``CommitsSteps`` (a
 batched ``commit_step`` for the end of a step: the scheduler then hands it every scheduled
-request's computed tokens and new output token in one call), ``ExposesDataPlane``
+request's computed tokens and new output token in one call), ``FreesInBatch`` (a batched
+``free_requests`` of the requests that end in the same step: the scheduler then frees them
+in one call), ``ExposesDataPlane``
 (the engine's own device block tables, slot mapping, paged caches and attention: the
 ``attention`` property then runs through them instead of the harness's copies),
 ``ReportsAllocationEstimate`` (the number of blocks the last ``allocate_slots`` estimated
