@@ -395,6 +395,40 @@ class BlockPool:
         if back is not None and np.count_nonzero(back):
             queue.append_n(ids[back])
 
+    def free_block_runs(self, ids: np.ndarray, runs_of: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Successive ``free_blocks`` calls over consecutive lists in one pass, where a block
+        may appear in several lists (a prefix block shared by requests freed together:
+        ``free`` of several requests, :meth:`KVCacheCoordinator.free_many`). ``ids`` are the
+        lists' non-null blocks laid end to end; ``runs_of(mask)`` gives the list of each
+        ``ids[mask]`` (non-decreasing; only asked for the blocks going to the front). Same
+        counts and queue as the successive calls: each occurrence
+        drops one reference; a block moves at its last occurrence when its count reaches 0
+        there, hashed to the back in order, unhashed to the front with a later list's blocks
+        before an earlier list's. Example: lists ``[a, s]``, ``[s, b]`` with ``s`` held twice
+        and all unhashed -> ``s`` moves with the second list: queue ``[s, b, a, ...]``.
+        """
+        ref = self.ref_cnt
+        before = ref[ids]
+        np.subtract.at(ref, ids, ref.dtype.type(1))  # (same dtype: numpy's fast path)
+        after = ref[ids]
+        if np.count_nonzero(after < 0):
+            raise KVConformError(f"block {int(ids[after < 0][0])} freed more often than allocated")
+        moving = after == 0
+        repeated = moving & (before - after > 1)  # a block at 0 seen more than once
+        if np.count_nonzero(repeated):
+            pos = np.flatnonzero(repeated)
+            _, first_from_end = np.unique(ids[pos][::-1], return_index=True)
+            moving[pos] = False
+            moving[pos[pos.size - 1 - first_from_end]] = True
+        unhashed = self.block_group[ids] < 0
+        front = moving & unhashed
+        back = moving & ~unhashed
+        if np.count_nonzero(front):
+            order = np.argsort(-runs_of(front), kind="stable")
+            self.free_block_queue.prepend_n(ids[front][order])
+        if np.count_nonzero(back):
+            self.free_block_queue.append_n(ids[back])
+
     def _prepend_lists(self, ids: np.ndarray, front: np.ndarray, lengths: Sequence[int]) -> None:
         """Prepend ``ids[front]`` as successive ``free_blocks`` calls over lists of
         ``lengths`` would: the last list's blocks first, each list keeping its order.

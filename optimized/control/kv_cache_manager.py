@@ -471,6 +471,19 @@ class KVCacheManager(ManagerBookkeeping):
         self._forget(request.request_id)
         self.coordinator.free(request.request_id)
 
+    def free_requests(self, requests: Sequence[Request]) -> None:
+        """:meth:`free` of each request in order, in one pass
+        (:meth:`KVCacheCoordinator.free_many`). A request that may not be freed raises
+        after the ones before it are freed, as the successive calls would. Example:
+        ``free_requests([a, b])`` leaves the state of ``free(a); free(b)``."""
+        ids: list[str] = []
+        try:
+            for request in requests:
+                self._forget(request.request_id)
+                ids.append(request.request_id)
+        finally:
+            self.coordinator.free_many(ids)
+
     # -- views -----------------------------------------------------------------
     def get_blocks(self, request_id: str) -> list[list[int]]:
         return self.coordinator.get_blocks(request_id)

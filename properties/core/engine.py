@@ -32,7 +32,9 @@ cached prefix: hit maximality at the universal level), ``PlansSteps`` (a batched
 ``schedule_step`` for the running requests of a step: the scheduler then drives it, and
 the lockstep compares it with the reference's per-request calls), ``CommitsSteps`` (a
 batched ``commit_step`` for the end of a step: the scheduler then hands it every scheduled
-request's computed tokens and new output token in one call), ``ExposesDataPlane``
+request's computed tokens and new output token in one call), ``FreesInBatch`` (a batched
+``free_requests`` of the requests that end in the same step: the scheduler then frees them
+in one call), ``ExposesDataPlane``
 (the engine's own device block tables, slot mapping, paged caches and attention: the
 ``attention`` property then runs through them instead of the harness's copies),
 ``ReportsAllocationEstimate`` (the number of blocks the last ``allocate_slots`` estimated
@@ -277,6 +279,18 @@ class CommitsSteps(Protocol):
         ``append_output_tokens`` of its token; in one call. Must equal those per-request
         calls exactly. The scheduler calls it once per step, before the step's ``free``
         calls of finished requests (a request's update never depends on another's)."""
+        ...
+
+
+@runtime_checkable
+class FreesInBatch(Protocol):
+    """The batched ``free`` of the requests that end in the same step."""
+
+    def free_requests(self, request_ids: Sequence[str]) -> None:
+        """Exactly ``free(r)`` for each id in order (same state, same free queue), in one
+        call. The scheduler calls it when two or more requests finish in one step, after
+        the connector's release hook of each. Example: ``free_requests(["a", "b"])`` equals
+        ``free("a"); free("b")``."""
         ...
 
 

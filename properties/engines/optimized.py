@@ -1,7 +1,8 @@
 """The optimized engine: :class:`optimized.control.kv_cache_manager.KVCacheManager` behind the
 engine protocol, with every optional capability of the reference adapter (ref counts, free
 queue, cached blocks) plus ``PlansSteps`` (its batched ``schedule_step``),
-``CommitsSteps`` (its batched ``commit_step``) and
+``CommitsSteps`` (its batched ``commit_step``), ``FreesInBatch`` (its batched
+``free_requests``) and
 ``ExposesDataPlane`` (its device block tables, slot mapping, paged caches and attention,
 :class:`optimized.device.data_plane.DataPlane`). ``kvconform check --engine optimized --level
 exact`` holds it to the reference call by call.
@@ -79,6 +80,19 @@ class OptimizedEngine(ManagerEngine):
         unknown = commit_updates(self.requests, updates)
         if unknown is not None:
             raise EngineError(f"optimized: unknown request {unknown!r}")
+
+    def free_requests(self, request_ids: Sequence[str]) -> None:
+        """``free`` of each id in order in one call (``FreesInBatch``,
+        :meth:`optimized.control.kv_cache_manager.KVCacheManager.free_requests`); an
+        unknown id raises after the ids before it are freed."""
+        known: list[Request] = []
+        try:
+            for request_id in request_ids:
+                known.append(self._request(request_id))
+        finally:
+            self.manager.free_requests(known)
+            for request in known:
+                self._hits.pop(request.request_id, None)
 
     def new_step(self) -> None:
         self.manager.new_step_starts()

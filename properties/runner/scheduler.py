@@ -57,6 +57,7 @@ from properties.core.engine import (
     BlockIds,
     CacheHit,
     CommitsSteps,
+    FreesInBatch,
     KVCacheEngine,
     PlansSteps,
     RequestInput,
@@ -264,6 +265,25 @@ class RequestQueues:
         self.finished.append(request_id)
         record.finished.append(request_id)
 
+    def _finish_all(self, request_ids: list[str], record: StepRecord) -> None:
+        """:meth:`_finish` of each id in order, the engine's frees in one ``free_requests``
+        call (two or more ids): the connector's release hooks first, in order, then the
+        frees, then each request forgotten and reported finished. Same engine state as
+        the successive ``_finish`` calls (each free touches its own request only)."""
+        if len(request_ids) < 2:
+            for request_id in request_ids:
+                self._finish(request_id, record)
+            return
+        if self.connector is not None:
+            for request_id in request_ids:
+                state = self.requests[request_id]
+                self.connector.release(state, self._processed(state))
+        self.engine.free_requests(request_ids)  # type: ignore[attr-defined]
+        for request_id in request_ids:
+            self._forget(request_id)
+            self.finished.append(request_id)
+            record.finished.append(request_id)
+
     def _preempt(self, request_id: str) -> None:
         state = self.requests[request_id]
         self._free(state)
@@ -369,6 +389,14 @@ class Scheduler(RequestQueues):
         self.batched = isinstance(engine, PlansSteps)
         #: The end of a step goes to the engine in one call when it commits steps.
         self.commits = isinstance(engine, CommitsSteps)
+        #: Requests finishing in the same step are freed in one call when the engine frees
+        #: in batch (not with drafts, nor in a subclass with its own ``_free``/``_finish``).
+        self.frees_in_batch = (
+            isinstance(engine, FreesInBatch)
+            and self.drafts is None
+            and type(self)._free is Scheduler._free
+            and type(self)._finish is Scheduler._finish
+        )
         #: batched allocations of this step not read yet (request id -> result)
         self._planned: dict[str, BlockIds | None] = {}
 
@@ -593,6 +621,7 @@ class Scheduler(RequestQueues):
             plan.append((item, StepUpdate(item.request_id, state.num_computed_tokens, token), done))
         if self.commits:
             self.engine.commit_step([u for _, u, _ in plan if u is not None])
+        ending: list[str] = []  # finished, freed together after the loop (frees_in_batch)
         for item, update, done in plan:
             if update is None:
                 assert self.drafts is not None
@@ -607,7 +636,12 @@ class Scheduler(RequestQueues):
             if update.output_token is not None and self.drafts is not None:
                 self.engine.cache_blocks(rid, update.num_computed_tokens)
             if done:
-                self._finish(rid, record)
+                if self.frees_in_batch:
+                    ending.append(rid)
+                else:
+                    self._finish(rid, record)
+        if ending:
+            self._finish_all(ending, record)
         for item in record.scheduled:
             state = self.requests.get(item.request_id)
             if state is not None:

@@ -606,6 +606,7 @@ def _bench(args: argparse.Namespace, finished: list) -> int:
             repeat=args.repeat,
             memory=args.memory,
             on_row=keeping(engine_line),
+            cpu=args.cpu,
         )
         print(format_engine_bench(rows))
         return 1 if engine_mismatches(rows) else 0
@@ -841,6 +842,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--memory", action="store_true", help="engines: also measure control-plane KiB/request"
+    )
+    p.add_argument(
+        "--cpu", action="store_true", help="engines: time engine calls in CPU time (thread_time)"
     )
     p.add_argument("--sizes", type=int, nargs="*", default=None, help="device: concurrencies")
     p.add_argument("--context", type=int, default=2048, help="device: prompt tokens")

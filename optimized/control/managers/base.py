@@ -95,6 +95,24 @@ class SingleTypeKVCacheManager(ManagerBase):
         self.num_cached_block[row] = -1
         self.num_leading_null[row] = 0
 
+    def release_rows(self, rows: np.ndarray) -> np.ndarray:
+        """:meth:`release_row` of each of ``rows`` (distinct) in one pass; returns the rows'
+        tables before the release as ``(len(rows), w)`` (``w`` the longest row; entries past
+        a row's length are 0). Example: rows with tables ``[3, 4]`` and ``[5]`` -> returns
+        ``[[3, 4], [5, 0]]`` and both rows read ``[]`` after."""
+        lengths = self.row_len[rows]
+        width = int(lengths.max()) if rows.size else 0
+        old = self.table[rows, :width]
+        inside = np.arange(width) < lengths[:, None]
+        if width:
+            self.table[rows, :width] = np.where(inside, NULL_BLOCK_ID, old)
+            old[~inside] = NULL_BLOCK_ID
+        absent = self._absent_minus_one()
+        for name in self._row_arrays():
+            arr = getattr(self, name)
+            arr[rows] = True if name == "dirty_rows" else (-1 if name in absent else 0)
+        return old
+
     def held_blocks(self, row: int) -> np.ndarray:
         """The row's entries that may hold blocks, as a view: from ``num_leading_null`` on
         when the entries before it are all null (as they should be), else the whole row

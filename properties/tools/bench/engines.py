@@ -47,6 +47,7 @@ from properties.core.engine import (
     BUILTIN_ENGINES,
     CommitsSteps,
     EngineError,
+    FreesInBatch,
     HasSelfChecks,
     KVCacheEngine,
     PlansSteps,
@@ -446,17 +447,22 @@ class TimedEngine(EngineProxy):
     ``seconds``: the engine's own cost, without the scheduler's bookkeeping around it.
     Built by :func:`timed`, it offers the engine's batched calls (timed too)."""
 
-    def __init__(self, engine: KVCacheEngine) -> None:
+    def __init__(
+        self, engine: KVCacheEngine, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         super().__init__(engine)
         self.engine = engine
         self.seconds = 0.0
+        #: wall time (``time.perf_counter``) or the thread's CPU time (``time.thread_time``:
+        #: steadier on a busy machine, :data:`CPU_CLOCK`)
+        self.clock = clock
 
     def _timed(self, fn, *args):
-        start = time.perf_counter()
+        start = self.clock()
         try:
             return fn(*args)
         finally:
-            self.seconds += time.perf_counter() - start
+            self.seconds += self.clock() - start
 
     def add_request(self, request):
         return self._timed(self.engine.add_request, request)
@@ -502,23 +508,39 @@ class _TimedCommits:
         return self._timed(self.engine.commit_step, updates)
 
 
+class _TimedFrees:
+    def free_requests(self, request_ids):
+        return self._timed(self.engine.free_requests, request_ids)
+
+
 #: only the batched calls are passed on: the scheduler then makes the same calls as on
 #: the bare engine
-TimedEngine.CAPABILITIES = ((PlansSteps, _TimedPlans), (CommitsSteps, _TimedCommits))
+TimedEngine.CAPABILITIES = (
+    (PlansSteps, _TimedPlans),
+    (CommitsSteps, _TimedCommits),
+    (FreesInBatch, _TimedFrees),
+)
 
 
-def timed(engine: KVCacheEngine) -> TimedEngine:
+#: The clock of ``bench engines --cpu``: CPU time of the calling thread, which other
+#: processes on a busy machine do not inflate (the engine's calls run on this thread).
+CPU_CLOCK: Callable[[], float] = time.thread_time
+
+
+def timed(engine: KVCacheEngine, clock: Callable[[], float] = time.perf_counter) -> TimedEngine:
     """The timing wrapper exposing exactly the engine's batched capabilities, so the
     scheduler makes the same calls as on the bare engine; every call is timed the same way
     for every engine (batched calls replace per-request calls, nothing goes untimed)."""
-    return TimedEngine.around(engine)
+    return TimedEngine.around(engine, clock)
 
 
-def replay_timed(engine: KVCacheEngine, trace: Trace) -> Replay:
+def replay_timed(
+    engine: KVCacheEngine, trace: Trace, clock: Callable[[], float] = time.perf_counter
+) -> Replay:
     """Apply ``trace`` to a fresh scheduler over ``engine``, timing every ``Step`` (wall
     time in ``step_seconds``; the split into decode and prefill counts the time spent
     inside the engine's calls only, see :class:`TimedEngine`)."""
-    engine = timed(engine)
+    engine = timed(engine, clock)
     scheduler = Scheduler(engine, trace.layout)
     seconds: list[float] = []
     decode_seconds: list[float] = []
@@ -639,7 +661,12 @@ def _caused_by_import(exc: BaseException) -> bool:
 
 
 def _measure(
-    name: str, trace_name: str, trace: Trace, repeat: int, memory: bool = False
+    name: str,
+    trace_name: str,
+    trace: Trace,
+    repeat: int,
+    memory: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> EngineBenchRow:
     """The fastest of ``repeat`` replays (by total step time); errors become the status."""
     try:
@@ -654,11 +681,17 @@ def _measure(
         except (EngineError, ImportError) as exc:
             status = _not_installed(name, exc) if _caused_by_import(exc) else f"error: {exc}"
             return EngineBenchRow(trace_name, name, status)
+        # the objects alive before the replay (the traces, the modules of engines benched
+        # earlier) are frozen: a collection during the replay then walks the replay's
+        # objects only, so a row does not pay for what earlier rows left in memory
         gc.collect()
+        gc.freeze()
         try:
-            result = replay_timed(engine, trace)
+            result = replay_timed(engine, trace, clock)
         except KVConformError as exc:
             return EngineBenchRow(trace_name, name, f"error: {exc}")
+        finally:
+            gc.unfreeze()
         if best is None or sum(result.step_seconds) < sum(best.step_seconds):
             best = result
     assert best is not None
@@ -750,9 +783,12 @@ def bench_engines(
     repeat: int = 1,
     memory: bool = False,
     on_row: Callable[[EngineBenchRow], None] | None = None,
+    cpu: bool = False,
 ) -> list[EngineBenchRow]:
     """One row per trace and engine, in that order; ``traces`` defaults to
-    :func:`recorded_traces`. The first engine is the baseline of the ratios.
+    :func:`recorded_traces`. The first engine is the baseline of the ratios. ``cpu``: the
+    engine's calls are timed in the thread's CPU time (:data:`CPU_CLOCK`) instead of wall
+    time, so the decode and prefill columns hold CPU milliseconds.
     ``on_row`` hears of each row as soon as it is measured (progress)."""
     if not engines:
         raise BenchError("engines must name at least one engine, got ()")
@@ -764,7 +800,8 @@ def bench_engines(
     rows = []
     for trace_name, trace in traces.items():
         for name in engines:
-            rows.append(_measure(name, trace_name, trace, repeat, memory))
+            clock = CPU_CLOCK if cpu else time.perf_counter
+            rows.append(_measure(name, trace_name, trace, repeat, memory, clock))
             if on_row is not None:
                 on_row(rows[-1])
     return with_speedups(with_ratios(rows))
