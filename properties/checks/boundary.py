@@ -37,10 +37,12 @@ from properties.core.engine import (
     CachedBlock,
     CacheHit,
     CallTimeoutError,
+    CommitsSteps,
     EngineError,
     ExposesCachedBlocks,
     ExposesFreeQueue,
     ExposesRefCounts,
+    FreesInBatch,
     KVCacheEngine,
     PlansSteps,
     PoolUsage,
@@ -48,6 +50,7 @@ from properties.core.engine import (
     ReportsPools,
     RequestInput,
     SlotRequest,
+    StepUpdate,
     SupportsServingModes,
     UnsupportedLayoutError,
 )
@@ -217,6 +220,18 @@ class _PlansSteps:
         return answers.check_batch(f"{self.name}: {what}", raw, len(items), self.layout)
 
 
+class _CommitsSteps:
+    def commit_step(self, updates: Sequence[StepUpdate]) -> None:
+        what = f"commit_step({len(updates)} updates: {', '.join(u.request_id for u in updates)})"
+        self._call(what, self.inner.commit_step, list(updates))
+
+
+class _FreesInBatch:
+    def free_requests(self, request_ids: Sequence[str]) -> None:
+        ids = list(request_ids)
+        self._call(f"free_requests({ids!r})", self.inner.free_requests, ids)
+
+
 class _ServingModes:
     def set_in_flight(
         self, request_id: str, num_in_flight_tokens: int, num_pending_tokens: int
@@ -269,13 +284,15 @@ class _Pools:
         return answers.check_pool_usage(f"{self.name}: pool_usage()", raw, self.layout)
 
 
-#: The capabilities the boundary passes on, each call validated; the others (batched
-#: commits, the data plane) are not offered through it.
+#: The capabilities the boundary passes on, each call validated; the data plane is not
+#: offered through it.
 EngineBoundary.CAPABILITIES = (
     (ExposesRefCounts, _RefCounts),
     (ExposesFreeQueue, _FreeQueue),
     (ExposesCachedBlocks, _CachedBlocks),
     (PlansSteps, _PlansSteps),
+    (CommitsSteps, _CommitsSteps),
+    (FreesInBatch, _FreesInBatch),
     (SupportsServingModes, _ServingModes),
     (ReportsAllocationEstimate, _AllocationEstimate),
     (ReportsPools, _Pools),

@@ -25,12 +25,15 @@ from properties.core.diff import describe_mismatch
 from properties.core.engine import (
     BlockIds,
     CacheHit,
+    CommitsSteps,
     ExposesFreeQueue,
+    FreesInBatch,
     KVCacheEngine,
     PlansSteps,
     ReportsAllocationEstimate,
     RequestInput,
     SlotRequest,
+    StepUpdate,
 )
 from properties.core.proxy import EngineProxy
 from reference.host_tier import HostTier
@@ -356,6 +359,49 @@ class LockstepEngine(EngineProxy):
                 self._diverge("reset_prefix_cache()", expected, ok)
         self.checker.on_reset(ok)
         return ok
+
+
+class LockstepCommits:
+    """``commit_step`` for an engine that has it (:class:`CommitsSteps`): the engine gets
+    the whole batch in one call, the reference and the checks each update in order, as
+    the per-request calls would (a request's update never depends on another's), so the
+    batched path is what the gate compares with the reference."""
+
+    def commit_step(self: LockstepEngine, updates: Sequence[StepUpdate]) -> None:
+        updates = list(updates)
+        self._call(self.engine.commit_step, updates, names=[u.request_id for u in updates])
+        for update in updates:
+            rid, tokens = update.request_id, [update.output_token]
+            if self.reference is not None:
+                self.reference.set_num_computed_tokens(rid, update.num_computed_tokens)
+            self.checker.on_set_computed(rid, update.num_computed_tokens)
+            if update.output_token is not None:
+                if self.reference is not None:
+                    self.reference.append_output_tokens(rid, tokens)
+                self.checker.on_append(rid, tokens)
+
+
+class LockstepFrees:
+    """``free_requests`` for an engine that has it (:class:`FreesInBatch`): one batched
+    call on the engine, the reference freed one request at a time in the same order, the
+    free checks run for each, then the state (tables, free counts, free queue) compared
+    once: the batch must leave what the successive frees leave."""
+
+    def free_requests(self: LockstepEngine, request_ids: Sequence[str]) -> None:
+        ids = list(request_ids)
+        self._call(self.engine.free_requests, ids, names=ids)
+        for rid in ids:
+            if self.reference is not None:
+                self.reference.free(rid)
+            self._record("free", {"request_id": rid}, None)
+            self.checker.on_free(rid)
+        self._compare_state(f"free_requests({ids!r})", None)
+
+
+#: The batched calls the lockstep offers when the engine under test has them
+#: (:meth:`LockstepEngine.around`); schedule_step it offers always (per-request calls for
+#: an engine without it).
+LockstepEngine.CAPABILITIES = ((CommitsSteps, LockstepCommits), (FreesInBatch, LockstepFrees))
 
 
 def _item_allocation(item: SlotRequest) -> Allocation:

@@ -145,7 +145,7 @@ class TraceRun:
             )
         self.mode = mode
         host_tier = connector_host_tier(layout, mode)
-        self.lockstep = LockstepEngine(
+        self.lockstep = LockstepEngine.around(
             built, layout, reference, config.disabled, timeout, host_tier=host_tier
         )
         self.scheduler = make_scheduler(
