@@ -241,15 +241,19 @@ def apply_decode_item(
     """
     managers = manager.coordinator.managers
     pool = manager.block_pool
-    twin_of = manager._twin_of  # twin groups hold the same counts: computed once
+    twin_of = manager._twin_of  # twin groups hold the same counts: decided once per class
     ends: dict[int, int] = {}
-    for g in groups:
-        mg = managers[g]
-        end = ends.get(twin_of[g])
-        if end is None:
-            end = ends[twin_of[g]] = mg.skipped_end(row, total)
-        if end > 0:  # remove_skipped_blocks
-            mg._remove_blocks_in_range(row, 0, end)
+    for g in groups:  # remove_skipped_blocks, in group order (the queue order depends on it)
+        t = twin_of[g]
+        end = ends.get(t)
+        if end is None:  # the first of its class (t == g): its row's counts decide
+            mg = managers[g]
+            end = mg.skipped_end(row, total)
+            if end <= mg.num_leading_null.item(row):
+                end = 0  # nothing left the window since the last step
+            ends[t] = end
+        if end:
+            managers[g]._remove_blocks_in_range(row, 0, end)
     new_blocks: list[list[int]] = [[] for _ in managers]
     pops = _running_pops(managers, groups, row, slots, twin_of)
     if pops is not None:
@@ -273,19 +277,39 @@ def apply_decode_item(
         for g in groups:
             new_blocks[g] = managers[g].allocate_new_blocks(row, slots, main)
     if manager.enable_caching:
-        # only groups where ``cache_blocks`` registers something (``cacheable_full_blocks``
-        # past the cached count), or whose block size differs from the hash block size
-        h = request.hash_block_size
-        limit = min(cache_tokens, len(request.block_hashes) * h)
-        for g in groups:
-            mg = managers[g]
-            bs = mg.block_size
-            if bs != h or limit // bs > mg.num_cached_block.item(row):
-                mg.cache_blocks(request, row, cache_tokens)
+        _cache_item(managers, twin_of, request, row, cache_tokens, groups)
     manager._known.add(request.request_id)
     if request.status is not RequestStatus.FINISHED:
         request.status = RequestStatus.RUNNING
     return new_blocks
+
+
+def _cache_item(
+    managers, twin_of: Sequence[int], request, row: int, cache_tokens: int, groups: Sequence[int]
+) -> None:
+    """``cache_blocks`` of ``groups`` (in order) for one item, each class of twins planned
+    once (:meth:`~optimized.control.managers.base.SingleTypeKVCacheManager.cache_plan`):
+    only groups where something is registered (``cacheable_full_blocks`` past the cached
+    count), or whose block size differs from the hash block size, or whose class adds its
+    own rule, are called. Example: full + 5 identical windows completing a block: one plan
+    for the full group, one for the 5 windows, 6 registrations."""
+    h = request.hash_block_size
+    limit = min(cache_tokens, len(request.block_hashes) * h)
+    plans: dict[int, object] = {}
+    for g in groups:
+        mg = managers[g]
+        bs = mg.block_size
+        if bs == h and limit // bs <= mg.num_cached_block.item(row):
+            continue
+        if not mg.shares_cache_plans():
+            mg.cache_blocks(request, row, cache_tokens)
+            continue
+        t = twin_of[g]
+        if t not in plans:
+            plans[t] = mg.cache_plan(request, row, cache_tokens)
+        plan = plans[t]
+        if plan is not None:
+            mg.apply_cache_plan(row, plan)
 
 
 def _running_pops(

@@ -56,6 +56,8 @@ _REQUEST_INTS = tuple(
     attrgetter(name) for name in ("num_computed_tokens", "num_tokens", "num_prompt_tokens")
 )
 _REQUEST_HASHES = attrgetter("block_hashes")
+_REQUEST_COMPUTED = attrgetter("num_computed_tokens")
+_REQUEST_TOKENS = attrgetter("num_tokens")
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,11 @@ class KVCacheManager(ManagerBookkeeping):
         #: of its requests were already running
         self._step_ids: list[str] = []
         self._all_running = False
+        #: per row, the decode threshold (:meth:`_refresh_thresholds`; 0: test the row)
+        self._next_work = np.zeros(max_num_reqs, dtype=np.int64)
+        self._all_groups = tuple(range(self.num_groups))
+        #: the rows of the step :meth:`_quiet_items` last looked at
+        self._quiet_rows = np.zeros(0, dtype=np.int64)
         #: the blocks the last ``allocate_slots`` estimated it needed (None: it returned
         #: before estimating; not a per-item figure after a batched ``schedule_step``)
         self.last_num_blocks_to_allocate: int | None = None
@@ -246,6 +253,8 @@ class KVCacheManager(ManagerBookkeeping):
         self._known.add(rid)
         coordinator = self.coordinator
         row = coordinator.row(rid)
+        if row < self._next_work.size:
+            self._next_work[row] = 0  # the row may have changed hands: test it next step
         local = request.num_computed_tokens + num_new_computed_tokens
         total = min(local, self.max_model_len)
         main = total + num_new_tokens
@@ -277,6 +286,114 @@ class KVCacheManager(ManagerBookkeeping):
     def schedule_step(self, items: Sequence[StepItem]) -> list[list[list[int]] | None]:
         """``allocate_slots(*item)`` for each item in order, decode case vectorised.
 
+        A step of one-token decode items (:class:`StepBatch`) first sets aside its *quiet*
+        items (:meth:`_quiet_items`): a running request whose computed count is below its
+        row's decode threshold (:meth:`_refresh_thresholds`) has nothing to free,
+        allocate or cache, so it is settled without any per-group test; the other items
+        go through :meth:`_schedule_items`, and their rows' thresholds are refreshed.
+        Example: 27 decode items on gemma3 of which 3 reach a block boundary: the 24
+        others are settled from one array comparison.
+        """
+        self.last_num_blocks_to_allocate = None  # batched items report none
+        quiet = self._quiet_items(items) if isinstance(items, StepBatch) else None
+        if quiet is None:
+            return self._schedule_items(items)
+        n = len(items)
+        step_ids, rows = self._step_ids, self._quiet_rows
+        loud = np.flatnonzero(~quiet)
+        if not loud.size:
+            self._known.update(step_ids)  # all running: settling records the ids
+            return [self.no_new_blocks] * n
+        requests = items.requests
+        picked = loud.tolist()
+        m = len(picked)
+        if m < self.min_batched_apply:
+            sub = self._apply_loud(requests, picked, rows[loud])
+        else:
+            sub = self._schedule_items(StepBatch([requests[i] for i in picked], [1] * m, [0] * m))
+        self._refresh_thresholds(rows[loud])
+        results: list[list[list[int]] | None] = [self.no_new_blocks] * n
+        for i, new_blocks in zip(picked, sub):
+            results[i] = new_blocks
+        stop = picked[len(sub) - 1] + 1 if sub and sub[-1] is None else n
+        self._known.update(step_ids[:stop])
+        return results if stop == n else results[:stop]
+
+    def _quiet_items(self, items: StepBatch) -> np.ndarray | None:
+        """Which items of a step of one-token decode items on running requests that hold
+        rows are quiet (computed count below the row's threshold), or None when the step
+        is not such a step or some item is invalid (:meth:`_schedule_items` then decides,
+        and raises the error). Sets ``_step_ids``, ``_all_running`` and ``_quiet_rows``.
+        Example: computed ``[30, 47]``, thresholds ``[47, 47]`` -> ``[True, False]``."""
+        if not self._per_group_apply:
+            return None  # Mamba: every row is tested every step
+        requests = items.requests
+        n = len(requests)
+        new, ahead = items.num_new_tokens, items.num_lookahead_tokens
+        if not (n and isinstance(new, list) and isinstance(ahead, list)):
+            return None
+        if new.count(1) != n or ahead.count(0) != n:
+            return None
+        if list(map(_REQUEST_STATUS, requests)).count(RequestStatus.RUNNING) != n:
+            return None
+        rids = list(map(_REQUEST_ID, requests))
+        if len(set(rids)) != n:
+            return None
+        rows = np.fromiter(map(self.coordinator.row_of.get, rids, repeat(-1)), np.int64, n)
+        computed = np.fromiter(map(_REQUEST_COMPUTED, requests), np.int64, n)
+        num_tokens = np.fromiter(map(_REQUEST_TOKENS, requests), np.int64, n)
+        if rows.min() < 0 or (computed >= num_tokens).any():
+            return None
+        if num_tokens.max() > self.max_model_len:
+            return None
+        if rows.max() >= self._next_work.size:
+            grown = np.zeros(self.coordinator.max_num_reqs, dtype=np.int64)
+            grown[: self._next_work.size] = self._next_work
+            self._next_work = grown
+        self._step_ids, self._all_running, self._quiet_rows = rids, True, rows
+        return computed < self._next_work[rows]
+
+    def _apply_loud(
+        self, requests: Sequence[Request], picked: list[int], rows: np.ndarray
+    ) -> list[list[list[int]] | None]:
+        """A few loud items (validated by :meth:`_quiet_items`: one new token, no hit, a
+        row) applied one by one in order through :func:`apply_decode_item` on every group
+        (a group with nothing to do frees, allocates and caches nothing there), stopping
+        after the first None. Example: 2 loud items, the first crossing a block boundary
+        in a full pool -> ``[None]``."""
+        groups = self._all_groups
+        mml = self.max_model_len
+        lcm = self._scheduler_block_size if self.enable_caching and self.num_groups > 1 else 1
+        out: list[list[list[int]] | None] = []
+        for i, row in zip(picked, rows.tolist()):
+            request = requests[i]
+            total = request.num_computed_tokens
+            main = total + 1
+            cache_tokens = min(main, request.num_tokens) // lcm * lcm
+            new_blocks = apply_decode_item(
+                self, request, row, total, main, min(main, mml), cache_tokens, groups
+            )
+            out.append(new_blocks)
+            if new_blocks is None:
+                break
+        return out
+
+    def _refresh_thresholds(self, rows: np.ndarray) -> None:
+        """Each row's decode threshold: the least over its groups' classes of
+        :meth:`~optimized.control.managers.base.SingleTypeKVCacheManager.
+        decode_work_threshold`. It stays a lower bound while the row's request holds it
+        (counts only grow); ``allocate_slots`` zeroes it (a row may change hands there)."""
+        managers = self.coordinator.managers
+        least = None
+        for g, twin in enumerate(self._twin_of):
+            if twin == g:
+                t = managers[g].decode_work_threshold(rows)
+                least = t if least is None else np.minimum(least, t)
+        self._next_work[rows] = least
+
+    def _schedule_items(self, items: Sequence[StepItem]) -> list[list[list[int]] | None]:
+        """:meth:`schedule_step` without the quiet items' shortcut.
+
         An item that gets no block reads :attr:`no_new_blocks` (empty tuples, shared);
         the others get lists as ``allocate_slots`` returns them.
 
@@ -285,7 +402,6 @@ class KVCacheManager(ManagerBookkeeping):
         Every item is validated first (a bad item raises before anything changes); a
         request may appear at most once per call.
         """
-        self.last_num_blocks_to_allocate = None  # batched items report none
         n = len(items)
         fast_idx, gathered, requests = self._gather(items)
         idle = np.zeros(n, dtype=bool)

@@ -71,8 +71,13 @@ class Divergence(AssertionError):
 class Pair:
     """The two managers and the two request objects of each id."""
 
-    def __init__(self, layout: KVCacheLayout, min_batched_apply: int | None = None) -> None:
+    def __init__(
+        self, layout: KVCacheLayout, min_batched_apply: int | None = None, columns: bool = False
+    ) -> None:
         self.layout = layout
+        #: batched steps go to the optimized manager as columns (``schedule_columns``, the
+        #: adapter's call, which sets quiet decode items aside) instead of ``StepItem``\ s
+        self.columns = columns
         self.ref = ReferenceManager(layout)
         self.opt = OptimizedManager(layout, max_num_reqs=2)
         if min_batched_apply is not None:
@@ -116,8 +121,16 @@ class Pair:
             if r is None:
                 break  # schedule_step stops after the first None
             self.held.add(rid)
-        items = [StepItem(self.opt_reqs[rid], new, 0, None, la) for rid, new, la in batch]
-        o_out = [None if r is None else [list(g) for g in r] for r in self.opt.schedule_step(items)]
+        if self.columns:
+            opt = self.opt.schedule_columns(
+                [self.opt_reqs[rid] for rid, _, _ in batch],
+                [new for _, new, _ in batch],
+                [la for _, _, la in batch],
+            )
+        else:
+            items = [StepItem(self.opt_reqs[rid], new, 0, None, la) for rid, new, la in batch]
+            opt = self.opt.schedule_step(items)
+        o_out = [None if r is None else [list(g) for g in r] for r in opt]
         self.same("schedule_step results", r_out, o_out)
         self.check_state()
         return r_out
@@ -164,8 +177,12 @@ class Pair:
             self.same(f"table of {rid}", self.ref.get_block_ids(rid), self.opt.get_block_ids(rid))
 
 
-def run_trace(pair: Pair, seed: int, num_steps: int, batched: bool) -> dict:
-    """A scheduler-like random trace; returns counters (steps, hits, preemptions)."""
+def run_trace(
+    pair: Pair, seed: int, num_steps: int, batched: bool, plain_decode: bool = False
+) -> dict:
+    """A scheduler-like random trace; returns counters (steps, hits, preemptions).
+    ``plain_decode``: every running request gets one new token and no lookahead per step
+    (a plain decode step, prefill chunks of one token included)."""
     rng = random.Random(seed)
     layout = pair.layout
     mml = layout.max_model_len
@@ -204,6 +221,8 @@ def run_trace(pair: Pair, seed: int, num_steps: int, batched: bool) -> dict:
             remaining = req.num_tokens - req.num_computed_tokens
             new = min(remaining, rng.choice([1, 1, 1, 2, 5]))
             la = rng.choice([0, 0, 0, 2])
+            if plain_decode:
+                new, la = 1, 0
             batch.append((rid, new, la))
         if batched and batch:
             out = pair.step(batch)

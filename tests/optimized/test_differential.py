@@ -27,3 +27,20 @@ def test_batched_step_matches_reference(layout, seed) -> None:
 def test_vectorised_decode_apply_matches_reference(layout, seed) -> None:
     """Every working decode item through ``apply_decode_items``, however few."""
     run_trace(Pair(layout, min_batched_apply=0), seed, num_steps=30, batched=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(layout=layouts(), seed=st.integers(0, 2**32 - 1))
+def test_plain_decode_steps_as_columns_match_reference(layout, seed) -> None:
+    """One token per running request, steps as columns: quiet items are settled from their
+    rows' decode thresholds, the loud ones applied one by one (or batched)."""
+    pair = Pair(layout, columns=True)
+    counts = run_trace(pair, seed, num_steps=40, batched=True, plain_decode=True)
+    assert counts["steps"] == 40
+
+
+@settings(max_examples=40, deadline=None)
+@given(layout=layouts(), seed=st.integers(0, 2**32 - 1))
+def test_mixed_steps_as_columns_match_reference(layout, seed) -> None:
+    """Columns with chunks and lookahead too (quiet shortcut refused), loud items batched."""
+    run_trace(Pair(layout, min_batched_apply=0, columns=True), seed, num_steps=30, batched=True)

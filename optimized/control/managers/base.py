@@ -30,6 +30,8 @@ from reference.managers.base import ManagerBase, blocks_to_allocate, cacheable_f
 from reference.specs import KVCacheSpec, cdiv
 
 BlockList = list[int]
+#: ``(num_cached, num_full, mask, hashes)``: see :meth:`SingleTypeKVCacheManager.cache_plan`
+CachePlan = tuple[int, int, Sequence[bool] | None, Sequence[bytes]]
 
 
 class SingleTypeKVCacheManager(ManagerBase):
@@ -199,23 +201,45 @@ class SingleTypeKVCacheManager(ManagerBase):
 
     def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         """Register the full blocks of ``[0, num_tokens)`` not registered yet."""
-        num_cached = max(int(self.num_cached_block[row]), 0)
+        plan = self.cache_plan(request, row, num_tokens)
+        if plan is not None:
+            self.apply_cache_plan(row, plan)
+
+    def cache_plan(self, request: Request, row: int, num_tokens: int) -> CachePlan | None:
+        """What :meth:`cache_blocks` registers: ``(num_cached, num_full, mask, hashes)``
+        (blocks ``[num_cached, num_full)`` of the row under ``hashes``, ``mask`` as
+        :meth:`cacheable_block_mask`), or None when nothing is left to register. A plan
+        depends on the spec and the row's counts only, so groups of the same class and
+        spec (twins, whose rows hold the same counts) share one. Example: bs 16, 40 tokens
+        hashed, 2 blocks cached, 48 tokens -> None; 3 hashes, 1 cached -> ``(1, 2, ...)``."""
+        num_cached = max(self.num_cached_block.item(row), 0)
         num_full = cacheable_full_blocks(request, num_tokens, self.block_size)
         if num_cached >= num_full:
-            return
+            return None
         mask = self.cacheable_block_mask(request, num_cached, num_full)
         hashes = hashes_at_block_size(
             request.block_hashes, request.hash_block_size, self.block_size
         )
+        return num_cached, num_full, mask, hashes[num_cached:num_full]
+
+    def apply_cache_plan(self, row: int, plan: CachePlan) -> None:
+        """Register the blocks of ``plan`` (:meth:`cache_plan`) in this group's row."""
+        num_cached, num_full, mask, hashes = plan
         self.block_pool.cache_full_blocks(
             self.table[row, num_cached:num_full],
-            hashes[num_cached:num_full],
+            hashes,
             self.group_id,
             num_cached,
             self.block_size,
             mask,
         )
         self.num_cached_block[row] = num_full
+
+    @classmethod
+    def shares_cache_plans(cls) -> bool:
+        """Does :meth:`cache_blocks` register exactly its :meth:`cache_plan` (no extra
+        rule, such as full attention's partial tail key or Mamba's state blocks)?"""
+        return cls.cache_blocks is SingleTypeKVCacheManager.cache_blocks
 
     # -- freeing -----------------------------------------------------------------
     def skipped_end(self, row: int, num_computed_tokens: int) -> int:
@@ -291,3 +315,31 @@ class SingleTypeKVCacheManager(ManagerBase):
     def _skipped_tokens(self, total: np.ndarray) -> np.ndarray | None:
         """Vectorised ``spec.num_skipped_tokens`` (None: never skips)."""
         return None
+
+    def _first_total_skipping(self, tokens: np.ndarray) -> np.ndarray | None:
+        """The smallest computed count whose ``num_skipped_tokens`` reaches ``tokens``
+        (the inverse of :meth:`_skipped_tokens`; None: never skips)."""
+        return None
+
+    def decode_work_threshold(self, rows: np.ndarray) -> np.ndarray:
+        """Per row, a computed-token count below which a decode item of one new token (no
+        hit, no lookahead) changes nothing in this group: the least ``c`` at which
+        :meth:`pending_work` may flag it, from the row's counts alone. With ``c`` computed
+        the item has ``slots = c + 1`` and caches at most ``c + 1`` tokens, so it
+        allocates once ``c >= held * bs``, drops a block once ``c`` skips ``(leading + 1)
+        * bs`` tokens (only while ``held > leading``) and caches once ``c + 1 >=
+        (cached + 1) * bs``. Counts only grow while a request holds its row, so the
+        figure stays a lower bound until the row is released.
+        Example: bs 16, w 32, held 3, leading 1, cached 2: allocation at 48, window at
+        ``32 + 31 = 63``, caching at 47 -> 47."""
+        bs = self.block_size
+        held = self.row_len[rows].astype(np.int64)
+        least = held * bs
+        first = self._first_total_skipping((self.num_leading_null[rows].astype(np.int64) + 1) * bs)
+        if first is not None:
+            leading = self.num_leading_null[rows]
+            least = np.where(held > leading, np.minimum(least, first), least)
+        if self.enable_caching:
+            cached = np.maximum(self.num_cached_block[rows].astype(np.int64), 0)
+            least = np.minimum(least, (cached + 1) * bs - 1)
+        return least

@@ -22,3 +22,9 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         assert isinstance(self.spec, ChunkedLocalAttentionSpec)
         chunk = self.spec.attention_chunk_size
         return total // chunk * chunk
+
+    def _first_total_skipping(self, tokens: np.ndarray) -> np.ndarray:
+        """``t // C * C >= tokens`` first holds at ``t = cdiv(tokens, C) * C``."""
+        assert isinstance(self.spec, ChunkedLocalAttentionSpec)
+        chunk = self.spec.attention_chunk_size
+        return -(-tokens // chunk) * chunk

@@ -23,3 +23,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def _skipped_tokens(self, total: np.ndarray) -> np.ndarray:
         assert isinstance(self.spec, SlidingWindowSpec)
         return np.maximum(total - self.spec.sliding_window + 1, 0)
+
+    def _first_total_skipping(self, tokens: np.ndarray) -> np.ndarray:
+        """``t - w + 1 >= tokens`` first holds at ``t = tokens + w - 1``."""
+        assert isinstance(self.spec, SlidingWindowSpec)
+        return tokens + (self.spec.sliding_window - 1)
