@@ -88,12 +88,13 @@ def apply_decode_items(
     freed_per_item = np.zeros(m, dtype=np.int64)
     zero = front = np.zeros(0, dtype=bool)
     if freed.size:
-        if pool.has_repeats(freed):
-            return None  # a block shared by two requests: its last free decides its place
         after = pool.ref_cnt[freed] - 1
-        if (after < 0).any():
-            return None
         zero = after == 0
+        # a block held once sits in one table cell: only when some block stays held can
+        # one be freed twice in the step (a block shared by two requests: its last free
+        # decides its place)
+        if not zero.all() and ((after < 0).any() or pool.has_repeats(freed)):
+            return None
         front = zero & (pool.block_group[freed] < 0)
         freed_per_item = np.bincount(freed_item[zero], minlength=m)
     own = None  # per item, its own front-freed blocks it pops (None: pops from the queue)
@@ -248,8 +249,8 @@ def apply_decode_item(
         end = ends.get(t)
         if end is None:  # the first of its class (t == g): its row's counts decide
             mg = managers[g]
-            end = mg.skipped_end(row, total)
-            if end <= mg.num_leading_null.item(row):
+            end = mg.skipped_end(row, total) if mg.drops_blocks else 0
+            if end and end <= mg.num_leading_null.item(row):
                 end = 0  # nothing left the window since the last step
             ends[t] = end
         if end:

@@ -37,6 +37,9 @@ CachePlan = tuple[int, int, Sequence[bool] | None, Sequence[bytes]]
 class SingleTypeKVCacheManager(ManagerBase):
     """Block tables of one KV cache group."""
 
+    #: Do blocks leave the group's rows as tokens are computed (a window or a chunk)?
+    drops_blocks: bool = False
+
     def __init__(
         self,
         spec: KVCacheSpec,
@@ -235,11 +238,10 @@ class SingleTypeKVCacheManager(ManagerBase):
         )
         self.num_cached_block[row] = num_full
 
-    @classmethod
-    def shares_cache_plans(cls) -> bool:
+    def shares_cache_plans(self) -> bool:
         """Does :meth:`cache_blocks` register exactly its :meth:`cache_plan` (no extra
         rule, such as full attention's partial tail key or Mamba's state blocks)?"""
-        return cls.cache_blocks is SingleTypeKVCacheManager.cache_blocks
+        return type(self).cache_blocks is SingleTypeKVCacheManager.cache_blocks
 
     # -- freeing -----------------------------------------------------------------
     def skipped_end(self, row: int, num_computed_tokens: int) -> int:
@@ -316,10 +318,10 @@ class SingleTypeKVCacheManager(ManagerBase):
         """Vectorised ``spec.num_skipped_tokens`` (None: never skips)."""
         return None
 
-    def _first_total_skipping(self, tokens: np.ndarray) -> np.ndarray | None:
-        """The smallest computed count whose ``num_skipped_tokens`` reaches ``tokens``
-        (the inverse of :meth:`_skipped_tokens`; None: never skips)."""
-        return None
+    def _first_total_skipping(self, tokens: np.ndarray) -> np.ndarray:
+        """The smallest computed count whose ``num_skipped_tokens`` reaches ``tokens`` (the
+        inverse of :meth:`_skipped_tokens`), for a class that :attr:`drops_blocks`."""
+        raise NotImplementedError(f"{type(self).__name__} drops no blocks")
 
     def decode_work_threshold(self, rows: np.ndarray) -> np.ndarray:
         """Per row, a computed-token count below which a decode item of one new token (no
@@ -333,13 +335,13 @@ class SingleTypeKVCacheManager(ManagerBase):
         Example: bs 16, w 32, held 3, leading 1, cached 2: allocation at 48, window at
         ``32 + 31 = 63``, caching at 47 -> 47."""
         bs = self.block_size
-        held = self.row_len[rows].astype(np.int64)
-        least = held * bs
-        first = self._first_total_skipping((self.num_leading_null[rows].astype(np.int64) + 1) * bs)
-        if first is not None:
+        held = self.row_len[rows]
+        least = held * bs  # (int32: counts stay far below 2**31)
+        if self.drops_blocks:
             leading = self.num_leading_null[rows]
+            first = self._first_total_skipping((leading + 1) * bs)
             least = np.where(held > leading, np.minimum(least, first), least)
         if self.enable_caching:
-            cached = np.maximum(self.num_cached_block[rows].astype(np.int64), 0)
-            least = np.minimum(least, (cached + 1) * bs - 1)
+            cached = np.maximum(self.num_cached_block[rows], 0)
+            least = np.minimum(least, cached * bs + (bs - 1))
         return least

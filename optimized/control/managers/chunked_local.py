@@ -16,6 +16,7 @@ from reference.specs import ChunkedLocalAttentionSpec
 
 
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    drops_blocks = True
     scan = staticmethod(chunked_local_hit)
 
     def _skipped_tokens(self, total: np.ndarray) -> np.ndarray:

@@ -42,6 +42,11 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             boundary,
         )
 
+    def shares_cache_plans(self) -> bool:
+        """With the hash block size as block size there is no partial tail key: the base
+        rule alone."""
+        return self.block_size == self.block_pool.hash_block_size
+
     def pending_work(self, rows, total, main, slots, cache_tokens, num_hashed, boundary):
         """Base test plus the partial tail: a block at the boundary whose key is shorter."""
         work = super().pending_work(rows, total, main, slots, cache_tokens, num_hashed, boundary)

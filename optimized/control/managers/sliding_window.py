@@ -16,6 +16,7 @@ from reference.specs import SlidingWindowSpec
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
+    drops_blocks = True
     scan = staticmethod(sliding_window_hit)
 
     cacheable_block_mask = window_cache_mask
