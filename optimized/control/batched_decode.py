@@ -87,16 +87,19 @@ def apply_decode_items(
     freed, freed_item, freed_call = _freed_blocks(managers, rows, first_free, last_free)
     freed_per_item = np.zeros(m, dtype=np.int64)
     zero = front = np.zeros(0, dtype=bool)
+    all_zero = True
     if freed.size:
         after = pool.ref_cnt[freed] - 1
         zero = after == 0
         # a block held once sits in one table cell: only when some block stays held can
         # one be freed twice in the step (a block shared by two requests: its last free
         # decides its place)
-        if not zero.all() and ((after < 0).any() or pool.has_repeats(freed)):
+        all_zero = bool(zero.all())  # (the common case: no block shared)
+        if not all_zero and ((after < 0).any() or pool.has_repeats(freed)):
             return None
-        front = zero & (pool.block_group[freed] < 0)
-        freed_per_item = np.bincount(freed_item[zero], minlength=m)
+        unhashed = pool.block_group[freed] < 0
+        front = unhashed if all_zero else zero & unhashed
+        freed_per_item = np.bincount(freed_item if all_zero else freed_item[zero], minlength=m)
     own = None  # per item, its own front-freed blocks it pops (None: pops from the queue)
     if front.any() and pops.any():
         own = _pops_from_own_front(
@@ -113,7 +116,10 @@ def apply_decode_items(
         return None
     # -- apply: frees, pops, tables, caching -------------------------------------------
     if freed.size:
-        pool.ref_cnt[freed] -= 1
+        if all_zero:
+            pool.ref_cnt[freed] = 0
+        else:
+            pool.ref_cnt[freed] -= 1
         for g, mg in enumerate(managers):
             idx = np.flatnonzero(last_free[:, g] > first_free[:, g])
             if not idx.size:
@@ -139,7 +145,7 @@ def apply_decode_items(
             popped = popped_arr.tolist()
         elif front.any():
             queue.prepend_n(freed[front][np.argsort(-freed_call[front], kind="stable")])
-        queue.append_n(freed[zero & ~front])
+        queue.append_n(freed[~front] if all_zero else freed[zero & ~front])
     total_pops = int(pops_per_item.sum())
     if own is None:
         popped = pool.get_new_blocks(total_pops) if total_pops else []
