@@ -157,6 +157,8 @@ class KVCacheManager(ManagerBookkeeping):
             )
             for g, m in enumerate(managers)
         )
+        #: the first group of each class of twins (``_twin_of[g] == g``)
+        self._class_reps = [g for g, t in enumerate(self._twin_of) if t == g]
         #: set by ``_gather`` for the step being planned: its request ids, and whether all
         #: of its requests were already running
         self._step_ids: list[str] = []
@@ -311,7 +313,7 @@ class KVCacheManager(ManagerBookkeeping):
             sub = self._apply_loud(requests, picked, rows[loud])
         else:
             sub = self._schedule_items(StepBatch([requests[i] for i in picked], [1] * m, [0] * m))
-        self._refresh_thresholds(rows[loud])
+            self._refresh_thresholds(rows[loud])
         results: list[list[list[int]] | None] = [self.no_new_blocks] * n
         for i, new_blocks in zip(picked, sub):
             results[i] = new_blocks
@@ -359,9 +361,13 @@ class KVCacheManager(ManagerBookkeeping):
         """A few loud items (validated by :meth:`_quiet_items`: one new token, no hit, a
         row) applied one by one in order through :func:`apply_decode_item` on every group
         (a group with nothing to do frees, allocates and caches nothing there), stopping
-        after the first None. Example: 2 loud items, the first crossing a block boundary
-        in a full pool -> ``[None]``."""
+        after the first None; each row's threshold is refreshed after its item, one int per
+        class of twins. Example: 2 loud items, the first crossing a block boundary in a
+        full pool -> ``[None]``."""
         groups = self._all_groups
+        managers = self.coordinator.managers
+        reps = [managers[g] for g in self._class_reps]
+        next_work = self._next_work
         mml = self.max_model_len
         lcm = self._scheduler_block_size if self.enable_caching and self.num_groups > 1 else 1
         out: list[list[list[int]] | None] = []
@@ -373,6 +379,7 @@ class KVCacheManager(ManagerBookkeeping):
             new_blocks = apply_decode_item(
                 self, request, row, total, main, min(main, mml), cache_tokens, groups
             )
+            next_work[row] = min([m.decode_work_threshold_of(row) for m in reps])
             out.append(new_blocks)
             if new_blocks is None:
                 break
@@ -385,10 +392,9 @@ class KVCacheManager(ManagerBookkeeping):
         (counts only grow); ``allocate_slots`` zeroes it (a row may change hands there)."""
         managers = self.coordinator.managers
         least = None
-        for g, twin in enumerate(self._twin_of):
-            if twin == g:
-                t = managers[g].decode_work_threshold(rows)
-                least = t if least is None else np.minimum(least, t)
+        for g in self._class_reps:
+            t = managers[g].decode_work_threshold(rows)
+            least = t if least is None else np.minimum(least, t)
         self._next_work[rows] = least
 
     def _schedule_items(self, items: Sequence[StepItem]) -> list[list[list[int]] | None]:

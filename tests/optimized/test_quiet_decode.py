@@ -41,6 +41,7 @@ def test_sliding_window_threshold_is_the_first_of_allocation_window_and_caching(
     # 63; allocation at 48
     _set_row(swa, 1, held=3, leading=3, cached=3)
     assert swa.decode_work_threshold(np.array([0, 1])).tolist() == [47, 48]
+    assert [swa.decode_work_threshold_of(0), swa.decode_work_threshold_of(1)] == [47, 48]
 
 
 def test_chunked_threshold_waits_for_the_chunk_that_skips_the_next_block() -> None:
@@ -50,12 +51,14 @@ def test_chunked_threshold_waits_for_the_chunk_that_skips_the_next_block() -> No
     group = chunked.coordinator.managers[0]
     _set_row(group, 0, held=4, leading=0, cached=3)
     assert group.decode_work_threshold(np.array([0])).tolist() == [32]
+    assert group.decode_work_threshold_of(0) == 32
 
 
 def test_full_threshold_without_caching_is_the_allocation_boundary() -> None:
     full = _manager(FullAttentionSpec(block_size=4), caching=False).coordinator.managers[0]
     _set_row(full, 2, held=5, leading=0, cached=-1)
     assert full.decode_work_threshold(np.array([2])).tolist() == [20]
+    assert full.decode_work_threshold_of(2) == 20
 
 
 def test_rows_that_must_always_be_tested_read_zero() -> None:
@@ -70,9 +73,11 @@ def test_rows_that_must_always_be_tested_read_zero() -> None:
     assert full.block_size != full.block_pool.hash_block_size
     _set_row(full, 0, held=5, leading=0, cached=2)
     assert full.decode_work_threshold(np.array([0])).tolist() == [0]
+    assert full.decode_work_threshold_of(0) == 0
     mamba = _manager(MambaSpec(block_size=4)).coordinator.managers[0]
     _set_row(mamba, 0, held=5, leading=0, cached=2)
     assert mamba.decode_work_threshold(np.array([0])).tolist() == [0]
+    assert mamba.decode_work_threshold_of(0) == 0
 
 
 def _ids(out) -> list:

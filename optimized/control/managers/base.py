@@ -34,6 +34,11 @@ BlockList = list[int]
 CachePlan = tuple[int, int, Sequence[bool] | None, Sequence[bytes]]
 
 
+def _select(condition: bool, if_true: int, if_false: int) -> int:
+    """``np.where`` of one value."""
+    return if_true if condition else if_false
+
+
 class SingleTypeKVCacheManager(ManagerBase):
     """Block tables of one KV cache group."""
 
@@ -323,25 +328,46 @@ class SingleTypeKVCacheManager(ManagerBase):
         inverse of :meth:`_skipped_tokens`), for a class that :attr:`drops_blocks`."""
         raise NotImplementedError(f"{type(self).__name__} drops no blocks")
 
+    def always_tested(self) -> bool:
+        """Must every decode item be tested in this group (no threshold applies)?"""
+        return False
+
     def decode_work_threshold(self, rows: np.ndarray) -> np.ndarray:
         """Per row, a computed-token count below which a decode item of one new token (no
         hit, no lookahead) changes nothing in this group: the least ``c`` at which
-        :meth:`pending_work` may flag it, from the row's counts alone. With ``c`` computed
-        the item has ``slots = c + 1`` and caches at most ``c + 1`` tokens, so it
-        allocates once ``c >= held * bs``, drops a block once ``c`` skips ``(leading + 1)
-        * bs`` tokens (only while ``held > leading``) and caches once ``c + 1 >=
-        (cached + 1) * bs``. Counts only grow while a request holds its row, so the
-        figure stays a lower bound until the row is released.
+        :meth:`pending_work` may flag it, from the row's counts alone (:meth:`_threshold`;
+        0 for every row when :meth:`always_tested`)."""
+        if self.always_tested():
+            return np.zeros(len(rows), dtype=np.int64)
+        cached = np.maximum(self.num_cached_block[rows], 0)
+        return self._threshold(
+            self.row_len[rows], self.num_leading_null[rows], cached, np.minimum, np.where
+        )
+
+    def decode_work_threshold_of(self, row: int) -> int:
+        """:meth:`decode_work_threshold` of one row, on Python ints (a few loud rows)."""
+        if self.always_tested():
+            return 0
+        cached = max(self.num_cached_block.item(row), 0)
+        return self._threshold(
+            self.row_len.item(row), self.num_leading_null.item(row), cached, min, _select
+        )
+
+    def _threshold(self, held, leading, cached, minimum, select):
+        """The rule of :meth:`decode_work_threshold` over the counts (ints or arrays, with
+        the matching ``minimum`` and ``select``): with ``c`` computed a one-token decode
+        item has ``slots = c + 1`` and caches at most ``c + 1`` tokens, so it allocates
+        once ``c >= held * bs``, drops a block once ``c`` skips ``(leading + 1) * bs``
+        tokens (only while ``held > leading``) and caches once ``c + 1 >= (cached + 1) *
+        bs``. Counts only grow while a request holds its row, so the figure stays a lower
+        bound until the row is released.
         Example: bs 16, w 32, held 3, leading 1, cached 2: allocation at 48, window at
         ``32 + 31 = 63``, caching at 47 -> 47."""
         bs = self.block_size
-        held = self.row_len[rows]
-        least = held * bs  # (int32: counts stay far below 2**31)
+        least = held * bs  # (int32 arrays: counts stay far below 2**31)
         if self.drops_blocks:
-            leading = self.num_leading_null[rows]
             first = self._first_total_skipping((leading + 1) * bs)
-            least = np.where(held > leading, np.minimum(least, first), least)
+            least = select(held > leading, minimum(least, first), least)
         if self.enable_caching:
-            cached = np.maximum(self.num_cached_block[rows], 0)
-            least = np.minimum(least, cached * bs + (bs - 1))
+            least = minimum(least, cached * bs + (bs - 1))
         return least

@@ -65,9 +65,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             work[np.flatnonzero(live)[short]] = True
         return work
 
-    def decode_work_threshold(self, rows: np.ndarray) -> np.ndarray:
-        """The base figure, or 0 (always test) when a partial tail key may be promoted
-        (block size differs from the hash block size: :meth:`pending_work`'s extra rule)."""
-        if self.enable_caching and self.block_size != self.block_pool.hash_block_size:
-            return np.zeros(len(rows), dtype=np.int64)
-        return super().decode_work_threshold(rows)
+    def always_tested(self) -> bool:
+        """When a partial tail key may be promoted (block size differs from the hash block
+        size: :meth:`pending_work`'s extra rule)."""
+        return self.enable_caching and self.block_size != self.block_pool.hash_block_size

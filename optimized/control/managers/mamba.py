@@ -113,10 +113,9 @@ class MambaManager(SingleTypeKVCacheManager):
     def new_step_starts(self) -> None:
         self.cached_keys_this_step.clear()
 
-    def decode_work_threshold(self, rows: np.ndarray) -> np.ndarray:
-        """0 for every row: a Mamba row may retire its previous state at any step, so its
-        items are always tested (:meth:`pending_work`)."""
-        return np.zeros(len(rows), dtype=np.int64)
+    def always_tested(self) -> bool:
+        """Always: a Mamba row may retire its previous state at any step."""
+        return True
 
     def pending_work(self, rows, total, main, slots, cache_tokens, num_hashed, boundary):
         """Mamba: a new state column, a retirement, or the previous state to free."""
