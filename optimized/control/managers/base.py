@@ -137,8 +137,11 @@ class SingleTypeKVCacheManager(ManagerBase):
         return self.table[row, : self.row_len[row]].tolist()
 
     def _append(self, row: int, ids: Sequence[int]) -> None:
-        n = int(self.row_len[row])
-        self.table[row, n : n + len(ids)] = ids
+        n = self.row_len.item(row)
+        if len(ids) == 1:  # a decode step's new block: a scalar write
+            self.table[row, n] = ids[0]
+        else:
+            self.table[row, n : n + len(ids)] = ids
         self.row_len[row] = n + len(ids)
         self.dirty_rows[row] = True
 
@@ -231,8 +234,19 @@ class SingleTypeKVCacheManager(ManagerBase):
         return num_cached, num_full, mask, hashes[num_cached:num_full]
 
     def apply_cache_plan(self, row: int, plan: CachePlan) -> None:
-        """Register the blocks of ``plan`` (:meth:`cache_plan`) in this group's row."""
+        """Register the blocks of ``plan`` (:meth:`cache_plan`) in this group's row (one
+        block, a decode step's: :meth:`BlockPool.cache_block` directly)."""
         num_cached, num_full, mask, hashes = plan
+        if num_full == num_cached + 1:
+            if mask is None or mask[0]:
+                self.block_pool.cache_block(
+                    self.table.item(row, num_cached),
+                    hashes[0],
+                    self.group_id,
+                    num_full * self.block_size,
+                )
+            self.num_cached_block[row] = num_full
+            return
         self.block_pool.cache_full_blocks(
             self.table[row, num_cached:num_full],
             hashes,
@@ -265,7 +279,7 @@ class SingleTypeKVCacheManager(ManagerBase):
 
     def _remove_blocks_in_range(self, row: int, first: int, last: int) -> None:
         """Free ``row[max(first, leading) : last]`` tail first and null it."""
-        start = max(first, int(self.num_leading_null[row]))
+        start = max(first, self.num_leading_null.item(row))
         if start >= last:
             return
         if last == start + 1:  # one block (a decode step's window move): scalar path
