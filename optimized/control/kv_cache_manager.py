@@ -163,11 +163,12 @@ class KVCacheManager(ManagerBookkeeping):
         #: of its requests were already running
         self._step_ids: list[str] = []
         self._all_running = False
-        #: per row, the decode threshold (:meth:`_refresh_thresholds`; 0: test the row)
-        self._next_work = np.zeros(max_num_reqs, dtype=np.int64)
+        #: per row, the decode threshold (:meth:`_refresh_thresholds`; 0: test the row);
+        #: a list: read and written an int at a time
+        self._next_work: list[int] = [0] * max_num_reqs
         self._all_groups = tuple(range(self.num_groups))
-        #: the rows of the step :meth:`_quiet_items` last looked at
-        self._quiet_rows = np.zeros(0, dtype=np.int64)
+        #: the rows of the step :meth:`_loud_items` last looked at
+        self._step_rows: list[int] = []
         #: the blocks the last ``allocate_slots`` estimated it needed (None: it returned
         #: before estimating; not a per-item figure after a batched ``schedule_step``)
         self.last_num_blocks_to_allocate: int | None = None
@@ -255,7 +256,7 @@ class KVCacheManager(ManagerBookkeeping):
         self._known.add(rid)
         coordinator = self.coordinator
         row = coordinator.row(rid)
-        if row < self._next_work.size:
+        if row < len(self._next_work):
             self._next_work[row] = 0  # the row may have changed hands: test it next step
         local = request.num_computed_tokens + num_new_computed_tokens
         total = min(local, self.max_model_len)
@@ -289,7 +290,7 @@ class KVCacheManager(ManagerBookkeeping):
         """``allocate_slots(*item)`` for each item in order, decode case vectorised.
 
         A step of one-token decode items (:class:`StepBatch`) first sets aside its *quiet*
-        items (:meth:`_quiet_items`): a running request whose computed count is below its
+        items (:meth:`_loud_items`): a running request whose computed count is below its
         row's decode threshold (:meth:`_refresh_thresholds`) has nothing to free,
         allocate or cache, so it is settled without any per-group test; the other items
         go through :meth:`_schedule_items`, and their rows' thresholds are refreshed.
@@ -297,36 +298,37 @@ class KVCacheManager(ManagerBookkeeping):
         others are settled from one array comparison.
         """
         self.last_num_blocks_to_allocate = None  # batched items report none
-        quiet = self._quiet_items(items) if isinstance(items, StepBatch) else None
-        if quiet is None:
+        loud = self._loud_items(items) if isinstance(items, StepBatch) else None
+        if loud is None:
             return self._schedule_items(items)
         n = len(items)
-        step_ids, rows = self._step_ids, self._quiet_rows
-        loud = np.flatnonzero(~quiet)
-        if not loud.size:
+        step_ids, rows = self._step_ids, self._step_rows
+        if not loud:
             self._known.update(step_ids)  # all running: settling records the ids
             return [self.no_new_blocks] * n
         requests = items.requests
-        picked = loud.tolist()
-        m = len(picked)
+        m = len(loud)
+        loud_rows = [rows[i] for i in loud]
         if m < self.min_batched_apply:
-            sub = self._apply_loud(requests, picked, rows[loud])
+            sub = self._apply_loud(requests, loud, loud_rows)
         else:
-            sub = self._schedule_items(StepBatch([requests[i] for i in picked], [1] * m, [0] * m))
-            self._refresh_thresholds(rows[loud])
+            sub = self._schedule_items(StepBatch([requests[i] for i in loud], [1] * m, [0] * m))
+            self._refresh_thresholds(np.array(loud_rows, dtype=np.int64))
         results: list[list[list[int]] | None] = [self.no_new_blocks] * n
-        for i, new_blocks in zip(picked, sub):
+        for i, new_blocks in zip(loud, sub):
             results[i] = new_blocks
-        stop = picked[len(sub) - 1] + 1 if sub and sub[-1] is None else n
+        stop = loud[len(sub) - 1] + 1 if sub and sub[-1] is None else n
         self._known.update(step_ids[:stop])
         return results if stop == n else results[:stop]
 
-    def _quiet_items(self, items: StepBatch) -> np.ndarray | None:
-        """Which items of a step of one-token decode items on running requests that hold
-        rows are quiet (computed count below the row's threshold), or None when the step
-        is not such a step or some item is invalid (:meth:`_schedule_items` then decides,
-        and raises the error). Sets ``_step_ids``, ``_all_running`` and ``_quiet_rows``.
-        Example: computed ``[30, 47]``, thresholds ``[47, 47]`` -> ``[True, False]``."""
+    def _loud_items(self, items: StepBatch) -> list[int] | None:
+        """The items of a step of one-token decode items on running requests that hold
+        rows whose computed count reaches their row's threshold (the others are quiet), or
+        None when the step is not such a step or some item is invalid
+        (:meth:`_schedule_items` then decides, and raises the error). One pass in Python
+        over the items (no array is built). Sets ``_step_ids``, ``_all_running`` and
+        ``_step_rows``. Example: computed ``[30, 47]``, thresholds ``[47, 47]`` -> ``[1]``.
+        """
         if not self._per_group_apply:
             return None  # Mamba: every row is tested every step
         requests = items.requests
@@ -339,26 +341,28 @@ class KVCacheManager(ManagerBookkeeping):
         if list(map(_REQUEST_STATUS, requests)).count(RequestStatus.RUNNING) != n:
             return None
         rids = list(map(_REQUEST_ID, requests))
-        if len(set(rids)) != n:
+        rows = list(map(self.coordinator.row_of.get, rids))
+        if None in rows or len(set(rows)) != n:  # (distinct ids hold distinct rows)
             return None
-        rows = np.fromiter(map(self.coordinator.row_of.get, rids, repeat(-1)), np.int64, n)
-        computed = np.fromiter(map(_REQUEST_COMPUTED, requests), np.int64, n)
-        num_tokens = np.fromiter(map(_REQUEST_TOKENS, requests), np.int64, n)
-        if rows.min() < 0 or (computed >= num_tokens).any():
-            return None
-        if num_tokens.max() > self.max_model_len:
-            return None
-        if rows.max() >= self._next_work.size:
-            grown = np.zeros(self.coordinator.max_num_reqs, dtype=np.int64)
-            grown[: self._next_work.size] = self._next_work
-            self._next_work = grown
-        self._step_ids, self._all_running, self._quiet_rows = rids, True, rows
-        return computed < self._next_work[rows]
+        next_work = self._next_work
+        if len(next_work) < self.coordinator.max_num_reqs:
+            next_work.extend([0] * (self.coordinator.max_num_reqs - len(next_work)))
+        mml = self.max_model_len
+        loud: list[int] = []
+        for i, request, row in zip(range(n), requests, rows):
+            computed = request.num_computed_tokens
+            num_tokens = request.num_tokens
+            if computed >= num_tokens or num_tokens > mml:
+                return None  # an invalid item: the general path raises its error
+            if computed >= next_work[row]:
+                loud.append(i)
+        self._step_ids, self._all_running, self._step_rows = rids, True, rows
+        return loud
 
     def _apply_loud(
-        self, requests: Sequence[Request], picked: list[int], rows: np.ndarray
+        self, requests: Sequence[Request], picked: list[int], rows: list[int]
     ) -> list[list[list[int]] | None]:
-        """A few loud items (validated by :meth:`_quiet_items`: one new token, no hit, a
+        """A few loud items (validated by :meth:`_loud_items`: one new token, no hit, a
         row) applied one by one in order through :func:`apply_decode_item` on every group
         (a group with nothing to do frees, allocates and caches nothing there), stopping
         after the first None; each row's threshold is refreshed after its item, one int per
@@ -371,7 +375,7 @@ class KVCacheManager(ManagerBookkeeping):
         mml = self.max_model_len
         lcm = self._scheduler_block_size if self.enable_caching and self.num_groups > 1 else 1
         out: list[list[list[int]] | None] = []
-        for i, row in zip(picked, rows.tolist()):
+        for i, row in zip(picked, rows):
             request = requests[i]
             total = request.num_computed_tokens
             main = total + 1
@@ -395,7 +399,9 @@ class KVCacheManager(ManagerBookkeeping):
         for g in self._class_reps:
             t = managers[g].decode_work_threshold(rows)
             least = t if least is None else np.minimum(least, t)
-        self._next_work[rows] = least
+        next_work = self._next_work
+        for row, value in zip(rows.tolist(), least.tolist()):
+            next_work[row] = value
 
     def _schedule_items(self, items: Sequence[StepItem]) -> list[list[list[int]] | None]:
         """:meth:`schedule_step` without the quiet items' shortcut.

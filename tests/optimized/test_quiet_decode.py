@@ -100,9 +100,9 @@ def test_quiet_items_skip_the_per_group_work_and_thresholds_follow_the_rows(monk
     r1 = _decoding(manager, "r1", 6, 4)
     rows = [manager.coordinator.row_of["r0"], manager.coordinator.row_of["r1"]]
     # allocate_slots zeroes a row's threshold: both items are tested on the first step
-    assert manager._next_work[rows].tolist() == [0, 0]
+    assert [manager._next_work[r] for r in rows] == [0, 0]
     assert _ids(manager.schedule_columns([r0, r1], [1, 1], [0, 0])) == [[[]], [[]]]
-    assert manager._next_work[rows].tolist() == [8, 8]  # held 2 * bs 4
+    assert [manager._next_work[r] for r in rows] == [8, 8]  # held 2 * bs 4
     applied: list[str] = []
     item = kvm.apply_decode_item
 
@@ -120,7 +120,7 @@ def test_quiet_items_skip_the_per_group_work_and_thresholds_follow_the_rows(monk
     assert applied == ["r0"]
     assert _ids(out) == [[[5]], [[]]]
     assert manager.get_block_ids("r0") == ((1, 2, 5),)
-    assert manager._next_work[rows].tolist() == [12, 8]
+    assert [manager._next_work[r] for r in rows] == [12, 8]
 
 
 def test_a_step_stops_at_a_loud_items_none_before_the_quiet_ones() -> None:
