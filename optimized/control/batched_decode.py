@@ -102,8 +102,14 @@ def apply_decode_items(
         freed_per_item = np.bincount(freed_item if all_zero else freed_item[zero], minlength=m)
     own = None  # per item, its own front-freed blocks it pops (None: pops from the queue)
     if front.any() and pops.any():
+        if front.all():  # (every freed block goes to the front: no selection)
+            front_blocks, front_items, front_calls = freed, freed_item, freed_call
+        else:
+            front_blocks = freed[front]
+            front_items, front_calls = freed_item[front], freed_call[front]
+        one_group = np.count_nonzero((last_free > first_free).any(axis=0)) == 1
         own = _pops_from_own_front(
-            freed[front], freed_item[front], freed_call[front], pops.sum(axis=1), num_groups
+            front_blocks, front_items, front_calls, pops.sum(axis=1), num_groups, one_group
         )
         if own is None:
             return None  # a pop would reach past the item's own front-freed blocks
@@ -344,14 +350,20 @@ def _running_pops(
 
 
 def _pops_from_own_front(
-    blocks: np.ndarray, items: np.ndarray, calls: np.ndarray, pops: np.ndarray, num_groups: int
+    blocks: np.ndarray,
+    items: np.ndarray,
+    calls: np.ndarray,
+    pops: np.ndarray,
+    num_groups: int,
+    one_group: bool = False,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """The pops of a step whose items free unhashed blocks (to the front) and pop, when
     every item pops no more than the unhashed blocks it freed itself: ``(popped blocks in
     item order, what is left at the front in queue order)``, else None.
 
     ``blocks`` are the unhashed blocks reaching ref count 0, in the reference's free order
-    (item, group, tail first), with their item and call (``item * num_groups + group``).
+    (item, group, tail first), with their item and call (``item * num_groups + group``);
+    ``one_group``: a single group frees in the step, so they are already in run order.
     Per item the reference frees every group (each call prepends, so the last group's
     blocks come first), then pops from the front: its own blocks, while it pops no more
     than it freed. What it leaves stays at the front, and the next item's frees go before
@@ -360,13 +372,13 @@ def _pops_from_own_front(
     ``[5, 4]`` and pops 1, item 1 frees ``[9, 8]`` and pops 1: pops ``[5, 9]``, front
     ``[8, 4]``.
     """
-    group = calls - items * num_groups
-    key = items * num_groups + (num_groups - 1 - group)
-    if key.size > 1 and (key[1:] < key[:-1]).any():
-        order = np.argsort(key, kind="stable")
-        run, run_item = blocks[order], items[order]
-    else:  # one group frees (the window after a prefill): already in run order
-        run, run_item = blocks, items
+    run, run_item = blocks, items  # in run order when one group frees (``one_group``)
+    if not one_group:
+        group = calls - items * num_groups
+        key = items * num_groups + (num_groups - 1 - group)
+        if key.size > 1 and (key[1:] < key[:-1]).any():
+            order = np.argsort(key, kind="stable")
+            run, run_item = blocks[order], items[order]
     sizes = np.bincount(run_item, minlength=pops.size)
     if (pops > sizes).any():
         return None

@@ -79,6 +79,20 @@ def test_own_front_pops_in_and_out_of_run_order(groups: int) -> None:
     assert out[1].tolist() == front
 
 
+def test_own_front_pops_when_the_caller_knows_one_group_frees() -> None:
+    # the caller's flag skips the run-order test: 2 layouts with 3 groups where only
+    # group 2 frees (calls item * 3 + 2): item 0 frees [7, 6] and pops 2, item 1 frees
+    # [3] and pops 0 -> pops [7, 6], front [3]
+    blocks, items, calls = [7, 6, 3], [0, 0, 1], [2, 2, 5]
+    for one_group in (True, False):
+        out = bd._pops_from_own_front(
+            np.array(blocks), np.array(items), np.array(calls), np.array([2, 0]), 3, one_group
+        )
+        assert out is not None
+        assert out[0].tolist() == [7, 6]
+        assert out[1].tolist() == [3]
+
+
 def test_one_group_freeing_the_same_columns_of_every_row_by_hand() -> None:
     # the one-slice-per-row path: group 0 frees cols 1..2 of both rows, group 1 nothing
     managers = [_Rows([[0, 2, 3, 4], [0, 6, 7, 8]]), _Rows([[9, 0, 0, 0], [10, 0, 0, 0]])]
