@@ -343,8 +343,10 @@ class SingleTypeKVCacheManager(ManagerBase):
         raise NotImplementedError(f"{type(self).__name__} drops no blocks")
 
     def always_tested(self) -> bool:
-        """Must every decode item be tested in this group (no threshold applies)?"""
-        return False
+        """Must every decode item be tested in this group (no threshold applies)? Yes for a
+        class that adds its own rule to :meth:`pending_work` unless it says otherwise (the
+        threshold restates the base rule only)."""
+        return type(self).pending_work is not SingleTypeKVCacheManager.pending_work
 
     def decode_work_threshold(self, rows: np.ndarray) -> np.ndarray:
         """Per row, a computed-token count below which a decode item of one new token (no
