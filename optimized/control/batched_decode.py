@@ -308,19 +308,23 @@ def _cache_item(
     for the full group, one for the 5 windows, 6 registrations."""
     h = request.hash_block_size
     limit = min(cache_tokens, len(request.block_hashes) * h)
-    plans: dict[int, object] = {}
+    plans: dict[int, object] = {}  # per class: its plan, or None (nothing to register)
     for g in groups:
-        mg = managers[g]
+        t = twin_of[g]
+        if t in plans:
+            plan = plans[t]
+            if plan is not None:
+                managers[g].apply_cache_plan(row, plan)
+            continue
+        mg = managers[g]  # the first of its class: its row's counts decide for the class
         bs = mg.block_size
         if bs == h and limit // bs <= mg.num_cached_block.item(row):
+            plans[t] = None
             continue
         if not mg.shares_cache_plans():
             mg.cache_blocks(request, row, cache_tokens)
-            continue
-        t = twin_of[g]
-        if t not in plans:
-            plans[t] = mg.cache_plan(request, row, cache_tokens)
-        plan = plans[t]
+            continue  # (its twins are called in turn too)
+        plan = plans[t] = mg.cache_plan(request, row, cache_tokens)
         if plan is not None:
             mg.apply_cache_plan(row, plan)
 
