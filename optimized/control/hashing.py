@@ -79,3 +79,19 @@ def hashes_at_block_size(
     if k == 1:
         return hashes
     return hashes[k - 1 :: k]
+
+
+def chain_links(
+    parents: Sequence[bytes], blocks: Sequence[bytes], extras: Sequence[bytes]
+) -> list[bytes]:
+    """Links of many chains at once: element ``i`` is the hash of a block whose parent hash
+    is ``parents[i]``, whose ``H`` tokens are ``blocks[i]`` (little-endian int64) and whose
+    extra keys are ``extras[i]`` (:func:`extra_key_bytes`), the value
+    :func:`extend_block_hashes` gives that block.
+
+    Example: ``chain_links([ROOT_HASH], [raw], [b""])`` with ``raw`` the bytes of tokens
+    ``[1, 2]`` is ``[h]``, ``h`` the first hash ``extend_block_hashes`` gives ``[1, 2]`` at
+    ``H = 2``.
+    """
+    sha256 = hashlib.sha256
+    return [sha256(p + b + e).digest() for p, b, e in zip(parents, blocks, extras)]
