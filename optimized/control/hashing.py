@@ -81,17 +81,12 @@ def hashes_at_block_size(
     return hashes[k - 1 :: k]
 
 
-def chain_links(
-    parents: Sequence[bytes], blocks: Sequence[bytes], extras: Sequence[bytes]
-) -> list[bytes]:
-    """Links of many chains at once: element ``i`` is the hash of a block whose parent hash
-    is ``parents[i]``, whose ``H`` tokens are ``blocks[i]`` (little-endian int64) and whose
-    extra keys are ``extras[i]`` (:func:`extra_key_bytes`), the value
-    :func:`extend_block_hashes` gives that block.
+def chain_link(parent: bytes, block: bytes, extra: bytes) -> bytes:
+    """One link of the chain: the hash of a block whose parent hash is ``parent``, whose
+    ``H`` tokens are ``block`` (little-endian int64) and whose extra keys are ``extra``
+    (:func:`extra_key_bytes`); :func:`extend_block_hashes` gives that block the same value.
 
-    Example: ``chain_links([ROOT_HASH], [raw], [b""])`` with ``raw`` the bytes of tokens
-    ``[1, 2]`` is ``[h]``, ``h`` the first hash ``extend_block_hashes`` gives ``[1, 2]`` at
-    ``H = 2``.
+    Example: ``chain_link(ROOT_HASH, raw, b"")``, ``raw`` the bytes of tokens ``[1, 2]``, is
+    the first hash ``extend_block_hashes`` gives ``[1, 2]`` at ``H = 2``.
     """
-    sha256 = hashlib.sha256
-    return [sha256(p + b + e).digest() for p, b, e in zip(parents, blocks, extras)]
+    return hashlib.sha256(parent + block + extra).digest()

@@ -17,7 +17,7 @@ import numpy as np
 from optimized.control.hashing import (
     ROOT_HASH,
     TOKEN_DTYPE,
-    chain_links,
+    chain_link,
     extend_block_hashes,
     extra_key_bytes,
 )
@@ -45,6 +45,24 @@ def _pack(tokens: Sequence[int]) -> bytes:
         raise InvalidRequestError(
             f"output token ids must be int64 integers, got {list(tokens)!r}"
         ) from None
+
+
+#: spare hash slots given to a request's hash list when it is made (16 blocks of outputs)
+_HASH_HEADROOM = 16
+
+
+def _reserve(items: list, extra: int) -> None:
+    """Give ``items`` room for ``extra`` more appends without a reallocation (CPython keeps
+    a list's capacity when it shrinks by less than half). A prompt of 2048 tokens at
+    ``H = 16`` fills a hash list grown one append at a time to its capacity, 128, exactly:
+    without the room, the first decode step completing a block moves every such list.
+
+    Example: ``_reserve(hashes, 16)`` on 128 hashes: capacity 168 (the growth rule at 144),
+    still 128 hashes.
+    """
+    n = len(items)
+    items.extend([None] * extra)
+    del items[n:]
 
 
 class Request:
@@ -102,6 +120,7 @@ class Request:
         extend_block_hashes(
             self.block_hashes, self._prompt, self.num_tokens, hash_block_size, cache_salt, lora_name
         )
+        _reserve(self.block_hashes, _HASH_HEADROOM)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -151,7 +170,7 @@ class Request:
             else:
                 raw = self._prompt[a:].tobytes() + _pack(outputs[: a + h])
             extra = self._extra if k else extra_key_bytes(0, self.cache_salt, self.lora_name)
-            parent = chain_links((parent,), (raw,), (extra,))[0]
+            parent = chain_link(parent, raw, extra)
             hashes.append(parent)
 
     def __repr__(self) -> str:
@@ -174,13 +193,12 @@ def commit_updates(
     Example: ``H = 4``, a request of 5 tokens, update ``("a", 5, 9)``: computed 5, tokens
     6, still 1 hash; a second ``("a", 6, 3)`` and ``("a", 7, 3)`` make 8 tokens, 2 hashes.
     """
-    lookup = requests.__getitem__
     preempted = RequestStatus.PREEMPTED
     completed: list[Request] = []
     request_id = None
     try:
         for request_id, num_computed_tokens, token in updates:
-            req = lookup(request_id)
+            req = requests[request_id]
             req.num_computed_tokens = num_computed_tokens
             if not num_computed_tokens:
                 req.status = preempted
@@ -201,19 +219,16 @@ def commit_updates(
 
 
 def hash_completed_blocks(requests: Sequence[Request]) -> None:
-    """Hash the blocks the last tokens of ``requests`` completed, all in one pass.
+    """Hash the blocks the last tokens of ``requests`` completed, in one pass after a step.
 
-    The common case, a request whose tokens complete exactly one block past its hashes and
-    that block made of outputs only, goes into one batch of
-    :func:`optimized.control.hashing.chain_links`; any other request (a block holding prompt
-    tokens, block 0, several blocks) hashes its own blocks (:meth:`Request._hash_new_blocks`);
-    one already up to date is left as it is. Example: ``H = 4``, prompt ``[1, 2, 3, 4]`` and
-    outputs ``[5, 6, 7, 8]``: block 1 is ``[5, 6, 7, 8]`` chained on hash 0 (batched).
+    The common case, a request whose tokens complete exactly one block past its hashes,
+    that block made of outputs only, is one link straight from the output list
+    (:func:`optimized.control.hashing.chain_link`); any other request (a block holding
+    prompt tokens, block 0, several blocks) hashes its own blocks
+    (:meth:`Request._hash_new_blocks`), which leaves one already up to date as it is.
+    Example: ``H = 4``, prompt ``[1, 2, 3, 4]`` (1 hash) and outputs ``[5, 6, 7, 8]``:
+    block 1 is ``[5, 6, 7, 8]`` chained on hash 0 (the common case).
     """
-    parents: list[bytes] = []
-    blocks: list[bytes] = []
-    extras: list[bytes] = []
-    owners: list[list[bytes]] = []
     for req in requests:
         hashes = req.block_hashes
         j = len(hashes)
@@ -221,11 +236,5 @@ def hash_completed_blocks(requests: Sequence[Request]) -> None:
         a = j * h - req.num_prompt_tokens
         if a < 0 or not j or req.num_tokens // h != j + 1:
             req._hash_new_blocks()
-            continue
-        parents.append(hashes[-1])
-        blocks.append(_pack(req._outputs[a : a + h]))
-        extras.append(req._extra)
-        owners.append(hashes)
-    if owners:
-        for hashes, block_hash in zip(owners, chain_links(parents, blocks, extras)):
-            hashes.append(block_hash)
+        else:
+            hashes.append(chain_link(hashes[-1], _pack(req._outputs[a : a + h]), req._extra))

@@ -1,12 +1,12 @@
 """The hashing of blocks completed at the end of a step (:func:`commit_updates`,
-:func:`hash_completed_blocks`): the batched path (one block of outputs only per request)
+:func:`hash_completed_blocks`): the fast path (one block of outputs only per request)
 and its fallback (a block holding prompt tokens, block 0, several blocks in one commit)
 give the chain :func:`optimized.control.hashing.extend_block_hashes` gives the same tokens
 as a prompt, and the hand-computed link ``SHA-256(parent || int64 LE tokens || extra)``.
 
 Hand scenario of the engine test: one full-attention group, bs 2 (``H = 2``), prefix
 caching on. ``a`` (prompt ``1 2 3``) decodes ``9 8 7 6``: block 1 ``[3, 9]`` spans prompt
-and output (fallback), block 2 ``[8, 7]`` is outputs only (batched). ``b`` (prompt
+and output (fallback), block 2 ``[8, 7]`` is outputs only (fast path). ``b`` (prompt
 ``1 2 3 9 8 7 6 5``) then hits blocks 0..2 (6 tokens), ``c`` (``1 2 3 9 8 0 0``) blocks
 0..1 (4 tokens), in both engines.
 """
@@ -17,7 +17,6 @@ import hashlib
 
 import pytest
 
-import optimized.control.request as request_module
 from optimized.control.hashing import ROOT_HASH
 from optimized.control.request import Request, commit_updates, hash_completed_blocks
 from properties.core.engine import RequestInput, StepUpdate
@@ -36,29 +35,29 @@ def _sha(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def _spy_batches(monkeypatch) -> list[int]:
-    """Record the size of every batch of links the request module hashes."""
-    sizes: list[int] = []
-    links = request_module.chain_links
+def _spy_fallbacks(monkeypatch) -> list[tuple[str, int]]:
+    """Record ``(request_id, hashes before)`` of every fallback (per-request) hashing."""
+    calls: list[tuple[str, int]] = []
+    fallback = Request._hash_new_blocks
 
-    def spy(parents, blocks, extras):
-        sizes.append(len(parents))
-        return links(parents, blocks, extras)
+    def spy(self: Request) -> None:
+        calls.append((self.request_id, len(self.block_hashes)))
+        fallback(self)
 
-    monkeypatch.setattr(request_module, "chain_links", spy)
-    return sizes
+    monkeypatch.setattr(Request, "_hash_new_blocks", spy)
+    return calls
 
 
 def test_an_output_block_gets_the_hand_computed_link(monkeypatch) -> None:
-    # H = 2, prompt [1, 2] (hash 0), outputs 5, 6: block 1 = [5, 6], batched
-    sizes = _spy_batches(monkeypatch)
+    # H = 2, prompt [1, 2] (hash 0), outputs 5, 6: block 1 = [5, 6], fast path
+    fallbacks = _spy_fallbacks(monkeypatch)
     req = Request("a", [1, 2], 2)
     h0 = _sha(ROOT_HASH + _le(1, 2))
     assert req.block_hashes == [h0]
     assert commit_updates({"a": req}, [("a", 2, 5)]) is None
-    assert sizes == [] and req.block_hashes == [h0]
+    assert req.block_hashes == [h0]
     assert commit_updates({"a": req}, [("a", 3, 6)]) is None
-    assert sizes == [1]  # the batch of one link, not the per-request path
+    assert fallbacks == []  # the fast path
     assert req.block_hashes == [h0, _sha(h0 + _le(5, 6))]
     assert req.all_token_ids == [1, 2, 5, 6] and req.num_tokens == 4
 
@@ -66,7 +65,7 @@ def test_an_output_block_gets_the_hand_computed_link(monkeypatch) -> None:
 def test_a_block_spanning_prompt_and_outputs_and_block_zero_fall_back(monkeypatch) -> None:
     # H = 4; "s": prompt [1, 2, 3, 4, 5] then 9, 3, 3 -> block 1 = [5, 9, 3, 3] (fallback);
     # "z": prompt [7], salt "x", LoRA "l", then 8, 9, 10 -> block 0 from outputs (fallback)
-    sizes = _spy_batches(monkeypatch)
+    fallbacks = _spy_fallbacks(monkeypatch)
     s = Request("s", [1, 2, 3, 4, 5], 4)
     z = Request("z", [7], 4, cache_salt="x", lora_name="l")
     ups = [("s", 5, 9), ("z", 1, 8), ("s", 6, 3), ("z", 2, 9), ("s", 7, 3), ("z", 3, 10)]
@@ -77,23 +76,23 @@ def test_a_block_spanning_prompt_and_outputs_and_block_zero_fall_back(monkeypatc
     salt = b"S" + (1).to_bytes(8, "little") + b"x"
     assert z.block_hashes == [_sha(ROOT_HASH + _le(7, 8, 9, 10) + lora + salt)]
     assert z.block_hashes == Request("w", [7, 8, 9, 10], 4, "x", "l").block_hashes
-    assert sizes == [1, 1]  # one link at a time: the per-request path, no batch
+    assert fallbacks == [("s", 1), ("z", 0)]
 
 
 def test_two_blocks_in_one_commit_and_a_mixed_batch(monkeypatch) -> None:
     # H = 2: "m" gets 4 outputs in one commit (2 blocks: fallback, then nothing to do at
-    # its second completion); "o1", "o2" one output block each (one batch of 2)
-    sizes = _spy_batches(monkeypatch)
+    # its second completion); "o1", "o2" one output block each (fast path)
+    fallbacks = _spy_fallbacks(monkeypatch)
     m = Request("m", [1, 2], 2)
     o1 = Request("o1", [1, 2, 3], 2)
     o2 = Request("o2", [4, 5, 6, 7], 2, lora_name="q")
     commit_updates({"o1": o1, "o2": o2}, [("o1", 3, 9), ("o2", 4, 8)])  # o1 block 1: [3, 9]
-    sizes.clear()
+    fallbacks.clear()
     reqs = {"m": m, "o1": o1, "o2": o2}
     ups = [("m", 2, 3), ("o1", 4, 5), ("m", 3, 4), ("m", 4, 5), ("o2", 5, 9), ("m", 5, 6)]
     ups.append(("o1", 5, 6))
     assert commit_updates(reqs, [StepUpdate(*u) for u in ups]) is None
-    assert sorted(sizes) == [1, 1, 2]  # m's two links one by one, o1 and o2 batched
+    assert fallbacks == [("m", 1), ("m", 3)]  # both blocks at once, then nothing to do
     assert m.block_hashes == Request("x", [1, 2, 3, 4, 5, 6], 2).block_hashes
     assert o1.block_hashes == Request("x", [1, 2, 3, 9, 5, 6], 2).block_hashes
     assert o2.block_hashes == Request("x", [4, 5, 6, 7, 8, 9], 2, None, "q").block_hashes
