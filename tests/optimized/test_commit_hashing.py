@@ -14,6 +14,7 @@ and output (fallback), block 2 ``[8, 7]`` is outputs only (fast path). ``b`` (pr
 from __future__ import annotations
 
 import hashlib
+import sys
 
 import pytest
 
@@ -166,3 +167,16 @@ def test_blocks_of_outputs_are_hit_by_a_later_prompt(make) -> None:
     hit_b, hit_c = engine.get_computed_blocks("b"), engine.get_computed_blocks("c")
     assert (hit_b.num_tokens, hit_c.num_tokens) == (6, 4)
     assert hit_b.block_ids == (table[:3],) and hit_c.block_ids == (table[:2],)
+
+
+def test_a_hash_list_takes_sixteen_output_blocks_without_moving() -> None:
+    # a 2048-token prompt at H = 16: 128 hashes, a list grown one append at a time to a
+    # capacity of exactly 128; the 16 spare slots given at creation take 16 more blocks
+    # (256 outputs) without a reallocation (the list's size in memory stays the same)
+    req = Request("a", list(range(2048)), 16)
+    assert len(req.block_hashes) == 128
+    size = sys.getsizeof(req.block_hashes)
+    ups = [("a", 2048 + i, 7) for i in range(256)]
+    assert commit_updates({"a": req}, ups) is None
+    assert len(req.block_hashes) == 144
+    assert sys.getsizeof(req.block_hashes) == size
