@@ -87,6 +87,10 @@ def chain_link(parent: bytes, block: bytes, extra: bytes) -> bytes:
     (:func:`extra_key_bytes`); :func:`extend_block_hashes` gives that block the same value.
 
     Example: ``chain_link(ROOT_HASH, raw, b"")``, ``raw`` the bytes of tokens ``[1, 2]``, is
-    the first hash ``extend_block_hashes`` gives ``[1, 2]`` at ``H = 2``.
+    the first hash ``extend_block_hashes`` gives ``[1, 2]`` at ``H = 2``. The digest's
+    Python ``hash()`` is computed here once (a bytes object keeps it), ready for the
+    block pool's cache map when the block is cached.
     """
-    return hashlib.sha256(parent + block + extra).digest()
+    digest = hashlib.sha256(parent + block + extra).digest()
+    hash(digest)
+    return digest
