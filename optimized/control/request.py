@@ -181,20 +181,25 @@ class Request:
 
 
 def commit_updates(
-    requests: Mapping[str, Request], updates: Iterable[tuple[str, int, int | None]]
+    requests: Mapping[str, Request],
+    updates: Iterable[tuple[str, int, int | None]],
+    unhashed: list[Request] | None = None,
 ) -> str | None:
     """The end of a step for every ``(request_id, num_computed_tokens, token)`` in order:
     set the computed tokens (0 marks the request preempted), then append ``token`` unless
     it is None. The common update (a token completing no block) is a list append and two
     integer stores; the blocks the step completes are hashed together after the loop
-    (:func:`hash_completed_blocks`). Returns the first unknown id (the updates before it
-    are applied and their blocks hashed, none after), else None.
+    (:func:`hash_completed_blocks`), or, given ``unhashed``, left to the caller: each
+    request whose tokens completed a block is appended to it, its ``block_hashes`` lagging
+    until the caller passes the list to :func:`hash_completed_blocks` (before anything
+    reads them). Returns the first unknown id (the updates before it are applied, none
+    after), else None.
 
     Example: ``H = 4``, a request of 5 tokens, update ``("a", 5, 9)``: computed 5, tokens
     6, still 1 hash; a second ``("a", 6, 3)`` and ``("a", 7, 3)`` make 8 tokens, 2 hashes.
     """
     preempted = RequestStatus.PREEMPTED
-    completed: list[Request] = []
+    completed: list[Request] = [] if unhashed is None else unhashed
     request_id = None
     try:
         for request_id, num_computed_tokens, token in updates:
@@ -213,7 +218,7 @@ def commit_updates(
             raise
         return request_id
     finally:
-        if completed:
+        if unhashed is None and completed:
             hash_completed_blocks(completed)
     return None
 

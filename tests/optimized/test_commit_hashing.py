@@ -20,7 +20,7 @@ import pytest
 
 from optimized.control.hashing import ROOT_HASH
 from optimized.control.request import Request, commit_updates, hash_completed_blocks
-from properties.core.engine import RequestInput, StepUpdate
+from properties.core.engine import CacheHit, RequestInput, StepUpdate
 from properties.engines.optimized import make_engine
 from properties.engines.reference import make_engine as make_reference_engine
 from reference.errors import InvalidRequestError
@@ -180,3 +180,66 @@ def test_a_hash_list_takes_sixteen_output_blocks_without_moving() -> None:
     assert commit_updates({"a": req}, ups) is None
     assert len(req.block_hashes) == 144
     assert sys.getsizeof(req.block_hashes) == size
+
+
+def test_commit_updates_can_leave_the_hashing_to_the_caller() -> None:
+    # H = 2: "a" (prompt [1, 2]) gets 3 then 4 -> block 1 = [3, 4] completed, not hashed
+    # until the caller hashes the list it was given
+    req = Request("a", [1, 2], 2)
+    unhashed: list[Request] = []
+    assert commit_updates({"a": req}, [("a", 2, 3), ("a", 3, 4)], unhashed) is None
+    assert unhashed == [req] and len(req.block_hashes) == 1
+    hash_completed_blocks(unhashed)
+    assert req.block_hashes == Request("x", [1, 2, 3, 4], 2).block_hashes
+
+
+def test_the_engine_hashes_a_commits_blocks_before_the_next_lookup() -> None:
+    # "a" decodes 9: block 1 [3, 9] lags after the commit, is hashed by the next lookup
+    engine = make_engine(_layout())
+    engine.add_request(RequestInput("a", (1, 2, 3)))
+    assert engine.allocate_slots("a", 3, 0, None, 0) is not None
+    engine.commit_step([StepUpdate("a", 3, 9)])
+    req = engine.requests["a"]
+    assert len(req.block_hashes) == 1
+    engine.add_request(RequestInput("b", (5, 6, 7)))
+    assert engine.get_computed_blocks("b").num_tokens == 0
+    assert req.block_hashes == Request("x", [1, 2, 3, 9], 2).block_hashes
+
+
+def test_a_request_removed_before_the_next_call_is_never_hashed() -> None:
+    engine = make_engine(_layout())
+    engine.add_request(RequestInput("a", (1, 2, 3)))
+    assert engine.allocate_slots("a", 3, 0, None, 0) is not None
+    engine.commit_step([StepUpdate("a", 3, 9)])
+    req = engine.requests["a"]
+    engine.free_requests(["a"])
+    engine.remove_request("a")
+    engine.add_request(RequestInput("a", (1, 2, 3, 9, 8)))  # a new request, same id
+    assert engine.get_computed_blocks("a").num_tokens == 2  # block 0 [1, 2] cached
+    assert len(req.block_hashes) == 1  # the removed request's block 1 was never hashed
+
+
+@pytest.mark.parametrize("make", [make_engine, make_reference_engine], ids=["opt", "ref"])
+def test_a_preempted_request_hits_the_blocks_its_last_commits_completed(make) -> None:
+    # "b" (prompt 1 2 3 9 8) caches [1, 2] and [3, 9]; "a" (prompt 1 2 3) decodes 9 and 8
+    # in two commits with no allocation between, is preempted and looked up again: its
+    # tokens 1 2 3 9 8 hit both blocks (4 tokens <= 5 - 1) only if [3, 9] was hashed
+    engine = make(_layout())
+    engine.add_request(RequestInput("b", (1, 2, 3, 9, 8)))
+    assert engine.allocate_slots("b", 5, 0, None, 0) is not None
+    engine.add_request(RequestInput("a", (1, 2, 3)))
+    assert engine.get_computed_blocks("a").num_tokens == 2
+    assert engine.allocate_slots("a", 3, 0, None, 0) is not None
+    for computed, token in ((3, 9), (4, 8)):
+        if hasattr(engine, "commit_step"):
+            engine.commit_step([StepUpdate("a", computed, token)])
+        else:
+            engine.set_num_computed_tokens("a", computed)
+            engine.append_output_tokens("a", [token])
+    engine.free("a")
+    if hasattr(engine, "commit_step"):
+        engine.commit_step([StepUpdate("a", 0, None)])
+    else:
+        engine.set_num_computed_tokens("a", 0)
+    b_table = engine.get_block_ids("b")[0]
+    assert engine.get_computed_blocks("a") == CacheHit((b_table[:2],), 4)
