@@ -68,8 +68,8 @@ def _reserve(items: list, extra: int) -> None:
 class Request:
     """Prompt array, output list, computed tokens, salt, LoRA, block hashes.
 
-    ``num_tokens`` is always ``num_prompt_tokens + len(outputs)``; the hot fields come
-    first in ``__slots__`` (one cache line for a decode step's commit).
+    ``num_tokens`` is always ``num_prompt_tokens + len(outputs)``; the fields a decode
+    step's commit writes come first in ``__slots__`` (adjacent in memory).
     """
 
     __slots__ = (

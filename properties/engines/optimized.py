@@ -78,7 +78,9 @@ class OptimizedEngine(ManagerEngine):
 
     def commit_step(self, updates: Sequence[StepUpdate]) -> None:
         """The batched end of a step (``CommitsSteps``): per update, what
-        :meth:`set_num_computed_tokens` and :meth:`append_output_tokens` do."""
+        :meth:`set_num_computed_tokens` and :meth:`append_output_tokens` do, except that
+        the blocks it completes are hashed by the next call reading hashes
+        (:meth:`_hash_pending`)."""
         unknown = commit_updates(self.requests, updates, self._unhashed)
         if unknown is not None:
             raise EngineError(f"optimized: unknown request {unknown!r}")

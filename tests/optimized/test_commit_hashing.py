@@ -3,6 +3,8 @@
 and its fallback (a block holding prompt tokens, block 0, several blocks in one commit)
 give the chain :func:`optimized.control.hashing.extend_block_hashes` gives the same tokens
 as a prompt, and the hand-computed link ``SHA-256(parent || int64 LE tokens || extra)``.
+The optimized engine defers that hashing to its next lookup, allocation or step, and skips
+it for a request removed in between.
 
 Hand scenario of the engine test: one full-attention group, bs 2 (``H = 2``), prefix
 caching on. ``a`` (prompt ``1 2 3``) decodes ``9 8 7 6``: block 1 ``[3, 9]`` spans prompt
