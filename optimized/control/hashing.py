@@ -79,3 +79,18 @@ def hashes_at_block_size(
     if k == 1:
         return hashes
     return hashes[k - 1 :: k]
+
+
+def chain_link(parent: bytes, block: bytes, extra: bytes) -> bytes:
+    """One link of the chain: the hash of a block whose parent hash is ``parent``, whose
+    ``H`` tokens are ``block`` (little-endian int64) and whose extra keys are ``extra``
+    (:func:`extra_key_bytes`); :func:`extend_block_hashes` gives that block the same value.
+
+    Example: ``chain_link(ROOT_HASH, raw, b"")``, ``raw`` the bytes of tokens ``[1, 2]``, is
+    the first hash ``extend_block_hashes`` gives ``[1, 2]`` at ``H = 2``. The digest's
+    Python ``hash()`` is computed here once (a bytes object keeps it), ready for the
+    block pool's cache map when the block is cached.
+    """
+    digest = hashlib.sha256(parent + block + extra).digest()
+    hash(digest)
+    return digest

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from operator import attrgetter
 
 from optimized.control.kv_cache_manager import ComputedBlocks, KVCacheManager
-from optimized.control.request import Request, commit_updates
+from optimized.control.request import Request, commit_updates, hash_completed_blocks
 from optimized.device.data_plane import DataPlane
 from properties.core.allocation import Allocation
 from properties.core.engine import (
@@ -57,6 +57,8 @@ class OptimizedEngine(ManagerEngine):
         self.requests: dict[str, Request] = {}
         self._hits: dict[str, tuple[CacheHit, ComputedBlocks]] = {}
         self.data_plane: DataPlane | None = None
+        #: requests whose last commit completed a block not hashed yet (:meth:`_hash_pending`)
+        self._unhashed: list[Request] = []
 
     def add_request(self, request: RequestInput) -> None:
         if request.request_id in self.requests:
@@ -76,10 +78,24 @@ class OptimizedEngine(ManagerEngine):
 
     def commit_step(self, updates: Sequence[StepUpdate]) -> None:
         """The batched end of a step (``CommitsSteps``): per update, what
-        :meth:`set_num_computed_tokens` and :meth:`append_output_tokens` do."""
-        unknown = commit_updates(self.requests, updates)
+        :meth:`set_num_computed_tokens` and :meth:`append_output_tokens` do, except that
+        the blocks it completes are hashed by the next call reading hashes
+        (:meth:`_hash_pending`)."""
+        unknown = commit_updates(self.requests, updates, self._unhashed)
         if unknown is not None:
             raise EngineError(f"optimized: unknown request {unknown!r}")
+
+    def _hash_pending(self) -> None:
+        """Hash the blocks the commits since the last call completed, for the requests
+        this engine still holds, before a call that reads block hashes (a lookup, an
+        allocation, a step). A request removed in between (finished) is not hashed: no
+        call reads its hashes again. Example: 4096 requests finishing in the step that
+        completes their last block are freed and removed with no hashing at all."""
+        pending = self._unhashed
+        if pending:
+            requests = self.requests
+            hash_completed_blocks([r for r in pending if requests.get(r.request_id) is r])
+            pending.clear()
 
     def free_requests(self, request_ids: Sequence[str]) -> None:
         """``free`` of each id in order in one call (``FreesInBatch``,
@@ -98,6 +114,7 @@ class OptimizedEngine(ManagerEngine):
         self.manager.new_step_starts()
 
     def get_computed_blocks(self, request_id: str) -> CacheHit:
+        self._hash_pending()
         computed, num_tokens = self.manager.get_computed_blocks(self._request(request_id))
         hit = CacheHit(computed.block_ids(), num_tokens)
         self._hits[request_id] = (hit, computed)
@@ -111,6 +128,7 @@ class OptimizedEngine(ManagerEngine):
                 "default serving mode only (no serving-mode keywords)"
             )
         computed = self._computed_blocks(request_id, allocation.hit)
+        self._hash_pending()
         try:
             new = self.manager.allocate_slots(
                 self._request(request_id),
@@ -128,6 +146,7 @@ class OptimizedEngine(ManagerEngine):
     def schedule_step(self, items: Sequence[SlotRequest]) -> list[BlockIds | None]:
         """The batched step
         (:meth:`optimized.control.kv_cache_manager.KVCacheManager.schedule_step`)."""
+        self._hash_pending()
         requests = self.requests
         try:
             step = list(map(requests.__getitem__, map(_REQUEST_ID, items)))
