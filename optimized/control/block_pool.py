@@ -34,19 +34,46 @@ NOT_QUEUED = -1
 SMALL_FREE = 8
 
 
-def run_ends(lengths: Sequence[int]) -> Callable[[np.ndarray], np.ndarray | list[int]]:
-    """``runs_of`` for runs of the given ``lengths`` laid end to end: the run of each
-    position (a list for up to :data:`SMALL_REORDER` positions: a bisection each, no
-    numpy call). Example: lengths ``[2, 0, 3]`` -> positions ``[0, 1, 2, 4]`` are in runs
-    ``[0, 0, 2, 2]``."""
+class RunEnds:
+    """Runs of the given ``lengths`` laid end to end (one request's groups, or a few
+    requests' groups in order). Called with positions, gives the run of each (a list for
+    up to :data:`SMALL_REORDER` positions: a bisection each, no numpy call); its
+    :meth:`last_first` lays out a few blocks run by run, last run first. Example:
+    lengths ``[2, 0, 3]`` -> positions ``[0, 1, 2, 4]`` are in runs ``[0, 0, 2, 2]``."""
 
-    def runs_of(positions: np.ndarray) -> np.ndarray | list[int]:
-        ends = list(accumulate(lengths))
+    __slots__ = ("lengths",)
+
+    def __init__(self, lengths: Sequence[int]) -> None:
+        self.lengths = lengths
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray | list[int]:
+        ends = list(accumulate(self.lengths))
         if positions.size <= SMALL_REORDER:
             return [bisect_right(ends, p) for p in positions.tolist()]
         return np.searchsorted(ends, positions, side="right")
 
-    return runs_of
+    def last_first(self, positions: list[int], blocks: list[int]) -> list[int]:
+        """:func:`later_runs_first` of ``blocks`` at ``positions`` (ascending) in one
+        walk. Example: lengths ``[2, 3]``, positions ``[0, 1, 3]``, blocks ``[7, 8, 9]``
+        -> ``[9, 7, 8]``."""
+        ends = accumulate(self.lengths)
+        end = next(ends)
+        pieces: list[list[int]] = []
+        piece: list[int] = []
+        for p, b in zip(positions, blocks):
+            if p >= end:
+                if piece:
+                    pieces.append(piece)
+                    piece = []
+                end = next(e for e in ends if e > p)
+            piece.append(b)
+        pieces.append(piece)
+        if len(pieces) == 1:
+            return piece
+        out: list[int] = []
+        for piece in reversed(pieces):
+            out += piece
+        return out
 
 
 #: :func:`later_runs_first` reorders at most this many blocks in Python (fewer calls).
@@ -407,7 +434,7 @@ class BlockPool:
             for ids in lists:
                 self.free_blocks(ids)
             return
-        self.free_runs(np.concatenate(lists, dtype=np.intp), run_ends(lengths), repeats=False)
+        self.free_runs(np.concatenate(lists, dtype=np.intp), RunEnds(lengths), repeats=False)
 
     def free_runs(
         self,
@@ -458,8 +485,11 @@ class BlockPool:
         front = np.flatnonzero(unhashed)
         queue = self.free_block_queue
         if front.size:
-            runs = runs_of(front if pos is None else pos.take(front))
-            queue.prepend_n(later_runs_first(ids.take(front), runs))
+            at = front if pos is None else pos.take(front)
+            if front.size <= SMALL_REORDER and isinstance(runs_of, RunEnds):
+                queue.prepend_n(runs_of.last_first(at.tolist(), ids.take(front).tolist()))
+            else:
+                queue.prepend_n(later_runs_first(ids.take(front), runs_of(at)))
         if front.size < num_moving:
             if front.size == 0 and num_moving == ids.size:
                 queue.append_n(ids)

@@ -19,7 +19,7 @@ from itertools import repeat
 
 import numpy as np
 
-from optimized.control.block_pool import BlockPool, run_ends
+from optimized.control.block_pool import BlockPool, RunEnds
 from optimized.control.managers import SingleTypeKVCacheManager, manager_class_for
 from optimized.control.managers.base import BlockList
 from optimized.control.request import Request
@@ -185,7 +185,7 @@ class KVCacheCoordinator:
         parts = [m.held_blocks(row)[::-1] for row in rows for m in managers]
         ids = np.concatenate(parts, dtype=np.intp)
         if ids.size:
-            runs_of = run_ends([p.size for p in parts])
+            runs_of = RunEnds([p.size for p in parts])
             self.block_pool.free_runs(ids, runs_of, repeats=len(rows) > 1)
         for row in rows:
             for m in managers:

@@ -3,7 +3,7 @@ the coordinator's row reads), each forced and checked by hand and against the re
 
 * the front chain laid out run by run, last run first (:func:`later_runs_first`), in
   Python (a few blocks) and with arrays (many), and the run of each position
-  (:func:`run_ends`, both forms);
+  (:class:`RunEnds`, both forms, and its one-walk layout of a few blocks);
 * ``free_runs`` with a block repeated across runs (a prefix shared by requests freed
   together): it moves at its last occurrence, to the front or the back;
 * ``free_requests`` of a few requests (one pass over their rows, shared blocks counted)
@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from optimized.control.block_pool import BlockPool, later_runs_first, run_ends
+from optimized.control.block_pool import BlockPool, RunEnds, later_runs_first
 from optimized.control.coordinator import KVCacheCoordinator
 from properties.core.engine import FreesInBatch, RequestInput
 from properties.core.trace import Step
@@ -52,12 +52,20 @@ def test_later_runs_first_leaves_one_run_alone() -> None:
 
 
 def test_run_ends_gives_each_position_its_run_in_both_forms() -> None:
-    runs_of = run_ends([2, 0, 3])
+    runs_of = RunEnds([2, 0, 3])
     assert list(runs_of(np.array([0, 1, 2, 4]))) == [0, 0, 2, 2]
     lengths = [20, 0, 30]
-    many = run_ends(lengths)(np.arange(50))  # over the Python limit: an array
+    many = RunEnds(lengths)(np.arange(50))  # over the Python limit: an array
     assert isinstance(many, np.ndarray)
     assert many.tolist() == [0] * 20 + [2] * 30
+
+
+def test_run_ends_lays_out_a_few_blocks_last_run_first_in_one_walk() -> None:
+    """Lengths 2, 0, 3, 1: positions 0, 1 (run 0), 3 (run 2), 5 (run 3) -> 5's block,
+    then 3's, then 0's and 1's; one run alone keeps its order."""
+    runs = RunEnds([2, 0, 3, 1])
+    assert runs.last_first([0, 1, 3, 5], [10, 11, 13, 15]) == [15, 13, 10, 11]
+    assert runs.last_first([2, 4], [12, 14]) == [12, 14]
 
 
 # -- free_runs with repeated blocks ---------------------------------------------------
@@ -81,7 +89,7 @@ def test_a_shared_unhashed_block_moves_with_its_last_run() -> None:
     pool = _pool(held=[1, 2, 3], hashed=[], twice=[3])
     before = pool.free_block_queue.block_ids()
     ids = np.array([1, 3, 3, 2], dtype=np.intp)
-    pool.free_runs(ids, run_ends([2, 2]))
+    pool.free_runs(ids, RunEnds([2, 2]))
     assert pool.free_block_queue.block_ids() == [3, 2, 1, *before]
     assert pool.ref_cnt[[1, 2, 3]].tolist() == [0, 0, 0]
 
@@ -90,7 +98,7 @@ def test_a_shared_hashed_block_goes_back_at_its_last_occurrence() -> None:
     """Runs ``[3, 1]``, ``[3]``, ``[2]`` all hashed, 3 held twice: back order 1, 3, 2."""
     pool = _pool(held=[1, 2, 3], hashed=[1, 2, 3], twice=[3])
     before = pool.free_block_queue.block_ids()
-    pool.free_runs(np.array([3, 1, 3, 2], dtype=np.intp), run_ends([2, 1, 1]))
+    pool.free_runs(np.array([3, 1, 3, 2], dtype=np.intp), RunEnds([2, 1, 1]))
     assert pool.free_block_queue.block_ids() == [*before, 1, 3, 2]
 
 
@@ -98,7 +106,7 @@ def test_a_block_still_held_after_the_runs_stays_out_of_the_queue() -> None:
     """3 held three times, freed twice: it keeps one reference and does not move."""
     pool = _pool(held=[1, 3], hashed=[], twice=[3, 3])
     before = pool.free_block_queue.block_ids()
-    pool.free_runs(np.array([3, 1, 0, 3], dtype=np.intp), run_ends([2, 2]))
+    pool.free_runs(np.array([3, 1, 0, 3], dtype=np.intp), RunEnds([2, 2]))
     assert pool.free_block_queue.block_ids() == [1, *before]
     assert pool.ref_cnt[3] == 1
 
@@ -110,7 +118,7 @@ def test_free_runs_matches_successive_free_blocks_calls() -> None:
     twice = [3, 5]  # each appears in two runs
     one, other = (_pool(held, hashed=[4, 6, 5, 1], twice=twice) for _ in range(2))
     flat = np.array([b for run in lists for b in run], dtype=np.intp)
-    one.free_runs(flat, run_ends([len(r) for r in lists]))
+    one.free_runs(flat, RunEnds([len(r) for r in lists]))
     for run in lists:
         other.free_blocks(run)
     assert one.free_block_queue.block_ids() == other.free_block_queue.block_ids()
@@ -121,7 +129,7 @@ def test_free_runs_refuses_a_block_that_is_not_held() -> None:
     """Block 4 is free (count 0): freeing it again is an error, as in the reference."""
     pool = _pool(held=[1, 2], hashed=[], twice=[])
     with pytest.raises(Exception, match="block 4 freed more often than allocated"):
-        pool.free_runs(np.array([1, 2, 4], dtype=np.intp), run_ends([2, 1]))
+        pool.free_runs(np.array([1, 2, 4], dtype=np.intp), RunEnds([2, 1]))
 
 
 # -- free_requests against the reference ------------------------------------------------
