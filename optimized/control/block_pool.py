@@ -471,18 +471,17 @@ class BlockPool:
         after -= 1  # (in place: the gather is a copy)
         moving = None  # None: every block reaches 0 (the common case: one test)
         if np.count_nonzero(after):  # some block stays held (or went below 0)
-            held = after > 0
-            moving = self._count_repeats(ids, after, held) if repeats else ~held
+            moving = self._count_repeats(ids, after) if repeats else after == 0
         ref[ids] = after  # (a repeated id writes the same count each time)
         if moving is not None and np.minimum.reduce(after) < 0:
             raise KVConformError(f"block {int(ids[after < 0][0])} freed more often than allocated")
         num_moving = ids.size if moving is None else np.count_nonzero(moving)
         if num_moving == 0:
             return
-        unhashed = self.block_group.take(ids) < 0
+        to_front = self.block_group.take(ids) < 0
         if moving is not None:
-            unhashed &= moving
-        front = np.flatnonzero(unhashed)
+            to_front &= moving
+        front = np.flatnonzero(to_front)
         queue = self.free_block_queue
         if front.size:
             at = front if pos is None else pos.take(front)
@@ -490,21 +489,22 @@ class BlockPool:
                 queue.prepend_n(runs_of.last_first(at.tolist(), ids.take(front).tolist()))
             else:
                 queue.prepend_n(later_runs_first(ids.take(front), runs_of(at)))
-        if front.size < num_moving:
-            if front.size == 0 and num_moving == ids.size:
-                queue.append_n(ids)
-            else:
-                back = ~unhashed if moving is None else moving & ~unhashed
-                queue.append_n(ids[back])
+        if front.size == num_moving:
+            return
+        if moving is None:
+            queue.append_n(ids if front.size == 0 else ids[~to_front])
+        else:
+            moving ^= to_front  # the moving blocks that are hashed
+            queue.append_n(ids[moving])
 
-    def _count_repeats(self, ids: np.ndarray, after: np.ndarray, held: np.ndarray) -> np.ndarray:
+    def _count_repeats(self, ids: np.ndarray, after: np.ndarray) -> np.ndarray:
         """For :meth:`free_runs`: ``after`` holds each count less one; fix the counts of
-        the ids that repeat (all among ``held``: held more than once before) to their count
+        the ids that repeat (all held more than once before: ``after > 0``) to their count
         less their number of occurrences, and return which positions move (reach 0 at
         their last occurrence). Example: ids ``[5, 7, 5]`` with counts ``5: 2, 7: 1`` ->
         ``after [0, 0, 0]``, moving ``[False, True, True]``."""
-        moving = ~held  # (False at every held position: only a last occurrence may move)
-        at = np.flatnonzero(held)
+        moving = after == 0  # (False at every held position: only a last occurrence may move)
+        at = np.flatnonzero(after > 0)
         if at.size < 2:
             return moving
         _, last_from_end, inverse, counts = np.unique(

@@ -138,15 +138,16 @@ class KVCacheCoordinator:
         (reversed), request 1 group 1, ..., request 2 group 0, ... go to
         :meth:`BlockPool.free_runs` as one run per (request, group), which gives the counts
         and free queue of the successive calls (shared blocks move at their last
-        reference). Fewer than :attr:`min_batched_free` requests are read row by row
-        (:meth:`_free_few_rows`), more as one sheet per group
+        reference). Fewer than :attr:`min_batched_free` requests are freed row by row
+        (:meth:`_free_row`: measured as cheap as one pass over a few rows, and a row's
+        blocks are distinct, so no repeat count), more as one sheet per group
         (:meth:`SingleTypeKVCacheManager.rows_held`). Example: ids ``a, b`` one group,
         tables ``[1, 2]``, ``[3]``, all unhashed -> queue ``[3, 2, 1, ...]`` as
         ``free(a); free(b)`` gives."""
         rows = [r for r in map(self.row_of.pop, request_ids, repeat(None)) if r is not None]
         if len(rows) < self.min_batched_free:
-            if rows:
-                self._free_few_rows(rows)
+            for row in rows:
+                self._free_row(row)
             return
         at: np.ndarray | slice = np.asarray(rows, dtype=np.intp)
         if rows[-1] - rows[0] == len(rows) - 1 and (np.diff(at) == 1).all():
@@ -171,26 +172,24 @@ class KVCacheCoordinator:
     def free(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)
         if row is not None:
-            self._free_few_rows([row])
+            self._free_row(row)
 
-    def _free_few_rows(self, rows: Sequence[int]) -> None:
-        """Free a few requests' rows in order: each group's blocks in reverse order
-        (``SingleTypeKVCacheManager.free``), groups in order, requests in order, in one
-        pass (:meth:`BlockPool.free_runs`; one row has distinct blocks), then release the
-        rows in every group. Each group's row is read from its leading-null count on
+    def _free_row(self, row: int) -> None:
+        """Free one request's row: each group's blocks in reverse order
+        (``SingleTypeKVCacheManager.free``), groups in order, in one pass
+        (:meth:`BlockPool.free_runs`: a row's blocks are distinct), then release the row
+        in every group. Each group's row is read from its leading-null count on
         (:meth:`SingleTypeKVCacheManager.held_blocks`: the whole row when a stale count
-        would hide a block). Example: one row, ``[0, 0, 7, 9]`` (2 leading nulls) and
-        ``[4]`` -> frees ``9, 7`` then ``4``."""
+        would hide a block). Example: rows ``[0, 0, 7, 9]`` (2 leading nulls) and ``[4]``
+        -> frees ``9, 7`` then ``4``."""
         managers = self.managers
-        parts = [m.held_blocks(row)[::-1] for row in rows for m in managers]
+        parts = [m.held_blocks(row)[::-1] for m in managers]
         ids = np.concatenate(parts, dtype=np.intp)
         if ids.size:
-            runs_of = RunEnds([p.size for p in parts])
-            self.block_pool.free_runs(ids, runs_of, repeats=len(rows) > 1)
-        for row in rows:
-            for m in managers:
-                m.release_row(row)
-            heapq.heappush(self._free_rows, row)
+            self.block_pool.free_runs(ids, RunEnds([p.size for p in parts]), repeats=False)
+        for m in managers:
+            m.release_row(row)
+        heapq.heappush(self._free_rows, row)
 
     def new_step_starts(self) -> None:
         for m in self.managers:
