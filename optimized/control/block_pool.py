@@ -6,6 +6,10 @@ Implements the rules of :mod:`reference.block_pool` (vLLM 0.33 order) on block i
 * ``get_new_blocks`` pops from the front and drops any key the block still carries;
 * ``free_blocks`` decrements; blocks reaching 0 go, in the given order, unhashed to the
   **front** (one chain before the old front) and hashed to the **back**;
+* ``free_runs`` is successive ``free_blocks`` calls over runs laid end to end (a request's
+  groups, several requests' groups) in one pass, with the same counts and queue: a block
+  shared by several runs moves at its last occurrence, later runs' unhashed blocks go
+  before earlier runs';
 * ``touch`` takes a cached free block out of the queue and counts a reference;
 * several blocks may share a key; a lookup returns the earliest registered one.
 
