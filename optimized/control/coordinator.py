@@ -145,7 +145,7 @@ class KVCacheCoordinator:
         tables ``[1, 2]``, ``[3]``, all unhashed -> queue ``[3, 2, 1, ...]`` as
         ``free(a); free(b)`` gives."""
         rows = [r for r in map(self.row_of.pop, request_ids, repeat(None)) if r is not None]
-        if len(rows) < self.min_batched_free:
+        if len(rows) < max(self.min_batched_free, 1):
             for row in rows:
                 self._free_row(row)
             return

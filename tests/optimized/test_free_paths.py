@@ -125,6 +125,24 @@ def test_free_runs_matches_successive_free_blocks_calls() -> None:
     assert one.ref_counts() == other.ref_counts()
 
 
+def test_many_front_blocks_over_run_ends_match_successive_frees() -> None:
+    """40 unhashed blocks in runs of 15, 0, 25 (over the one-walk limit: the array
+    layout) against ``free_blocks`` run by run: ``[26..50]`` then ``[11..25]`` first."""
+    pools = []
+    for _ in range(2):
+        pool = BlockPool(60, enable_caching=True, hash_block_size=4)
+        pool.get_new_blocks(59)  # 1..59, all held
+        pool.free_blocks(list(range(59, 50, -1)))  # 51..59 back to the queue
+        pools.append(pool)
+    runs = [list(range(11, 26)), [], list(range(26, 51))]
+    pools[0].free_runs(np.array(runs[0] + runs[2], dtype=np.intp), RunEnds([15, 0, 25]))
+    for run in runs:
+        pools[1].free_blocks(run)
+    expected = [*range(26, 51), *range(11, 26), *range(59, 50, -1)]
+    assert pools[0].free_block_queue.block_ids() == expected
+    assert pools[1].free_block_queue.block_ids() == expected
+
+
 def test_free_runs_refuses_a_block_that_is_not_held() -> None:
     """Block 4 is free (count 0): freeing it again is an error, as in the reference."""
     pool = _pool(held=[1, 2], hashed=[], twice=[])
