@@ -6,10 +6,14 @@ Implements the rules of :mod:`reference.block_pool` (vLLM 0.33 order) on block i
 * ``get_new_blocks`` pops from the front and drops any key the block still carries;
 * ``free_blocks`` decrements; blocks reaching 0 go, in the given order, unhashed to the
   **front** (one chain before the old front) and hashed to the **back**;
+* ``free_runs`` is successive ``free_blocks`` calls over runs laid end to end (a request's
+  groups, several requests' groups) in one pass, with the same counts and queue: a block
+  shared by several runs moves at its last occurrence, later runs' unhashed blocks go
+  before earlier runs';
 * ``touch`` takes a cached free block out of the queue and counts a reference;
 * several blocks may share a key; a lookup returns the earliest registered one.
 
-The free queue is a doubly linked list over ``prev_free`` / ``next_free`` int32 arrays
+The free queue is a doubly linked list over ``prev_free`` / ``next_free`` intp arrays
 with two sentinels (ids ``num_blocks`` = head, ``num_blocks + 1`` = tail); ``-1`` marks a
 block that is not in the queue. Pop, remove, append and prepend are O(1) per block and
 chains are linked with vectorised writes. Example: queue ``[1, 2, 3]``; ``free([5, 4])``
@@ -18,7 +22,9 @@ chains are linked with vectorised writes. Example: queue ``[1, 2, 3]``; ``free([
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate
 
 import numpy as np
 
@@ -32,27 +38,97 @@ NOT_QUEUED = -1
 SMALL_FREE = 8
 
 
+class RunEnds:
+    """Runs of the given ``lengths`` laid end to end (one request's groups, or a few
+    requests' groups in order). Called with positions, gives the run of each (a list for
+    up to :data:`SMALL_REORDER` positions: a bisection each, no numpy call); its
+    :meth:`last_first` lays out a few blocks run by run, last run first. Example:
+    lengths ``[2, 0, 3]`` -> positions ``[0, 1, 2, 4]`` are in runs ``[0, 0, 2, 2]``."""
+
+    __slots__ = ("lengths",)
+
+    def __init__(self, lengths: Sequence[int]) -> None:
+        self.lengths = lengths
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray | list[int]:
+        ends = list(accumulate(self.lengths))
+        if positions.size <= SMALL_REORDER:
+            return [bisect_right(ends, p) for p in positions.tolist()]
+        return np.searchsorted(ends, positions, side="right")
+
+    def last_first(self, positions: list[int], blocks: list[int]) -> list[int]:
+        """:func:`later_runs_first` of ``blocks`` at ``positions`` (ascending) in one
+        walk. Example: lengths ``[2, 3]``, positions ``[0, 1, 3]``, blocks ``[7, 8, 9]``
+        -> ``[9, 7, 8]``."""
+        ends = accumulate(self.lengths)
+        end = next(ends)
+        pieces: list[list[int]] = []
+        piece: list[int] = []
+        for p, b in zip(positions, blocks):
+            if p >= end:
+                if piece:
+                    pieces.append(piece)
+                    piece = []
+                end = next(e for e in ends if e > p)
+            piece.append(b)
+        pieces.append(piece)
+        if len(pieces) == 1:
+            return piece
+        out: list[int] = []
+        for piece in reversed(pieces):
+            out += piece
+        return out
+
+
+#: :func:`later_runs_first` reorders at most this many blocks in Python (fewer calls).
+SMALL_REORDER = 32
+
+
+def later_runs_first(blocks: np.ndarray, runs: np.ndarray | list[int]) -> np.ndarray | list[int]:
+    """``blocks`` (their ``runs`` non-decreasing) reordered run by run, the last run first,
+    each run keeping its order: the front chain of successive frees, each prepending its
+    own. O(len), no sort; up to :data:`SMALL_REORDER` blocks in Python (a list back).
+    Example: blocks ``[1, 2, 3, 4]``, runs ``[0, 0, 1, 3]`` -> ``[4, 3, 1, 2]``."""
+    k = blocks.size
+    if k < 2 or runs[0] == runs[-1]:
+        return blocks
+    if k <= SMALL_REORDER:
+        ids, of = blocks.tolist(), runs if isinstance(runs, list) else runs.tolist()
+        cuts = [0, *(j for j in range(1, k) if of[j] != of[j - 1]), k]
+        out: list[int] = []
+        for j in range(len(cuts) - 1, 0, -1):
+            out += ids[cuts[j - 1] : cuts[j]]
+        return out
+    starts = np.flatnonzero(np.concatenate(([True], runs[1:] != runs[:-1])))
+    lengths = np.diff(starts, append=k)
+    starts, lengths = starts[::-1], lengths[::-1]
+    placed = np.cumsum(lengths) - lengths  # where each run lands in the output
+    return blocks[np.arange(k) + np.repeat(starts - placed, lengths)]
+
+
 class FreeBlockQueue:
     """The free list of :class:`reference.block_pool.FreeBlockQueue`, in index arrays."""
 
     def __init__(self, num_blocks: int) -> None:
         self.head = num_blocks
         self.tail = num_blocks + 1
-        self.prev_free = np.full(num_blocks + 2, NOT_QUEUED, dtype=np.int32)
-        self.next_free = np.full(num_blocks + 2, NOT_QUEUED, dtype=np.int32)
+        # intp links: a chain of intp ids (every bulk path's) is written with no conversion
+        self.prev_free = np.full(num_blocks + 2, NOT_QUEUED, dtype=np.intp)
+        self.next_free = np.full(num_blocks + 2, NOT_QUEUED, dtype=np.intp)
         self.next_free[self.head] = self.tail
         self.prev_free[self.tail] = self.head
         self.num_free_blocks = 0
         self.append_n(np.arange(num_blocks, dtype=np.int64))
 
-    def _link_chain(self, prev: int, nxt: int, chain: np.ndarray) -> None:
-        """Insert ``chain`` (in order) between the linked nodes ``prev`` and ``nxt``."""
+    def _link_chain(self, prev: int, nxt: int, chain: np.ndarray | list[int]) -> None:
+        """Insert ``chain`` (in order) between the linked nodes ``prev`` and ``nxt``; a
+        list (a few blocks) is linked block by block, an array with vectorised writes."""
         n = len(chain)
         if n == 0:
             return
-        if n <= SMALL_FREE:
+        if n <= SMALL_FREE or isinstance(chain, list):
             prv, nxt_arr = self.prev_free, self.next_free
-            for b in chain.tolist():
+            for b in chain if isinstance(chain, list) else chain.tolist():
                 prv[b] = prev
                 nxt_arr[prev] = b
                 prev = b
@@ -60,12 +136,14 @@ class FreeBlockQueue:
             prv[nxt] = prev
             self.num_free_blocks += n
             return
-        self.prev_free[chain[0]] = prev
-        self.prev_free[chain[1:]] = chain[:-1]
-        self.next_free[chain[:-1]] = chain[1:]
-        self.next_free[chain[-1]] = nxt
-        self.next_free[prev] = chain[0]
-        self.prev_free[nxt] = chain[-1]
+        prv, nxt_arr = self.prev_free, self.next_free
+        first, last = chain.item(0), chain.item(n - 1)
+        prv[first] = prev
+        prv[chain[1:]] = chain[:-1]
+        nxt_arr[chain[:-1]] = chain[1:]
+        nxt_arr[last] = nxt
+        nxt_arr[prev] = first
+        prv[nxt] = last
         self.num_free_blocks += n
 
     def link_one(self, block_id: int, at_back: bool) -> None:
@@ -81,11 +159,11 @@ class FreeBlockQueue:
         prv[after] = block_id
         self.num_free_blocks += 1
 
-    def append_n(self, blocks: np.ndarray) -> None:
+    def append_n(self, blocks: np.ndarray | list[int]) -> None:
         """Link ``blocks`` at the back, in order (hashed blocks: LRU)."""
         self._link_chain(int(self.prev_free[self.tail]), self.tail, blocks)
 
-    def prepend_n(self, blocks: np.ndarray) -> None:
+    def prepend_n(self, blocks: np.ndarray | list[int]) -> None:
         """Link ``blocks`` at the front, keeping their order (reused first)."""
         self._link_chain(self.head, int(self.next_free[self.head]), blocks)
 
@@ -350,100 +428,100 @@ class BlockPool:
     def free_block_lists(self, lists: Sequence[np.ndarray]) -> None:
         """``free_blocks(lists[0])``, ``free_blocks(lists[1])``, ... in one pass (a request's
         groups on ``free``: :meth:`reference.coordinator.KVCacheCoordinator.free`). Ids are
-        distinct across lists (a block belongs to one group). Same queue as the successive
-        calls: hashed blocks reaching 0 go to the back in list order; unhashed ones go to the
-        front list by list, so a later list's blocks end up before an earlier list's.
-        Example: lists ``[a1, a2]``, ``[b1]``, all unhashed -> queue ``[b1, a1, a2, ...]``.
-
-        About a dozen numpy calls whatever the number of lists: the list of each block is
-        only worked out when unhashed blocks of several lists reach 0 (then the front is
-        laid out list by list, last list first).
-        """
+        distinct across lists (a block belongs to one group); nulls are skipped. Same queue
+        as the successive calls: hashed blocks reaching 0 go to the back in list order;
+        unhashed ones go to the front list by list, so a later list's blocks end up before
+        an earlier list's. Example: lists ``[a1, a2]``, ``[b1]``, all unhashed -> queue
+        ``[b1, a1, a2, ...]``."""
         lengths = [len(ids) for ids in lists]
         if sum(lengths) <= SMALL_FREE or len(lists) == 1:
             for ids in lists:
                 self.free_blocks(ids)
             return
-        ids = np.concatenate(lists, dtype=np.intp)  # (intp: no conversion per fancy index)
-        if np.count_nonzero(ids) != ids.size:  # nulls (a Mamba row's gaps) are skipped
-            real = ids != NULL_BLOCK_ID
-            ids = ids[real]
-            kept = np.concatenate(([0], np.cumsum(real)))[np.cumsum(lengths)]
-            lengths = np.diff(kept, prepend=0).tolist()
-            if ids.size == 0:
-                return
-        ref = self.ref_cnt
-        after = ref[ids] - 1
-        ref[ids] = after
-        if np.count_nonzero(after < 0):
-            raise KVConformError(f"block {int(ids[after < 0][0])} freed more often than allocated")
-        unhashed = self.block_group[ids] < 0
-        queue = self.free_block_queue
-        if np.count_nonzero(after):  # some block stays held (shared): only those at 0 move
-            zero = after == 0
-            front, back = zero & unhashed, zero & ~unhashed
-        else:
-            num_unhashed = np.count_nonzero(unhashed)
-            if num_unhashed == 0:  # all hashed, all free: to the back in list order
-                queue.append_n(ids)
-                return
-            front, back = unhashed, ~unhashed
-            if num_unhashed == ids.size:
-                back = None
-        if np.count_nonzero(front):
-            self._prepend_lists(ids, front, lengths)
-        if back is not None and np.count_nonzero(back):
-            queue.append_n(ids[back])
+        self.free_runs(np.concatenate(lists, dtype=np.intp), RunEnds(lengths), repeats=False)
 
-    def free_block_runs(self, ids: np.ndarray, runs_of: Callable[[np.ndarray], np.ndarray]) -> None:
-        """Successive ``free_blocks`` calls over consecutive lists in one pass, where a block
-        may appear in several lists (a prefix block shared by requests freed together:
-        ``free`` of several requests, :meth:`KVCacheCoordinator.free_many`). ``ids`` are the
-        lists' non-null blocks laid end to end; ``runs_of(mask)`` gives the list of each
-        ``ids[mask]`` (non-decreasing; only asked for the blocks going to the front). Same
-        counts and queue as the successive calls: each occurrence
-        drops one reference; a block moves at its last occurrence when its count reaches 0
-        there, hashed to the back in order, unhashed to the front with a later list's blocks
-        before an earlier list's. Example: lists ``[a, s]``, ``[s, b]`` with ``s`` held twice
-        and all unhashed -> ``s`` moves with the second list: queue ``[s, b, a, ...]``.
+    def free_runs(
+        self,
+        ids: np.ndarray,
+        runs_of: Callable[[np.ndarray], np.ndarray | list[int]],
+        repeats: bool = True,
+    ) -> None:
+        """Successive :meth:`free_blocks` calls over consecutive runs laid end to end in
+        ``ids`` (intp; nulls skipped), in one pass. ``runs_of(positions)`` gives the run of
+        each position of ``ids`` asked for (non-decreasing; asked only for the blocks going
+        to the front). With ``repeats`` a block may appear in several runs (a prefix block
+        shared by requests freed together, :meth:`KVCacheCoordinator.free_many`), never
+        twice in one; without, ids are distinct (one request's groups).
+
+        Same counts and queue as the successive calls: each occurrence drops one
+        reference; a block moves at its last occurrence when its count reaches 0 there
+        (an earlier occurrence cannot reach 0: the later one would go below 0), hashed to
+        the back in order, unhashed to the front with a later run's blocks before an
+        earlier run's (:func:`later_runs_first`). Each occurrence in a table holds one
+        reference, so only blocks held more than once before the call can repeat: their
+        occurrences are counted with one ``unique`` over them alone (usually none: the
+        common case is one gather, one subtraction, one scatter). Example: runs
+        ``[a, s]``, ``[s, b]`` with ``s`` held twice, all unhashed -> ``s`` moves with the
+        second run: queue ``[s, b, a, ...]``.
         """
-        ref = self.ref_cnt
-        before = ref[ids]
-        np.subtract.at(ref, ids, ref.dtype.type(1))  # (same dtype: numpy's fast path)
-        after = ref[ids]
-        if np.count_nonzero(after < 0):
-            raise KVConformError(f"block {int(ids[after < 0][0])} freed more often than allocated")
-        moving = after == 0
-        repeated = moving & (before - after > 1)  # a block at 0 seen more than once
-        if np.count_nonzero(repeated):
-            pos = np.flatnonzero(repeated)
-            _, first_from_end = np.unique(ids[pos][::-1], return_index=True)
-            moving[pos] = False
-            moving[pos[pos.size - 1 - first_from_end]] = True
-        unhashed = self.block_group[ids] < 0
-        front = moving & unhashed
-        back = moving & ~unhashed
-        if np.count_nonzero(front):
-            order = np.argsort(-runs_of(front), kind="stable")
-            self.free_block_queue.prepend_n(ids[front][order])
-        if np.count_nonzero(back):
-            self.free_block_queue.append_n(ids[back])
-
-    def _prepend_lists(self, ids: np.ndarray, front: np.ndarray, lengths: Sequence[int]) -> None:
-        """Prepend ``ids[front]`` as successive ``free_blocks`` calls over lists of
-        ``lengths`` would: the last list's blocks first, each list keeping its order.
-        Example: lists ``[a1, a2]``, ``[b1]`` all in front -> ``[b1, a1, a2]``."""
-        if len(lengths) > 3:
-            which = np.repeat(np.arange(len(lengths)), lengths)[front]
-            self.free_block_queue.prepend_n(ids[front][np.argsort(-which, kind="stable")])
+        pos = None
+        if np.count_nonzero(ids) != ids.size:  # nulls (window gaps, padding) are skipped
+            pos = np.flatnonzero(ids)
+            ids = ids.take(pos)
+        if ids.size == 0:
             return
-        pieces = []
-        end = len(ids)
-        for n in reversed(lengths):  # one slice per list, last list first
-            start = end - n
-            pieces.append(ids[start:end][front[start:end]])
-            end = start
-        self.free_block_queue.prepend_n(np.concatenate(pieces))
+        ref = self.ref_cnt
+        after = ref.take(ids)
+        after -= 1  # (in place: the gather is a copy)
+        moving = None  # None: every block reaches 0 (the common case: one test)
+        if np.count_nonzero(after):  # some block stays held (or went below 0)
+            moving = self._count_repeats(ids, after) if repeats else after == 0
+        ref[ids] = after  # (a repeated id writes the same count each time)
+        if moving is not None and np.minimum.reduce(after) < 0:
+            raise KVConformError(f"block {int(ids[after < 0][0])} freed more often than allocated")
+        num_moving = ids.size if moving is None else np.count_nonzero(moving)
+        if num_moving == 0:
+            return
+        to_front = self.block_group.take(ids) < 0
+        if moving is not None:
+            to_front &= moving
+        front = np.flatnonzero(to_front)
+        queue = self.free_block_queue
+        if front.size:
+            at = front if pos is None else pos.take(front)
+            if front.size <= SMALL_REORDER and isinstance(runs_of, RunEnds):
+                queue.prepend_n(runs_of.last_first(at.tolist(), ids.take(front).tolist()))
+            else:
+                queue.prepend_n(later_runs_first(ids.take(front), runs_of(at)))
+        if front.size == num_moving:
+            return
+        if moving is None:
+            queue.append_n(ids if front.size == 0 else ids[~to_front])
+        else:
+            moving ^= to_front  # the moving blocks that are hashed
+            queue.append_n(ids[moving])
+
+    def _count_repeats(self, ids: np.ndarray, after: np.ndarray) -> np.ndarray:
+        """For :meth:`free_runs`: ``after`` holds each count less one; fix the counts of
+        the ids that repeat (all held more than once before: ``after > 0``) to their count
+        less their number of occurrences, and return which positions move (reach 0 at
+        their last occurrence). Example: ids ``[5, 7, 5]`` with counts ``5: 2, 7: 1`` ->
+        ``after [0, 0, 0]``, moving ``[False, True, True]``."""
+        moving = after == 0  # (False at every held position: only a last occurrence may move)
+        at = np.flatnonzero(after > 0)
+        if at.size < 2:
+            return moving
+        _, last_from_end, inverse, counts = np.unique(
+            ids[at][::-1], return_index=True, return_inverse=True, return_counts=True
+        )
+        if counts.max() == 1:
+            return moving
+        per_position = counts[inverse[::-1]]
+        after[at] += 1 - per_position
+        # a repeated block reaching 0 moves at its last occurrence only
+        last = at[at.size - 1 - last_from_end]
+        moving[last[after[last] == 0]] = True
+        return moving
 
     def _free_few(self, ordered_blocks: Sequence[int]) -> None:
         """:meth:`free_blocks` for a few blocks (a decode step's): scalar steps, same order."""

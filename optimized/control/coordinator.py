@@ -19,7 +19,7 @@ from itertools import repeat
 
 import numpy as np
 
-from optimized.control.block_pool import BlockPool
+from optimized.control.block_pool import BlockPool, RunEnds
 from optimized.control.managers import SingleTypeKVCacheManager, manager_class_for
 from optimized.control.managers.base import BlockList
 from optimized.control.request import Request
@@ -134,35 +134,40 @@ class KVCacheCoordinator:
             m.remove_skipped_blocks(row, num_computed_tokens)
 
     def free_many(self, request_ids: Sequence[str]) -> None:
-        """:meth:`free` of each id in order, in one pass over every group's rows: the
-        blocks of request 1 group 0 (reversed), request 1 group 1, ..., request 2 group 0,
-        ... go to :meth:`BlockPool.free_block_runs` as one run per (request, group), which
-        gives the counts and free queue of the successive calls (shared blocks move at
-        their last reference). Example: ids ``a, b`` one group, tables ``[1, 2]``, ``[3]``,
-        all unhashed -> queue ``[3, 2, 1, ...]`` as ``free(a); free(b)`` gives."""
+        """:meth:`free` of each id in order, in one pass: the blocks of request 1 group 0
+        (reversed), request 1 group 1, ..., request 2 group 0, ... go to
+        :meth:`BlockPool.free_runs` as one run per (request, group), which gives the counts
+        and free queue of the successive calls (shared blocks move at their last
+        reference). Fewer than :attr:`min_batched_free` requests are freed row by row
+        (:meth:`_free_row`: measured as cheap as one pass over a few rows, and a row's
+        blocks are distinct, so no repeat count), more as one sheet per group
+        (:meth:`SingleTypeKVCacheManager.rows_held`). Example: ids ``a, b`` one group,
+        tables ``[1, 2]``, ``[3]``, all unhashed -> queue ``[3, 2, 1, ...]`` as
+        ``free(a); free(b)`` gives."""
         rows = [r for r in map(self.row_of.pop, request_ids, repeat(None)) if r is not None]
-        if len(rows) < self.min_batched_free:
+        if len(rows) < max(self.min_batched_free, 1):
             for row in rows:
                 self._free_row(row)
             return
-        at = np.asarray(rows, dtype=np.intp)
+        at: np.ndarray | slice = np.asarray(rows, dtype=np.intp)
+        if rows[-1] - rows[0] == len(rows) - 1 and (np.diff(at) == 1).all():
+            at = slice(rows[0], rows[-1] + 1)  # consecutive rows: views, no gathers
         num_groups = len(self.managers)
         # one (rows x columns) sheet: each group's columns reversed, groups side by side
-        sheets = [m.release_rows(at)[:, ::-1] for m in self.managers]
-        flat = np.concatenate(sheets, axis=1).ravel()
+        sheets = [m.rows_held(at)[:, ::-1] for m in self.managers]
+        flat = np.concatenate(sheets, axis=1, dtype=np.intp).ravel()
+        for m in self.managers:
+            m.release_rows(at)
         width = flat.size // len(rows)
         group_of_column = np.repeat(np.arange(num_groups), [s.shape[1] for s in sheets])
-        at_blocks = np.flatnonzero(flat)
-        if at_blocks.size:
 
-            def runs_of(picked: np.ndarray) -> np.ndarray:
-                """The (request, group) run of the picked blocks: row * groups + group."""
-                where = at_blocks[picked]
-                return where // width * num_groups + group_of_column[where % width]
+        def runs_of(where: np.ndarray) -> np.ndarray:
+            """The (request, group) run of positions of ``flat``: row * groups + group."""
+            return where // width * num_groups + group_of_column[where % width]
 
-            self.block_pool.free_block_runs(flat[at_blocks].astype(np.intp), runs_of)
-        for row in rows:
-            heapq.heappush(self._free_rows, row)
+        self.block_pool.free_runs(flat, runs_of)
+        self._free_rows.extend(rows)
+        heapq.heapify(self._free_rows)  # (linear: cheaper than a push per row)
 
     def free(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)
@@ -170,9 +175,19 @@ class KVCacheCoordinator:
             self._free_row(row)
 
     def _free_row(self, row: int) -> None:
-        # each group's blocks in reverse order (``SingleTypeKVCacheManager.free``), in one pass
-        self.block_pool.free_block_lists([m.held_blocks(row)[::-1] for m in self.managers])
-        for m in self.managers:
+        """Free one request's row: each group's blocks in reverse order
+        (``SingleTypeKVCacheManager.free``), groups in order, in one pass
+        (:meth:`BlockPool.free_runs`: a row's blocks are distinct), then release the row
+        in every group. Each group's row is read from its leading-null count on
+        (:meth:`SingleTypeKVCacheManager.held_blocks`: the whole row when a stale count
+        would hide a block). Example: rows ``[0, 0, 7, 9]`` (2 leading nulls) and ``[4]``
+        -> frees ``9, 7`` then ``4``."""
+        managers = self.managers
+        parts = [m.held_blocks(row)[::-1] for m in managers]
+        ids = np.concatenate(parts, dtype=np.intp)
+        if ids.size:
+            self.block_pool.free_runs(ids, RunEnds([p.size for p in parts]), repeats=False)
+        for m in managers:
             m.release_row(row)
         heapq.heappush(self._free_rows, row)
 

@@ -602,15 +602,22 @@ class KVCacheManager(ManagerBookkeeping):
     def free_requests(self, requests: Sequence[Request]) -> None:
         """:meth:`free` of each request in order, in one pass
         (:meth:`KVCacheCoordinator.free_many`). A request that may not be freed raises
-        after the ones before it are freed, as the successive calls would. Example:
+        after the ones before it are freed, as the successive calls would (the ids are
+        checked at once; only a batch with a bad id goes id by id). Example:
         ``free_requests([a, b])`` leaves the state of ``free(a); free(b)``."""
-        ids: list[str] = []
-        try:
-            for request in requests:
-                self._forget(request.request_id)
-                ids.append(request.request_id)
-        finally:
+        ids = list(map(_REQUEST_ID, requests))
+        known = self._known
+        if len(set(ids)) == len(ids) and known.issuperset(ids):
+            known.difference_update(ids)
             self.coordinator.free_many(ids)
+            return
+        freed: list[str] = []
+        try:
+            for request_id in ids:
+                self._forget(request_id)
+                freed.append(request_id)
+        finally:
+            self.coordinator.free_many(freed)
 
     # -- views -----------------------------------------------------------------
     def get_blocks(self, request_id: str) -> list[list[int]]:

@@ -231,6 +231,12 @@ class _FreesInBatch:
         ids = list(request_ids)
         self._call(f"free_requests({ids!r})", self.inner.free_requests, ids)
 
+    def remove_requests(self, request_ids: Sequence[str]) -> None:
+        ids = list(request_ids)
+        for request_id in ids:
+            self._hits.pop(request_id, None)
+        self._call(f"remove_requests({ids!r})", self.inner.remove_requests, ids)
+
 
 class _ServingModes:
     def set_in_flight(

@@ -385,7 +385,8 @@ class LockstepFrees:
     """``free_requests`` for an engine that has it (:class:`FreesInBatch`): one batched
     call on the engine, the reference freed one request at a time in the same order, the
     free checks run for each, then the state (tables, free counts, free queue) compared
-    once: the batch must leave what the successive frees leave."""
+    once: the batch must leave what the successive frees leave. ``remove_requests`` is
+    passed on the same way (nothing to compare: the removed ids are no longer read)."""
 
     def free_requests(self: LockstepEngine, request_ids: Sequence[str]) -> None:
         ids = list(request_ids)
@@ -396,6 +397,15 @@ class LockstepFrees:
             self._record("free", {"request_id": rid}, None)
             self.checker.on_free(rid)
         self._compare_state(f"free_requests({ids!r})", None)
+
+    def remove_requests(self: LockstepEngine, request_ids: Sequence[str]) -> None:
+        """One batched ``remove_requests`` on the engine; the reference forgets each id."""
+        ids = list(request_ids)
+        self._call(self.engine.remove_requests, ids, names=ids)
+        for rid in ids:
+            if self.reference is not None:
+                self.reference.remove_request(rid)
+            self.checker.on_remove(rid)
 
 
 #: The batched calls the lockstep offers when the engine under test has them

@@ -34,7 +34,7 @@ the lockstep compares it with the reference's per-request calls), ``CommitsSteps
 batched ``commit_step`` for the end of a step: the scheduler then hands it every scheduled
 request's computed tokens and new output token in one call), ``FreesInBatch`` (a batched
 ``free_requests`` of the requests that end in the same step: the scheduler then frees them
-in one call), ``ExposesDataPlane``
+in one call, and forgets them with one ``remove_requests``), ``ExposesDataPlane``
 (the engine's own device block tables, slot mapping, paged caches and attention: the
 ``attention`` property then runs through them instead of the harness's copies),
 ``ReportsAllocationEstimate`` (the number of blocks the last ``allocate_slots`` estimated
@@ -291,6 +291,13 @@ class FreesInBatch(Protocol):
         call. The scheduler calls it when two or more requests finish in one step, after
         the connector's release hook of each. Example: ``free_requests(["a", "b"])`` equals
         ``free("a"); free("b")``."""
+        ...
+
+    def remove_requests(self, request_ids: Sequence[str]) -> None:
+        """Exactly ``remove_request(r)`` for each id in order, in one call: the scheduler
+        forgets the requests it freed with ``free_requests`` (same ids, right after).
+        Example: ``remove_requests(["a", "b"])`` equals ``remove_request("a");
+        remove_request("b")``."""
         ...
 
 

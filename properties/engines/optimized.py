@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from itertools import takewhile
 from operator import attrgetter
 
 from optimized.control.kv_cache_manager import ComputedBlocks, KVCacheManager
@@ -101,14 +102,31 @@ class OptimizedEngine(ManagerEngine):
         """``free`` of each id in order in one call (``FreesInBatch``,
         :meth:`optimized.control.kv_cache_manager.KVCacheManager.free_requests`); an
         unknown id raises after the ids before it are freed."""
-        known: list[Request] = []
+        requests = self.requests
         try:
-            for request_id in request_ids:
-                known.append(self._request(request_id))
-        finally:
+            known = list(map(requests.__getitem__, request_ids))
+        except KeyError:  # free the ids before the unknown one, then its error
+            known = list(map(requests.__getitem__, takewhile(requests.__contains__, request_ids)))
             self.manager.free_requests(known)
-            for request in known:
-                self._hits.pop(request.request_id, None)
+            self._forget_hits(request_ids[: len(known)])
+            self._request(request_ids[len(known)])
+            raise  # pragma: no cover - _request raised
+        self.manager.free_requests(known)
+        self._forget_hits(request_ids)
+
+    def remove_requests(self, request_ids: Sequence[str]) -> None:
+        """``remove_request`` of each id in one call (``FreesInBatch``: the scheduler
+        forgets the requests it freed together)."""
+        pop = self.requests.pop
+        for request_id in request_ids:
+            pop(request_id, None)
+        self._forget_hits(request_ids)
+
+    def _forget_hits(self, request_ids: Sequence[str]) -> None:
+        """Drop the kept lookups of ``request_ids`` (none kept: nothing to do)."""
+        if self._hits:
+            for request_id in request_ids:
+                self._hits.pop(request_id, None)
 
     def new_step(self) -> None:
         self.manager.new_step_starts()

@@ -268,7 +268,8 @@ class RequestQueues:
     def _finish_all(self, request_ids: list[str], record: StepRecord) -> None:
         """:meth:`_finish` of each id in order, the engine's frees in one ``free_requests``
         call (two or more ids): the connector's release hooks first, in order, then the
-        frees, then each request forgotten and reported finished. Same engine state as
+        frees, then the engine's ``remove_requests`` of the same ids, then each request
+        forgotten and reported finished. Same engine state as
         the successive ``_finish`` calls (each free touches its own request only)."""
         if len(request_ids) < 2:
             for request_id in request_ids:
@@ -279,8 +280,9 @@ class RequestQueues:
                 state = self.requests[request_id]
                 self.connector.release(state, self._processed(state))
         self.engine.free_requests(request_ids)  # type: ignore[attr-defined]
+        self.engine.remove_requests(request_ids)  # type: ignore[attr-defined]
         for request_id in request_ids:
-            self._forget(request_id)
+            self._forget(request_id, removed=True)
             self.finished.append(request_id)
             record.finished.append(request_id)
 
@@ -310,8 +312,10 @@ class RequestQueues:
         if self.connector is not None:
             self.connector.processed(state, self._processed(state))
 
-    def _forget(self, request_id: str) -> None:
-        self.engine.remove_request(request_id)
+    def _forget(self, request_id: str, removed: bool = False) -> None:
+        """Drop a request (from the engine too, unless ``removed`` there already)."""
+        if not removed:
+            self.engine.remove_request(request_id)
         self.requests.pop(request_id, None)
         if self.connector is not None:
             self.connector.forget(request_id)

@@ -99,29 +99,37 @@ class SingleTypeKVCacheManager(ManagerBase):
 
     def release_row(self, row: int) -> None:
         """Forget a row (its blocks were freed); the table row is reused later."""
-        self.table[row, : self.row_len[row]] = NULL_BLOCK_ID
+        self.table[row, : self.row_len.item(row)] = NULL_BLOCK_ID
         self.dirty_rows[row] = True
         self.row_len[row] = 0
         self.num_cached_block[row] = -1
         self.num_leading_null[row] = 0
 
-    def release_rows(self, rows: np.ndarray) -> np.ndarray:
-        """:meth:`release_row` of each of ``rows`` (distinct) in one pass; returns the rows'
-        tables before the release as ``(len(rows), w)`` (``w`` the longest row; entries past
-        a row's length are 0). Example: rows with tables ``[3, 4]`` and ``[5]`` -> returns
-        ``[[3, 4], [5, 0]]`` and both rows read ``[]`` after."""
+    def rows_held(self, rows: np.ndarray | slice) -> np.ndarray:
+        """The table entries of ``rows`` (an index array, or a slice of consecutive rows:
+        then a view) as ``(num_rows, w)``, ``w`` the longest row's length, without the
+        leading columns that are null in every row (window blocks already freed); entries
+        past a row's length are null (a row is only ever written up to its length).
+        Example: rows with tables ``[0, 3, 4]`` and ``[0, 5]`` -> ``[[3, 4], [5, 0]]``."""
         lengths = self.row_len[rows]
-        width = int(lengths.max()) if rows.size else 0
-        old = self.table[rows, :width]
-        inside = np.arange(width) < lengths[:, None]
-        if width:
-            self.table[rows, :width] = np.where(inside, NULL_BLOCK_ID, old)
-            old[~inside] = NULL_BLOCK_ID
+        if lengths.size == 0:
+            return self.table[rows, :0]
+        width = int(lengths.max())
+        lead = int(self.num_leading_null[rows].min())
+        if lead and not np.count_nonzero(self.table[rows, :lead]):
+            return self.table[rows, lead:width]
+        return self.table[rows, :width]
+
+    def release_rows(self, rows: np.ndarray | slice) -> None:
+        """:meth:`release_row` of each of ``rows`` (distinct indices, or a slice) in one
+        pass: their entries are nulled up to the longest row's length."""
+        lengths = self.row_len[rows]
+        if lengths.size:
+            self.table[rows, : int(lengths.max())] = NULL_BLOCK_ID
         absent = self._absent_minus_one()
         for name in self._row_arrays():
             arr = getattr(self, name)
             arr[rows] = True if name == "dirty_rows" else (-1 if name in absent else 0)
-        return old
 
     def held_blocks(self, row: int) -> np.ndarray:
         """The row's entries that may hold blocks, as a view: from ``num_leading_null`` on

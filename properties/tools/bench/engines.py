@@ -512,6 +512,9 @@ class _TimedFrees:
     def free_requests(self, request_ids):
         return self._timed(self.engine.free_requests, request_ids)
 
+    def remove_requests(self, request_ids):
+        return self._timed(self.engine.remove_requests, request_ids)
+
 
 #: only the batched calls are passed on: the scheduler then makes the same calls as on
 #: the bare engine
