@@ -18,7 +18,9 @@ chains are linked with vectorised writes. Example: queue ``[1, 2, 3]``; ``free([
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from itertools import compress, repeat
 
 import numpy as np
 
@@ -100,64 +102,81 @@ class FreeBlockQueue:
         self.num_free_blocks -= 1
 
     def popleft_n(self, n: int) -> list[int]:
-        """Unlink the first ``n`` blocks (one relink of the head).
-
-        The walk takes runs of consecutive ids (ascending, as the pool starts, or
-        descending, as a request's blocks come back tail first) with one array test per
-        run; once a run is short it walks block by block. Example: queue ``[4, 5, 6, 9]``,
-        ``popleft_n(3)`` -> one run ``4..6``, queue ``[9]``.
+        """Unlink the first ``n`` blocks (one relink of the head); a few blocks are walked
+        one by one, more through :meth:`popleft_array`. Example: queue ``[4, 5, 6, 9]``,
+        ``popleft_n(3)`` -> ``[4, 5, 6]``, queue ``[9]``.
         """
+        if n > SMALL_FREE:
+            return self.popleft_array(n).tolist()
         if n > self.num_free_blocks:
             raise PoolExhaustedError(f"cannot pop {n} blocks, {self.num_free_blocks} are free")
         if n == 0:
             return []
         nxt = self.next_free
+        prv = self.prev_free
         item = nxt.item  # a Python int per read, faster than int(arr[i])
         block = item(self.head)
-        if n <= SMALL_FREE:
-            out = [0] * n
-            for i in range(n):
-                out[i] = block
-                block = item(block)
-        else:
-            out, block = self._walk_runs(block, n)
+        out = [0] * n
+        for i in range(n):
+            out[i] = block
+            block = item(block)
         nxt[self.head] = block
-        self.prev_free[block] = self.head
-        if n <= SMALL_FREE:
-            for b in out:
-                self.prev_free[b] = nxt[b] = NOT_QUEUED
-        else:
-            popped = np.asarray(out, dtype=np.int64)
-            self.prev_free[popped] = NOT_QUEUED
-            nxt[popped] = NOT_QUEUED
+        prv[block] = self.head
+        for b in out:
+            prv[b] = nxt[b] = NOT_QUEUED
         self.num_free_blocks -= n
         return out
 
-    def _walk_runs(self, block: int, n: int) -> tuple[list[int], int]:
-        """The ``n`` queued blocks from ``block`` on, and the block after them."""
+    def popleft_array(self, n: int) -> np.ndarray:
+        """:meth:`popleft_n` as an int64 array (the bulk form: a prefill's blocks).
+
+        The walk takes runs of consecutive ids (ascending, as the pool starts, or
+        descending, as a request's blocks come back tail first) with one array test per
+        run; once a run is short it walks block by block. Example: queue
+        ``[4, 5, 6, 7, ..., 20, 2]``, ``popleft_array(18)`` -> one run ``4..20`` and the
+        block ``2`` walked alone, queue ``[]`` after.
+        """
+        if n > self.num_free_blocks:
+            raise PoolExhaustedError(f"cannot pop {n} blocks, {self.num_free_blocks} are free")
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        nxt = self.next_free
+        popped, block = self._walk_runs(nxt.item(self.head), n)
+        nxt[self.head] = block
+        self.prev_free[block] = self.head
+        self.prev_free[popped] = NOT_QUEUED
+        nxt[popped] = NOT_QUEUED
+        self.num_free_blocks -= n
+        return popped
+
+    def _walk_runs(self, block: int, n: int) -> tuple[np.ndarray, int]:
+        """The ``n`` queued blocks from ``block`` on (int64), and the block after them."""
         nxt = self.next_free
         item = nxt.item
-        out: list[int] = []
+        pieces: list[np.ndarray] = []
         left = n
         while left > SMALL_FREE:
             step = item(block) - block
-            if step not in (1, -1):
+            if step != 1 and step != -1:
                 break
             # the longest run of ids block, block + step, ... (at most ``left``) linked in order
-            end = block + step * left
-            end = max(min(end, self.head), -1)
+            end = max(min(block + step * left, self.head), -1)
             run = np.arange(block, end, step, dtype=np.int64)
             broken = np.flatnonzero(nxt[run[:-1]] != run[1:])
             length = int(broken[0]) + 1 if broken.size else run.size
-            out.extend(run[:length].tolist())
+            pieces.append(run[:length] if length < run.size else run)
             left -= length
-            block = item(int(run[length - 1]))
+            block = item(block + step * (length - 1))
             if length <= SMALL_FREE:
                 break
-        for _ in range(left):
-            out.append(block)
-            block = item(block)
-        return out, block
+        if left:
+            out = [0] * left
+            for i in range(left):
+                out[i] = block
+                block = item(block)
+            pieces.append(np.array(out, dtype=np.int64))
+        popped = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        return popped, block
 
     def popleft(self) -> int:
         if self.num_free_blocks == 0:
@@ -228,6 +247,8 @@ class BlockPool:
 
     def get_new_blocks(self, n: int) -> list[int]:
         """Pop ``n`` blocks from the front, evicting keys (:meth:`reference...get_new_blocks`)."""
+        if n > SMALL_FREE:
+            return self.get_new_block_array(n).tolist()
         if n > self.get_num_free_blocks():
             raise PoolExhaustedError(
                 f"cannot get {n} free blocks from the pool ({self.get_num_free_blocks()} free)"
@@ -247,22 +268,49 @@ class BlockPool:
         self.ref_cnt[ids] = 1
         return blocks
 
+    def get_new_block_array(self, n: int) -> np.ndarray:
+        """:meth:`get_new_blocks` as an int64 array (the bulk form: the new blocks of every
+        group of a prefill, popped at once). Example: queue ``[5, 6, 7]``, ``7`` cached ->
+        ``get_new_block_array(3)`` is ``[5, 6, 7]`` and ``7``'s key is gone."""
+        if n > self.get_num_free_blocks():
+            raise PoolExhaustedError(
+                f"cannot get {n} free blocks from the pool ({self.get_num_free_blocks()} free)"
+            )
+        ids = self.free_block_queue.popleft_array(n)
+        if self.enable_caching:
+            hashed = ids[self.block_group[ids] >= 0]
+            if hashed.size:
+                self._evict_many(hashed)
+        self.ref_cnt[ids] = 1
+        return ids
+
     def _evict_many(self, hashed: np.ndarray) -> None:
         """:meth:`_evict` of several hashed blocks: map updates per block, arrays at once.
+        The result does not depend on the order of the blocks (each key's blocks stay in
+        registration order, the earliest left is its head).
 
-        In a group with no duplicate keys every registered block is its key's head
-        (``cached[g][key] == b``), so its eviction is one ``del``; other groups take
-        :meth:`_evict`'s general rule (promote the next duplicate).
+        When no group holds duplicate keys every registered block is its key's head
+        (``cached[g][key] == b``): its eviction is one ``del``, run as one ``map`` over
+        the blocks; otherwise each block takes :meth:`_evict_key`'s general rule
+        (promote the next duplicate).
         """
         block_hash = self.block_hash
-        cached_by_group = self.cached
-        duplicates = self.duplicates
-        for b, g in zip(hashed.tolist(), self.block_group[hashed].tolist()):
-            if duplicates[g]:
+        ids = hashed.tolist()
+        groups = self.block_group[hashed].tolist()
+        if any(self.duplicates):
+            for b, g in zip(ids, groups):
                 self._evict_key(b, g)
-            else:
-                del cached_by_group[g][block_hash[b]]
-            block_hash[b] = None
+        else:
+            cached = self.cached
+            deque(
+                map(
+                    dict.__delitem__,
+                    map(cached.__getitem__, groups),
+                    map(block_hash.__getitem__, ids),
+                ),
+                maxlen=0,
+            )
+        deque(map(block_hash.__setitem__, ids, repeat(None)), maxlen=0)
         self.block_group[hashed] = -1
         self.num_cached_tokens[hashed] = 0
 
@@ -497,44 +545,64 @@ class BlockPool:
         """:meth:`cache_block` of ``blocks[k]`` under ``hashes[k]`` for the prefix of
         ``(first_index + k + 1) * block_size`` tokens, for every ``k`` (nulls and masked
         blocks skipped), with the array writes done at once. ``blocks`` may be a list or an
-        int array (a table slice: no conversion on the bulk path)."""
+        int array (a table slice: no conversion on the bulk path).
+
+        Bulk path: when the kept blocks are all unhashed and their keys distinct and new to
+        the group, each becomes its key's head: one dict update and one ``map`` write of
+        the block keys, the arrays at once (what the block-by-block rule gives then). Other
+        calls take that rule block by block. Example: blocks ``[7, 0, 9]``, mask ``[1, 1,
+        0]``, first index 2, bs 4 -> only ``7`` is registered, over 12 tokens.
+        """
         if len(blocks) == 1:  # a decode step completing one block: the scalar rule
             if mask is None or mask[0]:
                 self.cache_block(
                     int(blocks[0]), hashes[0], group_id, (first_index + 1) * block_size
                 )
             return
+        ids = np.asarray(blocks, dtype=np.int64)
+        keys = hashes if isinstance(hashes, list) else list(hashes)
+        index = None  # positions kept (None: all)
+        if mask is not None:
+            index = np.flatnonzero(np.asarray(mask, dtype=bool))
+            ids = ids[index]
+            keys = list(compress(keys, mask))
+        if not ids.all():  # nulls are skipped
+            real = np.flatnonzero(ids)
+            index = real if index is None else index[real]
+            ids = ids[real]
+            keys = [keys[k] for k in real.tolist()]
+        if ids.size == 0:
+            return
+        block_list = ids.tolist()
+        cached = self.cached[group_id]
+        if (self.block_group[ids] < 0).all() and cached.keys().isdisjoint(keys):
+            before = len(cached)
+            cached.update(zip(keys, block_list))
+            if len(cached) != before + len(keys):  # a key twice among them: undo, go on
+                deque(map(cached.pop, keys, repeat(None)), maxlen=0)
+            else:
+                deque(map(self.block_hash.__setitem__, block_list, keys), maxlen=0)
+                self.block_group[ids] = group_id
+                if index is None:
+                    self.num_cached_tokens[ids] = np.arange(
+                        (first_index + 1) * block_size,
+                        (first_index + ids.size + 1) * block_size,
+                        block_size,
+                    )
+                else:
+                    self.num_cached_tokens[ids] = (first_index + 1 + index) * block_size
+                return
+        positions = range(ids.size) if index is None else index.tolist()
         block_hash = self.block_hash
         nct = self.num_cached_tokens
-        cached = self.cached[group_id]
-        ids = np.asarray(blocks, dtype=np.int64)
-        blocks = ids.tolist()
-        if mask is None and ids.size and ids.all() and (self.block_group[ids] < 0).all():
-            keys = hashes if isinstance(hashes, list) else list(hashes)
-            new = dict(zip(keys, blocks))
-            if len(new) == len(keys) and cached.keys().isdisjoint(new):
-                # fresh blocks, new distinct keys: one dict update, array writes at once
-                cached.update(new)
-                for b, h in zip(blocks, keys):
-                    block_hash[b] = h
-                self.block_group[ids] = group_id
-                nct[ids] = np.arange(
-                    (first_index + 1) * block_size,
-                    (first_index + len(blocks) + 1) * block_size,
-                    block_size,
-                )
-                return
         fresh: list[int] = []
         fresh_tokens: list[int] = []
-        for k, b in enumerate(blocks):
-            if b == NULL_BLOCK_ID or (mask is not None and not mask[k]):
-                continue
+        for b, h, k in zip(block_list, keys, positions):
             tokens = (first_index + k + 1) * block_size
             if block_hash[b] is not None:
                 if nct[b] >= tokens:
                     continue
                 self._evict(b)
-            h = hashes[k]
             block_hash[b] = h
             fresh.append(b)
             fresh_tokens.append(tokens)
@@ -543,9 +611,9 @@ class BlockPool:
             else:
                 cached[h] = b
         if fresh:
-            ids = np.asarray(fresh, dtype=np.int64)
-            self.block_group[ids] = group_id
-            nct[ids] = fresh_tokens
+            at = np.asarray(fresh, dtype=np.int64)
+            self.block_group[at] = group_id
+            nct[at] = fresh_tokens
 
     def get_cached_block(self, block_hash: bytes, group_ids: Sequence[int]) -> list[int] | None:
         """The earliest cached block of ``block_hash`` in each group, or None if any misses."""

@@ -245,17 +245,27 @@ class KVCacheManager(ManagerBookkeeping):
         rid = request.request_id
         self._known.add(rid)
         coordinator = self.coordinator
-        row = coordinator.row(rid)
         local = request.num_computed_tokens + num_new_computed_tokens
         total = min(local, self.max_model_len)
         main = total + num_new_tokens
         slots = min(main + num_lookahead_tokens, self.max_model_len)
 
-        coordinator.remove_skipped_blocks(row, total)
-        need = coordinator.get_num_blocks_to_allocate(row, slots, hits, local, main)
-        self.last_num_blocks_to_allocate = need
-        if need > self.block_pool.get_num_free_blocks():
-            return None
+        row = coordinator.row_of.get(rid)
+        if row is None and coordinator.bulk_allocation and not any(hits):
+            # a request with no blocks and no hit: nothing to remove, the count needs no
+            # row, and a refusal (the pool cannot hold it) takes none
+            need = coordinator.num_blocks_for_new_request(slots, local)
+            self.last_num_blocks_to_allocate = need
+            if need > self.block_pool.get_num_free_blocks():
+                return None
+            row = coordinator.row(rid)
+        else:
+            row = coordinator.row(rid)
+            coordinator.remove_skipped_blocks(row, total)
+            need = coordinator.get_num_blocks_to_allocate(row, slots, hits, local, main)
+            self.last_num_blocks_to_allocate = need
+            if need > self.block_pool.get_num_free_blocks():
+                return None
         if new_computed_blocks is not None and any(hits):
             coordinator.allocate_new_computed_blocks(row, hits, local)
         new_blocks = coordinator.allocate_new_blocks(row, slots, main)
