@@ -1,0 +1,207 @@
+"""The bulk paths of admission and prefill, each forced and checked by hand and against the
+reference (:class:`tests.optimized.optimized_differential.Pair`):
+
+* ``popleft_array``: runs of consecutive ids taken with one array test, the rest walked
+  block by block; ``get_new_block_array`` evicts the popped blocks' keys;
+* ``cache_full_blocks``: the bulk registration (masks, nulls) and its fallbacks (a key
+  already cached, a key twice in one call, a block with a shorter key);
+* ``_evict_many`` with and without duplicate keys;
+* the hybrid miss test of ``find_longest_cache_hit`` (first full block missing, too short
+  a prompt) and the general search it falls back to;
+* the row-less count and refusal of ``allocate_slots`` and the allocation of every
+  group's blocks in one pop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from optimized.control.block_pool import BlockPool, FreeBlockQueue
+from optimized.control.coordinator import HybridCoordinator
+from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from tests.optimized.optimized_differential import Pair
+
+# -- the free queue and the pool ---------------------------------------------------
+
+
+def _queue(order: list[int], num_blocks: int = 32) -> FreeBlockQueue:
+    """A queue of ``num_blocks`` ids holding exactly ``order`` (front first)."""
+    queue = FreeBlockQueue(num_blocks)
+    queue.popleft_n(num_blocks)
+    queue.append_n(np.array(order, dtype=np.int64))
+    return queue
+
+
+def test_popleft_array_takes_runs_and_walks_the_rest() -> None:
+    # an ascending run 4..20 (17 ids), then 2 (walked alone), then a descending run
+    order = [*range(4, 21), 2, *range(31, 21, -1), 3]
+    queue = _queue(order)
+    assert queue.popleft_array(18).tolist() == [*range(4, 21), 2]
+    assert queue.block_ids() == [*range(31, 21, -1), 3]
+    assert queue.num_free_blocks == 11
+    # the descending run 31..22 then one more block
+    assert queue.popleft_array(11).tolist() == [*range(31, 21, -1), 3]
+    assert queue.block_ids() == [] and queue.num_free_blocks == 0
+
+
+def test_popleft_array_of_a_scattered_queue_and_small_pops() -> None:
+    order = [9, 3, 17, 5, 12, 1, 30, 8, 21, 14, 2]
+    queue = _queue(order)
+    assert queue.popleft_array(10).tolist() == order[:10]
+    assert queue.popleft_n(1) == [2]  # the scalar path (few blocks)
+    queue.append_n(np.array([7, 6, 5, 4, 3, 2, 1, 9, 10], dtype=np.int64))
+    assert queue.popleft_n(9) == [7, 6, 5, 4, 3, 2, 1, 9, 10]  # > 8: the array path
+    assert queue.popleft_array(0).size == 0
+
+
+def test_get_new_block_array_evicts_the_keys_of_popped_blocks() -> None:
+    pool = BlockPool(12, enable_caching=True, hash_block_size=4, num_groups=2)
+    blocks = pool.get_new_blocks(11)  # 1..11
+    assert blocks == list(range(1, 12))
+    pool.cache_full_blocks([1, 2, 3], [b"a", b"b", b"c"], 0, 0, 4)
+    pool.cache_full_blocks([4, 5], [b"a", b"e"], 1, 0, 4)
+    # freed tail first: the unhashed 11..6 go to the front as one chain, the hashed back
+    pool.free_blocks(list(range(11, 0, -1)))
+    assert pool.free_block_queue.block_ids() == [11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1]
+    got = pool.get_new_block_array(9)  # evicts 5 ("e", group 1), 4 ("a", group 1), 3 ("c")
+    assert got.tolist() == [11, 10, 9, 8, 7, 6, 5, 4, 3]
+    assert pool.cached == [{b"a": 1, b"b": 2}, {}]
+    assert pool.cached_block_entries() == [(1, 0, 4), (2, 0, 8)]
+    assert pool.ref_cnt[got].tolist() == [1] * 9
+
+
+def test_evict_many_promotes_duplicates_in_registration_order() -> None:
+    pool = BlockPool(10, enable_caching=True, hash_block_size=4)
+    pool.get_new_blocks(9)
+    for b in (3, 5, 7):  # key k on 3 (head), then 5 and 7
+        pool.cache_block(b, b"k", 0, 4)
+    pool.cache_block(8, b"m", 0, 4)
+    pool._evict_many(np.array([8, 3], dtype=np.int64))
+    assert pool.cached == [{b"k": 5}]
+    assert pool.duplicates == [{b"k": [7]}]
+    assert pool.block_hash[3] is None and pool.block_hash[8] is None
+    pool._evict_many(np.array([7, 5], dtype=np.int64))
+    assert pool.cached == [{}] and pool.duplicates == [{}]
+    assert pool.cached_block_entries() == []
+
+
+def test_cache_full_blocks_bulk_with_mask_and_nulls() -> None:
+    pool = BlockPool(16, enable_caching=True, hash_block_size=4)
+    pool.get_new_blocks(15)
+    # first index 2, bs 4: positions 0..4 cover 12, 16, 20, 24, 28 tokens; the null at
+    # position 1 and the masked position 3 are skipped
+    pool.cache_full_blocks(
+        np.array([7, 0, 9, 10, 11], dtype=np.int32),
+        [b"p", b"q", b"r", b"s", b"t"],
+        0,
+        2,
+        4,
+        [True, True, True, False, True],
+    )
+    assert pool.cached == [{b"p": 7, b"r": 9, b"t": 11}]
+    assert pool.cached_block_entries() == [(7, 0, 12), (9, 0, 20), (11, 0, 28)]
+
+
+def test_cache_full_blocks_fallbacks_match_the_block_by_block_rule() -> None:
+    pool = BlockPool(16, enable_caching=True, hash_block_size=4)
+    pool.get_new_blocks(15)
+    pool.cache_full_blocks([1, 2], [b"a", b"b"], 0, 0, 4)
+    # a key already cached: 3 becomes a duplicate of "a", 4 registers "x"
+    pool.cache_full_blocks([3, 4], [b"a", b"x"], 0, 0, 4)
+    assert pool.cached == [{b"a": 1, b"b": 2, b"x": 4}]
+    assert pool.duplicates == [{b"a": [3]}]
+    # a key twice in one call: the bulk update is undone, the rule registers 5 then 6
+    pool.cache_full_blocks([5, 6, 7], [b"y", b"y", b"z"], 0, 0, 4)
+    assert pool.cached[0][b"y"] == 5 and pool.cached[0][b"z"] == 7
+    assert pool.duplicates[0][b"y"] == [6]
+    assert [e for e in pool.cached_block_entries() if e[0] in (5, 6, 7)] == [
+        (5, 0, 4),
+        (6, 0, 8),
+        (7, 0, 12),
+    ]
+    # a block with a shorter key is promoted; one with a key as long is kept
+    pool.cache_full_blocks([1, 8], [b"a2", b"w"], 0, 1, 4)  # 1 had 4 tokens, now 8
+    assert pool.cached[0][b"a2"] == 1 and pool.cached[0][b"a"] == 3
+    assert pool.cached_block_entries()[0] == (1, 0, 8)
+
+
+# -- the coordinator and the manager, against the reference ---------------------------
+
+
+def _hybrid(num_blocks: int) -> KVCacheLayout:
+    return KVCacheLayout(
+        (
+            KVCacheGroup(("full",), FullAttentionSpec(block_size=4)),
+            KVCacheGroup(("w0",), SlidingWindowSpec(block_size=4, sliding_window=8)),
+            KVCacheGroup(("w1",), SlidingWindowSpec(block_size=4, sliding_window=8)),
+        ),
+        num_blocks=num_blocks,
+        max_model_len=128,
+        enable_caching=True,
+    )
+
+
+def test_hybrid_miss_test_and_the_general_search() -> None:
+    pair = Pair(_hybrid(80))
+    coordinator = pair.opt.coordinator
+    assert isinstance(coordinator, HybridCoordinator)
+    pair.add("a", list(range(40)))
+    pair.allocate("a", 40)  # 10 blocks per group, 30 in all: one bulk pop
+    assert pair.opt.get_block_ids("a")[0] == tuple(range(1, 11))
+    assert pair.opt.get_block_ids("a")[1] == tuple(range(11, 21))
+    # a prompt whose first block differs: settled by the miss test
+    pair.add("b", [99, *range(1, 40)])
+    assert coordinator.find_longest_cache_hit(pair.opt_reqs["b"].block_hashes, 39) == (
+        [[], [], []],
+        0,
+        0,
+    )
+    pair.lookup("b")
+    # too short to reach one full block: no hit
+    pair.add("c", [0, 1, 2])
+    pair.lookup("c")
+    # the same first 36 tokens: the general search (hit 36 in the full group, the windows
+    # need the blocks before 36 that the retention kept)
+    pair.add("d", [*range(36), 7, 7, 7, 7, 7])
+    (_, rn), (_, on) = hit = pair.lookup("d")
+    assert rn == on == 36
+    pair.allocate("d", 41 - rn, hit)
+    pair.free("a")
+    pair.free("d")
+
+
+def test_row_less_refusal_takes_no_row_and_matches_the_reference() -> None:
+    pair = Pair(_hybrid(24))  # 23 usable blocks
+    pair.add("a", list(range(32)))
+    assert pair.allocate("a", 32) is None  # 8 blocks per group: 24 > 23 free
+    assert pair.opt.last_num_blocks_to_allocate == 24
+    assert "a" not in pair.opt.coordinator.row_of
+    pair.add("b", list(range(100, 128)))
+    pair.allocate("b", 28)  # 7 blocks per group: 21 blocks, one bulk pop
+    assert pair.opt.coordinator.row_of["b"] == 0
+    pair.free("a")  # freeing a refused request: nothing to free
+    pair.allocate("a", 8)  # 2 blocks per group: 6 > the 2 left, refused again
+    pair.free("b")
+    assert pair.allocate("a", 28) is not None  # 21 blocks: now it fits
+    pair.free("a")
+
+
+def test_mamba_layouts_keep_the_per_group_allocation() -> None:
+    layout = KVCacheLayout(
+        (
+            KVCacheGroup(("full",), FullAttentionSpec(block_size=4)),
+            KVCacheGroup(("m",), MambaSpec(block_size=4)),
+        ),
+        num_blocks=60,
+        max_model_len=128,
+        enable_caching=True,
+    )
+    pair = Pair(layout)
+    assert not pair.opt.coordinator.bulk_allocation
+    pair.add("a", list(range(48)))
+    pair.allocate("a", 48)  # 12 full blocks, one state block
+    pair.add("b", list(range(48)))
+    pair.allocate("b", 48 - pair.lookup("b")[0][1], pair.lookup("b"))
+    pair.free("a")
+    pair.free("b")
