@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from itertools import compress, repeat
+from functools import partial
+from itertools import compress, islice, repeat, takewhile
+from operator import is_not
 
 import numpy as np
 
@@ -29,6 +31,8 @@ from reference.errors import KVConformError
 
 NULL_BLOCK_ID = 0
 NOT_QUEUED = -1
+#: ``takewhile`` test of :meth:`BlockPool.cached_prefix`: a lookup found a block
+_IS_BLOCK = partial(is_not, None)
 #: ``free_blocks`` of at most this many blocks takes the scalar path (numpy's per-call
 #: overhead is larger than the work).
 SMALL_FREE = 8
@@ -298,8 +302,13 @@ class BlockPool:
         ids = hashed.tolist()
         groups = self.block_group[hashed].tolist()
         if any(self.duplicates):
+            with_duplicates = [bool(d) for d in self.duplicates]
+            cached = self.cached
             for b, g in zip(ids, groups):
-                self._evict_key(b, g)
+                if with_duplicates[g]:
+                    self._evict_key(b, g)
+                else:
+                    del cached[g][block_hash[b]]
         else:
             cached = self.cached
             deque(
@@ -344,14 +353,45 @@ class BlockPool:
         return True
 
     def touch(self, blocks: Iterable[int]) -> None:
-        """One more reference each; a free cached block leaves the queue (null skipped)."""
+        """One more reference each; a free cached block leaves the queue (null skipped).
+        Many blocks (a prefix hit) take array steps: the free ones are looked up at once
+        and removed from the queue one by one, then every count goes up at once (a block
+        given twice counts twice, leaves the queue once). Example: ``touch([0, 5, 6])``
+        with 5 free -> 5 leaves the queue, counts of 5 and 6 up by one."""
+        if not isinstance(blocks, np.ndarray):
+            blocks = list(blocks)
+        if len(blocks) <= SMALL_FREE:
+            ref = self.ref_cnt
+            for b in blocks:
+                if b == NULL_BLOCK_ID:
+                    continue
+                if ref[b] == 0:
+                    self.free_block_queue.remove(b)
+                ref[b] += 1
+            return
+        ids = np.asarray(blocks, dtype=np.intp)
+        if np.count_nonzero(ids) != ids.size:
+            ids = ids[ids != NULL_BLOCK_ID]
         ref = self.ref_cnt
-        for b in blocks:
-            if b == NULL_BLOCK_ID:
-                continue
-            if ref[b] == 0:
-                self.free_block_queue.remove(b)
-            ref[b] += 1
+        free = ids[ref[ids] == 0]
+        if free.size:
+            deque(map(self.free_block_queue.remove, dict.fromkeys(free.tolist())), maxlen=0)
+        np.add.at(ref, ids, ref.dtype.type(1))
+
+    def cached_prefix(self, hashes: Sequence[bytes], group_ids: Sequence[int]) -> list[list[int]]:
+        """The blocks of the longest prefix of ``hashes`` cached in every group of
+        ``group_ids`` (each group's earliest block of each key), one list per group: what
+        a scan calling :meth:`get_cached_block` from the first hash until a miss collects.
+        Each group is one C-level pass (``map`` of the dict's ``get``, cut at the first
+        ``None``) over the prefix the groups before it matched. Example: group 0 caches
+        ``a, b``, group 1 ``a`` only: ``cached_prefix([a, b], [0, 1])`` -> ``[[b0a], [b1a]]``."""
+        found: list[list[int]] = []
+        n = len(hashes)
+        for g in group_ids:
+            blocks = list(takewhile(_IS_BLOCK, map(self.cached[g].get, islice(hashes, n))))
+            n = len(blocks)
+            found.append(blocks)
+        return [blocks[:n] for blocks in found] if len(found) > 1 else found
 
     def free_blocks(self, ordered_blocks: Sequence[int]) -> None:
         """Drop one reference each (distinct ids); at 0: unhashed to the front, hashed back.
@@ -575,23 +615,20 @@ class BlockPool:
             return
         block_list = ids.tolist()
         cached = self.cached[group_id]
-        if (self.block_group[ids] < 0).all() and cached.keys().isdisjoint(keys):
-            before = len(cached)
-            cached.update(zip(keys, block_list))
-            if len(cached) != before + len(keys):  # a key twice among them: undo, go on
-                deque(map(cached.pop, keys, repeat(None)), maxlen=0)
+        if not np.count_nonzero(self.block_group[ids] >= 0) and self._register_fresh(
+            cached, group_id, keys, block_list
+        ):
+            deque(map(self.block_hash.__setitem__, block_list, keys), maxlen=0)
+            self.block_group[ids] = group_id
+            if index is None:
+                self.num_cached_tokens[ids] = np.arange(
+                    (first_index + 1) * block_size,
+                    (first_index + ids.size + 1) * block_size,
+                    block_size,
+                )
             else:
-                deque(map(self.block_hash.__setitem__, block_list, keys), maxlen=0)
-                self.block_group[ids] = group_id
-                if index is None:
-                    self.num_cached_tokens[ids] = np.arange(
-                        (first_index + 1) * block_size,
-                        (first_index + ids.size + 1) * block_size,
-                        block_size,
-                    )
-                else:
-                    self.num_cached_tokens[ids] = (first_index + 1 + index) * block_size
-                return
+                self.num_cached_tokens[ids] = (first_index + 1 + index) * block_size
+            return
         positions = range(ids.size) if index is None else index.tolist()
         block_hash = self.block_hash
         nct = self.num_cached_tokens
@@ -614,6 +651,46 @@ class BlockPool:
             at = np.asarray(fresh, dtype=np.int64)
             self.block_group[at] = group_id
             nct[at] = fresh_tokens
+
+    def _register_fresh(
+        self, cached: dict[bytes, int], group_id: int, keys: list[bytes], blocks: list[int]
+    ) -> bool:
+        """Register unhashed ``blocks`` under ``keys`` in the maps of ``group_id`` when the
+        keys are distinct (False, nothing changed, otherwise): a key new to the group
+        makes its block the head, a key already there queues it as a duplicate, as the
+        block-by-block rule does (with distinct keys, whether a key is there depends only
+        on the state before the call). Example: ``a`` cached on 3, keys ``[a, b]`` on
+        ``[5, 6]`` -> ``b: 6`` and 5 a duplicate of ``a``."""
+        if cached.keys().isdisjoint(keys):
+            before = len(cached)
+            cached.update(zip(keys, blocks))
+            if len(cached) == before + len(keys):
+                return True
+            deque(map(cached.pop, keys, repeat(None)), maxlen=0)  # a key twice: undo
+            return False
+        if len(set(keys)) != len(keys):
+            return False
+        duplicates = self.duplicates[group_id]
+        for key, block, there in zip(keys, blocks, list(map(cached.__contains__, keys))):
+            if there:
+                duplicates.setdefault(key, []).append(block)
+            else:
+                cached[key] = block
+        return True
+
+    def cached_columns(
+        self, hashes: Sequence[bytes], group_ids: Sequence[int]
+    ) -> tuple[list[list[int | None]], list[int | None]]:
+        """Every lookup of ``hashes`` at once: per group of ``group_ids``, the earliest
+        block of each key or None (one C-level ``map`` per group), and per hash a marker
+        that is None when some group misses it. Example: group 0 caches ``a`` on 3, group
+        1 caches ``a`` on 4 and ``b`` on 5: ``cached_columns([a, b], [0, 1])`` ->
+        ``([[3, None], [4, 5]], [3, None])``."""
+        columns = [list(map(self.cached[g].get, hashes)) for g in group_ids]
+        if len(columns) == 1:
+            return columns, columns[0]
+        present = [None if None in found else found[0] for found in zip(*columns)]
+        return columns, present
 
     def get_cached_block(self, block_hash: bytes, group_ids: Sequence[int]) -> list[int] | None:
         """The earliest cached block of ``block_hash`` in each group, or None if any misses."""

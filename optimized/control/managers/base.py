@@ -32,6 +32,14 @@ from reference.specs import KVCacheSpec, cdiv
 BlockList = list[int]
 
 
+def _none_evictable(block: int) -> bool:
+    """``blocks_to_allocate``'s ``evictable`` when no hit block sits free."""
+    return False
+
+
+_NONE_EVICTABLE = _none_evictable
+
+
 class SingleTypeKVCacheManager(ManagerBase):
     """Block tables of one KV cache group."""
 
@@ -153,15 +161,22 @@ class SingleTypeKVCacheManager(ManagerBase):
         num_tokens_main: int,
     ) -> int:
         """:meth:`reference.managers.base.SingleTypeKVCacheManager.get_num_blocks_to_allocate`."""
-        ref = self.block_pool.ref_cnt
+        running = self.num_cached_block.item(row) >= 0
+        evictable = _NONE_EVICTABLE
+        if new_computed_blocks and not running:
+            # the hit's blocks that sit free in the queue, found at once (a set test each)
+            ids = np.asarray(new_computed_blocks, dtype=np.intp)
+            free = ids[(self.block_pool.ref_cnt[ids] == 0) & (ids != NULL_BLOCK_ID)]
+            if free.size:
+                evictable = frozenset(free.tolist()).__contains__
         return blocks_to_allocate(
             self.spec,
             num_tokens,
-            int(self.row_len[row]),
-            self.num_cached_block[row] >= 0,
+            self.row_len.item(row),
+            running,
             new_computed_blocks,
             total_computed_tokens,
-            lambda b: b != NULL_BLOCK_ID and ref[b] == 0,
+            evictable,
         )
 
     def add_local_computed_blocks(
@@ -170,17 +185,17 @@ class SingleTypeKVCacheManager(ManagerBase):
         """Adopt a hit: skipped hit blocks become nulls, the others are touched."""
         assert self.row_len[row] == 0, f"row {row} already has blocks in group {self.group_id}"
         skipped = self.spec.num_skipped_tokens(num_local_computed_tokens) // self.block_size
-        kept = list(new_computed_blocks[skipped:])
+        kept = np.asarray(new_computed_blocks[skipped:], dtype=np.intp)
         if self.enable_caching:
             self.block_pool.touch(kept)
-        self._append(row, [NULL_BLOCK_ID] * skipped + kept)
-        self.num_cached_block[row] = self.row_len[row]
-        leading = skipped
-        for b in kept:
-            if b != NULL_BLOCK_ID:
-                break
-            leading += 1
-        self.num_leading_null[row] = leading
+        length = skipped + kept.size
+        self.table[row, :skipped] = NULL_BLOCK_ID
+        self.table[row, skipped:length] = kept
+        self.row_len[row] = length
+        self.dirty_rows[row] = True
+        self.num_cached_block[row] = length
+        real = np.flatnonzero(kept)
+        self.num_leading_null[row] = skipped + (int(real[0]) if real.size else kept.size)
 
     def allocate_new_blocks(self, row: int, num_tokens: int, num_tokens_main: int) -> BlockList:
         """Append fresh blocks until the row covers ``num_tokens`` slots."""

@@ -18,11 +18,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from optimized.control.block_pool import NULL_BLOCK_ID
+from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
 from optimized.control.managers.base import BlockList, SingleTypeKVCacheManager
 from optimized.control.request import Request
 from reference.managers.mamba import mamba_cache_mask, mamba_hit
-from reference.specs import cdiv
+from reference.specs import KVCacheSpec, cdiv
 
 
 class MambaManager(SingleTypeKVCacheManager):
@@ -45,6 +45,36 @@ class MambaManager(SingleTypeKVCacheManager):
         self.num_retired_blocks[row] = 0
 
     scan = staticmethod(mamba_hit)
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        pool: BlockPool,
+        spec: KVCacheSpec,
+        alignment: int,
+        drop_eagle: bool = False,
+    ) -> tuple[list[list[int]], int]:
+        """:func:`reference.managers.mamba.mamba_hit` with direct dict lookups: the
+        rightmost state ``i < min(max_length // bs, hashed)`` cached in every group whose
+        end ``(i + 1) * bs`` is aligned -> ``[0] * i + [state]`` per group. Example: bs 4,
+        A 8, states 1 and 2 cached, max 15 -> state 2 ends at 12, not aligned -> state 1:
+        ``[0, s1]``, hit 8."""
+        bs = spec.block_size
+        k = bs // pool.hash_block_size
+        gets = [pool.cached[g].get for g in group_ids]
+        free_end = bs == alignment
+        for i in range(min(max_length // bs, len(block_hashes) // k) - 1, -1, -1):
+            if not free_end and (i + 1) * bs % alignment:
+                continue
+            key = block_hashes[(i + 1) * k - 1]
+            states = [get(key) for get in gets]
+            if None in states:
+                continue
+            return [[NULL_BLOCK_ID] * i + [state] for state in states], (i + 1) * bs
+        return [[] for _ in group_ids], 0
 
     cacheable_block_mask = mamba_cache_mask
 
