@@ -6,6 +6,8 @@ reference (:class:`tests.optimized.optimized_differential.Pair`):
 * ``cache_full_blocks``: the bulk registration (masks, nulls) and its fallbacks (a key
   already cached, a key twice in one call, a block with a shorter key);
 * ``_evict_many`` with and without duplicate keys;
+* the bulk hit scans (full attention, sliding window, Mamba) against the reference scans
+  on random cached sets, alignments and windows;
 * the hybrid miss test of ``find_longest_cache_hit`` (first full block missing, too short
   a prompt) and the general search it falls back to;
 * the row-less count and refusal of ``allocate_slots`` and the allocation of every
@@ -15,9 +17,13 @@ reference (:class:`tests.optimized.optimized_differential.Pair`):
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
 
 from optimized.control.block_pool import BlockPool, FreeBlockQueue
 from optimized.control.coordinator import HybridCoordinator
+from optimized.control.hashing import hashes_at_block_size
+from optimized.control.managers import FullAttentionManager, MambaManager, SlidingWindowManager
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from tests.optimized.optimized_differential import Pair
@@ -205,3 +211,65 @@ def test_mamba_layouts_keep_the_per_group_allocation() -> None:
     pair.allocate("b", 48 - pair.lookup("b")[0][1], pair.lookup("b"))
     pair.free("a")
     pair.free("b")
+
+
+# -- the bulk hit scans against the reference scans -----------------------------------
+
+
+@st.composite
+def _scan_cases(draw):
+    """A pool with random cached blocks over a chain of hashes in 1-2 groups, and a
+    manager class, spec, alignment and max length to search with."""
+    hash_block = draw(st.sampled_from([1, 2, 4]))
+    bs = hash_block * draw(st.sampled_from([1, 2]))
+    kind = draw(st.sampled_from(["full", "swa", "mamba"]))
+    if kind == "full":
+        cls, spec = FullAttentionManager, FullAttentionSpec(block_size=bs)
+    elif kind == "swa":
+        window = draw(st.integers(1, 6 * bs))
+        cls, spec = SlidingWindowManager, SlidingWindowSpec(block_size=bs, sliding_window=window)
+    else:
+        cls, spec = MambaManager, MambaSpec(block_size=bs)
+    alignment = bs * draw(st.sampled_from([1, 2, 3]))
+    num_hashes = draw(st.integers(0, 24))
+    hashes = [bytes([i]) for i in range(num_hashes)]
+    group_ids = [0] if draw(st.booleans()) else [0, 1]
+    pool = BlockPool(2 * num_hashes + 2, True, hash_block_size=hash_block, num_groups=2)
+    pool.get_new_blocks(2 * num_hashes + 1)
+    k = bs // hash_block
+    for g in group_ids:
+        for i in range(k - 1, num_hashes, k):
+            if draw(st.integers(0, 3)):  # cached 3 times in 4
+                pool.cache_block(1 + g * num_hashes + i, hashes[i], g, (i + 1) * hash_block)
+    max_length = draw(st.integers(0, num_hashes * hash_block + 2))
+    return cls, spec, pool, hashes, group_ids, alignment, max_length
+
+
+@given(case=_scan_cases())
+def test_bulk_scans_match_the_reference_scans(case) -> None:
+    cls, spec, pool, hashes, group_ids, alignment, max_length = case
+    fast = cls.find_longest_cache_hit(hashes, max_length, group_ids, pool, spec, alignment)
+    coarse = hashes_at_block_size(hashes, pool.hash_block_size, spec.block_size)
+    expected = cls.scan(
+        coarse, max_length, len(group_ids), spec, alignment, pool.lookup(group_ids), 0
+    )
+    assert fast == expected
+
+
+def test_window_scan_by_hand() -> None:
+    # bs 2, w 5 -> need 2; alignment 4: a run must end on an even block count
+    pool = BlockPool(20, enable_caching=True, hash_block_size=2)
+    pool.get_new_blocks(19)
+    hashes = [bytes([i]) for i in range(8)]
+    for i in (0, 1, 2, 4, 5, 6):
+        pool.cache_block(10 + i, hashes[i], 0, 2 * (i + 1))
+    spec = SlidingWindowSpec(block_size=2, sliding_window=5)
+    # from the right: 7 misses; 6 ends at 14 (not aligned: skipped); 5 ends at 12 ->
+    # run 5, 4: hit 12 = blocks [0, 0, 0, 0, b4, b5]
+    blocks, hit = SlidingWindowManager.find_longest_cache_hit(hashes, 16, [0], pool, spec, 4)
+    assert (blocks, hit) == ([[0, 0, 0, 0, 14, 15]], 12)
+    # w 9 -> need 4: no run that long; the run reaching block 0 is 0..2 (ends at 6, cut
+    # to 4 tokens: [b0, b1])
+    spec = SlidingWindowSpec(block_size=2, sliding_window=9)
+    blocks, hit = SlidingWindowManager.find_longest_cache_hit(hashes, 16, [0], pool, spec, 4)
+    assert (blocks, hit) == ([[10, 11]], 4)
