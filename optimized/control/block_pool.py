@@ -599,14 +599,22 @@ class BlockPool:
                     int(blocks[0]), hashes[0], group_id, (first_index + 1) * block_size
                 )
             return
-        ids = np.asarray(blocks, dtype=np.int64)
-        keys = hashes if isinstance(hashes, list) else list(hashes)
         index = None  # positions kept (None: all)
         if mask is not None:
-            index = np.flatnonzero(np.asarray(mask, dtype=bool))
-            ids = ids[index]
-            keys = list(compress(keys, mask))
-        if not ids.all():  # nulls are skipped
+            kept = list(compress(range(len(mask)), mask))
+            if len(kept) <= SMALL_FREE:  # a window's few tail blocks: the scalar rule
+                for k in kept:
+                    self.cache_block(
+                        int(blocks[k]), hashes[k], group_id, (first_index + k + 1) * block_size
+                    )
+                return
+            index = np.array(kept, dtype=np.int64)
+            ids = np.asarray(blocks, dtype=np.int64)[index]
+            keys = list(compress(hashes, mask))
+        else:
+            ids = np.asarray(blocks, dtype=np.int64)
+            keys = hashes if isinstance(hashes, list) else list(hashes)
+        if np.count_nonzero(ids) != ids.size:  # nulls are skipped
             real = np.flatnonzero(ids)
             index = real if index is None else index[real]
             ids = ids[real]
@@ -618,7 +626,11 @@ class BlockPool:
         if not np.count_nonzero(self.block_group[ids] >= 0) and self._register_fresh(
             cached, group_id, keys, block_list
         ):
-            deque(map(self.block_hash.__setitem__, block_list, keys), maxlen=0)
+            first, n = block_list[0], len(block_list)
+            if block_list[-1] - first == n - 1 and np.count_nonzero(np.diff(ids) != 1) == 0:
+                self.block_hash[first : first + n] = keys  # a run of ids (a fresh pool)
+            else:
+                deque(map(self.block_hash.__setitem__, block_list, keys), maxlen=0)
             self.block_group[ids] = group_id
             if index is None:
                 self.num_cached_tokens[ids] = np.arange(

@@ -109,6 +109,31 @@ def test_cache_full_blocks_bulk_with_mask_and_nulls() -> None:
     assert pool.cached_block_entries() == [(7, 0, 12), (9, 0, 20), (11, 0, 28)]
 
 
+def test_cache_full_blocks_bulk_paths_by_hand() -> None:
+    pool = BlockPool(64, enable_caching=True, hash_block_size=2)
+    pool.get_new_blocks(63)
+    keys = [bytes([k]) for k in range(12)]
+    # an ascending run of ids, no mask: the keys written as one slice
+    pool.cache_full_blocks(np.arange(10, 22, dtype=np.int32), keys, 0, 0, 2)
+    assert pool.block_hash[10:22] == keys
+    assert pool.cached_block_entries()[0] == (10, 0, 2)
+    assert pool.cached_block_entries()[-1] == (21, 0, 24)
+    # a mask keeping 10 of 12 blocks (more than a few): positions 1 and 6 skipped, the
+    # others registered over (first index 3 + k + 1) * 2 tokens
+    pool.cache_full_blocks(
+        np.arange(40, 52, dtype=np.int32),
+        [bytes([100 + k]) for k in range(12)],
+        0,
+        3,
+        2,
+        [k not in (1, 6) for k in range(12)],
+    )
+    entries = [e for e in pool.cached_block_entries() if e[0] >= 40]
+    assert [e[0] for e in entries] == [40, 42, 43, 44, 45, 47, 48, 49, 50, 51]
+    assert [e[2] for e in entries] == [8, 12, 14, 16, 18, 22, 24, 26, 28, 30]
+    assert pool.cached[0][bytes([107])] == 47 and bytes([101]) not in pool.cached[0]
+
+
 def test_cache_full_blocks_fallbacks_match_the_block_by_block_rule() -> None:
     pool = BlockPool(16, enable_caching=True, hash_block_size=4)
     pool.get_new_blocks(15)
