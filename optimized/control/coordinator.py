@@ -26,7 +26,7 @@ from optimized.control.request import Request
 from reference.coordinator import hybrid_coordinator_hit, make_managers, spec_groups_of
 from reference.layout import KVCacheLayout
 from reference.managers.base import blocks_to_allocate
-from reference.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, cdiv
+from reference.specs import FullAttentionSpec, MambaSpec, cdiv
 
 #: Rows preallocated per group table before the first doubling.
 DEFAULT_MAX_NUM_REQS = 64
@@ -70,6 +70,9 @@ class KVCacheCoordinator:
         #: no Mamba group: every group appends ``cdiv(slots, bs) - len`` fresh blocks, so a
         #: request's new blocks can be popped for all groups at once
         self.bulk_allocation = not any(isinstance(g.spec, MambaSpec) for g in layout.groups)
+        #: per group, the first group with an equal spec (counts computed once per spec)
+        specs = [g.spec for g in layout.groups]
+        self._first_of_spec: tuple[int, ...] = tuple(specs.index(spec) for spec in specs)
 
     # -- rows --------------------------------------------------------------------
     def row(self, request_id: str) -> int:
@@ -135,16 +138,16 @@ class KVCacheCoordinator:
         once per distinct spec. Only for :attr:`bulk_allocation` layouts (a Mamba group
         counts its own way). Example: full bs 16 + 5 windows of bs 16, 2048 slots, nothing
         computed -> ``6 * 128 = 768``."""
-        counts: dict[KVCacheSpec, int] = {}
-        need = 0
-        for m in self.managers:
-            n = counts.get(m.spec)
-            if n is None:
-                n = counts[m.spec] = blocks_to_allocate(
-                    m.spec, num_tokens, 0, False, (), total_computed, _never
+        counts = [0] * len(self._first_of_spec)
+        for g, first in enumerate(self._first_of_spec):
+            if first == g:
+                spec = self.layout.groups[g].spec
+                counts[g] = blocks_to_allocate(
+                    spec, num_tokens, 0, False, (), total_computed, _never
                 )
-            need += n
-        return need
+            else:
+                counts[g] = counts[first]
+        return sum(counts)
 
     def allocate_new_blocks(
         self, row: int, num_tokens: int, num_tokens_main: int
@@ -293,7 +296,7 @@ class HybridCoordinator(KVCacheCoordinator):
         first = self._first_full
         if first is not None:
             group_ids, ratio = first
-            if max_length < ratio * self.layout.hash_block_size or len(block_hashes) < ratio:
+            if max_length < ratio * self.block_pool.hash_block_size or len(block_hashes) < ratio:
                 return [[] for _ in self.managers], 0, 0
             key = block_hashes[ratio - 1]
             cached = self.block_pool.cached

@@ -192,6 +192,8 @@ class KVCacheManager(ManagerBookkeeping):
             request.block_hashes, request.num_tokens - 1
         )
         request.shared_prefix_boundary = junction(hit, uncached)
+        if not hit and not any(blocks):  # a miss: the shared empty hit
+            return self._empty, 0
         return ComputedBlocks(tuple(tuple(b) for b in blocks)), hit
 
     def empty_computed_blocks(self) -> ComputedBlocks:
