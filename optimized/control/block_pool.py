@@ -295,20 +295,31 @@ class BlockPool:
 
         When no group holds duplicate keys every registered block is its key's head
         (``cached[g][key] == b``): its eviction is one ``del``, run as one ``map`` over
-        the blocks; otherwise each block takes :meth:`_evict_key`'s general rule
-        (promote the next duplicate).
+        the blocks; otherwise each block takes :meth:`_evict_key`'s rule inline (a key
+        with no duplicate: ``del``; a head: the next duplicate takes over; a duplicate:
+        it leaves the list).
         """
         block_hash = self.block_hash
         ids = hashed.tolist()
         groups = self.block_group[hashed].tolist()
         if any(self.duplicates):
-            with_duplicates = [bool(d) for d in self.duplicates]
             cached = self.cached
+            duplicates = self.duplicates
             for b, g in zip(ids, groups):
-                if with_duplicates[g]:
-                    self._evict_key(b, g)
-                else:
-                    del cached[g][block_hash[b]]
+                key = block_hash[b]
+                dupes = duplicates[g]
+                later = dupes.get(key) if dupes else None
+                if later is None:  # the key's only block: its head
+                    if cached[g].get(key) == b:
+                        del cached[g][key]
+                elif cached[g].get(key) == b:  # the head: the next duplicate takes over
+                    cached[g][key] = later.pop(0)
+                    if not later:
+                        del dupes[key]
+                elif b in later:
+                    later.remove(b)
+                    if not later:
+                        del dupes[key]
         else:
             cached = self.cached
             deque(
