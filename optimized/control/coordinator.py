@@ -26,7 +26,7 @@ from optimized.control.request import Request
 from reference.coordinator import hybrid_coordinator_hit, make_managers, spec_groups_of
 from reference.layout import KVCacheLayout
 from reference.managers.base import blocks_to_allocate
-from reference.specs import FullAttentionSpec, MambaSpec, cdiv
+from reference.specs import FullAttentionSpec, MambaSpec
 
 #: Rows preallocated per group table before the first doubling.
 DEFAULT_MAX_NUM_REQS = 64
@@ -67,9 +67,9 @@ class KVCacheCoordinator:
         self.max_num_reqs = max_num_reqs
         self.row_of: dict[str, int] = {}
         self._free_rows: list[int] = list(range(max_num_reqs))
-        #: no Mamba group: every group appends ``cdiv(slots, bs) - len`` fresh blocks, so a
-        #: request's new blocks can be popped for all groups at once
-        self.bulk_allocation = not any(isinstance(g.spec, MambaSpec) for g in layout.groups)
+        #: no Mamba group: a new request's block count follows
+        #: :func:`reference.managers.base.blocks_to_allocate` in every group
+        self.plain_counts = not any(isinstance(g.spec, MambaSpec) for g in layout.groups)
         #: per group, the first group with an equal spec (counts computed once per spec)
         specs = [g.spec for g in layout.groups]
         self._first_of_spec: tuple[int, ...] = tuple(specs.index(spec) for spec in specs)
@@ -135,7 +135,7 @@ class KVCacheCoordinator:
         """:meth:`get_num_blocks_to_allocate` of a request with no row (no blocks in any
         group, not running) and no hit, without taking a row: each group's
         :func:`reference.managers.base.blocks_to_allocate` with nothing held, computed
-        once per distinct spec. Only for :attr:`bulk_allocation` layouts (a Mamba group
+        once per distinct spec. Only for :attr:`plain_counts` layouts (a Mamba group
         counts its own way). Example: full bs 16 + 5 windows of bs 16, 2048 slots, nothing
         computed -> ``6 * 128 = 768``."""
         counts = [0] * len(self._first_of_spec)
@@ -153,14 +153,12 @@ class KVCacheCoordinator:
         self, row: int, num_tokens: int, num_tokens_main: int
     ) -> list[BlockList]:
         """Each group's :meth:`SingleTypeKVCacheManager.allocate_new_blocks`, in group
-        order. In a :attr:`bulk_allocation` layout the groups' blocks are popped at once
-        (group 0's first: the blocks each group's own pop would take, since nothing else
-        touches the queue in between) and cut per group. Example: 2 groups needing 2 and
-        1 blocks, queue ``[4, 5, 6, 7]`` -> ``[[4, 5], [6]]``."""
+        order, with the groups' blocks popped at once (group 0's first: the blocks each
+        group's own pop would take, since nothing else touches the queue in between) and
+        placed per group. Example: 2 groups needing 2 and 1 blocks, queue ``[4, 5, 6,
+        7]`` -> ``[[4, 5], [6]]``."""
         managers = self.managers
-        if not self.bulk_allocation:
-            return [m.allocate_new_blocks(row, num_tokens, num_tokens_main) for m in managers]
-        counts = [max(cdiv(num_tokens, m.block_size) - m.row_len.item(row), 0) for m in managers]
+        counts = [m.num_new_blocks(row, num_tokens, num_tokens_main) for m in managers]
         total = sum(counts)
         if total <= SMALL_FREE:
             return [m.allocate_new_blocks(row, num_tokens, num_tokens_main) for m in managers]
@@ -172,7 +170,7 @@ class KVCacheCoordinator:
             if n == 0:
                 out.append([])
                 continue
-            m._append(row, ids[at : at + n])
+            m.place_new_blocks(row, ids[at : at + n], num_tokens_main)
             out.append(as_list[at : at + n])
             at += n
         return out

@@ -253,7 +253,7 @@ class KVCacheManager(ManagerBookkeeping):
         slots = min(main + num_lookahead_tokens, self.max_model_len)
 
         row = coordinator.row_of.get(rid)
-        if row is None and coordinator.bulk_allocation and not any(hits):
+        if row is None and coordinator.plain_counts and not any(hits):
             # a request with no blocks and no hit: nothing to remove, the count needs no
             # row, and a refusal (the pool cannot hold it) takes none
             need = coordinator.num_blocks_for_new_request(slots, local)

@@ -218,7 +218,7 @@ def test_row_less_refusal_takes_no_row_and_matches_the_reference() -> None:
     pair.free("a")
 
 
-def test_mamba_layouts_keep_the_per_group_allocation() -> None:
+def test_mamba_layouts_count_per_group_and_pop_at_once() -> None:
     layout = KVCacheLayout(
         (
             KVCacheGroup(("full",), FullAttentionSpec(block_size=4)),
@@ -229,7 +229,7 @@ def test_mamba_layouts_keep_the_per_group_allocation() -> None:
         enable_caching=True,
     )
     pair = Pair(layout)
-    assert not pair.opt.coordinator.bulk_allocation
+    assert not pair.opt.coordinator.plain_counts
     pair.add("a", list(range(48)))
     pair.allocate("a", 48)  # 12 full blocks, one state block
     pair.add("b", list(range(48)))

@@ -198,13 +198,22 @@ class SingleTypeKVCacheManager(ManagerBase):
         self.num_leading_null[row] = skipped + (int(real[0]) if real.size else kept.size)
 
     def allocate_new_blocks(self, row: int, num_tokens: int, num_tokens_main: int) -> BlockList:
-        """Append fresh blocks until the row covers ``num_tokens`` slots."""
-        num_new = cdiv(num_tokens, self.block_size) - int(self.row_len[row])
+        """Pop :meth:`num_new_blocks` fresh blocks and :meth:`place_new_blocks` them."""
+        num_new = self.num_new_blocks(row, num_tokens, num_tokens_main)
         if num_new <= 0:
             return []
         new_blocks = self.block_pool.get_new_blocks(num_new)
-        self._append(row, new_blocks)
+        self.place_new_blocks(row, new_blocks, num_tokens_main)
         return new_blocks
+
+    def num_new_blocks(self, row: int, num_tokens: int, num_tokens_main: int) -> int:
+        """The fresh blocks ``allocate_new_blocks`` pops: until the row covers
+        ``num_tokens`` slots. Example: bs 4, row of 2 blocks, 13 slots -> 2."""
+        return max(cdiv(num_tokens, self.block_size) - self.row_len.item(row), 0)
+
+    def place_new_blocks(self, row: int, new_blocks: Sequence[int], num_tokens_main: int) -> None:
+        """Put the popped ``new_blocks`` in the row (appended)."""
+        self._append(row, new_blocks)
 
     # -- caching -----------------------------------------------------------------
     def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:

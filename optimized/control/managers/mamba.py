@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
-from optimized.control.managers.base import BlockList, SingleTypeKVCacheManager
+from optimized.control.managers.base import SingleTypeKVCacheManager
 from optimized.control.request import Request
 from reference.managers.mamba import mamba_cache_mask, mamba_hit
 from reference.specs import KVCacheSpec, cdiv
@@ -98,17 +98,18 @@ class MambaManager(SingleTypeKVCacheManager):
         evictable = sum(1 for b in new_computed_blocks if b != NULL_BLOCK_ID and ref[b] == 0)
         return num_new + evictable
 
-    def allocate_new_blocks(self, row: int, num_tokens: int, num_tokens_main: int) -> BlockList:
-        held = int(self.row_len[row])
-        required = cdiv(num_tokens_main, self.block_size)
-        if required <= held:
-            return []
+    def num_new_blocks(self, row: int, num_tokens: int, num_tokens_main: int) -> int:
+        """One state block when ``cdiv(main, bs)`` passes the row's columns, else none."""
+        return 1 if cdiv(num_tokens_main, self.block_size) > self.row_len.item(row) else 0
+
+    def place_new_blocks(self, row: int, new_blocks: Sequence[int], num_tokens_main: int) -> None:
+        """The state block goes to column ``cdiv(main, bs) - 1``, nulls before it; the
+        previous last column is remembered as the state to free later."""
+        held = self.row_len.item(row)
         if held:
             self.last_state_block_index[row] = held - 1
-        gap = max(0, required - 1 - held)
-        new_blocks = self.block_pool.get_new_blocks(required - held - gap)
-        self._append(row, [NULL_BLOCK_ID] * gap + new_blocks)
-        return new_blocks
+        gap = max(0, cdiv(num_tokens_main, self.block_size) - 1 - held)
+        self._append(row, [NULL_BLOCK_ID] * gap + list(new_blocks))
 
     def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         before = max(int(self.num_cached_block[row]), 0)
