@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from itertools import compress, islice, repeat, takewhile
-from operator import is_not
+from operator import is_not, not_
 
 import numpy as np
 
@@ -693,12 +693,13 @@ class BlockPool:
             return False
         if len(set(keys)) != len(keys):
             return False
-        duplicates = self.duplicates[group_id]
-        for key, block, there in zip(keys, blocks, list(map(cached.__contains__, keys))):
-            if there:
-                duplicates.setdefault(key, []).append(block)
-            else:
-                cached[key] = block
+        there = list(map(cached.__contains__, keys))
+        new = list(map(not_, there))
+        cached.update(zip(compress(keys, new), compress(blocks, new)))
+        # each duplicate appended to its key's list (``iter(list, None)``: a fresh empty
+        # list for each ``setdefault``, made in C)
+        lists = map(self.duplicates[group_id].setdefault, compress(keys, there), iter(list, None))
+        deque(map(list.append, lists, compress(blocks, there)), maxlen=0)
         return True
 
     def cached_columns(
