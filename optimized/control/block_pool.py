@@ -221,7 +221,9 @@ class BlockPool:
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
         self.num_cached_tokens = np.zeros(num_blocks, dtype=np.int64)
         self.block_group = np.full(num_blocks, -1, dtype=np.int32)
-        self.block_hash: list[bytes | None] = [None] * num_blocks
+        #: each block's key (None: not cached), an object array: keys are read and cleared
+        #: for many blocks at once
+        self.block_hash: np.ndarray = np.full(num_blocks, None, dtype=object)
         self.free_block_queue = FreeBlockQueue(num_blocks)
         self.null_block = self.free_block_queue.popleft()
         self.cached: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
@@ -299,14 +301,13 @@ class BlockPool:
         with no duplicate: ``del``; a head: the next duplicate takes over; a duplicate:
         it leaves the list).
         """
-        block_hash = self.block_hash
         ids = hashed.tolist()
+        keys = self.block_hash[hashed].tolist()
         groups = self.block_group[hashed].tolist()
         if any(self.duplicates):
             cached = self.cached
             duplicates = self.duplicates
-            for b, g in zip(ids, groups):
-                key = block_hash[b]
+            for b, g, key in zip(ids, groups, keys):
                 dupes = duplicates[g]
                 later = dupes.get(key) if dupes else None
                 if later is None:  # the key's only block: its head
@@ -326,11 +327,11 @@ class BlockPool:
                 map(
                     dict.__delitem__,
                     map(cached.__getitem__, groups),
-                    map(block_hash.__getitem__, ids),
+                    keys,
                 ),
                 maxlen=0,
             )
-        deque(map(block_hash.__setitem__, ids, repeat(None)), maxlen=0)
+        self.block_hash[hashed] = None
         self.block_group[hashed] = -1
         self.num_cached_tokens[hashed] = 0
 
@@ -637,11 +638,7 @@ class BlockPool:
         if not np.count_nonzero(self.block_group[ids] >= 0) and self._register_fresh(
             cached, group_id, keys, block_list
         ):
-            first, n = block_list[0], len(block_list)
-            if block_list[-1] - first == n - 1 and np.count_nonzero(np.diff(ids) != 1) == 0:
-                self.block_hash[first : first + n] = keys  # a run of ids (a fresh pool)
-            else:
-                deque(map(self.block_hash.__setitem__, block_list, keys), maxlen=0)
+            self.block_hash[ids] = keys
             self.block_group[ids] = group_id
             if index is None:
                 self.num_cached_tokens[ids] = np.arange(
@@ -751,7 +748,7 @@ class BlockPool:
         for g in range(len(self.cached)):
             self.cached[g].clear()
             self.duplicates[g].clear()
-        self.block_hash = [None] * self.num_blocks
+        self.block_hash[:] = None
         self.block_group[:] = -1
         self.num_cached_tokens[:] = 0
         return True
@@ -762,8 +759,11 @@ class BlockPool:
 
     def cached_block_entries(self) -> list[tuple[int, int, int]]:
         """``(block_id, group_id, num_tokens)`` of every registered block."""
-        out = []
-        for b, key in enumerate(self.block_hash):
-            if key is not None:
-                out.append((b, int(self.block_group[b]), int(self.num_cached_tokens[b])))
-        return out
+        cached = np.flatnonzero(np.not_equal(self.block_hash, None))
+        return list(
+            zip(
+                cached.tolist(),
+                self.block_group[cached].tolist(),
+                self.num_cached_tokens[cached].tolist(),
+            )
+        )
