@@ -15,6 +15,7 @@ a block at column 3 and remembers column 2; the step after frees ``s``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
 
 import numpy as np
 
@@ -64,13 +65,15 @@ class MambaManager(SingleTypeKVCacheManager):
         ``[0, s1]``, hit 8."""
         bs = spec.block_size
         k = bs // pool.hash_block_size
-        gets = [pool.cached[g].get for g in group_ids]
+        hashes = list(islice(block_hashes, k - 1, k * (max_length // bs), k))
+        first = list(map(pool.cached[group_ids[0]].get, hashes))  # one C-level pass
+        others = [pool.cached[g].get for g in group_ids[1:]]
         free_end = bs == alignment
-        for i in range(min(max_length // bs, len(block_hashes) // k) - 1, -1, -1):
-            if not free_end and (i + 1) * bs % alignment:
+        for i in range(len(hashes) - 1, -1, -1):
+            state = first[i]
+            if state is None or (not free_end and (i + 1) * bs % alignment):
                 continue
-            key = block_hashes[(i + 1) * k - 1]
-            states = [get(key) for get in gets]
+            states = [state, *(get(hashes[i]) for get in others)]
             if None in states:
                 continue
             return [[NULL_BLOCK_ID] * i + [state] for state in states], (i + 1) * bs
