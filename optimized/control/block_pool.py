@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from itertools import compress, islice, repeat, takewhile
+from itertools import accumulate, compress, islice, repeat, takewhile
 from operator import is_not, not_
 
 import numpy as np
@@ -174,11 +174,13 @@ class FreeBlockQueue:
             if length <= SMALL_FREE:
                 break
         if left:
-            out = [0] * left
-            for i in range(left):
-                out[i] = block
-                block = item(block)
-            pieces.append(np.array(out, dtype=np.int64))
+            # block, next(block), next(next(block)), ...: ``left`` pops and the block after
+            # them, walked in C (``accumulate`` over the links read as a column)
+            step = nxt.reshape(-1, 1).item
+            walk = accumulate(repeat(0, left), step, initial=block)
+            walked = np.fromiter(walk, dtype=np.int64, count=left + 1)
+            pieces.append(walked[:-1])
+            block = int(walked[-1])
         popped = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         return popped, block
 
