@@ -14,6 +14,13 @@ with two sentinels (ids ``num_blocks`` = head, ``num_blocks + 1`` = tail); ``-1`
 block that is not in the queue. Pop, remove, append and prepend are O(1) per block and
 chains are linked with vectorised writes. Example: queue ``[1, 2, 3]``; ``free([5, 4])``
 (unhashed) -> ``[5, 4, 1, 2, 3]``; ``popleft_n(2)`` -> ``[5, 4]``, queue ``[1, 2, 3]``.
+
+Bulk forms for admission and prefill (each gives what the block-by-block rule gives):
+``popleft_array`` / ``get_new_block_array`` pop a request's blocks for every group at
+once (runs of consecutive ids by one array test, the rest walked in C); keys are an
+object array (read and cleared for many blocks at once); ``cache_full_blocks`` registers
+fresh blocks with one dict update (duplicates by one ``map``); ``cached_prefix`` and
+``cached_columns`` run a hit's lookups as one C-level ``map`` per group.
 """
 
 from __future__ import annotations
@@ -601,11 +608,13 @@ class BlockPool:
         blocks skipped), with the array writes done at once. ``blocks`` may be a list or an
         int array (a table slice: no conversion on the bulk path).
 
-        Bulk path: when the kept blocks are all unhashed and their keys distinct and new to
-        the group, each becomes its key's head: one dict update and one ``map`` write of
-        the block keys, the arrays at once (what the block-by-block rule gives then). Other
-        calls take that rule block by block. Example: blocks ``[7, 0, 9]``, mask ``[1, 1,
-        0]``, first index 2, bs 4 -> only ``7`` is registered, over 12 tokens.
+        Bulk path: when the kept blocks are all unhashed and their keys distinct, each
+        becomes its key's head (a key new to the group) or its latest duplicate
+        (:meth:`_register_fresh`), keys and arrays written at once: what the block-by-block
+        rule gives then. A mask keeping a few blocks (a window's tail) takes
+        :meth:`cache_block` per block; other calls take that rule block by block. Example:
+        blocks ``[7, 0, 9]``, mask ``[1, 1, 0]``, first index 2, bs 4 -> only ``7`` is
+        registered, over 12 tokens.
         """
         if len(blocks) == 1:  # a decode step completing one block: the scalar rule
             if mask is None or mask[0]:

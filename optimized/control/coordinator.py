@@ -4,7 +4,11 @@
 * Unitary (one group): the group's own hit, aligned to its block size.
 * Hybrid: the reference's fixed-point search (:func:`reference.coordinator.hybrid_cache_hit`)
   over spec groups (:func:`reference.coordinator.spec_groups_of`) with the optimized
-  managers' lookups. Hybrids cache only up to a multiple of the LCM.
+  managers' lookups (bulk scans), after a one-lookup miss test (the full-attention group's
+  first block). Hybrids cache only up to a multiple of the LCM.
+
+Allocation pops a request's new blocks for every group at once (group order), and counts
+a request with no row and no hit without taking a row (a refused admission takes none).
 
 Rows: each request gets one row index, shared by every group's table, from the first
 allocation until ``free``; released rows are reused (lowest first) and the tables grow by
