@@ -262,8 +262,10 @@ class KVCacheManager(ManagerBookkeeping):
                 return None
             row = coordinator.row(rid)
         else:
-            row = coordinator.row(rid)
-            coordinator.remove_skipped_blocks(row, total)
+            if row is None:  # a fresh row holds nothing to remove
+                row = coordinator.row(rid)
+            else:
+                coordinator.remove_skipped_blocks(row, total)
             need = coordinator.get_num_blocks_to_allocate(row, slots, hits, local, main)
             self.last_num_blocks_to_allocate = need
             if need > self.block_pool.get_num_free_blocks():

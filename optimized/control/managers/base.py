@@ -37,9 +37,6 @@ def _none_evictable(block: int) -> bool:
     return False
 
 
-_NONE_EVICTABLE = _none_evictable
-
-
 class SingleTypeKVCacheManager(ManagerBase):
     """Block tables of one KV cache group."""
 
@@ -162,17 +159,22 @@ class SingleTypeKVCacheManager(ManagerBase):
     ) -> int:
         """:meth:`reference.managers.base.SingleTypeKVCacheManager.get_num_blocks_to_allocate`."""
         running = self.num_cached_block.item(row) >= 0
-        evictable = _NONE_EVICTABLE
+        held = self.row_len.item(row)
+        evictable = _none_evictable
         if new_computed_blocks and not running:
             # the hit's blocks that sit free in the queue, found at once (a set test each)
             ids = np.asarray(new_computed_blocks, dtype=np.intp)
             free = ids[(self.block_pool.ref_cnt[ids] == 0) & (ids != NULL_BLOCK_ID)]
             if free.size:
                 evictable = frozenset(free.tolist()).__contains__
+            else:
+                # none to count: a new request's hit blocks only add to what it holds
+                held += len(new_computed_blocks)
+                new_computed_blocks = ()
         return blocks_to_allocate(
             self.spec,
             num_tokens,
-            self.row_len.item(row),
+            held,
             running,
             new_computed_blocks,
             total_computed_tokens,
