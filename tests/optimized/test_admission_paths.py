@@ -298,3 +298,40 @@ def test_window_scan_by_hand() -> None:
     spec = SlidingWindowSpec(block_size=2, sliding_window=9)
     blocks, hit = SlidingWindowManager.find_longest_cache_hit(hashes, 16, [0], pool, spec, 4)
     assert (blocks, hit) == ([[10, 11]], 4)
+
+
+def test_touch_in_bulk_takes_free_blocks_out_once() -> None:
+    pool = BlockPool(20, enable_caching=True, hash_block_size=4)
+    pool.get_new_blocks(19)
+    pool.cache_full_blocks(list(range(1, 11)), [bytes([k]) for k in range(10)], 0, 0, 4)
+    pool.free_blocks(list(range(10, 0, -1)))  # hashed: to the back, 10 first
+    pool.free_blocks([19])  # unhashed: to the front
+    assert pool.free_block_queue.block_ids() == [19, *range(10, 0, -1)]
+    # 10 blocks (more than a few), 5 given twice, the null skipped, 11 already held
+    pool.touch([0, 1, 2, 3, 4, 5, 5, 6, 7, 11])
+    assert pool.free_block_queue.block_ids() == [19, 10, 9, 8]
+    assert pool.ref_cnt[[1, 4, 5, 7, 11]].tolist() == [1, 1, 2, 1, 2]
+    assert pool.get_num_free_blocks() == 4
+
+
+def test_a_hit_on_free_blocks_counts_them_as_taken() -> None:
+    layout = KVCacheLayout(
+        (KVCacheGroup(("full",), FullAttentionSpec(block_size=4)),),
+        num_blocks=11,  # 10 usable
+        max_model_len=64,
+        enable_caching=True,
+    )
+    pair = Pair(layout)
+    pair.add("a", list(range(32)))
+    pair.allocate("a", 32)  # 8 blocks, all cached
+    pair.free("a")
+    # 44 tokens: hit 32 (8 free cached blocks) + 3 new blocks = 11 > 10 free: refused
+    pair.add("b", list(range(44)))
+    hit = pair.lookup("b")
+    assert hit[1][1] == 32
+    assert pair.allocate("b", 12, hit) is None
+    assert pair.opt.last_num_blocks_to_allocate == 11
+    # 40 tokens: 8 + 2 = 10: admitted
+    pair.add("c", list(range(40)))
+    hit = pair.lookup("c")
+    assert pair.allocate("c", 8, hit) is not None
