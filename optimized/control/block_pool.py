@@ -18,13 +18,23 @@ with two sentinels (ids ``num_blocks`` = head, ``num_blocks + 1`` = tail); ``-1`
 block that is not in the queue. Pop, remove, append and prepend are O(1) per block and
 chains are linked with vectorised writes. Example: queue ``[1, 2, 3]``; ``free([5, 4])``
 (unhashed) -> ``[5, 4, 1, 2, 3]``; ``popleft_n(2)`` -> ``[5, 4]``, queue ``[1, 2, 3]``.
+
+Bulk forms for admission and prefill (each gives what the block-by-block rule gives):
+``popleft_array`` / ``get_new_block_array`` pop a request's blocks for every group at
+once (runs of consecutive ids by one array test, the rest walked in C); keys are an
+object array (read and cleared for many blocks at once); ``cache_full_blocks`` registers
+fresh blocks with one dict update (duplicates by one ``map``); ``cached_prefix`` and
+``cached_columns`` run a hit's lookups as one C-level ``map`` per group.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from itertools import accumulate
+from functools import partial
+from itertools import accumulate, compress, islice, repeat, takewhile
+from operator import is_not, not_
 
 import numpy as np
 
@@ -33,6 +43,8 @@ from reference.errors import KVConformError
 
 NULL_BLOCK_ID = 0
 NOT_QUEUED = -1
+#: ``takewhile`` test of :meth:`BlockPool.cached_prefix`: a lookup found a block
+_IS_BLOCK = partial(is_not, None)
 #: ``free_blocks`` of at most this many blocks takes the scalar path (numpy's per-call
 #: overhead is larger than the work).
 SMALL_FREE = 8
@@ -178,64 +190,83 @@ class FreeBlockQueue:
         self.num_free_blocks -= 1
 
     def popleft_n(self, n: int) -> list[int]:
-        """Unlink the first ``n`` blocks (one relink of the head).
-
-        The walk takes runs of consecutive ids (ascending, as the pool starts, or
-        descending, as a request's blocks come back tail first) with one array test per
-        run; once a run is short it walks block by block. Example: queue ``[4, 5, 6, 9]``,
-        ``popleft_n(3)`` -> one run ``4..6``, queue ``[9]``.
+        """Unlink the first ``n`` blocks (one relink of the head); a few blocks are walked
+        one by one, more through :meth:`popleft_array`. Example: queue ``[4, 5, 6, 9]``,
+        ``popleft_n(3)`` -> ``[4, 5, 6]``, queue ``[9]``.
         """
+        if n > SMALL_FREE:
+            return self.popleft_array(n).tolist()
         if n > self.num_free_blocks:
             raise PoolExhaustedError(f"cannot pop {n} blocks, {self.num_free_blocks} are free")
         if n == 0:
             return []
         nxt = self.next_free
+        prv = self.prev_free
         item = nxt.item  # a Python int per read, faster than int(arr[i])
         block = item(self.head)
-        if n <= SMALL_FREE:
-            out = [0] * n
-            for i in range(n):
-                out[i] = block
-                block = item(block)
-        else:
-            out, block = self._walk_runs(block, n)
+        out = [0] * n
+        for i in range(n):
+            out[i] = block
+            block = item(block)
         nxt[self.head] = block
-        self.prev_free[block] = self.head
-        if n <= SMALL_FREE:
-            for b in out:
-                self.prev_free[b] = nxt[b] = NOT_QUEUED
-        else:
-            popped = np.asarray(out, dtype=np.int64)
-            self.prev_free[popped] = NOT_QUEUED
-            nxt[popped] = NOT_QUEUED
+        prv[block] = self.head
+        for b in out:
+            prv[b] = nxt[b] = NOT_QUEUED
         self.num_free_blocks -= n
         return out
 
-    def _walk_runs(self, block: int, n: int) -> tuple[list[int], int]:
-        """The ``n`` queued blocks from ``block`` on, and the block after them."""
+    def popleft_array(self, n: int) -> np.ndarray:
+        """:meth:`popleft_n` as an int64 array (the bulk form: a prefill's blocks).
+
+        The walk takes runs of consecutive ids (ascending, as the pool starts, or
+        descending, as a request's blocks come back tail first) with one array test per
+        run; once a run is short it walks block by block. Example: queue
+        ``[4, 5, 6, 7, ..., 20, 2]``, ``popleft_array(18)`` -> one run ``4..20`` and the
+        block ``2`` walked alone, queue ``[]`` after.
+        """
+        if n > self.num_free_blocks:
+            raise PoolExhaustedError(f"cannot pop {n} blocks, {self.num_free_blocks} are free")
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        nxt = self.next_free
+        popped, block = self._walk_runs(nxt.item(self.head), n)
+        nxt[self.head] = block
+        self.prev_free[block] = self.head
+        self.prev_free[popped] = NOT_QUEUED
+        nxt[popped] = NOT_QUEUED
+        self.num_free_blocks -= n
+        return popped
+
+    def _walk_runs(self, block: int, n: int) -> tuple[np.ndarray, int]:
+        """The ``n`` queued blocks from ``block`` on (int64), and the block after them."""
         nxt = self.next_free
         item = nxt.item
-        out: list[int] = []
+        pieces: list[np.ndarray] = []
         left = n
         while left > SMALL_FREE:
             step = item(block) - block
-            if step not in (1, -1):
+            if step != 1 and step != -1:
                 break
             # the longest run of ids block, block + step, ... (at most ``left``) linked in order
-            end = block + step * left
-            end = max(min(end, self.head), -1)
+            end = max(min(block + step * left, self.head), -1)
             run = np.arange(block, end, step, dtype=np.int64)
             broken = np.flatnonzero(nxt[run[:-1]] != run[1:])
             length = int(broken[0]) + 1 if broken.size else run.size
-            out.extend(run[:length].tolist())
+            pieces.append(run[:length] if length < run.size else run)
             left -= length
-            block = item(int(run[length - 1]))
+            block = item(block + step * (length - 1))
             if length <= SMALL_FREE:
                 break
-        for _ in range(left):
-            out.append(block)
-            block = item(block)
-        return out, block
+        if left:
+            # block, next(block), next(next(block)), ...: ``left`` pops and the block after
+            # them, walked in C (``accumulate`` over the links read as a column)
+            step = nxt.reshape(-1, 1).item
+            walk = accumulate(repeat(0, left), step, initial=block)
+            walked = np.fromiter(walk, dtype=np.int64, count=left + 1)
+            pieces.append(walked[:-1])
+            block = int(walked[-1])
+        popped = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        return popped, block
 
     def popleft(self) -> int:
         if self.num_free_blocks == 0:
@@ -276,7 +307,9 @@ class BlockPool:
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
         self.num_cached_tokens = np.zeros(num_blocks, dtype=np.int64)
         self.block_group = np.full(num_blocks, -1, dtype=np.int32)
-        self.block_hash: list[bytes | None] = [None] * num_blocks
+        #: each block's key (None: not cached), an object array: keys are read and cleared
+        #: for many blocks at once
+        self.block_hash: np.ndarray = np.full(num_blocks, None, dtype=object)
         self.free_block_queue = FreeBlockQueue(num_blocks)
         self.null_block = self.free_block_queue.popleft()
         self.cached: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
@@ -306,6 +339,8 @@ class BlockPool:
 
     def get_new_blocks(self, n: int) -> list[int]:
         """Pop ``n`` blocks from the front, evicting keys (:meth:`reference...get_new_blocks`)."""
+        if n > SMALL_FREE:
+            return self.get_new_block_array(n).tolist()
         if n > self.get_num_free_blocks():
             raise PoolExhaustedError(
                 f"cannot get {n} free blocks from the pool ({self.get_num_free_blocks()} free)"
@@ -325,22 +360,64 @@ class BlockPool:
         self.ref_cnt[ids] = 1
         return blocks
 
+    def get_new_block_array(self, n: int) -> np.ndarray:
+        """:meth:`get_new_blocks` as an int64 array (the bulk form: the new blocks of every
+        group of a prefill, popped at once). Example: queue ``[5, 6, 7]``, ``7`` cached ->
+        ``get_new_block_array(3)`` is ``[5, 6, 7]`` and ``7``'s key is gone."""
+        if n > self.get_num_free_blocks():
+            raise PoolExhaustedError(
+                f"cannot get {n} free blocks from the pool ({self.get_num_free_blocks()} free)"
+            )
+        ids = self.free_block_queue.popleft_array(n)
+        if self.enable_caching:
+            hashed = ids[self.block_group[ids] >= 0]
+            if hashed.size:
+                self._evict_many(hashed)
+        self.ref_cnt[ids] = 1
+        return ids
+
     def _evict_many(self, hashed: np.ndarray) -> None:
         """:meth:`_evict` of several hashed blocks: map updates per block, arrays at once.
+        The result does not depend on the order of the blocks (each key's blocks stay in
+        registration order, the earliest left is its head).
 
-        In a group with no duplicate keys every registered block is its key's head
-        (``cached[g][key] == b``), so its eviction is one ``del``; other groups take
-        :meth:`_evict`'s general rule (promote the next duplicate).
+        When no group holds duplicate keys every registered block is its key's head
+        (``cached[g][key] == b``): its eviction is one ``del``, run as one ``map`` over
+        the blocks; otherwise each block takes :meth:`_evict_key`'s rule inline (a key
+        with no duplicate: ``del``; a head: the next duplicate takes over; a duplicate:
+        it leaves the list).
         """
-        block_hash = self.block_hash
-        cached_by_group = self.cached
-        duplicates = self.duplicates
-        for b, g in zip(hashed.tolist(), self.block_group[hashed].tolist()):
-            if duplicates[g]:
-                self._evict_key(b, g)
-            else:
-                del cached_by_group[g][block_hash[b]]
-            block_hash[b] = None
+        ids = hashed.tolist()
+        keys = self.block_hash[hashed].tolist()
+        groups = self.block_group[hashed].tolist()
+        if any(self.duplicates):
+            cached = self.cached
+            duplicates = self.duplicates
+            for b, g, key in zip(ids, groups, keys):
+                dupes = duplicates[g]
+                later = dupes.get(key) if dupes else None
+                if later is None:  # the key's only block: its head
+                    if cached[g].get(key) == b:
+                        del cached[g][key]
+                elif cached[g].get(key) == b:  # the head: the next duplicate takes over
+                    cached[g][key] = later.pop(0)
+                    if not later:
+                        del dupes[key]
+                elif b in later:
+                    later.remove(b)
+                    if not later:
+                        del dupes[key]
+        else:
+            cached = self.cached
+            deque(
+                map(
+                    dict.__delitem__,
+                    map(cached.__getitem__, groups),
+                    keys,
+                ),
+                maxlen=0,
+            )
+        self.block_hash[hashed] = None
         self.block_group[hashed] = -1
         self.num_cached_tokens[hashed] = 0
 
@@ -374,14 +451,45 @@ class BlockPool:
         return True
 
     def touch(self, blocks: Iterable[int]) -> None:
-        """One more reference each; a free cached block leaves the queue (null skipped)."""
+        """One more reference each; a free cached block leaves the queue (null skipped).
+        Many blocks (a prefix hit) take array steps: the free ones are looked up at once
+        and removed from the queue one by one, then every count goes up at once (a block
+        given twice counts twice, leaves the queue once). Example: ``touch([0, 5, 6])``
+        with 5 free -> 5 leaves the queue, counts of 5 and 6 up by one."""
+        if not isinstance(blocks, np.ndarray):
+            blocks = list(blocks)
+        if len(blocks) <= SMALL_FREE:
+            ref = self.ref_cnt
+            for b in blocks:
+                if b == NULL_BLOCK_ID:
+                    continue
+                if ref[b] == 0:
+                    self.free_block_queue.remove(b)
+                ref[b] += 1
+            return
+        ids = np.asarray(blocks, dtype=np.intp)
+        if np.count_nonzero(ids) != ids.size:
+            ids = ids[ids != NULL_BLOCK_ID]
         ref = self.ref_cnt
-        for b in blocks:
-            if b == NULL_BLOCK_ID:
-                continue
-            if ref[b] == 0:
-                self.free_block_queue.remove(b)
-            ref[b] += 1
+        free = ids[ref[ids] == 0]
+        if free.size:
+            deque(map(self.free_block_queue.remove, dict.fromkeys(free.tolist())), maxlen=0)
+        np.add.at(ref, ids, ref.dtype.type(1))
+
+    def cached_prefix(self, hashes: Sequence[bytes], group_ids: Sequence[int]) -> list[list[int]]:
+        """The blocks of the longest prefix of ``hashes`` cached in every group of
+        ``group_ids`` (each group's earliest block of each key), one list per group: what
+        a scan calling :meth:`get_cached_block` from the first hash until a miss collects.
+        Each group is one C-level pass (``map`` of the dict's ``get``, cut at the first
+        ``None``) over the prefix the groups before it matched. Example: group 0 caches
+        ``a, b``, group 1 ``a`` only: ``cached_prefix([a, b], [0, 1])`` -> ``[[b0a], [b1a]]``."""
+        found: list[list[int]] = []
+        n = len(hashes)
+        for g in group_ids:
+            blocks = list(takewhile(_IS_BLOCK, map(self.cached[g].get, islice(hashes, n))))
+            n = len(blocks)
+            found.append(blocks)
+        return [blocks[:n] for blocks in found] if len(found) > 1 else found
 
     def free_blocks(self, ordered_blocks: Sequence[int]) -> None:
         """Drop one reference each (distinct ids); at 0: unhashed to the front, hashed back.
@@ -575,44 +683,71 @@ class BlockPool:
         """:meth:`cache_block` of ``blocks[k]`` under ``hashes[k]`` for the prefix of
         ``(first_index + k + 1) * block_size`` tokens, for every ``k`` (nulls and masked
         blocks skipped), with the array writes done at once. ``blocks`` may be a list or an
-        int array (a table slice: no conversion on the bulk path)."""
+        int array (a table slice: no conversion on the bulk path).
+
+        Bulk path: when the kept blocks are all unhashed and their keys distinct, each
+        becomes its key's head (a key new to the group) or its latest duplicate
+        (:meth:`_register_fresh`), keys and arrays written at once: what the block-by-block
+        rule gives then. A mask keeping a few blocks (a window's tail) takes
+        :meth:`cache_block` per block; other calls take that rule block by block. Example:
+        blocks ``[7, 0, 9]``, mask ``[1, 1, 0]``, first index 2, bs 4 -> only ``7`` is
+        registered, over 12 tokens.
+        """
         if len(blocks) == 1:  # a decode step completing one block: the scalar rule
             if mask is None or mask[0]:
                 self.cache_block(
                     int(blocks[0]), hashes[0], group_id, (first_index + 1) * block_size
                 )
             return
-        block_hash = self.block_hash
-        nct = self.num_cached_tokens
-        cached = self.cached[group_id]
-        ids = np.asarray(blocks, dtype=np.int64)
-        blocks = ids.tolist()
-        if mask is None and ids.size and ids.all() and (self.block_group[ids] < 0).all():
+        index = None  # positions kept (None: all)
+        if mask is not None:
+            kept = list(compress(range(len(mask)), mask))
+            if len(kept) <= SMALL_FREE:  # a window's few tail blocks: the scalar rule
+                for k in kept:
+                    self.cache_block(
+                        int(blocks[k]), hashes[k], group_id, (first_index + k + 1) * block_size
+                    )
+                return
+            index = np.array(kept, dtype=np.int64)
+            ids = np.asarray(blocks, dtype=np.int64)[index]
+            keys = list(compress(hashes, mask))
+        else:
+            ids = np.asarray(blocks, dtype=np.int64)
             keys = hashes if isinstance(hashes, list) else list(hashes)
-            new = dict(zip(keys, blocks))
-            if len(new) == len(keys) and cached.keys().isdisjoint(new):
-                # fresh blocks, new distinct keys: one dict update, array writes at once
-                cached.update(new)
-                for b, h in zip(blocks, keys):
-                    block_hash[b] = h
-                self.block_group[ids] = group_id
-                nct[ids] = np.arange(
+        if np.count_nonzero(ids) != ids.size:  # nulls are skipped
+            real = np.flatnonzero(ids)
+            index = real if index is None else index[real]
+            ids = ids[real]
+            keys = [keys[k] for k in real.tolist()]
+        if ids.size == 0:
+            return
+        block_list = ids.tolist()
+        cached = self.cached[group_id]
+        if not np.count_nonzero(self.block_group[ids] >= 0) and self._register_fresh(
+            cached, group_id, keys, block_list
+        ):
+            self.block_hash[ids] = keys
+            self.block_group[ids] = group_id
+            if index is None:
+                self.num_cached_tokens[ids] = np.arange(
                     (first_index + 1) * block_size,
-                    (first_index + len(blocks) + 1) * block_size,
+                    (first_index + ids.size + 1) * block_size,
                     block_size,
                 )
-                return
+            else:
+                self.num_cached_tokens[ids] = (first_index + 1 + index) * block_size
+            return
+        positions = range(ids.size) if index is None else index.tolist()
+        block_hash = self.block_hash
+        nct = self.num_cached_tokens
         fresh: list[int] = []
         fresh_tokens: list[int] = []
-        for k, b in enumerate(blocks):
-            if b == NULL_BLOCK_ID or (mask is not None and not mask[k]):
-                continue
+        for b, h, k in zip(block_list, keys, positions):
             tokens = (first_index + k + 1) * block_size
             if block_hash[b] is not None:
                 if nct[b] >= tokens:
                     continue
                 self._evict(b)
-            h = hashes[k]
             block_hash[b] = h
             fresh.append(b)
             fresh_tokens.append(tokens)
@@ -621,9 +756,50 @@ class BlockPool:
             else:
                 cached[h] = b
         if fresh:
-            ids = np.asarray(fresh, dtype=np.int64)
-            self.block_group[ids] = group_id
-            nct[ids] = fresh_tokens
+            at = np.asarray(fresh, dtype=np.int64)
+            self.block_group[at] = group_id
+            nct[at] = fresh_tokens
+
+    def _register_fresh(
+        self, cached: dict[bytes, int], group_id: int, keys: list[bytes], blocks: list[int]
+    ) -> bool:
+        """Register unhashed ``blocks`` under ``keys`` in the maps of ``group_id`` when the
+        keys are distinct (False, nothing changed, otherwise): a key new to the group
+        makes its block the head, a key already there queues it as a duplicate, as the
+        block-by-block rule does (with distinct keys, whether a key is there depends only
+        on the state before the call). Example: ``a`` cached on 3, keys ``[a, b]`` on
+        ``[5, 6]`` -> ``b: 6`` and 5 a duplicate of ``a``."""
+        if cached.keys().isdisjoint(keys):
+            before = len(cached)
+            cached.update(zip(keys, blocks))
+            if len(cached) == before + len(keys):
+                return True
+            deque(map(cached.pop, keys, repeat(None)), maxlen=0)  # a key twice: undo
+            return False
+        if len(set(keys)) != len(keys):
+            return False
+        there = list(map(cached.__contains__, keys))
+        new = list(map(not_, there))
+        cached.update(zip(compress(keys, new), compress(blocks, new)))
+        # each duplicate appended to its key's list (``iter(list, None)``: a fresh empty
+        # list for each ``setdefault``, made in C)
+        lists = map(self.duplicates[group_id].setdefault, compress(keys, there), iter(list, None))
+        deque(map(list.append, lists, compress(blocks, there)), maxlen=0)
+        return True
+
+    def cached_columns(
+        self, hashes: Sequence[bytes], group_ids: Sequence[int]
+    ) -> tuple[list[list[int | None]], list[int | None]]:
+        """Every lookup of ``hashes`` at once: per group of ``group_ids``, the earliest
+        block of each key or None (one C-level ``map`` per group), and per hash a marker
+        that is None when some group misses it. Example: group 0 caches ``a`` on 3, group
+        1 caches ``a`` on 4 and ``b`` on 5: ``cached_columns([a, b], [0, 1])`` ->
+        ``([[3, None], [4, 5]], [3, None])``."""
+        columns = [list(map(self.cached[g].get, hashes)) for g in group_ids]
+        if len(columns) == 1:
+            return columns, columns[0]
+        present = [None if None in found else found[0] for found in zip(*columns)]
+        return columns, present
 
     def get_cached_block(self, block_hash: bytes, group_ids: Sequence[int]) -> list[int] | None:
         """The earliest cached block of ``block_hash`` in each group, or None if any misses."""
@@ -660,7 +836,7 @@ class BlockPool:
         for g in range(len(self.cached)):
             self.cached[g].clear()
             self.duplicates[g].clear()
-        self.block_hash = [None] * self.num_blocks
+        self.block_hash[:] = None
         self.block_group[:] = -1
         self.num_cached_tokens[:] = 0
         return True
@@ -671,8 +847,11 @@ class BlockPool:
 
     def cached_block_entries(self) -> list[tuple[int, int, int]]:
         """``(block_id, group_id, num_tokens)`` of every registered block."""
-        out = []
-        for b, key in enumerate(self.block_hash):
-            if key is not None:
-                out.append((b, int(self.block_group[b]), int(self.num_cached_tokens[b])))
-        return out
+        cached = np.flatnonzero(np.not_equal(self.block_hash, None))
+        return list(
+            zip(
+                cached.tolist(),
+                self.block_group[cached].tolist(),
+                self.num_cached_tokens[cached].tolist(),
+            )
+        )

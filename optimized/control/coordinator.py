@@ -4,7 +4,11 @@
 * Unitary (one group): the group's own hit, aligned to its block size.
 * Hybrid: the reference's fixed-point search (:func:`reference.coordinator.hybrid_cache_hit`)
   over spec groups (:func:`reference.coordinator.spec_groups_of`) with the optimized
-  managers' lookups. Hybrids cache only up to a multiple of the LCM.
+  managers' lookups (bulk scans), after a one-lookup miss test (the full-attention group's
+  first block). Hybrids cache only up to a multiple of the LCM.
+
+Allocation pops a request's new blocks for every group at once (group order), and counts
+a request with no row and no hit without taking a row (a refused admission takes none).
 
 Rows: each request gets one row index, shared by every group's table, from the first
 allocation until ``free``; released rows are reused (lowest first) and the tables grow by
@@ -19,15 +23,23 @@ from itertools import repeat
 
 import numpy as np
 
-from optimized.control.block_pool import BlockPool, RunEnds
+from optimized.control.block_pool import SMALL_FREE, BlockPool, RunEnds
 from optimized.control.managers import SingleTypeKVCacheManager, manager_class_for
 from optimized.control.managers.base import BlockList
 from optimized.control.request import Request
 from reference.coordinator import hybrid_coordinator_hit, make_managers, spec_groups_of
 from reference.layout import KVCacheLayout
+from reference.managers.base import blocks_to_allocate
+from reference.specs import FullAttentionSpec, MambaSpec
 
 #: Rows preallocated per group table before the first doubling.
 DEFAULT_MAX_NUM_REQS = 64
+
+
+def _never(block: int) -> bool:
+    """No hit block to test (``blocks_to_allocate``'s ``evictable`` of a request with no
+    hit is never called)."""
+    return False
 
 
 class KVCacheCoordinator:
@@ -59,6 +71,12 @@ class KVCacheCoordinator:
         self.max_num_reqs = max_num_reqs
         self.row_of: dict[str, int] = {}
         self._free_rows: list[int] = list(range(max_num_reqs))
+        #: no Mamba group: a new request's block count follows
+        #: :func:`reference.managers.base.blocks_to_allocate` in every group
+        self.plain_counts = not any(isinstance(g.spec, MambaSpec) for g in layout.groups)
+        #: per group, the first group with an equal spec (counts computed once per spec)
+        specs = [g.spec for g in layout.groups]
+        self._first_of_spec: tuple[int, ...] = tuple(specs.index(spec) for spec in specs)
 
     # -- rows --------------------------------------------------------------------
     def row(self, request_id: str) -> int:
@@ -117,10 +135,49 @@ class KVCacheCoordinator:
         for i, m in enumerate(self.managers):
             m.add_local_computed_blocks(row, hit_blocks[i], num_local_computed_tokens)
 
+    def num_blocks_for_new_request(self, num_tokens: int, total_computed: int) -> int:
+        """:meth:`get_num_blocks_to_allocate` of a request with no row (no blocks in any
+        group, not running) and no hit, without taking a row: each group's
+        :func:`reference.managers.base.blocks_to_allocate` with nothing held, computed
+        once per distinct spec. Only for :attr:`plain_counts` layouts (a Mamba group
+        counts its own way). Example: full bs 16 + 5 windows of bs 16, 2048 slots, nothing
+        computed -> ``6 * 128 = 768``."""
+        counts = [0] * len(self._first_of_spec)
+        for g, first in enumerate(self._first_of_spec):
+            if first == g:
+                spec = self.layout.groups[g].spec
+                counts[g] = blocks_to_allocate(
+                    spec, num_tokens, 0, False, (), total_computed, _never
+                )
+            else:
+                counts[g] = counts[first]
+        return sum(counts)
+
     def allocate_new_blocks(
         self, row: int, num_tokens: int, num_tokens_main: int
     ) -> list[BlockList]:
-        return [m.allocate_new_blocks(row, num_tokens, num_tokens_main) for m in self.managers]
+        """Each group's :meth:`SingleTypeKVCacheManager.allocate_new_blocks`, in group
+        order, with the groups' blocks popped at once (group 0's first: the blocks each
+        group's own pop would take, since nothing else touches the queue in between) and
+        placed per group. Example: 2 groups needing 2 and 1 blocks, queue ``[4, 5, 6,
+        7]`` -> ``[[4, 5], [6]]``."""
+        managers = self.managers
+        counts = [m.num_new_blocks(row, num_tokens, num_tokens_main) for m in managers]
+        total = sum(counts)
+        if total <= SMALL_FREE:
+            return [m.allocate_new_blocks(row, num_tokens, num_tokens_main) for m in managers]
+        ids = self.block_pool.get_new_block_array(total)
+        as_list = ids.tolist()
+        out: list[BlockList] = []
+        at = 0
+        for m, n in zip(managers, counts):
+            if n == 0:
+                out.append([])
+                continue
+            m.place_new_blocks(row, ids[at : at + n], num_tokens_main)
+            out.append(as_list[at : at + n])
+            at += n
+        return out
 
     def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         if not self.enable_caching:
@@ -228,13 +285,42 @@ class HybridCoordinator(KVCacheCoordinator):
         super().__init__(layout, max_num_reqs)
         self.spec_groups = spec_groups_of(self.managers)
         self.scheduler_block_size = layout.scheduler_block_size
+        #: the first full-attention spec group's ids and its block size in hash blocks
+        #: (None: no full-attention group), for the miss test of ``find_longest_cache_hit``
+        self._first_full: tuple[list[int], int] | None = next(
+            (
+                (sg.group_ids, sg.spec.block_size // layout.hash_block_size)
+                for sg in self.spec_groups
+                if isinstance(sg.spec, FullAttentionSpec)
+            ),
+            None,
+        )
 
     def num_cacheable_tokens(self, num_tokens: int) -> int:
         s = self.scheduler_block_size
         return num_tokens // s * s
 
-    #: :func:`reference.coordinator.hybrid_coordinator_hit` over the optimized managers
-    find_longest_cache_hit = hybrid_coordinator_hit
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_length: int
+    ) -> tuple[list[BlockList], int, int]:
+        """:func:`reference.coordinator.hybrid_coordinator_hit` over the optimized managers,
+        after one test that settles a miss: the full-attention spec group is searched
+        first from block 0, so when its first block misses in one of its groups (or
+        ``max_length`` or the hashes do not reach one block) its hit is 0, every later
+        group is asked for at most 0 tokens, and the answer is no block, hit 0, uncached
+        0. Example: full bs 16 + windows, a 2048-token prompt whose first 16 tokens are
+        not cached -> ``([[], ...], 0, 0)`` after one dict lookup."""
+        first = self._first_full
+        if first is not None:
+            group_ids, ratio = first
+            if max_length < ratio * self.block_pool.hash_block_size or len(block_hashes) < ratio:
+                return [[] for _ in self.managers], 0, 0
+            key = block_hashes[ratio - 1]
+            cached = self.block_pool.cached
+            for g in group_ids:
+                if key not in cached[g]:
+                    return [[] for _ in self.managers], 0, 0
+        return hybrid_coordinator_hit(self, block_hashes, max_length)
 
 
 def make_coordinator(

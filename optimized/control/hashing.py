@@ -53,6 +53,8 @@ def extend_block_hashes(
     """Append the hash of every full block of ``token_ids[:num_tokens]`` not hashed yet.
 
     Implements :func:`reference.hashing.extend_block_hashes` (same blocks, same chaining).
+    Each new hash also gets its Python ``hash()`` (kept by the bytes object), so the
+    cache-map lookups and registrations of its block find it ready.
     """
     h = hash_block_size
     j = len(hashes)
@@ -67,6 +69,7 @@ def extend_block_hashes(
     for k in range(end - j):
         extra = extra_key_bytes(0, cache_salt, lora_name) if j + k == 0 else lora
         parent = sha256(parent + raw[k * width : (k + 1) * width] + extra).digest()
+        hash(parent)  # computed once here: a bytes object keeps it for every dict use
         hashes.append(parent)
 
 

@@ -202,6 +202,8 @@ class KVCacheManager(ManagerBookkeeping):
             request.block_hashes, request.num_tokens - 1
         )
         request.shared_prefix_boundary = junction(hit, uncached)
+        if not hit and not any(blocks):  # a miss: the shared empty hit
+            return self._empty, 0
         return ComputedBlocks(tuple(tuple(b) for b in blocks)), hit
 
     def empty_computed_blocks(self) -> ComputedBlocks:
@@ -255,19 +257,29 @@ class KVCacheManager(ManagerBookkeeping):
         rid = request.request_id
         self._known.add(rid)
         coordinator = self.coordinator
-        row = coordinator.row(rid)
-        if row < len(self._next_work):
-            self._next_work[row] = 0  # the row may have changed hands: test it next step
         local = request.num_computed_tokens + num_new_computed_tokens
         total = min(local, self.max_model_len)
         main = total + num_new_tokens
         slots = min(main + num_lookahead_tokens, self.max_model_len)
 
-        coordinator.remove_skipped_blocks(row, total)
-        need = coordinator.get_num_blocks_to_allocate(row, slots, hits, local, main)
-        self.last_num_blocks_to_allocate = need
-        if need > self.block_pool.get_num_free_blocks():
-            return None
+        row = coordinator.row_of.get(rid)
+        if row is None and coordinator.plain_counts and not any(hits):
+            # a request with no blocks and no hit: nothing to remove, the count needs no
+            # row, and a refusal (the pool cannot hold it) takes none
+            need = coordinator.num_blocks_for_new_request(slots, local)
+            self.last_num_blocks_to_allocate = need
+            if need > self.block_pool.get_num_free_blocks():
+                return None
+            row = self._take_row(rid)
+        else:
+            if row is None:  # a fresh row holds nothing to remove
+                row = self._take_row(rid)
+            else:
+                coordinator.remove_skipped_blocks(row, total)
+            need = coordinator.get_num_blocks_to_allocate(row, slots, hits, local, main)
+            self.last_num_blocks_to_allocate = need
+            if need > self.block_pool.get_num_free_blocks():
+                return None
         if new_computed_blocks is not None and any(hits):
             coordinator.allocate_new_computed_blocks(row, hits, local)
         new_blocks = coordinator.allocate_new_blocks(row, slots, main)
@@ -275,6 +287,14 @@ class KVCacheManager(ManagerBookkeeping):
         if request.status is not RequestStatus.FINISHED:
             request.status = RequestStatus.RUNNING
         return new_blocks
+
+    def _take_row(self, request_id: str) -> int:
+        """The coordinator's new row for the request, its decode threshold zeroed (the row
+        may have changed hands: its items are tested until a step refreshes it)."""
+        row = self.coordinator.row(request_id)
+        if row < len(self._next_work):
+            self._next_work[row] = 0
+        return row
 
     def schedule_columns(
         self,

@@ -39,6 +39,11 @@ def _select(condition: bool, if_true: int, if_false: int) -> int:
     return if_true if condition else if_false
 
 
+def _none_evictable(block: int) -> bool:
+    """``blocks_to_allocate``'s ``evictable`` when no hit block sits free."""
+    return False
+
+
 class SingleTypeKVCacheManager(ManagerBase):
     """Block tables of one KV cache group."""
 
@@ -174,15 +179,27 @@ class SingleTypeKVCacheManager(ManagerBase):
         num_tokens_main: int,
     ) -> int:
         """:meth:`reference.managers.base.SingleTypeKVCacheManager.get_num_blocks_to_allocate`."""
-        ref = self.block_pool.ref_cnt
+        running = self.num_cached_block.item(row) >= 0
+        held = self.row_len.item(row)
+        evictable = _none_evictable
+        if new_computed_blocks and not running:
+            # the hit's blocks that sit free in the queue, found at once (a set test each)
+            ids = np.asarray(new_computed_blocks, dtype=np.intp)
+            free = ids[(self.block_pool.ref_cnt[ids] == 0) & (ids != NULL_BLOCK_ID)]
+            if free.size:
+                evictable = frozenset(free.tolist()).__contains__
+            else:
+                # none to count: a new request's hit blocks only add to what it holds
+                held += len(new_computed_blocks)
+                new_computed_blocks = ()
         return blocks_to_allocate(
             self.spec,
             num_tokens,
-            int(self.row_len[row]),
-            self.num_cached_block[row] >= 0,
+            held,
+            running,
             new_computed_blocks,
             total_computed_tokens,
-            lambda b: b != NULL_BLOCK_ID and ref[b] == 0,
+            evictable,
         )
 
     def add_local_computed_blocks(
@@ -191,26 +208,35 @@ class SingleTypeKVCacheManager(ManagerBase):
         """Adopt a hit: skipped hit blocks become nulls, the others are touched."""
         assert self.row_len[row] == 0, f"row {row} already has blocks in group {self.group_id}"
         skipped = self.spec.num_skipped_tokens(num_local_computed_tokens) // self.block_size
-        kept = list(new_computed_blocks[skipped:])
+        kept = np.asarray(new_computed_blocks[skipped:], dtype=np.intp)
         if self.enable_caching:
             self.block_pool.touch(kept)
-        self._append(row, [NULL_BLOCK_ID] * skipped + kept)
-        self.num_cached_block[row] = self.row_len[row]
-        leading = skipped
-        for b in kept:
-            if b != NULL_BLOCK_ID:
-                break
-            leading += 1
-        self.num_leading_null[row] = leading
+        length = skipped + kept.size
+        self.table[row, :skipped] = NULL_BLOCK_ID
+        self.table[row, skipped:length] = kept
+        self.row_len[row] = length
+        self.dirty_rows[row] = True
+        self.num_cached_block[row] = length
+        real = np.flatnonzero(kept)
+        self.num_leading_null[row] = skipped + (int(real[0]) if real.size else kept.size)
 
     def allocate_new_blocks(self, row: int, num_tokens: int, num_tokens_main: int) -> BlockList:
-        """Append fresh blocks until the row covers ``num_tokens`` slots."""
-        num_new = cdiv(num_tokens, self.block_size) - int(self.row_len[row])
+        """Pop :meth:`num_new_blocks` fresh blocks and :meth:`place_new_blocks` them."""
+        num_new = self.num_new_blocks(row, num_tokens, num_tokens_main)
         if num_new <= 0:
             return []
         new_blocks = self.block_pool.get_new_blocks(num_new)
-        self._append(row, new_blocks)
+        self.place_new_blocks(row, new_blocks, num_tokens_main)
         return new_blocks
+
+    def num_new_blocks(self, row: int, num_tokens: int, num_tokens_main: int) -> int:
+        """The fresh blocks ``allocate_new_blocks`` pops: until the row covers
+        ``num_tokens`` slots. Example: bs 4, row of 2 blocks, 13 slots -> 2."""
+        return max(cdiv(num_tokens, self.block_size) - self.row_len.item(row), 0)
+
+    def place_new_blocks(self, row: int, new_blocks: Sequence[int], num_tokens_main: int) -> None:
+        """Put the popped ``new_blocks`` in the row (appended)."""
+        self._append(row, new_blocks)
 
     # -- caching -----------------------------------------------------------------
     def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:

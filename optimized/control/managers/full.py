@@ -8,12 +8,16 @@ key of the 12-token prefix until it is promoted to its full key.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import islice
+
 import numpy as np
 
-from optimized.control.block_pool import NULL_BLOCK_ID
+from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
 from optimized.control.managers.base import SingleTypeKVCacheManager
 from optimized.control.request import Request
 from reference.managers.full import full_attention_hit
+from reference.specs import KVCacheSpec
 
 
 def partial_tail_boundary(num_prompt_tokens: int, num_hashes: int, hash_block_size: int) -> int:
@@ -23,6 +27,36 @@ def partial_tail_boundary(num_prompt_tokens: int, num_hashes: int, hash_block_si
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     scan = staticmethod(full_attention_hit)
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        pool: BlockPool,
+        spec: KVCacheSpec,
+        alignment: int,
+        drop_eagle: bool = False,
+    ) -> tuple[list[list[int]], int]:
+        """:func:`reference.managers.full.full_attention_hit` with its lookups in bulk: the
+        blocks from block 0 to the first miss (:meth:`BlockPool.cached_prefix` over the
+        chain at ``bs``, at most ``max_length // bs`` blocks), rounded down to
+        ``alignment``. Example: bs 4, A 8, blocks 0..2 cached, max 15 -> 3 blocks match,
+        hit 8, ``[b0, b1]`` per group. (No EAGLE group in this engine: a drop goes to the
+        reference scan.)"""
+        if drop_eagle:
+            return super().find_longest_cache_hit(
+                block_hashes, max_length, group_ids, pool, spec, alignment, drop_eagle
+            )
+        bs = spec.block_size
+        k = bs // pool.hash_block_size
+        hashes = list(islice(block_hashes, k - 1, k * (max_length // bs), k))
+        found = pool.cached_prefix(hashes, group_ids)
+        hit = len(found[0]) * bs
+        hit -= hit % alignment
+        keep = -(-hit // bs)
+        return [blocks[:keep] for blocks in found], hit
 
     def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         super().cache_blocks(request, row, num_tokens)

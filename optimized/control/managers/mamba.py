@@ -15,14 +15,15 @@ a block at column 3 and remembers column 2; the step after frees ``s``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
 
 import numpy as np
 
-from optimized.control.block_pool import NULL_BLOCK_ID
-from optimized.control.managers.base import BlockList, SingleTypeKVCacheManager
+from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
+from optimized.control.managers.base import SingleTypeKVCacheManager
 from optimized.control.request import Request
 from reference.managers.mamba import mamba_cache_mask, mamba_hit
-from reference.specs import cdiv
+from reference.specs import KVCacheSpec, cdiv
 
 
 class MambaManager(SingleTypeKVCacheManager):
@@ -46,6 +47,38 @@ class MambaManager(SingleTypeKVCacheManager):
 
     scan = staticmethod(mamba_hit)
 
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        pool: BlockPool,
+        spec: KVCacheSpec,
+        alignment: int,
+        drop_eagle: bool = False,
+    ) -> tuple[list[list[int]], int]:
+        """:func:`reference.managers.mamba.mamba_hit` with direct dict lookups: the
+        rightmost state ``i < min(max_length // bs, hashed)`` cached in every group whose
+        end ``(i + 1) * bs`` is aligned -> ``[0] * i + [state]`` per group. Example: bs 4,
+        A 8, states 1 and 2 cached, max 15 -> state 2 ends at 12, not aligned -> state 1:
+        ``[0, s1]``, hit 8."""
+        bs = spec.block_size
+        k = bs // pool.hash_block_size
+        hashes = list(islice(block_hashes, k - 1, k * (max_length // bs), k))
+        first = list(map(pool.cached[group_ids[0]].get, hashes))  # one C-level pass
+        others = [pool.cached[g].get for g in group_ids[1:]]
+        free_end = bs == alignment
+        for i in range(len(hashes) - 1, -1, -1):
+            state = first[i]
+            if state is None or (not free_end and (i + 1) * bs % alignment):
+                continue
+            states = [state, *(get(hashes[i]) for get in others)]
+            if None in states:
+                continue
+            return [[NULL_BLOCK_ID] * i + [state] for state in states], (i + 1) * bs
+        return [[] for _ in group_ids], 0
+
     cacheable_block_mask = mamba_cache_mask
 
     def get_num_blocks_to_allocate(
@@ -68,17 +101,18 @@ class MambaManager(SingleTypeKVCacheManager):
         evictable = sum(1 for b in new_computed_blocks if b != NULL_BLOCK_ID and ref[b] == 0)
         return num_new + evictable
 
-    def allocate_new_blocks(self, row: int, num_tokens: int, num_tokens_main: int) -> BlockList:
-        held = int(self.row_len[row])
-        required = cdiv(num_tokens_main, self.block_size)
-        if required <= held:
-            return []
+    def num_new_blocks(self, row: int, num_tokens: int, num_tokens_main: int) -> int:
+        """One state block when ``cdiv(main, bs)`` passes the row's columns, else none."""
+        return 1 if cdiv(num_tokens_main, self.block_size) > self.row_len.item(row) else 0
+
+    def place_new_blocks(self, row: int, new_blocks: Sequence[int], num_tokens_main: int) -> None:
+        """The state block goes to column ``cdiv(main, bs) - 1``, nulls before it; the
+        previous last column is remembered as the state to free later."""
+        held = self.row_len.item(row)
         if held:
             self.last_state_block_index[row] = held - 1
-        gap = max(0, required - 1 - held)
-        new_blocks = self.block_pool.get_new_blocks(required - held - gap)
-        self._append(row, [NULL_BLOCK_ID] * gap + new_blocks)
-        return new_blocks
+        gap = max(0, cdiv(num_tokens_main, self.block_size) - 1 - held)
+        self._append(row, [NULL_BLOCK_ID] * gap + list(new_blocks))
 
     def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         before = max(int(self.num_cached_block[row]), 0)

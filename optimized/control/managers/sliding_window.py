@@ -8,16 +8,71 @@ Example (bs 4, w 8, blocks 2 and 3 cached, 4 blocks asked): ``[0, 0, b2, b3]``, 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import islice
+
 import numpy as np
 
+from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
 from optimized.control.managers.base import SingleTypeKVCacheManager
-from reference.managers.sliding_window import sliding_window_hit, window_cache_mask
-from reference.specs import SlidingWindowSpec
+from reference.managers.sliding_window import (
+    blocks_needed_for_hit,
+    sliding_window_hit,
+    window_cache_mask,
+)
+from reference.specs import KVCacheSpec, SlidingWindowSpec
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
     drops_blocks = True
     scan = staticmethod(sliding_window_hit)
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        pool: BlockPool,
+        spec: KVCacheSpec,
+        alignment: int,
+        drop_eagle: bool = False,
+    ) -> tuple[list[list[int]], int]:
+        """:func:`reference.managers.sliding_window.sliding_window_hit` over lookups done
+        in bulk (:meth:`BlockPool.cached_columns`: one C-level pass per group over the
+        ``M = min(max_length // bs, hashed)`` blocks), the scan from the right reading
+        them: the rightmost run of ``need`` cached blocks (at least one) whose last block
+        ends aligned, the blocks before it null; else the run reaching block 0, cut to an
+        aligned length. Example: bs 4, w 8, A 4, blocks 2 and 3 cached, max 16 ->
+        ``[0, 0, b2, b3]`` per group, hit 16. (No EAGLE group in this engine: a drop goes
+        to the reference scan.)"""
+        if drop_eagle:
+            return super().find_longest_cache_hit(
+                block_hashes, max_length, group_ids, pool, spec, alignment, drop_eagle
+            )
+        assert isinstance(spec, SlidingWindowSpec)
+        bs = spec.block_size
+        k = bs // pool.hash_block_size
+        columns, present = pool.cached_columns(
+            list(islice(block_hashes, k - 1, k * (max_length // bs), k)), group_ids
+        )
+        need = max(blocks_needed_for_hit(spec), 1)  # w = 1: the scan still takes one block
+        free_end = bs == alignment
+        run = top = 0
+        for i in range(len(present) - 1, -1, -1):
+            if present[i] is None:
+                run = 0
+            elif run or free_end or (i + 1) * bs % alignment == 0:
+                if not run:
+                    top = i
+                run += 1
+                if run >= need:  # blocks i..top, nulls before
+                    nulls = [NULL_BLOCK_ID] * i
+                    return [nulls + col[i : top + 1] for col in columns], (top + 1) * bs
+        # no run long enough: the one reaching block 0 (it ends aligned, as every run)
+        while run and not free_end and run * bs % alignment:
+            run -= 1
+        return [col[:run] for col in columns], run * bs
 
     cacheable_block_mask = window_cache_mask
 
