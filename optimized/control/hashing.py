@@ -52,9 +52,8 @@ def extend_block_hashes(
 ) -> None:
     """Append the hash of every full block of ``token_ids[:num_tokens]`` not hashed yet.
 
-    Implements :func:`reference.hashing.extend_block_hashes` (same blocks, same chaining).
-    Each new hash also gets its Python ``hash()`` (kept by the bytes object), so the
-    cache-map lookups and registrations of its block find it ready.
+    Implements :func:`reference.hashing.extend_block_hashes` (same blocks, same chaining),
+    one :func:`chain_link` per block.
     """
     h = hash_block_size
     j = len(hashes)
@@ -65,11 +64,9 @@ def extend_block_hashes(
     width = h * TOKEN_DTYPE.itemsize
     parent = hashes[-1] if hashes else ROOT_HASH
     lora = extra_key_bytes(1, None, lora_name)
-    sha256 = hashlib.sha256
     for k in range(end - j):
         extra = extra_key_bytes(0, cache_salt, lora_name) if j + k == 0 else lora
-        parent = sha256(parent + raw[k * width : (k + 1) * width] + extra).digest()
-        hash(parent)  # computed once here: a bytes object keeps it for every dict use
+        parent = chain_link(parent, raw[k * width : (k + 1) * width], extra)
         hashes.append(parent)
 
 
