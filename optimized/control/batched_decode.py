@@ -255,18 +255,29 @@ def apply_decode_item(
     managers = manager.coordinator.managers
     pool = manager.block_pool
     twin_of = manager._twin_of  # twin groups hold the same counts: decided once per class
-    ends: dict[int, int] = {}
-    for g in groups:  # remove_skipped_blocks, in group order (the queue order depends on it)
+    # remove_skipped_blocks, in group order (the queue order depends on it): each class of
+    # twins decides once where its rows' drop starts and ends
+    spans: dict[int, tuple[int, int]] = {}
+    dropping: list[int] = []
+    wide = False
+    for g in groups:
         t = twin_of[g]
-        end = ends.get(t)
-        if end is None:  # the first of its class (t == g): its row's counts decide
+        span = spans.get(t)
+        if span is None:  # the first of its class (t == g): its row's counts decide
             mg = managers[g]
             end = mg.skipped_end(row, total) if mg.drops_blocks else 0
-            if end and end <= mg.num_leading_null.item(row):
-                end = 0  # nothing left the window since the last step
-            ends[t] = end
-        if end:
-            managers[g]._remove_blocks_in_range(row, 0, end)
+            lead = mg.num_leading_null.item(row) if end else 0
+            span = spans[t] = (lead, end) if end > lead else (0, 0)
+            wide = wide or span[1] - span[0] > 1
+        if span[1]:
+            dropping.append(g)
+    if wide:  # many blocks (the first decode step after a long prefill): one pass
+        pool.free_block_lists(
+            [managers[g]._take_blocks_in_range(row, *spans[twin_of[g]]) for g in dropping]
+        )
+    else:
+        for g in dropping:  # one block each: the scalar path
+            managers[g]._remove_blocks_in_range(row, 0, spans[twin_of[g]][1])
     new_blocks: list[list[int]] = [[] for _ in managers]
     pops = _running_pops(managers, groups, row, slots, twin_of)
     if pops is not None:

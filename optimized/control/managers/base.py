@@ -323,11 +323,17 @@ class SingleTypeKVCacheManager(ManagerBase):
             self.num_leading_null[row] = last
             self.block_pool.free_block(block)
             return
+        self.block_pool.free_blocks(self._take_blocks_in_range(row, start, last))
+
+    def _take_blocks_in_range(self, row: int, start: int, last: int) -> np.ndarray:
+        """Null ``row[start:last]`` (``start`` at or past the leading nulls) and return its
+        blocks tail first, for the caller to free. Example: row ``[0, 4, 6, 8]``, leading 1,
+        ``(1, 3)`` -> ``[6, 4]``, row ``[0, 0, 0, 8]``, leading 3."""
         freed = self.table[row, start:last][::-1].copy()
         self.table[row, start:last] = NULL_BLOCK_ID
         self.dirty_rows[row] = True
         self.num_leading_null[row] = last
-        self.block_pool.free_blocks(freed)
+        return freed
 
     def free(self, row: int) -> None:
         """Free the row's blocks in reverse order (nulls skipped); release the row."""
