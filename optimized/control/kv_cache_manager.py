@@ -332,8 +332,13 @@ class KVCacheManager(ManagerBookkeeping):
         if m < self.min_batched_apply:
             sub = self._apply_loud(requests, loud, loud_rows)
         else:
-            sub = self._schedule_items(StepBatch([requests[i] for i in loud], [1] * m, [0] * m))
-            self._refresh_thresholds(np.array(loud_rows, dtype=np.int64))
+            picked = [requests[i] for i in loud]
+            at = np.array(loud_rows, dtype=np.int64)
+            sub = self._apply_loud_batch(picked, at)
+            if sub is None:  # refused (nothing changed): one by one
+                sub = self._apply_loud(requests, loud, loud_rows)
+            else:
+                self._refresh_thresholds(at)
         results: list[list[list[int]] | None] = [self.no_new_blocks] * n
         for i, new_blocks in zip(loud, sub):
             results[i] = new_blocks
@@ -408,6 +413,27 @@ class KVCacheManager(ManagerBookkeeping):
             if new_blocks is None:
                 break
         return out
+
+    def _apply_loud_batch(
+        self, requests: list[Request], rows: np.ndarray
+    ) -> list[list[list[int]]] | None:
+        """Many loud items (validated by :meth:`_loud_items`) through
+        :func:`apply_decode_items` directly, with no per-group test first (an item with
+        nothing to do frees, allocates and caches nothing there), or None when its
+        conditions fail (nothing changed). Example: the first decode step of 64 requests
+        prefilled together, every window dropping its blocks at once."""
+        m = len(requests)
+        computed = np.fromiter(map(_REQUEST_COMPUTED, requests), np.int64, m)
+        num_tokens = np.fromiter(map(_REQUEST_TOKENS, requests), np.int64, m)
+        main = computed + 1
+        return apply_decode_items(
+            self,
+            requests,
+            rows,
+            computed,
+            np.minimum(main, self.max_model_len),
+            np.minimum(main, num_tokens),
+        )
 
     def _refresh_thresholds(self, rows: np.ndarray) -> None:
         """Each row's decode threshold: the least over its groups' classes of
