@@ -195,6 +195,9 @@ def _append_popped(
             mg.table[grow, held] = ids
             mg.row_len[grow] = held + 1
             mg.dirty_rows[grow] = True
+            if idx.size == m:  # every item pops one block here
+                columns.append([[b] for b in ids.tolist()])
+                continue
             cells: list = [[] for _ in range(m)]
             for i, b in zip(idx.tolist(), ids.tolist()):
                 cells[i] = [b]
@@ -209,7 +212,7 @@ def _append_popped(
                 mg._append(rows.item(i), ids)
             cells.append(ids)
         columns.append(cells)
-    return [list(cells) for cells in zip(*columns)]
+    return list(map(list, zip(*columns)))
 
 
 def _caching_items(managers, rows: np.ndarray, cache_tokens: np.ndarray, requests) -> list[int]:
