@@ -177,6 +177,8 @@ class OptimizedEngine(ManagerEngine):
         except KVConformError as exc:
             raise EngineError(f"optimized: schedule_step: {exc}") from exc
         empty = self.manager.no_new_blocks
+        if results.count(empty) == len(results):  # a quiet step: the shared empty answer
+            return results
         return [r if r is None or r is empty else tuple(map(tuple, r)) for r in results]
 
     # optional capabilities -------------------------------------------------------------
