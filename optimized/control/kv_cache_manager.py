@@ -312,10 +312,11 @@ class KVCacheManager(ManagerBookkeeping):
         A step of one-token decode items (:class:`StepBatch`) first sets aside its *quiet*
         items (:meth:`_loud_items`): a running request whose computed count is below its
         row's decode threshold (:meth:`_refresh_thresholds`) has nothing to free,
-        allocate or cache, so it is settled without any per-group test; the other items
-        go through :meth:`_schedule_items`, and their rows' thresholds are refreshed.
-        Example: 27 decode items on gemma3 of which 3 reach a block boundary: the 24
-        others are settled from one array comparison.
+        allocate or cache, so it is settled without any per-group test; the loud ones are
+        applied one by one (:meth:`_apply_loud`) or, when many, vectorised
+        (:meth:`_apply_loud_batch`), and their rows' thresholds are refreshed. Any other
+        step goes through :meth:`_schedule_items`. Example: 27 decode items on gemma3 of
+        which 3 reach a block boundary: the 24 others are settled in one pass.
         """
         self.last_num_blocks_to_allocate = None  # batched items report none
         loud = self._loud_items(items) if isinstance(items, StepBatch) else None
@@ -351,8 +352,8 @@ class KVCacheManager(ManagerBookkeeping):
         rows whose computed count reaches their row's threshold (the others are quiet), or
         None when the step is not such a step or some item is invalid
         (:meth:`_schedule_items` then decides, and raises the error). One pass in Python
-        over the items (no array is built). Sets ``_step_ids``, ``_all_running`` and
-        ``_step_rows``. Example: computed ``[30, 47]``, thresholds ``[47, 47]`` -> ``[1]``.
+        over the items (no array is built). Sets ``_step_ids`` and ``_step_rows``.
+        Example: computed ``[30, 47]``, thresholds ``[47, 47]`` -> ``[1]``.
         """
         if not self._per_group_apply:
             return None  # Mamba: every row is tested every step
@@ -381,7 +382,7 @@ class KVCacheManager(ManagerBookkeeping):
                 return None  # an invalid item: the general path raises its error
             if computed >= next_work[row]:
                 loud.append(i)
-        self._step_ids, self._all_running, self._step_rows = rids, True, rows
+        self._step_ids, self._step_rows = rids, rows
         return loud
 
     def _apply_loud(
@@ -398,13 +399,13 @@ class KVCacheManager(ManagerBookkeeping):
         reps = [managers[g] for g in self._class_reps]
         next_work = self._next_work
         mml = self.max_model_len
-        lcm = self._scheduler_block_size if self.enable_caching and self.num_groups > 1 else 1
+        cacheable = self.coordinator.num_cacheable_tokens
         out: list[list[list[int]] | None] = []
         for i, row in zip(picked, rows):
             request = requests[i]
             total = request.num_computed_tokens
             main = total + 1
-            cache_tokens = min(main, request.num_tokens) // lcm * lcm
+            cache_tokens = cacheable(min(main, request.num_tokens))
             new_blocks = apply_decode_item(
                 self, request, row, total, main, min(main, mml), cache_tokens, groups
             )

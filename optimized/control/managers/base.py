@@ -268,19 +268,8 @@ class SingleTypeKVCacheManager(ManagerBase):
         return num_cached, num_full, mask, hashes[num_cached:num_full]
 
     def apply_cache_plan(self, row: int, plan: CachePlan) -> None:
-        """Register the blocks of ``plan`` (:meth:`cache_plan`) in this group's row (one
-        block, a decode step's: :meth:`BlockPool.cache_block` directly)."""
+        """Register the blocks of ``plan`` (:meth:`cache_plan`) in this group's row."""
         num_cached, num_full, mask, hashes = plan
-        if num_full == num_cached + 1:
-            if mask is None or mask[0]:
-                self.block_pool.cache_block(
-                    self.table.item(row, num_cached),
-                    hashes[0],
-                    self.group_id,
-                    num_full * self.block_size,
-                )
-            self.num_cached_block[row] = num_full
-            return
         self.block_pool.cache_full_blocks(
             self.table[row, num_cached:num_full],
             hashes,
