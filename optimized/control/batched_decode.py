@@ -259,10 +259,15 @@ def apply_decode_item(
     pool = manager.block_pool
     twin_of = manager._twin_of  # twin groups hold the same counts: decided once per class
     # remove_skipped_blocks, in group order (the queue order depends on it): each class of
-    # twins decides once where its rows' drop starts and ends
+    # twins decides once where its rows' drop starts and ends, and how many blocks each of
+    # its groups pops when the row runs (``num_cached_block >= 0``): ``max(cdiv(slots, bs)
+    # - held, 0)``, ``blocks_to_allocate``'s running rule (a drop nulls entries, it keeps
+    # the row's length)
     spans: dict[int, tuple[int, int]] = {}
+    pops_of: dict[int, int] = {}
     dropping: list[int] = []
     wide = False
+    running = True
     for g in groups:
         t = twin_of[g]
         span = spans.get(t)
@@ -272,28 +277,32 @@ def apply_decode_item(
             lead = mg.num_leading_null.item(row) if end else 0
             span = spans[t] = (lead, end) if end > lead else (0, 0)
             wide = wide or span[1] - span[0] > 1
+            running = running and mg.num_cached_block.item(row) >= 0
+            pops_of[t] = max(-(-slots // mg.block_size) - mg.row_len.item(row), 0)
         if span[1]:
             dropping.append(g)
     if wide:  # many blocks (the first decode step after a long prefill): one pass
         pool.free_block_lists(
             [managers[g]._take_blocks_in_range(row, *spans[twin_of[g]]) for g in dropping]
         )
-    else:
-        for g in dropping:  # one block each: the scalar path
-            managers[g]._remove_blocks_in_range(row, 0, spans[twin_of[g]][1])
+    elif dropping:  # one block each: the scalar path, freed group by group
+        pool.free_block_each(
+            [managers[g].take_block_at(row, spans[twin_of[g]][0]) for g in dropping]
+        )
     new_blocks: list[list[int]] = [[] for _ in managers]
-    pops = _running_pops(managers, groups, row, slots, twin_of)
-    if pops is not None:
+    if running:
+        pops = [pops_of[twin_of[g]] for g in groups]
         need = sum(pops)
         if need > pool.get_num_free_blocks():
             return None
-        if need:  # one pop for every group, split in group order
+        if need:  # one pop for every group, split in group order (no free comes between;
+            # evicting a popped block's key leaves the queue alone)
             popped = pool.get_new_blocks(need)
             k = 0
             for g, n in zip(groups, pops):
                 if n:
-                    new_blocks[g] = popped[k : k + n]
-                    managers[g]._append(row, new_blocks[g])
+                    new_blocks[g] = ids = popped[k : k + n]
+                    managers[g]._append(row, ids)
                     k += n
     else:
         need = 0
@@ -341,30 +350,6 @@ def _cache_item(
         plan = plans[t] = mg.cache_plan(request, row, cache_tokens)
         if plan is not None:
             mg.apply_cache_plan(row, plan)
-
-
-def _running_pops(
-    managers, groups: Sequence[int], row: int, slots: int, twin_of: Sequence[int]
-) -> list[int] | None:
-    """Blocks each of ``groups`` pops for ``slots`` when the row runs in all of them (has
-    allocated: ``num_cached_block >= 0``), else None. A running row needs and pops
-    ``max(cdiv(slots, bs) - held, 0)`` (``blocks_to_allocate``'s running rule), and
-    popping every group's blocks at once then splitting them in group order takes the
-    same blocks as one pop per group (no free comes between; evicting a popped block's
-    key leaves the queue alone). A group whose twin (``twin_of``) was seen takes its
-    figure. Example: bs 16 and 16, held 2 and 3, 33 slots -> [1, 0].
-    """
-    pops: list[int] = []
-    seen: dict[int, int] = {}
-    for g in groups:
-        n = seen.get(twin_of[g])
-        if n is None:
-            mg = managers[g]
-            if mg.num_cached_block.item(row) < 0:
-                return None
-            n = seen[twin_of[g]] = max(-(-slots // mg.block_size) - mg.row_len.item(row), 0)
-        pops.append(n)
-    return pops
 
 
 def _pops_from_own_front(

@@ -68,26 +68,32 @@ class RunEnds:
             return [bisect_right(ends, p) for p in positions.tolist()]
         return np.searchsorted(ends, positions, side="right")
 
-    def last_first(self, positions: list[int], blocks: list[int]) -> list[int]:
-        """:func:`later_runs_first` of ``blocks`` at ``positions`` (ascending) in one
-        walk. Example: lengths ``[2, 3]``, positions ``[0, 1, 3]``, blocks ``[7, 8, 9]``
-        -> ``[9, 7, 8]``."""
+    def last_first(self, positions: np.ndarray, blocks: np.ndarray) -> np.ndarray | list[int]:
+        """:func:`later_runs_first` of ``blocks`` at ``positions`` (ascending): a few
+        blocks in one walk in Python (a list back), more as one slice per run, cut where
+        the runs end (one ``searchsorted``). Example: lengths ``[2, 3]``, positions ``[0,
+        1, 3]``, blocks ``[7, 8, 9]`` -> ``[9, 7, 8]``."""
+        if positions.size > SMALL_REORDER:
+            ends = list(accumulate(self.lengths[:-1]))
+            cuts = [0, *np.searchsorted(positions, ends).tolist(), blocks.size]
+            pieces = [blocks[cuts[j] : cuts[j + 1]] for j in range(len(cuts) - 2, -1, -1)]
+            return np.concatenate(pieces)
         ends = accumulate(self.lengths)
         end = next(ends)
-        pieces: list[list[int]] = []
+        pieces_: list[list[int]] = []
         piece: list[int] = []
-        for p, b in zip(positions, blocks):
+        for p, b in zip(positions.tolist(), blocks.tolist()):
             if p >= end:
                 if piece:
-                    pieces.append(piece)
+                    pieces_.append(piece)
                     piece = []
                 end = next(e for e in ends if e > p)
             piece.append(b)
-        pieces.append(piece)
-        if len(pieces) == 1:
+        pieces_.append(piece)
+        if len(pieces_) == 1:
             return piece
         out: list[int] = []
-        for piece in reversed(pieces):
+        for piece in reversed(pieces_):
             out += piece
         return out
 
@@ -112,7 +118,9 @@ def later_runs_first(blocks: np.ndarray, runs: np.ndarray | list[int]) -> np.nda
             out += ids[cuts[j - 1] : cuts[j]]
         return out
     starts = np.flatnonzero(np.concatenate(([True], runs[1:] != runs[:-1])))
-    lengths = np.diff(starts, append=k)
+    lengths = np.empty_like(starts)
+    lengths[:-1] = starts[1:] - starts[:-1]
+    lengths[-1] = k - starts[-1]
     starts, lengths = starts[::-1], lengths[::-1]
     placed = np.cumsum(lengths) - lengths  # where each run lands in the output
     return blocks[np.arange(k) + np.repeat(starts - placed, lengths)]
@@ -157,19 +165,6 @@ class FreeBlockQueue:
         nxt_arr[prev] = first
         prv[nxt] = last
         self.num_free_blocks += n
-
-    def link_one(self, block_id: int, at_back: bool) -> None:
-        """Link one block at the back (``append_n``) or at the front (``prepend_n``)."""
-        prv, nxt = self.prev_free, self.next_free
-        if at_back:
-            before, after = prv.item(self.tail), self.tail
-        else:
-            before, after = self.head, nxt.item(self.head)
-        prv[block_id] = before
-        nxt[block_id] = after
-        nxt[before] = block_id
-        prv[after] = block_id
-        self.num_free_blocks += 1
 
     def append_n(self, blocks: np.ndarray | list[int]) -> None:
         """Link ``blocks`` at the back, in order (hashed blocks: LRU)."""
@@ -346,18 +341,13 @@ class BlockPool:
                 f"cannot get {n} free blocks from the pool ({self.get_num_free_blocks()} free)"
             )
         blocks = self.free_block_queue.popleft_n(n)
-        if n == 1:
-            b = blocks[0]
-            if self.enable_caching and self.block_group[b] >= 0:
+        # a few blocks (a decode step's): scalar steps; a hashed block's key is evicted
+        ref = self.ref_cnt
+        group = self.block_group if self.enable_caching else None
+        for b in blocks:
+            if group is not None and group.item(b) >= 0:
                 self._evict(b)
-            self.ref_cnt[b] = 1
-            return blocks
-        ids = np.asarray(blocks, dtype=np.int64)
-        if self.enable_caching:
-            hashed = ids[self.block_group[ids] >= 0]
-            if hashed.size:
-                self._evict_many(hashed)
-        self.ref_cnt[ids] = 1
+            ref[b] = 1
         return blocks
 
     def get_new_block_array(self, n: int) -> np.ndarray:
@@ -522,16 +512,38 @@ class BlockPool:
         return after
 
     def free_block(self, block_id: int) -> None:
-        """:meth:`free_blocks` of one block (a window dropping one block in a decode step):
-        at ref count 0 it goes to the back when hashed, to the front otherwise."""
-        if block_id == NULL_BLOCK_ID:
-            return
-        count = self.ref_cnt.item(block_id) - 1
-        if count < 0:
-            raise KVConformError(f"block {block_id} freed more often than allocated")
-        self.ref_cnt[block_id] = count
-        if count == 0:
-            self.free_block_queue.link_one(block_id, at_back=self.block_group[block_id] >= 0)
+        """:meth:`free_blocks` of one block: :meth:`free_block_each` of ``[block_id]``."""
+        self.free_block_each((block_id,))
+
+    def free_block_each(self, blocks: Sequence[int]) -> None:
+        """:meth:`free_blocks` of each block alone, in order (windows each dropping one
+        block in a decode step): at ref count 0 a block goes to the back when hashed, to
+        the front otherwise, so the unhashed ones end up in reverse order. Scalar steps,
+        nulls skipped. Example: unhashed ``[4, 6]``, hashed ``[9]`` -> queue ``[6, 4, ...,
+        9]``."""
+        ref = self.ref_cnt
+        group = self.block_group
+        queue = self.free_block_queue
+        prv, nxt = queue.prev_free, queue.next_free
+        head, tail = queue.head, queue.tail
+        for b in blocks:
+            if b == NULL_BLOCK_ID:
+                continue
+            count = ref.item(b) - 1
+            if count < 0:
+                raise KVConformError(f"block {b} freed more often than allocated")
+            ref[b] = count
+            if count:
+                continue
+            if group.item(b) >= 0:
+                before, after = prv.item(tail), tail
+            else:
+                before, after = head, nxt.item(head)
+            prv[b] = before
+            nxt[b] = after
+            nxt[before] = b
+            prv[after] = b
+            queue.num_free_blocks += 1
 
     def free_block_lists(self, lists: Sequence[np.ndarray]) -> None:
         """``free_blocks(lists[0])``, ``free_blocks(lists[1])``, ... in one pass (a request's
@@ -597,8 +609,8 @@ class BlockPool:
         queue = self.free_block_queue
         if front.size:
             at = front if pos is None else pos.take(front)
-            if front.size <= SMALL_REORDER and isinstance(runs_of, RunEnds):
-                queue.prepend_n(runs_of.last_first(at.tolist(), ids.take(front).tolist()))
+            if isinstance(runs_of, RunEnds):
+                queue.prepend_n(runs_of.last_first(at, ids.take(front)))
             else:
                 queue.prepend_n(later_runs_first(ids.take(front), runs_of(at)))
         if front.size == num_moving:
@@ -693,12 +705,6 @@ class BlockPool:
         blocks ``[7, 0, 9]``, mask ``[1, 1, 0]``, first index 2, bs 4 -> only ``7`` is
         registered, over 12 tokens.
         """
-        if len(blocks) == 1:  # a decode step completing one block: the scalar rule
-            if mask is None or mask[0]:
-                self.cache_block(
-                    int(blocks[0]), hashes[0], group_id, (first_index + 1) * block_size
-                )
-            return
         index = None  # positions kept (None: all)
         if mask is not None:
             kept = list(compress(range(len(mask)), mask))

@@ -207,7 +207,7 @@ class KVCacheCoordinator:
                 self._free_row(row)
             return
         at: np.ndarray | slice = np.asarray(rows, dtype=np.intp)
-        if rows[-1] - rows[0] == len(rows) - 1 and (np.diff(at) == 1).all():
+        if rows[-1] - rows[0] == len(rows) - 1 and not np.count_nonzero(at[1:] - at[:-1] - 1):
             at = slice(rows[0], rows[-1] + 1)  # consecutive rows: views, no gathers
         num_groups = len(self.managers)
         # one (rows x columns) sheet: each group's columns reversed, groups side by side

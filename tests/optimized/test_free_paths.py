@@ -64,8 +64,22 @@ def test_run_ends_lays_out_a_few_blocks_last_run_first_in_one_walk() -> None:
     """Lengths 2, 0, 3, 1: positions 0, 1 (run 0), 3 (run 2), 5 (run 3) -> 5's block,
     then 3's, then 0's and 1's; one run alone keeps its order."""
     runs = RunEnds([2, 0, 3, 1])
-    assert runs.last_first([0, 1, 3, 5], [10, 11, 13, 15]) == [15, 13, 10, 11]
-    assert runs.last_first([2, 4], [12, 14]) == [12, 14]
+    assert runs.last_first(np.array([0, 1, 3, 5]), np.array([10, 11, 13, 15])) == [15, 13, 10, 11]
+    assert runs.last_first(np.array([2, 4]), np.array([12, 14])) == [12, 14]
+
+
+def test_run_ends_lays_out_many_blocks_one_slice_per_run() -> None:
+    """Lengths 30, 0, 40, 10 (a request's groups), every other position kept (40 blocks,
+    over the Python limit): run 3's 5 blocks first, then run 2's 20, then run 0's 15,
+    each in order; an empty run and a run with no kept position add nothing."""
+    runs = RunEnds([30, 0, 40, 10])
+    positions = np.arange(0, 80, 2)
+    blocks = positions + 1000
+    out = runs.last_first(positions, blocks)
+    assert isinstance(out, np.ndarray)
+    assert out.tolist() == [*range(1070, 1080, 2), *range(1030, 1070, 2), *range(1000, 1030, 2)]
+    none_in_last = RunEnds([30, 0, 40, 10]).last_first(positions[:35], blocks[:35])
+    assert none_in_last.tolist() == [*range(1030, 1070, 2), *range(1000, 1030, 2)]
 
 
 # -- free_runs with repeated blocks ---------------------------------------------------
@@ -148,6 +162,22 @@ def test_free_runs_refuses_a_block_that_is_not_held() -> None:
     pool = _pool(held=[1, 2], hashed=[], twice=[])
     with pytest.raises(Exception, match="block 4 freed more often than allocated"):
         pool.free_runs(np.array([1, 2, 4], dtype=np.intp), RunEnds([2, 1]))
+
+
+def test_free_block_each_frees_one_block_at_a_time_in_order() -> None:
+    """Windows each dropping one block: blocks 4 and 6 unhashed, 9 hashed, 5 held twice;
+    each goes alone, so the unhashed ones end up at the front in reverse order, the
+    hashed one at the back, 5 stays held (count 1) and the null is skipped."""
+    pool = BlockPool(12, enable_caching=True, hash_block_size=4)
+    taken = pool.get_new_blocks(11)  # 1..11, all held
+    assert taken == list(range(1, 12))
+    pool.cache_block(9, b"k9", 0, 4)
+    pool.touch([5])
+    pool.free_block_each([4, 0, 9, 5, 6])
+    assert pool.free_block_queue.block_ids() == [6, 4, 9]
+    assert pool.ref_counts()[5] == 1
+    with pytest.raises(Exception, match="block 4 freed more often than allocated"):
+        pool.free_block_each([4])
 
 
 # -- free_requests against the reference ------------------------------------------------

@@ -151,11 +151,12 @@ class SingleTypeKVCacheManager(ManagerBase):
 
     def _append(self, row: int, ids: Sequence[int]) -> None:
         n = self.row_len.item(row)
-        if len(ids) == 1:  # a decode step's new block: a scalar write
+        k = len(ids)
+        if k == 1:  # a decode step's new block: a scalar write
             self.table[row, n] = ids[0]
         else:
-            self.table[row, n : n + len(ids)] = ids
-        self.row_len[row] = n + len(ids)
+            self.table[row, n : n + k] = ids
+        self.row_len[row] = n + k
         self.dirty_rows[row] = True
 
     @property
@@ -270,14 +271,23 @@ class SingleTypeKVCacheManager(ManagerBase):
     def apply_cache_plan(self, row: int, plan: CachePlan) -> None:
         """Register the blocks of ``plan`` (:meth:`cache_plan`) in this group's row."""
         num_cached, num_full, mask, hashes = plan
-        self.block_pool.cache_full_blocks(
-            self.table[row, num_cached:num_full],
-            hashes,
-            self.group_id,
-            num_cached,
-            self.block_size,
-            mask,
-        )
+        if num_full == num_cached + 1:  # a decode step completing one block: the scalar rule
+            if mask is None or mask[0]:
+                self.block_pool.cache_block(
+                    self.table.item(row, num_cached),
+                    hashes[0],
+                    self.group_id,
+                    num_full * self.block_size,
+                )
+        else:
+            self.block_pool.cache_full_blocks(
+                self.table[row, num_cached:num_full],
+                hashes,
+                self.group_id,
+                num_cached,
+                self.block_size,
+                mask,
+            )
         self.num_cached_block[row] = num_full
 
     def shares_cache_plans(self) -> bool:
@@ -306,13 +316,20 @@ class SingleTypeKVCacheManager(ManagerBase):
         if start >= last:
             return
         if last == start + 1:  # one block (a decode step's window move): scalar path
-            block = self.table.item(row, start)
-            self.table[row, start] = NULL_BLOCK_ID
-            self.dirty_rows[row] = True
-            self.num_leading_null[row] = last
-            self.block_pool.free_block(block)
+            self.block_pool.free_block(self.take_block_at(row, start))
             return
         self.block_pool.free_blocks(self._take_blocks_in_range(row, start, last))
+
+    def take_block_at(self, row: int, column: int) -> int:
+        """:meth:`_take_blocks_in_range` of the one column ``column`` (the leading nulls
+        end there): null it and return its block. Example: row ``[0, 4, 6]``, leading 1,
+        column 1 -> 4, row ``[0, 0, 6]``, leading 2."""
+        table = self.table
+        block = table.item(row, column)
+        table[row, column] = NULL_BLOCK_ID
+        self.dirty_rows[row] = True
+        self.num_leading_null[row] = column + 1
+        return block
 
     def _take_blocks_in_range(self, row: int, start: int, last: int) -> np.ndarray:
         """Null ``row[start:last]`` (``start`` at or past the leading nulls) and return its
