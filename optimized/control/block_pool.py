@@ -174,6 +174,29 @@ class FreeBlockQueue:
         """Link ``blocks`` at the front, keeping their order (reused first)."""
         self._link_chain(self.head, int(self.next_free[self.head]), blocks)
 
+    def prepend_append(self, front: list[int], back: np.ndarray) -> None:
+        """:meth:`prepend_n` of ``front`` then :meth:`append_n` of ``back`` (both
+        non-empty, distinct blocks not in the queue), every link written at once: the
+        sequence ``head, *front, first, last, *back, tail`` (``first`` and ``last``: the
+        old queue's ends) is linked pair by pair with one vectorised write per link array,
+        then the one false pair ``(first, last)`` gets its old links back. A queue of
+        fewer than two blocks (the sequence would repeat a node) takes the two calls.
+        Example: queue ``[1, 2, 3]``, front ``[5, 4]``, back ``[8, 9]`` -> ``[5, 4, 1, 2,
+        3, 8, 9]``."""
+        prv, nxt = self.prev_free, self.next_free
+        first, last = nxt.item(self.head), prv.item(self.tail)
+        if first == last or first == self.tail:
+            self.prepend_n(front)
+            self.append_n(back)
+            return
+        after_first, before_last = nxt.item(first), prv.item(last)
+        seq = np.concatenate(([self.head, *front, first, last], back, [self.tail]))
+        nxt[seq[:-1]] = seq[1:]
+        prv[seq[1:]] = seq[:-1]
+        nxt[first] = after_first
+        prv[last] = before_last
+        self.num_free_blocks += len(front) + back.size
+
     def remove(self, block_id: int) -> None:
         prev = int(self.prev_free[block_id])
         nxt = int(self.next_free[block_id])
