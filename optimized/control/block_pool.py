@@ -191,8 +191,9 @@ class FreeBlockQueue:
             return
         after_first, before_last = nxt.item(first), prv.item(last)
         seq = np.concatenate(([self.head, *front, first, last], back, [self.tail]))
-        nxt[seq[:-1]] = seq[1:]
-        prv[seq[1:]] = seq[:-1]
+        before, after = seq[:-1], seq[1:]
+        nxt[before] = after
+        prv[after] = before
         nxt[first] = after_first
         prv[last] = before_last
         self.num_free_blocks += len(front) + back.size
