@@ -174,7 +174,7 @@ class FreeBlockQueue:
         """Link ``blocks`` at the front, keeping their order (reused first)."""
         self._link_chain(self.head, int(self.next_free[self.head]), blocks)
 
-    def prepend_append(self, front: list[int], back: np.ndarray) -> None:
+    def prepend_append(self, front: list[int] | np.ndarray, back: np.ndarray) -> None:
         """:meth:`prepend_n` of ``front`` then :meth:`append_n` of ``back`` (both
         non-empty, distinct blocks not in the queue), every link written at once: the
         sequence ``head, *front, first, last, *back, tail`` (``first`` and ``last``: the
@@ -190,7 +190,7 @@ class FreeBlockQueue:
             self.append_n(back)
             return
         after_first, before_last = nxt.item(first), prv.item(last)
-        seq = np.concatenate(([self.head, *front, first, last], back, [self.tail]))
+        seq = np.concatenate(([self.head], front, [first, last], back, [self.tail]))
         before, after = seq[:-1], seq[1:]
         nxt[before] = after
         prv[after] = before

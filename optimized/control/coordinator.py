@@ -24,7 +24,7 @@ from itertools import repeat
 
 import numpy as np
 
-from optimized.control.block_pool import SMALL_FREE, BlockPool, RunEnds
+from optimized.control.block_pool import SMALL_FREE, SMALL_REORDER, BlockPool, RunEnds
 from optimized.control.managers import SingleTypeKVCacheManager, manager_class_for
 from optimized.control.managers.base import BlockList
 from optimized.control.request import Request
@@ -289,7 +289,10 @@ class KVCacheCoordinator:
             if not front.size:
                 queue.append_n(ids)
             else:
-                chain = front_chain(at.take(front).tolist(), ids.take(front).tolist(), lengths)
+                if front.size <= SMALL_REORDER:  # a few (the decode case): lists
+                    chain = front_chain(at.take(front).tolist(), ids.take(front).tolist(), lengths)
+                else:  # many (no prefix cache): one slice per run
+                    chain = RunEnds(lengths).last_first(at.take(front), ids.take(front))
                 if front.size == ids.size:
                     queue.prepend_n(chain)
                 else:

@@ -85,22 +85,24 @@ def test_prepend_append_around_a_short_queue(left: int, expected: list[int]) -> 
 # -- the coordinator's one-pass free ---------------------------------------------------
 
 
-def _layout() -> KVCacheLayout:
-    """Full (bs 2) + sliding window (bs 2, w 4), 20 blocks, caching on."""
+def _layout(num_blocks: int = 20, max_model_len: int = 16) -> KVCacheLayout:
+    """Full (bs 2) + sliding window (bs 2, w 4), caching on."""
     groups = (
         KVCacheGroup(("f",), FullAttentionSpec(block_size=2)),
         KVCacheGroup(("s",), SlidingWindowSpec(block_size=2, sliding_window=4)),
     )
-    return KVCacheLayout(groups, num_blocks=20, max_model_len=16, enable_caching=True)
+    return KVCacheLayout(groups, num_blocks, max_model_len=max_model_len, enable_caching=True)
 
 
 def _coordinator(
-    rows: dict[str, tuple[list[int], list[int], int]], hashed: list[int]
+    rows: dict[str, tuple[list[int], list[int], int]],
+    hashed: list[int],
+    layout: KVCacheLayout | None = None,
 ) -> KVCacheCoordinator:
     """A coordinator whose requests hold, per id, a full row, a window row and the window
     row's leading-null count; every block in the rows is popped (held once; the queue
     keeps the others in order) and ``hashed`` are registered in their row's group."""
-    coord = make_engine(_layout()).manager.coordinator
+    coord = make_engine(layout or _layout()).manager.coordinator
     pool = coord.block_pool
     held = max(b for full, window, _ in rows.values() for b in full + window)
     assert pool.get_new_blocks(held) == list(range(1, held + 1))
@@ -196,4 +198,29 @@ def test_a_block_held_twice_sends_the_rows_row_by_row() -> None:
     pool = coord.block_pool
     assert pool.free_block_queue.block_ids() == [5, 3, *range(6, 20), 1, 4]
     assert pool.ref_cnt[1:6].tolist() == [0, 1, 0, 0, 0]
+    _assert_released(coord, [0])
+
+
+@pytest.mark.parametrize(
+    ("hashed", "front", "back"),
+    [
+        ([], [*range(40, 20, -1), *range(20, 0, -1)], []),
+        ([1, 21], [*range(40, 21, -1), *range(20, 1, -1)], [1, 21]),
+    ],
+    ids=["all-unhashed", "two-hashed"],
+)
+def test_many_unhashed_blocks_take_the_array_layout(
+    hashed: list[int], front: list[int], back: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Full row ``[1 .. 20]``, window row ``[0] * 5 + [21 .. 40]`` (over the list limit
+    of the front chain): the window's blocks tail first, then the full row's, at the
+    front; the hashed ones (if any) at the back; the queue was ``[41 .. 59]``."""
+    _refuse_row_by_row(monkeypatch)
+    full, window = list(range(1, 21)), [0] * 5 + list(range(21, 41))
+    coord = _coordinator({"x": (full, window, 5)}, hashed, _layout(60, 64))
+    coord.free("x")
+    queue = coord.block_pool.free_block_queue
+    assert queue.block_ids() == [*front, *range(41, 60), *back]
+    assert _walk_back(queue) == [*front, *range(41, 60), *back]
+    assert queue.num_free_blocks == 59
     _assert_released(coord, [0])
