@@ -466,6 +466,23 @@ class BlockPool:
             deque(map(self.free_block_queue.remove, dict.fromkeys(free.tolist())), maxlen=0)
         np.add.at(ref, ids, ref.dtype.type(1))
 
+    def touch_array(self, ids: np.ndarray, distinct: bool) -> None:
+        """:meth:`touch` of the non-null intp array ``ids`` (an adopted hit's blocks),
+        with one gather: the free ones leave the queue (once each), then each count goes
+        up by one per occurrence; ``distinct`` (no id twice) writes the counts back with
+        one scatter instead of ``np.add.at``. Example: ``touch_array([5, 6], True)`` with
+        counts ``5: 0, 6: 2`` -> 5 leaves the queue, counts ``5: 1, 6: 3``."""
+        ref = self.ref_cnt
+        counts = ref[ids]
+        if np.count_nonzero(counts) != counts.size:
+            free = ids[counts == 0]
+            deque(map(self.free_block_queue.remove, dict.fromkeys(free.tolist())), maxlen=0)
+        if distinct:
+            counts += 1  # (the gather is a copy)
+            ref[ids] = counts
+        else:
+            np.add.at(ref, ids, ref.dtype.type(1))
+
     def cached_prefix(self, hashes: Sequence[bytes], group_ids: Sequence[int]) -> list[list[int]]:
         """The blocks of the longest prefix of ``hashes`` cached in every group of
         ``group_ids`` (each group's earliest block of each key), one list per group: what

@@ -23,9 +23,9 @@ from itertools import repeat
 
 import numpy as np
 
-from optimized.control.block_pool import SMALL_FREE, BlockPool, RunEnds
+from optimized.control.block_pool import NULL_BLOCK_ID, SMALL_FREE, BlockPool, RunEnds
 from optimized.control.managers import SingleTypeKVCacheManager, manager_class_for
-from optimized.control.managers.base import BlockList
+from optimized.control.managers.base import BlockList, HitAdoption
 from optimized.control.request import Request
 from reference.coordinator import hybrid_coordinator_hit, make_managers, spec_groups_of
 from reference.layout import KVCacheLayout
@@ -74,6 +74,15 @@ class KVCacheCoordinator:
         #: no Mamba group: a new request's block count follows
         #: :func:`reference.managers.base.blocks_to_allocate` in every group
         self.plain_counts = not any(isinstance(g.spec, MambaSpec) for g in layout.groups)
+        #: every group counts and adopts a hit by the base rules (no Mamba group) and
+        #: caching is on: a new request's hit takes :meth:`count_hit_admission`
+        self.plain_hits = layout.enable_caching and all(
+            type(m).get_num_blocks_to_allocate
+            is SingleTypeKVCacheManager.get_num_blocks_to_allocate
+            and type(m).add_local_computed_blocks
+            is SingleTypeKVCacheManager.add_local_computed_blocks
+            for m in self.managers
+        )
         #: per group, the first group with an equal spec (counts computed once per spec)
         specs = [g.spec for g in layout.groups]
         self._first_of_spec: tuple[int, ...] = tuple(specs.index(spec) for spec in specs)
@@ -125,6 +134,39 @@ class KVCacheCoordinator:
             )
             for i, m in enumerate(self.managers)
         )
+
+    def count_hit_admission(
+        self, hit_blocks: Sequence[Sequence[int]], num_tokens: int, total_computed: int
+    ) -> tuple[int, list[HitAdoption]]:
+        """:meth:`get_num_blocks_to_allocate` of a request on a fresh row (nothing held,
+        not running) adopting ``hit_blocks``, for :attr:`plain_hits` layouts, with each
+        group's hit prepared for :meth:`SingleTypeKVCacheManager.adopt_hit` on the way (one
+        array per group, its counts read with one gather). Per group
+        (:func:`reference.managers.base.blocks_to_allocate` with ``held = 0``):
+        ``max(cdiv(num_tokens, bs) - max(skipped, len(hit)), 0)`` plus the hit blocks
+        past the ``skipped`` ones that sit free (count 0, not null). Nothing changes, so
+        a refusal leaves no trace. Example: SWA w 4, bs 2, hit ``[3, 5, 7]`` over 6
+        computed tokens, 10 slots, 7 free: ``5 - max(1, 3) = 2``, plus 1 -> 3."""
+        ref = self.block_pool.ref_cnt
+        need = 0
+        adoptions: list[HitAdoption] = []
+        for m, hit in zip(self.managers, hit_blocks):
+            bs = m.block_size
+            skipped = m.spec.num_skipped_tokens(total_computed) // bs
+            need += max(-(-num_tokens // bs) - max(skipped, len(hit)), 0)
+            kept_ids = hit[skipped:]
+            kept = np.array(kept_ids, dtype=np.intp)
+            real = kept if np.count_nonzero(kept) == kept.size else kept[kept != NULL_BLOCK_ID]
+            if real.size:
+                need += real.size - np.count_nonzero(ref[real])
+            adoptions.append(HitAdoption(skipped, kept, real, len(set(kept_ids)) == len(kept_ids)))
+        return need, adoptions
+
+    def adopt_hit(self, row: int, adoptions: Sequence[HitAdoption]) -> None:
+        """Adopt the hit :meth:`count_hit_admission` prepared, group by group, on the
+        fresh ``row`` (what :meth:`allocate_new_computed_blocks` does there)."""
+        for m, adoption in zip(self.managers, adoptions):
+            m.adopt_hit(row, adoption)
 
     def allocate_new_computed_blocks(
         self, row: int, hit_blocks: Sequence[Sequence[int]], num_local_computed_tokens: int

@@ -271,6 +271,16 @@ class KVCacheManager(ManagerBookkeeping):
             if need > self.block_pool.get_num_free_blocks():
                 return None
             row = self._take_row(rid)
+        elif row is None and coordinator.plain_hits and new_computed_blocks is not None:
+            # a new request adopting a hit: counted and prepared at once, adopted on a
+            # fresh row (the row is taken first, as below)
+            row = self._take_row(rid)
+            need, adoptions = coordinator.count_hit_admission(hits, slots, local)
+            self.last_num_blocks_to_allocate = need
+            if need > self.block_pool.get_num_free_blocks():
+                return None
+            coordinator.adopt_hit(row, adoptions)
+            new_computed_blocks = None  # adopted
         else:
             if row is None:  # a fresh row holds nothing to remove
                 row = self._take_row(rid)

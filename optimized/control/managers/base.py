@@ -20,6 +20,7 @@ are skipped by :meth:`optimized.control.kv_cache_manager.KVCacheManager.schedule
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,6 +31,23 @@ from reference.managers.base import ManagerBase, blocks_to_allocate, cacheable_f
 from reference.specs import KVCacheSpec, cdiv
 
 BlockList = list[int]
+
+
+class HitAdoption(NamedTuple):
+    """One group's share of a new request's hit, counted by
+    :meth:`optimized.control.coordinator.KVCacheCoordinator.count_hit_admission` and
+    adopted by :meth:`SingleTypeKVCacheManager.adopt_hit`: ``skipped`` leading hit
+    columns become nulls, ``kept`` (intp, nulls included) fills the columns after them,
+    ``real`` is ``kept`` without its nulls, ``distinct`` says no block of ``real`` occurs
+    twice. Example: w 4, bs 2, hit ``[3, 5, 7]`` over 6 tokens -> skipped 1, kept ``[5,
+    7]``, real ``[5, 7]``, distinct."""
+
+    skipped: int
+    kept: np.ndarray
+    real: np.ndarray
+    distinct: bool
+
+
 #: ``(num_cached, num_full, mask, hashes)``: see :meth:`SingleTypeKVCacheManager.cache_plan`
 CachePlan = tuple[int, int, Sequence[bool] | None, Sequence[bytes]]
 
@@ -220,6 +238,30 @@ class SingleTypeKVCacheManager(ManagerBase):
         self.num_cached_block[row] = length
         real = np.flatnonzero(kept)
         self.num_leading_null[row] = skipped + (int(real[0]) if real.size else kept.size)
+
+    def adopt_hit(self, row: int, adoption: HitAdoption) -> None:
+        """:meth:`add_local_computed_blocks` of a hit counted by the coordinator (a fresh
+        row): the row becomes ``[null] * skipped + kept``, its real blocks are touched
+        (:meth:`BlockPool.touch_array`) and counted as cached. Example: fresh row, skipped
+        1, kept ``[5, 7]`` -> row ``[0, 5, 7]``, leading 1, 3 blocks cached."""
+        skipped, kept, real, distinct = adoption
+        if real.size and self.enable_caching:
+            self.block_pool.touch_array(real, distinct)
+        length = skipped + kept.size
+        table = self.table
+        if skipped:
+            table[row, :skipped] = NULL_BLOCK_ID
+        if kept.size:
+            table[row, skipped:length] = kept
+        self.row_len[row] = length
+        self.dirty_rows[row] = True
+        self.num_cached_block[row] = length
+        if real.size == kept.size:  # no null kept: the leading nulls are the skipped ones
+            self.num_leading_null[row] = skipped
+        elif real.size == 0:  # every kept entry null
+            self.num_leading_null[row] = length
+        else:
+            self.num_leading_null[row] = skipped + int(np.argmax(kept != NULL_BLOCK_ID))
 
     def allocate_new_blocks(self, row: int, num_tokens: int, num_tokens_main: int) -> BlockList:
         """Pop :meth:`num_new_blocks` fresh blocks and :meth:`place_new_blocks` them."""
