@@ -184,6 +184,24 @@ class FreeBlockQueue:
         self.prev_free[block_id] = self.next_free[block_id] = NOT_QUEUED
         self.num_free_blocks -= 1
 
+    def remove_each(self, blocks: Iterable[int]) -> None:
+        """:meth:`remove` of each block (distinct ids), with scalar reads: unlinking
+        several nodes of a doubly linked list leaves the same list in any order. Example:
+        queue ``[4, 5, 6, 7]``, ``remove_each([6, 4])`` -> ``[5, 7]``."""
+        prv, nxt = self.prev_free, self.next_free
+        before, after = prv.item, nxt.item
+        n = 0
+        for b in blocks:
+            p, q = before(b), after(b)
+            if p == NOT_QUEUED or q == NOT_QUEUED:
+                self.num_free_blocks -= n
+                raise KVConformError(f"block {b} is not in the free queue")
+            nxt[p] = q
+            prv[q] = p
+            prv[b] = nxt[b] = NOT_QUEUED
+            n += 1
+        self.num_free_blocks -= n
+
     def popleft_n(self, n: int) -> list[int]:
         """Unlink the first ``n`` blocks (one relink of the head); a few blocks are walked
         one by one, more through :meth:`popleft_array`. Example: queue ``[4, 5, 6, 9]``,
@@ -245,8 +263,9 @@ class FreeBlockQueue:
             # the longest run of ids block, block + step, ... (at most ``left``) linked in order
             end = max(min(block + step * left, self.head), -1)
             run = np.arange(block, end, step, dtype=np.int64)
-            broken = np.flatnonzero(nxt[run[:-1]] != run[1:])
-            length = int(broken[0]) + 1 if broken.size else run.size
+            broken = nxt[run[:-1]] != run[1:]
+            first = int(broken.argmax())  # the first break (0 when none)
+            length = first + 1 if broken.size and broken[first] else run.size
             pieces.append(run[:length] if length < run.size else run)
             left -= length
             block = item(block + step * (length - 1))
@@ -475,11 +494,10 @@ class BlockPool:
         ref = self.ref_cnt
         counts = ref[ids]
         if np.count_nonzero(counts) != counts.size:
-            free = ids[counts == 0]
-            deque(map(self.free_block_queue.remove, dict.fromkeys(free.tolist())), maxlen=0)
+            free = ids[counts == 0].tolist()
+            self.free_block_queue.remove_each(free if distinct else dict.fromkeys(free))
         if distinct:
-            counts += 1  # (the gather is a copy)
-            ref[ids] = counts
+            ref[ids] = counts + 1
         else:
             np.add.at(ref, ids, ref.dtype.type(1))
 
@@ -726,10 +744,7 @@ class BlockPool:
         if mask is not None:
             kept = list(compress(range(len(mask)), mask))
             if len(kept) <= SMALL_FREE:  # a window's few tail blocks: the scalar rule
-                for k in kept:
-                    self.cache_block(
-                        int(blocks[k]), hashes[k], group_id, (first_index + k + 1) * block_size
-                    )
+                self._cache_few(blocks, hashes, group_id, first_index, block_size, kept)
                 return
             index = np.array(kept, dtype=np.int64)
             ids = np.asarray(blocks, dtype=np.int64)[index]
@@ -782,6 +797,40 @@ class BlockPool:
             at = np.asarray(fresh, dtype=np.int64)
             self.block_group[at] = group_id
             nct[at] = fresh_tokens
+
+    def _cache_few(
+        self,
+        blocks: Sequence[int],
+        hashes: Sequence[bytes],
+        group_id: int,
+        first_index: int,
+        block_size: int,
+        kept: Sequence[int],
+    ) -> None:
+        """:meth:`cache_block` of ``blocks[k]`` under ``hashes[k]`` over ``(first_index + k
+        + 1) * block_size`` tokens for each ``k`` of ``kept`` (a few positions, in order),
+        inlined for an unhashed block (a fresh one: its key and arrays written, the key
+        new to the group or its latest duplicate); a null or hashed block takes
+        :meth:`cache_block` itself. Example: blocks ``[7, 8]``, kept ``[1]``, first index
+        2, bs 4 -> 8 registered over 16 tokens."""
+        block_hash = self.block_hash
+        block_group = self.block_group
+        nct = self.num_cached_tokens
+        cached = self.cached[group_id]
+        for k in kept:
+            b = int(blocks[k])
+            h = hashes[k]
+            tokens = (first_index + k + 1) * block_size
+            if b == NULL_BLOCK_ID or block_hash[b] is not None:
+                self.cache_block(b, h, group_id, tokens)
+                continue
+            block_hash[b] = h
+            block_group[b] = group_id
+            nct[b] = tokens
+            if h in cached:
+                self.duplicates[group_id].setdefault(h, []).append(b)
+            else:
+                cached[h] = b
 
     def _register_fresh(
         self, cached: dict[bytes, int], group_id: int, keys: list[bytes], blocks: list[int]

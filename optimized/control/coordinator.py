@@ -337,6 +337,13 @@ class HybridCoordinator(KVCacheCoordinator):
             ),
             None,
         )
+        #: one full-attention spec group and one other, no EAGLE drop: the search is
+        #: one pass (:meth:`_two_spec_hit`)
+        self._two_specs = (
+            len(self.spec_groups) == 2
+            and isinstance(self.spec_groups[0].spec, FullAttentionSpec)
+            and not any(sg.use_eagle for sg in self.spec_groups)
+        )
 
     def num_cacheable_tokens(self, num_tokens: int) -> int:
         s = self.scheduler_block_size
@@ -362,7 +369,35 @@ class HybridCoordinator(KVCacheCoordinator):
             for g in group_ids:
                 if key not in cached[g]:
                     return [[] for _ in self.managers], 0, 0
+        if self._two_specs:
+            return self._two_spec_hit(block_hashes, max_length)
         return hybrid_coordinator_hit(self, block_hashes, max_length)
+
+    def _two_spec_hit(
+        self, block_hashes: Sequence[bytes], max_length: int
+    ) -> tuple[list[BlockList], int, int]:
+        """:func:`reference.coordinator.hybrid_cache_hit` of one full-attention spec group
+        and one other (no EAGLE: its one pass): the full groups' hit ``F <= max_length``,
+        then the other spec group's hit ``h <= F``; the full lists are cut to ``cdiv(h,
+        bs)`` blocks and ``uncached = F - h``. Example (full bs 4 + SWA, max 15): full 12
+        (3 blocks), SWA asked for ``<= 12`` answers 8 -> full lists cut to 2 blocks, hit
+        8, uncached 4."""
+        full, other = self.spec_groups
+        pool = self.block_pool
+        alignment = self.scheduler_block_size
+        found, full_hit = full.manager_cls.find_longest_cache_hit(
+            block_hashes, max_length, full.group_ids, pool, full.spec, alignment
+        )
+        other_found, hit = other.manager_cls.find_longest_cache_hit(
+            block_hashes, full_hit, other.group_ids, pool, other.spec, alignment
+        )
+        blocks: list[BlockList] = [[] for _ in self.managers]
+        keep = -(-hit // full.spec.block_size)
+        for g, lst in zip(full.group_ids, found):
+            blocks[g] = lst[:keep] if len(lst) > keep else lst
+        for g, lst in zip(other.group_ids, other_found):
+            blocks[g] = lst
+        return blocks, hit, full_hit - hit
 
 
 def make_coordinator(

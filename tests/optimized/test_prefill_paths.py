@@ -4,16 +4,25 @@ the reference (:class:`tests.optimized.optimized_differential.Pair`):
 * a new request's hit counted and adopted at once (``count_hit_admission``,
   ``adopt_hit``, ``BlockPool.touch_array``): free hit blocks counted as taken, a
   refusal that changes nothing, window blocks skipped as nulls, nulls and repeated blocks
-  in a hand-made hit.
+  in a hand-made hit;
+* the free queue's scalar ``remove_each``;
+* a window's few tail blocks registered inline (``_cache_few``);
+* the one-pass hit search of one full-attention spec group and one other
+  (``_two_spec_hit``) against the reference's general search.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from optimized.control.block_pool import BlockPool
+from optimized.control.block_pool import BlockPool, FreeBlockQueue
 from optimized.control.kv_cache_manager import ComputedBlocks
 from optimized.control.kv_cache_manager import KVCacheManager as OptimizedManager
+from reference.coordinator import hybrid_coordinator_hit
+from reference.errors import KVConformError
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec, SlidingWindowSpec
 from tests.optimized.optimized_differential import Pair
@@ -131,3 +140,95 @@ def test_hand_made_hit_with_nulls_and_a_repeated_block() -> None:
     assert window.num_leading_null[row] == 2
     assert full.num_leading_null[row] == 0
     assert len(new[0]) == len(new[1]) == 1
+
+
+# -- the free queue's scalar removal --------------------------------------------------
+
+
+def test_remove_each_unlinks_in_any_order_and_refuses_a_block_not_queued() -> None:
+    queue = FreeBlockQueue(10)
+    queue.popleft_n(10)
+    queue.append_n(np.array([4, 5, 6, 7, 8], dtype=np.int64))
+    queue.remove_each([6, 4, 8])
+    assert queue.block_ids() == [5, 7]
+    assert queue.num_free_blocks == 2
+    with pytest.raises(KVConformError):
+        queue.remove_each([7, 3])  # 7 leaves, 3 is not queued
+    assert queue.block_ids() == [5]
+    assert queue.num_free_blocks == 1
+
+
+# -- a window's few tail blocks registered inline --------------------------------------
+
+
+def test_cache_few_by_hand() -> None:
+    pool = BlockPool(16, enable_caching=True, hash_block_size=4)
+    pool.get_new_blocks(15)
+    pool.cache_block(3, b"x", 0, 4)  # 3 already carries a shorter key
+    pool.cache_block(5, b"q", 0, 4)  # q already has a head
+    # first index 2, bs 4: positions 0..4 cover 12, 16, 20, 24, 28 tokens; mask keeps 1..4
+    pool.cache_full_blocks(
+        [9, 7, 0, 3, 6], [b"p", b"q", b"r", b"s", b"t"], 0, 2, 4, [False, True, True, True, True]
+    )
+    # 7 becomes a duplicate of q; the null is skipped; 3 is promoted from x (4 tokens) to
+    # s (24 tokens); 6 is registered under t over 28 tokens; 9 (masked out) stays unhashed
+    assert pool.cached == [{b"q": 5, b"s": 3, b"t": 6}]
+    assert pool.duplicates == [{b"q": [7]}]
+    assert sorted(pool.cached_block_entries()) == [(3, 0, 24), (5, 0, 4), (6, 0, 28), (7, 0, 16)]
+    assert pool.block_hash[9] is None
+
+
+# -- one full-attention spec group and one other: the one-pass search ------------------
+
+
+@st.composite
+def _two_spec_cases(draw):
+    """A full (bs 4) + window (bs 4, w drawn) layout whose pool caches random blocks of
+    one chain in each group, and a max length to search with."""
+    window = draw(st.integers(1, 24))
+    layout = _full_and_window(64, window)
+    manager = OptimizedManager(layout)
+    pool = manager.block_pool
+    num_hashes = draw(st.integers(1, 12))
+    hashes = [bytes([i]) for i in range(num_hashes)]
+    pool.get_new_blocks(2 * num_hashes)
+    for g in (0, 1):
+        for i in range(num_hashes):
+            if draw(st.integers(0, 4)):  # cached 4 times in 5
+                pool.cache_block(1 + g * num_hashes + i, hashes[i], g, 4 * (i + 1))
+    return manager.coordinator, hashes, draw(st.integers(0, 4 * num_hashes + 2))
+
+
+@given(case=_two_spec_cases())
+def test_two_spec_search_matches_the_general_search(case) -> None:
+    coordinator, hashes, max_length = case
+    assert coordinator._two_specs
+    expected = hybrid_coordinator_hit(coordinator, hashes, max_length)
+    assert coordinator._two_spec_hit(hashes, max_length) == expected
+    assert coordinator.find_longest_cache_hit(hashes, max_length) == expected
+
+
+def test_two_spec_search_by_hand() -> None:
+    # full bs 4 caches blocks 0..3, the window (w 8: 2 blocks) caches 1, 2 only; max 15
+    manager = OptimizedManager(_full_and_window(30))
+    pool = manager.block_pool
+    pool.get_new_blocks(8)
+    hashes = [b"a", b"b", b"c", b"d"]
+    for i, h in enumerate(hashes):
+        pool.cache_block(1 + i, h, 0, 4 * (i + 1))
+    pool.cache_block(6, b"b", 1, 8)
+    pool.cache_block(7, b"c", 1, 12)
+    # full: 3 blocks fit 15 tokens -> 12; the window asked for <= 12: run 1, 2 ends at 12
+    # -> hit 12 with [0, b1, b2]; full cut to 3 blocks; uncached 0
+    assert manager.coordinator.find_longest_cache_hit(hashes, 15) == (
+        [[1, 2, 3], [0, 6, 7]],
+        12,
+        0,
+    )
+    # max 19: full 16 (4 blocks); the window's block 3 is missing, so it answers 12:
+    # the full list cut to 3 blocks, uncached 16 - 12 = 4
+    assert manager.coordinator.find_longest_cache_hit(hashes, 19) == (
+        [[1, 2, 3], [0, 6, 7]],
+        12,
+        4,
+    )
