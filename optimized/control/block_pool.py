@@ -798,6 +798,41 @@ class BlockPool:
             self.block_group[at] = group_id
             nct[at] = fresh_tokens
 
+    def cache_fresh_blocks(
+        self,
+        blocks: Sequence[int],
+        hashes: Sequence[bytes],
+        group_id: int,
+        first_index: int,
+        block_size: int,
+        mask: Sequence[bool] | None = None,
+    ) -> None:
+        """:meth:`cache_full_blocks` of blocks just popped (unhashed, not null) given as a
+        list: a few kept blocks are registered inline (:meth:`_cache_few`); more with
+        distinct keys take :meth:`_register_fresh` and one write per array (no null or
+        key test); keys repeated within the call take :meth:`cache_full_blocks`.
+        Example: fresh ``[7, 9]`` under ``[a, b]``, first index 2, bs 4 -> ``7`` over 12
+        tokens, ``9`` over 16."""
+        positions = range(len(blocks)) if mask is None else list(compress(range(len(mask)), mask))
+        if len(positions) <= SMALL_FREE:
+            self._cache_few(blocks, hashes, group_id, first_index, block_size, positions)
+            return
+        if mask is None:
+            ids, keys = list(blocks), list(hashes)
+        else:
+            ids, keys = list(compress(blocks, mask)), list(compress(hashes, mask))
+        if not self._register_fresh(self.cached[group_id], group_id, keys, ids):
+            self.cache_full_blocks(blocks, hashes, group_id, first_index, block_size, mask)
+            return
+        at = np.array(ids, dtype=np.intp)
+        self.block_hash[at] = keys
+        self.block_group[at] = group_id
+        self.num_cached_tokens[at] = (
+            np.arange(first_index + 1, first_index + 1 + len(ids)) * block_size
+            if mask is None
+            else (first_index + 1 + np.array(positions)) * block_size
+        )
+
     def _cache_few(
         self,
         blocks: Sequence[int],

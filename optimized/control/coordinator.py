@@ -83,6 +83,8 @@ class KVCacheCoordinator:
             is SingleTypeKVCacheManager.add_local_computed_blocks
             for m in self.managers
         )
+        #: per group, whether it caches new blocks from their list (:meth:`cache_new_blocks`)
+        self._caches_fresh = [m.shares_cache_plans() for m in self.managers]
         #: per group, the first group with an equal spec (counts computed once per spec)
         specs = [g.spec for g in layout.groups]
         self._first_of_spec: tuple[int, ...] = tuple(specs.index(spec) for spec in specs)
@@ -227,6 +229,22 @@ class KVCacheCoordinator:
         cacheable = self.num_cacheable_tokens(num_tokens)
         for m in self.managers:
             m.cache_blocks(request, row, cacheable)
+
+    def cache_new_blocks(
+        self, request: Request, row: int, num_tokens: int, new_blocks: Sequence[Sequence[int]]
+    ) -> None:
+        """:meth:`cache_blocks` right after the allocation that appended ``new_blocks`` (per
+        group) to the row: a group that :meth:`SingleTypeKVCacheManager.shares_cache_plans`
+        registers from its new blocks
+        (:meth:`SingleTypeKVCacheManager.cache_new_blocks`), any other its own way."""
+        if not self.enable_caching:
+            return
+        cacheable = self.num_cacheable_tokens(num_tokens)
+        for m, new, fresh in zip(self.managers, new_blocks, self._caches_fresh):
+            if fresh:
+                m.cache_new_blocks(request, row, cacheable, new)
+            else:
+                m.cache_blocks(request, row, cacheable)
 
     def remove_skipped_blocks(self, row: int, num_computed_tokens: int) -> None:
         for m in self.managers:

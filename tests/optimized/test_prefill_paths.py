@@ -7,6 +7,8 @@ the reference (:class:`tests.optimized.optimized_differential.Pair`):
   in a hand-made hit;
 * the free queue's scalar ``remove_each``;
 * a window's few tail blocks registered inline (``_cache_few``);
+* an admitted hit's new blocks registered from their list (``cache_new_blocks``,
+  ``BlockPool.cache_fresh_blocks``: inline, in bulk, masked, with a key twice);
 * the one-pass hit search of one full-attention spec group and one other
   (``_two_spec_hit``) against the reference's general search.
 """
@@ -28,7 +30,9 @@ from reference.specs import FullAttentionSpec, SlidingWindowSpec
 from tests.optimized.optimized_differential import Pair
 
 
-def _full_and_window(num_blocks: int, window: int = 8) -> KVCacheLayout:
+def _full_and_window(
+    num_blocks: int, window: int = 8, retention: int | None = None
+) -> KVCacheLayout:
     """Full attention bs 4 + a sliding window of ``window`` tokens bs 4."""
     return KVCacheLayout(
         (
@@ -38,6 +42,7 @@ def _full_and_window(num_blocks: int, window: int = 8) -> KVCacheLayout:
         num_blocks=num_blocks,
         max_model_len=128,
         enable_caching=True,
+        prefix_cache_retention_interval=retention,
     )
 
 
@@ -232,3 +237,77 @@ def test_two_spec_search_by_hand() -> None:
         12,
         4,
     )
+
+
+# -- an admitted hit's new blocks registered from their list ---------------------------
+
+
+def test_cache_fresh_blocks_by_hand() -> None:
+    pool = BlockPool(40, enable_caching=True, hash_block_size=4, num_groups=2)
+    pool.get_new_blocks(39)
+    pool.cache_block(1, b"k2", 0, 4)  # k2 already has a head
+    keys = [b"k%d" % i for i in range(12)]
+    # a few: inline; first index 1, bs 4 -> 8, 12, 16 tokens
+    pool.cache_fresh_blocks([5, 6, 7], keys[:3], 0, 1, 4)
+    assert sorted(pool.cached_block_entries()) == [(1, 0, 4), (5, 0, 8), (6, 0, 12), (7, 0, 16)]
+    assert pool.duplicates[0] == {b"k2": [7]}  # k2's head is 1
+    # many (12 > 8): in bulk; in group 1 every key is new
+    pool.cache_fresh_blocks(list(range(20, 32)), keys, 1, 0, 4)
+    assert pool.cached[1] == {k: 20 + i for i, k in enumerate(keys)}
+    # in group 0, k0..k2 already have heads (5, 6, 1): 8, 9, 10 queue as duplicates
+    pool.cache_fresh_blocks(list(range(8, 20)), keys, 0, 0, 4)
+    assert pool.duplicates[0] == {b"k0": [8], b"k1": [9], b"k2": [7, 10]}
+    assert pool.cached[0][b"k3"] == 11 and pool.num_cached_tokens[19] == 48
+    assert pool.block_group[8:20].tolist() == [0] * 12
+
+
+def test_cache_fresh_blocks_masked_and_with_a_key_twice() -> None:
+    pool = BlockPool(40, enable_caching=True, hash_block_size=4, num_groups=2)
+    pool.get_new_blocks(39)
+    keys = [b"m%d" % i for i in range(20)]
+    mask = [i % 2 == 1 for i in range(20)]  # 10 kept: the masked bulk path
+    pool.cache_fresh_blocks(list(range(1, 21)), keys, 0, 2, 4, mask)
+    # kept positions 1, 3, ..., 19: blocks 2, 4, ..., 20 over (2 + k + 1) * 4 tokens
+    assert sorted(pool.cached_block_entries()) == [(2 + 2 * j, 0, 16 + 8 * j) for j in range(10)]
+    # a key twice in one call: the block-by-block rule (the first block is the head)
+    twice = [b"t%d" % i for i in range(9)] + [b"t0"]
+    pool.cache_fresh_blocks(list(range(21, 31)), twice, 1, 0, 4)
+    assert pool.cached[1][b"t0"] == 21 and pool.duplicates[1] == {b"t0": [30]}
+    assert pool.num_cached_tokens[30] == 40
+
+
+def test_cache_new_blocks_falls_back_on_another_row_shape() -> None:
+    manager = OptimizedManager(
+        KVCacheLayout(
+            (KVCacheGroup(("full",), FullAttentionSpec(block_size=4)),),
+            num_blocks=20,
+            max_model_len=64,
+            enable_caching=True,
+        )
+    )
+    request = manager.make_request("r", list(range(16)))
+    manager.allocate_slots(request, 6)  # 2 blocks, 1 cached (6 tokens)
+    full = manager.coordinator.managers[0]
+    row = manager.coordinator.row_of["r"]
+    assert full.num_cached_block[row] == 1
+    # the row's second block is not in new_blocks (none given): the general rule caches it
+    full.cache_new_blocks(request, row, 8, [])
+    assert full.num_cached_block[row] == 2
+    assert sorted(manager.block_pool.cached_block_entries()) == [(1, 0, 4), (2, 0, 8)]
+
+
+def test_admitted_hits_cache_their_new_blocks_like_the_reference() -> None:
+    for retention in (None, 0, 16):
+        pair = Pair(_full_and_window(120, 8, retention))
+        pair.add("a", list(range(40)))
+        pair.allocate("a", 40)
+        # a hit of 40 tokens, then 48 (12 blocks per group: the bulk paths) or 8 new
+        for rid, extra in (("b", 48), ("c", 8)):
+            pair.add(rid, [*range(40), *range(200 + extra, 200 + 2 * extra)])
+            hit = pair.lookup(rid)
+            hit_tokens = hit[1][1]  # 40, or less where the retention kept fewer window blocks
+            assert hit_tokens > 0
+            assert pair.allocate(rid, 40 + extra - hit_tokens, hit) is not None
+        pair.free("a")
+        pair.free("b")
+        pair.free("c")

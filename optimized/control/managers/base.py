@@ -310,6 +310,37 @@ class SingleTypeKVCacheManager(ManagerBase):
         )
         return num_cached, num_full, mask, hashes[num_cached:num_full]
 
+    def cache_new_blocks(
+        self, request: Request, row: int, num_tokens: int, new_blocks: Sequence[int]
+    ) -> None:
+        """:meth:`cache_blocks` right after an allocation that appended ``new_blocks`` (just
+        popped: unhashed, not null) to a row holding only cached blocks before them
+        (``num_cached_block[row]`` columns): blocks ``[num_cached, num_full)`` are the
+        first ``num_full - num_cached`` new ones, registered from the list
+        (:meth:`BlockPool.cache_fresh_blocks`), no table read. Only for a class that
+        :meth:`shares_cache_plans`; any other row shape takes :meth:`cache_blocks`.
+        Example: bs 4, 3 cached columns, new ``[8, 9]``, 18 tokens hashed and cached ->
+        ``8`` registered over 16 tokens, ``num_cached_block`` 4."""
+        num_cached = self.num_cached_block.item(row)
+        if num_cached < 0 or self.row_len.item(row) - len(new_blocks) != num_cached:
+            self.cache_blocks(request, row, num_tokens)
+            return
+        num_full = cacheable_full_blocks(request, num_tokens, self.block_size)
+        if num_cached >= num_full:
+            return
+        hashes = hashes_at_block_size(
+            request.block_hashes, request.hash_block_size, self.block_size
+        )
+        self.block_pool.cache_fresh_blocks(
+            new_blocks[: num_full - num_cached],
+            hashes[num_cached:num_full],
+            self.group_id,
+            num_cached,
+            self.block_size,
+            self.cacheable_block_mask(request, num_cached, num_full),
+        )
+        self.num_cached_block[row] = num_full
+
     def apply_cache_plan(self, row: int, plan: CachePlan) -> None:
         """Register the blocks of ``plan`` (:meth:`cache_plan`) in this group's row."""
         num_cached, num_full, mask, hashes = plan
