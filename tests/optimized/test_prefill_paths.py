@@ -9,6 +9,7 @@ the reference (:class:`tests.optimized.optimized_differential.Pair`):
 * a window's few tail blocks registered inline (``_cache_few``);
 * an admitted hit's new blocks registered from their list (``cache_new_blocks``,
   ``BlockPool.cache_fresh_blocks``: inline, in bulk, masked, with a key twice);
+* a one-group window scan looking blocks up from the right (``_scan_one_group``);
 * the one-pass hit search of one full-attention spec group and one other
   (``_two_spec_hit``) against the reference's general search.
 """
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 from optimized.control.block_pool import BlockPool, FreeBlockQueue
 from optimized.control.kv_cache_manager import ComputedBlocks
 from optimized.control.kv_cache_manager import KVCacheManager as OptimizedManager
+from optimized.control.managers import SlidingWindowManager
 from reference.coordinator import hybrid_coordinator_hit
 from reference.errors import KVConformError
 from reference.layout import KVCacheGroup, KVCacheLayout
@@ -311,3 +313,36 @@ def test_admitted_hits_cache_their_new_blocks_like_the_reference() -> None:
         pair.free("a")
         pair.free("b")
         pair.free("c")
+
+
+# -- a one-group window scan, looked up from the right --------------------------------
+
+
+class _CountingDict(dict):
+    """A cache map counting its ``get`` calls."""
+
+    gets = 0
+
+    def get(self, key, default=None):
+        type(self).gets += 1
+        return super().get(key, default)
+
+
+def test_one_group_window_scan_looks_up_from_the_right_only() -> None:
+    pool = BlockPool(40, enable_caching=True, hash_block_size=4)
+    pool.get_new_blocks(39)
+    hashes = [bytes([i]) for i in range(16)]
+    for i in (3, 4, 14, 15):
+        pool.cache_block(20 + i, hashes[i], 0, 4 * (i + 1))
+    pool.cached[0] = _CountingDict(pool.cached[0])
+    spec = SlidingWindowSpec(block_size=4, sliding_window=8)  # need 2
+    # blocks 14, 15 end the rightmost run: two lookups
+    blocks, hit = SlidingWindowManager.find_longest_cache_hit(hashes, 64, [0], pool, spec, 4)
+    assert (blocks, hit) == ([[0] * 14 + [34, 35]], 64) and _CountingDict.gets == 2
+    # max 60 (15 blocks): 14 alone is too short, 13..5 miss, 4 and 3 make the run
+    blocks, hit = SlidingWindowManager.find_longest_cache_hit(hashes, 60, [0], pool, spec, 4)
+    assert (blocks, hit) == ([[0, 0, 0, 23, 24]], 20) and _CountingDict.gets == 2 + 12
+    # w 16 (need 4): no run that long; the run reaching block 0 is none (0 misses)
+    spec = SlidingWindowSpec(block_size=4, sliding_window=16)
+    blocks, hit = SlidingWindowManager.find_longest_cache_hit(hashes, 64, [0], pool, spec, 4)
+    assert (blocks, hit) == ([[]], 0)
