@@ -204,7 +204,7 @@ class KVCacheManager(ManagerBookkeeping):
         request.shared_prefix_boundary = junction(hit, uncached)
         if not hit and not any(blocks):  # a miss: the shared empty hit
             return self._empty, 0
-        return ComputedBlocks(tuple(tuple(b) for b in blocks)), hit
+        return ComputedBlocks(tuple(map(tuple, blocks))), hit
 
     def empty_computed_blocks(self) -> ComputedBlocks:
         return self._empty
