@@ -208,6 +208,24 @@ class FreeBlockQueue:
         self.prev_free[block_id] = self.next_free[block_id] = NOT_QUEUED
         self.num_free_blocks -= 1
 
+    def remove_each(self, blocks: Iterable[int]) -> None:
+        """:meth:`remove` of each block (distinct ids), with scalar reads: unlinking
+        several nodes of a doubly linked list leaves the same list in any order. Example:
+        queue ``[4, 5, 6, 7]``, ``remove_each([6, 4])`` -> ``[5, 7]``."""
+        prv, nxt = self.prev_free, self.next_free
+        before, after = prv.item, nxt.item
+        n = 0
+        for b in blocks:
+            p, q = before(b), after(b)
+            if p == NOT_QUEUED or q == NOT_QUEUED:
+                self.num_free_blocks -= n
+                raise KVConformError(f"block {b} is not in the free queue")
+            nxt[p] = q
+            prv[q] = p
+            prv[b] = nxt[b] = NOT_QUEUED
+            n += 1
+        self.num_free_blocks -= n
+
     def popleft_n(self, n: int) -> list[int]:
         """Unlink the first ``n`` blocks (one relink of the head); a few blocks are walked
         one by one, more through :meth:`popleft_array`. Example: queue ``[4, 5, 6, 9]``,
@@ -269,8 +287,9 @@ class FreeBlockQueue:
             # the longest run of ids block, block + step, ... (at most ``left``) linked in order
             end = max(min(block + step * left, self.head), -1)
             run = np.arange(block, end, step, dtype=np.int64)
-            broken = np.flatnonzero(nxt[run[:-1]] != run[1:])
-            length = int(broken[0]) + 1 if broken.size else run.size
+            broken = nxt[run[:-1]] != run[1:]
+            first = int(broken.argmax())  # the first break (0 when none)
+            length = first + 1 if broken.size and broken[first] else run.size
             pieces.append(run[:length] if length < run.size else run)
             left -= length
             block = item(block + step * (length - 1))
@@ -489,6 +508,22 @@ class BlockPool:
         if free.size:
             deque(map(self.free_block_queue.remove, dict.fromkeys(free.tolist())), maxlen=0)
         np.add.at(ref, ids, ref.dtype.type(1))
+
+    def touch_array(self, ids: np.ndarray, distinct: bool) -> None:
+        """:meth:`touch` of the non-null intp array ``ids`` (an adopted hit's blocks),
+        with one gather: the free ones leave the queue (once each), then each count goes
+        up by one per occurrence; ``distinct`` (no id twice) writes the counts back with
+        one scatter instead of ``np.add.at``. Example: ``touch_array([5, 6], True)`` with
+        counts ``5: 0, 6: 2`` -> 5 leaves the queue, counts ``5: 1, 6: 3``."""
+        ref = self.ref_cnt
+        counts = ref[ids]
+        if np.count_nonzero(counts) != counts.size:
+            free = ids[counts == 0].tolist()
+            self.free_block_queue.remove_each(free if distinct else dict.fromkeys(free))
+        if distinct:
+            ref[ids] = counts + 1
+        else:
+            np.add.at(ref, ids, ref.dtype.type(1))
 
     def cached_prefix(self, hashes: Sequence[bytes], group_ids: Sequence[int]) -> list[list[int]]:
         """The blocks of the longest prefix of ``hashes`` cached in every group of
@@ -733,10 +768,7 @@ class BlockPool:
         if mask is not None:
             kept = list(compress(range(len(mask)), mask))
             if len(kept) <= SMALL_FREE:  # a window's few tail blocks: the scalar rule
-                for k in kept:
-                    self.cache_block(
-                        int(blocks[k]), hashes[k], group_id, (first_index + k + 1) * block_size
-                    )
+                self._cache_few(blocks, hashes, group_id, first_index, block_size, kept)
                 return
             index = np.array(kept, dtype=np.int64)
             ids = np.asarray(blocks, dtype=np.int64)[index]
@@ -789,6 +821,75 @@ class BlockPool:
             at = np.asarray(fresh, dtype=np.int64)
             self.block_group[at] = group_id
             nct[at] = fresh_tokens
+
+    def cache_fresh_blocks(
+        self,
+        blocks: Sequence[int],
+        hashes: Sequence[bytes],
+        group_id: int,
+        first_index: int,
+        block_size: int,
+        mask: Sequence[bool] | None = None,
+    ) -> None:
+        """:meth:`cache_full_blocks` of blocks just popped (unhashed, not null) given as a
+        list: a few kept blocks are registered inline (:meth:`_cache_few`); more with
+        distinct keys take :meth:`_register_fresh` and one write per array (no null or
+        key test); keys repeated within the call take :meth:`cache_full_blocks`.
+        Example: fresh ``[7, 9]`` under ``[a, b]``, first index 2, bs 4 -> ``7`` over 12
+        tokens, ``9`` over 16."""
+        positions = range(len(blocks)) if mask is None else list(compress(range(len(mask)), mask))
+        if len(positions) <= SMALL_FREE:
+            self._cache_few(blocks, hashes, group_id, first_index, block_size, positions)
+            return
+        if mask is None:
+            ids, keys = list(blocks), list(hashes)
+        else:
+            ids, keys = list(compress(blocks, mask)), list(compress(hashes, mask))
+        if not self._register_fresh(self.cached[group_id], group_id, keys, ids):
+            self.cache_full_blocks(blocks, hashes, group_id, first_index, block_size, mask)
+            return
+        at = np.array(ids, dtype=np.intp)
+        self.block_hash[at] = keys
+        self.block_group[at] = group_id
+        self.num_cached_tokens[at] = (
+            np.arange(first_index + 1, first_index + 1 + len(ids)) * block_size
+            if mask is None
+            else (first_index + 1 + np.array(positions)) * block_size
+        )
+
+    def _cache_few(
+        self,
+        blocks: Sequence[int],
+        hashes: Sequence[bytes],
+        group_id: int,
+        first_index: int,
+        block_size: int,
+        kept: Sequence[int],
+    ) -> None:
+        """:meth:`cache_block` of ``blocks[k]`` under ``hashes[k]`` over ``(first_index + k
+        + 1) * block_size`` tokens for each ``k`` of ``kept`` (a few positions, in order),
+        inlined for an unhashed block (a fresh one: its key and arrays written, the key
+        new to the group or its latest duplicate); a null or hashed block takes
+        :meth:`cache_block` itself. Example: blocks ``[7, 8]``, kept ``[1]``, first index
+        2, bs 4 -> 8 registered over 16 tokens."""
+        block_hash = self.block_hash
+        block_group = self.block_group
+        nct = self.num_cached_tokens
+        cached = self.cached[group_id]
+        for k in kept:
+            b = int(blocks[k])
+            h = hashes[k]
+            tokens = (first_index + k + 1) * block_size
+            if b == NULL_BLOCK_ID or block_hash[b] is not None:
+                self.cache_block(b, h, group_id, tokens)
+                continue
+            block_hash[b] = h
+            block_group[b] = group_id
+            nct[b] = tokens
+            if h in cached:
+                self.duplicates[group_id].setdefault(h, []).append(b)
+            else:
+                cached[h] = b
 
     def _register_fresh(
         self, cached: dict[bytes, int], group_id: int, keys: list[bytes], blocks: list[int]

@@ -24,9 +24,15 @@ from itertools import repeat
 
 import numpy as np
 
-from optimized.control.block_pool import SMALL_FREE, SMALL_REORDER, BlockPool, RunEnds
+from optimized.control.block_pool import (
+    NULL_BLOCK_ID,
+    SMALL_FREE,
+    SMALL_REORDER,
+    BlockPool,
+    RunEnds,
+)
 from optimized.control.managers import SingleTypeKVCacheManager, manager_class_for
-from optimized.control.managers.base import BlockList
+from optimized.control.managers.base import BlockList, HitAdoption
 from optimized.control.request import Request
 from reference.coordinator import hybrid_coordinator_hit, make_managers, spec_groups_of
 from reference.layout import KVCacheLayout
@@ -93,6 +99,17 @@ class KVCacheCoordinator:
         #: no Mamba group: a new request's block count follows
         #: :func:`reference.managers.base.blocks_to_allocate` in every group
         self.plain_counts = not any(isinstance(g.spec, MambaSpec) for g in layout.groups)
+        #: every group counts and adopts a hit by the base rules (no Mamba group) and
+        #: caching is on: a new request's hit takes :meth:`count_hit_admission`
+        self.plain_hits = layout.enable_caching and all(
+            type(m).get_num_blocks_to_allocate
+            is SingleTypeKVCacheManager.get_num_blocks_to_allocate
+            and type(m).add_local_computed_blocks
+            is SingleTypeKVCacheManager.add_local_computed_blocks
+            for m in self.managers
+        )
+        #: per group, whether it caches new blocks from their list (:meth:`cache_new_blocks`)
+        self._caches_fresh = [m.shares_cache_plans() for m in self.managers]
         #: per group, the first group with an equal spec (counts computed once per spec)
         specs = [g.spec for g in layout.groups]
         self._first_of_spec: tuple[int, ...] = tuple(specs.index(spec) for spec in specs)
@@ -147,6 +164,39 @@ class KVCacheCoordinator:
             )
             for i, m in enumerate(self.managers)
         )
+
+    def count_hit_admission(
+        self, hit_blocks: Sequence[Sequence[int]], num_tokens: int, total_computed: int
+    ) -> tuple[int, list[HitAdoption]]:
+        """:meth:`get_num_blocks_to_allocate` of a request on a fresh row (nothing held,
+        not running) adopting ``hit_blocks``, for :attr:`plain_hits` layouts, with each
+        group's hit prepared for :meth:`SingleTypeKVCacheManager.adopt_hit` on the way (one
+        array per group, its counts read with one gather). Per group
+        (:func:`reference.managers.base.blocks_to_allocate` with ``held = 0``):
+        ``max(cdiv(num_tokens, bs) - max(skipped, len(hit)), 0)`` plus the hit blocks
+        past the ``skipped`` ones that sit free (count 0, not null). Nothing changes, so
+        a refusal leaves no trace. Example: SWA w 4, bs 2, hit ``[3, 5, 7]`` over 6
+        computed tokens, 10 slots, 7 free: ``5 - max(1, 3) = 2``, plus 1 -> 3."""
+        ref = self.block_pool.ref_cnt
+        need = 0
+        adoptions: list[HitAdoption] = []
+        for m, hit in zip(self.managers, hit_blocks):
+            bs = m.block_size
+            skipped = m.spec.num_skipped_tokens(total_computed) // bs
+            need += max(-(-num_tokens // bs) - max(skipped, len(hit)), 0)
+            kept_ids = hit[skipped:]
+            kept = np.array(kept_ids, dtype=np.intp)
+            real = kept if np.count_nonzero(kept) == kept.size else kept[kept != NULL_BLOCK_ID]
+            if real.size:
+                need += real.size - np.count_nonzero(ref[real])
+            adoptions.append(HitAdoption(skipped, kept, real, len(set(kept_ids)) == len(kept_ids)))
+        return need, adoptions
+
+    def adopt_hit(self, row: int, adoptions: Sequence[HitAdoption]) -> None:
+        """Adopt the hit :meth:`count_hit_admission` prepared, group by group, on the
+        fresh ``row`` (what :meth:`allocate_new_computed_blocks` does there)."""
+        for m, adoption in zip(self.managers, adoptions):
+            m.adopt_hit(row, adoption)
 
     def allocate_new_computed_blocks(
         self, row: int, hit_blocks: Sequence[Sequence[int]], num_local_computed_tokens: int
@@ -207,6 +257,22 @@ class KVCacheCoordinator:
         cacheable = self.num_cacheable_tokens(num_tokens)
         for m in self.managers:
             m.cache_blocks(request, row, cacheable)
+
+    def cache_new_blocks(
+        self, request: Request, row: int, num_tokens: int, new_blocks: Sequence[Sequence[int]]
+    ) -> None:
+        """:meth:`cache_blocks` right after the allocation that appended ``new_blocks`` (per
+        group) to the row: a group that :meth:`SingleTypeKVCacheManager.shares_cache_plans`
+        registers from its new blocks
+        (:meth:`SingleTypeKVCacheManager.cache_new_blocks`), any other its own way."""
+        if not self.enable_caching:
+            return
+        cacheable = self.num_cacheable_tokens(num_tokens)
+        for m, new, fresh in zip(self.managers, new_blocks, self._caches_fresh):
+            if fresh:
+                m.cache_new_blocks(request, row, cacheable, new)
+            else:
+                m.cache_blocks(request, row, cacheable)
 
     def remove_skipped_blocks(self, row: int, num_computed_tokens: int) -> None:
         for m in self.managers:
@@ -366,6 +432,13 @@ class HybridCoordinator(KVCacheCoordinator):
             ),
             None,
         )
+        #: one full-attention spec group and one other, no EAGLE drop: the search is
+        #: one pass (:meth:`_two_spec_hit`)
+        self._two_specs = (
+            len(self.spec_groups) == 2
+            and isinstance(self.spec_groups[0].spec, FullAttentionSpec)
+            and not any(sg.use_eagle for sg in self.spec_groups)
+        )
 
     def num_cacheable_tokens(self, num_tokens: int) -> int:
         s = self.scheduler_block_size
@@ -391,7 +464,35 @@ class HybridCoordinator(KVCacheCoordinator):
             for g in group_ids:
                 if key not in cached[g]:
                     return [[] for _ in self.managers], 0, 0
+        if self._two_specs:
+            return self._two_spec_hit(block_hashes, max_length)
         return hybrid_coordinator_hit(self, block_hashes, max_length)
+
+    def _two_spec_hit(
+        self, block_hashes: Sequence[bytes], max_length: int
+    ) -> tuple[list[BlockList], int, int]:
+        """:func:`reference.coordinator.hybrid_cache_hit` of one full-attention spec group
+        and one other (no EAGLE: its one pass): the full groups' hit ``F <= max_length``,
+        then the other spec group's hit ``h <= F``; the full lists are cut to ``cdiv(h,
+        bs)`` blocks and ``uncached = F - h``. Example (full bs 4 + SWA, max 15): full 12
+        (3 blocks), SWA asked for ``<= 12`` answers 8 -> full lists cut to 2 blocks, hit
+        8, uncached 4."""
+        full, other = self.spec_groups
+        pool = self.block_pool
+        alignment = self.scheduler_block_size
+        found, full_hit = full.manager_cls.find_longest_cache_hit(
+            block_hashes, max_length, full.group_ids, pool, full.spec, alignment
+        )
+        other_found, hit = other.manager_cls.find_longest_cache_hit(
+            block_hashes, full_hit, other.group_ids, pool, other.spec, alignment
+        )
+        blocks: list[BlockList] = [[] for _ in self.managers]
+        keep = -(-hit // full.spec.block_size)
+        for g, lst in zip(full.group_ids, found):
+            blocks[g] = lst[:keep] if len(lst) > keep else lst
+        for g, lst in zip(other.group_ids, other_found):
+            blocks[g] = lst
+        return blocks, hit, full_hit - hit
 
 
 def make_coordinator(

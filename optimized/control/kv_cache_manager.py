@@ -204,7 +204,7 @@ class KVCacheManager(ManagerBookkeeping):
         request.shared_prefix_boundary = junction(hit, uncached)
         if not hit and not any(blocks):  # a miss: the shared empty hit
             return self._empty, 0
-        return ComputedBlocks(tuple(tuple(b) for b in blocks)), hit
+        return ComputedBlocks(tuple(map(tuple, blocks))), hit
 
     def empty_computed_blocks(self) -> ComputedBlocks:
         return self._empty
@@ -263,6 +263,7 @@ class KVCacheManager(ManagerBookkeeping):
         slots = min(main + num_lookahead_tokens, self.max_model_len)
 
         row = coordinator.row_of.get(rid)
+        adopted = False  # a hit adopted on a fresh row (its new blocks are cached from a list)
         if row is None and coordinator.plain_counts and not any(hits):
             # a request with no blocks and no hit: nothing to remove, the count needs no
             # row, and a refusal (the pool cannot hold it) takes none
@@ -271,6 +272,17 @@ class KVCacheManager(ManagerBookkeeping):
             if need > self.block_pool.get_num_free_blocks():
                 return None
             row = self._take_row(rid)
+        elif row is None and coordinator.plain_hits and new_computed_blocks is not None:
+            # a new request adopting a hit: counted and prepared at once, adopted on a
+            # fresh row (the row is taken first, as below)
+            row = self._take_row(rid)
+            need, adoptions = coordinator.count_hit_admission(hits, slots, local)
+            self.last_num_blocks_to_allocate = need
+            if need > self.block_pool.get_num_free_blocks():
+                return None
+            coordinator.adopt_hit(row, adoptions)
+            new_computed_blocks = None  # adopted
+            adopted = True
         else:
             if row is None:  # a fresh row holds nothing to remove
                 row = self._take_row(rid)
@@ -283,7 +295,12 @@ class KVCacheManager(ManagerBookkeeping):
         if new_computed_blocks is not None and any(hits):
             coordinator.allocate_new_computed_blocks(row, hits, local)
         new_blocks = coordinator.allocate_new_blocks(row, slots, main)
-        coordinator.cache_blocks(request, row, min(total + num_new_tokens, request.num_tokens))
+        if adopted:  # the row: cached hit blocks, then the new ones
+            coordinator.cache_new_blocks(
+                request, row, min(total + num_new_tokens, request.num_tokens), new_blocks
+            )
+        else:
+            coordinator.cache_blocks(request, row, min(total + num_new_tokens, request.num_tokens))
         if request.status is not RequestStatus.FINISHED:
             request.status = RequestStatus.RUNNING
         return new_blocks

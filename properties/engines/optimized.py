@@ -159,7 +159,7 @@ class OptimizedEngine(ManagerEngine):
             raise EngineError(f"optimized: allocate_slots({request_id!r}): {exc}") from exc
         if new is None:
             return None
-        return tuple(tuple(group) for group in new)
+        return tuple(map(tuple, new))
 
     def schedule_step(self, items: Sequence[SlotRequest]) -> list[BlockIds | None]:
         """The batched step

@@ -20,6 +20,7 @@ are skipped by :meth:`optimized.control.kv_cache_manager.KVCacheManager.schedule
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,6 +31,23 @@ from reference.managers.base import ManagerBase, blocks_to_allocate, cacheable_f
 from reference.specs import KVCacheSpec, cdiv
 
 BlockList = list[int]
+
+
+class HitAdoption(NamedTuple):
+    """One group's share of a new request's hit, counted by
+    :meth:`optimized.control.coordinator.KVCacheCoordinator.count_hit_admission` and
+    adopted by :meth:`SingleTypeKVCacheManager.adopt_hit`: ``skipped`` leading hit
+    columns become nulls, ``kept`` (intp, nulls included) fills the columns after them,
+    ``real`` is ``kept`` without its nulls, ``distinct`` says no block of ``real`` occurs
+    twice. Example: w 4, bs 2, hit ``[3, 5, 7]`` over 6 tokens -> skipped 1, kept ``[5,
+    7]``, real ``[5, 7]``, distinct."""
+
+    skipped: int
+    kept: np.ndarray
+    real: np.ndarray
+    distinct: bool
+
+
 #: ``(num_cached, num_full, mask, hashes)``: see :meth:`SingleTypeKVCacheManager.cache_plan`
 CachePlan = tuple[int, int, Sequence[bool] | None, Sequence[bytes]]
 
@@ -221,6 +239,30 @@ class SingleTypeKVCacheManager(ManagerBase):
         real = np.flatnonzero(kept)
         self.num_leading_null[row] = skipped + (int(real[0]) if real.size else kept.size)
 
+    def adopt_hit(self, row: int, adoption: HitAdoption) -> None:
+        """:meth:`add_local_computed_blocks` of a hit counted by the coordinator (a fresh
+        row): the row becomes ``[null] * skipped + kept``, its real blocks are touched
+        (:meth:`BlockPool.touch_array`) and counted as cached. Example: fresh row, skipped
+        1, kept ``[5, 7]`` -> row ``[0, 5, 7]``, leading 1, 3 blocks cached."""
+        skipped, kept, real, distinct = adoption
+        if real.size and self.enable_caching:
+            self.block_pool.touch_array(real, distinct)
+        length = skipped + kept.size
+        table = self.table
+        if skipped:
+            table[row, :skipped] = NULL_BLOCK_ID
+        if kept.size:
+            table[row, skipped:length] = kept
+        self.row_len[row] = length
+        self.dirty_rows[row] = True
+        self.num_cached_block[row] = length
+        if real.size == kept.size:  # no null kept: the leading nulls are the skipped ones
+            self.num_leading_null[row] = skipped
+        elif real.size == 0:  # every kept entry null
+            self.num_leading_null[row] = length
+        else:
+            self.num_leading_null[row] = skipped + int(np.argmax(kept != NULL_BLOCK_ID))
+
     def allocate_new_blocks(self, row: int, num_tokens: int, num_tokens_main: int) -> BlockList:
         """Pop :meth:`num_new_blocks` fresh blocks and :meth:`place_new_blocks` them."""
         num_new = self.num_new_blocks(row, num_tokens, num_tokens_main)
@@ -267,6 +309,37 @@ class SingleTypeKVCacheManager(ManagerBase):
             request.block_hashes, request.hash_block_size, self.block_size
         )
         return num_cached, num_full, mask, hashes[num_cached:num_full]
+
+    def cache_new_blocks(
+        self, request: Request, row: int, num_tokens: int, new_blocks: Sequence[int]
+    ) -> None:
+        """:meth:`cache_blocks` right after an allocation that appended ``new_blocks`` (just
+        popped: unhashed, not null) to a row holding only cached blocks before them
+        (``num_cached_block[row]`` columns): blocks ``[num_cached, num_full)`` are the
+        first ``num_full - num_cached`` new ones, registered from the list
+        (:meth:`BlockPool.cache_fresh_blocks`), no table read. Only for a class that
+        :meth:`shares_cache_plans`; any other row shape takes :meth:`cache_blocks`.
+        Example: bs 4, 3 cached columns, new ``[8, 9]``, 18 tokens hashed and cached ->
+        ``8`` registered over 16 tokens, ``num_cached_block`` 4."""
+        num_cached = self.num_cached_block.item(row)
+        if num_cached < 0 or self.row_len.item(row) - len(new_blocks) != num_cached:
+            self.cache_blocks(request, row, num_tokens)
+            return
+        num_full = cacheable_full_blocks(request, num_tokens, self.block_size)
+        if num_cached >= num_full:
+            return
+        hashes = hashes_at_block_size(
+            request.block_hashes, request.hash_block_size, self.block_size
+        )
+        self.block_pool.cache_fresh_blocks(
+            new_blocks[: num_full - num_cached],
+            hashes[num_cached:num_full],
+            self.group_id,
+            num_cached,
+            self.block_size,
+            self.cacheable_block_mask(request, num_cached, num_full),
+        )
+        self.num_cached_block[row] = num_full
 
     def apply_cache_plan(self, row: int, plan: CachePlan) -> None:
         """Register the blocks of ``plan`` (:meth:`cache_plan`) in this group's row."""

@@ -51,7 +51,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             )
         bs = spec.block_size
         k = bs // pool.hash_block_size
-        hashes = list(islice(block_hashes, k - 1, k * (max_length // bs), k))
+        if k == 1:  # the chain itself: a slice
+            hashes = block_hashes[: max_length // bs]
+        else:
+            hashes = list(islice(block_hashes, k - 1, k * (max_length // bs), k))
         found = pool.cached_prefix(hashes, group_ids)
         hit = len(found[0]) * bs
         hit -= hit % alignment

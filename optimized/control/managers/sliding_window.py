@@ -53,6 +53,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         assert isinstance(spec, SlidingWindowSpec)
         bs = spec.block_size
         k = bs // pool.hash_block_size
+        if len(group_ids) == 1:
+            return cls._scan_one_group(
+                block_hashes, max_length, group_ids[0], pool, spec, alignment
+            )
         columns, present = pool.cached_columns(
             list(islice(block_hashes, k - 1, k * (max_length // bs), k)), group_ids
         )
@@ -73,6 +77,42 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         while run and not free_end and run * bs % alignment:
             run -= 1
         return [col[:run] for col in columns], run * bs
+
+    @staticmethod
+    def _scan_one_group(
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_id: int,
+        pool: BlockPool,
+        spec: SlidingWindowSpec,
+        alignment: int,
+    ) -> tuple[list[list[int]], int]:
+        """:meth:`find_longest_cache_hit` of a spec group of one group, its lookups made
+        from the right as the scan reads them (the scan usually stops after ``need``
+        blocks, long before block 0): the run's blocks are collected as it grows and
+        dropped when a miss ends it. Example: bs 4, w 8 (need 2), A 4, 16 blocks of which
+        14 and 15 are cached, max 64 -> two lookups, ``[0] * 14 + [b14, b15]``, hit 64."""
+        bs = spec.block_size
+        k = bs // pool.hash_block_size
+        get = pool.cached[group_id].get
+        need = max(blocks_needed_for_hit(spec), 1)  # w = 1: the scan still takes one block
+        free_end = bs == alignment
+        run: list[int] = []  # the current run's blocks, rightmost first
+        for i in range(min(max_length // bs, len(block_hashes) // k) - 1, -1, -1):
+            block = get(block_hashes[(i + 1) * k - 1])
+            if block is None:
+                run = []
+            elif run or free_end or (i + 1) * bs % alignment == 0:
+                run.append(block)
+                if len(run) >= need:  # blocks i..top, nulls before
+                    run.reverse()
+                    return [[NULL_BLOCK_ID] * i + run], (i + len(run)) * bs
+        # no run long enough: the one reaching block 0 (it ends aligned, as every run)
+        length = len(run)
+        while length and not free_end and length * bs % alignment:
+            length -= 1
+        run.reverse()
+        return [run[:length]], length * bs
 
     cacheable_block_mask = window_cache_mask
 
