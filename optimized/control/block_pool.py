@@ -736,7 +736,15 @@ class BlockPool:
         self.block_hash[block_id] = block_hash
         self.block_group[block_id] = group_id
         self.num_cached_tokens[block_id] = num_tokens
-        cached = self.cached[group_id]
+        self._index_key(self.cached[group_id], group_id, block_hash, block_id)
+
+    def _index_key(
+        self, cached: dict[bytes, int], group_id: int, block_hash: bytes, block_id: int
+    ) -> None:
+        """Enter ``block_id`` under ``block_hash`` in the maps of ``group_id``: the key's
+        head when the key is new to the group, else its latest duplicate (the head stays
+        the earliest block, the one lookups return). Example: ``a`` cached on 3, then
+        ``_index_key(.., a, 5)`` -> ``a: 3`` and duplicates ``a: [5]``."""
         if block_hash in cached:
             self.duplicates[group_id].setdefault(block_hash, []).append(block_id)
         else:
@@ -802,6 +810,7 @@ class BlockPool:
         positions = range(ids.size) if index is None else index.tolist()
         block_hash = self.block_hash
         nct = self.num_cached_tokens
+        index_key = self._index_key
         fresh: list[int] = []
         fresh_tokens: list[int] = []
         for b, h, k in zip(block_list, keys, positions):
@@ -813,10 +822,7 @@ class BlockPool:
             block_hash[b] = h
             fresh.append(b)
             fresh_tokens.append(tokens)
-            if h in cached:
-                self.duplicates[group_id].setdefault(h, []).append(b)
-            else:
-                cached[h] = b
+            index_key(cached, group_id, h, b)
         if fresh:
             at = np.asarray(fresh, dtype=np.int64)
             self.block_group[at] = group_id
@@ -876,6 +882,7 @@ class BlockPool:
         block_group = self.block_group
         nct = self.num_cached_tokens
         cached = self.cached[group_id]
+        index_key = self._index_key
         for k in kept:
             b = int(blocks[k])
             h = hashes[k]
@@ -886,10 +893,7 @@ class BlockPool:
             block_hash[b] = h
             block_group[b] = group_id
             nct[b] = tokens
-            if h in cached:
-                self.duplicates[group_id].setdefault(h, []).append(b)
-            else:
-                cached[h] = b
+            index_key(cached, group_id, h, b)
 
     def _register_fresh(
         self, cached: dict[bytes, int], group_id: int, keys: list[bytes], blocks: list[int]
