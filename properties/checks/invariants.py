@@ -84,6 +84,23 @@ def _state_pending(state: CheckState, gid: int, table, ids, length: int) -> bool
     )
 
 
+def _states_being_replaced(state: CheckState) -> set[tuple[int, int]]:
+    """The ``(group, block)`` of the Mamba blocks that this step's run overwrites with
+    another state than the one the shadow shows (:attr:`CheckState.pending_states`: a
+    state is written when the step runs, not at allocation). Until then the shadow still
+    holds the old state, but the engine has already taken the block for its new owner
+    (evicting the old key, registering the new one), so the old state is not servable.
+    Example: a freed block holding the state of ``[5]`` is popped for a request whose
+    prompt is ``[3]``: within the step the shadow reads ``[5]``, the block is keyed by
+    ``[3]``, and it is in this set."""
+    return {
+        (gid, block)
+        for writes in state.pending_states.values()
+        for gid, block, prefix, _ in writes
+        if not state.shadow.holds(gid, block, -1, prefix)
+    }
+
+
 def hit_soundness(state: CheckState, event: LookupEvent) -> str | None:
     """H2: every group's hit blocks hold the request's own prefix over the keys the
     group needs (``[hit_context_start(L), L)``; Mamba: the state at exactly ``L``)."""
@@ -125,6 +142,10 @@ def hit_maximality(state: CheckState, event: LookupEvent) -> str | None:
     shorter than the longest hit the shadow's contents could serve
     (:func:`properties.checks.oracles.content_bound_longest_hit`): the same verdict,
     as no cached block serves a hit that bound excludes.
+
+    A Mamba block whose state this step replaces (:func:`_states_being_replaced`)
+    serves nothing from its old state: the shadow learns a state when the step runs, so
+    before that it shows the state the block held for its previous owner.
     """
     if not state.layout.enable_caching or state.layout.use_eagle:
         return None
@@ -134,10 +155,14 @@ def hit_maximality(state: CheckState, event: LookupEvent) -> str | None:
         state.layout, state.shadow, req.ids, max_length, state.alignment
     ):
         return None  # large tiers: no longer hit could be served, cached or not
+    cached = state.cached_blocks()
+    replaced = _states_being_replaced(state) if state.pending_states else set()
+    if replaced:
+        cached = [cb for cb in cached if (cb.group_id, cb.block_id) not in replaced]
     best = brute_force_longest_hit(
         state.layout,
         state.shadow,
-        state.cached_blocks(),
+        cached,
         req.ids,
         max_length,
         state.alignment,

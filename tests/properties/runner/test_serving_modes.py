@@ -437,6 +437,36 @@ def test_mamba_leftmost_is_caught_by_hit_maximality() -> None:
                 run.apply(Step(64))
 
 
+def test_a_mamba_state_replaced_in_the_step_serves_no_hit() -> None:
+    """Full + Mamba (bs 1), 8 blocks: r0 (prompt ``[5]``) decodes, so its state of ``[5]``
+    (block 2) is freed, still keyed, at the queue's tail. The next step pops it for r1's
+    Mamba state (prompt ``[3]``), evicting ``[5]``; r2 (``[5, 1]``) then finds ``[5]``
+    in the full group only, so its hit is 0. The shadow learns r1's state only when the
+    step runs, so block 2 still shows the state of ``[5]`` and is cached over 1 token:
+    ``hit_maximality`` once took it as a servable hit of 1 (found by a nightly fuzz,
+    seed 20261128, on the reference, vLLM and the optimized engine alike)."""
+    layout = KVCacheLayout(
+        (
+            KVCacheGroup(("l0",), FullAttentionSpec(block_size=1)),
+            KVCacheGroup(("l1",), MambaSpec(block_size=1)),
+        ),
+        num_blocks=8,
+        max_model_len=16,
+    )
+    for engine in ("reference", "optimized"):
+        run = TraceRun(CheckConfig(level="exact"), layout, resolve_engine(engine))
+        run.apply(Arrive("r0", (5,), tuple(range(10))))
+        run.apply(Step(8))
+        run.apply(Step(8))
+        run.apply(Arrive("r1", (3,), ()))
+        run.apply(Arrive("r2", (5, 1), ()))
+        record = run.apply(Step(8))  # no PropertyViolation
+        assert [(s.request_id, s.new_block_ids) for s in record.scheduled] == [
+            ("r0", ((5,), (6,))),
+            ("r1", ((7,), (2,))),
+        ]
+
+
 def test_admission_gate_ignored_is_caught_exactly() -> None:
     """Full bs 2, 7 blocks (6 free), the gate on: a 20-token request needs 10 blocks
     whole, so the reference refuses it; the mutant admits its first chunk (2 blocks)."""
