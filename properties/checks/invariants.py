@@ -156,7 +156,7 @@ def hit_maximality(state: CheckState, event: LookupEvent) -> str | None:
     ):
         return None  # large tiers: no longer hit could be served, cached or not
     cached = state.cached_blocks()
-    replaced = _states_being_replaced(state) if state.pending_states else set()
+    replaced = _states_being_replaced(state)
     if replaced:
         cached = [cb for cb in cached if (cb.group_id, cb.block_id) not in replaced]
     best = brute_force_longest_hit(
