@@ -41,10 +41,21 @@ import numpy as np
 
 from optimized.control.block_pool import NULL_BLOCK_ID
 from optimized.control.managers.mamba import MambaManager
+from optimized.control.uniform_decode import (
+    apply_uniform,
+    same_everywhere,
+    uniform_caches_nothing,
+    uniform_plan,
+)
 from reference.request import RequestStatus
 
 _REQUEST_ID = attrgetter("request_id")
 _REQUEST_HASHES = attrgetter("block_hashes")
+_REQUEST_STATUS = attrgetter("status")
+
+#: the fewest items for which the uniform step (:mod:`optimized.control.uniform_decode`)
+#: is tried (below, its checks cost more than the general pass saves)
+MIN_UNIFORM_ITEMS = 8
 
 
 def apply_decode_items(
@@ -63,6 +74,15 @@ def apply_decode_items(
     if any(isinstance(m, MambaManager) for m in managers):
         return None
     m = len(requests)
+    if m >= MIN_UNIFORM_ITEMS and same_everywhere(total):
+        plan = uniform_plan(managers, rows, total.item(0), slots.item(0))
+        results = None if plan is None else apply_uniform(managers, pool, rows, plan)
+        if results is not None:
+            caching = manager.enable_caching and not uniform_caches_nothing(
+                managers, plan, cache_tokens
+            )
+            _cache_and_settle(manager, requests, rows, cache_tokens, caching)
+            return results
     num_groups = len(managers)
     pops = np.zeros((m, num_groups), dtype=np.int64)
     first_free = np.zeros((m, num_groups), dtype=np.int64)
@@ -88,21 +108,24 @@ def apply_decode_items(
     freed_per_item = np.zeros(m, dtype=np.int64)
     zero = front = np.zeros(0, dtype=bool)
     all_zero = True
+    num_front = 0
     if freed.size:
-        after = pool.ref_cnt[freed] - 1
-        zero = after == 0
         # a block held once sits in one table cell: only when some block stays held can
         # one be freed twice in the step (a block shared by two requests: its last free
         # decides its place)
-        all_zero = bool(zero.all())  # (the common case: no block shared)
-        if not all_zero and ((after < 0).any() or pool.has_repeats(freed)):
-            return None
+        all_zero = pool.all_held_once(freed)  # (the common case: no block shared)
+        if not all_zero:
+            after = pool.ref_cnt[freed] - 1
+            zero = after == 0
+            if (after < 0).any() or pool.has_repeats(freed):
+                return None
         unhashed = pool.block_group[freed] < 0
         front = unhashed if all_zero else zero & unhashed
+        num_front = np.count_nonzero(front)
         freed_per_item = np.bincount(freed_item if all_zero else freed_item[zero], minlength=m)
     own = None  # per item, its own front-freed blocks it pops (None: pops from the queue)
-    if front.any() and pops.any():
-        if front.all():  # (every freed block goes to the front: no selection)
+    if num_front and pops.any():
+        if num_front == freed.size:  # (every freed block goes to the front: no selection)
             front_blocks, front_items, front_calls = freed, freed_item, freed_call
         else:
             front_blocks = freed[front]
@@ -149,24 +172,36 @@ def apply_decode_items(
                 queue.prepend_n(left)
             pool.ref_cnt[popped_arr] = 1
             popped = popped_arr.tolist()
-        elif front.any():
+        elif num_front:
             queue.prepend_n(freed[front][np.argsort(-freed_call[front], kind="stable")])
-        queue.append_n(freed[~front] if all_zero else freed[zero & ~front])
+        if num_front < freed.size:
+            queue.append_n(freed[~front] if all_zero else freed[zero & ~front])
     total_pops = int(pops_per_item.sum())
     if own is None:
         popped = pool.get_new_blocks(total_pops) if total_pops else []
     results = _append_popped(managers, rows, pops, popped)
-    if manager.enable_caching:
-        caching = _caching_items(managers, rows, cache_tokens, requests)
-        for i in caching:
+    _cache_and_settle(manager, requests, rows, cache_tokens, manager.enable_caching)
+    return results
+
+
+def _cache_and_settle(
+    manager, requests: Sequence, rows: np.ndarray, cache_tokens: np.ndarray, caching: bool
+) -> None:
+    """The end of every applied item, after all frees and pops: its full blocks cached
+    when ``caching`` (:func:`_caching_items`; only items that register a block are
+    visited), its id known, its request running unless it finished."""
+    if caching:
+        coord = manager.coordinator
+        for i in _caching_items(coord.managers, rows, cache_tokens, requests):
             coord.cache_blocks(requests[i], rows.item(i), cache_tokens.item(i))
     manager._known.update(map(_REQUEST_ID, requests))
-    finished = RequestStatus.FINISHED
     running = RequestStatus.RUNNING
+    if list(map(_REQUEST_STATUS, requests)).count(running) == len(requests):
+        return  # (a step's running requests: nothing to set)
+    finished = RequestStatus.FINISHED
     for request in requests:
         if request.status is not finished:
             request.status = running
-    return results
 
 
 def _append_popped(
@@ -451,8 +486,10 @@ def _freed_padded(
         hi = last_free.item(0, g)
         if (span[:, g] == width).all() and (last_free[:, g] == hi).all():
             # one group frees the same columns of every row: one slice per row, tail first
-            blocks = managers[g].table[rows, hi - width : hi][:, ::-1].ravel().astype(np.int64)
-            ii = np.repeat(np.arange(m), width)
+            blocks = np.empty((m, width), dtype=np.int64)  # (one copy, reversed in place)
+            blocks[:] = managers[g].table[rows, hi - width : hi][:, ::-1]
+            blocks = blocks.reshape(-1)
+            ii = np.arange(m).repeat(width)
             if np.count_nonzero(blocks) == blocks.size:
                 return blocks, ii, ii * num_groups + g
             real = blocks != NULL_BLOCK_ID

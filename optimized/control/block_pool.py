@@ -354,6 +354,16 @@ class BlockPool:
         self.duplicates: list[dict[bytes, list[int]]] = [{} for _ in range(num_groups)]
         #: scratch of :meth:`has_repeats` (one slot per block, allocated on first use)
         self._mark: np.ndarray | None = None
+        #: a ref count of 1 for every block, as bytes (:meth:`all_held_once`)
+        self._ones = np.ones(num_blocks, dtype=self.ref_cnt.dtype).tobytes()
+
+    def all_held_once(self, ids: np.ndarray) -> bool:
+        """Is every block of ``ids`` held exactly once (ref count 1)? One gather, its bytes
+        compared with a prefix of :attr:`_ones` (no arithmetic pass). Then freeing them all
+        takes each to 0, and no id can occur twice among them (a block held once sits in
+        one table cell). Example: counts ``[0, 1, 1, 2]``, ids ``[1, 2]`` -> True; ``[1,
+        3]`` -> False."""
+        return self.ref_cnt.take(ids).tobytes() == self._ones[: ids.size * self.ref_cnt.itemsize]
 
     def has_repeats(self, ids: np.ndarray) -> bool:
         """Does some block id occur twice in ``ids``? A mark array over the pool instead of a

@@ -113,9 +113,6 @@ class KVCacheCoordinator:
         #: per group, the first group with an equal spec (counts computed once per spec)
         specs = [g.spec for g in layout.groups]
         self._first_of_spec: tuple[int, ...] = tuple(specs.index(spec) for spec in specs)
-        #: a ref count of 1 for every block, as bytes: the rows a one-pass free takes hold
-        #: each of their blocks once when their counts read as a prefix of it
-        self._ones = np.ones(layout.num_blocks, dtype=self.block_pool.ref_cnt.dtype).tobytes()
 
     # -- rows --------------------------------------------------------------------
     def row(self, request_id: str) -> int:
@@ -343,12 +340,11 @@ class KVCacheCoordinator:
         at = table_ids.nonzero()[0]
         ids = table_ids.take(at) if at.size < table_ids.size else table_ids
         if ids.size:
-            ref = pool.ref_cnt
-            if ref.take(ids).tobytes() != self._ones[: ids.size * ref.itemsize]:
+            if not pool.all_held_once(ids):
                 for row in rows:  # a block held more than once (or not held): row by row
                     self._free_row(row)
                 return
-            ref[ids] = 0
+            pool.ref_cnt[ids] = 0
             to_front = pool.block_group.take(ids) < 0
             front = to_front.nonzero()[0]
             queue = pool.free_block_queue

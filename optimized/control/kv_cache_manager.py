@@ -34,6 +34,7 @@ from optimized.control.batched_decode import apply_decode_item, apply_decode_ite
 from optimized.control.coordinator import DEFAULT_MAX_NUM_REQS, make_coordinator
 from optimized.control.managers.mamba import MambaManager
 from optimized.control.request import Request
+from optimized.control.uniform_decode import row_index
 from reference.errors import InvalidRequestError
 from reference.kv_cache_manager import (
     ManagerBookkeeping,
@@ -357,6 +358,9 @@ class KVCacheManager(ManagerBookkeeping):
                 sub = self._apply_loud(requests, loud, loud_rows)
             else:
                 self._refresh_thresholds(at)
+        if len(sub) == n:  # every item loud and applied (the first step of a batch)
+            self._known.update(step_ids)
+            return sub
         results: list[list[list[int]] | None] = [self.no_new_blocks] * n
         for i, new_blocks in zip(loud, sub):
             results[i] = new_blocks
@@ -464,6 +468,10 @@ class KVCacheManager(ManagerBookkeeping):
             t = managers[g].decode_work_threshold(rows)
             least = t if least is None else np.minimum(least, t)
         next_work = self._next_work
+        at = row_index(rows)
+        if isinstance(at, slice):  # (a batch prefilled together holds consecutive rows)
+            next_work[at] = least.tolist()
+            return
         for row, value in zip(rows.tolist(), least.tolist()):
             next_work[row] = value
 
