@@ -51,7 +51,6 @@ from reference.request import RequestStatus
 
 _REQUEST_ID = attrgetter("request_id")
 _REQUEST_HASHES = attrgetter("block_hashes")
-_REQUEST_STATUS = attrgetter("status")
 
 #: the fewest items for which the uniform step (:mod:`optimized.control.uniform_decode`)
 #: is tried (below, its checks cost more than the general pass saves)
@@ -196,7 +195,7 @@ def _cache_and_settle(
             coord.cache_blocks(requests[i], rows.item(i), cache_tokens.item(i))
     manager._known.update(map(_REQUEST_ID, requests))
     running = RequestStatus.RUNNING
-    if list(map(_REQUEST_STATUS, requests)).count(running) == len(requests):
+    if [request.status for request in requests].count(running) == len(requests):
         return  # (a step's running requests: nothing to set)
     finished = RequestStatus.FINISHED
     for request in requests:
