@@ -1299,6 +1299,7 @@ def bulk_arrivals(
     first_id: int,
     count: int,
     seed: int,
+    batch: bool = False,
 ) -> tuple[Arrive, ...]:
     """``count`` arrivals ``r<first_id>..`` made from one seed (drawing thousands of
     requests one by one would overrun Hypothesis's buffer): a prompt's length is
@@ -1306,20 +1307,17 @@ def bulk_arrivals(
     ``BULK_LONG_ONE_IN`` in ``1..room`` (up to ``max_model_len``: a long document);
     half of them start with a cut of a pool prefix; outputs of 0..16 tokens; one in
     eight has salt ``"s1"``. Always ``len(prompt) + len(output) <= max_model_len``.
+    With ``batch``, :func:`batch_arrivals` instead.
     Example: ``bulk_arrivals(layout, (), 0, 2, 7)`` -> ``Arrive("r0", ...), Arrive("r1", ...)``.
     """
     rng = random.Random(seed)
+    if batch:
+        return batch_arrivals(layout, prefix_pool, first_id, count, rng)
     limit = layout.max_model_len
     out = []
     for i in range(count):
-        output_len = min(rng.randrange(17), limit - 1)
-        room = limit - output_len
-        top = room if rng.randrange(BULK_LONG_ONE_IN) == 0 else min(room, BULK_SHORT)
-        length = max(1, min(top, int(math.exp(rng.uniform(0, math.log(top))))))
-        head: tuple[int, ...] = ()
-        if prefix_pool and rng.randrange(2) == 0:
-            prefix = prefix_pool[rng.randrange(len(prefix_pool))]
-            head = prefix[: min(length, rng.randrange(len(prefix) + 1))]
+        output_len, length = _bulk_lengths(rng, limit)
+        head = _pool_head(rng, prefix_pool, length)
         prompt = head + _bulk_tokens(rng, length - len(head))
         output = _bulk_tokens(rng, output_len)
         salt = "s1" if rng.randrange(8) == 0 else None
@@ -1327,6 +1325,60 @@ def bulk_arrivals(
     return tuple(out)
 
 
+def batch_arrivals(
+    layout: KVCacheLayout,
+    prefix_pool: Sequence[tuple[int, ...]],
+    first_id: int,
+    count: int,
+    rng: random.Random,
+) -> tuple[Arrive, ...]:
+    """``count`` arrivals alike, as an offline batch or an evaluation set sends them: one
+    prompt length (drawn as :func:`bulk_arrivals` draws one) and one output length for
+    all; the prompts distinct, or one time in two all starting with the same cut of a
+    pool prefix (a shared system prompt, so its blocks are held by every request; the
+    whole prompt when the cut covers it: one prompt sampled many times). A
+    batch prefilled in one step decodes in lock step: every request crosses its block
+    boundaries and drops its window blocks in the same steps (the engine's uniform,
+    many-item paths). Example: ``count`` 3 -> three prompts of one length, each with
+    the same number of output tokens."""
+    output_len, length = _bulk_lengths(rng, layout.max_model_len)
+    head = _pool_head(rng, prefix_pool, length)
+    return tuple(
+        Arrive(
+            f"r{first_id + i}",
+            head + _bulk_tokens(rng, length - len(head)),
+            _bulk_tokens(rng, output_len),
+            None,
+            None,
+        )
+        for i in range(count)
+    )
+
+
+def _bulk_lengths(rng: random.Random, limit: int) -> tuple[int, int]:
+    """``(output length, prompt length)`` of a bulk arrival: 0..16 output tokens; the
+    prompt log-uniform in ``1..min(room, BULK_SHORT)``, or one time in
+    ``BULK_LONG_ONE_IN`` in ``1..room`` (``room``: ``limit`` less the output)."""
+    output_len = min(rng.randrange(17), limit - 1)
+    room = limit - output_len
+    top = room if rng.randrange(BULK_LONG_ONE_IN) == 0 else min(room, BULK_SHORT)
+    return output_len, max(1, min(top, int(math.exp(rng.uniform(0, math.log(top))))))
+
+
+def _pool_head(
+    rng: random.Random, prefix_pool: Sequence[tuple[int, ...]], length: int
+) -> tuple[int, ...]:
+    """One time in two (with a pool), a cut of a pool prefix of at most ``length``
+    tokens to start a prompt with; else nothing."""
+    if prefix_pool and rng.randrange(2) == 0:
+        prefix = prefix_pool[rng.randrange(len(prefix_pool))]
+        return prefix[: min(length, rng.randrange(len(prefix) + 1))]
+    return ()
+
+
+#: One bulk arrival of a large tier in this many is a batch of requests alike
+#: (:func:`batch_arrivals`).
+BATCH_ONE_IN = 4
 #: Prompts of a bulk arrival: log-uniform up to this many tokens, or one in
 #: ``BULK_LONG_ONE_IN`` up to ``max_model_len``.
 BULK_SHORT = 2**11  # 2048
@@ -1347,15 +1399,17 @@ _TIER_OPS = ("step", "step", "step", "step", "arrive", "abort", "preempt", "rese
 
 @st.composite
 def tier_operations(draw, layout: KVCacheLayout, scale: ScaleTier) -> tuple[Operation, ...]:
-    """A trace body of a large tier: a bulk arrival (:func:`bulk_arrivals`) of up to
-    ``max_requests`` requests, then up to ``max_steps`` operations: steps with a budget
-    from ``token_budgets`` (most), more bulk arrivals while the request bound allows,
-    aborts and preemptions of live requests, prefix-cache resets. A few dozen operations
-    move thousands of blocks. Passes :func:`properties.core.trace.validate_references`."""
+    """A trace body of a large tier: a bulk arrival (:func:`bulk_arrivals`; one in
+    ``BATCH_ONE_IN`` a batch of requests alike) of up to ``max_requests`` requests,
+    then up to ``max_steps`` operations: steps with a budget from ``token_budgets``
+    (most), more bulk arrivals while the request bound allows, aborts and preemptions of
+    live requests, prefix-cache resets. A few dozen operations move thousands of blocks.
+    Passes :func:`properties.core.trace.validate_references`."""
     budgets = scale.token_budgets or (layout.max_model_len,)
     pool = draw(prefix_pools(layout))
     first = draw(st.integers(1, scale.max_requests))
-    ops: list[Operation] = list(bulk_arrivals(layout, pool, 0, first, draw(_seeds)))
+    batch = draw(st.integers(0, BATCH_ONE_IN - 1)) == 0
+    ops: list[Operation] = list(bulk_arrivals(layout, pool, 0, first, draw(_seeds), batch))
     arrived = first
     live = [op.request_id for op in ops]
     steps = lookaheads(layout)
@@ -1363,7 +1417,8 @@ def tier_operations(draw, layout: KVCacheLayout, scale: ScaleTier) -> tuple[Oper
         kind = draw(st.sampled_from(_TIER_OPS))
         if kind == "arrive" and arrived < scale.max_requests:
             more = draw(st.integers(1, max(1, (scale.max_requests - arrived + 3) // 4)))
-            new = bulk_arrivals(layout, pool, arrived, more, draw(_seeds))
+            batch = draw(st.integers(0, BATCH_ONE_IN - 1)) == 0
+            new = bulk_arrivals(layout, pool, arrived, more, draw(_seeds), batch)
             ops.extend(new)
             arrived += len(new)
             live.extend(op.request_id for op in new)

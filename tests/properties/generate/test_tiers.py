@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -184,6 +185,46 @@ def test_bulk_arrivals_reach_thousands_of_requests_and_long_prompts() -> None:
     assert all(len(op.prompt) + len(op.output) <= 131072 for op in ops)
     assert set().union(*(op.prompt for op in ops)) <= set(range(kvst.VOCAB_SIZE))
     assert kvst.bulk_arrivals(layout, (), 0, 3, seed=3) == ops[:3]  # one seed, one stream
+
+
+def test_batch_arrivals_are_alike_and_share_a_prefix_one_time_in_two() -> None:
+    """A batch: one prompt length and one output length for all; the prompts distinct
+    (random tails), or all starting with the same cut of a pool prefix (the whole prompt
+    when the cut covers it: one prompt sampled many times)."""
+    layout = kvst.PRESETS["gemma3"].layout(20_000, 8192)
+    pool = (tuple(range(40)),)
+    shared = distinct = 0
+    for seed in range(40):
+        ops = kvst.bulk_arrivals(layout, pool, 5, 16, seed=seed, batch=True)
+        assert [op.request_id for op in ops] == [f"r{i}" for i in range(5, 21)]
+        assert len({len(op.prompt) for op in ops}) == 1
+        assert len({len(op.output) for op in ops}) == 1
+        assert all(len(op.prompt) + len(op.output) <= 8192 for op in ops)
+        common = len(os.path.commonprefix([op.prompt for op in ops]))
+        if len(ops[0].prompt) - common >= 8:  # random tails of 8 tokens or more differ
+            assert len({op.prompt for op in ops}) == 16
+        if common >= 2 and ops[0].prompt[:2] == (0, 1):
+            shared += 1  # (the pool prefix, or all of it, heads every prompt)
+        elif common == 0:
+            distinct += 1
+    assert shared and distinct
+
+
+def test_tier_operations_draw_batches() -> None:
+    """Some large-tier trace starts with a batch (all its arrivals alike)."""
+    scale = kvst.TIERS["medium"]
+
+    def is_batch(ops) -> bool:
+        arrivals = [op for op in ops if isinstance(op, Arrive)]
+        return len(arrivals) > 2 and len({(len(a.prompt), len(a.output)) for a in arrivals}) == 1
+
+    layout = kvst.PRESETS["gemma3"].layout(4096, 8192)
+    ops = find(
+        kvst.tier_operations(layout, scale),
+        lambda ops: is_batch([op for op in ops if isinstance(op, Arrive)][:3]),
+        settings=settings(max_examples=200, derandomize=True, database=None),
+    )
+    assert is_batch(ops[:3])
 
 
 # ---------------------------------------------------------------------------
