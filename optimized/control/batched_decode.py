@@ -296,44 +296,48 @@ def apply_decode_item(
     # twins decides once where its rows' drop starts and ends, and how many blocks each of
     # its groups pops when the row runs (``num_cached_block >= 0``): ``max(cdiv(slots, bs)
     # - held, 0)``, ``blocks_to_allocate``'s running rule (a drop nulls entries, it keeps
-    # the row's length)
-    spans: dict[int, tuple[int, int]] = {}
-    pops_of: dict[int, int] = {}
+    # the row's length). Per class, by its first group: ``start``, ``end`` (0: no drop)
+    # and ``pops``; ``seen`` marks the classes decided.
+    num_groups = len(managers)
+    seen = [False] * num_groups
+    start = [0] * num_groups
+    end = [0] * num_groups
+    pops = [0] * num_groups
+    reps: list[int] = []  # the first group of each class
     dropping: list[int] = []
-    wide = False
+    wide = False  # some class drops more than one block
     running = True
+    need = 0
     for g in groups:
         t = twin_of[g]
-        span = spans.get(t)
-        if span is None:  # the first of its class (t == g): its row's counts decide
+        if not seen[t]:  # the first of its class: its row's counts decide for the class
+            seen[t] = True
+            reps.append(g)
             mg = managers[g]
-            end = mg.skipped_end(row, total) if mg.drops_blocks else 0
-            lead = mg.num_leading_null.item(row) if end else 0
-            span = spans[t] = (lead, end) if end > lead else (0, 0)
-            wide = wide or span[1] - span[0] > 1
+            if mg.drops_blocks:
+                last = mg.skipped_end(row, total)
+                if last:
+                    lead = mg.num_leading_null.item(row)
+                    if last > lead:
+                        start[t], end[t] = lead, last
+                        wide = wide or last - lead > 1
             running = running and mg.num_cached_block.item(row) >= 0
-            pops_of[t] = max(-(-slots // mg.block_size) - mg.row_len.item(row), 0)
-        if span[1]:
+            pops[t] = max(-(-slots // mg.block_size) - mg.row_len.item(row), 0)
+        if end[t]:
             dropping.append(g)
-    if wide:  # many blocks (the first decode step after a long prefill): one pass
-        pool.free_block_lists(
-            [managers[g]._take_blocks_in_range(row, *spans[twin_of[g]]) for g in dropping]
-        )
-    elif dropping:  # one block each: the scalar path, freed group by group
-        pool.free_block_each(
-            [managers[g].take_block_at(row, spans[twin_of[g]][0]) for g in dropping]
-        )
+        need += pops[t]
+    if dropping:
+        _free_dropped(managers, pool, twin_of, row, dropping, start, end, wide)
     new_blocks: list[list[int]] = [[] for _ in managers]
     if running:
-        pops = [pops_of[twin_of[g]] for g in groups]
-        need = sum(pops)
         if need > pool.get_num_free_blocks():
             return None
         if need:  # one pop for every group, split in group order (no free comes between;
             # evicting a popped block's key leaves the queue alone)
             popped = pool.get_new_blocks(need)
             k = 0
-            for g, n in zip(groups, pops):
+            for g in groups:
+                n = pops[twin_of[g]]
                 if n:
                     new_blocks[g] = ids = popped[k : k + n]
                     managers[g]._append(row, ids)
@@ -347,43 +351,85 @@ def apply_decode_item(
         for g in groups:
             new_blocks[g] = managers[g].allocate_new_blocks(row, slots, main)
     if manager.enable_caching:
-        _cache_item(managers, twin_of, request, row, cache_tokens, groups)
+        _cache_item(managers, twin_of, reps, request, row, cache_tokens, groups)
     manager._known.add(request.request_id)
     if request.status is not RequestStatus.FINISHED:
         request.status = RequestStatus.RUNNING
     return new_blocks
 
 
+def _free_dropped(
+    managers,
+    pool,
+    twin_of: Sequence[int],
+    row: int,
+    dropping: Sequence[int],
+    start: Sequence[int],
+    end: Sequence[int],
+    wide: bool,
+) -> None:
+    """``remove_skipped_blocks`` of the ``dropping`` groups of one row, in group order:
+    group ``g`` frees ``row[start[c]:end[c]]`` tail first, ``c = twin_of[g]`` its class.
+    One block each (a decode step's window move): the scalar path, group by group
+    (:meth:`BlockPool.free_block_each`); some group dropping many blocks (``wide``: the
+    first decode step after a long prefill): one run per group in one pass
+    (:meth:`BlockPool.free_block_lists`). Example: 5 twin windows, w 1024, bs 16, 2048
+    computed: each drops columns ``0:64``, 5 runs of 64 blocks."""
+    if not wide:
+        pool.free_block_each([managers[g].take_block_at(row, start[twin_of[g]]) for g in dropping])
+        return
+    pool.free_block_lists(
+        [
+            managers[g]._take_blocks_in_range(row, start[twin_of[g]], end[twin_of[g]])
+            for g in dropping
+        ]
+    )
+
+
 def _cache_item(
-    managers, twin_of: Sequence[int], request, row: int, cache_tokens: int, groups: Sequence[int]
+    managers,
+    twin_of: Sequence[int],
+    reps: Sequence[int],
+    request,
+    row: int,
+    cache_tokens: int,
+    groups: Sequence[int],
 ) -> None:
     """``cache_blocks`` of ``groups`` (in order) for one item, each class of twins planned
-    once (:meth:`~optimized.control.managers.base.SingleTypeKVCacheManager.cache_plan`):
-    only groups where something is registered (``cacheable_full_blocks`` past the cached
-    count), or whose block size differs from the hash block size, or whose class adds its
-    own rule, are called. Example: full + 5 identical windows completing a block: one plan
-    for the full group, one for the 5 windows, 6 registrations."""
+    once by its first group ``reps`` (:meth:`~optimized.control.managers.base.
+    SingleTypeKVCacheManager.cache_plan`): a class registers something only past its
+    cached count (``cacheable_full_blocks``), or when its block size differs from the hash
+    block size, or when it adds its own rule (then each of its groups runs
+    ``cache_blocks``); when no class does, no group is called. Registrations of different
+    groups touch different keys and blocks, so planning every class first changes
+    nothing. Example: full + 5 identical windows completing a block: one plan for the full
+    group, one for the 5 windows, 6 registrations; the step after, no plan, no call."""
     h = request.hash_block_size
     limit = min(cache_tokens, len(request.block_hashes) * h)
-    plans: dict[int, object] = {}  # per class: its plan, or None (nothing to register)
-    for g in groups:
-        t = twin_of[g]
-        if t in plans:
-            plan = plans[t]
-            if plan is not None:
-                managers[g].apply_cache_plan(row, plan)
-            continue
-        mg = managers[g]  # the first of its class: its row's counts decide for the class
+    plans: list | None = None  # per class: its plan, _OWN_RULE or None (nothing to register)
+    for g in reps:
+        mg = managers[g]  # its row's counts decide for the class
         bs = mg.block_size
         if bs == h and limit // bs <= mg.num_cached_block.item(row):
-            plans[t] = None
             continue
-        if not mg.shares_cache_plans():
-            mg.cache_blocks(request, row, cache_tokens)
-            continue  # (its twins are called in turn too)
-        plan = plans[t] = mg.cache_plan(request, row, cache_tokens)
-        if plan is not None:
-            mg.apply_cache_plan(row, plan)
+        if plans is None:
+            plans = [None] * len(managers)
+        if mg.shares_cache_plans():
+            plans[twin_of[g]] = mg.cache_plan(request, row, cache_tokens)
+        else:
+            plans[twin_of[g]] = _OWN_RULE
+    if plans is None:
+        return
+    for g in groups:
+        plan = plans[twin_of[g]]
+        if plan is _OWN_RULE:
+            managers[g].cache_blocks(request, row, cache_tokens)
+        elif plan is not None:
+            managers[g].apply_cache_plan(row, plan)
+
+
+#: :func:`_cache_item`'s mark of a class whose ``cache_blocks`` adds its own rule
+_OWN_RULE = object()
 
 
 def _pops_from_own_front(

@@ -251,3 +251,16 @@ def test_held_blocks_skips_leading_nulls_only_when_they_are_null() -> None:
     assert window.held_blocks(row).tolist() == [7, 9]
     window.table[row, :4] = [5, 6, 7, 9]  # a stale count of 2: blocks 5, 6 are real
     assert window.held_blocks(row).tolist() == [5, 6, 7, 9]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_twin_windows_dropping_many_blocks_one_item_at_a_time_match_the_reference(
+    caching: bool,
+) -> None:
+    """Three identical windows, requests decoded one by one (the per-item path): on the
+    first decode step after a long prompt each window drops the same columns (one span
+    for the class, its runs freed in one pass); queue, counts, keys and tables match the
+    reference."""
+    pair = _window_pair(100, caching=caching, windows=3)
+    assert pair.opt._twin_of == (0, 1, 1, 1)
+    _prefill_then_decode(pair, [24, 13], steps=9)
