@@ -222,3 +222,19 @@ def make_engine(layout: KVCacheLayout) -> OptimizedEngine:
 #: sparse, every ``k``; :mod:`reference.retention`). No EAGLE groups, admission caps or
 #: external loads.
 make_engine.production_settings = frozenset({"retention"})  # type: ignore[attr-defined]
+#: The modules of the optimized control plane the adapter drives (``--engine-coverage``):
+#: CI's optimized gate measures them against docs/engine-coverage/optimized-unreached.txt.
+make_engine.coverage_modules = (  # type: ignore[attr-defined]
+    "optimized.control.kv_cache_manager",
+    "optimized.control.coordinator",
+    "optimized.control.batched_decode",
+    "optimized.control.uniform_decode",
+    "optimized.control.block_pool",
+    "optimized.control.hashing",
+    "optimized.control.request",
+    "optimized.control.managers.base",
+    "optimized.control.managers.full",
+    "optimized.control.managers.sliding_window",
+    "optimized.control.managers.chunked_local",
+    "optimized.control.managers.mamba",
+)

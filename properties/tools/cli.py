@@ -226,7 +226,14 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine
     tiers = large_tiers(getattr(args, "tiers", None), args.profile, args.max_examples)
     tasks = [
         PropertyTask(
-            name, config, args.profile, args.max_examples, seed, args.shrink_seconds, tiers
+            name,
+            config,
+            args.profile,
+            args.max_examples,
+            seed,
+            args.shrink_seconds,
+            tiers,
+            getattr(args, "tier_examples", None),
         )
         for name in wanted
     ]
@@ -752,6 +759,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="examples per property (default: the profile's)",
+    )
+    p.add_argument(
+        "--tier-examples",
+        type=int,
+        default=None,
+        help="examples per large tier of each property (default: the profile's; "
+        "attention runs a third of the medium ones and no production one, determinism "
+        "no production one)",
     )
     p.add_argument(
         "--seed",

@@ -51,6 +51,7 @@ DAY_S = 86_400.0
 #: ``argparse`` destination -> its range (options a command lacks are not checked).
 NUMERIC_OPTIONS: dict[str, NumberRange] = {
     "max_examples": NumberRange("--max-examples", 1, 10_000_000),
+    "tier_examples": NumberRange("--tier-examples", 1, 10_000_000),
     "seed": NumberRange("--seed", 0, 2**63 - 1),
     "workers": NumberRange("--workers", 1, 1024),
     "shrink_seconds": NumberRange("--shrink-seconds", 0, DAY_S),

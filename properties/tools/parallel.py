@@ -48,6 +48,8 @@ class PropertyTask:
     shrink_seconds: float | None = None
     #: the large tiers to run after the small one (None: every tier the profile names)
     tiers: tuple[str, ...] | None = None
+    #: examples per large tier (None: the profile's counts; ``--tier-examples``)
+    examples_per_tier: int | None = None
 
 
 def default_workers() -> int:
@@ -111,7 +113,7 @@ def _run(task: PropertyTask, engine, on_first_failure):
     from hypothesis import settings
 
     from properties.runner.check import run_property
-    from properties.runner.profiles import load_profile, tier_examples
+    from properties.runner.profiles import load_profile
 
     profile = load_profile(task.profile)
     hyp = settings(profile, max_examples=task.max_examples or profile.max_examples)
@@ -125,8 +127,22 @@ def _run(task: PropertyTask, engine, on_first_failure):
         engine,
         shrink_seconds=task.shrink_seconds,
         on_first_failure=on_first_failure,
-        tiers=tier_examples(task.profile, task.tiers),
+        tiers=large_tier_counts(task),
     )
+
+
+def large_tier_counts(task: PropertyTask) -> dict[str, int]:
+    """The examples of each large tier ``task`` runs: the profile's counts of the tiers
+    it names, each replaced by ``examples_per_tier`` when set (``--tier-examples``; the
+    attention and determinism properties then scale it as they scale the profile's:
+    :func:`properties.runner.check.tiers_for`). Example: profile ci, tiers
+    ``("medium",)``, 20 per tier -> ``{"medium": 20}``."""
+    from properties.runner.profiles import tier_examples
+
+    counts = tier_examples(task.profile, task.tiers)
+    if task.examples_per_tier is None:
+        return counts
+    return {tier: task.examples_per_tier for tier in counts}
 
 
 def announce_first_failure(first) -> None:

@@ -25,6 +25,7 @@ from properties.runner.pairs import Declared, all_pairs, count_pairs, features, 
 from properties.runner.profiles import tier_examples
 from properties.runner.run import layout_strategy
 from properties.runner.tiers import run_tier
+from properties.tools.parallel import PropertyTask, large_tier_counts
 from reference.errors import KVConformError
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import MambaSpec
@@ -357,6 +358,21 @@ def test_tiers_for_attention_and_profiles() -> None:
     assert tiers_for("invariants", {"medium": 5, "production": 3}) == {"medium": 5, "production": 3}
     with pytest.raises(KVConformError, match="--profile must be one of"):
         tier_examples("weekly")
+
+
+def test_tier_examples_option_replaces_each_named_tiers_count() -> None:
+    """``--tier-examples 20``: 20 examples of every large tier the run names (the profile's
+    counts otherwise); attention and determinism then scale them as they scale the
+    profile's."""
+    config = CheckConfig(engine="reference", level="exact")
+    assert large_tier_counts(PropertyTask("invariants", config, "ci")) == {
+        "medium": 5,
+        "production": 2,
+    }
+    task = PropertyTask("invariants", config, "ci", tiers=("medium",), examples_per_tier=20)
+    assert large_tier_counts(task) == {"medium": 20}
+    task = PropertyTask("attention", config, "ci", examples_per_tier=21)
+    assert tiers_for("attention", large_tier_counts(task)) == {"medium": 7, "production": 0}
 
 
 def test_run_property_reports_examples_per_tier() -> None:

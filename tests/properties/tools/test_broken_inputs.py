@@ -283,6 +283,7 @@ def test_verbose_shows_the_traceback(tmp_path):
     [
         (["check", "--preset", "no-such-model"], "--preset must be one of"),
         (["check", "--max-examples", "-5"], "--max-examples must be >= 1, got -5"),
+        (["check", "--tier-examples", "0"], "--tier-examples must be >= 1, got 0"),
         (["check", "--seed", "-1"], "--seed must be >= 0"),
         (["check", "--call-timeout", "-1"], "--call-timeout must be a number of seconds >= 0"),
         (["check", "--level", "strict"], "invalid choice: 'strict'"),
