@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from itertools import accumulate, compress, islice, repeat, takewhile
-from operator import is_not, not_
+from operator import is_not
 
 import numpy as np
 
@@ -793,9 +793,8 @@ class BlockPool:
             return
         block_list = ids.tolist()
         cached = self.cached[group_id]
-        if not np.count_nonzero(self.block_group[ids] >= 0) and self._register_fresh(
-            cached, group_id, keys, block_list
-        ):
+        if not np.count_nonzero(self.block_group[ids] >= 0):
+            self._register_fresh(cached, group_id, keys, block_list)
             self.block_hash[ids] = keys
             self.block_group[ids] = group_id
             if index is None:
@@ -836,32 +835,34 @@ class BlockPool:
         first_index: int,
         block_size: int,
         mask: Sequence[bool] | None = None,
+        block_array: np.ndarray | None = None,
     ) -> None:
         """:meth:`cache_full_blocks` of blocks just popped (unhashed, not null) given as a
-        list: a few kept blocks are registered inline (:meth:`_cache_few`); more with
-        distinct keys take :meth:`_register_fresh` and one write per array (no null or
-        key test); keys repeated within the call take :meth:`cache_full_blocks`.
-        Example: fresh ``[7, 9]`` under ``[a, b]``, first index 2, bs 4 -> ``7`` over 12
-        tokens, ``9`` over 16."""
+        list (``block_array``: the same blocks as an intp array, or None): a few kept
+        blocks are registered inline (:meth:`_cache_few`), more by
+        :meth:`_register_fresh` and one write per array (no null or key test). Example:
+        fresh ``[7, 9]`` under ``[a, b]``, first index 2, bs 4 -> ``7`` over 12 tokens,
+        ``9`` over 16."""
         positions = range(len(blocks)) if mask is None else list(compress(range(len(mask)), mask))
         if len(positions) <= SMALL_FREE:
             self._cache_few(blocks, hashes, group_id, first_index, block_size, positions)
             return
         if mask is None:
-            ids, keys = list(blocks), list(hashes)
+            ids, keys = blocks, hashes
+            at = np.array(ids, dtype=np.intp) if block_array is None else block_array
+            tokens = np.arange(
+                (first_index + 1) * block_size,
+                (first_index + 1 + len(ids)) * block_size,
+                block_size,
+            )
         else:
             ids, keys = list(compress(blocks, mask)), list(compress(hashes, mask))
-        if not self._register_fresh(self.cached[group_id], group_id, keys, ids):
-            self.cache_full_blocks(blocks, hashes, group_id, first_index, block_size, mask)
-            return
-        at = np.array(ids, dtype=np.intp)
+            at = np.array(ids, dtype=np.intp)
+            tokens = (first_index + 1 + np.array(positions)) * block_size
+        self._register_fresh(self.cached[group_id], group_id, keys, ids)
         self.block_hash[at] = keys
         self.block_group[at] = group_id
-        self.num_cached_tokens[at] = (
-            np.arange(first_index + 1, first_index + 1 + len(ids)) * block_size
-            if mask is None
-            else (first_index + 1 + np.array(positions)) * block_size
-        )
+        self.num_cached_tokens[at] = tokens
 
     def _cache_few(
         self,
@@ -897,30 +898,21 @@ class BlockPool:
 
     def _register_fresh(
         self, cached: dict[bytes, int], group_id: int, keys: list[bytes], blocks: list[int]
-    ) -> bool:
-        """Register unhashed ``blocks`` under ``keys`` in the maps of ``group_id`` when the
-        keys are distinct (False, nothing changed, otherwise): a key new to the group
-        makes its block the head, a key already there queues it as a duplicate, as the
-        block-by-block rule does (with distinct keys, whether a key is there depends only
-        on the state before the call). Example: ``a`` cached on 3, keys ``[a, b]`` on
-        ``[5, 6]`` -> ``b: 6`` and 5 a duplicate of ``a``."""
-        if cached.keys().isdisjoint(keys):
-            before = len(cached)
-            cached.update(zip(keys, blocks))
-            if len(cached) == before + len(keys):
-                return True
-            deque(map(cached.pop, keys, repeat(None)), maxlen=0)  # a key twice: undo
-            return False
-        if len(set(keys)) != len(keys):
-            return False
-        there = list(map(cached.__contains__, keys))
-        new = list(map(not_, there))
-        cached.update(zip(compress(keys, new), compress(blocks, new)))
-        # each duplicate appended to its key's list (``iter(list, None)``: a fresh empty
-        # list for each ``setdefault``, made in C)
-        lists = map(self.duplicates[group_id].setdefault, compress(keys, there), iter(list, None))
-        deque(map(list.append, lists, compress(blocks, there)), maxlen=0)
-        return True
+    ) -> None:
+        """Register unhashed ``blocks`` under ``keys`` in the maps of ``group_id`` in order,
+        as the block-by-block rule (:meth:`_index_key`) does: a key not in the group yet
+        makes its block the head, a key already there (before the call or from an earlier
+        block of it) queues the block as its latest duplicate. One ``setdefault`` per key
+        (a C-level ``map``) enters the new heads and reads back each key's head; a head
+        other than the block itself marks a duplicate (an unhashed block heads no key).
+        Example: ``a`` cached on 3, keys ``[a, b, b]`` on ``[5, 6, 7]`` -> ``b: 6``, 5 a
+        duplicate of ``a``, 7 one of ``b``."""
+        heads = list(map(cached.setdefault, keys, blocks))
+        if heads != blocks:
+            dupes = self.duplicates[group_id]
+            for key, block, head in zip(keys, blocks, heads):
+                if head != block:
+                    dupes.setdefault(key, []).append(block)
 
     def cached_columns(
         self, hashes: Sequence[bytes], group_ids: Sequence[int]

@@ -7,8 +7,9 @@ the reference (:class:`tests.optimized.optimized_differential.Pair`):
   in a hand-made hit;
 * the free queue's scalar ``remove_each``;
 * a window's few tail blocks registered inline (``_cache_few``);
-* an admitted hit's new blocks registered from their list (``cache_new_blocks``,
-  ``BlockPool.cache_fresh_blocks``: inline, in bulk, masked, with a key twice);
+* an admitted hit's new blocks, and those of a fresh row with no hit, registered from
+  their list (``cache_new_blocks``, ``BlockPool.cache_fresh_blocks``: inline, in bulk,
+  from the popped array, masked, with a key twice, a key already there and twice);
 * a one-group window scan looking blocks up from the right (``_scan_one_group``);
 * the one-pass hit search of one full-attention spec group and one other
   (``_two_spec_hit``) against the reference's general search.
@@ -276,6 +277,46 @@ def test_cache_fresh_blocks_masked_and_with_a_key_twice() -> None:
     pool.cache_fresh_blocks(list(range(21, 31)), twice, 1, 0, 4)
     assert pool.cached[1][b"t0"] == 21 and pool.duplicates[1] == {b"t0": [30]}
     assert pool.num_cached_tokens[30] == 40
+
+
+def test_cache_fresh_blocks_with_a_key_already_there_and_twice() -> None:
+    pool = BlockPool(40, enable_caching=True, hash_block_size=4)
+    pool.get_new_blocks(39)
+    pool.cache_block(1, b"a", 0, 4)  # a's head is 1
+    keys = [b"a", b"b", b"b", *(b"c%d" % i for i in range(7))]
+    blocks = list(range(10, 20))
+    # from the popped array too; first index 0, bs 4: 10 over 4 tokens, ..., 19 over 40
+    pool.cache_fresh_blocks(blocks, keys, 0, 0, 4, None, np.array(blocks, dtype=np.intp))
+    # block by block: 10 queues behind a's head 1, 11 heads b, 12 queues behind 11
+    assert pool.cached[0][b"a"] == 1 and pool.cached[0][b"b"] == 11
+    assert pool.duplicates[0] == {b"a": [10], b"b": [12]}
+    assert pool.num_cached_tokens[10:20].tolist() == [4 * (k + 1) for k in range(10)]
+    assert pool.block_hash[12] == b"b" and pool.block_group[19] == 0
+
+
+def test_fresh_rows_cache_their_new_blocks_like_the_reference() -> None:
+    for retention in (None, 0, 16):
+        pair = Pair(_full_and_window(120, 8, retention))
+        # no hit: 48 tokens, 12 blocks per group (the bulk paths), then 8 (inline)
+        pair.add("a", list(range(48)))
+        pair.allocate("a", 48)
+        pair.add("b", list(range(100, 108)))
+        pair.allocate("b", 8)
+        # a chunked prefill: the second chunk goes to a row that is no longer fresh
+        pair.add("c", list(range(300, 360)))
+        pair.allocate("c", 36)
+        pair.set_computed("c", 36)
+        pair.allocate("c", 24)
+        # a prompt sharing a's first 40 tokens hits them; another with no hit reuses
+        # a's freed blocks (their keys evicted as they are popped)
+        pair.free("a")
+        pair.add("d", [*range(40), *range(500, 520)])
+        hit = pair.lookup("d")
+        assert pair.allocate("d", 60 - hit[1][1], hit) is not None
+        pair.add("e", list(range(700, 760)))
+        assert pair.allocate("e", 60) is not None
+        for rid in ("b", "c", "d", "e"):
+            pair.free(rid)
 
 
 def test_cache_new_blocks_falls_back_on_another_row_shape() -> None:
