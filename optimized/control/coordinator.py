@@ -229,27 +229,37 @@ class KVCacheCoordinator:
         self, row: int, num_tokens: int, num_tokens_main: int
     ) -> list[BlockList]:
         """Each group's :meth:`SingleTypeKVCacheManager.allocate_new_blocks`, in group
+        order (:meth:`allocate_new_block_arrays`, its lists)."""
+        return self.allocate_new_block_arrays(row, num_tokens, num_tokens_main)[0]
+
+    def allocate_new_block_arrays(
+        self, row: int, num_tokens: int, num_tokens_main: int
+    ) -> tuple[list[BlockList], list[np.ndarray] | None]:
+        """Each group's :meth:`SingleTypeKVCacheManager.allocate_new_blocks`, in group
         order, with the groups' blocks popped at once (group 0's first: the blocks each
         group's own pop would take, since nothing else touches the queue in between) and
-        placed per group. Example: 2 groups needing 2 and 1 blocks, queue ``[4, 5, 6,
-        7]`` -> ``[[4, 5], [6]]``."""
+        placed per group; also each group's blocks as a slice of the popped array (None
+        when a few blocks were popped group by group). Example: 2 groups needing 2 and 1
+        blocks, queue ``[4, 5, 6, 7]`` -> ``[[4, 5], [6]]`` (and arrays of the same)."""
         managers = self.managers
         counts = [m.num_new_blocks(row, num_tokens, num_tokens_main) for m in managers]
         total = sum(counts)
         if total <= SMALL_FREE:
-            return [m.allocate_new_blocks(row, num_tokens, num_tokens_main) for m in managers]
+            lists = [m.allocate_new_blocks(row, num_tokens, num_tokens_main) for m in managers]
+            return lists, None
         ids = self.block_pool.get_new_block_array(total)
         as_list = ids.tolist()
         out: list[BlockList] = []
+        arrays: list[np.ndarray] = []
         at = 0
         for m, n in zip(managers, counts):
-            if n == 0:
-                out.append([])
-                continue
-            m.place_new_blocks(row, ids[at : at + n], num_tokens_main)
+            part = ids[at : at + n]
+            if n:
+                m.place_new_blocks(row, part, num_tokens_main)
             out.append(as_list[at : at + n])
+            arrays.append(part)
             at += n
-        return out
+        return out, arrays
 
     def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         if not self.enable_caching:
@@ -259,18 +269,24 @@ class KVCacheCoordinator:
             m.cache_blocks(request, row, cacheable)
 
     def cache_new_blocks(
-        self, request: Request, row: int, num_tokens: int, new_blocks: Sequence[Sequence[int]]
+        self,
+        request: Request,
+        row: int,
+        num_tokens: int,
+        new_blocks: Sequence[Sequence[int]],
+        new_arrays: Sequence[np.ndarray] | None = None,
     ) -> None:
         """:meth:`cache_blocks` right after the allocation that appended ``new_blocks`` (per
-        group) to the row: a group that :meth:`SingleTypeKVCacheManager.shares_cache_plans`
-        registers from its new blocks
+        group; ``new_arrays``: the same as arrays, or None) to the row: a group that
+        :meth:`SingleTypeKVCacheManager.shares_cache_plans` registers from its new blocks
         (:meth:`SingleTypeKVCacheManager.cache_new_blocks`), any other its own way."""
         if not self.enable_caching:
             return
         cacheable = self.num_cacheable_tokens(num_tokens)
-        for m, new, fresh in zip(self.managers, new_blocks, self._caches_fresh):
+        arrays = repeat(None) if new_arrays is None else new_arrays
+        for m, new, array, fresh in zip(self.managers, new_blocks, arrays, self._caches_fresh):
             if fresh:
-                m.cache_new_blocks(request, row, cacheable, new)
+                m.cache_new_blocks(request, row, cacheable, new, array)
             else:
                 m.cache_blocks(request, row, cacheable)
 

@@ -311,18 +311,26 @@ class SingleTypeKVCacheManager(ManagerBase):
         return num_cached, num_full, mask, hashes[num_cached:num_full]
 
     def cache_new_blocks(
-        self, request: Request, row: int, num_tokens: int, new_blocks: Sequence[int]
+        self,
+        request: Request,
+        row: int,
+        num_tokens: int,
+        new_blocks: Sequence[int],
+        new_array: np.ndarray | None = None,
     ) -> None:
         """:meth:`cache_blocks` right after an allocation that appended ``new_blocks`` (just
         popped: unhashed, not null) to a row holding only cached blocks before them
-        (``num_cached_block[row]`` columns): blocks ``[num_cached, num_full)`` are the
-        first ``num_full - num_cached`` new ones, registered from the list
+        (``num_cached_block[row]`` columns, none on a fresh row: -1 reads 0 there, as in
+        :meth:`cache_plan`): blocks ``[num_cached, num_full)`` are the first ``num_full -
+        num_cached`` new ones, registered from the list
         (:meth:`BlockPool.cache_fresh_blocks`), no table read. Only for a class that
         :meth:`shares_cache_plans`; any other row shape takes :meth:`cache_blocks`.
         Example: bs 4, 3 cached columns, new ``[8, 9]``, 18 tokens hashed and cached ->
-        ``8`` registered over 16 tokens, ``num_cached_block`` 4."""
-        num_cached = self.num_cached_block.item(row)
-        if num_cached < 0 or self.row_len.item(row) - len(new_blocks) != num_cached:
+        ``8`` registered over 16 tokens, ``num_cached_block`` 4; a fresh row given ``[8,
+        9]`` with 8 tokens: both, ``num_cached_block`` 2. ``new_array``: the new blocks
+        as an array too (None: made from the list when needed)."""
+        num_cached = max(self.num_cached_block.item(row), 0)
+        if self.row_len.item(row) - len(new_blocks) != num_cached:
             self.cache_blocks(request, row, num_tokens)
             return
         num_full = cacheable_full_blocks(request, num_tokens, self.block_size)
@@ -338,6 +346,7 @@ class SingleTypeKVCacheManager(ManagerBase):
             num_cached,
             self.block_size,
             self.cacheable_block_mask(request, num_cached, num_full),
+            None if new_array is None else new_array[: num_full - num_cached],
         )
         self.num_cached_block[row] = num_full
 
