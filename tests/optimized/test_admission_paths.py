@@ -1,8 +1,9 @@
 """The bulk paths of admission and prefill, each forced and checked by hand and against the
 reference (:class:`tests.optimized.optimized_differential.Pair`):
 
-* ``popleft_array``: runs of consecutive ids taken with one array test, the rest walked
-  block by block; ``get_new_block_array`` evicts the popped blocks' keys;
+* ``popleft_array``: runs of consecutive ids taken with one array test while many
+  blocks are left, the rest walked block by block; ``get_new_block_array`` evicts the
+  popped blocks' keys;
 * ``cache_full_blocks``: the bulk registration (masks, nulls) and its fallbacks (a key
   already cached, a key twice in one call, a block with a shorter key);
 * ``_evict_many`` with and without duplicate keys;
@@ -40,13 +41,23 @@ def _queue(order: list[int], num_blocks: int = 32) -> FreeBlockQueue:
 
 
 def test_popleft_array_takes_runs_and_walks_the_rest() -> None:
-    # an ascending run 4..20 (17 ids), then 2 (walked alone), then a descending run
+    # an ascending run 4..70 (67 ids), then 2 (walked alone), then a descending run of 50
+    # ids (more than MIN_RUN_TEST: both runs are tested as runs), then 3
+    order = [*range(4, 71), 2, *range(120, 70, -1), 3]
+    queue = _queue(order, 128)
+    assert queue.popleft_array(68).tolist() == [*range(4, 71), 2]
+    assert queue.block_ids() == [*range(120, 70, -1), 3]
+    assert queue.num_free_blocks == 51
+    # the descending run 120..71 then one more block
+    assert queue.popleft_array(51).tolist() == [*range(120, 70, -1), 3]
+    assert queue.block_ids() == [] and queue.num_free_blocks == 0
+
+
+def test_popleft_array_walks_few_blocks_whatever_their_ids() -> None:
+    # 20 blocks (at most MIN_RUN_TEST): walked link by link, runs or not
     order = [*range(4, 21), 2, *range(31, 21, -1), 3]
     queue = _queue(order)
     assert queue.popleft_array(18).tolist() == [*range(4, 21), 2]
-    assert queue.block_ids() == [*range(31, 21, -1), 3]
-    assert queue.num_free_blocks == 11
-    # the descending run 31..22 then one more block
     assert queue.popleft_array(11).tolist() == [*range(31, 21, -1), 3]
     assert queue.block_ids() == [] and queue.num_free_blocks == 0
 
