@@ -517,14 +517,18 @@ class BlockPool:
             deque(map(self.free_block_queue.remove, dict.fromkeys(free.tolist())), maxlen=0)
         np.add.at(ref, ids, ref.dtype.type(1))
 
-    def touch_array(self, ids: np.ndarray, distinct: bool) -> None:
+    def touch_array(
+        self, ids: np.ndarray, distinct: bool, counts: np.ndarray | None = None
+    ) -> None:
         """:meth:`touch` of the non-null intp array ``ids`` (an adopted hit's blocks),
         with one gather: the free ones leave the queue (once each), then each count goes
         up by one per occurrence; ``distinct`` (no id twice) writes the counts back with
         one scatter instead of ``np.add.at``. Example: ``touch_array([5, 6], True)`` with
-        counts ``5: 0, 6: 2`` -> 5 leaves the queue, counts ``5: 1, 6: 3``."""
+        counts ``5: 0, 6: 2`` -> 5 leaves the queue, counts ``5: 1, 6: 3``. ``counts``: the
+        ids' counts as the caller has just read them (None: read here)."""
         ref = self.ref_cnt
-        counts = ref[ids]
+        if counts is None:
+            counts = ref[ids]
         if np.count_nonzero(counts) != counts.size:
             free = ids[counts == 0].tolist()
             self.free_block_queue.remove_each(free if distinct else dict.fromkeys(free))

@@ -32,7 +32,7 @@ from optimized.control.block_pool import (
     RunEnds,
 )
 from optimized.control.managers import SingleTypeKVCacheManager, manager_class_for
-from optimized.control.managers.base import BlockList, HitAdoption
+from optimized.control.managers.base import BlockList, HitAdmission, HitAdoption
 from optimized.control.request import Request
 from reference.coordinator import hybrid_coordinator_hit, make_managers, spec_groups_of
 from reference.layout import KVCacheLayout
@@ -167,19 +167,21 @@ class KVCacheCoordinator:
 
     def count_hit_admission(
         self, hit_blocks: Sequence[Sequence[int]], num_tokens: int, total_computed: int
-    ) -> tuple[int, list[HitAdoption]]:
+    ) -> tuple[int, HitAdmission]:
         """:meth:`get_num_blocks_to_allocate` of a request on a fresh row (nothing held,
-        not running) adopting ``hit_blocks``, for :attr:`plain_hits` layouts, with each
-        group's hit prepared for :meth:`SingleTypeKVCacheManager.adopt_hit` on the way (one
-        array per group, its counts read with one gather). Per group
+        not running) adopting ``hit_blocks``, for :attr:`plain_hits` layouts, with the hit
+        prepared for :meth:`adopt_hit` on the way (one array per group; every group's
+        real blocks' counts read with one gather). Per group
         (:func:`reference.managers.base.blocks_to_allocate` with ``held = 0``):
         ``max(cdiv(num_tokens, bs) - max(skipped, len(hit)), 0)`` plus the hit blocks
-        past the ``skipped`` ones that sit free (count 0, not null). Nothing changes, so
-        a refusal leaves no trace. Example: SWA w 4, bs 2, hit ``[3, 5, 7]`` over 6
-        computed tokens, 10 slots, 7 free: ``5 - max(1, 3) = 2``, plus 1 -> 3."""
-        ref = self.block_pool.ref_cnt
+        past the ``skipped`` ones that sit free (count 0, not null), all counted before
+        any adoption. Nothing changes, so a refusal leaves no trace. Example: SWA w 4,
+        bs 2, hit ``[3, 5, 7]`` over 6 computed tokens, 10 slots, 7 free: ``5 - max(1, 3)
+        = 2``, plus 1 -> 3."""
         need = 0
-        adoptions: list[HitAdoption] = []
+        groups: list[HitAdoption] = []
+        seen: set[int] = set()
+        num_kept = 0
         for m, hit in zip(self.managers, hit_blocks):
             bs = m.block_size
             skipped = m.spec.num_skipped_tokens(total_computed) // bs
@@ -187,15 +189,25 @@ class KVCacheCoordinator:
             kept_ids = hit[skipped:]
             kept = np.array(kept_ids, dtype=np.intp)
             real = kept if np.count_nonzero(kept) == kept.size else kept[kept != NULL_BLOCK_ID]
-            if real.size:
-                need += real.size - np.count_nonzero(ref[real])
-            adoptions.append(HitAdoption(skipped, kept, real, len(set(kept_ids)) == len(kept_ids)))
-        return need, adoptions
+            groups.append(HitAdoption(skipped, kept, real))
+            seen.update(kept_ids)
+            num_kept += len(kept_ids)
+        real = groups[0].real if len(groups) == 1 else np.concatenate([a.real for a in groups])
+        counts = self.block_pool.ref_cnt[real]
+        need += real.size - np.count_nonzero(counts)
+        # (nulls count as repeats: ``distinct`` may be False with none repeated, never True
+        # with one repeated)
+        return need, HitAdmission(groups, real, counts, len(seen) == num_kept)
 
-    def adopt_hit(self, row: int, adoptions: Sequence[HitAdoption]) -> None:
-        """Adopt the hit :meth:`count_hit_admission` prepared, group by group, on the
-        fresh ``row`` (what :meth:`allocate_new_computed_blocks` does there)."""
-        for m, adoption in zip(self.managers, adoptions):
+    def adopt_hit(self, row: int, admission: HitAdmission) -> None:
+        """Adopt the hit :meth:`count_hit_admission` has just counted on the fresh ``row``
+        (what :meth:`allocate_new_computed_blocks` does there): every group's real blocks
+        touched at once (:meth:`BlockPool.touch_array` with the counts read then: nothing
+        changed the pool since; the same counts and queue as a touch per group), then
+        each group's row written."""
+        if admission.real.size and self.enable_caching:
+            self.block_pool.touch_array(admission.real, admission.distinct, admission.counts)
+        for m, adoption in zip(self.managers, admission.groups):
             m.adopt_hit(row, adoption)
 
     def allocate_new_computed_blocks(

@@ -278,11 +278,11 @@ class KVCacheManager(ManagerBookkeeping):
             # a new request adopting a hit: counted and prepared at once, adopted on a
             # fresh row (the row is taken first, as below)
             row = self._take_row(rid)
-            need, adoptions = coordinator.count_hit_admission(hits, slots, local)
+            need, admission = coordinator.count_hit_admission(hits, slots, local)
             self.last_num_blocks_to_allocate = need
             if need > self.block_pool.get_num_free_blocks():
                 return None
-            coordinator.adopt_hit(row, adoptions)
+            coordinator.adopt_hit(row, admission)
             new_computed_blocks = None  # adopted
             fresh = True
         else:

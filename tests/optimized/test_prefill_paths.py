@@ -150,6 +150,30 @@ def test_hand_made_hit_with_nulls_and_a_repeated_block() -> None:
     assert len(new[0]) == len(new[1]) == 1
 
 
+def test_hand_made_hit_sharing_a_free_block_between_groups() -> None:
+    """Both groups' hits hold block 3 (free): counted once per group, taken out of the
+    queue once and held twice, as a touch per group leaves it."""
+    manager = OptimizedManager(_full_and_window(30))
+    pool = manager.block_pool
+    pool.get_new_blocks(3)  # 1..3
+    pool.cache_full_blocks([1, 2, 3], [b"a", b"b", b"c"], 0, 0, 4)
+    pool.free_blocks([3, 2, 1])
+    free_before = pool.get_num_free_blocks()  # 29
+    request = manager.make_request("r", list(range(30)))
+    # 12 computed: the window (w 8) skips 5 tokens = 1 block, keeps [0, 3]
+    new = manager.allocate_slots(request, 4, 12, ComputedBlocks(((1, 2, 3), (9, 0, 3))))
+    # full: 4 - 3 = 1 new + 3 free hit blocks; window: 4 - max(1, 3) = 1 new + block 3
+    assert manager.last_num_blocks_to_allocate == 6
+    assert pool.get_num_free_blocks() == free_before - 3 - 2
+    assert pool.ref_cnt[[1, 2, 3]].tolist() == [1, 1, 2]
+    assert 3 not in pool.free_block_queue.block_ids()
+    row = manager.coordinator.row_of["r"]
+    full, window = manager.coordinator.managers
+    assert full.blocks(row) == [1, 2, 3, new[0][0]]
+    assert window.blocks(row) == [0, 0, 3, new[1][0]]
+    assert window.num_leading_null[row] == 2
+
+
 # -- the free queue's scalar removal --------------------------------------------------
 
 

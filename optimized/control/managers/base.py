@@ -36,15 +36,29 @@ BlockList = list[int]
 class HitAdoption(NamedTuple):
     """One group's share of a new request's hit, counted by
     :meth:`optimized.control.coordinator.KVCacheCoordinator.count_hit_admission` and
-    adopted by :meth:`SingleTypeKVCacheManager.adopt_hit`: ``skipped`` leading hit
-    columns become nulls, ``kept`` (intp, nulls included) fills the columns after them,
-    ``real`` is ``kept`` without its nulls, ``distinct`` says no block of ``real`` occurs
-    twice. Example: w 4, bs 2, hit ``[3, 5, 7]`` over 6 tokens -> skipped 1, kept ``[5,
-    7]``, real ``[5, 7]``, distinct."""
+    written to the row by :meth:`SingleTypeKVCacheManager.adopt_hit`: ``skipped``
+    leading hit columns become nulls, ``kept`` (intp, nulls included) fills the columns
+    after them, ``real`` is ``kept`` without its nulls. Example: w 4, bs 2, hit ``[3,
+    5, 7]`` over 6 tokens -> skipped 1, kept ``[5, 7]``, real ``[5, 7]``."""
 
     skipped: int
     kept: np.ndarray
     real: np.ndarray
+
+
+class HitAdmission(NamedTuple):
+    """A new request's whole hit as :meth:`optimized.control.coordinator.
+    KVCacheCoordinator.count_hit_admission` counted it: each group's
+    :class:`HitAdoption`, and every group's real blocks one group after the other
+    (``real``, intp) with their ref counts when counted (``counts``) and whether no block
+    occurs twice among them (``distinct``), for one touch of the pool
+    (:meth:`BlockPool.touch_array`) right after the count. Example: groups with real
+    blocks ``[5]`` and ``[8, 9]``, 8 free -> real ``[5, 8, 9]``, counts ``[1, 0, 2]``,
+    distinct."""
+
+    groups: list[HitAdoption]
+    real: np.ndarray
+    counts: np.ndarray
     distinct: bool
 
 
@@ -241,12 +255,11 @@ class SingleTypeKVCacheManager(ManagerBase):
 
     def adopt_hit(self, row: int, adoption: HitAdoption) -> None:
         """:meth:`add_local_computed_blocks` of a hit counted by the coordinator (a fresh
-        row): the row becomes ``[null] * skipped + kept``, its real blocks are touched
-        (:meth:`BlockPool.touch_array`) and counted as cached. Example: fresh row, skipped
-        1, kept ``[5, 7]`` -> row ``[0, 5, 7]``, leading 1, 3 blocks cached."""
-        skipped, kept, real, distinct = adoption
-        if real.size and self.enable_caching:
-            self.block_pool.touch_array(real, distinct)
+        row), the pool's touch of its real blocks aside (the coordinator touches every
+        group's at once): the row becomes ``[null] * skipped + kept``, counted as cached.
+        Example: fresh row, skipped 1, kept ``[5, 7]`` -> row ``[0, 5, 7]``, leading 1, 3
+        blocks cached."""
+        skipped, kept, real = adoption
         length = skipped + kept.size
         table = self.table
         if skipped:
