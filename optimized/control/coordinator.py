@@ -113,6 +113,11 @@ class KVCacheCoordinator:
         #: per group, the first group with an equal spec (counts computed once per spec)
         specs = [g.spec for g in layout.groups]
         self._first_of_spec: tuple[int, ...] = tuple(specs.index(spec) for spec in specs)
+        #: per group, ``(bs, blocks its spec skips with nothing computed)``
+        #: (:meth:`num_blocks_for_new_request`)
+        self._skipped_at_zero: tuple[tuple[int, int], ...] = tuple(
+            (spec.block_size, spec.num_skipped_tokens(0) // spec.block_size) for spec in specs
+        )
         #: a ref count of 1 for every block, as bytes: the rows a one-pass free takes hold
         #: each of their blocks once when their counts read as a prefix of it
         self._ones = np.ones(layout.num_blocks, dtype=self.block_pool.ref_cnt.dtype).tobytes()
@@ -225,7 +230,11 @@ class KVCacheCoordinator:
         :func:`reference.managers.base.blocks_to_allocate` with nothing held, computed
         once per distinct spec. Only for :attr:`plain_counts` layouts (a Mamba group
         counts its own way). Example: full bs 16 + 5 windows of bs 16, 2048 slots, nothing
-        computed -> ``6 * 128 = 768``."""
+        computed -> ``6 * 128 = 768``. With nothing computed (a new request with no hit)
+        each group needs ``cdiv(num_tokens, bs)`` less the blocks its spec skips at 0
+        (none for any attention type), read from ``_skipped_at_zero``."""
+        if total_computed == 0:
+            return sum([max(-(-num_tokens // bs) - s, 0) for bs, s in self._skipped_at_zero])
         counts = [0] * len(self._first_of_spec)
         for g, first in enumerate(self._first_of_spec):
             if first == g:

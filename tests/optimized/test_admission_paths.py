@@ -11,23 +11,25 @@ reference (:class:`tests.optimized.optimized_differential.Pair`):
   on random cached sets, alignments and windows;
 * the hybrid miss test of ``find_longest_cache_hit`` (first full block missing, too short
   a prompt) and the general search it falls back to;
-* the row-less count and refusal of ``allocate_slots`` and the allocation of every
-  group's blocks in one pop.
+* the row-less count (against the reference's ``blocks_to_allocate`` on random
+  layouts) and refusal of ``allocate_slots`` and the allocation of every group's blocks
+  in one pop.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from optimized.control.block_pool import BlockPool, FreeBlockQueue
-from optimized.control.coordinator import HybridCoordinator
+from optimized.control.coordinator import HybridCoordinator, make_coordinator
 from optimized.control.hashing import hashes_at_block_size
 from optimized.control.managers import FullAttentionManager, MambaManager, SlidingWindowManager
 from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.managers.base import blocks_to_allocate
 from reference.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from tests.optimized.optimized_differential import Pair
+from tests.optimized.optimized_differential import Pair, layouts
 
 # -- the free queue and the pool ---------------------------------------------------
 
@@ -211,6 +213,25 @@ def test_hybrid_miss_test_and_the_general_search() -> None:
     pair.allocate("d", 41 - rn, hit)
     pair.free("a")
     pair.free("d")
+
+
+@given(
+    layout=layouts(),
+    num_tokens=st.integers(1, 200),
+    computed=st.one_of(st.just(0), st.integers(0, 64)),
+)
+def test_count_for_a_new_request_matches_the_reference_rule(
+    layout: KVCacheLayout, num_tokens: int, computed: int
+) -> None:
+    """``num_blocks_for_new_request`` (its nothing-computed shortcut included) is the sum
+    of the reference's ``blocks_to_allocate`` over the groups, nothing held, no hit."""
+    coordinator = make_coordinator(layout)
+    assume(coordinator.plain_counts)
+    expected = sum(
+        blocks_to_allocate(g.spec, num_tokens, 0, False, (), computed, lambda block: False)
+        for g in layout.groups
+    )
+    assert coordinator.num_blocks_for_new_request(num_tokens, computed) == expected
 
 
 def test_row_less_refusal_takes_no_row_and_matches_the_reference() -> None:
