@@ -295,7 +295,7 @@ class FreeBlockQueue:
             # the longest run of ids block, block + step, ... (at most ``left``) linked in order
             end = max(min(block + step * left, self.head), -1)
             run = np.arange(block, end, step, dtype=np.int64)
-            broken = nxt[run[:-1]] != run[1:]
+            broken = nxt[block : end - step : step] != run[1:]  # the links of run[:-1]
             first = int(broken.argmax())  # the first break (0 when none)
             length = first + 1 if broken.size and broken[first] else run.size
             pieces.append(run[:length] if length < run.size else run)
