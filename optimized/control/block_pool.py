@@ -841,40 +841,41 @@ class BlockPool:
 
     def cache_fresh_blocks(
         self,
-        blocks: Sequence[int],
+        blocks: list[int],
         hashes: Sequence[bytes],
         group_id: int,
         first_index: int,
         block_size: int,
-        mask: Sequence[bool] | None = None,
+        positions: Sequence[int] | None = None,
         block_array: np.ndarray | None = None,
     ) -> None:
-        """:meth:`cache_full_blocks` of blocks just popped (unhashed, not null) given as a
-        list (``block_array``: the same blocks as an intp array, or None): a few kept
-        blocks are registered inline (:meth:`_cache_few`), more by
-        :meth:`_register_fresh` and one write per array (no null or key test). Example:
-        fresh ``[7, 9]`` under ``[a, b]``, first index 2, bs 4 -> ``7`` over 12 tokens,
-        ``9`` over 16."""
-        positions = range(len(blocks)) if mask is None else list(compress(range(len(mask)), mask))
-        if len(positions) <= SMALL_FREE:
-            self._cache_few(blocks, hashes, group_id, first_index, block_size, positions)
+        """:meth:`cache_full_blocks` of blocks just popped (unhashed, not null): ``blocks[j]``
+        under ``hashes[j]`` over ``(first_index + positions[j] + 1) * block_size`` tokens
+        (``positions`` None: ``j``), for every ``j``; ``block_array``: the blocks as an intp
+        array, or None. Their keys are entered by :meth:`_register_fresh` (no null or key
+        test); a few blocks' arrays are written one block at a time, more with one write
+        per array. Example: fresh ``[7, 9]`` under ``[a, b]`` at positions ``[0, 3]``,
+        first index 2, bs 4 -> ``7`` over 12 tokens, ``9`` over 24."""
+        self._register_fresh(self.cached[group_id], group_id, hashes, blocks)
+        if len(blocks) <= SMALL_FREE:
+            block_hash, block_group, nct = self.block_hash, self.block_group, self.num_cached_tokens
+            at = range(len(blocks)) if positions is None else positions
+            for b, h, k in zip(blocks, hashes, at):
+                block_hash[b] = h
+                block_group[b] = group_id
+                nct[b] = (first_index + k + 1) * block_size
             return
-        if mask is None:
-            ids, keys = blocks, hashes
-            at = np.array(ids, dtype=np.intp) if block_array is None else block_array
-            tokens = np.arange(
+        ids = np.array(blocks, dtype=np.intp) if block_array is None else block_array
+        self.block_hash[ids] = hashes
+        self.block_group[ids] = group_id
+        if positions is None:
+            self.num_cached_tokens[ids] = np.arange(
                 (first_index + 1) * block_size,
-                (first_index + 1 + len(ids)) * block_size,
+                (first_index + 1 + len(blocks)) * block_size,
                 block_size,
             )
         else:
-            ids, keys = list(compress(blocks, mask)), list(compress(hashes, mask))
-            at = np.array(ids, dtype=np.intp)
-            tokens = (first_index + 1 + np.array(positions)) * block_size
-        self._register_fresh(self.cached[group_id], group_id, keys, ids)
-        self.block_hash[at] = keys
-        self.block_group[at] = group_id
-        self.num_cached_tokens[at] = tokens
+            self.num_cached_tokens[ids] = (first_index + 1 + np.array(positions)) * block_size
 
     def _cache_few(
         self,
@@ -909,7 +910,7 @@ class BlockPool:
             index_key(cached, group_id, h, b)
 
     def _register_fresh(
-        self, cached: dict[bytes, int], group_id: int, keys: list[bytes], blocks: list[int]
+        self, cached: dict[bytes, int], group_id: int, keys: Sequence[bytes], blocks: list[int]
     ) -> None:
         """Register unhashed ``blocks`` under ``keys`` in the maps of ``group_id`` in order,
         as the block-by-block rule (:meth:`_index_key`) does: a key not in the group yet

@@ -20,6 +20,7 @@ are skipped by :meth:`optimized.control.kv_cache_manager.KVCacheManager.schedule
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
 from typing import NamedTuple
 
 import numpy as np
@@ -300,6 +301,13 @@ class SingleTypeKVCacheManager(ManagerBase):
         window and Mamba apply :mod:`reference.retention`)."""
         return None
 
+    def cacheable_block_positions(self, request: Request, start: int, end: int) -> list[int] | None:
+        """The blocks of ``[start, end)`` that ``cache_blocks`` registers, as positions from
+        ``start`` (None: all): :meth:`cacheable_block_mask`'s kept entries. Example: mask
+        ``[False, True, True]`` -> ``[1, 2]``."""
+        mask = self.cacheable_block_mask(request, start, end)
+        return None if mask is None else list(compress(range(end - start), mask))
+
     def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         """Register the full blocks of ``[0, num_tokens)`` not registered yet."""
         plan = self.cache_plan(request, row, num_tokens)
@@ -352,15 +360,27 @@ class SingleTypeKVCacheManager(ManagerBase):
         hashes = hashes_at_block_size(
             request.block_hashes, request.hash_block_size, self.block_size
         )
-        self.block_pool.cache_fresh_blocks(
-            new_blocks[: num_full - num_cached],
-            hashes[num_cached:num_full],
-            self.group_id,
-            num_cached,
-            self.block_size,
-            self.cacheable_block_mask(request, num_cached, num_full),
-            None if new_array is None else new_array[: num_full - num_cached],
-        )
+        kept = self.cacheable_block_positions(request, num_cached, num_full)
+        if kept is None:
+            n = num_full - num_cached
+            self.block_pool.cache_fresh_blocks(
+                new_blocks[:n],
+                hashes[num_cached:num_full],
+                self.group_id,
+                num_cached,
+                self.block_size,
+                None,
+                None if new_array is None else new_array[:n],
+            )
+        elif kept:
+            self.block_pool.cache_fresh_blocks(
+                [new_blocks[k] for k in kept],
+                [hashes[num_cached + k] for k in kept],
+                self.group_id,
+                num_cached,
+                self.block_size,
+                kept,
+            )
         self.num_cached_block[row] = num_full
 
     def apply_cache_plan(self, row: int, plan: CachePlan) -> None:
