@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from itertools import accumulate, compress, islice, repeat, takewhile
-from operator import is_not, not_
+from operator import is_not
 
 import numpy as np
 
@@ -48,6 +48,11 @@ _IS_BLOCK = partial(is_not, None)
 #: ``free_blocks`` of at most this many blocks takes the scalar path (numpy's per-call
 #: overhead is larger than the work).
 SMALL_FREE = 8
+#: :meth:`FreeBlockQueue.popleft_array` walks up to this many blocks link by link (in C,
+#: about 50 ns a block) without testing for a run of consecutive ids first: the test
+#: costs some numpy calls, about as much as walking this many blocks, and an admission
+#: after churn rarely finds a long run (measured on the bench's prefix-heavy trace).
+MIN_RUN_TEST = 48
 
 
 class RunEnds:
@@ -275,19 +280,22 @@ class FreeBlockQueue:
         return popped
 
     def _walk_runs(self, block: int, n: int) -> tuple[np.ndarray, int]:
-        """The ``n`` queued blocks from ``block`` on (int64), and the block after them."""
+        """The ``n`` queued blocks from ``block`` on (int64), and the block after them.
+        Runs of consecutive ids are looked for only while more than :data:`MIN_RUN_TEST`
+        blocks are left; the rest is walked in C. Example: ``n = 20`` (an admission's
+        new blocks after a hit) -> walked, whatever the ids."""
         nxt = self.next_free
         item = nxt.item
         pieces: list[np.ndarray] = []
         left = n
-        while left > SMALL_FREE:
+        while left > MIN_RUN_TEST:
             step = item(block) - block
             if step != 1 and step != -1:
                 break
             # the longest run of ids block, block + step, ... (at most ``left``) linked in order
             end = max(min(block + step * left, self.head), -1)
             run = np.arange(block, end, step, dtype=np.int64)
-            broken = nxt[run[:-1]] != run[1:]
+            broken = nxt[block : end - step : step] != run[1:]  # the links of run[:-1]
             first = int(broken.argmax())  # the first break (0 when none)
             length = first + 1 if broken.size and broken[first] else run.size
             pieces.append(run[:length] if length < run.size else run)
@@ -519,14 +527,18 @@ class BlockPool:
             deque(map(self.free_block_queue.remove, dict.fromkeys(free.tolist())), maxlen=0)
         np.add.at(ref, ids, ref.dtype.type(1))
 
-    def touch_array(self, ids: np.ndarray, distinct: bool) -> None:
+    def touch_array(
+        self, ids: np.ndarray, distinct: bool, counts: np.ndarray | None = None
+    ) -> None:
         """:meth:`touch` of the non-null intp array ``ids`` (an adopted hit's blocks),
         with one gather: the free ones leave the queue (once each), then each count goes
         up by one per occurrence; ``distinct`` (no id twice) writes the counts back with
         one scatter instead of ``np.add.at``. Example: ``touch_array([5, 6], True)`` with
-        counts ``5: 0, 6: 2`` -> 5 leaves the queue, counts ``5: 1, 6: 3``."""
+        counts ``5: 0, 6: 2`` -> 5 leaves the queue, counts ``5: 1, 6: 3``. ``counts``: the
+        ids' counts as the caller has just read them (None: read here)."""
         ref = self.ref_cnt
-        counts = ref[ids]
+        if counts is None:
+            counts = ref[ids]
         if np.count_nonzero(counts) != counts.size:
             free = ids[counts == 0].tolist()
             self.free_block_queue.remove_each(free if distinct else dict.fromkeys(free))
@@ -803,9 +815,8 @@ class BlockPool:
             return
         block_list = ids.tolist()
         cached = self.cached[group_id]
-        if not np.count_nonzero(self.block_group[ids] >= 0) and self._register_fresh(
-            cached, group_id, keys, block_list
-        ):
+        if not np.count_nonzero(self.block_group[ids] >= 0):
+            self._register_fresh(cached, group_id, keys, block_list)
             self.block_hash[ids] = keys
             self.block_group[ids] = group_id
             if index is None:
@@ -840,38 +851,41 @@ class BlockPool:
 
     def cache_fresh_blocks(
         self,
-        blocks: Sequence[int],
+        blocks: list[int],
         hashes: Sequence[bytes],
         group_id: int,
         first_index: int,
         block_size: int,
-        mask: Sequence[bool] | None = None,
+        positions: Sequence[int] | None = None,
+        block_array: np.ndarray | None = None,
     ) -> None:
-        """:meth:`cache_full_blocks` of blocks just popped (unhashed, not null) given as a
-        list: a few kept blocks are registered inline (:meth:`_cache_few`); more with
-        distinct keys take :meth:`_register_fresh` and one write per array (no null or
-        key test); keys repeated within the call take :meth:`cache_full_blocks`.
-        Example: fresh ``[7, 9]`` under ``[a, b]``, first index 2, bs 4 -> ``7`` over 12
-        tokens, ``9`` over 16."""
-        positions = range(len(blocks)) if mask is None else list(compress(range(len(mask)), mask))
-        if len(positions) <= SMALL_FREE:
-            self._cache_few(blocks, hashes, group_id, first_index, block_size, positions)
+        """:meth:`cache_full_blocks` of blocks just popped (unhashed, not null): ``blocks[j]``
+        under ``hashes[j]`` over ``(first_index + positions[j] + 1) * block_size`` tokens
+        (``positions`` None: ``j``), for every ``j``; ``block_array``: the blocks as an intp
+        array, or None. Their keys are entered by :meth:`_register_fresh` (no null or key
+        test); a few blocks' arrays are written one block at a time, more with one write
+        per array. Example: fresh ``[7, 9]`` under ``[a, b]`` at positions ``[0, 3]``,
+        first index 2, bs 4 -> ``7`` over 12 tokens, ``9`` over 24."""
+        self._register_fresh(self.cached[group_id], group_id, hashes, blocks)
+        if len(blocks) <= SMALL_FREE:
+            block_hash, block_group, nct = self.block_hash, self.block_group, self.num_cached_tokens
+            at = range(len(blocks)) if positions is None else positions
+            for b, h, k in zip(blocks, hashes, at):
+                block_hash[b] = h
+                block_group[b] = group_id
+                nct[b] = (first_index + k + 1) * block_size
             return
-        if mask is None:
-            ids, keys = list(blocks), list(hashes)
+        ids = np.array(blocks, dtype=np.intp) if block_array is None else block_array
+        self.block_hash[ids] = hashes
+        self.block_group[ids] = group_id
+        if positions is None:
+            self.num_cached_tokens[ids] = np.arange(
+                (first_index + 1) * block_size,
+                (first_index + 1 + len(blocks)) * block_size,
+                block_size,
+            )
         else:
-            ids, keys = list(compress(blocks, mask)), list(compress(hashes, mask))
-        if not self._register_fresh(self.cached[group_id], group_id, keys, ids):
-            self.cache_full_blocks(blocks, hashes, group_id, first_index, block_size, mask)
-            return
-        at = np.array(ids, dtype=np.intp)
-        self.block_hash[at] = keys
-        self.block_group[at] = group_id
-        self.num_cached_tokens[at] = (
-            np.arange(first_index + 1, first_index + 1 + len(ids)) * block_size
-            if mask is None
-            else (first_index + 1 + np.array(positions)) * block_size
-        )
+            self.num_cached_tokens[ids] = (first_index + 1 + np.array(positions)) * block_size
 
     def _cache_few(
         self,
@@ -906,31 +920,22 @@ class BlockPool:
             index_key(cached, group_id, h, b)
 
     def _register_fresh(
-        self, cached: dict[bytes, int], group_id: int, keys: list[bytes], blocks: list[int]
-    ) -> bool:
-        """Register unhashed ``blocks`` under ``keys`` in the maps of ``group_id`` when the
-        keys are distinct (False, nothing changed, otherwise): a key new to the group
-        makes its block the head, a key already there queues it as a duplicate, as the
-        block-by-block rule does (with distinct keys, whether a key is there depends only
-        on the state before the call). Example: ``a`` cached on 3, keys ``[a, b]`` on
-        ``[5, 6]`` -> ``b: 6`` and 5 a duplicate of ``a``."""
-        if cached.keys().isdisjoint(keys):
-            before = len(cached)
-            cached.update(zip(keys, blocks))
-            if len(cached) == before + len(keys):
-                return True
-            deque(map(cached.pop, keys, repeat(None)), maxlen=0)  # a key twice: undo
-            return False
-        if len(set(keys)) != len(keys):
-            return False
-        there = list(map(cached.__contains__, keys))
-        new = list(map(not_, there))
-        cached.update(zip(compress(keys, new), compress(blocks, new)))
-        # each duplicate appended to its key's list (``iter(list, None)``: a fresh empty
-        # list for each ``setdefault``, made in C)
-        lists = map(self.duplicates[group_id].setdefault, compress(keys, there), iter(list, None))
-        deque(map(list.append, lists, compress(blocks, there)), maxlen=0)
-        return True
+        self, cached: dict[bytes, int], group_id: int, keys: Sequence[bytes], blocks: list[int]
+    ) -> None:
+        """Register unhashed ``blocks`` under ``keys`` in the maps of ``group_id`` in order,
+        as the block-by-block rule (:meth:`_index_key`) does: a key not in the group yet
+        makes its block the head, a key already there (before the call or from an earlier
+        block of it) queues the block as its latest duplicate. One ``setdefault`` per key
+        (a C-level ``map``) enters the new heads and reads back each key's head; a head
+        other than the block itself marks a duplicate (an unhashed block heads no key).
+        Example: ``a`` cached on 3, keys ``[a, b, b]`` on ``[5, 6, 7]`` -> ``b: 6``, 5 a
+        duplicate of ``a``, 7 one of ``b``."""
+        heads = list(map(cached.setdefault, keys, blocks))
+        if heads != blocks:
+            dupes = self.duplicates[group_id]
+            for key, block, head in zip(keys, blocks, heads):
+                if head != block:
+                    dupes.setdefault(key, []).append(block)
 
     def cached_columns(
         self, hashes: Sequence[bytes], group_ids: Sequence[int]

@@ -32,7 +32,7 @@ from optimized.control.block_pool import (
     RunEnds,
 )
 from optimized.control.managers import SingleTypeKVCacheManager, manager_class_for
-from optimized.control.managers.base import BlockList, HitAdoption
+from optimized.control.managers.base import BlockList, HitAdmission, HitAdoption
 from optimized.control.request import Request
 from reference.coordinator import hybrid_coordinator_hit, make_managers, spec_groups_of
 from reference.layout import KVCacheLayout
@@ -113,6 +113,11 @@ class KVCacheCoordinator:
         #: per group, the first group with an equal spec (counts computed once per spec)
         specs = [g.spec for g in layout.groups]
         self._first_of_spec: tuple[int, ...] = tuple(specs.index(spec) for spec in specs)
+        #: per group, ``(bs, blocks its spec skips with nothing computed)``
+        #: (:meth:`num_blocks_for_new_request`)
+        self._skipped_at_zero: tuple[tuple[int, int], ...] = tuple(
+            (spec.block_size, spec.num_skipped_tokens(0) // spec.block_size) for spec in specs
+        )
 
     # -- rows --------------------------------------------------------------------
     def row(self, request_id: str) -> int:
@@ -164,19 +169,21 @@ class KVCacheCoordinator:
 
     def count_hit_admission(
         self, hit_blocks: Sequence[Sequence[int]], num_tokens: int, total_computed: int
-    ) -> tuple[int, list[HitAdoption]]:
+    ) -> tuple[int, HitAdmission]:
         """:meth:`get_num_blocks_to_allocate` of a request on a fresh row (nothing held,
-        not running) adopting ``hit_blocks``, for :attr:`plain_hits` layouts, with each
-        group's hit prepared for :meth:`SingleTypeKVCacheManager.adopt_hit` on the way (one
-        array per group, its counts read with one gather). Per group
+        not running) adopting ``hit_blocks``, for :attr:`plain_hits` layouts, with the hit
+        prepared for :meth:`adopt_hit` on the way (one array per group; every group's
+        real blocks' counts read with one gather). Per group
         (:func:`reference.managers.base.blocks_to_allocate` with ``held = 0``):
         ``max(cdiv(num_tokens, bs) - max(skipped, len(hit)), 0)`` plus the hit blocks
-        past the ``skipped`` ones that sit free (count 0, not null). Nothing changes, so
-        a refusal leaves no trace. Example: SWA w 4, bs 2, hit ``[3, 5, 7]`` over 6
-        computed tokens, 10 slots, 7 free: ``5 - max(1, 3) = 2``, plus 1 -> 3."""
-        ref = self.block_pool.ref_cnt
+        past the ``skipped`` ones that sit free (count 0, not null), all counted before
+        any adoption. Nothing changes, so a refusal leaves no trace. Example: SWA w 4,
+        bs 2, hit ``[3, 5, 7]`` over 6 computed tokens, 10 slots, 7 free: ``5 - max(1, 3)
+        = 2``, plus 1 -> 3."""
         need = 0
-        adoptions: list[HitAdoption] = []
+        groups: list[HitAdoption] = []
+        seen: set[int] = set()
+        num_kept = 0
         for m, hit in zip(self.managers, hit_blocks):
             bs = m.block_size
             skipped = m.spec.num_skipped_tokens(total_computed) // bs
@@ -184,15 +191,25 @@ class KVCacheCoordinator:
             kept_ids = hit[skipped:]
             kept = np.array(kept_ids, dtype=np.intp)
             real = kept if np.count_nonzero(kept) == kept.size else kept[kept != NULL_BLOCK_ID]
-            if real.size:
-                need += real.size - np.count_nonzero(ref[real])
-            adoptions.append(HitAdoption(skipped, kept, real, len(set(kept_ids)) == len(kept_ids)))
-        return need, adoptions
+            groups.append(HitAdoption(skipped, kept, real))
+            seen.update(kept_ids)
+            num_kept += len(kept_ids)
+        real = groups[0].real if len(groups) == 1 else np.concatenate([a.real for a in groups])
+        counts = self.block_pool.ref_cnt[real]
+        need += real.size - np.count_nonzero(counts)
+        # (nulls count as repeats: ``distinct`` may be False with none repeated, never True
+        # with one repeated)
+        return need, HitAdmission(groups, real, counts, len(seen) == num_kept)
 
-    def adopt_hit(self, row: int, adoptions: Sequence[HitAdoption]) -> None:
-        """Adopt the hit :meth:`count_hit_admission` prepared, group by group, on the
-        fresh ``row`` (what :meth:`allocate_new_computed_blocks` does there)."""
-        for m, adoption in zip(self.managers, adoptions):
+    def adopt_hit(self, row: int, admission: HitAdmission) -> None:
+        """Adopt the hit :meth:`count_hit_admission` has just counted on the fresh ``row``
+        (what :meth:`allocate_new_computed_blocks` does there): every group's real blocks
+        touched at once (:meth:`BlockPool.touch_array` with the counts read then: nothing
+        changed the pool since; the same counts and queue as a touch per group), then
+        each group's row written."""
+        if admission.real.size and self.enable_caching:
+            self.block_pool.touch_array(admission.real, admission.distinct, admission.counts)
+        for m, adoption in zip(self.managers, admission.groups):
             m.adopt_hit(row, adoption)
 
     def allocate_new_computed_blocks(
@@ -210,7 +227,11 @@ class KVCacheCoordinator:
         :func:`reference.managers.base.blocks_to_allocate` with nothing held, computed
         once per distinct spec. Only for :attr:`plain_counts` layouts (a Mamba group
         counts its own way). Example: full bs 16 + 5 windows of bs 16, 2048 slots, nothing
-        computed -> ``6 * 128 = 768``."""
+        computed -> ``6 * 128 = 768``. With nothing computed (a new request with no hit)
+        each group needs ``cdiv(num_tokens, bs)`` less the blocks its spec skips at 0
+        (none for any attention type), read from ``_skipped_at_zero``."""
+        if total_computed == 0:
+            return sum([max(-(-num_tokens // bs) - s, 0) for bs, s in self._skipped_at_zero])
         counts = [0] * len(self._first_of_spec)
         for g, first in enumerate(self._first_of_spec):
             if first == g:
@@ -226,27 +247,37 @@ class KVCacheCoordinator:
         self, row: int, num_tokens: int, num_tokens_main: int
     ) -> list[BlockList]:
         """Each group's :meth:`SingleTypeKVCacheManager.allocate_new_blocks`, in group
+        order (:meth:`allocate_new_block_arrays`, its lists)."""
+        return self.allocate_new_block_arrays(row, num_tokens, num_tokens_main)[0]
+
+    def allocate_new_block_arrays(
+        self, row: int, num_tokens: int, num_tokens_main: int
+    ) -> tuple[list[BlockList], list[np.ndarray] | None]:
+        """Each group's :meth:`SingleTypeKVCacheManager.allocate_new_blocks`, in group
         order, with the groups' blocks popped at once (group 0's first: the blocks each
         group's own pop would take, since nothing else touches the queue in between) and
-        placed per group. Example: 2 groups needing 2 and 1 blocks, queue ``[4, 5, 6,
-        7]`` -> ``[[4, 5], [6]]``."""
+        placed per group; also each group's blocks as a slice of the popped array (None
+        when a few blocks were popped group by group). Example: 2 groups needing 2 and 1
+        blocks, queue ``[4, 5, 6, 7]`` -> ``[[4, 5], [6]]`` (and arrays of the same)."""
         managers = self.managers
         counts = [m.num_new_blocks(row, num_tokens, num_tokens_main) for m in managers]
         total = sum(counts)
         if total <= SMALL_FREE:
-            return [m.allocate_new_blocks(row, num_tokens, num_tokens_main) for m in managers]
+            lists = [m.allocate_new_blocks(row, num_tokens, num_tokens_main) for m in managers]
+            return lists, None
         ids = self.block_pool.get_new_block_array(total)
         as_list = ids.tolist()
         out: list[BlockList] = []
+        arrays: list[np.ndarray] = []
         at = 0
         for m, n in zip(managers, counts):
-            if n == 0:
-                out.append([])
-                continue
-            m.place_new_blocks(row, ids[at : at + n], num_tokens_main)
+            part = ids[at : at + n]
+            if n:
+                m.place_new_blocks(row, part, num_tokens_main)
             out.append(as_list[at : at + n])
+            arrays.append(part)
             at += n
-        return out
+        return out, arrays
 
     def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         if not self.enable_caching:
@@ -256,18 +287,24 @@ class KVCacheCoordinator:
             m.cache_blocks(request, row, cacheable)
 
     def cache_new_blocks(
-        self, request: Request, row: int, num_tokens: int, new_blocks: Sequence[Sequence[int]]
+        self,
+        request: Request,
+        row: int,
+        num_tokens: int,
+        new_blocks: Sequence[Sequence[int]],
+        new_arrays: Sequence[np.ndarray] | None = None,
     ) -> None:
         """:meth:`cache_blocks` right after the allocation that appended ``new_blocks`` (per
-        group) to the row: a group that :meth:`SingleTypeKVCacheManager.shares_cache_plans`
-        registers from its new blocks
+        group; ``new_arrays``: the same as arrays, or None) to the row: a group that
+        :meth:`SingleTypeKVCacheManager.shares_cache_plans` registers from its new blocks
         (:meth:`SingleTypeKVCacheManager.cache_new_blocks`), any other its own way."""
         if not self.enable_caching:
             return
         cacheable = self.num_cacheable_tokens(num_tokens)
-        for m, new, fresh in zip(self.managers, new_blocks, self._caches_fresh):
+        arrays = repeat(None) if new_arrays is None else new_arrays
+        for m, new, array, fresh in zip(self.managers, new_blocks, arrays, self._caches_fresh):
             if fresh:
-                m.cache_new_blocks(request, row, cacheable, new)
+                m.cache_new_blocks(request, row, cacheable, new, array)
             else:
                 m.cache_blocks(request, row, cacheable)
 

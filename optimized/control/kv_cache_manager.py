@@ -264,7 +264,8 @@ class KVCacheManager(ManagerBookkeeping):
         slots = min(main + num_lookahead_tokens, self.max_model_len)
 
         row = coordinator.row_of.get(rid)
-        adopted = False  # a hit adopted on a fresh row (its new blocks are cached from a list)
+        # a fresh row, empty or holding an adopted hit: its new blocks are cached from a list
+        fresh = False
         if row is None and coordinator.plain_counts and not any(hits):
             # a request with no blocks and no hit: nothing to remove, the count needs no
             # row, and a refusal (the pool cannot hold it) takes none
@@ -273,17 +274,18 @@ class KVCacheManager(ManagerBookkeeping):
             if need > self.block_pool.get_num_free_blocks():
                 return None
             row = self._take_row(rid)
+            fresh = True
         elif row is None and coordinator.plain_hits and new_computed_blocks is not None:
             # a new request adopting a hit: counted and prepared at once, adopted on a
             # fresh row (the row is taken first, as below)
             row = self._take_row(rid)
-            need, adoptions = coordinator.count_hit_admission(hits, slots, local)
+            need, admission = coordinator.count_hit_admission(hits, slots, local)
             self.last_num_blocks_to_allocate = need
             if need > self.block_pool.get_num_free_blocks():
                 return None
-            coordinator.adopt_hit(row, adoptions)
+            coordinator.adopt_hit(row, admission)
             new_computed_blocks = None  # adopted
-            adopted = True
+            fresh = True
         else:
             if row is None:  # a fresh row holds nothing to remove
                 row = self._take_row(rid)
@@ -295,10 +297,14 @@ class KVCacheManager(ManagerBookkeeping):
                 return None
         if new_computed_blocks is not None and any(hits):
             coordinator.allocate_new_computed_blocks(row, hits, local)
-        new_blocks = coordinator.allocate_new_blocks(row, slots, main)
-        if adopted:  # the row: cached hit blocks, then the new ones
+        new_blocks, new_arrays = coordinator.allocate_new_block_arrays(row, slots, main)
+        if fresh:  # the row: cached hit blocks (if any), then the new ones
             coordinator.cache_new_blocks(
-                request, row, min(total + num_new_tokens, request.num_tokens), new_blocks
+                request,
+                row,
+                min(total + num_new_tokens, request.num_tokens),
+                new_blocks,
+                new_arrays,
             )
         else:
             coordinator.cache_blocks(request, row, min(total + num_new_tokens, request.num_tokens))

@@ -1,8 +1,9 @@
 """The bulk paths of admission and prefill, each forced and checked by hand and against the
 reference (:class:`tests.optimized.optimized_differential.Pair`):
 
-* ``popleft_array``: runs of consecutive ids taken with one array test, the rest walked
-  block by block; ``get_new_block_array`` evicts the popped blocks' keys;
+* ``popleft_array``: runs of consecutive ids taken with one array test while many
+  blocks are left, the rest walked block by block; ``get_new_block_array`` evicts the
+  popped blocks' keys;
 * ``cache_full_blocks``: the bulk registration (masks, nulls) and its fallbacks (a key
   already cached, a key twice in one call, a block with a shorter key);
 * ``_evict_many`` with and without duplicate keys;
@@ -10,23 +11,25 @@ reference (:class:`tests.optimized.optimized_differential.Pair`):
   on random cached sets, alignments and windows;
 * the hybrid miss test of ``find_longest_cache_hit`` (first full block missing, too short
   a prompt) and the general search it falls back to;
-* the row-less count and refusal of ``allocate_slots`` and the allocation of every
-  group's blocks in one pop.
+* the row-less count (against the reference's ``blocks_to_allocate`` on random
+  layouts) and refusal of ``allocate_slots`` and the allocation of every group's blocks
+  in one pop.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from optimized.control.block_pool import BlockPool, FreeBlockQueue
-from optimized.control.coordinator import HybridCoordinator
+from optimized.control.coordinator import HybridCoordinator, make_coordinator
 from optimized.control.hashing import hashes_at_block_size
 from optimized.control.managers import FullAttentionManager, MambaManager, SlidingWindowManager
 from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.managers.base import blocks_to_allocate
 from reference.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from tests.optimized.optimized_differential import Pair
+from tests.optimized.optimized_differential import Pair, layouts
 
 # -- the free queue and the pool ---------------------------------------------------
 
@@ -40,13 +43,23 @@ def _queue(order: list[int], num_blocks: int = 32) -> FreeBlockQueue:
 
 
 def test_popleft_array_takes_runs_and_walks_the_rest() -> None:
-    # an ascending run 4..20 (17 ids), then 2 (walked alone), then a descending run
+    # an ascending run 4..70 (67 ids), then 2 (walked alone), then a descending run of 50
+    # ids (more than MIN_RUN_TEST: both runs are tested as runs), then 3
+    order = [*range(4, 71), 2, *range(120, 70, -1), 3]
+    queue = _queue(order, 128)
+    assert queue.popleft_array(68).tolist() == [*range(4, 71), 2]
+    assert queue.block_ids() == [*range(120, 70, -1), 3]
+    assert queue.num_free_blocks == 51
+    # the descending run 120..71 then one more block
+    assert queue.popleft_array(51).tolist() == [*range(120, 70, -1), 3]
+    assert queue.block_ids() == [] and queue.num_free_blocks == 0
+
+
+def test_popleft_array_walks_few_blocks_whatever_their_ids() -> None:
+    # 20 blocks (at most MIN_RUN_TEST): walked link by link, runs or not
     order = [*range(4, 21), 2, *range(31, 21, -1), 3]
     queue = _queue(order)
     assert queue.popleft_array(18).tolist() == [*range(4, 21), 2]
-    assert queue.block_ids() == [*range(31, 21, -1), 3]
-    assert queue.num_free_blocks == 11
-    # the descending run 31..22 then one more block
     assert queue.popleft_array(11).tolist() == [*range(31, 21, -1), 3]
     assert queue.block_ids() == [] and queue.num_free_blocks == 0
 
@@ -200,6 +213,25 @@ def test_hybrid_miss_test_and_the_general_search() -> None:
     pair.allocate("d", 41 - rn, hit)
     pair.free("a")
     pair.free("d")
+
+
+@given(
+    layout=layouts(),
+    num_tokens=st.integers(1, 200),
+    computed=st.one_of(st.just(0), st.integers(0, 64)),
+)
+def test_count_for_a_new_request_matches_the_reference_rule(
+    layout: KVCacheLayout, num_tokens: int, computed: int
+) -> None:
+    """``num_blocks_for_new_request`` (its nothing-computed shortcut included) is the sum
+    of the reference's ``blocks_to_allocate`` over the groups, nothing held, no hit."""
+    coordinator = make_coordinator(layout)
+    assume(coordinator.plain_counts)
+    expected = sum(
+        blocks_to_allocate(g.spec, num_tokens, 0, False, (), computed, lambda block: False)
+        for g in layout.groups
+    )
+    assert coordinator.num_blocks_for_new_request(num_tokens, computed) == expected
 
 
 def test_row_less_refusal_takes_no_row_and_matches_the_reference() -> None:

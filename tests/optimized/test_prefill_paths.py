@@ -7,14 +7,19 @@ the reference (:class:`tests.optimized.optimized_differential.Pair`):
   in a hand-made hit;
 * the free queue's scalar ``remove_each``;
 * a window's few tail blocks registered inline (``_cache_few``);
-* an admitted hit's new blocks registered from their list (``cache_new_blocks``,
-  ``BlockPool.cache_fresh_blocks``: inline, in bulk, masked, with a key twice);
+* an admitted hit's new blocks, and those of a fresh row with no hit, registered from
+  their list (``cache_new_blocks``, ``BlockPool.cache_fresh_blocks``: inline, in bulk,
+  from the popped array, at positions, with a key twice, a key already there and
+  twice); a window's kept positions (``cacheable_block_positions``) against the
+  reference's mask;
 * a one-group window scan looking blocks up from the right (``_scan_one_group``);
 * the one-pass hit search of one full-attention spec group and one other
   (``_two_spec_hit``) against the reference's general search.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -28,6 +33,7 @@ from optimized.control.managers import SlidingWindowManager
 from reference.coordinator import hybrid_coordinator_hit
 from reference.errors import KVConformError
 from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.managers.sliding_window import window_cache_mask
 from reference.specs import FullAttentionSpec, SlidingWindowSpec
 from tests.optimized.optimized_differential import Pair
 
@@ -149,6 +155,30 @@ def test_hand_made_hit_with_nulls_and_a_repeated_block() -> None:
     assert len(new[0]) == len(new[1]) == 1
 
 
+def test_hand_made_hit_sharing_a_free_block_between_groups() -> None:
+    """Both groups' hits hold block 3 (free): counted once per group, taken out of the
+    queue once and held twice, as a touch per group leaves it."""
+    manager = OptimizedManager(_full_and_window(30))
+    pool = manager.block_pool
+    pool.get_new_blocks(3)  # 1..3
+    pool.cache_full_blocks([1, 2, 3], [b"a", b"b", b"c"], 0, 0, 4)
+    pool.free_blocks([3, 2, 1])
+    free_before = pool.get_num_free_blocks()  # 29
+    request = manager.make_request("r", list(range(30)))
+    # 12 computed: the window (w 8) skips 5 tokens = 1 block, keeps [0, 3]
+    new = manager.allocate_slots(request, 4, 12, ComputedBlocks(((1, 2, 3), (9, 0, 3))))
+    # full: 4 - 3 = 1 new + 3 free hit blocks; window: 4 - max(1, 3) = 1 new + block 3
+    assert manager.last_num_blocks_to_allocate == 6
+    assert pool.get_num_free_blocks() == free_before - 3 - 2
+    assert pool.ref_cnt[[1, 2, 3]].tolist() == [1, 1, 2]
+    assert 3 not in pool.free_block_queue.block_ids()
+    row = manager.coordinator.row_of["r"]
+    full, window = manager.coordinator.managers
+    assert full.blocks(row) == [1, 2, 3, new[0][0]]
+    assert window.blocks(row) == [0, 0, 3, new[1][0]]
+    assert window.num_leading_null[row] == 2
+
+
 # -- the free queue's scalar removal --------------------------------------------------
 
 
@@ -263,19 +293,101 @@ def test_cache_fresh_blocks_by_hand() -> None:
     assert pool.block_group[8:20].tolist() == [0] * 12
 
 
-def test_cache_fresh_blocks_masked_and_with_a_key_twice() -> None:
+def test_cache_fresh_blocks_at_positions_and_with_a_key_twice() -> None:
     pool = BlockPool(40, enable_caching=True, hash_block_size=4, num_groups=2)
     pool.get_new_blocks(39)
     keys = [b"m%d" % i for i in range(20)]
-    mask = [i % 2 == 1 for i in range(20)]  # 10 kept: the masked bulk path
-    pool.cache_fresh_blocks(list(range(1, 21)), keys, 0, 2, 4, mask)
+    kept = list(range(1, 20, 2))  # 10 kept: the bulk path at positions
+    pool.cache_fresh_blocks([1 + k for k in kept], [keys[k] for k in kept], 0, 2, 4, kept)
     # kept positions 1, 3, ..., 19: blocks 2, 4, ..., 20 over (2 + k + 1) * 4 tokens
     assert sorted(pool.cached_block_entries()) == [(2 + 2 * j, 0, 16 + 8 * j) for j in range(10)]
+    # a few at positions (one block at a time): 31 at position 0, 33 at position 5
+    pool.cache_fresh_blocks([31, 33], [b"x", b"y"], 0, 2, 4, [0, 5])
+    assert pool.num_cached_tokens[[31, 33]].tolist() == [12, 32]
+    assert pool.cached[0][b"y"] == 33 and pool.block_group[33] == 0
     # a key twice in one call: the block-by-block rule (the first block is the head)
     twice = [b"t%d" % i for i in range(9)] + [b"t0"]
     pool.cache_fresh_blocks(list(range(21, 31)), twice, 1, 0, 4)
     assert pool.cached[1][b"t0"] == 21 and pool.duplicates[1] == {b"t0": [30]}
     assert pool.num_cached_tokens[30] == 40
+
+
+def test_cache_fresh_blocks_with_a_key_already_there_and_twice() -> None:
+    pool = BlockPool(40, enable_caching=True, hash_block_size=4)
+    pool.get_new_blocks(39)
+    pool.cache_block(1, b"a", 0, 4)  # a's head is 1
+    keys = [b"a", b"b", b"b", *(b"c%d" % i for i in range(7))]
+    blocks = list(range(10, 20))
+    # from the popped array too; first index 0, bs 4: 10 over 4 tokens, ..., 19 over 40
+    pool.cache_fresh_blocks(blocks, keys, 0, 0, 4, None, np.array(blocks, dtype=np.intp))
+    # block by block: 10 queues behind a's head 1, 11 heads b, 12 queues behind 11
+    assert pool.cached[0][b"a"] == 1 and pool.cached[0][b"b"] == 11
+    assert pool.duplicates[0] == {b"a": [10], b"b": [12]}
+    assert pool.num_cached_tokens[10:20].tolist() == [4 * (k + 1) for k in range(10)]
+    assert pool.block_hash[12] == b"b" and pool.block_group[19] == 0
+
+
+def test_fresh_rows_cache_their_new_blocks_like_the_reference() -> None:
+    for retention in (None, 0, 16):
+        pair = Pair(_full_and_window(120, 8, retention))
+        # no hit: 48 tokens, 12 blocks per group (the bulk paths), then 8 (inline)
+        pair.add("a", list(range(48)))
+        pair.allocate("a", 48)
+        pair.add("b", list(range(100, 108)))
+        pair.allocate("b", 8)
+        # a chunked prefill: the second chunk goes to a row that is no longer fresh
+        pair.add("c", list(range(300, 360)))
+        pair.allocate("c", 36)
+        pair.set_computed("c", 36)
+        pair.allocate("c", 24)
+        # a prompt sharing a's first 40 tokens hits them; another with no hit reuses
+        # a's freed blocks (their keys evicted as they are popped)
+        pair.free("a")
+        pair.add("d", [*range(40), *range(500, 520)])
+        hit = pair.lookup("d")
+        assert pair.allocate("d", 60 - hit[1][1], hit) is not None
+        pair.add("e", list(range(700, 760)))
+        assert pair.allocate("e", 60) is not None
+        for rid in ("b", "c", "d", "e"):
+            pair.free(rid)
+
+
+@given(
+    block_size=st.sampled_from([1, 2, 4]),
+    window=st.integers(1, 24),
+    scale=st.sampled_from([1, 2, 4]),
+    prompt=st.integers(1, 80),
+    junction=st.integers(0, 80),
+    span=st.tuples(st.integers(0, 30), st.integers(0, 30)),
+    retention=st.sampled_from([None, 0, 1, 2]),
+)
+def test_window_cache_positions_match_the_reference_mask(
+    block_size: int, window: int, scale: int, prompt: int, junction: int, span, retention
+) -> None:
+    """A window's ``cacheable_block_positions`` (its sparse case computed without a
+    mask) are the kept entries of the reference's ``window_cache_mask``; alignment
+    ``scale * bs`` (a full group of a larger block size sets it), retention dense, sparse
+    or an interval of scheduler blocks."""
+    layout = KVCacheLayout(
+        (
+            KVCacheGroup(("full",), FullAttentionSpec(block_size=block_size * scale)),
+            KVCacheGroup(("w",), SlidingWindowSpec(block_size=block_size, sliding_window=window)),
+        ),
+        num_blocks=16,
+        max_model_len=128,
+        enable_caching=True,
+    )
+    if retention is not None:
+        interval = retention * layout.scheduler_block_size
+        layout = dataclasses.replace(layout, prefix_cache_retention_interval=interval)
+    swa = OptimizedManager(layout).coordinator.managers[1]
+    assert swa._sparse_mask == (retention == 0)
+    request = OptimizedManager(layout).make_request("r", list(range(prompt)))
+    request.shared_prefix_boundary = junction
+    start, end = min(span), max(span)
+    mask = window_cache_mask(swa, request, start, end)
+    expected = None if mask is None else [k for k, keep in enumerate(mask) if keep]
+    assert swa.cacheable_block_positions(request, start, end) == expected
 
 
 def test_cache_new_blocks_falls_back_on_another_row_shape() -> None:

@@ -20,6 +20,7 @@ are skipped by :meth:`optimized.control.kv_cache_manager.KVCacheManager.schedule
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
 from typing import NamedTuple
 
 import numpy as np
@@ -36,15 +37,29 @@ BlockList = list[int]
 class HitAdoption(NamedTuple):
     """One group's share of a new request's hit, counted by
     :meth:`optimized.control.coordinator.KVCacheCoordinator.count_hit_admission` and
-    adopted by :meth:`SingleTypeKVCacheManager.adopt_hit`: ``skipped`` leading hit
-    columns become nulls, ``kept`` (intp, nulls included) fills the columns after them,
-    ``real`` is ``kept`` without its nulls, ``distinct`` says no block of ``real`` occurs
-    twice. Example: w 4, bs 2, hit ``[3, 5, 7]`` over 6 tokens -> skipped 1, kept ``[5,
-    7]``, real ``[5, 7]``, distinct."""
+    written to the row by :meth:`SingleTypeKVCacheManager.adopt_hit`: ``skipped``
+    leading hit columns become nulls, ``kept`` (intp, nulls included) fills the columns
+    after them, ``real`` is ``kept`` without its nulls. Example: w 4, bs 2, hit ``[3,
+    5, 7]`` over 6 tokens -> skipped 1, kept ``[5, 7]``, real ``[5, 7]``."""
 
     skipped: int
     kept: np.ndarray
     real: np.ndarray
+
+
+class HitAdmission(NamedTuple):
+    """A new request's whole hit as :meth:`optimized.control.coordinator.
+    KVCacheCoordinator.count_hit_admission` counted it: each group's
+    :class:`HitAdoption`, and every group's real blocks one group after the other
+    (``real``, intp) with their ref counts when counted (``counts``) and whether no block
+    occurs twice among them (``distinct``), for one touch of the pool
+    (:meth:`BlockPool.touch_array`) right after the count. Example: groups with real
+    blocks ``[5]`` and ``[8, 9]``, 8 free -> real ``[5, 8, 9]``, counts ``[1, 0, 2]``,
+    distinct."""
+
+    groups: list[HitAdoption]
+    real: np.ndarray
+    counts: np.ndarray
     distinct: bool
 
 
@@ -241,12 +256,11 @@ class SingleTypeKVCacheManager(ManagerBase):
 
     def adopt_hit(self, row: int, adoption: HitAdoption) -> None:
         """:meth:`add_local_computed_blocks` of a hit counted by the coordinator (a fresh
-        row): the row becomes ``[null] * skipped + kept``, its real blocks are touched
-        (:meth:`BlockPool.touch_array`) and counted as cached. Example: fresh row, skipped
-        1, kept ``[5, 7]`` -> row ``[0, 5, 7]``, leading 1, 3 blocks cached."""
-        skipped, kept, real, distinct = adoption
-        if real.size and self.enable_caching:
-            self.block_pool.touch_array(real, distinct)
+        row), the pool's touch of its real blocks aside (the coordinator touches every
+        group's at once): the row becomes ``[null] * skipped + kept``, counted as cached.
+        Example: fresh row, skipped 1, kept ``[5, 7]`` -> row ``[0, 5, 7]``, leading 1, 3
+        blocks cached."""
+        skipped, kept, real = adoption
         length = skipped + kept.size
         table = self.table
         if skipped:
@@ -287,6 +301,13 @@ class SingleTypeKVCacheManager(ManagerBase):
         window and Mamba apply :mod:`reference.retention`)."""
         return None
 
+    def cacheable_block_positions(self, request: Request, start: int, end: int) -> list[int] | None:
+        """The blocks of ``[start, end)`` that ``cache_blocks`` registers, as positions from
+        ``start`` (None: all): :meth:`cacheable_block_mask`'s kept entries. Example: mask
+        ``[False, True, True]`` -> ``[1, 2]``."""
+        mask = self.cacheable_block_mask(request, start, end)
+        return None if mask is None else list(compress(range(end - start), mask))
+
     def cache_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         """Register the full blocks of ``[0, num_tokens)`` not registered yet."""
         plan = self.cache_plan(request, row, num_tokens)
@@ -311,18 +332,26 @@ class SingleTypeKVCacheManager(ManagerBase):
         return num_cached, num_full, mask, hashes[num_cached:num_full]
 
     def cache_new_blocks(
-        self, request: Request, row: int, num_tokens: int, new_blocks: Sequence[int]
+        self,
+        request: Request,
+        row: int,
+        num_tokens: int,
+        new_blocks: Sequence[int],
+        new_array: np.ndarray | None = None,
     ) -> None:
         """:meth:`cache_blocks` right after an allocation that appended ``new_blocks`` (just
         popped: unhashed, not null) to a row holding only cached blocks before them
-        (``num_cached_block[row]`` columns): blocks ``[num_cached, num_full)`` are the
-        first ``num_full - num_cached`` new ones, registered from the list
+        (``num_cached_block[row]`` columns, none on a fresh row: -1 reads 0 there, as in
+        :meth:`cache_plan`): blocks ``[num_cached, num_full)`` are the first ``num_full -
+        num_cached`` new ones, registered from the list
         (:meth:`BlockPool.cache_fresh_blocks`), no table read. Only for a class that
         :meth:`shares_cache_plans`; any other row shape takes :meth:`cache_blocks`.
         Example: bs 4, 3 cached columns, new ``[8, 9]``, 18 tokens hashed and cached ->
-        ``8`` registered over 16 tokens, ``num_cached_block`` 4."""
-        num_cached = self.num_cached_block.item(row)
-        if num_cached < 0 or self.row_len.item(row) - len(new_blocks) != num_cached:
+        ``8`` registered over 16 tokens, ``num_cached_block`` 4; a fresh row given ``[8,
+        9]`` with 8 tokens: both, ``num_cached_block`` 2. ``new_array``: the new blocks
+        as an array too (None: made from the list when needed)."""
+        num_cached = max(self.num_cached_block.item(row), 0)
+        if self.row_len.item(row) - len(new_blocks) != num_cached:
             self.cache_blocks(request, row, num_tokens)
             return
         num_full = cacheable_full_blocks(request, num_tokens, self.block_size)
@@ -331,14 +360,27 @@ class SingleTypeKVCacheManager(ManagerBase):
         hashes = hashes_at_block_size(
             request.block_hashes, request.hash_block_size, self.block_size
         )
-        self.block_pool.cache_fresh_blocks(
-            new_blocks[: num_full - num_cached],
-            hashes[num_cached:num_full],
-            self.group_id,
-            num_cached,
-            self.block_size,
-            self.cacheable_block_mask(request, num_cached, num_full),
-        )
+        kept = self.cacheable_block_positions(request, num_cached, num_full)
+        if kept is None:
+            n = num_full - num_cached
+            self.block_pool.cache_fresh_blocks(
+                new_blocks[:n],
+                hashes[num_cached:num_full],
+                self.group_id,
+                num_cached,
+                self.block_size,
+                None,
+                None if new_array is None else new_array[:n],
+            )
+        elif kept:
+            self.block_pool.cache_fresh_blocks(
+                [new_blocks[k] for k in kept],
+                [hashes[num_cached + k] for k in kept],
+                self.group_id,
+                num_cached,
+                self.block_size,
+                kept,
+            )
         self.num_cached_block[row] = num_full
 
     def apply_cache_plan(self, row: int, plan: CachePlan) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
 from optimized.control.managers.base import SingleTypeKVCacheManager
+from optimized.control.request import Request
 from reference.managers.sliding_window import (
     blocks_needed_for_hit,
     sliding_window_hit,
@@ -26,6 +27,19 @@ from reference.specs import KVCacheSpec, SlidingWindowSpec
 class SlidingWindowManager(SingleTypeKVCacheManager):
     drops_blocks = True
     scan = staticmethod(sliding_window_hit)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        assert isinstance(self.spec, SlidingWindowSpec)
+        #: the blocks a hit ends with (``blocks_needed_for_hit``)
+        self._need = blocks_needed_for_hit(self.spec)
+        #: :meth:`cacheable_block_positions` computes its sparse case itself
+        self._sparse_mask = (
+            self.retention_interval == 0
+            and not self.use_eagle
+            and not self.eagle_replay
+            and self.cache_hit_alignment % self.block_size == 0
+        )
 
     @classmethod
     def find_longest_cache_hit(
@@ -115,6 +129,26 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return [run[:length]], length * bs
 
     cacheable_block_mask = window_cache_mask
+
+    def cacheable_block_positions(self, request: Request, start: int, end: int) -> list[int] | None:
+        """The kept positions of :func:`reference.managers.sliding_window.
+        window_cache_mask` over ``[start, end)``, the sparse case (retention interval 0,
+        no EAGLE, alignment ``A`` a multiple of ``bs``) computed with no mask: the blocks
+        ``[e - need, e)``, ``e = floor(B / A) * A // bs``, of the replay boundary ``B = P -
+        1`` and of the junction ``B = shared_prefix_boundary`` (0 when there is none:
+        then no block), in order. Any other setting reads the reference's mask. Example:
+        bs 16, A 16, w 128 (need 8), P 2048, no junction, blocks ``[0, 128)`` -> positions
+        ``119..126``."""
+        if not self._sparse_mask:
+            return super().cacheable_block_positions(request, start, end)
+        a, bs, need = self.cache_hit_alignment, self.block_size, self._need
+        e = (request.num_prompt_tokens - 1) // a * a // bs
+        kept = range(max(start, e - need) - start, min(end, e) - start)
+        e = request.shared_prefix_boundary // a * a // bs
+        junction = range(max(start, e - need) - start, min(end, e) - start)
+        if not junction or junction == kept:
+            return list(kept)
+        return sorted({*kept, *junction})
 
     def _skipped_tokens(self, total: np.ndarray) -> np.ndarray:
         assert isinstance(self.spec, SlidingWindowSpec)
