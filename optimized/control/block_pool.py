@@ -77,8 +77,15 @@ class RunEnds:
         """:func:`later_runs_first` of ``blocks`` at ``positions`` (ascending): a few
         blocks in one walk in Python (a list back), more as one slice per run, cut where
         the runs end (one ``searchsorted``). Example: lengths ``[2, 3]``, positions ``[0,
-        1, 3]``, blocks ``[7, 8, 9]`` -> ``[9, 7, 8]``."""
+        1, 3]``, blocks ``[7, 8, 9]`` -> ``[9, 7, 8]``. Every position of runs of one
+        length (twin windows dropping the same span, all unhashed): the runs as rows of
+        a matrix, read bottom up: lengths ``[2, 2]``, blocks ``[7, 8, 5, 6]`` -> ``[5, 6,
+        7, 8]``."""
         if positions.size > SMALL_REORDER:
+            lengths = self.lengths
+            first = lengths[0]
+            if blocks.size == first * len(lengths) and lengths.count(first) == len(lengths):
+                return blocks.reshape(len(lengths), first)[::-1].reshape(-1)
             ends = list(accumulate(self.lengths[:-1]))
             cuts = [0, *np.searchsorted(positions, ends).tolist(), blocks.size]
             pieces = [blocks[cuts[j] : cuts[j + 1]] for j in range(len(cuts) - 2, -1, -1)]

@@ -82,6 +82,18 @@ def test_run_ends_lays_out_many_blocks_one_slice_per_run() -> None:
     assert none_in_last.tolist() == [*range(1030, 1070, 2), *range(1000, 1030, 2)]
 
 
+def test_run_ends_reads_equal_runs_bottom_up() -> None:
+    """Five runs of 8 (twin windows dropping one span), every position kept: run 4's
+    blocks first, run 0's last, each in order; one position short, the slices' form."""
+    runs = RunEnds([8] * 5)
+    positions = np.arange(40)
+    blocks = positions + 1000
+    out = runs.last_first(positions, blocks)
+    assert out.tolist() == [b for r in range(4, -1, -1) for b in range(1000 + 8 * r, 1008 + 8 * r)]
+    short = runs.last_first(positions[1:], blocks[1:])
+    assert short.tolist() == out.tolist()[: 4 * 8] + list(range(1001, 1008))
+
+
 # -- free_runs with repeated blocks ---------------------------------------------------
 
 
