@@ -112,16 +112,23 @@ class RunEnds:
 
 #: :func:`later_runs_first` reorders at most this many blocks in Python (fewer calls).
 SMALL_REORDER = 32
+#: ... and at most this many with one stable sort (measured: 3.7 us against 8.1 for 192
+#: blocks in 128 runs; the linear layout wins from about 2000 blocks)
+STABLE_SORT_REORDER = 1024
 
 
 def later_runs_first(blocks: np.ndarray, runs: np.ndarray | list[int]) -> np.ndarray | list[int]:
     """``blocks`` (their ``runs`` non-decreasing) reordered run by run, the last run first,
     each run keeping its order: the front chain of successive frees, each prepending its
     own. O(len), no sort; up to :data:`SMALL_REORDER` blocks in Python (a list back).
+    Up to :data:`STABLE_SORT_REORDER` blocks, one stable sort of the runs descending
+    (fewer numpy calls than the linear layout, which wins on many blocks).
     Example: blocks ``[1, 2, 3, 4]``, runs ``[0, 0, 1, 3]`` -> ``[4, 3, 1, 2]``."""
     k = blocks.size
     if k < 2 or runs[0] == runs[-1]:
         return blocks
+    if SMALL_REORDER < k <= STABLE_SORT_REORDER:
+        return blocks[np.argsort(-np.asarray(runs), kind="stable")]
     if k <= SMALL_REORDER:
         ids, of = blocks.tolist(), runs if isinstance(runs, list) else runs.tolist()
         cuts = [0, *(j for j in range(1, k) if of[j] != of[j - 1]), k]

@@ -36,9 +36,10 @@ class UniformGroupPlan(NamedTuple):
 
 
 def same_everywhere(values: np.ndarray) -> bool:
-    """Does every entry equal the first (a non-empty array)? One bytes comparison.
-    Example: ``[5, 5, 5]`` -> True; ``[5, 6]`` -> False."""
-    return values.tobytes() == values[:1].tobytes() * values.size
+    """Does every entry (every row, of a matrix) equal the first (a non-empty array)? One
+    bytes comparison. Example: ``[5, 5, 5]`` -> True; ``[5, 6]`` -> False; ``[[1, 0], [1,
+    0]]`` -> True."""
+    return values.tobytes() == values[:1].tobytes() * len(values)
 
 
 def row_index(rows: np.ndarray) -> np.ndarray | slice:
@@ -48,6 +49,16 @@ def row_index(rows: np.ndarray) -> np.ndarray | slice:
     if rows.tobytes() == np.arange(first, first + rows.size, dtype=rows.dtype).tobytes():
         return slice(first, first + rows.size)
     return rows
+
+
+def _runs_alike(front: np.ndarray) -> bool:
+    """Does every row of ``front`` (item x freed block: goes to the front) count as many
+    front blocks as the first? One bytes comparison when every row is the same mask (the
+    common case: items alike hash the same columns), else a count per row. Example:
+    ``[[1, 0], [0, 1]]`` -> True; ``[[1, 1], [0, 1]]`` -> False."""
+    if same_everywhere(front):
+        return True
+    return same_everywhere(front.sum(axis=1, dtype=np.int64))
 
 
 def uniform_plan(
@@ -148,8 +159,7 @@ def apply_uniform(
             run_blocks, run_front = freed[:, order], unhashed[:, order]
         if num_front and num_pops:
             k = num_front // m
-            per_item = np.count_nonzero(run_front, axis=1)
-            if k * m != num_front or not same_everywhere(per_item) or k < num_pops:
+            if k * m != num_front or k < num_pops or not _runs_alike(run_front):
                 return None  # runs of unequal lengths, or pops past an item's own run
             if k == run_blocks.shape[1]:
                 runs = run_blocks

@@ -40,10 +40,18 @@ def test_later_runs_first_in_python_keeps_each_run_in_order() -> None:
 
 
 def test_later_runs_first_with_arrays_matches_the_hand_layout() -> None:
-    """40 blocks (over the Python limit) in runs 0 (10), 1 (20), 4 (10)."""
+    """40 blocks (over the Python limit: the stable sort) in runs 0 (10), 1 (20), 4 (10)."""
     runs = np.array([0] * 10 + [1] * 20 + [4] * 10)
     out = later_runs_first(np.arange(40), runs)
     assert list(out) == [*range(30, 40), *range(10, 30), *range(10)]
+
+
+def test_later_runs_first_of_many_blocks_matches_the_hand_layout() -> None:
+    """Over the stable sort's limit (the linear layout): 1500 blocks in runs 0 (500), 2
+    (700) and 5 (300) -> run 5's, then run 2's, then run 0's, each in order."""
+    runs = np.array([0] * 500 + [2] * 700 + [5] * 300)
+    out = later_runs_first(np.arange(1500), runs)
+    assert list(out) == [*range(1200, 1500), *range(500, 1200), *range(500)]
 
 
 def test_later_runs_first_leaves_one_run_alone() -> None:

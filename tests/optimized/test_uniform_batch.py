@@ -200,3 +200,38 @@ def test_lockstep_batches_match_reference(layout, num_requests, prompt_len, shar
     reference's tables, queue, counts and cache after every step."""
     pair = Pair(layout, min_batched_apply=0, columns=True)
     _lockstep(pair, num_requests, prompt_len, shared, steps)
+
+
+def test_same_everywhere_compares_entries_or_rows() -> None:
+    assert ud.same_everywhere(np.array([5, 5, 5])) and not ud.same_everywhere(np.array([5, 6]))
+    assert ud.same_everywhere(np.array([[1, 0], [1, 0]]))
+    assert not ud.same_everywhere(np.array([[1, 0], [0, 1]]))
+
+
+def test_runs_alike_counts_each_rows_front_blocks() -> None:
+    """Rows with one mask, rows with other masks but equal counts, unequal counts."""
+    assert ud._runs_alike(np.array([[True, False], [True, False]]))
+    assert ud._runs_alike(np.array([[True, False], [False, True]]))
+    assert not ud._runs_alike(np.array([[True, True], [False, True]]))
+
+
+def test_append_uniform_writes_each_popping_groups_column_at_the_shared_length() -> None:
+    """Groups popping 1, 0, 1 block, rows 0 and 1 of length 2, 2 and 3: popped
+    ``[[4, 5], [6, 7]]`` -> group 0 gets 4 and 6 at column 2, group 2 gets 5 and 7 at
+    column 3, group 1 nothing."""
+
+    class Rows:
+        def __init__(self) -> None:
+            self.table = np.zeros((4, 8), dtype=np.int32)
+            self.row_len = np.zeros(4, dtype=np.int32)
+            self.dirty_rows = np.zeros(4, dtype=bool)
+
+    groups = [Rows(), Rows(), Rows()]
+    plan = [ud.UniformGroupPlan(1, 2, 0, 0, 0), ud.UniformGroupPlan(0, 2, 0, 0, 0)]
+    plan.append(ud.UniformGroupPlan(1, 3, 0, 0, 0))
+    out = ud._append_uniform(groups, slice(0, 2), plan, np.array([[4, 5], [6, 7]]))
+    assert out == [[[4], [], [5]], [[6], [], [7]]]
+    assert groups[0].table[:2, 2].tolist() == [4, 6] and groups[2].table[:2, 3].tolist() == [5, 7]
+    assert groups[0].row_len[:2].tolist() == [3, 3] and groups[2].row_len[:2].tolist() == [4, 4]
+    assert not groups[1].table.any() and not groups[1].dirty_rows.any()
+    assert groups[0].dirty_rows[:2].all() and not groups[0].dirty_rows[2:].any()
