@@ -41,12 +41,8 @@ import numpy as np
 
 from optimized.control.block_pool import NULL_BLOCK_ID
 from optimized.control.managers.mamba import MambaManager
-from optimized.control.uniform_decode import (
-    apply_uniform,
-    same_everywhere,
-    uniform_caches_nothing,
-    uniform_plan,
-)
+from optimized.control.uniform_decode import apply_uniform, uniform_caches_nothing, uniform_plan
+from optimized.control.uniformity import same_everywhere
 from reference.request import RequestStatus
 
 _REQUEST_ID = attrgetter("request_id")

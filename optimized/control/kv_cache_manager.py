@@ -34,7 +34,7 @@ from optimized.control.batched_decode import apply_decode_item, apply_decode_ite
 from optimized.control.coordinator import DEFAULT_MAX_NUM_REQS, make_coordinator
 from optimized.control.managers.mamba import MambaManager
 from optimized.control.request import Request
-from optimized.control.uniform_decode import row_index
+from optimized.control.uniformity import row_index
 from reference.errors import InvalidRequestError
 from reference.kv_cache_manager import (
     ManagerBookkeeping,

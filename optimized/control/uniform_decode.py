@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from optimized.control.block_pool import NULL_BLOCK_ID
+from optimized.control.uniformity import row_index, same_everywhere
 
 
 class UniformGroupPlan(NamedTuple):
@@ -33,22 +34,6 @@ class UniformGroupPlan(NamedTuple):
     first_freed: int  # the freed span ``[first_freed, last_freed)`` (empty: none freed)
     last_freed: int
     cached: int  # the cached-block count (-1: the reference has no entry for the row)
-
-
-def same_everywhere(values: np.ndarray) -> bool:
-    """Does every entry (every row, of a matrix) equal the first (a non-empty array)? One
-    bytes comparison. Example: ``[5, 5, 5]`` -> True; ``[5, 6]`` -> False; ``[[1, 0], [1,
-    0]]`` -> True."""
-    return values.tobytes() == values[:1].tobytes() * len(values)
-
-
-def row_index(rows: np.ndarray) -> np.ndarray | slice:
-    """``rows`` as a slice when they are consecutive and increasing (views instead of
-    gathers), else themselves. Example: ``[4, 5, 6]`` -> ``slice(4, 7)``."""
-    first = rows.item(0)
-    if rows.tobytes() == np.arange(first, first + rows.size, dtype=rows.dtype).tobytes():
-        return slice(first, first + rows.size)
-    return rows
 
 
 def _runs_alike(front: np.ndarray) -> bool:

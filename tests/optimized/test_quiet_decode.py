@@ -44,6 +44,17 @@ def test_sliding_window_threshold_is_the_first_of_allocation_window_and_caching(
     assert [swa.decode_work_threshold_of(0), swa.decode_work_threshold_of(1)] == [47, 48]
 
 
+def test_rows_alike_share_one_threshold() -> None:
+    """Three rows with the docstring's counts (a batch prefilled together): 47 each, from
+    one row's figure; a fourth row unlike them takes the per-row form."""
+    swa = _manager(SlidingWindowSpec(block_size=16, sliding_window=32)).coordinator.managers[0]
+    for row in range(3):
+        _set_row(swa, row, held=3, leading=1, cached=2)
+    assert swa.decode_work_threshold(np.array([0, 1, 2])).tolist() == [47, 47, 47]
+    _set_row(swa, 3, held=3, leading=3, cached=3)
+    assert swa.decode_work_threshold(np.array([0, 1, 2, 3])).tolist() == [47, 47, 47, 48]
+
+
 def test_chunked_threshold_waits_for_the_chunk_that_skips_the_next_block() -> None:
     # C 32, bs 16, leading 0: block 0 leaves once c // 32 * 32 >= 16, first at c = 32;
     # held 4 (allocation at 64), cached 3 (caching at 63) -> 32

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import optimized.control.batched_decode as bd
 import optimized.control.uniform_decode as ud
+from optimized.control.uniformity import same_everywhere
 from reference.errors import KVConformError
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
@@ -203,9 +204,9 @@ def test_lockstep_batches_match_reference(layout, num_requests, prompt_len, shar
 
 
 def test_same_everywhere_compares_entries_or_rows() -> None:
-    assert ud.same_everywhere(np.array([5, 5, 5])) and not ud.same_everywhere(np.array([5, 6]))
-    assert ud.same_everywhere(np.array([[1, 0], [1, 0]]))
-    assert not ud.same_everywhere(np.array([[1, 0], [0, 1]]))
+    assert same_everywhere(np.array([5, 5, 5])) and not same_everywhere(np.array([5, 6]))
+    assert same_everywhere(np.array([[1, 0], [1, 0]]))
+    assert not same_everywhere(np.array([[1, 0], [0, 1]]))
 
 
 def test_runs_alike_counts_each_rows_front_blocks() -> None:

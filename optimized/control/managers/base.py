@@ -28,6 +28,7 @@ import numpy as np
 from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
 from optimized.control.hashing import hashes_at_block_size
 from optimized.control.request import Request
+from optimized.control.uniformity import same_everywhere
 from reference.managers.base import ManagerBase, blocks_to_allocate, cacheable_full_blocks
 from reference.specs import KVCacheSpec, cdiv
 
@@ -516,10 +517,15 @@ class SingleTypeKVCacheManager(ManagerBase):
         0 for every row when :meth:`always_tested`)."""
         if self.always_tested():
             return np.zeros(len(rows), dtype=np.int64)
-        cached = np.maximum(self.num_cached_block[rows], 0)
-        return self._threshold(
-            self.row_len[rows], self.num_leading_null[rows], cached, np.minimum, np.where
-        )
+        held, leading = self.row_len[rows], self.num_leading_null[rows]
+        cached = self.num_cached_block[rows]
+        if same_everywhere(held) and same_everywhere(leading) and same_everywhere(cached):
+            # rows alike (a batch prefilled together): one row's figure for all
+            one = self._threshold(
+                held.item(0), leading.item(0), max(cached.item(0), 0), min, _select
+            )
+            return np.full(len(held), one, dtype=np.int64)
+        return self._threshold(held, leading, np.maximum(cached, 0), np.minimum, np.where)
 
     def decode_work_threshold_of(self, row: int) -> int:
         """:meth:`decode_work_threshold` of one row, on Python ints (a few loud rows)."""
