@@ -1007,12 +1007,9 @@ class ScaleTier:
             raise ValueError(f"ScaleTier {self.name!r}: max_blocks < min_blocks")
 
 
-#: The tier names, smallest first. Written as one string of more than 20 characters:
-#: Hypothesis mixes the short string and large integer literals of kvconform's source
-#: into its derandomized streams (:mod:`properties.runner.profiles`), so a new literal
-#: would move the small tier's stream; this one is not collected (nor are the powers
-#: below, nor integers under 100: a module must not gain a literal another one has
-#: either, as the pool's order follows the files).
+#: The tier names, smallest first. (Written as one string from the time Hypothesis mixed
+#: the source's short literals into its derandomized streams; :mod:`properties.runner.
+#: profiles` now pins that pool to an empty one, so a new literal moves no stream.)
 SMALL, MEDIUM, PRODUCTION = TIER_NAMES = tuple("small medium production".split())  # noqa: SIM905
 
 TIERS: dict[str, ScaleTier] = {
