@@ -153,10 +153,21 @@ def sliding_window_block_mask(
                 mask[i - start_block] = True
     if retention_interval is not None:
         for boundary in boundaries:
-            end = boundary // alignment * alignment // block_size + shift
-            for j in range(max(start_block, end - need), min(end_block, end)):
+            run = boundary_blocks(boundary, alignment, block_size, need, shift)
+            for j in range(max(start_block, run.start), min(end_block, run.stop)):
                 mask[j - start_block] = True
     return mask
+
+
+def boundary_blocks(
+    boundary: int, alignment: int, block_size: int, need: int, shift: int = 0
+) -> range:
+    """The blocks a sliding-window group keeps for a hit ending at ``boundary`` (rule 3 of
+    :func:`sliding_window_block_mask`): ``[end - need, end)``, ``end = floor(B / A) * A //
+    bs + shift`` (its start may be below 0: callers clip). Example: B 10, A 4, bs 2, need
+    1 -> ``range(3, 4)``."""
+    end = boundary // alignment * alignment // block_size + shift
+    return range(end - need, end)
 
 
 def mamba_block_mask(

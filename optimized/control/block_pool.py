@@ -120,9 +120,9 @@ STABLE_SORT_REORDER = 1024
 def later_runs_first(blocks: np.ndarray, runs: np.ndarray | list[int]) -> np.ndarray | list[int]:
     """``blocks`` (their ``runs`` non-decreasing) reordered run by run, the last run first,
     each run keeping its order: the front chain of successive frees, each prepending its
-    own. O(len), no sort; up to :data:`SMALL_REORDER` blocks in Python (a list back).
-    Up to :data:`STABLE_SORT_REORDER` blocks, one stable sort of the runs descending
-    (fewer numpy calls than the linear layout, which wins on many blocks).
+    own. Up to :data:`SMALL_REORDER` blocks in Python (a list back); up to
+    :data:`STABLE_SORT_REORDER`, one stable sort of the runs descending (fewer numpy
+    calls); more, an O(len) layout with no sort.
     Example: blocks ``[1, 2, 3, 4]``, runs ``[0, 0, 1, 3]`` -> ``[4, 3, 1, 2]``."""
     k = blocks.size
     if k < 2 or runs[0] == runs[-1]:

@@ -19,6 +19,7 @@ from optimized.control.kv_cache_manager import KVCacheManager, StepBatch, StepIt
 from reference.errors import InvalidRequestError
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec, SlidingWindowSpec
+from tests.optimized.optimized_differential import Pair
 
 
 def _swa_manager() -> KVCacheManager:
@@ -194,3 +195,23 @@ def test_freed_blocks_of_long_spans_in_call_order_tail_first() -> None:
     assert blocks.tolist() == [22, 21, 33, 31]
     assert items.tolist() == [0, 0, 1, 1]
     assert calls.tolist() == [0, 0, 3, 3]
+
+
+def test_an_item_completing_a_block_beside_one_that_does_not_is_cached() -> None:
+    """Full attention bs 4, prefix cache on: r0 computed 10 tokens (2 blocks cached), r1
+    7 (1 cached). A decode step caches 11 and 8 tokens: r0 nothing new (11 // 4 = 2),
+    r1 its block 1 (8 // 4 = 2 > 1). The most any item caches (2 blocks) is within r0's
+    cached count but not r1's, so the step must still cache r1's block, as the
+    reference does."""
+    group = KVCacheGroup(("f",), FullAttentionSpec(block_size=4))
+    layout = KVCacheLayout((group,), num_blocks=20, max_model_len=64, enable_caching=True)
+    pair = Pair(layout, min_batched_apply=0, columns=True)
+    for rid, first, length in (("r0", 0, 10), ("r1", 100, 7)):
+        pair.add(rid, list(range(first, first + length)))
+        assert pair.allocate(rid, length) is not None
+        pair.set_computed(rid, length)
+        pair.append(rid, [7])
+    pair.step([("r0", 1, 0), ("r1", 1, 0)])
+    r1_blocks = pair.opt.get_block_ids("r1")[0]
+    cached = {b for b, _, _ in pair.opt.block_pool.cached_block_entries()}
+    assert r1_blocks[1] in cached

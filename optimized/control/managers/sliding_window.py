@@ -21,6 +21,7 @@ from reference.managers.sliding_window import (
     sliding_window_hit,
     window_cache_mask,
 )
+from reference.retention import boundary_blocks
 from reference.specs import KVCacheSpec, SlidingWindowSpec
 
 
@@ -133,22 +134,21 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def cacheable_block_positions(self, request: Request, start: int, end: int) -> list[int] | None:
         """The kept positions of :func:`reference.managers.sliding_window.
         window_cache_mask` over ``[start, end)``, the sparse case (retention interval 0,
-        no EAGLE, alignment ``A`` a multiple of ``bs``) computed with no mask: the blocks
-        ``[e - need, e)``, ``e = floor(B / A) * A // bs``, of the replay boundary ``B = P -
-        1`` and of the junction ``B = shared_prefix_boundary`` (0 when there is none:
-        then no block), in order. Any other setting reads the reference's mask. Example:
-        bs 16, A 16, w 128 (need 8), P 2048, no junction, blocks ``[0, 128)`` -> positions
-        ``119..126``."""
+        no EAGLE, alignment a multiple of ``bs``) computed with no mask: the blocks the
+        reference keeps for each reachable boundary (:func:`reference.retention.
+        boundary_blocks` of the replay boundary and of the junction, if any), clipped, in
+        order. Any other setting reads the reference's mask. Example: bs 16, A 16, w 128
+        (need 8), P 2048, no junction, blocks ``[0, 128)`` -> positions ``119..126``."""
         if not self._sparse_mask:
             return super().cacheable_block_positions(request, start, end)
         a, bs, need = self.cache_hit_alignment, self.block_size, self._need
-        e = (request.num_prompt_tokens - 1) // a * a // bs
-        kept = range(max(start, e - need) - start, min(end, e) - start)
-        e = request.shared_prefix_boundary // a * a // bs
-        junction = range(max(start, e - need) - start, min(end, e) - start)
-        if not junction or junction == kept:
-            return list(kept)
-        return sorted({*kept, *junction})
+        runs = [
+            range(max(start, run.start) - start, min(end, run.stop) - start)
+            for run in (boundary_blocks(b, a, bs, need) for b in self.reachable_boundaries(request))
+        ]
+        if len(runs) == 1:
+            return list(runs[0])
+        return sorted({k for run in runs for k in run})
 
     def _skipped_tokens(self, total: np.ndarray) -> np.ndarray:
         assert isinstance(self.spec, SlidingWindowSpec)
