@@ -614,8 +614,14 @@ def _bench(args: argparse.Namespace, finished: list) -> int:
             memory=args.memory,
             on_row=keeping(engine_line),
             cpu=args.cpu,
+            calls=args.calls,
         )
         print(format_engine_bench(rows))
+        if args.calls:
+            from properties.tools.bench.call_profile import format_call_profile
+
+            print("\nwhere the time goes, per protocol call:")
+            print(format_call_profile(rows))
         return 1 if engine_mismatches(rows) else 0
     elif args.what == "device":
         from properties.tools.bench.device import run_device_bench
@@ -860,6 +866,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cpu", action="store_true", help="engines: time engine calls in CPU time (thread_time)"
+    )
+    p.add_argument(
+        "--calls",
+        action="store_true",
+        help="engines: also split each row's time by protocol call (per decode step, per prefill)",
     )
     p.add_argument("--sizes", type=int, nargs="*", default=None, help="device: concurrencies")
     p.add_argument("--context", type=int, default=2048, help="device: prompt tokens")

@@ -74,6 +74,7 @@ from properties.generate.presets import (
     sliding,
 )
 from properties.runner.scheduler import Scheduler, StepRecord
+from properties.tools.bench.call_profile import CallShare, CallTime, call_shares, call_times
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
 from reference.specs import cdiv
@@ -440,6 +441,10 @@ class Replay:
     prefill_seconds: float = 0.0
     prefills: int = 0
     max_running: int = 0
+    #: with ``calls``: the engine's time per protocol call, summed over the decode steps
+    #: and over the prefill steps (:class:`CallTime`, most expensive first)
+    decode_calls: tuple[CallTime, ...] = ()
+    prefill_calls: tuple[CallTime, ...] = ()
 
 
 class TimedEngine(EngineProxy):
@@ -453,6 +458,10 @@ class TimedEngine(EngineProxy):
         super().__init__(engine)
         self.engine = engine
         self.seconds = 0.0
+        #: per protocol call, seconds and calls (None: not kept; :func:`replay_timed`'s
+        #: ``calls``)
+        self.call_seconds: dict[str, float] | None = None
+        self.call_counts: dict[str, int] = {}
         #: wall time (``time.perf_counter``) or the thread's CPU time (``time.thread_time``:
         #: steadier on a busy machine, :data:`CPU_CLOCK`)
         self.clock = clock
@@ -462,7 +471,12 @@ class TimedEngine(EngineProxy):
         try:
             return fn(*args)
         finally:
-            self.seconds += self.clock() - start
+            elapsed = self.clock() - start
+            self.seconds += elapsed
+            if self.call_seconds is not None:
+                name = fn.__name__
+                self.call_seconds[name] = self.call_seconds.get(name, 0.0) + elapsed
+                self.call_counts[name] = self.call_counts.get(name, 0) + 1
 
     def add_request(self, request):
         return self._timed(self.engine.add_request, request)
@@ -538,12 +552,17 @@ def timed(engine: KVCacheEngine, clock: Callable[[], float] = time.perf_counter)
 
 
 def replay_timed(
-    engine: KVCacheEngine, trace: Trace, clock: Callable[[], float] = time.perf_counter
+    engine: KVCacheEngine,
+    trace: Trace,
+    clock: Callable[[], float] = time.perf_counter,
+    calls: bool = False,
 ) -> Replay:
     """Apply ``trace`` to a fresh scheduler over ``engine``, timing every ``Step`` (wall
     time in ``step_seconds``; the split into decode and prefill counts the time spent
-    inside the engine's calls only, see :class:`TimedEngine`)."""
+    inside the engine's calls only, see :class:`TimedEngine`). ``calls``: also that time
+    per protocol call (``decode_calls``, ``prefill_calls``)."""
     engine = timed(engine, clock)
+    split = _CallSplit(engine) if calls else None
     scheduler = Scheduler(engine, trace.layout)
     seconds: list[float] = []
     decode_seconds: list[float] = []
@@ -552,6 +571,7 @@ def replay_timed(
     prompt_len: dict[str, int] = {}
     clock = time.perf_counter
     for op in trace.operations:
+        kind: bool | None = None  # the step's kind for ``split``: decode, prefill, neither
         if isinstance(op, Step):
             start = clock()
             inside = engine.seconds
@@ -569,6 +589,7 @@ def replay_timed(
                 else:
                     decode_seconds.append(elapsed)
                     decode_items += len(record.scheduled)
+                kind = not in_prefill
             max_running = max(max_running, len(scheduler.running))
             hits += sum(s.hit_tokens for s in record.scheduled)
             preempted += len(record.preempted)
@@ -576,6 +597,8 @@ def replay_timed(
             if isinstance(op, Arrive):
                 prompt_len[op.request_id] = len(op.prompt)
             scheduler.apply(op)
+        if split is not None:
+            split.op_ended(kind)
     return Replay(
         tuple(seconds),
         busy,
@@ -587,7 +610,36 @@ def replay_timed(
         prefill_seconds,
         prefills,
         max_running,
+        *(split.totals() if split is not None else ((), ())),
     )
+
+
+class _CallSplit:
+    """:func:`replay_timed`'s per-call time, split by step kind: after each operation the
+    calls' growth since the last one is added to the decode steps' totals (a decode
+    step), the prefill steps' (a busy step with a prefill chunk) or neither (an idle step,
+    an arrival or any other operation, as the decode and prefill columns count them)."""
+
+    def __init__(self, engine: TimedEngine) -> None:
+        self.engine = engine
+        engine.call_seconds, engine.call_counts = {}, {}
+        self.seen: tuple[dict[str, float], dict[str, int]] = ({}, {})
+        self.sums = {True: ({}, {}), False: ({}, {})}
+
+    def op_ended(self, decode: bool | None) -> None:
+        seconds, counts = self.engine.call_seconds or {}, self.engine.call_counts
+        if decode is not None:
+            into_seconds, into_counts = self.sums[decode]
+            for name, total in seconds.items():
+                grew = total - self.seen[0].get(name, 0.0)
+                calls = counts[name] - self.seen[1].get(name, 0)
+                if calls:
+                    into_seconds[name] = into_seconds.get(name, 0.0) + grew
+                    into_counts[name] = into_counts.get(name, 0) + calls
+        self.seen = (dict(seconds), dict(counts))
+
+    def totals(self) -> tuple[tuple[CallTime, ...], tuple[CallTime, ...]]:
+        return call_times(*self.sums[True]), call_times(*self.sums[False])
 
 
 def engine_alone(engine: KVCacheEngine) -> KVCacheEngine:
@@ -642,6 +694,8 @@ class EngineBenchRow:
     kib_per_req: float | None = None
     decode_speedup: float | None = None
     prefill_speedup: float | None = None
+    #: with ``calls``: where the decode and prefill time went, per protocol call
+    calls: tuple[CallShare, ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -670,8 +724,10 @@ def _measure(
     repeat: int,
     memory: bool = False,
     clock: Callable[[], float] = time.perf_counter,
+    calls: bool = False,
 ) -> EngineBenchRow:
-    """The fastest of ``repeat`` replays (by total step time); errors become the status."""
+    """The fastest of ``repeat`` replays (by total step time); errors become the status.
+    ``calls``: the row also splits its time by protocol call (:mod:`.call_profile`)."""
     try:
         factory = resolve_engine(name, isolation="none")
     except EngineError as exc:
@@ -690,7 +746,7 @@ def _measure(
         gc.collect()
         gc.freeze()
         try:
-            result = replay_timed(engine, trace, clock)
+            result = replay_timed(engine, trace, clock, calls)
         except KVConformError as exc:
             return EngineBenchRow(trace_name, name, f"error: {exc}")
         finally:
@@ -710,6 +766,11 @@ def _measure(
         decode_us_per_req=1e6 * decode_total / best.decode_items if best.decode_items else None,
         prefill_ms_per_req=1000 * best.prefill_seconds / best.prefills if best.prefills else None,
         kib_per_req=kib,
+        calls=call_shares(
+            best.decode_calls, len(best.decode_seconds), best.prefill_calls, best.prefills
+        )
+        if calls
+        else None,
         trace=trace_name,
         engine=name,
         status="ok",
@@ -787,12 +848,14 @@ def bench_engines(
     memory: bool = False,
     on_row: Callable[[EngineBenchRow], None] | None = None,
     cpu: bool = False,
+    calls: bool = False,
 ) -> list[EngineBenchRow]:
     """One row per trace and engine, in that order; ``traces`` defaults to
     :func:`recorded_traces`. The first engine is the baseline of the ratios. ``cpu``: the
     engine's calls are timed in the thread's CPU time (:data:`CPU_CLOCK`) instead of wall
     time, so the decode and prefill columns hold CPU milliseconds.
-    ``on_row`` hears of each row as soon as it is measured (progress)."""
+    ``on_row`` hears of each row as soon as it is measured (progress). ``calls``: each
+    row also says where its time went, per protocol call (``EngineBenchRow.calls``)."""
     if not engines:
         raise BenchError("engines must name at least one engine, got ()")
     if not isinstance(repeat, int) or repeat < 1:
@@ -804,7 +867,7 @@ def bench_engines(
     for trace_name, trace in traces.items():
         for name in engines:
             clock = CPU_CLOCK if cpu else time.perf_counter
-            rows.append(_measure(name, trace_name, trace, repeat, memory, clock))
+            rows.append(_measure(name, trace_name, trace, repeat, memory, clock, calls))
             if on_row is not None:
                 on_row(rows[-1])
     return with_speedups(with_ratios(rows))
