@@ -70,12 +70,12 @@ def _never(block: int) -> bool:
 class KVCacheCoordinator:
     """Shared pool, per-group managers and the request -> row map.
 
-    ``min_batched_free``: :meth:`free_many` of fewer requests than this frees them row by
-    row (the one-pass form costs some dozens of numpy calls; measured on the bench's
-    decode-heavy trace, 2 or 3 requests at once cost more in one pass than one by one).
+    ``min_batched_free``: :meth:`free_many` of fewer requests than this reads their rows one
+    by one (:meth:`_free_few_rows`; the sheet form costs some dozens of numpy calls:
+    measured on the bench's decode-heavy trace, 2 or 3 requests cost more that way).
     """
 
-    #: Fewer requests than this are freed row by row in :meth:`free_many`.
+    #: Fewer requests than this are freed by :meth:`_free_few_rows` in :meth:`free_many`.
     min_batched_free: int = 8
 
     def __init__(self, layout: KVCacheLayout, max_num_reqs: int = DEFAULT_MAX_NUM_REQS) -> None:
@@ -317,16 +317,16 @@ class KVCacheCoordinator:
         (reversed), request 1 group 1, ..., request 2 group 0, ... go to
         :meth:`BlockPool.free_runs` as one run per (request, group), which gives the counts
         and free queue of the successive calls (shared blocks move at their last
-        reference). Fewer than :attr:`min_batched_free` requests are freed row by row
-        (:meth:`_free_row`: measured as cheap as one pass over a few rows, and a row's
-        blocks are distinct, so no repeat count), more as one sheet per group
+        reference). Fewer than :attr:`min_batched_free` requests take
+        :meth:`_free_few_rows` (rows read one by one: measured cheaper for a few rows than
+        the sheets), more one sheet per group
         (:meth:`SingleTypeKVCacheManager.rows_held`). Example: ids ``a, b`` one group,
         tables ``[1, 2]``, ``[3]``, all unhashed -> queue ``[3, 2, 1, ...]`` as
         ``free(a); free(b)`` gives."""
         rows = [r for r in map(self.row_of.pop, request_ids, repeat(None)) if r is not None]
         if len(rows) < max(self.min_batched_free, 1):
             if rows:
-                self._free_rows_held_once(rows)
+                self._free_few_rows(rows)
             return
         at: np.ndarray | slice = np.asarray(rows, dtype=np.intp)
         if rows[-1] - rows[0] == len(rows) - 1 and not np.count_nonzero(at[1:] - at[:-1] - 1):
@@ -351,18 +351,20 @@ class KVCacheCoordinator:
     def free(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)
         if row is not None:
-            self._free_rows_held_once((row,))
+            self._free_few_rows((row,))
 
-    def _free_rows_held_once(self, rows: Sequence[int]) -> None:
-        """:meth:`_free_row` of each of a few ``rows`` in order, in one pass when every
-        block they hold is held once (ref count 1: the common case, no prefix shared with
-        another request). Then no block occurs twice, each reaches 0, and the queue gets
-        what the successive frees give: the unhashed blocks at the front run by run, the
-        last run first, the hashed ones at the back in run order (a run: one row's group,
-        tail first; :func:`front_chain`). Each row is read up to its length, nulls skipped
-        by value (a stale leading-null count cannot hide a block). Any other count (a
-        shared block, one not held) leaves the rows to :meth:`_free_row`, one by one.
-        Example: one row, groups ``[0, 0, 7, 9]`` (9 unhashed) and ``[4, 5]`` (5
+    def _free_few_rows(self, rows: Sequence[int]) -> None:
+        """Free each of a few ``rows`` in order (each group's blocks tail first, groups in
+        order, then the row released in every group), in one pass. Each row is read up
+        to its length, nulls skipped by value (a stale leading-null count cannot hide a
+        block). When every block is held once (ref count 1: the common case, no prefix
+        shared with another request) no block occurs twice and each reaches 0: the queue
+        gets the unhashed blocks at the front run by run, the last run first, and the
+        hashed ones at the back in run order (a run: one row's group, tail first;
+        :func:`front_chain`). Any other count (a prefix shared by some of the rows or
+        held by another request, a block not held) goes to :meth:`BlockPool.free_runs`
+        with its repeats counted. Either way: the counts and queue of the successive
+        frees. Example: one row, groups ``[0, 0, 7, 9]`` (9 unhashed) and ``[4, 5]`` (5
         unhashed), each held once -> the back gets ``[7, 4]``, the front ``[5, 9]``."""
         managers = self.managers
         pool = self.block_pool
@@ -378,8 +380,13 @@ class KVCacheCoordinator:
         ids = table_ids.take(at) if at.size < table_ids.size else table_ids
         if ids.size:
             if not pool.all_held_once(ids):
-                for row in rows:  # a block held more than once (or not held): row by row
-                    self._free_row(row)
+                # a block held more than once (a shared prefix) or not held: one pass that
+                # counts the repeats (:meth:`BlockPool.free_runs`, one run per row and group)
+                if len(rows) == 1:
+                    pool.free_runs(table_ids, RunEnds(lengths), repeats=False)
+                else:
+                    pool.free_runs(table_ids, RunEnds(lengths), repeats=True)
+                self._release_rows(rows)
                 return
             pool.ref_cnt[ids] = 0
             to_front = pool.block_group.take(ids) < 0
@@ -396,27 +403,15 @@ class KVCacheCoordinator:
                     queue.prepend_n(chain)
                 else:
                     queue.prepend_append(chain, ids.compress(~to_front))
+        self._release_rows(rows)
+
+    def _release_rows(self, rows: Sequence[int]) -> None:
+        """Release each of ``rows`` in every group and return it to the free rows."""
+        managers = self.managers
         for row in rows:
             for m in managers:
                 m.release_row(row)
             heapq.heappush(self._free_rows, row)
-
-    def _free_row(self, row: int) -> None:
-        """Free one request's row: each group's blocks in reverse order
-        (``SingleTypeKVCacheManager.free``), groups in order, in one pass
-        (:meth:`BlockPool.free_runs`: a row's blocks are distinct), then release the row
-        in every group. Each group's row is read from its leading-null count on
-        (:meth:`SingleTypeKVCacheManager.held_blocks`: the whole row when a stale count
-        would hide a block). Example: rows ``[0, 0, 7, 9]`` (2 leading nulls) and ``[4]``
-        -> frees ``9, 7`` then ``4``."""
-        managers = self.managers
-        parts = [m.held_blocks(row)[::-1] for m in managers]
-        ids = np.concatenate(parts, dtype=np.intp)
-        if ids.size:
-            self.block_pool.free_runs(ids, RunEnds([p.size for p in parts]), repeats=False)
-        for m in managers:
-            m.release_row(row)
-        heapq.heappush(self._free_rows, row)
 
     def new_step_starts(self) -> None:
         for m in self.managers:

@@ -239,20 +239,6 @@ def test_twin_windows_share_one_pending_work_test_and_match_the_reference() -> N
     _prefill_then_decode(_window_pair(100, caching=False, windows=2), [24, 24, 5], steps=9)
 
 
-def test_held_blocks_skips_leading_nulls_only_when_they_are_null() -> None:
-    """``free`` reads a row from its leading-null count on, unless a real block lies
-    before it (a stale count): then the whole row, so no block leaks."""
-    pair = _window_pair(100, caching=False)
-    window = pair.opt.coordinator.managers[1]
-    row = 0
-    window.table[row, :4] = [0, 0, 7, 9]
-    window.row_len[row] = 4
-    window.num_leading_null[row] = 2
-    assert window.held_blocks(row).tolist() == [7, 9]
-    window.table[row, :4] = [5, 6, 7, 9]  # a stale count of 2: blocks 5, 6 are real
-    assert window.held_blocks(row).tolist() == [5, 6, 7, 9]
-
-
 @pytest.mark.parametrize("caching", [True, False])
 def test_twin_windows_dropping_many_blocks_one_item_at_a_time_match_the_reference(
     caching: bool,

@@ -1,13 +1,14 @@
-"""The one-pass free of a few rows whose blocks are each held once
-(:meth:`optimized.control.coordinator.KVCacheCoordinator._free_rows_held_once`) and its
-pieces, each checked against queues worked out by hand:
+"""The one-pass free of a few rows
+(:meth:`optimized.control.coordinator.KVCacheCoordinator._free_few_rows`) and its pieces,
+each checked against queues worked out by hand:
 
 * :func:`front_chain`: the unhashed blocks of runs laid end to end, the last run first;
 * :meth:`FreeBlockQueue.prepend_append`: a front chain and a back chain linked at once
   (and the two-call form for a queue of fewer than two blocks);
 * ``free`` of one row and ``free_many`` of two rows on hand-built tables (hashed and
   unhashed blocks in both groups), a stale leading-null count (the row is read whole),
-  and a block held twice (the row-by-row path, which must be the one taken).
+  a block held twice, a prefix shared by two rows freed together (repeats counted in the
+  same pass), and a block freed more often than held (an error).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 from optimized.control.block_pool import FreeBlockQueue
 from optimized.control.coordinator import KVCacheCoordinator, front_chain
 from properties.engines.optimized import make_engine
+from reference.errors import KVConformError
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec, SlidingWindowSpec
 
@@ -119,13 +121,6 @@ def _coordinator(
     return coord
 
 
-def _refuse_row_by_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(self: KVCacheCoordinator, row: int) -> None:
-        raise AssertionError("the row-by-row path was taken")
-
-    monkeypatch.setattr(KVCacheCoordinator, "_free_row", refuse)
-
-
 def _assert_released(coord: KVCacheCoordinator, rows: list[int]) -> None:
     for m in coord.managers:
         assert not m.table[rows].any()
@@ -139,7 +134,6 @@ def test_one_row_frees_every_group_in_one_pass(monkeypatch: pytest.MonkeyPatch) 
     tail first the runs are ``[3, 2, 1]`` and ``[5, 4]``; the unhashed go to the front,
     the window's first -> ``[5, 3, 2]``; the hashed to the back in run order ->
     ``[1, 4]``; the queue was ``[6 .. 19]``."""
-    _refuse_row_by_row(monkeypatch)
     coord = _coordinator({"x": ([1, 2, 3], [0, 0, 4, 5], 2)}, hashed=[1, 4])
     coord.free("x")
     pool = coord.block_pool
@@ -155,7 +149,6 @@ def test_a_stale_leading_count_does_not_hide_a_block(monkeypatch: pytest.MonkeyP
     """Window row ``[6, 0, 4, 5]`` with a leading count of 2 (stale: 6 is real): the row
     is read whole, so 6 is freed too: runs ``[3, 2, 1]``, ``[5, 4, 6]`` -> front ``[5, 6,
     3, 2]``, back ``[1, 4]``."""
-    _refuse_row_by_row(monkeypatch)
     coord = _coordinator({"x": ([1, 2, 3], [6, 0, 4, 5], 2)}, hashed=[1, 4])
     coord.free("x")
     assert coord.block_pool.free_block_queue.block_ids() == [5, 6, 3, 2, *range(7, 20), 1, 4]
@@ -167,7 +160,6 @@ def test_two_rows_are_freed_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None
     ``[4, 5]``, window ``[0, 6]``), 1 and 4 hashed: runs y.full ``[5, 4]``, y.window
     ``[6]``, x.full ``[2, 1]``, x.window ``[3]`` -> front ``[3, 2, 6, 5]``, back ``[4,
     1]``, as ``free(y); free(x)`` gives."""
-    _refuse_row_by_row(monkeypatch)
     coord = _coordinator({"x": ([1, 2], [0, 3], 1), "y": ([4, 5], [0, 6], 1)}, hashed=[1, 4])
     coord.free_many(["y", "x"])
     queue = coord.block_pool.free_block_queue
@@ -178,27 +170,43 @@ def test_two_rows_are_freed_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None
     _assert_released(coord, [0, 1])
 
 
-def test_a_block_held_twice_sends_the_rows_row_by_row() -> None:
-    """Block 2 held twice (another request shares it): the one-pass rule does not apply,
-    ``_free_row`` frees the row; 2 keeps one reference and stays out of the queue:
-    front ``[5, 3]``, back ``[1, 4]``."""
+def test_a_block_held_twice_stays_out_of_the_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block 2 held twice (another request shares it): the same pass counts it, 2 keeps
+    one reference and stays out of the queue: front ``[5, 3]``, back ``[1, 4]``."""
     coord = _coordinator({"x": ([1, 2, 3], [0, 0, 4, 5], 2)}, hashed=[1, 4])
     coord.block_pool.touch([2])
-    rows_freed: list[int] = []
-    row_by_row = KVCacheCoordinator._free_row
-
-    def spy(self: KVCacheCoordinator, row: int) -> None:
-        rows_freed.append(row)
-        row_by_row(self, row)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(KVCacheCoordinator, "_free_row", spy)
-        coord.free("x")
-    assert rows_freed == [0]
+    coord.free("x")
     pool = coord.block_pool
     assert pool.free_block_queue.block_ids() == [5, 3, *range(6, 20), 1, 4]
     assert pool.ref_cnt[1:6].tolist() == [0, 1, 0, 0, 0]
     _assert_released(coord, [0])
+
+
+def test_a_prefix_shared_by_rows_freed_together_moves_at_its_last_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """x (full ``[1, 2]``, window ``[0, 3]``) and y (full ``[1, 4]``, window ``[0, 5]``)
+    share the hashed block 1 (held twice). ``free(x)``: 2 and 3 to the front, 1 keeps a
+    reference; ``free(y)``: 4 and 5 to the front, 1 reaches 0 and goes to the back. One
+    pass over both rows gives the same: front ``[5, 4, 3, 2]``, back ``[1]``."""
+    coord = _coordinator({"x": ([1, 2], [0, 3], 1), "y": ([1, 4], [0, 5], 1)}, hashed=[1])
+    coord.block_pool.touch([1])
+    assert coord.block_pool.ref_cnt[1] == 2
+    coord.free_many(["x", "y"])
+    queue = coord.block_pool.free_block_queue
+    assert queue.block_ids() == [5, 4, 3, 2, *range(6, 20), 1]
+    assert _walk_back(queue) == [5, 4, 3, 2, *range(6, 20), 1]
+    assert coord.block_pool.ref_cnt[1:6].tolist() == [0] * 5
+    _assert_released(coord, [0, 1])
+
+
+def test_a_block_freed_more_often_than_held_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block 2 in the row but not held (ref count 0): freeing the row is an error naming
+    the block."""
+    coord = _coordinator({"x": ([1, 2, 3], [0, 0, 4, 5], 2)}, hashed=[])
+    coord.block_pool.ref_cnt[2] = 0
+    with pytest.raises(KVConformError, match="block 2 freed more often than allocated"):
+        coord.free("x")
 
 
 @pytest.mark.parametrize(
@@ -215,7 +223,6 @@ def test_many_unhashed_blocks_take_the_array_layout(
     """Full row ``[1 .. 20]``, window row ``[0] * 5 + [21 .. 40]`` (over the list limit
     of the front chain): the window's blocks tail first, then the full row's, at the
     front; the hashed ones (if any) at the back; the queue was ``[41 .. 59]``."""
-    _refuse_row_by_row(monkeypatch)
     full, window = list(range(1, 21)), [0] * 5 + list(range(21, 41))
     coord = _coordinator({"x": (full, window, 5)}, hashed, _layout(60, 64))
     coord.free("x")

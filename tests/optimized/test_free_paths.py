@@ -6,7 +6,7 @@ the coordinator's row reads), each forced and checked by hand and against the re
   (:class:`RunEnds`, both forms, and its one-walk layout of a few blocks);
 * ``free_runs`` with a block repeated across runs (a prefix shared by requests freed
   together): it moves at its last occurrence, to the front or the back;
-* ``free_requests`` of a few requests (row by row)
+* ``free_requests`` of a few requests (rows read one by one)
   and of many (one sheet per group: consecutive rows read as views, scattered rows
   gathered), against the reference's successive frees;
 * the sheet read skipping the leading columns null in every row, but not when a stale
@@ -246,7 +246,7 @@ PROMPTS = {
 @pytest.mark.parametrize("threshold", [2, 100], ids=["sheets", "row-by-row"])
 def test_free_requests_matches_the_reference(caching, order, threshold, monkeypatch) -> None:
     """Rows 0..3 in arrival order: the batch reads consecutive rows as views
-    ("consecutive"), others by gathering; with a threshold of 100 row by row."""
+    ("consecutive"), others by gathering; with a threshold of 100 one row at a time."""
     monkeypatch.setattr(KVCacheCoordinator, "min_batched_free", threshold)
     ours, ref = _engines_with(PROMPTS, caching)
     assert ours.manager.coordinator.row_of == {"a": 0, "b": 1, "c": 2, "d": 3}

@@ -37,7 +37,7 @@ EXPECTED_QUEUE = [5, 3, *range(6, 20), 4, 2, 1]
 @pytest.fixture(params=[2, None], ids=["one-pass", "default"], autouse=True)
 def min_batched_free(request, monkeypatch):
     """Every test twice: with the one-pass free from 2 requests on, and with the default
-    threshold (small batches freed row by row)."""
+    threshold (small batches read row by row: `_free_few_rows`)."""
     if request.param is not None:
         monkeypatch.setattr(KVCacheCoordinator, "min_batched_free", request.param)
     return request.param

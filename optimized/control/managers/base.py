@@ -170,16 +170,6 @@ class SingleTypeKVCacheManager(ManagerBase):
             arr = getattr(self, name)
             arr[rows] = True if name == "dirty_rows" else (-1 if name in absent else 0)
 
-    def held_blocks(self, row: int) -> np.ndarray:
-        """The row's entries that may hold blocks, as a view: from ``num_leading_null`` on
-        when the entries before it are all null (as they should be), else the whole row
-        (nulls are skipped by value when freed). Example: row ``[0, 0, 7, 9]``, leading 2
-        -> ``[7, 9]``."""
-        lead = self.num_leading_null.item(row)
-        if lead and np.count_nonzero(self.table[row, :lead]):
-            lead = 0
-        return self.table[row, lead : self.row_len.item(row)]
-
     def blocks(self, row: int) -> BlockList:
         return self.table[row, : self.row_len[row]].tolist()
 
