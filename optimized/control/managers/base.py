@@ -447,13 +447,6 @@ class SingleTypeKVCacheManager(ManagerBase):
         self.num_leading_null[row] = last
         return freed
 
-    def free(self, row: int) -> None:
-        """Free the row's blocks in reverse order (nulls skipped); release the row."""
-        n = int(self.row_len[row])
-        if n:
-            self.block_pool.free_blocks(self.table[row, :n][::-1])
-        self.release_row(row)
-
     def new_step_starts(self) -> None:
         """A scheduler step begins (only Mamba keeps per-step state)."""
 
