@@ -34,6 +34,7 @@ from optimized.control.block_pool import (
 from optimized.control.managers import SingleTypeKVCacheManager, manager_class_for
 from optimized.control.managers.base import BlockList, HitAdmission, HitAdoption
 from optimized.control.request import Request
+from optimized.control.uniformity import row_index
 from reference.coordinator import hybrid_coordinator_hit, make_managers, spec_groups_of
 from reference.layout import KVCacheLayout
 from reference.managers.base import blocks_to_allocate
@@ -328,9 +329,7 @@ class KVCacheCoordinator:
             if rows:
                 self._free_few_rows(rows)
             return
-        at: np.ndarray | slice = np.asarray(rows, dtype=np.intp)
-        if rows[-1] - rows[0] == len(rows) - 1 and not np.count_nonzero(at[1:] - at[:-1] - 1):
-            at = slice(rows[0], rows[-1] + 1)  # consecutive rows: views, no gathers
+        at = row_index(np.asarray(rows, dtype=np.intp))  # consecutive rows: views, no gathers
         num_groups = len(self.managers)
         # one (rows x columns) sheet: each group's columns reversed, groups side by side
         sheets = [m.rows_held(at)[:, ::-1] for m in self.managers]
@@ -338,10 +337,11 @@ class KVCacheCoordinator:
         for m in self.managers:
             m.release_rows(at)
         width = flat.size // len(rows)
-        group_of_column = np.repeat(np.arange(num_groups), [s.shape[1] for s in sheets])
+        widths = [s.shape[1] for s in sheets]
 
         def runs_of(where: np.ndarray) -> np.ndarray:
             """The (request, group) run of positions of ``flat``: row * groups + group."""
+            group_of_column = np.repeat(np.arange(num_groups), widths)
             return where // width * num_groups + group_of_column[where % width]
 
         self.block_pool.free_runs(flat, runs_of)
