@@ -466,7 +466,9 @@ class TimedEngine(EngineProxy):
         #: steadier on a busy machine, :data:`CPU_CLOCK`)
         self.clock = clock
 
-    def _timed(self, fn, *args):
+    def _timed(self, name: str, fn, *args):
+        """``fn(*args)``, its time added to :attr:`seconds` (and to protocol call
+        ``name``'s when :attr:`call_seconds` is kept)."""
         start = self.clock()
         try:
             return fn(*args)
@@ -474,60 +476,66 @@ class TimedEngine(EngineProxy):
             elapsed = self.clock() - start
             self.seconds += elapsed
             if self.call_seconds is not None:
-                name = fn.__name__
                 self.call_seconds[name] = self.call_seconds.get(name, 0.0) + elapsed
                 self.call_counts[name] = self.call_counts.get(name, 0) + 1
 
     def add_request(self, request):
-        return self._timed(self.engine.add_request, request)
+        return self._timed("add_request", self.engine.add_request, request)
 
     def append_output_tokens(self, request_id, token_ids):
-        return self._timed(self.engine.append_output_tokens, request_id, token_ids)
+        return self._timed(
+            "append_output_tokens", self.engine.append_output_tokens, request_id, token_ids
+        )
 
     def set_num_computed_tokens(self, request_id, num_computed_tokens):
-        return self._timed(self.engine.set_num_computed_tokens, request_id, num_computed_tokens)
+        return self._timed(
+            "set_num_computed_tokens",
+            self.engine.set_num_computed_tokens,
+            request_id,
+            num_computed_tokens,
+        )
 
     def new_step(self):
-        return self._timed(self.engine.new_step)
+        return self._timed("new_step", self.engine.new_step)
 
     def get_computed_blocks(self, request_id):
-        return self._timed(self.engine.get_computed_blocks, request_id)
+        return self._timed("get_computed_blocks", self.engine.get_computed_blocks, request_id)
 
     def allocate(self, allocation: Allocation):
-        return self._timed(allocate, self.engine, allocation)
+        return self._timed("allocate", allocate, self.engine, allocation)
 
     def free(self, request_id):
-        return self._timed(self.engine.free, request_id)
+        return self._timed("free", self.engine.free, request_id)
 
     def remove_request(self, request_id):
-        return self._timed(self.engine.remove_request, request_id)
+        return self._timed("remove_request", self.engine.remove_request, request_id)
 
     def reset_prefix_cache(self):
-        return self._timed(self.engine.reset_prefix_cache)
+        return self._timed("reset_prefix_cache", self.engine.reset_prefix_cache)
 
     def get_block_ids(self, request_id):
-        return self._timed(self.engine.get_block_ids, request_id)
+        return self._timed("get_block_ids", self.engine.get_block_ids, request_id)
 
     def num_free_blocks(self):
-        return self._timed(self.engine.num_free_blocks)
+        return self._timed("num_free_blocks", self.engine.num_free_blocks)
 
 
 class _TimedPlans:
     def schedule_step(self, items):
-        return self._timed(self.engine.schedule_step, items)
+        return self._timed("schedule_step", self.engine.schedule_step, items)
 
 
 class _TimedCommits:
     def commit_step(self, updates):
-        return self._timed(self.engine.commit_step, updates)
+        return self._timed("commit_step", self.engine.commit_step, updates)
 
 
 class _TimedFrees:
     def free_requests(self, request_ids):
-        return self._timed(self.engine.free_requests, request_ids)
+        return self._timed("free_requests", self.engine.free_requests, request_ids)
 
     def remove_requests(self, request_ids):
-        return self._timed(self.engine.remove_requests, request_ids)
+        return self._timed("remove_requests", self.engine.remove_requests, request_ids)
 
 
 #: only the batched calls are passed on: the scheduler then makes the same calls as on

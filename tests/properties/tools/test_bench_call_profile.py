@@ -7,6 +7,8 @@ the profile reports is then known exactly from those counts, with no timing invo
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from properties.core.proxy import EngineProxy
@@ -233,3 +235,15 @@ def test_cli_prints_the_profile(capsys, monkeypatch, tmp_path) -> None:
     assert "where the time goes, per protocol call:" in out
     profile = out.split("where the time goes, per protocol call:")[1]
     assert "decode-heavy  reference  allocate" in profile
+
+
+def test_a_call_with_no_name_is_profiled_under_its_protocol_name() -> None:
+    """An adapter whose ``free`` is a ``functools.partial`` (no ``__name__``): its time
+    still counts under ``free``, the protocol call the bench made."""
+    trace = build_trace(sweep_recipe(4, 64))
+    engine = make_reference(trace.layout)
+    engine.free = functools.partial(type(engine).free, engine)
+    assert not hasattr(engine.free, "__name__")
+    replay = replay_timed(engine, trace, calls=True)
+    decode = {c.name: c for c in replay.decode_calls}
+    assert decode["free"].count == 4  # the 4 requests finish in the last decode step
