@@ -381,11 +381,9 @@ class KVCacheCoordinator:
         if ids.size:
             if not pool.all_held_once(ids):
                 # a block held more than once (a shared prefix) or not held: one pass that
-                # counts the repeats (:meth:`BlockPool.free_runs`, one run per row and group)
-                if len(rows) == 1:
-                    pool.free_runs(table_ids, RunEnds(lengths), repeats=False)
-                else:
-                    pool.free_runs(table_ids, RunEnds(lengths), repeats=True)
+                # counts the repeats (:meth:`BlockPool.free_runs`, one run per row and group;
+                # one row's blocks are distinct)
+                pool.free_runs(table_ids, RunEnds(lengths), repeats=len(rows) > 1)
                 self._release_rows(rows)
                 return
             pool.ref_cnt[ids] = 0

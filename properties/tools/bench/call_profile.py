@@ -8,8 +8,8 @@ prefilled request (:class:`CallShare`), so the figures add up to the row's ``dec
 ``prefill ms/req``; :func:`format_call_profile` prints them. The same wrapper times every
 engine, so two engines' profiles compare call by call.
 
-Example: decode-heavy, optimized: ``schedule_step 82 us/step (1.00 calls), free 13 us/step
-(0.46 calls), ...`` against vLLM's ``schedule_step 610 us/step, ...``.
+Example: decode-heavy, optimized: ``schedule_step 90 us/step (1.00 calls), free 14 us/step
+(0.46 calls), ...`` against vLLM's ``allocate 610 us/step (27 calls), free 71 us/step, ...``.
 """
 
 from __future__ import annotations

@@ -623,28 +623,31 @@ def replay_timed(
 
 
 class _CallSplit:
-    """:func:`replay_timed`'s per-call time, split by step kind: after each operation the
-    calls' growth since the last one is added to the decode steps' totals (a decode
-    step), the prefill steps' (a busy step with a prefill chunk) or neither (an idle step,
-    an arrival or any other operation, as the decode and prefill columns count them)."""
+    """:func:`replay_timed`'s per-call time, split by step kind: the engine records each
+    operation's calls into fresh maps, which are then added to the decode steps' totals (a
+    decode step), the prefill steps' (a busy step with a prefill chunk) or neither (an
+    idle step, an arrival or any other operation, as the decode and prefill columns count
+    them)."""
 
     def __init__(self, engine: TimedEngine) -> None:
         self.engine = engine
-        engine.call_seconds, engine.call_counts = {}, {}
-        self.seen: tuple[dict[str, float], dict[str, int]] = ({}, {})
-        self.sums = {True: ({}, {}), False: ({}, {})}
+        self.sums: dict[bool, tuple[dict[str, float], dict[str, int]]] = {
+            True: ({}, {}),
+            False: ({}, {}),
+        }
+        self._record_afresh()
+
+    def _record_afresh(self) -> None:
+        self.engine.call_seconds, self.engine.call_counts = {}, {}
 
     def op_ended(self, decode: bool | None) -> None:
-        seconds, counts = self.engine.call_seconds or {}, self.engine.call_counts
         if decode is not None:
             into_seconds, into_counts = self.sums[decode]
-            for name, total in seconds.items():
-                grew = total - self.seen[0].get(name, 0.0)
-                calls = counts[name] - self.seen[1].get(name, 0)
-                if calls:
-                    into_seconds[name] = into_seconds.get(name, 0.0) + grew
-                    into_counts[name] = into_counts.get(name, 0) + calls
-        self.seen = (dict(seconds), dict(counts))
+            counts = self.engine.call_counts
+            for name, seconds in (self.engine.call_seconds or {}).items():
+                into_seconds[name] = into_seconds.get(name, 0.0) + seconds
+                into_counts[name] = into_counts.get(name, 0) + counts[name]
+        self._record_afresh()
 
     def totals(self) -> tuple[tuple[CallTime, ...], tuple[CallTime, ...]]:
         return call_times(*self.sums[True]), call_times(*self.sums[False])
