@@ -299,6 +299,47 @@ def _to_tuples(value: Any) -> Any:
     return value
 
 
+def _fields_to_json(obj: Any, tag: str, name: str) -> dict:
+    """A dataclass as ``{tag: name, <every field>}`` (so new fields travel too); the
+    shared form of specs and operations. Example: ``_fields_to_json(Step(8, 0), "op",
+    "step")`` -> ``{"op": "step", "token_budget": 8, "num_lookahead_tokens": 0}``."""
+    out: dict[str, Any] = {tag: name}
+    for f in dataclasses.fields(obj):
+        out[f.name] = _json_native(getattr(obj, f.name), f"{name}.{f.name}")
+    return out
+
+
+def _fields_from_json(data: Any, where: str, tag: str, types: Mapping[str, type], kind: str) -> Any:
+    """Inverse of :func:`_fields_to_json`: the class ``types[data[tag]]`` built from the
+    other fields (JSON lists back to tuples). A value that is not an object, an unknown
+    ``tag`` (``kind`` names what it tags), an unknown field or one the class refuses
+    raises TraceFormatError at ``where``. Example: ``{"op": "evict"}`` at
+    ``operations[1]`` -> ``operations[1].op: unknown operation 'evict'; known: ...``."""
+    if not isinstance(data, Mapping):
+        raise TraceFormatError(f"{where} must be an object, got {data!r}")
+    name = data.get(tag)
+    cls = types.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise TraceFormatError(f"{where}.{tag}: unknown {kind} {name!r}; known: {', '.join(types)}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key == tag:
+            continue
+        if key not in known:
+            raise TraceFormatError(
+                f"{where}.{key}: unknown field of {name} (value {value!r}); "
+                f"known: {', '.join(sorted(known))}"
+            )
+        kwargs[key] = _to_tuples(value)
+    try:
+        return cls(**kwargs)
+    except KVConformError as exc:
+        raise TraceFormatError(f"{where}: {exc}") from exc
+    except TypeError as exc:
+        raise TraceFormatError(f"{where}: cannot build {cls.__name__}: {exc}") from exc
+
+
 def spec_to_json(spec: KVCacheSpec) -> dict:
     """``{"type": "sliding_window", "block_size": 4, ..., "sliding_window": 3}``.
 
@@ -310,39 +351,12 @@ def spec_to_json(spec: KVCacheSpec) -> dict:
             f"spec type {type(spec).__name__} has no trace name; known: "
             f"{', '.join(c.__name__ for c in _SPEC_NAMES)}"
         )
-    out: dict[str, Any] = {"type": name}
-    for f in dataclasses.fields(spec):
-        out[f.name] = _json_native(getattr(spec, f.name), f"{name}.{f.name}")
-    return out
+    return _fields_to_json(spec, "type", name)
 
 
 def spec_from_json(data: Any, where: str = "spec") -> KVCacheSpec:
     """Inverse of :func:`spec_to_json`; unknown types and fields raise TraceFormatError."""
-    if not isinstance(data, Mapping):
-        raise TraceFormatError(f"{where} must be an object, got {data!r}")
-    name = data.get("type")
-    cls = _SPEC_TYPES.get(name) if isinstance(name, str) else None
-    if cls is None:
-        raise TraceFormatError(
-            f"{where}.type: unknown KV cache spec type {name!r}; known: {', '.join(_SPEC_TYPES)}"
-        )
-    known = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        if key == "type":
-            continue
-        if key not in known:
-            raise TraceFormatError(
-                f"{where}.{key}: unknown field of {cls.__name__} (value {value!r}); "
-                f"known: {', '.join(sorted(known))}"
-            )
-        kwargs[key] = _to_tuples(value)
-    try:
-        return cls(**kwargs)
-    except KVConformError as exc:
-        raise TraceFormatError(f"{where}: {exc}") from exc
-    except TypeError as exc:
-        raise TraceFormatError(f"{where}: cannot build {cls.__name__}: {exc}") from exc
+    return _fields_from_json(data, where, "type", _SPEC_TYPES, "KV cache spec type")
 
 
 def layout_to_json(layout: KVCacheLayout) -> dict:
@@ -445,36 +459,12 @@ def operation_to_json(op: Operation) -> dict:
     name = _OP_NAMES.get(type(op))
     if name is None:
         raise TraceFormatError(f"not an Operation: {op!r}")
-    out: dict[str, Any] = {"op": name}
-    for f in dataclasses.fields(op):
-        out[f.name] = _json_native(getattr(op, f.name), f"{name}.{f.name}")
-    return out
+    return _fields_to_json(op, "op", name)
 
 
 def operation_from_json(data: Any, where: str = "operation") -> Operation:
     """Inverse of :func:`operation_to_json`; unknown ops and fields raise TraceFormatError."""
-    if not isinstance(data, Mapping):
-        raise TraceFormatError(f"{where} must be an object, got {data!r}")
-    name = data.get("op")
-    cls = _OP_TYPES.get(name) if isinstance(name, str) else None
-    if cls is None:
-        raise TraceFormatError(
-            f"{where}.op: unknown operation {name!r}; known: {', '.join(_OP_TYPES)}"
-        )
-    known = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        if key == "op":
-            continue
-        if key not in known:
-            raise TraceFormatError(f"{where}.{key}: unknown field of {name} (value {value!r})")
-        kwargs[key] = _to_tuples(value)
-    try:
-        return cls(**kwargs)
-    except TraceFormatError as exc:
-        raise TraceFormatError(f"{where}: {exc}") from exc
-    except TypeError as exc:
-        raise TraceFormatError(f"{where}: cannot build {name}: {exc}") from exc
+    return _fields_from_json(data, where, "op", _OP_TYPES, "operation")
 
 
 # ---------------------------------------------------------------------------

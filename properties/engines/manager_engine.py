@@ -4,16 +4,19 @@ manager with the reference's API (``free``, ``reset_prefix_cache``, ``get_block_
 ``ref_counts()`` and a ``free_block_queue``), keep their requests by id and the hit of each lookup.
 
 A subclass sets ``name``, builds ``self.manager`` and fills ``self.requests`` and
-``self._hits``; the calls below only delegate. Example: ``ReferenceEngine(layout)
-.num_free_blocks()`` is ``layout.num_blocks - 1`` on a fresh pool.
+``self._hits``; the calls below only delegate (a request is made by the manager's own
+``make_request``, so each adapter gets its manager's request class). Example:
+``ReferenceEngine(layout).num_free_blocks()`` is ``layout.num_blocks - 1`` on a fresh pool.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from properties.core.allocation import TakesAllocations
-from properties.core.engine import BlockIds, CacheHit, EngineError
+from properties.core.engine import BlockIds, CacheHit, EngineError, RequestInput
+from reference.request import RequestStatus
 
 
 class ManagerEngine(TakesAllocations):
@@ -44,6 +47,26 @@ class ManagerEngine(TakesAllocations):
                 "return from its last get_computed_blocks"
             )
         return kept[1]
+
+    def add_request(self, request: RequestInput) -> None:
+        if request.request_id in self.requests:
+            raise EngineError(f"{self.name}: request {request.request_id!r} added twice")
+        self.requests[request.request_id] = self.manager.make_request(
+            request.request_id, request.prompt_token_ids, request.cache_salt, request.lora_name
+        )
+
+    def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._request(request_id).append_output_token_ids(token_ids)
+
+    def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
+        """Set the request's computed count; 0 marks it preempted (the scheduler's reset)."""
+        req = self._request(request_id)
+        req.num_computed_tokens = num_computed_tokens
+        if num_computed_tokens == 0:
+            req.status = RequestStatus.PREEMPTED
+
+    def new_step(self) -> None:
+        self.manager.new_step_starts()
 
     def free(self, request_id: str) -> None:
         self.manager.free(self._request(request_id))

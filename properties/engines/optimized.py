@@ -27,14 +27,12 @@ from properties.core.engine import (
     CachedBlock,
     CacheHit,
     EngineError,
-    RequestInput,
     SlotRequest,
     StepUpdate,
 )
 from properties.engines.manager_engine import ManagerEngine
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
-from reference.request import RequestStatus
 
 #: the columns of a batched step's items (read with ``map``: no per-item Python frame)
 _REQUEST_ID = attrgetter("request_id")
@@ -60,22 +58,6 @@ class OptimizedEngine(ManagerEngine):
         self.data_plane: DataPlane | None = None
         #: requests whose last commit completed a block not hashed yet (:meth:`_hash_pending`)
         self._unhashed: list[Request] = []
-
-    def add_request(self, request: RequestInput) -> None:
-        if request.request_id in self.requests:
-            raise EngineError(f"optimized: request {request.request_id!r} added twice")
-        self.requests[request.request_id] = self.manager.make_request(
-            request.request_id, request.prompt_token_ids, request.cache_salt, request.lora_name
-        )
-
-    def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
-        self._request(request_id).append_output_token_ids(token_ids)
-
-    def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
-        req = self._request(request_id)
-        req.num_computed_tokens = num_computed_tokens
-        if num_computed_tokens == 0:
-            req.status = RequestStatus.PREEMPTED
 
     def commit_step(self, updates: Sequence[StepUpdate]) -> None:
         """The batched end of a step (``CommitsSteps``): per update, what
@@ -127,9 +109,6 @@ class OptimizedEngine(ManagerEngine):
         if self._hits:
             for request_id in request_ids:
                 self._hits.pop(request_id, None)
-
-    def new_step(self) -> None:
-        self.manager.new_step_starts()
 
     def get_computed_blocks(self, request_id: str) -> CacheHit:
         self._hash_pending()

@@ -6,16 +6,14 @@ cached blocks), so every invariant applies to it. Mutant engines in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from properties.core.allocation import Allocation
-from properties.core.engine import BlockIds, CachedBlock, CacheHit, EngineError, RequestInput
+from properties.core.engine import BlockIds, CachedBlock, CacheHit, EngineError
 from properties.core.modes import PRODUCTION_SETTINGS
 from properties.engines.manager_engine import ManagerEngine
 from reference.errors import KVConformError
 from reference.kv_cache_manager import ComputedBlocks, KVCacheManager
 from reference.layout import KVCacheLayout
-from reference.request import Request, RequestStatus
+from reference.request import Request
 
 
 class ReferenceEngine(ManagerEngine):
@@ -28,25 +26,6 @@ class ReferenceEngine(ManagerEngine):
         self.manager = KVCacheManager(layout)
         self.requests: dict[str, Request] = {}
         self._hits: dict[str, tuple[CacheHit, ComputedBlocks]] = {}
-
-    def add_request(self, request: RequestInput) -> None:
-        if request.request_id in self.requests:
-            raise EngineError(f"reference: request {request.request_id!r} added twice")
-        self.requests[request.request_id] = self.manager.make_request(
-            request.request_id, request.prompt_token_ids, request.cache_salt, request.lora_name
-        )
-
-    def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
-        self._request(request_id).append_output_token_ids(token_ids)
-
-    def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
-        req = self._request(request_id)
-        req.num_computed_tokens = num_computed_tokens
-        if num_computed_tokens == 0:
-            req.status = RequestStatus.PREEMPTED
-
-    def new_step(self) -> None:
-        self.manager.new_step_starts()
 
     def get_computed_blocks(self, request_id: str) -> CacheHit:
         computed, num_tokens = self.manager.get_computed_blocks(self._request(request_id))
