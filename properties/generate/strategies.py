@@ -1336,10 +1336,17 @@ def batch_arrivals(
     whole prompt when the cut covers it: one prompt sampled many times). A
     batch prefilled in one step decodes in lock step: every request crosses its block
     boundaries and drops its window blocks in the same steps (the engine's uniform,
-    many-item paths). Example: ``count`` 3 -> three prompts of one length, each with
-    the same number of output tokens."""
+    many-item paths). On a layout with windows or chunks, one batch in two is a batch of
+    distinct documents longer than the widest of them (:func:`_past_the_window`): its
+    first decode step drops blocks held once in every row at once.
+    Example: ``count`` 3 -> three prompts of one length, each with the same number of
+    output tokens."""
     output_len, length = _bulk_lengths(rng, layout.max_model_len)
-    head = _pool_head(rng, prefix_pool, length)
+    widest = _widest_reach(layout)
+    documents = widest > 0 and rng.randrange(2) == 0
+    if documents:
+        length = _past_the_window(rng, layout, widest, output_len, length)
+    head = () if documents else _pool_head(rng, prefix_pool, length)
     return tuple(
         Arrive(
             f"r{first_id + i}",
@@ -1350,6 +1357,31 @@ def batch_arrivals(
         )
         for i in range(count)
     )
+
+
+def _widest_reach(layout: KVCacheLayout) -> int:
+    """The widest sliding window or attention chunk of ``layout`` (0: none). Example:
+    full + SWA 32 + SWA 128 -> 128."""
+    reach = 0
+    for group in layout.groups:
+        spec = group.spec
+        if isinstance(spec, SlidingWindowSpec):
+            reach = max(reach, spec.sliding_window)
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            reach = max(reach, spec.attention_chunk_size or 0)
+    return reach
+
+
+def _past_the_window(
+    rng: random.Random, layout: KVCacheLayout, widest: int, output_len: int, length: int
+) -> int:
+    """A prompt length ``widest`` plus 1 to 8 of the layout's largest blocks, so every
+    windowed group has blocks to drop at the first decode step; ``length`` unchanged
+    when that does not fit ``max_model_len`` with the output. Example: w 32, blocks of
+    16, room 512 -> a length in ``33..160``."""
+    block = max(g.spec.block_size for g in layout.groups)
+    past = widest + rng.randint(1, 8 * block)
+    return past if past + output_len <= layout.max_model_len else length
 
 
 def _bulk_lengths(rng: random.Random, limit: int) -> tuple[int, int]:

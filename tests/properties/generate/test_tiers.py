@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -209,6 +210,36 @@ def test_batch_arrivals_are_alike_and_share_a_prefix_one_time_in_two() -> None:
         elif common == 0:
             distinct += 1
     assert shared and distinct
+
+
+def test_one_batch_in_two_is_documents_past_the_widest_window() -> None:
+    """On gemma3 (five windows of 1024 tokens, blocks of 16), a batch of documents has
+    distinct prompts (no shared head) of ``1024 + 1 .. 1024 + 8 * 16`` tokens: its first
+    decode step drops window blocks held once in every row."""
+    layout = kvst.PRESETS["gemma3"].layout(20_000, 8192)
+    documents = 0
+    for seed in range(40):
+        ops = kvst.bulk_arrivals(layout, (tuple(range(40)),), 0, 12, seed=seed, batch=True)
+        length = len(ops[0].prompt)
+        if 1024 < length <= 1024 + 128 and not os.path.commonprefix([o.prompt for o in ops]):
+            documents += 1
+            assert len({o.prompt for o in ops}) == 12
+    assert 10 <= documents <= 30  # about one in two of 40
+
+
+def test_widest_reach_and_a_document_that_cannot_fit() -> None:
+    """The widest window or chunk of a layout (0 with neither); a document longer than
+    it keeps the drawn length when it would not fit ``max_model_len``."""
+    assert kvst._widest_reach(kvst.PRESETS["gemma3"].layout(20_000, 8192)) == 1024
+    assert kvst._widest_reach(kvst.PRESETS["llama4-scout"].layout(20_000, 16384)) == 8192
+    full = KVCacheLayout((KVCacheGroup(("l0",), kvst.FullAttentionSpec(16, 1, 8, 2)),), 64, 512)
+    assert kvst._widest_reach(full) == 0
+    tight = kvst.PRESETS["gpt-oss"].layout(64, 136)  # window 128, blocks of 16
+    rng = random.Random(3)
+    # 128 + 1..128 tokens and an output of 8 fit 136 only up to 128 + 0: never
+    assert all(kvst._past_the_window(rng, tight, 128, 8, 77) == 77 for _ in range(50))
+    roomy = kvst.PRESETS["gpt-oss"].layout(64, 4096)
+    assert all(128 < kvst._past_the_window(rng, roomy, 128, 16, 77) <= 128 + 128 for _ in range(50))
 
 
 def test_tier_operations_draw_batches() -> None:
