@@ -1375,12 +1375,15 @@ def _widest_reach(layout: KVCacheLayout) -> int:
 def _past_the_window(
     rng: random.Random, layout: KVCacheLayout, widest: int, output_len: int, length: int
 ) -> int:
-    """A prompt length ``widest`` plus 1 to 8 of the layout's largest blocks, so every
-    windowed group has blocks to drop at the first decode step; ``length`` unchanged
-    when that does not fit ``max_model_len`` with the output. Example: w 32, blocks of
-    16, room 512 -> a length in ``33..160``."""
+    """A prompt length past ``widest`` and within 8 of the layout's largest blocks after
+    the block it ends in, so every windowed group has blocks to drop at the first
+    decode step: one time in two a whole number of blocks (that step also starts a new
+    block in every group, so it pops too), else cut inside a block; ``length``
+    unchanged when that does not fit ``max_model_len`` with the output. Example: w 40,
+    blocks of 16, room 512 -> one of ``48, 64, ..., 160`` or a length in ``41..159``."""
     block = max(g.spec.block_size for g in layout.groups)
-    past = widest + rng.randint(1, 8 * block)
+    aligned = (widest // block + rng.randint(1, 8)) * block
+    past = aligned if rng.randrange(2) else max(widest + 1, aligned - rng.randrange(block))
     return past if past + output_len <= layout.max_model_len else length
 
 
