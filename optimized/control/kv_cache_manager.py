@@ -464,15 +464,10 @@ class KVCacheManager(ManagerBookkeeping):
         )
 
     def _refresh_thresholds(self, rows: np.ndarray) -> None:
-        """Each row's decode threshold: the least over its groups' classes of
-        :meth:`~optimized.control.managers.base.SingleTypeKVCacheManager.
-        decode_work_threshold`. It stays a lower bound while the row's request holds it
-        (counts only grow); ``allocate_slots`` zeroes it (a row may change hands there)."""
-        managers = self.coordinator.managers
-        least = None
-        for g in self._class_reps:
-            t = managers[g].decode_work_threshold(rows)
-            least = t if least is None else np.minimum(least, t)
+        """Each row's decode threshold (:meth:`_least_thresholds`). It stays a lower bound
+        while the row's request holds it (counts only grow); ``allocate_slots`` zeroes it
+        (a row may change hands there)."""
+        least = self._least_thresholds(rows)
         next_work = self._next_work
         at = row_index(rows)
         if isinstance(at, slice):  # (a batch prefilled together holds consecutive rows)
@@ -480,6 +475,18 @@ class KVCacheManager(ManagerBookkeeping):
             return
         for row, value in zip(rows.tolist(), least.tolist()):
             next_work[row] = value
+
+    def _least_thresholds(self, rows: np.ndarray) -> np.ndarray:
+        """Per row, the least over its groups' classes of :meth:`~optimized.control.
+        managers.base.SingleTypeKVCacheManager.decode_work_threshold`: the first count at
+        which some group has work. Example: full group 48 (its next block), window group
+        40 (its next drop) -> 40."""
+        managers = self.coordinator.managers
+        least = None
+        for g in self._class_reps:
+            t = managers[g].decode_work_threshold(rows)
+            least = t if least is None else np.minimum(least, t)
+        return least
 
     def _schedule_items(self, items: Sequence[StepItem]) -> list[list[list[int]] | None]:
         """:meth:`schedule_step` without the quiet items' shortcut.

@@ -345,9 +345,11 @@ def preset_layouts(
     min_blocks: int = 5,
     max_blocks: int | None = None,
     served: bool = False,
+    block_sizes: Sequence[int] = (4, 1, 2, 8, 16),
 ) -> KVCacheLayout:
-    """A preset's layout with a small block size and windows scaled to a few blocks;
-    dense retention unless ``served`` (then the retention the family is served with).
+    """A preset's layout with a small block size (one of ``block_sizes``, the first the
+    shrink target) and windows scaled to a few blocks; dense retention unless ``served``
+    (then the retention the family is served with).
 
     ``scale_windows = max(1, largest window // target)`` with ``target`` drawn in
     ``1..8 * bs``: gemma3 (w=1024) with bs 4 and target 16 gets w = 1024 // 64 = 16.
@@ -359,7 +361,7 @@ def preset_layouts(
             f"preset_layouts(names=...) must name presets of {sorted(PRESETS)}, got {chosen!r}"
         )
     preset = PRESETS[draw(st.sampled_from(chosen))]
-    block_size = draw(st.sampled_from((4, 1, 2, 8, 16)))
+    block_size = draw(st.sampled_from(tuple(block_sizes)))
     target = draw(st.integers(1, 8 * block_size))
     largest = max(preset.windows, default=1)
     scale = max(1, largest // target)
@@ -975,6 +977,10 @@ def traces(
 PRESET_WINDOWS: tuple[int, ...] = tuple(sorted({w for p in PRESETS.values() for w in p.windows}))
 
 
+#: The trace shapes of a large tier (:attr:`ScaleTier.workload`).
+WORKLOADS: tuple[str, ...] = ("online", "offline")
+
+
 @dataclass(frozen=True)
 class ScaleTier:
     """The bounds of one scale tier of generated examples.
@@ -987,6 +993,9 @@ class ScaleTier:
     the small tier's own draws). The small tier is run by the stateful machine with
     today's strategies, unchanged: its entry records those bounds
     (``CheckConfig.max_len``, ``layouts()``'s pools, ``operations()``'s 8 requests).
+    ``workload`` is the shape of a trace (:func:`tier_operations`): ``"online"``
+    (arrivals, aborts, preemptions and resets between steps) or ``"offline"``
+    (:func:`offline_operations`: one batch at once, then steps only).
     Example: ``TIERS["medium"].max_requests == 64``.
     """
 
@@ -999,32 +1008,54 @@ class ScaleTier:
     token_budgets: tuple[int, ...] | None = None
     block_sizes: tuple[int, ...] | None = None
     window_sizes: tuple[int, ...] | None = None
+    workload: str = "online"
 
     def __post_init__(self) -> None:
         if self.max_len < 1 or self.min_blocks < 2 or self.max_requests < 1:
             raise ValueError(f"ScaleTier {self.name!r}: bounds must be positive, got {self!r}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(
+                f"ScaleTier {self.name!r}: workload must be one of {', '.join(WORKLOADS)}, "
+                f"got {self.workload!r}"
+            )
         if self.max_blocks is not None and self.max_blocks < self.min_blocks:
             raise ValueError(f"ScaleTier {self.name!r}: max_blocks < min_blocks")
 
 
-#: The tier names, smallest first. (Written as one string from the time Hypothesis mixed
-#: the source's short literals into its derandomized streams; :mod:`properties.runner.
-#: profiles` now pins that pool to an empty one, so a new literal moves no stream.)
-SMALL, MEDIUM, PRODUCTION = TIER_NAMES = tuple("small medium production".split())  # noqa: SIM905
+#: The tier names, smallest first (``offline`` is at the medium scale). (The first three
+#: are written as one string from the time Hypothesis mixed the source's short literals
+#: into its derandomized streams; :mod:`properties.runner.profiles` now pins that pool to
+#: an empty one, so a new literal moves no stream.)
+SMALL, MEDIUM, PRODUCTION = tuple("small medium production".split())  # noqa: SIM905
+OFFLINE = "offline"
+TIER_NAMES: tuple[str, ...] = (SMALL, MEDIUM, OFFLINE, PRODUCTION)
 
+_MEDIUM_TIER = ScaleTier(
+    MEDIUM,
+    max_len=2**13,  # 8192
+    min_blocks=256,
+    max_blocks=4096,
+    max_requests=64,
+    max_steps=24,
+    token_budgets=(2**9, 2**11, 2**13),  # 512, 2048, 8192
+    block_sizes=(4, 8, 16, 32),
+)
 TIERS: dict[str, ScaleTier] = {
     SMALL: ScaleTier(
         SMALL, max_len=128, min_blocks=5, max_blocks=None, max_requests=8, max_steps=40
     ),
-    MEDIUM: ScaleTier(
-        MEDIUM,
-        max_len=2**13,  # 8192
-        min_blocks=256,
-        max_blocks=4096,
-        max_requests=64,
-        max_steps=24,
-        token_budgets=(2**9, 2**11, 2**13),  # 512, 2048, 8192
-        block_sizes=(4, 8, 16, 32),
+    MEDIUM: _MEDIUM_TIER,
+    # an offline batch (a list of prompts handed to the engine at once) at the medium
+    # scale: up to 128 requests prefilled in waves or, with a budget that holds the whole
+    # batch, in one step, then decoding in lock step (the engine's many-item paths), with
+    # steps for outputs of up to OFFLINE_OUTPUT tokens
+    OFFLINE: dataclasses.replace(
+        _MEDIUM_TIER,
+        name=OFFLINE,
+        max_requests=128,
+        max_steps=96,
+        token_budgets=(2**11, 2**13, 2**15),  # 2048, 8192, 32768
+        workload="offline",
     ),
     PRODUCTION: ScaleTier(
         PRODUCTION,
@@ -1039,7 +1070,7 @@ TIERS: dict[str, ScaleTier] = {
     ),
 }
 #: The tiers run after the small one, in order.
-LARGE_TIERS: tuple[str, ...] = (MEDIUM, PRODUCTION)
+LARGE_TIERS: tuple[str, ...] = (MEDIUM, OFFLINE, PRODUCTION)
 
 
 def tier(name: str) -> ScaleTier:
@@ -1121,7 +1152,7 @@ def mode_for_layout(mode: ServingMode, layout: KVCacheLayout) -> ServingMode:
 def swarm_layouts(draw, scale: ScaleTier, kinds: Sequence[str] = SPEC_KINDS) -> KVCacheLayout:
     """A layout of tier ``scale`` whose group types are switched on independently (each of
     ``kinds``, at least one; full attention when none is drawn), with pool pressure as a
-    feature too. A tier with a ``max_blocks`` bound (medium, production): under pressure
+    feature too. A tier with a ``max_blocks`` bound (medium, offline, production): under pressure
     the pool holds ``min_blocks..2 * min_blocks`` blocks, else up to ``max_blocks``. The
     small tier (no bound; pools are sized by the request, :func:`pool_sizes`): under
     pressure the pool holds one request of ``max_model_len`` but not two
@@ -1290,6 +1321,13 @@ def production_base_layouts(
     return st.one_of(mixed, swarm, *edges)
 
 
+#: Outputs of a bulk arrival: up to this many tokens (an online tier's chat turns).
+BULK_OUTPUT = 16
+#: Outputs of an offline batch: up to this many tokens, so that its requests decode
+#: across several block boundaries after the batch's first decode step.
+OFFLINE_OUTPUT = 64
+
+
 def bulk_arrivals(
     layout: KVCacheLayout,
     prefix_pool: Sequence[tuple[int, ...]],
@@ -1297,23 +1335,26 @@ def bulk_arrivals(
     count: int,
     seed: int,
     batch: bool = False,
+    documents: bool | None = None,
+    max_output: int = BULK_OUTPUT,
 ) -> tuple[Arrive, ...]:
     """``count`` arrivals ``r<first_id>..`` made from one seed (drawing thousands of
     requests one by one would overrun Hypothesis's buffer): a prompt's length is
     log-uniform in ``1..min(room, BULK_SHORT)`` (a chat turn), or one time in
     ``BULK_LONG_ONE_IN`` in ``1..room`` (up to ``max_model_len``: a long document);
-    half of them start with a cut of a pool prefix; outputs of 0..16 tokens; one in
-    eight has salt ``"s1"``. Always ``len(prompt) + len(output) <= max_model_len``.
-    With ``batch``, :func:`batch_arrivals` instead.
+    half of them start with a cut of a pool prefix; outputs of ``0..max_output`` tokens
+    (16 by default); one in eight has salt ``"s1"``. Always ``len(prompt) + len(output)
+    <= max_model_len``. With ``batch``, :func:`batch_arrivals` instead (``documents`` and
+    ``max_output`` passed on).
     Example: ``bulk_arrivals(layout, (), 0, 2, 7)`` -> ``Arrive("r0", ...), Arrive("r1", ...)``.
     """
     rng = random.Random(seed)
     if batch:
-        return batch_arrivals(layout, prefix_pool, first_id, count, rng)
+        return batch_arrivals(layout, prefix_pool, first_id, count, rng, documents, max_output)
     limit = layout.max_model_len
     out = []
     for i in range(count):
-        output_len, length = _bulk_lengths(rng, limit)
+        output_len, length = _bulk_lengths(rng, limit, max_output)
         head = _pool_head(rng, prefix_pool, length)
         prompt = head + _bulk_tokens(rng, length - len(head))
         output = _bulk_tokens(rng, output_len)
@@ -1328,6 +1369,8 @@ def batch_arrivals(
     first_id: int,
     count: int,
     rng: random.Random,
+    documents: bool | None = None,
+    max_output: int = BULK_OUTPUT,
 ) -> tuple[Arrive, ...]:
     """``count`` arrivals alike, as an offline batch or an evaluation set sends them: one
     prompt length (drawn as :func:`bulk_arrivals` draws one) and one output length for
@@ -1338,12 +1381,17 @@ def batch_arrivals(
     boundaries and drops its window blocks in the same steps (the engine's uniform,
     many-item paths). On a layout with windows or chunks, one batch in two is a batch of
     distinct documents longer than the widest of them (:func:`_past_the_window`): its
-    first decode step drops blocks held once in every row at once.
+    first decode step drops blocks held once in every row at once; ``documents`` True
+    makes every batch on such a layout one of documents, False none (None: one in two).
     Example: ``count`` 3 -> three prompts of one length, each with the same number of
     output tokens."""
-    output_len, length = _bulk_lengths(rng, layout.max_model_len)
+    output_len, length = _bulk_lengths(rng, layout.max_model_len, max_output)
     widest = _widest_reach(layout)
-    documents = widest > 0 and rng.randrange(2) == 0
+    if widest > 0:  # the coin is tossed whatever ``documents`` says: one stream
+        coin = rng.randrange(2) == 0
+        documents = coin if documents is None else documents
+    else:
+        documents = False
     if documents:
         length = _past_the_window(rng, layout, widest, output_len, length)
     head = () if documents else _pool_head(rng, prefix_pool, length)
@@ -1387,11 +1435,11 @@ def _past_the_window(
     return past if past + output_len <= layout.max_model_len else length
 
 
-def _bulk_lengths(rng: random.Random, limit: int) -> tuple[int, int]:
-    """``(output length, prompt length)`` of a bulk arrival: 0..16 output tokens; the
-    prompt log-uniform in ``1..min(room, BULK_SHORT)``, or one time in
+def _bulk_lengths(rng: random.Random, limit: int, max_output: int = BULK_OUTPUT) -> tuple[int, int]:
+    """``(output length, prompt length)`` of a bulk arrival: ``0..max_output`` output
+    tokens; the prompt log-uniform in ``1..min(room, BULK_SHORT)``, or one time in
     ``BULK_LONG_ONE_IN`` in ``1..room`` (``room``: ``limit`` less the output)."""
-    output_len = min(rng.randrange(17), limit - 1)
+    output_len = min(rng.randrange(max_output + 1), limit - 1)
     room = limit - output_len
     top = room if rng.randrange(BULK_LONG_ONE_IN) == 0 else min(room, BULK_SHORT)
     return output_len, max(1, min(top, int(math.exp(rng.uniform(0, math.log(top))))))
@@ -1436,7 +1484,10 @@ def tier_operations(draw, layout: KVCacheLayout, scale: ScaleTier) -> tuple[Oper
     then up to ``max_steps`` operations: steps with a budget from ``token_budgets``
     (most), more bulk arrivals while the request bound allows, aborts and preemptions of
     live requests, prefix-cache resets. A few dozen operations move thousands of blocks.
-    Passes :func:`properties.core.trace.validate_references`."""
+    Passes :func:`properties.core.trace.validate_references`. A tier whose workload is
+    ``"offline"`` draws :func:`offline_operations` instead."""
+    if scale.workload == "offline":
+        return draw(offline_operations(layout, scale))
     budgets = scale.token_budgets or (layout.max_model_len,)
     pool = draw(prefix_pools(layout))
     first = draw(st.integers(1, scale.max_requests))
@@ -1465,4 +1516,89 @@ def tier_operations(draw, layout: KVCacheLayout, scale: ScaleTier) -> tuple[Oper
             ops.append(ResetPrefixCache())
         else:
             ops.append(Step(draw(st.sampled_from(budgets)), draw(steps)))
+    return tuple(ops)
+
+
+def offline_layouts(
+    scale: ScaleTier, kinds: Sequence[str] = SPEC_KINDS
+) -> st.SearchStrategy[KVCacheLayout]:
+    """The layouts of an offline tier: a served model (a preset made of ``kinds``,
+    :func:`preset_layouts` with the retention its family is served with, windows scaled
+    to a few blocks) within the tier's bounds, three times in four; else, and always when
+    no preset is made of ``kinds``, :func:`swarm_layouts`. Example: gpt-oss at block size
+    8, its window of 128 scaled to 32, ``max_model_len`` up to 8192, 256..4096 blocks."""
+    swarm = swarm_layouts(scale, kinds)
+    names = presets_of_kinds(kinds)
+    if not names:
+        return swarm
+    served = preset_layouts(
+        names=names,
+        max_len=scale.max_len,
+        min_blocks=scale.min_blocks,
+        max_blocks=scale.max_blocks,
+        served=True,
+        block_sizes=scale.block_sizes or (4, 1, 2, 8, 16),
+    )
+    return st.one_of(served, served, served, swarm)
+
+
+def workload_layouts(
+    scale: ScaleTier, kinds: Sequence[str] = SPEC_KINDS
+) -> st.SearchStrategy[KVCacheLayout]:
+    """The layouts of a large tier, by its workload: :func:`swarm_layouts` (online) or
+    :func:`offline_layouts` (offline), made of ``kinds``."""
+    if scale.workload == "offline":
+        return offline_layouts(scale, kinds)
+    return swarm_layouts(scale, kinds)
+
+
+@st.composite
+def offline_operations(draw, layout: KVCacheLayout, scale: ScaleTier) -> tuple[Operation, ...]:
+    """A trace body of an offline batch (a list of prompts handed to the engine at once, as
+    vLLM's ``LLM.generate`` does): :func:`offline_batch` of a drawn prefix pool, request
+    count (up to ``max_requests``), kind of batch (alike one time in two), seed, token
+    budget (from ``token_budgets``; one time in two raised to hold every prompt at once,
+    an offline run's large ``max_num_batched_tokens``); no lookahead slots (the swarm
+    mode's drafts speculate on their own)."""
+    budgets = scale.token_budgets or (layout.max_model_len,)
+    pool = draw(prefix_pools(layout))
+    count = draw(st.integers(1, scale.max_requests))
+    alike = draw(st.booleans())
+    seed = draw(_seeds)
+    budget = draw(st.sampled_from(budgets))
+    whole = draw(st.booleans())
+    return offline_batch(layout, scale, pool, count, alike, seed, budget, whole, 0)
+
+
+def offline_batch(
+    layout: KVCacheLayout,
+    scale: ScaleTier,
+    prefix_pool: Sequence[tuple[int, ...]],
+    count: int,
+    alike: bool,
+    seed: int,
+    budget: int,
+    whole: bool,
+    lookahead: int,
+) -> tuple[Operation, ...]:
+    """One bulk arrival of ``count`` requests made from ``seed`` (``alike``: a batch of
+    requests alike, :func:`batch_arrivals`, on a layout with windows or chunks documents
+    longer than the widest; else :func:`bulk_arrivals`' mix, prompts may start with a cut
+    of a pool prefix), then steps only, all ``Step(budget, lookahead)``: as many as the
+    batch needs to finish when nothing is preempted (its prompt tokens over the budget,
+    plus the longest output, plus one), at most ``scale.max_steps``. ``whole`` raises the
+    budget to hold every prompt, so the whole batch is prefilled in one step and then
+    decodes in lock step: every request crosses its block boundaries and drops its window
+    blocks in the same steps (the engine's uniform and many-item decode paths).
+    Example: 3 alike requests of 200-token prompts and 4 output tokens, budget 2048 ->
+    ``Arrive`` x 3, then 1 + 4 + 1 = 6 ``Step(2048, 0)``."""
+    ops: list[Operation] = list(
+        bulk_arrivals(layout, prefix_pool, 0, count, seed, alike, True, OFFLINE_OUTPUT)
+    )
+    prompt_tokens = sum(len(op.prompt) for op in ops)
+    if whole:
+        budget = max(budget, prompt_tokens)
+    longest_output = max(len(op.output) for op in ops)
+    steps = min(scale.max_steps, -(-prompt_tokens // budget) + longest_output + 1)
+    ops.extend(Step(budget, lookahead) for _ in range(steps))
     return tuple(ops)

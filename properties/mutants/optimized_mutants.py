@@ -204,6 +204,35 @@ def make_slot_mapping_off_by_one_block(layout: KVCacheLayout) -> OptimizedMutant
     return _OffByOneSlotEngine(layout, "slot_mapping_off_by_one_block")
 
 
+class BatchedThresholdMaxManager(KVCacheManager):
+    """After a step of many loud items, each row's decode threshold is refreshed to the
+    *largest* of its classes' thresholds: a group whose work comes first (a window drop
+    before the next block, say) is skipped as quiet at that count."""
+
+    def _least_thresholds(self, rows: np.ndarray) -> np.ndarray:
+        managers = self.coordinator.managers
+        least = None
+        for g in self._class_reps:
+            t = managers[g].decode_work_threshold(rows)
+            least = t if least is None else np.maximum(least, t)  # BUG: np.minimum
+        return least
+
+
+class _BatchedThresholdMaxEngine(OptimizedMutantEngine):
+    manager_cls = BatchedThresholdMaxManager
+
+
+@REGISTRY.mutant(
+    "exact",
+    ["exact_match"],
+    "after a step of many loud decode items, a row's decode threshold is its classes' "
+    "largest, not their least: an earlier group's work is skipped as quiet",
+    tier="offline",
+)
+def make_batched_threshold_max(layout: KVCacheLayout) -> OptimizedMutantEngine:
+    return _BatchedThresholdMaxEngine(layout, "batched_threshold_max")
+
+
 # ---------------------------------------------------------------------------
 # Catalogue
 

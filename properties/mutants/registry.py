@@ -49,6 +49,10 @@ class MutantInfo:
     prop: str = "invariants"
     #: the module that addresses it on ``--engine`` (see :data:`REFERENCE_CATALOGUE`)
     module: str = REFERENCE_CATALOGUE
+    #: the large scale tier whose examples catch it (a bug of a path only many requests
+    #: at once take), run after the small one as ``kvconform check --tier-examples 20``
+    #: runs it; None: the small tier's machine catches it
+    tier: str | None = None
 
     @property
     def target(self) -> str:
@@ -70,14 +74,19 @@ class Registry:
         self.entries: list[MutantInfo] = []
 
     def mutant(
-        self, level: str, caught_by: Sequence[str], description: str, prop: str = "invariants"
+        self,
+        level: str,
+        caught_by: Sequence[str],
+        description: str,
+        prop: str = "invariants",
+        tier: str | None = None,
     ) -> Callable[[Factory], Factory]:
         """Register the decorated ``make_<name>`` factory as mutant ``<name>``."""
 
         def register(factory: Factory) -> Factory:
             name = factory.__name__.removeprefix("make_")
             info = MutantInfo(
-                name, description, level, frozenset(caught_by), factory, prop, self.module
+                name, description, level, frozenset(caught_by), factory, prop, self.module, tier
             )
             self.entries.append(info)
             if self.production_settings is not None:

@@ -204,17 +204,17 @@ def run_property(
 def tiers_for(name: str, counts: Mapping[str, int]) -> dict[str, int]:
     """The large tiers' example counts property ``name`` runs: the attention property
     (numeric, about 10x a symbolic step) a third of the medium ones (at least 2: the
-    first example of a derandomized run is the simplest) and no production one (numeric
-    attention over a 10^4-block trace takes minutes); determinism no production one
-    either. Example: ``tiers_for("attention", {"medium": 5, "production": 3}) ==
-    {"medium": 2, "production": 0}``."""
+    first example of a derandomized run is the simplest) and no offline or production
+    one (numeric attention over hundreds of requests or a 10^4-block trace takes
+    minutes); determinism no production one either. Example: ``tiers_for("attention",
+    {"medium": 5, "production": 3}) == {"medium": 2, "offline": 0, "production": 0}``."""
     if name == "determinism":  # two runs of a 10^4-block trace: minutes on 2 cores; the
         # invariants and production properties run that tier, nightly runs it here too
         return {t: n for t, n in counts.items() if t != kvst.PRODUCTION}
     if name != "attention":
         return dict(counts)
     medium = counts.get(kvst.MEDIUM, 0)
-    return {kvst.MEDIUM: max(min(2, medium), medium // 3), kvst.PRODUCTION: 0}
+    return {kvst.MEDIUM: max(min(2, medium), medium // 3), kvst.OFFLINE: 0, kvst.PRODUCTION: 0}
 
 
 def run_tiers(

@@ -45,7 +45,7 @@ class CheckConfig:
     call_timeout: float = DEFAULT_CALL_TIMEOUT_S
     isolation: str = DEFAULT_ISOLATION
     #: the scale tier (:data:`properties.generate.strategies.TIERS`): ``small`` runs the
-    #: stateful machine (then the profile's medium and production examples), a larger
+    #: stateful machine (then the profile's medium, offline and production examples), a larger
     #: one only that tier's examples
     tier: str = SMALL
 

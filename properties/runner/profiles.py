@@ -14,7 +14,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, Phase, settings
 
 from properties.core.constants import PROFILES
-from properties.generate.strategies import MEDIUM, PRODUCTION
+from properties.generate.strategies import MEDIUM, OFFLINE, PRODUCTION
 from reference.errors import KVConformError
 
 
@@ -94,10 +94,10 @@ settings.register_profile(
 #: tier is its simplest one (one request), so ``ci`` runs 2 production examples to get
 #: one of thousands of requests; such an example costs 30-200 s (2 loaded cores).
 TIER_EXAMPLES: dict[str, dict[str, int]] = {
-    "dev": {MEDIUM: 2, PRODUCTION: 1},
-    "ci": {MEDIUM: 5, PRODUCTION: 2},
-    "nightly": {MEDIUM: 200, PRODUCTION: 40},
-    "gpu": {MEDIUM: 5, PRODUCTION: 2},
+    "dev": {MEDIUM: 2, OFFLINE: 2, PRODUCTION: 1},
+    "ci": {MEDIUM: 5, OFFLINE: 4, PRODUCTION: 2},
+    "nightly": {MEDIUM: 200, OFFLINE: 100, PRODUCTION: 40},
+    "gpu": {MEDIUM: 5, OFFLINE: 4, PRODUCTION: 2},
 }
 
 

@@ -1,4 +1,5 @@
-"""The large scale tiers of a property: medium and production examples after the small ones.
+"""The large scale tiers of a property: medium, offline and production examples after the
+small ones.
 
 The small tier is the stateful machine (:mod:`properties.runner.machine`), unchanged. A
 large tier (:data:`properties.generate.strategies.TIERS`) runs a bounded number of whole
@@ -7,7 +8,8 @@ tier's stream does not move): a swarm layout (:func:`kvst.swarm_layouts`: each g
 and pool pressure switched on independently; the production settings on top for the
 ``production`` property), a swarm serving mode (:func:`kvst.swarm_modes`; the attention
 property draws a connector mode, as its machine does) and a bulk trace
-(:func:`kvst.tier_operations`: thousands of requests, a few dozen big steps). The O(pool)
+(:func:`kvst.tier_operations`: thousands of requests, a few dozen big steps; or, in the
+offline tier, one batch of requests at once and steps until it is done). The O(pool)
 checks and reads leave the per-call path there (``TraceRun(..., at_boundaries=True)``):
 the pool checks and the free-queue comparison run at step boundaries, a call's snapshot
 holds the free counts only, a call reads again only the table of the request it names
@@ -63,9 +65,10 @@ def tier_layouts(
     config: CheckConfig, scale: kvst.ScaleTier, engine: EngineUnderTest
 ) -> st.SearchStrategy[KVCacheLayout]:
     """The layouts of a large tier for this engine: swarm layouts of the spec types it
-    supports, the production settings it declares on top for the production property,
-    its documented divergences left out."""
-    strategy = kvst.swarm_layouts(scale, engine.spec_types)
+    supports (in the offline tier mostly served models, :func:`kvst.offline_layouts`),
+    the production settings it declares on top for the production property, its
+    documented divergences left out."""
+    strategy = kvst.workload_layouts(scale, engine.spec_types)
     return declared_layouts(strategy, engine, scale.max_len, config.production)
 
 
@@ -157,7 +160,8 @@ def run_tier(
         outcome.examples += 1
         outcome.steps += len(ops)
 
-    # the function's name keys the derandomized stream: one stream per property and tier
+    # the function's name and source key the derandomized stream: one stream per property
+    # and tier (an edit of this function's body moves every tier's stream)
     example.__name__ = example.__qualname__ = f"{name}_{tier_name}_tier"
     test = settings(hyp_settings)(given(st.data())(example))
     if seed is not None:

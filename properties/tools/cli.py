@@ -3,7 +3,7 @@
 * ``kvconform check --engine NAME|module:factory [--level universal|exact]
   [--profile dev|ci|nightly|gpu] [--preset NAME] [--no-attention]``: runs the
   properties and prints a table (property, examples, steps, time, result; a row per
-  scale tier under each property: small, medium, production); exit 1
+  scale tier under each property: small, medium, offline, production); exit 1
   on any failure, after writing the shrunk trace and printing its replay command.
 * ``kvconform fuzz --engine ... --minutes N [--workers K]``: a campaign with a live
   progress line, the Hypothesis database under ``.kvconform/``, Ctrl-C stops cleanly.
@@ -757,8 +757,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tiers",
         default=None,
         help="the large scale tiers to run after the small one, comma-separated "
-        "(medium,production; 'none': the small tier only; default: the profile's, none "
-        "with --max-examples)",
+        "(medium,offline,production; 'none': the small tier only; default: the profile's, "
+        "none with --max-examples)",
     )
     p.add_argument(
         "--max-examples",
@@ -771,8 +771,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="examples per large tier of each property (default: the profile's; "
-        "attention runs a third of the medium ones and no production one, determinism "
-        "no production one)",
+        "attention runs a third of the medium ones and no offline or production one, "
+        "determinism no production one)",
     )
     p.add_argument(
         "--seed",

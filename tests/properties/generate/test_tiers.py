@@ -111,8 +111,16 @@ def test_tier_table_holds_the_issue_bounds() -> None:
     assert 1024 in production.window_sizes and 128 in production.window_sizes  # gemma3, gpt-oss
     with pytest.raises(ValueError, match="unknown scale tier 'huge'"):
         kvst.tier("huge")
-    with pytest.raises(KVConformError, match="--tier must be one of small, medium, production"):
+    with pytest.raises(
+        KVConformError, match="--tier must be one of small, medium, offline, production"
+    ):
         CheckConfig(tier="huge")
+    offline = kvst.TIERS["offline"]
+    assert offline.workload == "offline" and medium.workload == "online"
+    assert (offline.max_len, offline.max_blocks) == (medium.max_len, medium.max_blocks)
+    assert offline.max_requests == 128
+    with pytest.raises(ValueError, match="workload must be one of online, offline"):
+        dataclasses.replace(medium, workload="batch")
 
 
 @pytest.mark.parametrize("name", ["medium", "production"])
@@ -264,6 +272,61 @@ def test_tier_operations_draw_batches() -> None:
     assert is_batch(ops[:3])
 
 
+def test_offline_operations_one_batch_then_steps_until_done() -> None:
+    layout = kvst.PRESETS["gpt-oss"].layout(4096, 8192)  # w 128, blocks of 16
+    scale = kvst.TIERS["offline"]
+    ops = kvst.offline_batch(layout, scale, (), 12, True, 7, 2048, True, 0)
+    arrivals = [op for op in ops if isinstance(op, Arrive)]
+    steps = [op for op in ops if isinstance(op, Step)]
+    assert len(arrivals) == 12 and ops[:12] == tuple(arrivals)  # all at once, first
+    # alike documents past the window: one prompt length beyond 128, one output length
+    assert len({len(a.prompt) for a in arrivals}) == 1 and len(arrivals[0].prompt) > 128
+    assert len({len(a.output) for a in arrivals}) == 1
+    prompt_tokens = 12 * len(arrivals[0].prompt)
+    # the budget holds every prompt: one prefill step, then one per output token, plus one
+    assert all(s == Step(max(2048, prompt_tokens), 0) for s in steps)
+    assert len(steps) == 1 + len(arrivals[0].output) + 1
+    validate_references(ops)
+    # the tier's budget as drawn: the prompts take ceil(tokens / budget) steps (capped)
+    mixed = kvst.offline_batch(layout, scale, (), 40, False, 7, 2048, False, 0)
+    prompts = sum(len(op.prompt) for op in mixed if isinstance(op, Arrive))
+    longest = max(len(op.output) for op in mixed if isinstance(op, Arrive))
+    steps = [op for op in mixed if isinstance(op, Step)]
+    assert {s.token_budget for s in steps} == {2048}
+    assert len(steps) == min(scale.max_steps, -(-prompts // 2048) + longest + 1)
+    # outputs past an online turn's 16 tokens (several block boundaries after the first
+    # decode step), never past the offline bound
+    assert 16 < longest <= kvst.OFFLINE_OUTPUT
+
+
+def test_offline_tier_runs_served_models_in_lock_step() -> None:
+    """The offline tier's layouts are mostly served models, and some example prefills a
+    whole batch in one step, so its decode steps are uniform (every item at one count)."""
+    scale = kvst.TIERS["offline"]
+    few = settings(max_examples=100, derandomize=True, database=None)
+    windowed = find(
+        kvst.offline_layouts(scale),
+        lambda layout: (
+            len(layout.groups) >= 2 and layout.prefix_cache_retention_interval == 0
+        ),  # served: sparse retention
+        settings=few,
+    )
+    assert windowed.num_blocks <= scale.max_blocks and windowed.max_model_len <= scale.max_len
+
+    def one_step_batch(ops) -> bool:
+        arrivals = [op for op in ops if isinstance(op, Arrive)]
+        steps = [op for op in ops if isinstance(op, Step)]
+        return (
+            len(arrivals) >= 8
+            and len({len(a.prompt) for a in arrivals}) == 1
+            and steps[0].token_budget >= sum(len(a.prompt) for a in arrivals)
+        )
+
+    layout = kvst.PRESETS["gemma3"].layout(4096, 8192)
+    ops = find(kvst.offline_operations(layout, scale), one_step_batch, settings=few)
+    assert one_step_batch(ops)
+
+
 # ---------------------------------------------------------------------------
 # Swarm modes
 
@@ -389,8 +452,12 @@ def test_run_tier_medium_on_the_reference() -> None:
 
 
 def test_tiers_for_attention_and_profiles() -> None:
-    assert tier_examples("ci") == {"medium": 5, "production": 2}
-    assert tiers_for("attention", {"medium": 5, "production": 3}) == {"medium": 2, "production": 0}
+    assert tier_examples("ci") == {"medium": 5, "offline": 4, "production": 2}
+    assert tiers_for("attention", {"medium": 5, "production": 3}) == {
+        "medium": 2,
+        "offline": 0,
+        "production": 0,
+    }
     assert tiers_for("invariants", {"medium": 5, "production": 3}) == {"medium": 5, "production": 3}
     with pytest.raises(KVConformError, match="--profile must be one of"):
         tier_examples("weekly")
@@ -403,12 +470,17 @@ def test_tier_examples_option_replaces_each_named_tiers_count() -> None:
     config = CheckConfig(engine="reference", level="exact")
     assert large_tier_counts(PropertyTask("invariants", config, "ci")) == {
         "medium": 5,
+        "offline": 4,
         "production": 2,
     }
     task = PropertyTask("invariants", config, "ci", tiers=("medium",), examples_per_tier=20)
     assert large_tier_counts(task) == {"medium": 20}
     task = PropertyTask("attention", config, "ci", examples_per_tier=21)
-    assert tiers_for("attention", large_tier_counts(task)) == {"medium": 7, "production": 0}
+    assert tiers_for("attention", large_tier_counts(task)) == {
+        "medium": 7,
+        "offline": 0,
+        "production": 0,
+    }
 
 
 def test_run_property_reports_examples_per_tier() -> None:

@@ -94,18 +94,30 @@ def test_catalogue_entries_load_as_engines() -> None:
 # -- the optimized engine's mutants ------------------------------------------------------
 
 
+#: Examples of a mutant's large tier: what CI's optimized gate runs per large tier
+#: (``kvconform check --engine optimized --tier-examples 20``).
+TIER_DETECTION_EXAMPLES = 20
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZED_MUTANT_INFO))
 def test_optimized_mutant_is_caught(name: str, tmp_path) -> None:
     """Each optimized mutant fails its property exactly as ``kvconform check --engine
-    <mutant> --level exact --profile ci`` runs it (shrinking off)."""
+    <mutant> --level exact --profile ci`` runs it (shrinking off); a mutant of a path only
+    many requests at once take is caught by its large tier (``--tier-examples 20``), after
+    the small tier's machine missed it."""
     info = OPTIMIZED_MUTANT_INFO[name]
     config = CheckConfig(engine=info.target, level=info.level, failure_dir=str(tmp_path))
     engine = resolve_engine(info.factory)
-    result = run_property(info.prop, config, detection_settings("ci", None), None, engine)
+    tiers = None if info.tier is None else {info.tier: TIER_DETECTION_EXAMPLES}
+    result = run_property(
+        info.prop, config, detection_settings("ci", None), None, engine, tiers=tiers
+    )
     assert result.failure is not None, f"{name} escaped the ci profile ({info.prop})"
     assert any(c in result.failure for c in info.caught_by), (
         f"{name} failed for another reason than {sorted(info.caught_by)}: {result.failure}"
     )
+    if info.tier is not None:
+        assert result.failure.startswith(f"[{info.tier} tier]"), result.failure
 
 
 def test_optimized_engine_passes(tmp_path) -> None:
