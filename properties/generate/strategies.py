@@ -337,6 +337,10 @@ def layouts(
     return dataclasses.replace(sizing, num_blocks=num_blocks)
 
 
+#: :func:`preset_layouts`' block sizes, the first the shrink target.
+PRESET_BLOCK_SIZES: tuple[int, ...] = (4, 1, 2, 8, 16)
+
+
 @st.composite
 def preset_layouts(
     draw,
@@ -345,7 +349,7 @@ def preset_layouts(
     min_blocks: int = 5,
     max_blocks: int | None = None,
     served: bool = False,
-    block_sizes: Sequence[int] = (4, 1, 2, 8, 16),
+    block_sizes: Sequence[int] = PRESET_BLOCK_SIZES,
 ) -> KVCacheLayout:
     """A preset's layout with a small block size (one of ``block_sizes``, the first the
     shrink target) and windows scaled to a few blocks; dense retention unless ``served``
@@ -978,7 +982,7 @@ PRESET_WINDOWS: tuple[int, ...] = tuple(sorted({w for p in PRESETS.values() for 
 
 
 #: The trace shapes of a large tier (:attr:`ScaleTier.workload`).
-WORKLOADS: tuple[str, ...] = ("online", "offline")
+ONLINE, OFFLINE_WORKLOAD = WORKLOADS = ("online", "offline")
 
 
 @dataclass(frozen=True)
@@ -1008,7 +1012,7 @@ class ScaleTier:
     token_budgets: tuple[int, ...] | None = None
     block_sizes: tuple[int, ...] | None = None
     window_sizes: tuple[int, ...] | None = None
-    workload: str = "online"
+    workload: str = ONLINE
 
     def __post_init__(self) -> None:
         if self.max_len < 1 or self.min_blocks < 2 or self.max_requests < 1:
@@ -1055,7 +1059,7 @@ TIERS: dict[str, ScaleTier] = {
         max_requests=128,
         max_steps=96,
         token_budgets=(2**11, 2**13, 2**15),  # 2048, 8192, 32768
-        workload="offline",
+        workload=OFFLINE_WORKLOAD,
     ),
     PRODUCTION: ScaleTier(
         PRODUCTION,
@@ -1486,7 +1490,7 @@ def tier_operations(draw, layout: KVCacheLayout, scale: ScaleTier) -> tuple[Oper
     live requests, prefix-cache resets. A few dozen operations move thousands of blocks.
     Passes :func:`properties.core.trace.validate_references`. A tier whose workload is
     ``"offline"`` draws :func:`offline_operations` instead."""
-    if scale.workload == "offline":
+    if scale.workload == OFFLINE_WORKLOAD:
         return draw(offline_operations(layout, scale))
     budgets = scale.token_budgets or (layout.max_model_len,)
     pool = draw(prefix_pools(layout))
@@ -1537,7 +1541,7 @@ def offline_layouts(
         min_blocks=scale.min_blocks,
         max_blocks=scale.max_blocks,
         served=True,
-        block_sizes=scale.block_sizes or (4, 1, 2, 8, 16),
+        block_sizes=scale.block_sizes or PRESET_BLOCK_SIZES,
     )
     return st.one_of(served, served, served, swarm)
 
@@ -1547,7 +1551,7 @@ def workload_layouts(
 ) -> st.SearchStrategy[KVCacheLayout]:
     """The layouts of a large tier, by its workload: :func:`swarm_layouts` (online) or
     :func:`offline_layouts` (offline), made of ``kinds``."""
-    if scale.workload == "offline":
+    if scale.workload == OFFLINE_WORKLOAD:
         return offline_layouts(scale, kinds)
     return swarm_layouts(scale, kinds)
 
@@ -1567,7 +1571,7 @@ def offline_operations(draw, layout: KVCacheLayout, scale: ScaleTier) -> tuple[O
     seed = draw(_seeds)
     budget = draw(st.sampled_from(budgets))
     whole = draw(st.booleans())
-    return offline_batch(layout, scale, pool, count, alike, seed, budget, whole, 0)
+    return offline_batch(layout, scale, pool, count, alike, seed, budget, whole)
 
 
 def offline_batch(
@@ -1579,12 +1583,11 @@ def offline_batch(
     seed: int,
     budget: int,
     whole: bool,
-    lookahead: int,
 ) -> tuple[Operation, ...]:
     """One bulk arrival of ``count`` requests made from ``seed`` (``alike``: a batch of
     requests alike, :func:`batch_arrivals`, on a layout with windows or chunks documents
     longer than the widest; else :func:`bulk_arrivals`' mix, prompts may start with a cut
-    of a pool prefix), then steps only, all ``Step(budget, lookahead)``: as many as the
+    of a pool prefix), then steps only, all ``Step(budget, 0)``: as many as the
     batch needs to finish when nothing is preempted (its prompt tokens over the budget,
     plus the longest output, plus one), at most ``scale.max_steps``. ``whole`` raises the
     budget to hold every prompt, so the whole batch is prefilled in one step and then
@@ -1600,5 +1603,5 @@ def offline_batch(
         budget = max(budget, prompt_tokens)
     longest_output = max(len(op.output) for op in ops)
     steps = min(scale.max_steps, -(-prompt_tokens // budget) + longest_output + 1)
-    ops.extend(Step(budget, lookahead) for _ in range(steps))
+    ops.extend(Step(budget, 0) for _ in range(steps))
     return tuple(ops)

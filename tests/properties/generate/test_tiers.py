@@ -275,7 +275,7 @@ def test_tier_operations_draw_batches() -> None:
 def test_offline_operations_one_batch_then_steps_until_done() -> None:
     layout = kvst.PRESETS["gpt-oss"].layout(4096, 8192)  # w 128, blocks of 16
     scale = kvst.TIERS["offline"]
-    ops = kvst.offline_batch(layout, scale, (), 12, True, 7, 2048, True, 0)
+    ops = kvst.offline_batch(layout, scale, (), 12, True, 7, 2048, True)
     arrivals = [op for op in ops if isinstance(op, Arrive)]
     steps = [op for op in ops if isinstance(op, Step)]
     assert len(arrivals) == 12 and ops[:12] == tuple(arrivals)  # all at once, first
@@ -288,7 +288,7 @@ def test_offline_operations_one_batch_then_steps_until_done() -> None:
     assert len(steps) == 1 + len(arrivals[0].output) + 1
     validate_references(ops)
     # the tier's budget as drawn: the prompts take ceil(tokens / budget) steps (capped)
-    mixed = kvst.offline_batch(layout, scale, (), 40, False, 7, 2048, False, 0)
+    mixed = kvst.offline_batch(layout, scale, (), 40, False, 7, 2048, False)
     prompts = sum(len(op.prompt) for op in mixed if isinstance(op, Arrive))
     longest = max(len(op.output) for op in mixed if isinstance(op, Arrive))
     steps = [op for op in mixed if isinstance(op, Step)]
@@ -304,14 +304,14 @@ def test_offline_tier_runs_served_models_in_lock_step() -> None:
     whole batch in one step, so its decode steps are uniform (every item at one count)."""
     scale = kvst.TIERS["offline"]
     few = settings(max_examples=100, derandomize=True, database=None)
-    windowed = find(
+    served = find(
         kvst.offline_layouts(scale),
         lambda layout: (
             len(layout.groups) >= 2 and layout.prefix_cache_retention_interval == 0
         ),  # served: sparse retention
         settings=few,
     )
-    assert windowed.num_blocks <= scale.max_blocks and windowed.max_model_len <= scale.max_len
+    assert served.num_blocks <= scale.max_blocks and served.max_model_len <= scale.max_len
 
     def one_step_batch(ops) -> bool:
         arrivals = [op for op in ops if isinstance(op, Arrive)]
