@@ -615,6 +615,7 @@ def _bench(args: argparse.Namespace, finished: list) -> int:
             on_row=keeping(engine_line),
             cpu=args.cpu,
             calls=args.calls,
+            top_functions=args.hotspots,
         )
         print(format_engine_bench(rows))
         if args.calls:
@@ -622,6 +623,14 @@ def _bench(args: argparse.Namespace, finished: list) -> int:
 
             print("\nwhere the time goes, per protocol call:")
             print(format_call_profile(rows))
+        if args.hotspots:
+            from properties.tools.bench.hotspots import format_hotspots
+
+            print(
+                "\nwhere the time goes inside the engine, per function (cProfile, one more "
+                "replay; most self time first, per decode step and per prefilled request):"
+            )
+            print(format_hotspots(rows))
         return 1 if engine_mismatches(rows) else 0
     elif args.what == "device":
         from properties.tools.bench.device import run_device_bench
@@ -871,6 +880,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--calls",
         action="store_true",
         help="engines: also split each row's time by protocol call (per decode step, per prefill)",
+    )
+    p.add_argument(
+        "--hotspots",
+        type=int,
+        default=0,
+        metavar="N",
+        help="engines: also list the N functions of the engine with the most self time per "
+        "decode step and per prefill (cProfile, in one more replay; in CPU time with --cpu)",
     )
     p.add_argument("--sizes", type=int, nargs="*", default=None, help="device: concurrencies")
     p.add_argument("--context", type=int, default=2048, help="device: prompt tokens")

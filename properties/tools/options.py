@@ -59,6 +59,7 @@ NUMERIC_OPTIONS: dict[str, NumberRange] = {
     "progress_seconds": NumberRange("--progress-seconds", 0, DAY_S, low_inclusive=False),
     "per_mode": NumberRange("--per-mode", 1, 10_000),
     "repeat": NumberRange("--repeat", 1, 10_000),
+    "hotspots": NumberRange("--hotspots", 0, 10_000),
     "scale": NumberRange("--scale", 1, 10_000),
     "threads": NumberRange("--threads", 1, 1024),
 }

@@ -75,6 +75,7 @@ from properties.generate.presets import (
 )
 from properties.runner.scheduler import Scheduler, StepRecord
 from properties.tools.bench.call_profile import CallShare, CallTime, call_shares, call_times
+from properties.tools.bench.hotspots import FunctionSplit, FunctionTime, Hotspot, hotspots
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
 from reference.specs import cdiv
@@ -445,6 +446,10 @@ class Replay:
     #: and over the prefill steps (:class:`CallTime`, most expensive first)
     decode_calls: tuple[CallTime, ...] = ()
     prefill_calls: tuple[CallTime, ...] = ()
+    #: with ``functions``: the engine's time per function (cProfile), summed over the
+    #: decode steps and over the prefill steps (:class:`FunctionTime`, most self time first)
+    decode_functions: tuple[FunctionTime, ...] = ()
+    prefill_functions: tuple[FunctionTime, ...] = ()
 
 
 class TimedEngine(EngineProxy):
@@ -462,6 +467,9 @@ class TimedEngine(EngineProxy):
         #: ``calls``)
         self.call_seconds: dict[str, float] | None = None
         self.call_counts: dict[str, int] = {}
+        #: cProfile switched on inside every call (None: not profiled; :func:`replay_timed`'s
+        #: ``functions``)
+        self.profiler: FunctionSplit | None = None
         #: wall time (``time.perf_counter``) or the thread's CPU time (``time.thread_time``:
         #: steadier on a busy machine, :data:`CPU_CLOCK`)
         self.clock = clock
@@ -469,10 +477,15 @@ class TimedEngine(EngineProxy):
     def _timed(self, name: str, fn, *args):
         """``fn(*args)``, its time added to :attr:`seconds` (and to protocol call
         ``name``'s when :attr:`call_seconds` is kept)."""
+        profiler = self.profiler
         start = self.clock()
+        if profiler is not None:  # (inside the clock reads: the profile holds the call only)
+            profiler.enable()
         try:
             return fn(*args)
         finally:
+            if profiler is not None:
+                profiler.disable()
             elapsed = self.clock() - start
             self.seconds += elapsed
             if self.call_seconds is not None:
@@ -564,13 +577,18 @@ def replay_timed(
     trace: Trace,
     clock: Callable[[], float] = time.perf_counter,
     calls: bool = False,
+    functions: bool = False,
 ) -> Replay:
     """Apply ``trace`` to a fresh scheduler over ``engine``, timing every ``Step`` (wall
     time in ``step_seconds``; the split into decode and prefill counts the time spent
     inside the engine's calls only, see :class:`TimedEngine`). ``calls``: also that time
-    per protocol call (``decode_calls``, ``prefill_calls``)."""
+    per protocol call (``decode_calls``, ``prefill_calls``). ``functions``: also the
+    engine's time per function under cProfile (``decode_functions``,
+    ``prefill_functions``; the profiler slows every call, so timings are for a
+    separate replay)."""
     engine = timed(engine, clock)
     split = _CallSplit(engine) if calls else None
+    profile = engine.profiler = FunctionSplit(clock) if functions else None
     scheduler = Scheduler(engine, trace.layout)
     seconds: list[float] = []
     decode_seconds: list[float] = []
@@ -607,6 +625,8 @@ def replay_timed(
             scheduler.apply(op)
         if split is not None:
             split.op_ended(kind)
+        if profile is not None:
+            profile.op_ended(kind)
     return Replay(
         tuple(seconds),
         busy,
@@ -619,6 +639,11 @@ def replay_timed(
         prefills,
         max_running,
         *(split.totals() if split is not None else ((), ())),
+        *(
+            (profile.function_times(True), profile.function_times(False))
+            if profile is not None
+            else ((), ())
+        ),
     )
 
 
@@ -707,6 +732,10 @@ class EngineBenchRow:
     prefill_speedup: float | None = None
     #: with ``calls``: where the decode and prefill time went, per protocol call
     calls: tuple[CallShare, ...] | None = None
+    #: with ``hotspots``: the functions holding the most self time per decode step and
+    #: per prefilled request (:mod:`.hotspots`)
+    decode_hotspots: tuple[Hotspot, ...] | None = None
+    prefill_hotspots: tuple[Hotspot, ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -736,16 +765,20 @@ def _measure(
     memory: bool = False,
     clock: Callable[[], float] = time.perf_counter,
     calls: bool = False,
+    top_functions: int = 0,
 ) -> EngineBenchRow:
     """The fastest of ``repeat`` replays (by total step time); errors become the status.
-    ``calls``: the row also splits its time by protocol call (:mod:`.call_profile`)."""
+    ``calls``: the row also splits its time by protocol call (:mod:`.call_profile`).
+    ``top_functions``: one more replay, under cProfile, gives the row's hotspots
+    (:mod:`.hotspots`)."""
     try:
         factory = resolve_engine(name, isolation="none")
     except EngineError as exc:
         status = _not_installed(name, exc) if _caused_by_import(exc) else f"error: {exc}"
         return EngineBenchRow(trace_name, name, status)
     best: Replay | None = None
-    for _ in range(repeat):
+    profiled: Replay | None = None
+    for i in range(repeat + (1 if top_functions else 0)):
         try:
             engine = engine_alone(factory(trace.layout))
         except (EngineError, ImportError) as exc:
@@ -757,12 +790,15 @@ def _measure(
         gc.collect()
         gc.freeze()
         try:
-            result = replay_timed(engine, trace, clock, calls)
+            # (the last replay of a row with hotspots is the profiled one, timed apart)
+            result = replay_timed(engine, trace, clock, calls, functions=i == repeat)
         except KVConformError as exc:
             return EngineBenchRow(trace_name, name, f"error: {exc}")
         finally:
             gc.unfreeze()
-        if best is None or sum(result.step_seconds) < sum(best.step_seconds):
+        if i == repeat:
+            profiled = result
+        elif best is None or sum(result.step_seconds) < sum(best.step_seconds):
             best = result
     assert best is not None
     total = sum(best.step_seconds)
@@ -782,6 +818,12 @@ def _measure(
         )
         if calls
         else None,
+        decode_hotspots=None
+        if profiled is None
+        else hotspots(profiled.decode_functions, len(profiled.decode_seconds), top_functions),
+        prefill_hotspots=None
+        if profiled is None
+        else hotspots(profiled.prefill_functions, profiled.prefills, top_functions),
         trace=trace_name,
         engine=name,
         status="ok",
@@ -860,17 +902,23 @@ def bench_engines(
     on_row: Callable[[EngineBenchRow], None] | None = None,
     cpu: bool = False,
     calls: bool = False,
+    top_functions: int = 0,
 ) -> list[EngineBenchRow]:
     """One row per trace and engine, in that order; ``traces`` defaults to
     :func:`recorded_traces`. The first engine is the baseline of the ratios. ``cpu``: the
     engine's calls are timed in the thread's CPU time (:data:`CPU_CLOCK`) instead of wall
     time, so the decode and prefill columns hold CPU milliseconds.
     ``on_row`` hears of each row as soon as it is measured (progress). ``calls``: each
-    row also says where its time went, per protocol call (``EngineBenchRow.calls``)."""
+    row also says where its time went, per protocol call (``EngineBenchRow.calls``).
+    ``top_functions``: each row also lists that many functions holding the most self time
+    per decode step and per prefilled request, from one more replay under cProfile
+    (``EngineBenchRow.decode_hotspots``, ``prefill_hotspots``; 0: none)."""
     if not engines:
         raise BenchError("engines must name at least one engine, got ()")
     if not isinstance(repeat, int) or repeat < 1:
         raise BenchError(f"repeat must be an integer >= 1, got {repeat!r}")
+    if not isinstance(top_functions, int) or top_functions < 0:
+        raise BenchError(f"hotspots must be an integer >= 0, got {top_functions!r}")
     check_engine_names(engines)
     if traces is None:
         traces = recorded_traces()
@@ -878,7 +926,9 @@ def bench_engines(
     for trace_name, trace in traces.items():
         for name in engines:
             clock = CPU_CLOCK if cpu else time.perf_counter
-            rows.append(_measure(name, trace_name, trace, repeat, memory, clock, calls))
+            rows.append(
+                _measure(name, trace_name, trace, repeat, memory, clock, calls, top_functions)
+            )
             if on_row is not None:
                 on_row(rows[-1])
     return with_speedups(with_ratios(rows))
