@@ -134,6 +134,26 @@ def describe_call(call: str, args: Mapping[str, Any]) -> str:
     return f"{call}({', '.join(parts)})"
 
 
+class CallText:
+    """A call's description (:func:`describe_call`), built only when a message shows it:
+    a call that succeeds, nearly every call, never formats its arguments. Example:
+    ``f"{CallText('free', {'request_id': 'r3'})} timed out"`` -> ``"free('r3') timed
+    out"``."""
+
+    __slots__ = ("call", "args")
+
+    def __init__(self, call: str, args: Mapping[str, Any]) -> None:
+        self.call = call
+        self.args = args
+
+    def __str__(self) -> str:
+        return describe_call(self.call, self.args)
+
+
+#: what a message names a call by: its text, or a :class:`CallText` formatted on demand
+Described = str | CallText
+
+
 def _exit_description(returncode: int) -> str:
     if returncode < 0:
         try:
@@ -175,6 +195,10 @@ class ExecProcess:
         self._next_id = 0
         self._broken: str | None = None
         self._finalizer = None
+        #: one selector per pipe for the child's life (readable stdout, writable stdin):
+        #: a call then waits with one ``select``, building nothing
+        self._readable: selectors.BaseSelector | None = None
+        self._writable: selectors.BaseSelector | None = None
         self.hello: dict[str, Any] = {}
         #: Incremented at each ``create``: engines built earlier are retired.
         self.generation = 0
@@ -205,6 +229,10 @@ class ExecProcess:
             ) from None
         os.set_blocking(self._proc.stdin.fileno(), False)
         os.set_blocking(self._proc.stdout.fileno(), False)
+        self._readable = selectors.DefaultSelector()
+        self._readable.register(self._proc.stdout.fileno(), selectors.EVENT_READ)
+        self._writable = selectors.DefaultSelector()
+        self._writable.register(self._proc.stdin.fileno(), selectors.EVENT_WRITE)
         self._finalizer = weakref.finalize(self, _stop, self._proc)
         _LIVE.add(self._proc)
         hello = self.call(
@@ -246,6 +274,10 @@ class ExecProcess:
             proc.kill()
             proc.wait()
         proc.stdout.close()
+        for selector in (self._readable, self._writable):
+            if selector is not None:
+                selector.close()
+        self._readable = self._writable = None
         if self._stderr is not None:
             self._stderr.close()
             self._stderr = None
@@ -262,7 +294,7 @@ class ExecProcess:
         """Send ``call`` and return its ``result``; an ``error`` answer raises
         :class:`EngineError` (:class:`UnsupportedLayoutError` for ``unsupported_layout``)."""
         args = dict(args or {})
-        what = describe_call(call, args)
+        what = CallText(call, args)
         if self._proc is None:
             raise EngineError(f"exec engine {self.label!r}: {what} before start()")
         if self._broken is not None:
@@ -309,44 +341,47 @@ class ExecProcess:
         return response["result"]
 
     # -- the wire ---------------------------------------------------------------------
-    def _write(self, data: bytes, what: str, deadline: float) -> None:
+    def _write(self, data: bytes, what: Described, deadline: float) -> None:
+        """Write ``data`` to the child's stdin, waiting for room only when the pipe is
+        full (a request line nearly always fits at once)."""
         fd = self._proc.stdin.fileno()
         view = memoryview(data)
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_WRITE)
-            while view:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._timed_out(what, "did not read its request")
-                if not sel.select(remaining):
-                    continue
-                try:
-                    written = os.write(fd, view)
-                except BlockingIOError:
-                    continue
-                except (BrokenPipeError, ConnectionResetError):
-                    self._crashed(what)
-                view = view[written:]
+        while view:
+            try:
+                written = os.write(fd, view)
+            except BlockingIOError:
+                written = 0
+            except (BrokenPipeError, ConnectionResetError):
+                self._crashed(what)
+            view = view[written:]
+            if view:
+                self._wait(self._writable, what, deadline, "did not read its request")
 
-    def _read_line(self, what: str, deadline: float) -> bytes:
+    def _read_line(self, what: Described, deadline: float) -> bytes:
         fd = self._proc.stdout.fileno()
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while b"\n" not in self._buffer:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._timed_out(what, "got no answer")
-                if not sel.select(remaining):
-                    continue
-                try:
-                    chunk = os.read(fd, 1 << 16)
-                except BlockingIOError:
-                    continue
-                if not chunk:
-                    self._crashed(what)
-                self._buffer += chunk
+        while b"\n" not in self._buffer:
+            self._wait(self._readable, what, deadline, "got no answer")
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                self._crashed(what)
+            self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
         return line
+
+    def _wait(
+        self, selector: selectors.BaseSelector | None, what: Described, deadline: float, how: str
+    ) -> None:
+        """Until ``selector``'s pipe is ready; past ``deadline`` the call timed out."""
+        assert selector is not None  # (started: the call checked)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._timed_out(what, how)
+            if selector.select(remaining):
+                return
 
     # -- failures ---------------------------------------------------------------------
     def _clear_stderr(self) -> None:
@@ -380,7 +415,7 @@ class ExecProcess:
         _kill_quietly(self._proc)
         raise error(self._with_stderr(f"exec engine {self.label!r}: {message}"))
 
-    def _timed_out(self, what: str, how: str) -> NoReturn:
+    def _timed_out(self, what: Described, how: str) -> NoReturn:
         seconds = f"{self.timeout:g}"
         self._broken = f"{what} timed out"
         _kill_quietly(self._proc)
@@ -391,7 +426,7 @@ class ExecProcess:
             )
         )
 
-    def _crashed(self, what: str) -> NoReturn:
+    def _crashed(self, what: Described) -> NoReturn:
         try:
             code = self._proc.wait(timeout=EXIT_GRACE_S)
             how = _exit_description(code)
@@ -448,16 +483,19 @@ def _clip(raw: bytes | str, limit: int = 300) -> str:
 # The engine protocol over a child
 
 
-def _int(value: Any, what: str, process: ExecProcess) -> int:
+def _int(value: Any, what: Described, process: ExecProcess) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         process._fail(ExecProtocolError, f"{what} returned {value!r}, not an integer")
     return value
 
 
-def _table(value: Any, what: str, process: ExecProcess) -> BlockIds:
+def _table(value: Any, what: Described, process: ExecProcess) -> BlockIds:
     if not isinstance(value, list) or not all(isinstance(row, list) for row in value):
         process._fail(ExecProtocolError, f"{what} returned {_clip(json.dumps(value))}, not a table")
-    return tuple(tuple(_int(b, what, process) for b in row) for row in value)
+    table = tuple(map(tuple, value))
+    if all(type(b) is int for row in table for b in row):  # (JSON integers: the common case)
+        return table
+    return tuple(tuple(_int(b, what, process) for b in row) for row in value)  # names the bad one
 
 
 class ExecEngine(TakesAllocations):
@@ -518,7 +556,7 @@ class ExecEngine(TakesAllocations):
 
     def get_computed_blocks(self, request_id: str) -> CacheHit:
         args = {"request_id": request_id}
-        what = describe_call("get_computed_blocks", args)
+        what = CallText("get_computed_blocks", args)
         result = self._call("get_computed_blocks", args)
         if not isinstance(result, dict) or "num_tokens" not in result or "block_ids" not in result:
             self.process._fail(
@@ -554,7 +592,7 @@ class ExecEngine(TakesAllocations):
         result = self._call("allocate_slots", args)
         if result is None:
             return None
-        return _table(result, describe_call("allocate_slots", args), self.process)
+        return _table(result, CallText("allocate_slots", args), self.process)
 
     def _check_keywords(self, allocation: Allocation, keywords: dict[str, Any]) -> None:
         raise EngineError(
@@ -579,7 +617,7 @@ class ExecEngine(TakesAllocations):
     def get_block_ids(self, request_id: str) -> BlockIds:
         args = {"request_id": request_id}
         return _table(
-            self._call("get_block_ids", args), describe_call("get_block_ids", args), self.process
+            self._call("get_block_ids", args), CallText("get_block_ids", args), self.process
         )
 
     def num_free_blocks(self) -> int:

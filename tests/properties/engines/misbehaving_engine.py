@@ -12,7 +12,10 @@ call, then misbehaves in one chosen way: the failures the exec client must repor
 * ``version``: (for ``hello``) claims protocol version 99;
 * ``settings``: (for ``hello``) declares an unknown production setting ``warp``;
 * ``spec-types``: (for ``hello``) declares ``spec_types`` as the string ``"full"``;
-* ``error``: answers an ``engine_error`` message.
+* ``error``: answers an ``engine_error`` message;
+* ``float-ids``: answers the right table with its first block id as a float (``3.0``);
+* ``padded``: answers correctly, the line padded with 200 000 spaces (more than one read
+  of the pipe).
 """
 
 from __future__ import annotations
@@ -59,6 +62,13 @@ def main() -> int:
                 reply = json.dumps(
                     {"id": message["id"], "error": {"kind": "engine_error", "message": "nope"}}
                 )
+            elif mode == "float-ids":
+                response = answer(message, server)
+                table = response["result"]
+                table[0][0] = float(table[0][0])
+                reply = json.dumps(response)
+            elif mode == "padded":
+                reply = json.dumps(answer(message, server)) + " " * 200_000
             else:
                 raise SystemExit(f"unknown mode {mode!r}")
         else:

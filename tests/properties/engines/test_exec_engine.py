@@ -189,6 +189,24 @@ def test_crashed_engine_is_reported_with_its_exit_status(mode: str, status: str)
     assert "misbehaving at get_computed_blocks" in message
 
 
+def test_a_float_block_id_is_a_protocol_violation_naming_the_call() -> None:
+    factory = _misbehaving("float-ids", "allocate_slots")
+    engine, hit = _drive_to_allocation(factory)
+    with pytest.raises(ExecProtocolError) as info:
+        engine.allocate_slots("r0", 3, 0, hit, 0)
+    message = str(info.value)
+    assert "allocate_slots('r0', num_new_tokens=3" in message
+    assert "returned 1.0, not an integer" in message
+
+
+def test_an_answer_longer_than_one_read_of_the_pipe_arrives_whole() -> None:
+    factory = _misbehaving("padded", "allocate_slots")
+    engine, hit = _drive_to_allocation(factory)
+    # 3 tokens in blocks of 2: the first two of the 7 free blocks (block 0 is the null one)
+    assert engine.allocate_slots("r0", 3, 0, hit, 0) == ((1, 2),)
+    assert engine.num_free_blocks() == 5  # the next call reads the next line
+
+
 @pytest.mark.parametrize(
     ("mode", "expected"),
     [("garbage", "not JSON"), ("wrong-id", "answered with id")],
