@@ -11,6 +11,11 @@ cost about 10 us, a tenth of a step of the reference); a timeout fires between
 from ``BaseException`` so an engine's ``except Exception`` cannot swallow it, and the
 next tick raises it again if something does.
 
+Time the interpreter spends collecting garbage during the call is not charged to it: a
+full collection of a long campaign's heap (a gigabyte of Hypothesis's data, seconds on a
+busy machine) is kvconform's cost, not the engine's, and a tick that lands inside a
+collection waits for the next one (an exception raised there would be lost anyway).
+
 What it can interrupt: Python code (a ``while True``), ``time.sleep`` and other calls
 that wait in the kernel, and C code that checks for signals (the regular expression
 engine does: ``re.match(r'(a+)+$', 'a' * 40 + 'b')`` stops at the deadline). What it
@@ -30,6 +35,7 @@ Worked example::
 from __future__ import annotations
 
 import atexit
+import gc
 import signal
 import threading
 import time
@@ -50,11 +56,28 @@ class _Running:
     what: str | None = None
     deadline: float = 0.0
     ticking: bool = False
+    #: when the collection running now began (None: none), and the seconds the call's
+    #: finished collections took, which push its deadline back
+    collecting_since: float | None = None
+    collected_seconds: float = 0.0
 
 
 def _on_tick(signum, frame) -> None:
-    if _Running.what is not None and time.monotonic() >= _Running.deadline:
+    if (
+        _Running.what is not None
+        and _Running.collecting_since is None
+        and time.monotonic() - _Running.collected_seconds >= _Running.deadline
+    ):
         raise DeadlinePassed()
+
+
+def _on_collection(phase: str, info: dict) -> None:
+    """``gc.callbacks`` entry: time each collection that runs during a call."""
+    if phase == "start":
+        _Running.collecting_since = time.monotonic() if _Running.what is not None else None
+    elif _Running.collecting_since is not None:
+        _Running.collected_seconds += time.monotonic() - _Running.collecting_since
+        _Running.collecting_since = None
 
 
 _HAS_TIMER = hasattr(signal, "setitimer")
@@ -70,6 +93,8 @@ def _start_ticking() -> None:
         signal.signal(signal.SIGALRM, _on_tick)
     signal.setitimer(signal.ITIMER_REAL, TICK_S, TICK_S)
     _Running.ticking = True
+    if _on_collection not in gc.callbacks:
+        gc.callbacks.insert(0, _on_collection)  # (first: every other callback is timed)
     atexit.register(stop_ticking)  # at shutdown the default action would kill the process
 
 
@@ -95,6 +120,7 @@ class call_deadline:  # noqa: N801 - used as a function: ``with call_deadline(..
             if not _Running.ticking:
                 _start_ticking()
             _Running.deadline = time.monotonic() + self.seconds
+            _Running.collected_seconds = 0.0
             _Running.what = self.what
             self.armed = True
 
