@@ -193,22 +193,10 @@ def test_bench_rows_carry_hotspots_only_when_asked() -> None:
         bench_engines(("reference",), traces, top_functions=-1)
 
 
-def test_cli_prints_the_hotspots(capsys) -> None:
-    code = main(
-        [
-            "bench",
-            "engines",
-            "--engines",
-            "reference",
-            "--traces",
-            "sweep-64x2k",
-            "--scale",
-            "16",
-            "--hotspots",
-            "2",
-            "--cpu",
-        ]
-    )
+def test_cli_prints_the_hotspots(capsys, monkeypatch, tmp_path) -> None:
+    monkeypatch.chdir(tmp_path)  # (the trace is cached under the current directory)
+    argv = "bench engines --engines reference --traces sweep-64x2k --scale 16 --hotspots 2 --cpu"
+    code = main(argv.split())
     out = capsys.readouterr().out
     assert code == 0, out
     assert "per function" in out
