@@ -20,7 +20,8 @@ The groups of names:
   :class:`ReportsAllocationEstimate`, :class:`ReportsPools`, :class:`PlansSteps`,
   :class:`CommitsSteps`, :class:`FreesInBatch`, :class:`ExposesDataPlane`,
   :class:`SupportsServingModes`,
-  :class:`HasSelfChecks` (checks the bench turns off), with the
+  :class:`HasSelfChecks` (checks the bench turns off), :class:`BuildsAsDeployed` (the
+  configuration the bench times), with the
   values they take and return (:class:`RequestInput`, :class:`CacheHit`,
   :class:`CachedBlock`, :class:`PoolUsage`,
   :class:`SlotRequest`, :class:`StepUpdate`, ``BlockIds``, ``EngineFactory``) and
@@ -45,6 +46,7 @@ from importlib import metadata as _metadata
 from properties.core.constants import DEFAULTS, LEVELS, PROFILES, PROPERTIES, Defaults
 from properties.core.engine import (
     BlockIds,
+    BuildsAsDeployed,
     CachedBlock,
     CacheHit,
     CallTimeoutError,
@@ -104,6 +106,7 @@ __all__ = [
     "FreesInBatch",
     "ExposesDataPlane",
     "HasSelfChecks",
+    "BuildsAsDeployed",
     "SupportsServingModes",
     "RequestInput",
     "CacheHit",

@@ -316,6 +316,23 @@ class HasSelfChecks(Protocol):
 
 
 @runtime_checkable
+class BuildsAsDeployed(Protocol):
+    """An adapter that builds its engine in a configuration chosen to observe it, and can
+    build it again as the engine's users run it by default.
+
+    ``build_as_deployed`` is called by the bench on a fresh engine, before any request, so
+    that a row times what a deployment runs rather than what the checks watch; it raises
+    :class:`EngineError` once a request was added. Example: the vLLM adapter turns KV cache
+    events on for three layouts in four (to audit them); ``vllm serve`` leaves them off
+    unless a KV events config is given, and emitting them costs vLLM about half its
+    prefill time on decode-heavy, so the bench's vLLM has them off (and its stats on, as
+    ``vllm serve`` logs them by default).
+    """
+
+    def build_as_deployed(self) -> None: ...
+
+
+@runtime_checkable
 class ExposesDataPlane(Protocol):
     """The engine's own data plane, driven by the ``attention`` property.
 

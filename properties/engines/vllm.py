@@ -245,30 +245,15 @@ class VLLMEngine:
             )
             for g in layout.groups
         ]
-        config = v.kvi.KVCacheConfig(
+        self._config = v.kvi.KVCacheConfig(
             num_blocks=layout.num_blocks,
             kv_cache_tensors=[],
             kv_cache_groups=groups,
             prefix_cache_retention_interval=layout.prefix_cache_retention_interval,
         )
-        # vLLM's scheduler turns the block drop off when lookahead hashes are on
-        drop_eagle = layout.use_eagle and layout.num_hash_lookahead_tokens == 0
-        self._observe = observes_stats_and_events(layout)
-        self.manager = _call(
-            "KVCacheManager",
-            (layout.describe(),),
-            v.KVCacheManager,
-            config,
-            max_model_len=layout.max_model_len,
-            scheduler_block_size=layout.scheduler_block_size,
-            hash_block_size=layout.hash_block_size,
-            max_in_flight_tokens=layout.max_in_flight_tokens,
-            enable_caching=layout.enable_caching,
-            use_eagle=drop_eagle,
-            num_hash_lookahead_tokens=layout.num_hash_lookahead_tokens,
-            log_stats=self._observe,
-            enable_kv_cache_events=self._observe,
-        )
+        #: whether vLLM's manager keeps prefix cache stats, and emits KV cache events
+        self._stats_on = self._events_on = observes_stats_and_events(layout)
+        self._build_manager()
         self._hasher = (
             v.get_request_block_hasher(
                 layout.hash_block_size, v.sha256, layout.num_hash_lookahead_tokens
@@ -277,10 +262,11 @@ class VLLMEngine:
             else None
         )
         self.requests: dict[str, Any] = {}
+        #: whether a request was ever added (the manager is then no longer fresh)
+        self._used = False
         self._hits: dict[str, tuple[CacheHit, Any]] = {}
         self._lora_ids: dict[str, int] = {}
         self._estimate: int | None = None
-        self._record_estimates(self.manager.coordinator)
         #: (group, hash) that BlockStored events announced since the last clear
         self._announced: set[tuple[int, Any]] = set()
         #: whether _drain_events checks the events against the pool (HasSelfChecks)
@@ -289,6 +275,38 @@ class VLLMEngine:
         self._admissions: list[tuple[int, int, bool]] = []
         #: whether reset_prefix_cache succeeded since the last step
         self._reset_since_stats = False
+
+    def _build_manager(self) -> None:
+        """vLLM's ``KVCacheManager`` of the layout, with stats and events as set."""
+        layout, v = self.layout, self._v
+        # vLLM's scheduler turns the block drop off when lookahead hashes are on
+        drop_eagle = layout.use_eagle and layout.num_hash_lookahead_tokens == 0
+        self.manager = _call(
+            "KVCacheManager",
+            (layout.describe(),),
+            v.KVCacheManager,
+            self._config,
+            max_model_len=layout.max_model_len,
+            scheduler_block_size=layout.scheduler_block_size,
+            hash_block_size=layout.hash_block_size,
+            max_in_flight_tokens=layout.max_in_flight_tokens,
+            enable_caching=layout.enable_caching,
+            use_eagle=drop_eagle,
+            num_hash_lookahead_tokens=layout.num_hash_lookahead_tokens,
+            log_stats=self._stats_on,
+            enable_kv_cache_events=self._events_on,
+        )
+        self._record_estimates(self.manager.coordinator)
+
+    def build_as_deployed(self) -> None:
+        """``BuildsAsDeployed``: vLLM's manager again, as ``vllm serve`` builds it by
+        default: prefix cache stats on (unless ``--disable-log-stats``), KV cache events
+        off (unless a KV events config is given). Only before the first request."""
+        if self._used:
+            raise EngineError("vllm: build_as_deployed() after requests were added")
+        if (self._stats_on, self._events_on) != (True, False):
+            self._stats_on, self._events_on = True, False
+            self._build_manager()
 
     def _record_estimates(self, coordinator: Any) -> None:
         """Wrap this coordinator's ``get_num_blocks_to_allocate`` (on the instance only) to
@@ -332,6 +350,7 @@ class VLLMEngine:
         # every other request asks for events of its reused blocks too (vLLM's "full"
         # report mode), the others for newly cached blocks only ("incremental")
         mode = "full" if len(self.requests) % 2 else "incremental"
+        self._used = True
         params = v.SamplingParams(
             max_tokens=max(1, self.layout.max_model_len),
             extra_args={"kv_cache_report_mode": mode},
@@ -389,7 +408,7 @@ class VLLMEngine:
         ``reset_prefix_cache`` succeeded; with stats off the stats are ``None``. Example:
         two admissions of 9 and 5 tokens hitting 4 and 0 give requests 2, queries 14, hits 4.
         """
-        if not self._observe:
+        if not self._stats_on:
             if stats is not None:
                 raise EngineError(f"vllm: make_prefix_cache_stats gave {stats!r} with stats off")
             return
@@ -433,9 +452,9 @@ class VLLMEngine:
         hash the pool holds was announced. Example: a block cached and evicted in one step
         gives BlockStored([h]) then BlockRemoved([h]), and ``h`` leaves the pool."""
         events = _call("take_events", (), self.manager.take_events)
-        if not self._observe and events:
+        if not self._events_on and events:
             raise EngineError(f"vllm: take_events gave {events!r} with events off")
-        if not self._self_checks or not self._observe:
+        if not self._self_checks or not self._events_on:
             return
         cleared, removed, stored = self._v.events
         for event in events:

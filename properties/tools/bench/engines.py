@@ -45,6 +45,7 @@ from properties.core.allocation import Allocation, allocate
 from properties.core.constants import DEFAULT_BENCH_DIR
 from properties.core.engine import (
     BUILTIN_ENGINES,
+    BuildsAsDeployed,
     CommitsSteps,
     EngineError,
     FreesInBatch,
@@ -679,11 +680,16 @@ class _CallSplit:
 
 
 def engine_alone(engine: KVCacheEngine) -> KVCacheEngine:
-    """``engine`` with its adapter's own checks off (:class:`HasSelfChecks`), so that the
-    bench times and weighs the engine, not the adapter. Example: the vLLM adapter's
-    per-step audit of every cached hash against the KV events stops."""
+    """``engine`` (fresh: no request yet) with its adapter's own checks off
+    (:class:`HasSelfChecks`) and built as deployed where the adapter had chosen another
+    configuration to observe it (:class:`BuildsAsDeployed`), so that the bench times and
+    weighs the engine as it runs in production, not the adapter. Example: the vLLM
+    adapter's per-step audit of every cached hash against the KV events stops, and vLLM's
+    manager is rebuilt with the events off, as ``vllm serve`` runs it."""
     if isinstance(engine, HasSelfChecks):
         engine.disable_self_checks()
+    if isinstance(engine, BuildsAsDeployed):
+        engine.build_as_deployed()
     return engine
 
 

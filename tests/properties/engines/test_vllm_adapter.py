@@ -276,8 +276,7 @@ def test_disable_self_checks_stops_the_event_audit_the_bench_would_time(monkeypa
     ``disable_self_checks``: the per-step audit of the pool against the KV events is the
     adapter's cost, not vLLM's. Scenario: ``event_offset`` makes vLLM announce a wrong
     hash; with the audit on, the step after the second block is cached raises; with it
-    off (as the bench builds it) the same steps run to the end with the same tables."""
-    from properties.tools.bench.engines import engine_alone
+    off (events still on) the same steps run to the end with the same tables."""
     from tests.properties.engines.vllm_event_mutants import mutated
 
     owner, method, function = mutated("event_offset")
@@ -285,7 +284,34 @@ def test_disable_self_checks_stops_the_event_audit_the_bench_would_time(monkeypa
         patch.setattr(owner, method, function)
         with pytest.raises(EngineError, match="that no BlockStored event announced"):
             _cache_two_blocks_of_a(make((FullAttentionSpec(block_size=2),), 4))
-        _cache_two_blocks_of_a(engine_alone(make((FullAttentionSpec(block_size=2),), 4)))
+        quiet = make((FullAttentionSpec(block_size=2),), 4)
+        quiet.disable_self_checks()
+        assert quiet.manager.enable_kv_cache_events  # the audit is off, not the events
+        _cache_two_blocks_of_a(quiet)
+
+
+@pytest.mark.parametrize("num_blocks", [4, 7])  # built with stats and events on, both off
+def test_the_bench_times_vllm_as_vllm_serve_builds_it(num_blocks):
+    """``engine_alone`` (the bench) rebuilds vLLM's manager as deployed
+    (``BuildsAsDeployed``): stats on, KV cache events off, whichever the adapter chose for
+    the layout. It then runs as before (the same tables), emits no event, keeps stats;
+    asked once a request was added, the adapter refuses."""
+    from properties.core.engine import BuildsAsDeployed
+    from properties.tools.bench.engines import engine_alone
+
+    engine = engine_alone(make((FullAttentionSpec(block_size=2),), num_blocks))
+    assert isinstance(engine, BuildsAsDeployed)
+    assert (engine.manager.log_stats, engine.manager.enable_kv_cache_events) == (True, False)
+    assert run_prompt(engine, "a", (1, 2, 3, 4, 5)) == ((1, 2, 3),)
+    engine.new_step()
+    assert engine.manager.take_events() == []
+    assert engine.manager.make_prefix_cache_stats() is not None
+    with pytest.raises(EngineError, match=r"build_as_deployed\(\) after requests were added"):
+        engine.build_as_deployed()
+    engine.free("a")
+    engine.remove_request("a")
+    with pytest.raises(EngineError, match="after requests were added"):  # even when none left
+        engine.build_as_deployed()
 
 
 def test_one_layout_in_four_runs_with_stats_and_events_off():
