@@ -292,10 +292,12 @@ class SingleTypeKVCacheManager(ManagerBase):
         window and Mamba apply :mod:`reference.retention`)."""
         return None
 
-    def cacheable_block_positions(self, request: Request, start: int, end: int) -> list[int] | None:
+    def cacheable_block_positions(
+        self, request: Request, start: int, end: int
+    ) -> list[int] | range | None:
         """The blocks of ``[start, end)`` that ``cache_blocks`` registers, as positions from
-        ``start`` (None: all): :meth:`cacheable_block_mask`'s kept entries. Example: mask
-        ``[False, True, True]`` -> ``[1, 2]``."""
+        ``start`` (None: all; a ``range`` when they are one run): :meth:`cacheable_block_mask`'s
+        kept entries. Example: mask ``[False, True, True]`` -> ``[1, 2]``."""
         mask = self.cacheable_block_mask(request, start, end)
         return None if mask is None else list(compress(range(end - start), mask))
 
@@ -362,6 +364,17 @@ class SingleTypeKVCacheManager(ManagerBase):
                 self.block_size,
                 None,
                 None if new_array is None else new_array[:n],
+            )
+        elif isinstance(kept, range) and kept:  # one run of new blocks: slices, no lists
+            a, b = kept.start, kept.stop
+            self.block_pool.cache_fresh_blocks(
+                new_blocks[a:b],
+                hashes[num_cached + a : num_cached + b],
+                self.group_id,
+                num_cached + a,
+                self.block_size,
+                None,
+                None if new_array is None else new_array[a:b],
             )
         elif kept:
             self.block_pool.cache_fresh_blocks(

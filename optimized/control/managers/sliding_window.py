@@ -131,14 +131,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     cacheable_block_mask = window_cache_mask
 
-    def cacheable_block_positions(self, request: Request, start: int, end: int) -> list[int] | None:
+    def cacheable_block_positions(
+        self, request: Request, start: int, end: int
+    ) -> list[int] | range | None:
         """The kept positions of :func:`reference.managers.sliding_window.
         window_cache_mask` over ``[start, end)``, the sparse case (retention interval 0,
         no EAGLE, alignment a multiple of ``bs``) computed with no mask: the blocks the
         reference keeps for each reachable boundary (:func:`reference.retention.
         boundary_blocks` of the replay boundary and of the junction, if any), clipped, in
         order. Any other setting reads the reference's mask. Example: bs 16, A 16, w 128
-        (need 8), P 2048, no junction, blocks ``[0, 128)`` -> positions ``119..126``."""
+        (need 8), P 2048, no junction, blocks ``[0, 128)`` -> positions ``range(119, 127)``."""
         if not self._sparse_mask:
             return super().cacheable_block_positions(request, start, end)
         a, bs, need = self.cache_hit_alignment, self.block_size, self._need
@@ -147,7 +149,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             for run in (boundary_blocks(b, a, bs, need) for b in self.reachable_boundaries(request))
         ]
         if len(runs) == 1:
-            return list(runs[0])
+            return runs[0]  # (one run: the caller slices)
         return sorted({k for run in runs for k in run})
 
     def _skipped_tokens(self, total: np.ndarray) -> np.ndarray:
