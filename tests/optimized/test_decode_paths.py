@@ -157,6 +157,37 @@ def test_free_block_lists_unhashed_later_list_first_and_held_block_stays() -> No
     assert pool.ref_cnt[4] == 1
 
 
+def test_free_block_lists_all_unhashed_held_once_link_the_last_list_first() -> None:
+    pool = _pool_with([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], hashed=[])
+    before = pool.free_block_queue.block_ids()  # [11]
+    pool.free_block_lists([np.array([3, 2, 1]), np.array([6, 5, 4]), np.array([10, 9, 8, 7])])
+    assert pool.free_block_queue.block_ids() == [10, 9, 8, 7, 6, 5, 4, 3, 2, 1] + before
+    assert pool.ref_cnt[1:11].tolist() == [0] * 10
+
+
+@pytest.mark.parametrize(
+    ("hashed", "shared", "lists"),
+    [
+        ([], [], [[3, 2, 1], [6, 5, 4], [10, 9, 8, 7]]),  # all unhashed, held once
+        ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [], [[3, 2, 1, 4], [10, 9, 8, 7, 6, 5]]),  # all hashed
+        ([2, 9], [], [[3, 2, 1], [6, 5, 4], [10, 9, 8, 7]]),  # a mix
+        ([], [5], [[3, 2, 1], [6, 5, 4], [10, 9, 8, 7]]),  # a block held twice
+        ([], [], [[0, 3, 2, 1], [6, 5, 4], [0, 10, 9, 8, 7]]),  # nulls (window gaps)
+    ],
+)
+def test_free_block_lists_is_the_successive_free_blocks(hashed, shared, lists) -> None:
+    """Whatever path it takes, one pass gives the counts and the queue of
+    ``free_blocks(lists[0]); free_blocks(lists[1]); ...``."""
+    pools = [_pool_with([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], hashed=hashed) for _ in range(2)]
+    for pool in pools:
+        pool.touch(shared)
+    pools[0].free_block_lists([np.array(ids) for ids in lists])
+    for ids in lists:
+        pools[1].free_blocks(ids)
+    assert pools[0].free_block_queue.block_ids() == pools[1].free_block_queue.block_ids()
+    assert pools[0].ref_cnt.tolist() == pools[1].ref_cnt.tolist()
+
+
 def _window_pair(min_batched_apply: int, caching: bool = True, windows: int = 1) -> Pair:
     """Full (bs 4) + sliding window (bs 4, w 8); without prefix caching the window's
     blocks go to the front of the queue and the step's pops come from them."""
