@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
+from properties.tools.bench.table import aligned
+
 
 class CallTime(NamedTuple):
     """The time an engine spent in one protocol call over some steps, and how many calls
@@ -109,11 +111,4 @@ def format_call_profile(rows: Sequence[_ProfiledRow]) -> str:
             )
     if len(table) == 1:
         return ""
-    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(
-            cell.ljust(w) if i < 3 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(line, widths))
-        ).rstrip()
-        for line in table
-    )
+    return aligned(table, left={0, 1, 2})

@@ -37,6 +37,7 @@ from optimized.device.data_plane import DataPlane
 from optimized.device.table_attention import table_attention
 from paged.paged_cache import PagedKVCache
 from properties.tools.bench.engines import BenchError, recipe_layout, sweep_recipe
+from properties.tools.bench.table import aligned
 from reference.specs import AttentionSpec, FullAttentionSpec
 
 #: Concurrencies of the default sweep (those of ``kvconform bench engines``' sweep).
@@ -261,14 +262,7 @@ def format_device_bench(rows: Sequence[DeviceRow]) -> str:
                 r.note,
             )
         )
-    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(
-            c.ljust(w) if i in (2, len(header) - 1) else c.rjust(w)
-            for i, (c, w) in enumerate(zip(line, widths))
-        ).rstrip()
-        for line in table
-    )
+    return aligned(table, left={2, len(header) - 1})
 
 
 def run_device_bench(

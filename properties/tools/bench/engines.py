@@ -77,6 +77,7 @@ from properties.generate.presets import (
 from properties.runner.scheduler import Scheduler, StepRecord
 from properties.tools.bench.call_profile import CallShare, CallTime, call_shares, call_times
 from properties.tools.bench.hotspots import FunctionSplit, FunctionTime, Hotspot, hotspots
+from properties.tools.bench.table import aligned
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
 from reference.specs import cdiv
@@ -1021,13 +1022,4 @@ def format_engine_bench(rows: Sequence[EngineBenchRow]) -> str:
                 "" if r.ok else r.status,
             )
         )
-    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    lines = []
-    for line in table:
-        cells = [
-            cell.ljust(w) if i in (0, 1, len(header) - 1) else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(line, widths))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    lines.extend(engine_mismatches(rows))
-    return "\n".join(lines)
+    return "\n".join([aligned(table, left={0, 1, len(header) - 1}), *engine_mismatches(rows)])

@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
+from properties.tools.bench.table import aligned
+
 #: where a function's file is shown from, the deepest first: the installed packages
 #: (``vllm/v1/core/...``), the standard library, the project's root (``optimized/...``;
 #: a virtual environment inside the project is deeper, so its packages keep their names)
@@ -188,16 +190,4 @@ def format_hotspots(rows: Sequence[_HotspotRow]) -> str:
                 )
     if len(table) == 1:
         return ""
-    widths = [max(len(line[i]) for line in table) for i in range(len(header) - 1)]
-    return "\n".join(
-        "  ".join(
-            [
-                *(
-                    cell.ljust(w) if i < 3 else cell.rjust(w)
-                    for i, (cell, w) in enumerate(zip(line, widths))
-                ),
-                line[-1],
-            ]
-        )
-        for line in table
-    )
+    return aligned(table, left={0, 1, 2, 6})
