@@ -38,6 +38,7 @@ from operator import is_not
 
 import numpy as np
 
+from optimized.control.compiled_pool import compiled_pop_front
 from reference.block_pool import PoolExhaustedError
 from reference.errors import KVConformError
 
@@ -148,7 +149,10 @@ def later_runs_first(blocks: np.ndarray, runs: np.ndarray | list[int]) -> np.nda
 class FreeBlockQueue:
     """The free list of :class:`reference.block_pool.FreeBlockQueue`, in index arrays."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, compiled: bool = True) -> None:
+        #: the compiled walk of :meth:`popleft_array` (None: numba missing, or ``compiled``
+        #: False: the numpy walk)
+        self._pop_front = compiled_pop_front if compiled else None
         self.head = num_blocks
         self.tail = num_blocks + 1
         # intp links: a chain of intp ids (every bulk path's) is written with no conversion
@@ -158,6 +162,8 @@ class FreeBlockQueue:
         self.prev_free[self.tail] = self.head
         self.num_free_blocks = 0
         self.append_n(np.arange(num_blocks, dtype=np.int64))
+        if self._pop_front is not None:  # numba compiles (or loads) the walk now
+            self._pop_front(self.next_free, self.prev_free, self.head, 0, np.zeros(0, np.int64))
 
     def _link_chain(self, prev: int, nxt: int, chain: np.ndarray | list[int]) -> None:
         """Insert ``chain`` (in order) between the linked nodes ``prev`` and ``nxt``; a
@@ -274,9 +280,10 @@ class FreeBlockQueue:
     def popleft_array(self, n: int) -> np.ndarray:
         """:meth:`popleft_n` as an int64 array (the bulk form: a prefill's blocks).
 
-        The walk takes runs of consecutive ids (ascending, as the pool starts, or
-        descending, as a request's blocks come back tail first) with one array test per
-        run; once a run is short it walks block by block. Example: queue
+        With numba the walk is compiled (:func:`optimized.control.compiled_pool.
+        pop_front`). Else it takes runs of consecutive ids (ascending, as the pool
+        starts, or descending, as a request's blocks come back tail first) with one array
+        test per run; once a run is short it walks block by block. Example: queue
         ``[4, 5, 6, 7, ..., 20, 2]``, ``popleft_array(18)`` -> one run ``4..20`` and the
         block ``2`` walked alone, queue ``[]`` after.
         """
@@ -284,6 +291,11 @@ class FreeBlockQueue:
             raise PoolExhaustedError(f"cannot pop {n} blocks, {self.num_free_blocks} are free")
         if n == 0:
             return np.zeros(0, dtype=np.int64)
+        if self._pop_front is not None:  # the walk compiled (numba)
+            popped = np.empty(n, dtype=np.int64)
+            self._pop_front(self.next_free, self.prev_free, self.head, n, popped)
+            self.num_free_blocks -= n
+            return popped
         nxt = self.next_free
         popped, block = self._walk_runs(nxt.item(self.head), n)
         nxt[self.head] = block
@@ -359,7 +371,12 @@ class BlockPool:
     """
 
     def __init__(
-        self, num_blocks: int, enable_caching: bool, hash_block_size: int, num_groups: int = 1
+        self,
+        num_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        num_groups: int = 1,
+        compiled: bool = True,
     ) -> None:
         self.num_blocks = num_blocks
         self.hash_block_size = hash_block_size
@@ -370,7 +387,7 @@ class BlockPool:
         #: each block's key (None: not cached), an object array: keys are read and cleared
         #: for many blocks at once
         self.block_hash: np.ndarray = np.full(num_blocks, None, dtype=object)
-        self.free_block_queue = FreeBlockQueue(num_blocks)
+        self.free_block_queue = FreeBlockQueue(num_blocks, compiled)
         self.null_block = self.free_block_queue.popleft()
         self.cached: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
         self.duplicates: list[dict[bytes, list[int]]] = [{} for _ in range(num_groups)]

@@ -34,6 +34,7 @@ from optimized.control.block_pool import (
 from optimized.control.managers import SingleTypeKVCacheManager, manager_class_for
 from optimized.control.managers.base import BlockList, HitAdmission, HitAdoption
 from optimized.control.request import Request
+from optimized.control.row_freeing import RowFreeing
 from optimized.control.uniformity import row_index
 from reference.coordinator import hybrid_coordinator_hit, make_managers, spec_groups_of
 from reference.layout import KVCacheLayout
@@ -79,11 +80,20 @@ class KVCacheCoordinator:
     #: Fewer requests than this are freed by :meth:`_free_few_rows` in :meth:`free_many`.
     min_batched_free: int = 8
 
-    def __init__(self, layout: KVCacheLayout, max_num_reqs: int = DEFAULT_MAX_NUM_REQS) -> None:
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        max_num_reqs: int = DEFAULT_MAX_NUM_REQS,
+        compiled: bool = True,
+    ) -> None:
         self.layout = layout
         self.enable_caching = layout.enable_caching
         self.block_pool = BlockPool(
-            layout.num_blocks, layout.enable_caching, layout.hash_block_size, len(layout.groups)
+            layout.num_blocks,
+            layout.enable_caching,
+            layout.hash_block_size,
+            len(layout.groups),
+            compiled,
         )
         alignment = self.cache_hit_alignment()
         self.managers: list[SingleTypeKVCacheManager] = make_managers(
@@ -119,6 +129,9 @@ class KVCacheCoordinator:
         self._skipped_at_zero: tuple[tuple[int, int], ...] = tuple(
             (spec.block_size, spec.num_skipped_tokens(0) // spec.block_size) for spec in specs
         )
+        #: frees whole rows in compiled code where the groups allow it (None: the numpy
+        #: paths, ``compiled`` False)
+        self._row_freeing = RowFreeing(self) if compiled else None
 
     # -- rows --------------------------------------------------------------------
     def row(self, request_id: str) -> int:
@@ -325,6 +338,10 @@ class KVCacheCoordinator:
         tables ``[1, 2]``, ``[3]``, all unhashed -> queue ``[3, 2, 1, ...]`` as
         ``free(a); free(b)`` gives."""
         rows = [r for r in map(self.row_of.pop, request_ids, repeat(None)) if r is not None]
+        if rows and self._row_freeing is not None and self._row_freeing.free(rows):
+            self._free_rows.extend(rows)
+            heapq.heapify(self._free_rows)
+            return
         if len(rows) < max(self.min_batched_free, 1):
             if rows:
                 self._free_few_rows(rows)
@@ -350,8 +367,12 @@ class KVCacheCoordinator:
 
     def free(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)
-        if row is not None:
-            self._free_few_rows((row,))
+        if row is None:
+            return
+        if self._row_freeing is not None and self._row_freeing.free((row,)):
+            heapq.heappush(self._free_rows, row)
+            return
+        self._free_few_rows((row,))
 
     def _free_few_rows(self, rows: Sequence[int]) -> None:
         """Free each of a few ``rows`` in order (each group's blocks tail first, groups in
@@ -444,8 +465,13 @@ class UnitaryCoordinator(KVCacheCoordinator):
 
 
 class HybridCoordinator(KVCacheCoordinator):
-    def __init__(self, layout: KVCacheLayout, max_num_reqs: int = DEFAULT_MAX_NUM_REQS) -> None:
-        super().__init__(layout, max_num_reqs)
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        max_num_reqs: int = DEFAULT_MAX_NUM_REQS,
+        compiled: bool = True,
+    ) -> None:
+        super().__init__(layout, max_num_reqs, compiled)
         self.spec_groups = spec_groups_of(self.managers)
         self.scheduler_block_size = layout.scheduler_block_size
         #: the first full-attention spec group's ids and its block size in hash blocks
@@ -522,11 +548,12 @@ class HybridCoordinator(KVCacheCoordinator):
 
 
 def make_coordinator(
-    layout: KVCacheLayout, max_num_reqs: int = DEFAULT_MAX_NUM_REQS
+    layout: KVCacheLayout, max_num_reqs: int = DEFAULT_MAX_NUM_REQS, compiled: bool = True
 ) -> KVCacheCoordinator:
-    """No prefix cache, unitary (one group) or hybrid (several groups)."""
+    """No prefix cache, unitary (one group) or hybrid (several groups); ``compiled``: the
+    compiled loops of :mod:`optimized.control.compiled_pool` where numba is there."""
     if not layout.enable_caching:
-        return NoPrefixCacheCoordinator(layout, max_num_reqs)
+        return NoPrefixCacheCoordinator(layout, max_num_reqs, compiled)
     if len(layout.groups) == 1:
-        return UnitaryCoordinator(layout, max_num_reqs)
-    return HybridCoordinator(layout, max_num_reqs)
+        return UnitaryCoordinator(layout, max_num_reqs, compiled)
+    return HybridCoordinator(layout, max_num_reqs, compiled)

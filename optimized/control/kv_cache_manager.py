@@ -31,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from optimized.control.batched_decode import apply_decode_item, apply_decode_items
+from optimized.control.compiled_decode import LoudPass, compiled_pass
 from optimized.control.coordinator import DEFAULT_MAX_NUM_REQS, make_coordinator
 from optimized.control.managers.mamba import MambaManager
 from optimized.control.request import Request
@@ -59,6 +60,14 @@ _REQUEST_INTS = tuple(
 _REQUEST_HASHES = attrgetter("block_hashes")
 _REQUEST_COMPUTED = attrgetter("num_computed_tokens")
 _REQUEST_TOKENS = attrgetter("num_tokens")
+#: the methods whose rules the compiled pass applies in their place
+_LOUD_RULES = ("_apply_loud", "_apply_loud_batch", "_refresh_thresholds", "_least_thresholds")
+
+
+def _overrides_loud_rules(cls: type) -> bool:
+    """Does ``cls`` (a :class:`KVCacheManager`) change a rule of the loud items? Then the
+    compiled pass stays off and its Python methods run."""
+    return any(getattr(cls, name) is not getattr(KVCacheManager, name) for name in _LOUD_RULES)
 
 
 @dataclass(frozen=True)
@@ -125,16 +134,27 @@ class KVCacheManager(ManagerBookkeeping):
     fixed cost of some dozens of numpy calls per group only pays off for many items.
     Example: 30 decode items on 6 groups, bs 16: about 2 cross a block boundary in a
     step, so two ``allocate_slots`` calls beat one vectorised pass.
+
+    ``compiled``: where numba is installed, the loud items of a plain decode step go
+    through the compiled pass of :mod:`optimized.control.compiled_decode` when every group
+    is of a kind it knows (then ``min_batched_apply`` only matters for other steps), and
+    the pool pops and frees rows through :mod:`optimized.control.compiled_pool`; False
+    keeps the numpy paths (tests of those paths).
     """
 
     #: Fewer working items than this go through ``allocate_slots`` (see the class docstring).
     min_batched_apply: int = 8
 
-    def __init__(self, layout: KVCacheLayout, max_num_reqs: int = DEFAULT_MAX_NUM_REQS) -> None:
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        max_num_reqs: int = DEFAULT_MAX_NUM_REQS,
+        compiled: bool = True,
+    ) -> None:
         self.layout = layout
         self.max_model_len = layout.max_model_len
         self.enable_caching = layout.enable_caching
-        self.coordinator = make_coordinator(layout, max_num_reqs)
+        self.coordinator = make_coordinator(layout, max_num_reqs, compiled)
         self.block_pool = self.coordinator.block_pool
         self.num_groups = len(layout.groups)
         self.stats = PrefixCacheStats()
@@ -168,6 +188,17 @@ class KVCacheManager(ManagerBookkeeping):
         #: a list: read and written an int at a time
         self._next_work: list[int] = [0] * max_num_reqs
         self._all_groups = tuple(range(self.num_groups))
+        #: the loud items' compiled pass (:mod:`optimized.control.compiled_decode`), or None:
+        #: numba missing, a group it does not know, or a subclass changing the rules it
+        #: compiles (the Python paths apply them)
+        self._compiled = (
+            LoudPass(self)
+            if compiled
+            and compiled_pass is not None
+            and self._per_group_apply
+            and not _overrides_loud_rules(type(self))
+            else None
+        )
         #: the rows of the step :meth:`_loud_items` last looked at
         self._step_rows: list[int] = []
         #: the blocks the last ``allocate_slots`` estimated it needed (None: it returned
@@ -354,7 +385,9 @@ class KVCacheManager(ManagerBookkeeping):
         requests = items.requests
         m = len(loud)
         loud_rows = [rows[i] for i in loud]
-        if m < self.min_batched_apply:
+        if self._compiled is not None and self._compiled.usable():
+            sub = self._compiled.apply(requests, loud, loud_rows)
+        elif m < self.min_batched_apply:
             sub = self._apply_loud(requests, loud, loud_rows)
         else:
             picked = [requests[i] for i in loud]

@@ -2,8 +2,9 @@
 
 Every mutant is a factory ``make_<name>(layout)`` usable as
 ``--engine properties.mutants.optimized_mutants:make_<name>``. Each replaces one class of
-the optimized engine (a single-type manager, the free queue, the device tables or the
-data plane) before any call; the line carrying the bug is marked ``# BUG``.
+the optimized engine (a single-type manager, the free queue, the device tables, the data
+plane or the compiled decode pass) before any call; the line carrying the bug is marked
+``# BUG``.
 :data:`OPTIMIZED_MUTANT_INFO` collects what each factory registers next to its class
 (:class:`properties.mutants.registry.Registry`): what the bug is, which property of
 ``kvconform check`` (``invariants`` at ``exact``, or ``attention``) catches it and which
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from optimized.control.block_pool import NOT_QUEUED, FreeBlockQueue
+from optimized.control.compiled_decode import LoudPass, compiled_pass, loud_pass
 from optimized.control.coordinator import HybridCoordinator
 from optimized.control.kv_cache_manager import KVCacheManager
 from optimized.control.managers import (
@@ -231,6 +233,30 @@ class _BatchedThresholdMaxEngine(OptimizedMutantEngine):
 )
 def make_batched_threshold_max(layout: KVCacheLayout) -> OptimizedMutantEngine:
     return _BatchedThresholdMaxEngine(layout, "batched_threshold_max")
+
+
+def late_threshold_pass(first, items, *args):
+    """The compiled decode pass (its Python form without numba), each applied row's
+    decode threshold then set one token later than the pass computed."""
+    run = loud_pass if compiled_pass is None else compiled_pass
+    status, stop = run(first, items, *args)
+    thresholds = args[-3]  # (the pass's outputs: ..., thresholds, to_cache, counters)
+    thresholds[first:stop] += 1  # BUG: the row's work at its threshold count is skipped
+    return status, stop
+
+
+@REGISTRY.mutant(
+    "exact",
+    ["exact_match"],
+    "the compiled decode pass sets each loud row's decode threshold one token late: the "
+    "next block, window drop or cached block at that count waits a step",
+)
+def make_compiled_threshold_late(layout: KVCacheLayout) -> OptimizedMutantEngine:
+    engine = OptimizedMutantEngine(layout, "compiled_threshold_late")
+    manager = engine.manager
+    if manager._per_group_apply:  # (Mamba layouts take the Python paths)
+        manager._compiled = LoudPass(manager, run=late_threshold_pass)
+    return engine
 
 
 # ---------------------------------------------------------------------------

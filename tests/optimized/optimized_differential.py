@@ -72,14 +72,20 @@ class Pair:
     """The two managers and the two request objects of each id."""
 
     def __init__(
-        self, layout: KVCacheLayout, min_batched_apply: int | None = None, columns: bool = False
+        self,
+        layout: KVCacheLayout,
+        min_batched_apply: int | None = None,
+        columns: bool = False,
+        compiled: bool = False,
     ) -> None:
         self.layout = layout
         #: batched steps go to the optimized manager as columns (``schedule_columns``, the
         #: adapter's call, which sets quiet decode items aside) instead of ``StepItem``\ s
         self.columns = columns
         self.ref = ReferenceManager(layout)
-        self.opt = OptimizedManager(layout, max_num_reqs=2)
+        #: ``compiled``: the loud decode items through the compiled pass (numba), else
+        #: through the Python paths these tests pin
+        self.opt = OptimizedManager(layout, max_num_reqs=2, compiled=compiled)
         if min_batched_apply is not None:
             # 0: every decode step with work goes through the vectorised apply
             self.opt.min_batched_apply = min_batched_apply
@@ -175,6 +181,26 @@ class Pair:
         self.same("cached blocks", ref_cached, sorted(self.opt.block_pool.cached_block_entries()))
         for rid in sorted(self.ref_reqs):
             self.same(f"table of {rid}", self.ref.get_block_ids(rid), self.opt.get_block_ids(rid))
+        self.check_thresholds()
+
+    def check_thresholds(self) -> None:
+        """Each held row's decode threshold is a lower bound of the first count at which a
+        group has work (:meth:`~optimized.control.managers.base.SingleTypeKVCacheManager.
+        decode_work_threshold_of`, least over the classes): a higher one would settle a
+        loud item as quiet."""
+        opt = self.opt
+        managers = opt.coordinator.managers
+        if not opt._per_group_apply:
+            return
+        for rid, row in opt.coordinator.row_of.items():
+            if row >= len(opt._next_work):
+                continue
+            least = min(managers[g].decode_work_threshold_of(row) for g in opt._class_reps)
+            if opt._next_work[row] > least:
+                raise Divergence(
+                    f"decode threshold of {rid} (row {row}): {opt._next_work[row]} above "
+                    f"the rows' counts' {least}"
+                )
 
 
 def run_trace(

@@ -35,8 +35,9 @@ from tests.optimized.optimized_differential import Pair, layouts
 
 
 def _queue(order: list[int], num_blocks: int = 32) -> FreeBlockQueue:
-    """A queue of ``num_blocks`` ids holding exactly ``order`` (front first)."""
-    queue = FreeBlockQueue(num_blocks)
+    """A queue of ``num_blocks`` ids holding exactly ``order`` (front first), popping
+    through the numpy walk."""
+    queue = FreeBlockQueue(num_blocks, compiled=False)
     queue.popleft_n(num_blocks)
     queue.append_n(np.array(order, dtype=np.int64))
     return queue

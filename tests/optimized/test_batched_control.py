@@ -26,7 +26,7 @@ def _swa_manager() -> KVCacheManager:
     """One sliding group (bs 4, w 4), no prefix cache: freed blocks go to the front."""
     group = KVCacheGroup(("s",), SlidingWindowSpec(block_size=4, sliding_window=4))
     layout = KVCacheLayout((group,), num_blocks=20, max_model_len=64, enable_caching=False)
-    manager = KVCacheManager(layout, max_num_reqs=4)
+    manager = KVCacheManager(layout, max_num_reqs=4, compiled=False)  # the numpy batch
     manager.min_batched_apply = 0  # every working decode item through apply_decode_items
     return manager
 
@@ -131,7 +131,7 @@ def test_the_item_path_pops_every_group_at_once_in_group_order() -> None:
         KVCacheGroup(("s",), SlidingWindowSpec(block_size=4, sliding_window=4)),
     )
     layout = KVCacheLayout(groups, num_blocks=20, max_model_len=64, enable_caching=True)
-    manager = KVCacheManager(layout, max_num_reqs=4)
+    manager = KVCacheManager(layout, max_num_reqs=4, compiled=False)  # the numpy batch
     (req,) = _prefilled(manager, [8])
     # every full block is cached (dense retention): full 1, 2 and SWA 3, 4
     assert manager.block_pool.cached_block_entries() == [(1, 0, 4), (2, 0, 8), (3, 1, 4), (4, 1, 8)]

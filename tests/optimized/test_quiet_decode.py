@@ -22,7 +22,7 @@ from reference.specs import (
 def _manager(*specs, num_blocks: int = 40, caching: bool = True) -> KVCacheManager:
     groups = tuple(KVCacheGroup((f"l{i}",), spec) for i, spec in enumerate(specs))
     layout = KVCacheLayout(groups, num_blocks=num_blocks, max_model_len=256, enable_caching=caching)
-    return KVCacheManager(layout, max_num_reqs=4)
+    return KVCacheManager(layout, max_num_reqs=4, compiled=False)  # the Python paths
 
 
 def _set_row(group, row: int, held: int, leading: int, cached: int) -> None:

@@ -1,0 +1,474 @@
+"""The loud items of a decode step in one compiled pass (numba), when numba is installed.
+
+:meth:`optimized.control.kv_cache_manager.KVCacheManager.schedule_step` settles a step's
+quiet items in one pass; each *loud* item (one new token on a running request with no
+hit, whose row reached its decode threshold) is ``allocate_slots``: in group order, free
+what left the window or chunk (``remove_skipped_blocks``: one ``free_blocks`` call per
+group, the span tail first), then ``need > free`` -> None and stop, else pop ``need``
+blocks from the front (a hashed block loses its key) and append them group by group,
+then cache the completed blocks. :func:`loud_pass` runs that on index arrays, item after
+item, exactly as :func:`optimized.control.batched_decode.apply_decode_item` does: the
+same frees in the same order (a call's unhashed blocks prepended as one chain, hashed
+ones appended), the same pops, the same table writes. What it cannot do in compiled code
+it hands back:
+
+* keys live in Python dicts: the pass evicts a popped block's arrays (group -1, no
+  tokens) and lists ``(block, group)``; the caller drops the key (registering and
+  evicting commute: each key's blocks form a list, and appending one block and removing
+  another give the same list in either order);
+* caching registers keys: the pass only flags the items with a block to register (their
+  count of cached blocks is predicted for the threshold, ``min(cache limit, hashed
+  tokens) // bs``, which is what registering sets) and the caller caches them;
+* a row that is not running (``num_cached_block < 0``: no prefix cache, or nothing
+  cached yet) counts its need by a new request's rule, ``cdiv(slots, bs) - max(skipped
+  blocks, held)``; where that differs from what it pops (``cdiv(slots, bs) - held``) the
+  pass stops before the item (status :data:`FALLBACK`) and the caller applies it in
+  Python, then starts the pass again after it.
+
+Each applied item's row gets its new decode threshold (the least over its classes of
+twins of :meth:`optimized.control.managers.base.SingleTypeKVCacheManager._threshold`).
+Example: gemma3 (full + 5 windows w 1024, bs 16), an item at 2063 computed tokens: each
+window frees its oldest block (unhashed: to the front), the full group none, nothing is
+popped, the completed block 128 is flagged for caching and the threshold becomes 2064
+(the full group's next block).
+
+With numba missing, or ``KVCONFORM_JIT=0``, :data:`compiled_pass` is None and the Python
+paths run; ``NUMBA_DISABLE_JIT=1`` runs this same pass as plain Python
+(:mod:`optimized.control.jit`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from optimized.control.batched_decode import _cache_item
+from optimized.control.block_pool import BlockPool, FreeBlockQueue
+from optimized.control.compiled_pool import span_free
+from optimized.control.jit import compiled
+from optimized.control.managers.chunked_local import ChunkedLocalAttentionManager
+from optimized.control.managers.full import FullAttentionManager
+from optimized.control.managers.sliding_window import SlidingWindowManager
+from reference.errors import KVConformError
+from reference.specs import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+#: :func:`loud_pass` statuses: every item applied; the item at the returned index met a
+#: full pool (its result is None: its frees are done, nothing else); the pass leaves the
+#: item at the index to the caller (nothing done); a block reached a ref
+#: count below 0 (its id is in ``counters[2]``)
+APPLIED, EXHAUSTED, FALLBACK, FREED_TOO_OFTEN = 0, 1, 2, 3
+#: per group, how its rows drop blocks: never, a sliding window, a chunk
+NO_SKIP, WINDOW, CHUNK = 0, 1, 2
+#: ``items`` columns: row, computed tokens, slots (``min(computed + 1, max_model_len)``),
+#: cache limit (``min(cacheable tokens, hashed tokens)``)
+ROW, TOTAL, SLOTS, LIMIT = 0, 1, 2, 3
+
+
+def loud_pass(
+    first: int,
+    items: np.ndarray,
+    twin_of: np.ndarray,
+    block_size: np.ndarray,
+    skip_kind: np.ndarray,
+    skip_param: np.ndarray,
+    caching: bool,
+    tables: tuple,
+    row_lens: tuple,
+    leading: tuple,
+    cached: tuple,
+    dirty: tuple,
+    ref_cnt: np.ndarray,
+    block_group: np.ndarray,
+    cached_tokens: np.ndarray,
+    prev_free: np.ndarray,
+    next_free: np.ndarray,
+    queue: np.ndarray,
+    popped: np.ndarray,
+    pop_counts: np.ndarray,
+    evicted: np.ndarray,
+    thresholds: np.ndarray,
+    to_cache: np.ndarray,
+    counters: np.ndarray,
+) -> tuple[int, int]:
+    """Apply ``items[first:]`` in order (see the module docstring); return ``(status,
+    index)``: :data:`APPLIED` and ``len(items)``, or the status and the item it stopped
+    at. Per group ``g``: its class ``twin_of[g]`` (the rows of twins hold the same
+    counts: the first group of the class decides), ``block_size``, ``skip_kind`` and
+    ``skip_param`` (the window or the chunk); ``tables[g]``, ``row_lens[g]``,
+    ``leading[g]``, ``cached[g]``, ``dirty[g]`` its row arrays. ``queue``: head, tail,
+    number of free blocks (updated). Out: ``popped`` (the blocks popped, item by item, in
+    group order), ``pop_counts[i, g]``, ``evicted[k] = (block, group)``, ``thresholds[i]``,
+    ``to_cache[i]``; ``counters``: popped and evicted so far, the bad block."""
+    m = items.shape[0]
+    num_groups = twin_of.shape[0]
+    head = queue[0]
+    tail = queue[1]
+    num_free = queue[2]
+    n_popped = counters[0]
+    n_evicted = counters[1]
+    start = np.zeros(num_groups, dtype=np.int64)
+    end = np.zeros(num_groups, dtype=np.int64)
+    pops = np.zeros(num_groups, dtype=np.int64)
+    status = APPLIED
+    i = first
+    while i < m:
+        row = items[i, ROW]
+        total = items[i, TOTAL]
+        slots = items[i, SLOTS]
+        for g in range(num_groups):
+            pop_counts[i, g] = 0
+        # -- each class decides its drop span and pops (its first group's row) --------
+        need = 0
+        odd = False
+        for g in range(num_groups):
+            t = twin_of[g]
+            if t == g:
+                bs = block_size[g]
+                held = row_lens[g][row]
+                start[g] = 0
+                end[g] = 0
+                skipped = 0
+                kind = skip_kind[g]
+                if kind == WINDOW:
+                    skipped = max(total - skip_param[g] + 1, 0)
+                elif kind == CHUNK:
+                    skipped = total // skip_param[g] * skip_param[g]
+                if skipped > 0:
+                    last = min(skipped // bs, held)
+                    lead = leading[g][row]
+                    if last > lead:
+                        start[g] = lead
+                        end[g] = last
+                required = (slots + bs - 1) // bs
+                pops[g] = max(required - held, 0)
+                if cached[g][row] < 0 and max(required - max(skipped // bs, held), 0) != pops[g]:
+                    odd = True  # a new request's rule that counts fewer blocks than it pops
+            need += pops[t]
+        if odd or n_popped + need > popped.shape[0]:
+            status = FALLBACK
+            break
+        # -- remove_skipped_blocks: one free call per group, in group order -------------
+        for g in range(num_groups):
+            t = twin_of[g]
+            if end[t] == 0:
+                continue
+            freed, bad = span_free(
+                tables[g],
+                row,
+                start[t],
+                end[t],
+                ref_cnt,
+                block_group,
+                prev_free,
+                next_free,
+                head,
+                tail,
+            )
+            num_free += freed
+            if bad >= 0:
+                counters[2] = bad
+                queue[2] = num_free
+                return FREED_TOO_OFTEN, i
+            leading[g][row] = end[t]
+            dirty[g][row] = True
+        # -- the pool check, then the pops in group order -----------------------------
+        exhausted = need > num_free
+        if not exhausted and need:
+            k = n_popped
+            for _ in range(need):
+                block = next_free[head]
+                after = next_free[block]
+                next_free[head] = after
+                prev_free[after] = head
+                prev_free[block] = -1
+                next_free[block] = -1
+                if caching and block_group[block] >= 0:  # its key is dropped by the caller
+                    evicted[n_evicted, 0] = block
+                    evicted[n_evicted, 1] = block_group[block]
+                    n_evicted += 1
+                    block_group[block] = -1
+                    cached_tokens[block] = 0
+                ref_cnt[block] = 1
+                popped[n_popped] = block
+                n_popped += 1
+            num_free -= need
+            for g in range(num_groups):
+                p = pops[twin_of[g]]
+                if p == 0:
+                    continue
+                n = row_lens[g][row]
+                for j in range(p):
+                    tables[g][row, n + j] = popped[k + j]
+                row_lens[g][row] = n + p
+                dirty[g][row] = True
+                pop_counts[i, g] = p
+                k += p
+        # -- the row's new threshold (caching predicted), least over the classes -------
+        least = -1
+        flagged = False
+        for g in range(num_groups):
+            if twin_of[g] != g:
+                continue
+            bs = block_size[g]
+            held = row_lens[g][row]
+            lead = leading[g][row]
+            done = max(cached[g][row], 0)
+            if caching and not exhausted:
+                full = items[i, LIMIT] // bs
+                if full > done:
+                    done = full
+                    flagged = True
+            at = held * bs  # the next block
+            kind = skip_kind[g]
+            if kind != NO_SKIP and held > lead:  # the next drop
+                tokens = (lead + 1) * bs
+                if kind == WINDOW:
+                    at = min(at, tokens + skip_param[g] - 1)
+                else:
+                    at = min(at, (tokens + skip_param[g] - 1) // skip_param[g] * skip_param[g])
+            if caching:  # the next completed block
+                at = min(at, done * bs + bs - 1)
+            if least < 0 or at < least:
+                least = at
+        thresholds[i] = least
+        to_cache[i] = flagged
+        if exhausted:
+            status = EXHAUSTED
+            break
+        i += 1
+    queue[2] = num_free
+    counters[0] = n_popped
+    counters[1] = n_evicted
+    return status, i
+
+
+#: the compiled :func:`loud_pass` (None: numba missing or turned off)
+compiled_pass = compiled(loud_pass)
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledLayout:
+    """The per-group constants :func:`loud_pass` reads (see its docstring)."""
+
+    twin_of: np.ndarray
+    block_size: np.ndarray
+    skip_kind: np.ndarray
+    skip_param: np.ndarray
+
+
+def compiled_layout(managers: Sequence, twin_of: Sequence[int], pool) -> CompiledLayout | None:
+    """The constants of groups the pass knows, or None when some group, the pool or the
+    queue is of another type (Mamba, a full group with a partial tail key, a subclass
+    with rules of its own: the Python paths apply them).
+    Example: gemma3 -> classes ``[0, 1, 1, 1, 1, 1]``, kinds ``[NO_SKIP, WINDOW, ...]``."""
+    if type(pool) is not BlockPool or type(pool.free_block_queue) is not FreeBlockQueue:
+        return None
+    kinds, params = [], []
+    for m in managers:
+        if m.always_tested():
+            return None
+        if type(m) is FullAttentionManager:
+            kinds.append(NO_SKIP)
+            params.append(0)
+        elif type(m) is SlidingWindowManager and type(m.spec) is SlidingWindowSpec:
+            kinds.append(WINDOW)
+            params.append(m.spec.sliding_window)
+        elif type(m) is ChunkedLocalAttentionManager and type(m.spec) is ChunkedLocalAttentionSpec:
+            kinds.append(CHUNK)
+            params.append(m.spec.attention_chunk_size)
+        else:
+            return None
+    return CompiledLayout(
+        np.asarray(twin_of, dtype=np.int64),
+        np.asarray([m.block_size for m in managers], dtype=np.int64),
+        np.asarray(kinds, dtype=np.int64),
+        np.asarray(params, dtype=np.int64),
+    )
+
+
+class LoudPass:
+    """One manager's compiled pass: its :class:`CompiledLayout` (made again whenever the
+    manager's groups or pool are replaced, and None when they are not all of kinds the
+    pass knows), the state arrays it hands the pass (fetched again once the manager has
+    grown) and output buffers reused from step to step (grown to the most items seen).
+    ``run``: the pass (:data:`compiled_pass`; a test gives the Python :func:`loud_pass`,
+    a mutant a broken one)."""
+
+    def __init__(self, manager, run: Callable | None = None) -> None:
+        self.manager = manager
+        self.run_pass = compiled_pass if run is None else run
+        self.layout: CompiledLayout | None = None
+        self._seen: tuple = ()
+        self._arrays: tuple = ()
+        self._arrays_rows = -1  # the manager's row count when ``_arrays`` was taken
+        self._capacity = -1
+        self.usable()
+
+    def usable(self) -> bool:
+        """Can the pass apply this manager's loud items (its layout checked again if the
+        manager's groups, pool or queue were replaced)?"""
+        manager = self.manager
+        coord = manager.coordinator
+        pool = manager.block_pool
+        seen = (coord.managers, pool, pool.free_block_queue)
+        if len(seen) == len(self._seen) and all(a is b for a, b in zip(seen, self._seen)):
+            return self.layout is not None
+        self._seen = seen
+        self._arrays_rows = -1
+        self.layout = (
+            None
+            if self.run_pass is None
+            else compiled_layout(coord.managers, manager._twin_of, pool)
+        )
+        if self.layout is None:
+            return False
+        self._capacity = -1
+        self._grow_buffers(8)
+        self.run(np.zeros((0, 4), dtype=np.int64), 0)  # numba compiles (or loads) it now
+        return True
+
+    def _state_arrays(self) -> tuple:
+        """The arrays the pass reads and writes, in its argument order."""
+        manager = self.manager
+        coord = manager.coordinator
+        if coord.max_num_reqs != self._arrays_rows:
+            managers = coord.managers
+            pool = manager.block_pool
+            queue = pool.free_block_queue
+            self._arrays = (
+                tuple(mg.table for mg in managers),
+                tuple(mg.row_len for mg in managers),
+                tuple(mg.num_leading_null for mg in managers),
+                tuple(mg.num_cached_block for mg in managers),
+                tuple(mg.dirty_rows for mg in managers),
+                pool.ref_cnt,
+                pool.block_group,
+                pool.num_cached_tokens,
+                queue.prev_free,
+                queue.next_free,
+            )
+            self._arrays_rows = coord.max_num_reqs
+        return self._arrays
+
+    def _grow_buffers(self, m: int) -> None:
+        if m <= self._capacity:
+            return
+        num_groups = len(self.layout.twin_of)
+        self._capacity = m
+        self.popped = np.empty(2 * m * num_groups, dtype=np.int64)
+        self.pop_counts = np.empty((m, num_groups), dtype=np.int64)
+        self.evicted = np.empty((self.popped.size, 2), dtype=np.int64)
+        self.thresholds = np.empty(m, dtype=np.int64)
+        self.to_cache = np.empty(m, dtype=np.bool_)
+        self.counters = np.zeros(3, dtype=np.int64)
+        self.state = np.zeros(3, dtype=np.int64)
+
+    def run(self, items: np.ndarray, first: int) -> tuple[int, int]:
+        """:func:`loud_pass` of ``items[first:]`` on the manager's state; the queue's free
+        count is written back."""
+        layout = self.layout
+        assert layout is not None
+        queue = self.manager.block_pool.free_block_queue
+        state = self.state
+        state[0], state[1], state[2] = queue.head, queue.tail, queue.num_free_blocks
+        self.counters[:2] = 0
+        status, stop = self.run_pass(
+            first,
+            items,
+            layout.twin_of,
+            layout.block_size,
+            layout.skip_kind,
+            layout.skip_param,
+            self.manager.enable_caching,
+            *self._state_arrays(),
+            state,
+            self.popped,
+            self.pop_counts,
+            self.evicted,
+            self.thresholds,
+            self.to_cache,
+            self.counters,
+        )
+        queue.num_free_blocks = int(state[2])
+        return status, stop
+
+    def apply(self, requests: Sequence, picked: Sequence[int], rows: Sequence[int]) -> list:
+        """The results of the loud items ``requests[i]`` for ``i`` in ``picked`` (on
+        ``rows``), as :meth:`~optimized.control.kv_cache_manager.KVCacheManager._apply_loud`
+        gives them: per item its new blocks per group (``manager.no_new_blocks`` when
+        none), stopping after the first None; each row's decode threshold refreshed. The
+        items went through ``_loud_items`` (one new token, no hit, running, a row each);
+        the caller checked :meth:`usable`."""
+        manager = self.manager
+        coord = manager.coordinator
+        pool = manager.block_pool
+        mml = manager.max_model_len
+        cacheable = coord.num_cacheable_tokens
+        m = len(picked)
+        self._grow_buffers(m)
+        flat: list[int] = []
+        cache_tokens: list[int] = []
+        for i, row in zip(picked, rows):
+            request = requests[i]
+            total = request.num_computed_tokens
+            main = total + 1
+            tokens = cacheable(min(main, request.num_tokens))
+            cache_tokens.append(tokens)
+            hashed = len(request.block_hashes) * request.hash_block_size
+            flat += (row, total, min(main, mml), min(tokens, hashed))
+        items = np.array(flat, dtype=np.int64).reshape(m, 4)
+        next_work = manager._next_work
+        empty = manager.no_new_blocks
+        out: list = []
+        first = 0
+        while first < m:
+            status, stop = self.run(items, first)
+            counters = self.counters
+            num_evicted = counters.item(1)
+            if num_evicted:
+                for block, group in self.evicted[:num_evicted].tolist():
+                    pool._evict_key(block, group)
+                    pool.block_hash[block] = None
+            if status == FREED_TOO_OFTEN:
+                raise KVConformError(f"block {counters.item(2)} freed more often than allocated")
+            last = stop + 1 if status == EXHAUSTED else stop
+            ids = self.popped[: counters.item(0)].tolist()
+            thresholds = self.thresholds[first:last].tolist()
+            to_cache = self.to_cache[first:last].tolist()
+            counts = self.pop_counts[first:last].tolist() if ids else None
+            k = 0
+            for j in range(first, last):
+                row = rows[j]
+                next_work[row] = thresholds[j - first]
+                if j == stop:  # the exhausted item
+                    out.append(None)
+                    return out
+                if to_cache[j - first]:
+                    _cache_item(
+                        coord.managers,
+                        manager._twin_of,
+                        manager._class_reps,
+                        requests[picked[j]],
+                        row,
+                        cache_tokens[j],
+                        manager._all_groups,
+                    )
+                if counts is None or k == len(ids):
+                    out.append(empty)
+                    continue
+                blocks = []
+                for c in counts[j - first]:
+                    blocks.append(ids[k : k + c])
+                    k += c
+                out.append(blocks)
+            if status == APPLIED:
+                return out
+            # FALLBACK: the item at ``stop`` goes through the Python path
+            new_blocks = manager._apply_loud(requests, [picked[stop]], [rows[stop]])[0]
+            out.append(new_blocks)
+            if new_blocks is None:
+                return out
+            first = stop + 1
+        return out

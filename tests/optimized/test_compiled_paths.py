@@ -1,0 +1,210 @@
+"""The compiled loops (numba) and their Python forms: the decode step's loud-item pass
+(:mod:`optimized.control.compiled_decode`), the free queue's pop and the freeing of whole
+rows (:mod:`optimized.control.compiled_pool`).
+
+Each compiled function is plain Python too, so the rules are checked here without numba
+(hand-valued cases, and the Python form of the pass against the reference on random
+layouts); with numba installed (the ``jit`` extra, as in CI) the compiled forms are
+checked against the numpy paths and the reference as well."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from optimized.control.block_pool import FreeBlockQueue
+from optimized.control.compiled_decode import LoudPass, compiled_pass, loud_pass
+from optimized.control.compiled_pool import compiled_pop_front, free_rows, pop_front
+from optimized.control.kv_cache_manager import KVCacheManager
+from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.specs import FullAttentionSpec, SlidingWindowSpec
+from tests.optimized.optimized_differential import Pair, layouts, run_trace
+
+needs_numba = pytest.mark.skipif(
+    compiled_pass is None, reason="numba is not installed (the jit extra) or KVCONFORM_JIT=0"
+)
+
+
+def _queue_holding(order: list[int], num_blocks: int, compiled: bool) -> FreeBlockQueue:
+    queue = FreeBlockQueue(num_blocks, compiled=compiled)
+    queue.popleft_n(num_blocks)
+    if order:
+        queue.append_n(np.array(order, dtype=np.int64))
+    return queue
+
+
+def test_pop_front_unlinks_the_first_blocks_in_order() -> None:
+    queue = _queue_holding([7, 3, 9, 4], 12, compiled=False)
+    out = np.zeros(3, dtype=np.int64)
+    pop_front(queue.next_free, queue.prev_free, queue.head, 3, out)  # the Python form
+    assert out.tolist() == [7, 3, 9]
+    queue.num_free_blocks -= 3
+    assert queue.block_ids() == [4]
+    assert queue.prev_free[4] == queue.head
+    assert [queue.next_free[b] for b in (7, 3, 9)] == [-1, -1, -1]
+
+
+@needs_numba
+@settings(max_examples=50, deadline=None)
+@given(
+    order=st.permutations(list(range(1, 40))),
+    pops=st.lists(st.integers(0, 39), min_size=1, max_size=4),
+)
+def test_compiled_pop_matches_the_numpy_walk(order: list[int], pops: list[int]) -> None:
+    """Any queue order (runs of consecutive ids or not), any pop sizes: the same blocks
+    and the same queue after."""
+    numpy_walk = _queue_holding(order, 40, compiled=False)
+    compiled = _queue_holding(order, 40, compiled=True)
+    assert compiled._pop_front is compiled_pop_front
+    for n in pops:
+        n = min(n, numpy_walk.num_free_blocks)
+        assert compiled.popleft_array(n).tolist() == numpy_walk.popleft_array(n).tolist()
+        assert compiled.block_ids() == numpy_walk.block_ids()
+        assert compiled.num_free_blocks == numpy_walk.num_free_blocks
+
+
+def test_free_rows_frees_each_group_tail_first_and_releases_the_row() -> None:
+    """Row 0 holds ``[4, 5]`` in group 0 and ``[6, 0, 8]`` in group 1 (a null skipped);
+    block 4 is hashed, 8 is held twice. Group 0's call: 5 to the front, 4 to the back;
+    group 1's call: 8 drops to one reference (stays), 6 to the front before 5."""
+    queue = _queue_holding([1, 2], 12, compiled=False)
+    tables = (np.zeros((2, 4), dtype=np.int32), np.zeros((2, 4), dtype=np.int32))
+    tables[0][0, :2] = [4, 5]
+    tables[1][0, :3] = [6, 0, 8]
+    row_lens = (np.array([2, 0], dtype=np.int32), np.array([3, 0], dtype=np.int32))
+    leading = (np.zeros(2, dtype=np.int32), np.array([1, 0], dtype=np.int32))
+    cached = (np.array([2, -1], dtype=np.int32), np.array([3, -1], dtype=np.int32))
+    dirty = (np.zeros(2, dtype=bool), np.zeros(2, dtype=bool))
+    ref_cnt = np.zeros(12, dtype=np.int32)
+    ref_cnt[[4, 5, 6]] = 1
+    ref_cnt[8] = 2
+    block_group = np.full(12, -1, dtype=np.int32)
+    block_group[4] = 0
+    state = np.array([queue.head, queue.tail, queue.num_free_blocks], dtype=np.int64)
+    bad = free_rows(
+        np.array([0]),
+        tables,
+        row_lens,
+        leading,
+        cached,
+        dirty,
+        ref_cnt,
+        block_group,
+        queue.prev_free,
+        queue.next_free,
+        state,
+    )
+    assert bad == -1
+    queue.num_free_blocks = int(state[2])
+    assert queue.block_ids() == [6, 5, 1, 2, 4]
+    assert queue.num_free_blocks == 5
+    assert ref_cnt[[4, 5, 6, 8]].tolist() == [0, 0, 0, 1]
+    assert not tables[0][0].any() and not tables[1][0].any()
+    assert [r[0] for r in row_lens] == [0, 0]
+    assert [c[0] for c in cached] == [-1, -1]
+    assert [lead[0] for lead in leading] == [0, 0]
+    assert all(d[0] for d in dirty)
+
+
+def test_free_rows_names_a_block_freed_more_often_than_allocated() -> None:
+    queue = _queue_holding([], 6, compiled=False)
+    table = np.zeros((1, 2), dtype=np.int32)
+    table[0, 0] = 3  # held in the table, ref count 0
+    state = np.array([queue.head, queue.tail, 0], dtype=np.int64)
+    one = (np.ones(1, dtype=np.int32),)
+    bad = free_rows(
+        np.array([0]),
+        (table,),
+        one,
+        (np.zeros(1, dtype=np.int32),),
+        (np.zeros(1, dtype=np.int32),),
+        (np.zeros(1, dtype=bool),),
+        np.zeros(6, dtype=np.int32),
+        np.full(6, -1, dtype=np.int32),
+        queue.prev_free,
+        queue.next_free,
+        state,
+    )
+    assert bad == 3
+
+
+def _gemma_like(num_blocks: int = 200) -> KVCacheLayout:
+    """A full group and two twin windows (w 8), bs 4, prefix cache on."""
+    groups = (
+        KVCacheGroup(("f",), FullAttentionSpec(block_size=4)),
+        KVCacheGroup(("s0",), SlidingWindowSpec(block_size=4, sliding_window=8)),
+        KVCacheGroup(("s1",), SlidingWindowSpec(block_size=4, sliding_window=8)),
+    )
+    return KVCacheLayout(groups, num_blocks=num_blocks, max_model_len=128, enable_caching=True)
+
+
+def test_the_python_pass_drops_pops_and_sets_the_threshold_by_hand() -> None:
+    """One request of 12 prompt tokens (3 blocks per group), then decode steps through the
+    Python form of the pass. At 12 computed the next slot needs block 3 in each group: 3
+    pops. The windows (w 8) skip ``12 - 8 + 1 = 5`` tokens -> block 0 leaves each window.
+    The row's threshold is then the least of: full group next block at 16, windows' next
+    drop at ``(1 + 1) * 4 + 8 - 1 = 15``, caching of block 3 once ``c + 1 >= 16`` -> 15."""
+    manager = KVCacheManager(_gemma_like(), max_num_reqs=2, compiled=False)
+    manager._compiled = LoudPass(manager, run=loud_pass)
+    request = manager.make_request("r", list(range(12)))
+    computed = manager.allocate_slots(request, 12)
+    assert computed is not None
+    request.num_computed_tokens = 12
+    request.append_token(99)
+    row = manager.coordinator.row_of["r"]
+    before = manager.get_block_ids("r")
+    free_before = manager.block_pool.get_num_free_blocks()
+    out = manager.schedule_columns([request], [1], [0])
+    new = out[0]
+    assert [len(blocks) for blocks in new] == [1, 1, 1]
+    after = manager.get_block_ids("r")
+    assert after[0] == (*before[0], new[0][0])
+    for g in (1, 2):  # block 0 of each window nulled, the new block appended
+        assert after[g] == (0, *before[g][1:], new[g][0])
+    assert manager.block_pool.get_num_free_blocks() == free_before - 3 + 2
+    assert manager._next_work[row] == 15
+
+
+@settings(max_examples=40, deadline=None)
+@given(layout=layouts(), seed=st.integers(0, 2**32 - 1))
+def test_the_python_pass_matches_reference(layout, seed) -> None:
+    """The pass as plain Python (no numba needed) on random layouts and plain decode
+    steps: every table, queue, count and cached entry as the reference's."""
+    pair = Pair(layout, columns=True)
+    opt = pair.opt
+    if opt._per_group_apply:
+        opt._compiled = LoudPass(opt, run=loud_pass)
+    counts = run_trace(pair, seed, num_steps=30, batched=True, plain_decode=True)
+    assert counts["steps"] == 30
+
+
+@needs_numba
+def test_a_manager_whose_groups_are_replaced_leaves_the_pass() -> None:
+    """A group replaced by a subclass (as a mutant does) takes the Python paths."""
+    from optimized.control.managers import SlidingWindowManager
+
+    class OwnWindow(SlidingWindowManager):
+        pass
+
+    manager = KVCacheManager(_gemma_like(), max_num_reqs=2)
+    assert manager._compiled is not None and manager._compiled.usable()
+    coord = manager.coordinator
+    old = coord.managers[1]
+    coord.managers = [
+        *coord.managers[:1],
+        OwnWindow(
+            old.spec,
+            old.block_pool,
+            old.group_id,
+            old.enable_caching,
+            old.cache_hit_alignment,
+            128,
+            coord.max_num_reqs,
+            old.retention_interval,
+            old.scheduler_block_size,
+        ),
+        *coord.managers[2:],
+    ]
+    assert not manager._compiled.usable()
