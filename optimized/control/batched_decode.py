@@ -347,7 +347,7 @@ def apply_decode_item(
         for g in groups:
             new_blocks[g] = managers[g].allocate_new_blocks(row, slots, main)
     if manager.enable_caching:
-        _cache_item(managers, twin_of, reps, request, row, cache_tokens, groups)
+        cache_decode_item(managers, twin_of, reps, request, row, cache_tokens, groups)
     manager._known.add(request.request_id)
     if request.status is not RequestStatus.FINISHED:
         request.status = RequestStatus.RUNNING
@@ -382,7 +382,7 @@ def _free_dropped(
     )
 
 
-def _cache_item(
+def cache_decode_item(
     managers,
     twin_of: Sequence[int],
     reps: Sequence[int],
@@ -424,7 +424,7 @@ def _cache_item(
             managers[g].apply_cache_plan(row, plan)
 
 
-#: :func:`_cache_item`'s mark of a class whose ``cache_blocks`` adds its own rule
+#: :func:`cache_decode_item`'s mark of a class whose ``cache_blocks`` adds its own rule
 _OWN_RULE = object()
 
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from optimized.control.batched_decode import _cache_item
+from optimized.control.batched_decode import cache_decode_item
 from optimized.control.block_pool import BlockPool, FreeBlockQueue
 from optimized.control.compiled_pool import span_free
 from optimized.control.jit import compiled
@@ -446,7 +446,7 @@ class LoudPass:
                     out.append(None)
                     return out
                 if to_cache[j - first]:
-                    _cache_item(
+                    cache_decode_item(
                         coord.managers,
                         manager._twin_of,
                         manager._class_reps,
