@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from itertools import takewhile
 from operator import attrgetter
 
+from optimized.control import jit
 from optimized.control.kv_cache_manager import ComputedBlocks, KVCacheManager
 from optimized.control.request import Request, commit_updates, hash_completed_blocks
 from optimized.device.data_plane import DataPlane
@@ -201,8 +202,21 @@ def make_engine(layout: KVCacheLayout) -> OptimizedEngine:
 #: sparse, every ``k``; :mod:`reference.retention`). No EAGLE groups, admission caps or
 #: external loads.
 make_engine.production_settings = frozenset({"retention"})  # type: ignore[attr-defined]
+
+
 #: The modules of the optimized control plane the adapter drives (``--engine-coverage``):
 #: CI's optimized gate measures them against docs/engine-coverage/optimized-unreached.txt.
+def compiled_loops_note() -> str:
+    """How the optimized engine runs its hot loops in this environment (printed by the
+    bench next to its figures): compiled by numba, or its numpy paths."""
+    if jit.ENABLED:
+        return f"optimized: compiled loops on (numba {jit.numba.__version__})"
+    return (
+        "optimized: numpy paths (numba missing or KVCONFORM_JIT=0; the jit extra gives the "
+        "compiled loops, as CI and the README's figures run it)"
+    )
+
+
 make_engine.coverage_modules = (  # type: ignore[attr-defined]
     "optimized.control.kv_cache_manager",
     "optimized.control.coordinator",

@@ -618,6 +618,10 @@ def _bench(args: argparse.Namespace, finished: list) -> int:
             top_functions=args.hotspots,
         )
         print(format_engine_bench(rows))
+        if "optimized" in args.engines:
+            from properties.engines.optimized import compiled_loops_note
+
+            print(compiled_loops_note())
         if args.calls:
             from properties.tools.bench.call_profile import format_call_profile
 
