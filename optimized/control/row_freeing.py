@@ -7,7 +7,7 @@ Example: a decode-heavy request finishing on gemma3 frees 456 blocks (the full g
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -20,12 +20,15 @@ from reference.errors import KVConformError
 class RowFreeing:
     """A coordinator's compiled :func:`free_rows`, used while every group keeps its rows
     by the base rules (no Mamba state, no subclass releasing rows its own way) and the
-    pool and queue are the plain ones; checked again whenever the coordinator's managers
-    or the pool's queue are replaced."""
+    pool and queue are the plain ones; checked again whenever the coordinator's managers,
+    pool or queue are replaced. ``run``: the loop (the compiled one; a test gives the
+    Python :func:`~optimized.control.compiled_pool.free_rows`)."""
 
-    def __init__(self, coordinator) -> None:
+    def __init__(self, coordinator, run: Callable | None = None) -> None:
         self.coordinator = coordinator
+        self.run = compiled_free_rows if run is None else run
         self._seen: tuple = ()
+        self._plain = False
         self._arrays: tuple = ()
         self._rows = -1  # the row count when ``_arrays`` was taken
         self.state = np.zeros(3, dtype=np.int64)
@@ -37,10 +40,11 @@ class RowFreeing:
         seen = (coord.managers, pool, pool.free_block_queue)
         if len(seen) != len(self._seen) or any(a is not b for a, b in zip(seen, self._seen)):
             self._seen = seen
+            self._plain = self.run is not None and _plain_rows(coord.managers, pool)
             self._rows = -1
+        if not self._plain:
+            return False
         if self._rows != coord.max_num_reqs:
-            if not _plain_rows(coord.managers, pool):
-                return False
             queue = pool.free_block_queue
             self._arrays = (
                 tuple(m.table for m in coord.managers),
@@ -57,13 +61,14 @@ class RowFreeing:
         return True
 
     def free(self, rows: Sequence[int]) -> bool:
-        """Free and release ``rows`` (False: not usable here, nothing done)."""
-        if compiled_free_rows is None or not self._usable():
+        """Free and release ``rows`` (False: not usable here, nothing done). A block freed
+        more often than allocated raises :class:`KVConformError` naming it."""
+        if not self._usable():
             return False
         queue = self.coordinator.block_pool.free_block_queue
         state = self.state
         state[0], state[1], state[2] = queue.head, queue.tail, queue.num_free_blocks
-        bad = compiled_free_rows(np.asarray(rows, dtype=np.int64), *self._arrays, state)
+        bad = self.run(np.asarray(rows, dtype=np.int64), *self._arrays, state)
         queue.num_free_blocks = int(state[2])
         if bad >= 0:
             raise KVConformError(f"block {bad} freed more often than allocated")

@@ -18,6 +18,7 @@ from optimized.control.block_pool import FreeBlockQueue
 from optimized.control.compiled_decode import LoudPass, compiled_pass, loud_pass
 from optimized.control.compiled_pool import compiled_pop_front, free_rows, pop_front
 from optimized.control.kv_cache_manager import KVCacheManager
+from reference.errors import KVConformError
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec, SlidingWindowSpec
 from tests.optimized.optimized_differential import Pair, layouts, run_trace
@@ -208,3 +209,95 @@ def test_a_manager_whose_groups_are_replaced_leaves_the_pass() -> None:
         *coord.managers[2:],
     ]
     assert not manager._compiled.usable()
+
+
+def test_a_block_freed_too_often_in_the_pass_is_named() -> None:
+    """The pass meets a window block whose ref count is already 0 (a corrupted count): the
+    step raises naming it, as the Python path's ``free_blocks`` does."""
+    manager = KVCacheManager(_gemma_like(), max_num_reqs=2, compiled=False)
+    manager._compiled = LoudPass(manager, run=loud_pass)
+    request = manager.make_request("r", list(range(12)))
+    assert manager.allocate_slots(request, 12) is not None
+    request.num_computed_tokens = 12
+    request.append_token(99)
+    dropped = manager.get_block_ids("r")[1][0]  # the first window's block 0 leaves at 12
+    manager.block_pool.ref_cnt[dropped] = 0
+    with pytest.raises(KVConformError, match=f"block {dropped} freed more often"):
+        manager.schedule_columns([request], [1], [0])
+
+
+def _two_at_a_boundary(manager: KVCacheManager) -> list:
+    """Requests ``a`` and ``b`` of 12 prompt tokens each, computed, one output token: on
+    ``_gemma_like`` each holds 3 blocks per group and its next slot needs a fourth."""
+    reqs = []
+    for k, rid in enumerate(("a", "b")):
+        req = manager.make_request(rid, list(range(100 * k, 100 * k + 12)))
+        assert manager.allocate_slots(req, 12) is not None
+        req.num_computed_tokens = 12
+        req.append_token(7)
+        reqs.append(req)
+    return reqs
+
+
+def test_a_full_pool_stops_the_pass_after_the_items_frees() -> None:
+    """19 usable blocks, 18 held: item ``a`` frees block 0 of both windows (w 8 skips 5
+    tokens) and pops 3 (1 + 2 free); item ``b`` frees its two but finds 2 < 3 free: its
+    result is None, its frees stay, as on the Python path (same results, tables, queue,
+    thresholds)."""
+    passes: list[int] = []
+
+    def counted(first, items, *args):
+        passes.append(items.shape[0] - first)
+        return loud_pass(first, items, *args)
+
+    layout = _gemma_like(num_blocks=20)
+    ours = KVCacheManager(layout, max_num_reqs=2, compiled=False)
+    ours._compiled = LoudPass(ours, run=counted)
+    python = KVCacheManager(layout, max_num_reqs=2, compiled=False)
+    seen = []
+    for m in (ours, python):
+        reqs = _two_at_a_boundary(m)
+        assert m.block_pool.get_num_free_blocks() == 1
+        out = m.schedule_columns(reqs, [1, 1], [0, 0])
+        assert len(out) == 2 and out[0] is not None and out[1] is None
+        assert [len(blocks) for blocks in out[0]] == [1, 1, 1]
+        assert m.block_pool.get_num_free_blocks() == 2  # b's two window blocks
+        seen.append(
+            (
+                [None if r is None else [list(g) for g in r] for r in out],
+                m.get_block_ids("a"),
+                m.get_block_ids("b"),
+                m.block_pool.free_block_queue.block_ids(),
+                [m._next_work[m.coordinator.row_of[rid]] for rid in ("a", "b")],
+            )
+        )
+    assert seen[0] == seen[1]
+    assert passes == [0, 2]  # the warm-up on no item, then both items in one pass
+
+
+def test_free_rows_python_form_through_the_coordinator() -> None:
+    """The coordinator's row freeing run as Python (no numba needed): a request's 3 groups
+    freed and its row released, the queue and counts as the numpy path leaves them."""
+    from optimized.control.compiled_pool import free_rows as python_free_rows
+    from optimized.control.row_freeing import RowFreeing
+
+    calls: list[int] = []
+
+    def counted(rows, *args):
+        calls.append(len(rows))
+        return python_free_rows(rows, *args)
+
+    layout = _gemma_like()
+    ours = KVCacheManager(layout, max_num_reqs=2, compiled=False)
+    ours.coordinator._row_freeing = RowFreeing(ours.coordinator, run=counted)
+    numpy_paths = KVCacheManager(layout, max_num_reqs=2, compiled=False)
+    for m in (ours, numpy_paths):
+        a, b = _two_at_a_boundary(m)
+        m.free(a)
+        assert m.coordinator.row_of.keys() == {"b"}
+    assert ours.block_pool.free_block_queue.block_ids() == (
+        numpy_paths.block_pool.free_block_queue.block_ids()
+    )
+    assert ours.block_pool.ref_counts() == numpy_paths.block_pool.ref_counts()
+    assert ours.get_block_ids("b") == numpy_paths.get_block_ids("b")
+    assert calls == [0, 1]  # the warm-up call, then the freed row
