@@ -46,7 +46,7 @@ import numpy as np
 
 from optimized.control.batched_decode import cache_decode_item
 from optimized.control.block_pool import BlockPool, FreeBlockQueue
-from optimized.control.compiled_pool import span_free
+from optimized.control.compiled_pool import group_row_arrays, span_free
 from optimized.control.jit import compiled
 from optimized.control.managers.chunked_local import ChunkedLocalAttentionManager
 from optimized.control.managers.full import FullAttentionManager
@@ -338,11 +338,7 @@ class LoudPass:
             pool = manager.block_pool
             queue = pool.free_block_queue
             self._arrays = (
-                tuple(mg.table for mg in managers),
-                tuple(mg.row_len for mg in managers),
-                tuple(mg.num_leading_null for mg in managers),
-                tuple(mg.num_cached_block for mg in managers),
-                tuple(mg.dirty_rows for mg in managers),
+                *group_row_arrays(managers),
                 pool.ref_cnt,
                 pool.block_group,
                 pool.num_cached_tokens,

@@ -142,6 +142,18 @@ def free_rows(
     return -1
 
 
+def group_row_arrays(managers) -> tuple[tuple, ...]:
+    """The groups' row arrays as the loops take them, one tuple per kind: tables, row
+    lengths, leading nulls, cached counts, dirty rows (``managers`` in group order)."""
+    return (
+        tuple(m.table for m in managers),
+        tuple(m.row_len for m in managers),
+        tuple(m.num_leading_null for m in managers),
+        tuple(m.num_cached_block for m in managers),
+        tuple(m.dirty_rows for m in managers),
+    )
+
+
 #: the compiled forms (None: numba missing or turned off)
 compiled_pop_front = compiled(pop_front)
 compiled_free_rows = compiled(free_rows)

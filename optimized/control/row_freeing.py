@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from optimized.control.block_pool import BlockPool, FreeBlockQueue
-from optimized.control.compiled_pool import compiled_free_rows
+from optimized.control.compiled_pool import compiled_free_rows, group_row_arrays
 from optimized.control.managers.base import SingleTypeKVCacheManager
 from reference.errors import KVConformError
 
@@ -47,11 +47,7 @@ class RowFreeing:
         if self._rows != coord.max_num_reqs:
             queue = pool.free_block_queue
             self._arrays = (
-                tuple(m.table for m in coord.managers),
-                tuple(m.row_len for m in coord.managers),
-                tuple(m.num_leading_null for m in coord.managers),
-                tuple(m.num_cached_block for m in coord.managers),
-                tuple(m.dirty_rows for m in coord.managers),
+                *group_row_arrays(coord.managers),
                 pool.ref_cnt,
                 pool.block_group,
                 queue.prev_free,
