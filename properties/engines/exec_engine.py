@@ -58,6 +58,7 @@ from properties.core.engine import (
     UnsupportedLayoutError,
 )
 from properties.core.modes import EXTERNAL_KEYWORDS, check_production_settings
+from properties.core.processes import kill_group, unwatch_group, watch_group
 from properties.core.trace import layout_to_json
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
@@ -72,6 +73,9 @@ MIN_STARTUP_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "KVCONFORM_EXEC_TIMEOUT"
 #: Seconds a closing child gets to exit after its stdin is closed.
 EXIT_GRACE_S = 5.0
+#: The longest answer line the client reads (a production-tier table of 10^5 blocks is a
+#: few megabytes); past it the engine broke the protocol.
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
 #: The optional calls an engine may announce in ``create``'s ``capabilities``
 #: (``serving_modes``: ``set_in_flight``, ``cache_blocks`` and the keywords of
 #: ``allocate_slots``; the external-hit keywords also need the ``external`` setting).
@@ -191,7 +195,7 @@ class ExecProcess:
         self._cwd = cwd
         self._proc: subprocess.Popen | None = None
         self._stderr = None
-        self._buffer = b""
+        self._buffer = bytearray()
         self._next_id = 0
         self._broken: str | None = None
         self._finalizer = None
@@ -235,6 +239,7 @@ class ExecProcess:
         self._writable.register(self._proc.stdin.fileno(), selectors.EVENT_WRITE)
         self._finalizer = weakref.finalize(self, _stop, self._proc)
         _LIVE.add(self._proc)
+        watch_group(self._proc.pid)  # its group dies with kvconform, even on kill -9
         hello = self.call(
             "hello",
             {"protocol": PROTOCOL_VERSION, "client": "kvconform"},
@@ -273,6 +278,7 @@ class ExecProcess:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        _end_group(proc)  # what the engine forked (a helper, a server) ends with it
         proc.stdout.close()
         for selector in (self._readable, self._writable):
             if selector is not None:
@@ -358,17 +364,30 @@ class ExecProcess:
                 self._wait(self._writable, what, deadline, "did not read its request")
 
     def _read_line(self, what: Described, deadline: float) -> bytes:
+        """The next line of the child's stdout (each byte read and searched once: an
+        answer of many megabytes costs its size, not its square)."""
         fd = self._proc.stdout.fileno()
-        while b"\n" not in self._buffer:
+        buffer = self._buffer
+        scanned = 0
+        while (end := buffer.find(b"\n", scanned)) < 0:
+            if len(buffer) > MAX_ANSWER_BYTES:  # never read an endless line whole
+                self._buffer = bytearray()
+                self._fail(
+                    ExecProtocolError,
+                    f"{what} answered a line of more than {MAX_ANSWER_BYTES} bytes "
+                    f"(the protocol's limit): {_clip(bytes(buffer[:300]))}",
+                )
+            scanned = len(buffer)
             self._wait(self._readable, what, deadline, "got no answer")
             try:
-                chunk = os.read(fd, 1 << 16)
+                chunk = os.read(fd, 1 << 20)
             except BlockingIOError:
                 continue
             if not chunk:
                 self._crashed(what)
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
+            buffer += chunk
+        line = bytes(buffer[:end])
+        del buffer[: end + 1]
         return line
 
     def _wait(
@@ -439,13 +458,21 @@ class ExecProcess:
 
 def _stop(proc: subprocess.Popen) -> None:
     """At garbage collection or exit: close the child's stdin (it exits), then kill it
-    if it has not exited within a second."""
+    if it has not exited within a second; its process group ends with it."""
     with contextlib.suppress(OSError):
         proc.stdin.close()
     try:
         proc.wait(timeout=1.0)
     except subprocess.TimeoutExpired:
         _kill_quietly(proc)
+    _end_group(proc)
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """Kill the child's process group (it runs in its own session: the group is the
+    child and whatever it forked) and tell the watchdog it is gone."""
+    kill_group(proc.pid)
+    unwatch_group(proc.pid)
 
 
 #: Every engine child this process started and has not seen end (weakly held).
@@ -456,22 +483,21 @@ def kill_engine_children() -> None:
     """Kill every engine child still running, at once (a stopped command: its children
     live in their own session, so nothing else ends them)."""
     for proc in list(_LIVE):
-        if proc.poll() is None:
-            with contextlib.suppress(OSError):
-                proc.kill()
+        kill_group(proc.pid)  # the child and everything it forked
     for proc in list(_LIVE):
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             proc.wait(timeout=1.0)
+        unwatch_group(proc.pid)
 
 
 def _kill_quietly(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
+    """Kill the child and its process group at once (a broken or hung engine)."""
+    if proc is None:
         return
-    try:
-        proc.kill()
+    kill_group(proc.pid)
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
         proc.wait(timeout=EXIT_GRACE_S)
-    except (OSError, subprocess.TimeoutExpired):
-        pass
+    unwatch_group(proc.pid)
 
 
 def _clip(raw: bytes | str, limit: int = 300) -> str:

@@ -250,7 +250,7 @@ def run_tiers(
         if outcome.failure is not None:
             result.kind, text = _classify(outcome.failure, outcome.examples)
             result.failure = f"[{tier} tier] {text}"
-            result.trace_path, result.note = _save(outcome.trace, config, seed)
+            result.trace_path, result.note = _save(outcome.trace, config, seed, engine)
             return
 
 
@@ -296,7 +296,7 @@ def save_first_failure(
             trace = None
         elif reduce_seconds is not None:
             trace, reduced = reduce_failure([trace], check, config, engine, reduce_seconds)
-        path, _note = _save(trace, config, seed)
+        path, _note = _save(trace, config, seed, engine)
     kind = (trace.failure or {}).get("kind", "property") if trace is not None else "property"
     first = FirstFailure(
         prop, check, when - started, examples, step, path, config.engine, config.level, trace
@@ -350,6 +350,7 @@ def _report(
     last: Trace | None,
     config: CheckConfig,
     seed: int | None,
+    engine: EngineUnderTest,
 ) -> tuple[str, str, Path | None, str | None]:
     """``(kind, text, saved trace, note)`` of a run's exception: a failure that did not
     repeat (:mod:`properties.runner.flaky`) is the ``first`` failure recorded, its trace
@@ -357,8 +358,8 @@ def _report(
     unrepeated = not_reproduced(exc, first)
     if unrepeated is None:
         kind, failure = _classify(exc, examples)
-        return (kind, failure, *_save(last, config, seed))
-    path, moved = _save(unrepeated.trace, config, seed)
+        return (kind, failure, *_save(last, config, seed, engine))
+    path, moved = _save(unrepeated.trace, config, seed, engine)
     note = unrepeated.note + (f"; {moved}" if moved else "")
     return unrepeated.kind, unrepeated.failure, path, note
 
@@ -378,11 +379,17 @@ def save_failure(trace: Trace, directory: str) -> tuple[Path, str | None]:
 
 
 def _save(
-    trace: Trace | None, config: CheckConfig, seed: int | None
+    trace: Trace | None, config: CheckConfig, seed: int | None, engine: EngineUnderTest
 ) -> tuple[Path | None, str | None]:
+    """Save a failing trace with the engine's view of it (what the engine showed after
+    each operation: :mod:`properties.runner.engine_view`), so that its report is drawn
+    from the file alone."""
     if trace is None:
         return None, None
-    return save_failure(replace(trace, seed=seed), config.failure_dir)
+    from properties.runner.engine_view import record_engine_view
+
+    view = record_engine_view(trace, config, engine)
+    return save_failure(replace(trace, seed=seed, engine_view=view), config.failure_dir)
 
 
 def _run_machine(
@@ -419,7 +426,7 @@ def _run_machine(
         first = stats.first_trace or stats.last_failure
         if not_reproduced(exc, first) is not None:  # a failure that did not repeat
             kind, failure, path, note = _report(
-                exc, stats.examples, first, stats.last_failure, config, seed
+                exc, stats.examples, first, stats.last_failure, config, seed, engine
             )
         else:
             kind, failure = _classify(exc, stats.examples)
@@ -428,7 +435,7 @@ def _run_machine(
                 trace, kind, failure, reduced = reduced_failure(
                     stats, found[0], config, engine, reduce_seconds, kind, failure
                 )
-            path, note = _save(trace, config, seed)
+            path, note = _save(trace, config, seed, engine)
     modes = {tag: (e, n) for tag, (e, n) in sorted(stats.modes.items())} or None
     return PropertyResult(
         name,

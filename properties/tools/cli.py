@@ -32,7 +32,9 @@ import argparse
 import json
 import os
 import random
+import shlex
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -90,6 +92,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from properties.runner.profiles import load_profile
     from properties.tools.selection import with_skips
 
+    started = time.monotonic()
+    wanted = wanted_properties(args)  # an empty selection is refused before anything runs
     selection = check_outputs.selection_of(args)
     config = with_skips(config_from_args(args, preset=args.preset), selection)
     profile = load_profile(args.profile)
@@ -112,9 +116,6 @@ def cmd_check(args: argparse.Namespace) -> int:
             f"  known divergence {d.name}: {d.summary}\n    layouts where it applies are "
             f"not drawn; see {d.finding}"
         )
-    wanted = [p for p in PROPERTIES if not (p == "attention" and args.no_attention)]
-    if args.only:
-        wanted = [p for p in wanted if p in args.only]
     from properties.runner.explain import format_summary
     from properties.runner.progress import configure_progress
     from properties.tools.engine_coverage import cli_session
@@ -157,12 +158,32 @@ def cmd_check(args: argparse.Namespace) -> int:
         if getattr(r, "first", None) is not None:
             print(f"  {r.first.describe()}")
         if r.trace_path is not None:  # the summary below prints its path and replay
-            report, line = report_beside(r.trace_path, args.engine, args.level, engine)
+            report, line = report_beside(r.trace_path)
             reports[r.name] = report if report is not None else line
-    print("\n" + format_summary(results, args.engine, args.level, reports))
+    wall = time.monotonic() - started
+    print("\n" + format_summary(results, args.engine, args.level, reports, wall_seconds=wall))
     code = exit_code([result_kind(r) for r in results])
     check_outputs.write_outputs(args, seed, run, code)
     return code
+
+
+def wanted_properties(args: argparse.Namespace) -> list[str]:
+    """The properties ``check`` runs: every one, less ``attention`` with
+    ``--no-attention``, only those ``--only`` names. A selection that leaves none is a
+    usage error naming the options that emptied it (a run that checks nothing must never
+    pass). Example: ``--only attention --no-attention`` -> ``KVConformError("no property
+    left to run: --only names attention and --no-attention removes attention")``."""
+    if args.only is not None and not args.only:
+        raise usage_error(f"--only names no property (choose from {', '.join(PROPERTIES)})")
+    wanted = [p for p in PROPERTIES if not (p == "attention" and args.no_attention)]
+    if args.only:
+        wanted = [p for p in wanted if p in args.only]
+    if not wanted:
+        raise usage_error(
+            f"no property left to run: --only names {', '.join(args.only)} and "
+            "--no-attention removes attention"
+        )
+    return wanted
 
 
 def result_kind(result) -> str | None:
@@ -218,6 +239,7 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine
         default_workers,
         run_task,
         run_tasks,
+        write_first_failure_page,
     )
 
     workers = args.workers if args.workers is not None else default_workers()
@@ -249,6 +271,8 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine
         try:
             for task in tasks:  # in this process: each line as soon as it is known
                 results.append(run_task(task, engine=engine, on_first_failure=on_first))
+                for first in found:  # pages announced from inside the Hypothesis test
+                    write_first_failure_page(first)
                 print_result_line(results[-1])
         except Stopped as stop:
             stop.results, stop.found = results, found
@@ -279,7 +303,10 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine
 
 def report_stopped(stop: Stopped) -> int:
     """What a stopped ``check`` prints (the properties that finished, the failures found
-    so far) and its exit code (:func:`properties.tools.stopping.stopped_exit_code`)."""
+    so far, with their pages) and its exit code
+    (:func:`properties.tools.stopping.stopped_exit_code`)."""
+    from properties.tools.parallel import write_first_failure_page
+
     print(f"\nkvconform check: stopped by {stop.name}; workers and engines ended", flush=True)
     if stop.results:
         print(format_results(stop.results))
@@ -287,6 +314,7 @@ def report_stopped(stop: Stopped) -> int:
         print(f"  found before the stop: {first.describe()}")
         if first.trace_path is not None:
             print(f"  trace: {first.trace_path}\n  replay: {first.replay()}")
+            write_first_failure_page(first)
     kinds = [result_kind(r) for r in stop.results]
     kinds += [getattr(f, "kind", "property") for f in getattr(stop, "found", [])]
     return stopped_exit_code(stop, kinds)
@@ -427,14 +455,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from properties.core.trace import load_trace
     from properties.runner.check import config_for
     from properties.tools.guard import needs_guard, run_guarded
+    from properties.tools.trust import engine_named_in_file
 
     trace = load_trace(Path(args.trace))
     recorded = (trace.failure or {}).get("engine")
-    if args.engine is None:  # the engine the trace was recorded on, said so
-        if not isinstance(recorded, str) or not recorded:
-            raise usage_error(f"{args.trace} records no engine: give --engine")
-        args.engine = recorded
-        print(f"--engine not given: using {recorded}, the engine recorded in the trace")
+    if args.engine is None:  # the engine the trace was recorded on, if kvconform's own
+        args.engine = engine_named_in_file(
+            recorded,
+            args.trace,
+            f"kvconform replay {shlex.quote(args.trace)}",
+            args.trust_recorded_engine,
+        )
+        print(f"--engine not given: using {args.engine}, the engine recorded in the trace")
     config = config_for("attention" if args.attention else "invariants", config_from_args(args))
     engine = config.resolve_engine()
     if needs_guard(config):  # an in-process adapter must not end the process with exit 0
@@ -843,8 +875,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="replay one trace and show the first failure")
     p.add_argument("trace")
     engine_args(p)
-    p.set_defaults(engine=None)  # the engine recorded in the trace, said so
+    p.set_defaults(engine=None)  # the engine recorded in the trace, if built in
     p.add_argument("--attention", action="store_true", help="check attention outputs only")
+    p.add_argument(
+        "--trust-recorded-engine",
+        action="store_true",
+        help="without --engine, run the engine the trace names even when it is not a "
+        "built-in one (exec: commands and module:factory adapters run code: "
+        "docs/threat-model.md)",
+    )
     p.set_defaults(func=cmd_replay)
 
     from properties.tools.report import add_report_parser
@@ -911,13 +950,27 @@ def main(argv: list[str] | None = None) -> int:
             check_numbers(args)  # every numeric option finite and in range, or exit 2
             return args.func(args)
     except KeyboardInterrupt as stop:
-        from properties.engines.exec_engine import kill_engine_children
-
-        kill_engine_children()
         print(f"\nkvconform: interrupted ({getattr(stop, 'name', 'SIGINT')})", file=sys.stderr)
         return stopped_exit_code(stop, [])
     except BaseException as exc:  # noqa: BLE001 - every error becomes one line and a code
         return on_command_error(exc, getattr(args, "verbose", False))
+    finally:
+        end_started_processes()
+
+
+def end_started_processes() -> None:
+    """Nothing the command started outlives it: engine children with their process
+    groups, then any process still alive below this one (what an in-process adapter
+    forked), but multiprocessing's resource tracker and the watchdog, which end on
+    their own (:mod:`properties.core.processes`)."""
+    import multiprocessing.resource_tracker as tracker
+
+    from properties.core.processes import reap_descendants, watchdog_pid
+    from properties.engines.exec_engine import kill_engine_children
+
+    kill_engine_children()
+    tracker_pid = getattr(getattr(tracker, "_resource_tracker", None), "_pid", None)
+    reap_descendants(keep=frozenset(p for p in (tracker_pid, watchdog_pid()) if p))
 
 
 def on_command_error(exc: BaseException, verbose: bool = False) -> int:

@@ -8,12 +8,11 @@ terminal a live line; else one line per ``--progress-seconds``, no carriage retu
 workers send their counts every second, within a round too, and a first failure at once.
 The workers are stopped at most ``STOP_GRACE_SECONDS`` after ``--minutes``. One failure
 is reported once across workers: the key is the check that failed
-(:func:`failure_key`). Then a summary. Ctrl-C (SIGINT) or SIGTERM stops the workers,
-prints the summary and exits 130 (SIGINT) or 143 (SIGTERM), or the failure code when
-something was found (1 a
-property failed, 3 the engine broke the protocol). Every failure is saved as a replayable
-trace, once (the same shrunk trace found again is not saved again), and its replay
-command is printed.
+(:func:`failure_key`). Then a summary. Ctrl-C (SIGINT), SIGTERM or SIGHUP stops the
+workers, prints the summary and exits 130 (SIGINT), 143 (SIGTERM) or 129 (SIGHUP), or the
+failure code when something was found (1 a property failed, 3 the engine broke the
+protocol). Every failure is saved as a replayable trace, once (the same shrunk trace
+found again is not saved again), and its replay command is printed.
 
 The example database (``--database``) is where Hypothesis keeps failing examples and
 its example corpus: by default the directory ``.kvconform/hypothesis``; with
@@ -122,6 +121,10 @@ def _worker(
     after_round: Callable[[], None] | None = None,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    from properties.core.processes import die_with_parent
+
+    die_with_parent(signal.SIGTERM)  # the parent killed (kill -9): this worker ends too
     from hypothesis import Phase, settings
 
     from properties.runner.profiles import load_profile
@@ -409,7 +412,7 @@ def _print_failure(failure: tuple, worker: int, engine: str, level: str, attenti
     from properties.tools.report import report_beside
 
     command = replay_command(path, engine, level, attention)
-    report = f"\n  {report_beside(path, engine, level)[1]}" if path else ""
+    report = f"\n  {report_beside(path)[1]}" if path else ""
     print(
         f"\nFAILURE ({origin}): {message[:300]}\n  trace: {path}{report}\n  replay: {command}",
         flush=True,

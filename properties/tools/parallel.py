@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from properties.core.processes import die_with_parent, reap_descendants, watchdog_pid
+
 
 @dataclass(frozen=True)
 class PropertyTask:
@@ -147,14 +149,27 @@ def large_tier_counts(task: PropertyTask) -> dict[str, int]:
 
 def announce_first_failure(first) -> None:
     """Print a first failure (a :class:`properties.runner.check.FirstFailure`) and its
-    replay command the moment it is found, before shrinking."""
-    from properties.tools.report import report_beside
+    replay command the moment it is found, before shrinking. Its HTML page is written
+    here unless a Hypothesis test is running in this process (a property run in the
+    main process announces from inside its test): then :func:`write_first_failure_page`
+    writes it once the property has ended."""
+    from hypothesis.control import currently_in_test_context
 
     print(f"  {first.describe()}", flush=True)
     if first.trace_path is not None:
-        _path, line = report_beside(first.trace_path, first.engine, first.level)
-        print(f"  first failing trace: {first.trace_path}\n  {line}", flush=True)
+        print(f"  first failing trace: {first.trace_path}", flush=True)
+        if not currently_in_test_context():
+            write_first_failure_page(first)
         print(f"  replay: {first.replay()}", flush=True)
+
+
+def write_first_failure_page(first) -> None:
+    """Write (once) and name the HTML page of a first failure's saved trace."""
+    from properties.tools.report import report_beside
+
+    if first.trace_path is not None and not getattr(first, "page_written", False):
+        first.page_written = True
+        print(f"  {report_beside(first.trace_path)[1]}", flush=True)
 
 
 #: Seconds a stopped worker gets to end after SIGTERM before it is killed.
@@ -170,7 +185,9 @@ def _worker(
     engine children and ends the worker. The task comes as plain fields: unpickling a
     ``CheckConfig`` would import the reference before coverage starts."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the parent stops us
     signal.signal(signal.SIGTERM, _end_worker)
+    die_with_parent(signal.SIGTERM)  # the parent killed (kill -9): end our engines too
     if coverage_dir is not None:
         _start_coverage(coverage_dir)
     from properties.core import current_call
@@ -192,6 +209,7 @@ def _end_worker(signum, frame) -> None:
     from properties.engines.exec_engine import kill_engine_children
 
     kill_engine_children()
+    reap_descendants(keep=frozenset(p for p in (watchdog_pid(),) if p is not None))
     os._exit(128 + signum)
 
 
