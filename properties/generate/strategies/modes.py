@@ -1,0 +1,111 @@
+"""Serving modes: the attention property's connector modes, the deployed mode
+(:data:`PRODUCTION_MODE`), swarm testing of the modes (:func:`swarm_modes`) and what a
+layout leaves of a mode (:func:`mode_for_layout`).
+
+Example: a swarm draw of ``drafts``, gate, 3 drafts, connector level 3 is
+``ServingMode(admission_gate=True, num_draft_tokens=3, external_hits=True,
+async_loads=True, load_failures=True)``; on a layout with a Mamba group it loses its
+drafts and connector.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import strategies as st
+
+from properties.core.modes import ServingMode
+from reference.layout import KVCacheLayout
+from reference.specs import MambaSpec
+
+
+def connector_modes() -> st.SearchStrategy[ServingMode]:
+    """The attention property's modes: synchronous scheduling without a KV connector, or
+    with one over the host tier, loading synchronously or asynchronously, asynchronous
+    loads failing at times (the content that goes out to the tier and comes back, and
+    blocks of a failed load that must not be read, are then checked through attention
+    outputs;
+    asynchronous scheduling and drafts are not drawn there: their pending tokens are not
+    known when a step is planned); shrinks toward no connector."""
+    return st.sampled_from(
+        (
+            ServingMode(),
+            ServingMode(external_hits=True),
+            ServingMode(external_hits=True, async_loads=True, load_failures=True),
+        )
+    )
+
+
+#: The serving mode of a deployed vLLM 0.33 (``--preset`` runs of the production
+#: property): asynchronous scheduling, admission gate on (``scheduler_reserve_full_isl``).
+PRODUCTION_MODE = ServingMode(async_scheduling=True, admission_gate=True)
+
+
+#: The scheduling feature of a swarm mode: synchronous, asynchronous, or synchronous with
+#: draft tokens (drafts with asynchronous scheduling are not modelled, so the two are
+#: levels of one feature rather than two switches that would cancel each other); listed
+#: with repeats so that asynchronous scheduling and drafts come with two examples in five
+#: each (a derandomized stream draws the first entry, its shrink target, more often).
+SCHEDULING: tuple[str, ...] = ("sync", "async", "drafts", "async", "drafts")
+
+
+#: The connector feature of a swarm mode, by level: 0 none, 1 external hits loaded
+#: synchronously, 2 loaded asynchronously, 3 asynchronous loads that may fail (each level
+#: needs the one before it); failing loads in a third of the draws.
+CONNECTOR_LEVELS: tuple[int, ...] = (0, 1, 2, 3, 3, 2)
+
+
+def swarm_modes() -> st.SearchStrategy[ServingMode]:
+    """Swarm testing of the serving modes, at every tier (the small tier's production
+    property and the large tiers): each feature is drawn independently of the others,
+    scheduling (:data:`SCHEDULING`), the admission gate (half), the draft count (2, 3 or
+    4, used with ``drafts``) and the connector level (:data:`CONNECTOR_LEVELS`).
+    Features that need one another are levels of one draw, so no switch is wasted: load
+    failures come with a third of the examples, drafts with external hits with a third.
+    Shrinks toward the synchronous, ungated mode without a connector. Example:
+    ``drafts``, gate, 3, level 3 -> ``ServingMode(admission_gate=True,
+    num_draft_tokens=3, external_hits=True, async_loads=True, load_failures=True)``."""
+    return st.builds(
+        _levelled_mode,
+        st.sampled_from(SCHEDULING),
+        st.booleans(),
+        st.sampled_from((2, 3, 4)),
+        st.sampled_from(CONNECTOR_LEVELS),
+    )
+
+
+def _levelled_mode(scheduling: str, gate: bool, drafts: int, connector: int) -> ServingMode:
+    """The mode of one swarm draw (:func:`swarm_modes`); connector levels count up:
+    ``connector >= 1`` external hits, ``>= 2`` asynchronous loads, ``3`` failures."""
+    return _valid_mode(
+        scheduling == "async",
+        gate,
+        drafts if scheduling == "drafts" else 0,
+        connector >= 1,
+        connector >= 2,
+        connector >= 3,
+    )
+
+
+def _valid_mode(
+    async_scheduling: bool, gate: bool, drafts: int, external: bool, loads: bool, fails: bool
+) -> ServingMode:
+    loads = loads and external
+    return ServingMode(
+        async_scheduling=async_scheduling,
+        admission_gate=gate,
+        num_draft_tokens=0 if async_scheduling else drafts,
+        external_hits=external,
+        async_loads=loads,
+        load_failures=fails and loads,
+    )
+
+
+def mode_for_layout(mode: ServingMode, layout: KVCacheLayout) -> ServingMode:
+    """``mode`` without what a layout with a Mamba group does not model (external hits
+    and drafts: no loaded or speculative Mamba states)."""
+    if not any(isinstance(s, MambaSpec) for s in layout.specs):
+        return mode
+    return dataclasses.replace(
+        mode, num_draft_tokens=0, external_hits=False, async_loads=False, load_failures=False
+    )
