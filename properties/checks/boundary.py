@@ -31,7 +31,7 @@ from typing import Any
 from properties.checks import answers
 from properties.core import current_call
 from properties.core.allocation import Allocation, allocate
-from properties.core.deadline import DeadlinePassed, call_deadline
+from properties.core.deadline import DeadlinePassed, call_deadline, timeout_message
 from properties.core.engine import (
     BlockIds,
     CachedBlock,
@@ -72,7 +72,7 @@ def call_engine(name: str, what: str, timeout: float, fn: Callable, *args: Any) 
         with call_deadline(timeout, f"{name}: {what}"):
             return fn(*args)
     except DeadlinePassed:  # the deadline passed just as the call returned
-        raise CallTimeoutError(f"{name}: {what} did not return within {timeout:g} s") from None
+        raise CallTimeoutError(timeout_message(f"{name}: {what}", timeout)) from None
     except EngineError:
         raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any engine failure is reported

@@ -3,9 +3,10 @@
 Every output a command is asked for (``--report-json``, ``--junit-xml``,
 ``--failure-dir``, ``--database``, ``report --html``, ``corpus export``) is checked
 before the run starts, so a mistake costs seconds, not the run: :func:`check_output_file`
-(a file: not a directory, not a device or FIFO, its folder exists or can be made and
-takes a new file), :func:`check_output_dir` (a folder that can be made and takes a new
-file) and :func:`check_distinct` (no two options name the same file). Each raises
+(a file: not a directory, not a device or FIFO, its folder, or the nearest folder above
+it that exists, takes a new file), :func:`check_output_dir` (the same for a folder) and
+:func:`check_distinct` (no two options name the same file); nothing is created before
+the run. Each raises
 :class:`OutputPathError`, a usage error (exit 2) whose one line names the option, the
 path and what is wrong.
 
@@ -50,24 +51,28 @@ class OutputWriteError(KVConformError):
 
 
 def _probe_folder(folder: Path, option: str, shown: str) -> None:
-    """``folder`` exists or can be made, is a directory, and takes a new file."""
+    """``folder`` is a directory that takes a new file, or does not exist yet and its
+    nearest existing ancestor is one (nothing is created: the write makes the folders)."""
+    existing = folder
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise OutputPathError(f"{option} {shown!r}: {str(folder)!r} is not a directory") from None
-    except RuntimeError as exc:  # (a symbolic link loop, as pathlib reports it)
-        raise OutputPathError(f"{option} {shown!r}: {exc}") from None
+        while not existing.exists():
+            if existing.is_symlink():  # a link to nothing (a loop, a missing target)
+                raise OutputPathError(
+                    f"{option} {shown!r}: {str(existing)!r} is a broken symbolic link"
+                )
+            if existing.parent == existing:
+                break
+            existing = existing.parent
+        is_dir = existing.is_dir()
+    except OSError as exc:  # a symbolic link loop, a name too long
+        raise OutputPathError(f"{option} {shown!r}: {exc.strerror or exc}") from None
+    if not is_dir:
+        raise OutputPathError(f"{option} {shown!r}: {str(existing)!r} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kvconform-probe-", dir=existing)
     except OSError as exc:
         raise OutputPathError(
-            f"{option} {shown!r}: cannot create {str(folder)!r}: {exc.strerror or exc}"
-        ) from None
-    if not folder.is_dir():
-        raise OutputPathError(f"{option} {shown!r}: {str(folder)!r} is not a directory")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".kvconform-probe-", dir=folder)
-    except OSError as exc:
-        raise OutputPathError(
-            f"{option} {shown!r}: cannot write in {str(folder)!r}: {exc.strerror or exc}"
+            f"{option} {shown!r}: cannot write in {str(existing)!r}: {exc.strerror or exc}"
         ) from None
     os.close(fd)
     with contextlib.suppress(OSError):

@@ -38,12 +38,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from properties.core.allocation import Allocation, TakesAllocations
+from properties.core.charged_time import ChildClock
 from properties.core.constants import MAX_CALL_TIMEOUT_S
 from properties.core.declarations import check_spec_types
 from properties.core.engine import (
@@ -199,6 +199,7 @@ class ExecProcess:
         self._next_id = 0
         self._broken: str | None = None
         self._finalizer = None
+        self._clock = ChildClock(0)  # the child's, once started
         #: one selector per pipe for the child's life (readable stdout, writable stdin):
         #: a call then waits with one ``select``, building nothing
         self._readable: selectors.BaseSelector | None = None
@@ -231,6 +232,7 @@ class ExecProcess:
             raise EngineLoadError(
                 f"exec engine {self.label!r}: cannot start {self.argv[0]!r}: {exc}"
             ) from None
+        self._clock = ChildClock(self._proc.pid)
         os.set_blocking(self._proc.stdin.fileno(), False)
         os.set_blocking(self._proc.stdout.fileno(), False)
         self._readable = selectors.DefaultSelector()
@@ -313,9 +315,9 @@ class ExecProcess:
         self._next_id += 1
         message_id = self._next_id
         line = json.dumps({"id": message_id, "call": call, "args": args}, separators=(",", ":"))
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        self._write(line.encode() + b"\n", what, deadline)
-        raw = self._read_line(what, deadline)
+        self._clock.start(self.timeout if timeout is None else timeout)
+        self._write(line.encode() + b"\n", what)
+        raw = self._read_line(what)
         try:
             response = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -347,7 +349,7 @@ class ExecProcess:
         return response["result"]
 
     # -- the wire ---------------------------------------------------------------------
-    def _write(self, data: bytes, what: Described, deadline: float) -> None:
+    def _write(self, data: bytes, what: Described) -> None:
         """Write ``data`` to the child's stdin, waiting for room only when the pipe is
         full (a request line nearly always fits at once)."""
         fd = self._proc.stdin.fileno()
@@ -361,9 +363,9 @@ class ExecProcess:
                 self._crashed(what)
             view = view[written:]
             if view:
-                self._wait(self._writable, what, deadline, "did not read its request")
+                self._wait(self._writable, what, "did not read its request")
 
-    def _read_line(self, what: Described, deadline: float) -> bytes:
+    def _read_line(self, what: Described) -> bytes:
         """The next line of the child's stdout (each byte read and searched once: an
         answer of many megabytes costs its size, not its square)."""
         fd = self._proc.stdout.fileno()
@@ -378,7 +380,7 @@ class ExecProcess:
                     f"(the protocol's limit): {_clip(bytes(buffer[:300]))}",
                 )
             scanned = len(buffer)
-            self._wait(self._readable, what, deadline, "got no answer")
+            self._wait(self._readable, what, "got no answer")
             try:
                 chunk = os.read(fd, 1 << 20)
             except BlockingIOError:
@@ -390,13 +392,13 @@ class ExecProcess:
         del buffer[: end + 1]
         return line
 
-    def _wait(
-        self, selector: selectors.BaseSelector | None, what: Described, deadline: float, how: str
-    ) -> None:
-        """Until ``selector``'s pipe is ready; past ``deadline`` the call timed out."""
+    def _wait(self, selector: selectors.BaseSelector | None, what: Described, how: str) -> None:
+        """Until ``selector``'s pipe is ready; once the call has been charged its limit
+        (the child's own time: :class:`properties.core.charged_time.ChildClock`), it
+        timed out."""
         assert selector is not None  # (started: the call checked)
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = self._clock.remaining()
             if remaining <= 0:
                 self._timed_out(what, how)
             if selector.select(remaining):
@@ -435,12 +437,12 @@ class ExecProcess:
         raise error(self._with_stderr(f"exec engine {self.label!r}: {message}"))
 
     def _timed_out(self, what: Described, how: str) -> NoReturn:
-        seconds = f"{self.timeout:g}"
         self._broken = f"{what} timed out"
+        overrun = self._clock.overrun()
         _kill_quietly(self._proc)
         raise ExecTimeoutError(
             self._with_stderr(
-                f"exec engine {self.label!r}: {what} {how} within {seconds} s "
+                f"exec engine {self.label!r}: {what} {how} within {overrun} "
                 f"(the engine was killed; {TIMEOUT_ENV} sets the limit)"
             )
         )

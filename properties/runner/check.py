@@ -94,10 +94,13 @@ class FirstFailure:
     #: the failure's kind (:class:`properties.core.outcome.Outcome`): its exit code if
     #: the run is stopped before it ends
     kind: str = "property"
+    #: the scale tier it was found in (None: the small tier)
+    tier: str | None = None
 
     def describe(self) -> str:
+        where = f" at the {self.tier} tier" if self.tier else ""
         return (
-            f"{self.prop}: first failure [{self.check}] after {self.seconds:.1f}s, "
+            f"{self.prop}: first failure [{self.check}]{where} after {self.seconds:.1f}s, "
             f"example {self.examples}, step {self.steps}"
         )
 
@@ -197,7 +200,15 @@ def run_property(
                 name, config, hyp_settings, seed, engine, on_first_failure, shrink_seconds
             )
         if tiers is not None and result.passed:
-            run_tiers(result, config, hyp_settings, seed, engine, tiers_for(name, tiers))
+            run_tiers(
+                result,
+                config,
+                hyp_settings,
+                seed,
+                engine,
+                tiers_for(name, tiers),
+                on_first_failure,
+            )
     return result
 
 
@@ -224,11 +235,16 @@ def run_tiers(
     seed: int | None,
     engine: EngineUnderTest,
     counts: Mapping[str, int],
+    on_first_failure: Callable[[FirstFailure], None] | None = None,
 ) -> None:
     """Run the large tiers ``counts`` names (only ``config.tier`` when it is one) after
     the small one and add them to ``result``: its per-tier counts, its totals, and the
-    first tier failure with its saved trace (the later tiers then do not run)."""
+    first tier failure with its saved trace (the later tiers then do not run). A tier's
+    first failing trace is saved and handed to ``on_first_failure`` as it is found, as
+    the small tier's is."""
     from properties.runner.tiers import run_tier
+
+    started = time.perf_counter() - result.seconds
 
     result.tiers = result.tiers if result.tiers is not None else {}
     if config.tier == kvst.SMALL:
@@ -237,7 +253,15 @@ def run_tiers(
         if count < 1 or config.tier not in (kvst.SMALL, tier):
             continue
         tier_settings = settings(hyp_settings, max_examples=count)
-        outcome = run_tier(result.name, config, tier, tier_settings, seed, engine)
+        announce = None
+        if on_first_failure is not None:
+
+            def announce(trace: Trace, tier: str = tier) -> None:
+                on_first_failure(
+                    tier_first_failure(result, tier, trace, started, config, seed, engine)
+                )
+
+        outcome = run_tier(result.name, config, tier, tier_settings, seed, engine, announce)
         result.tiers[tier] = (outcome.examples, outcome.steps, outcome.seconds)
         result.examples += outcome.examples
         result.steps += outcome.steps
@@ -252,6 +276,37 @@ def run_tiers(
             result.failure = f"[{tier} tier] {text}"
             result.trace_path, result.note = _save(outcome.trace, config, seed, engine)
             return
+
+
+def tier_first_failure(
+    result: PropertyResult,
+    tier: str,
+    trace: Trace,
+    started: float,
+    config: CheckConfig,
+    seed: int | None,
+    engine: EngineUnderTest,
+) -> FirstFailure:
+    """The first failure of a large tier, its trace saved as found (a large trace is not
+    reduced before it is announced). Example: a medium-tier pool-accounting failure
+    describes itself as ``invariants: first failure [pool_accounting] at the medium tier
+    after 12.0s, example 30, step 812``."""
+    failure = trace.failure or {}
+    path, _note = _save(trace, config, seed, engine)
+    first = FirstFailure(
+        result.name,
+        str(failure.get("property", "?")),
+        time.perf_counter() - started,
+        result.examples,
+        result.steps,
+        path,
+        config.engine,
+        config.level,
+        trace,
+    )
+    first.kind = str(failure.get("kind", "property"))
+    first.tier = tier
+    return first
 
 
 @contextmanager

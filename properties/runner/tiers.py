@@ -57,8 +57,24 @@ class TierOutcome:
     steps: int = 0
     seconds: float = 0
     failure: BaseException | None = None
-    trace: Trace | None = None
     timings: list[float] = field(default_factory=list)
+    #: called with the first failing trace the moment it is recorded (before Hypothesis
+    #: shrinks it), so a tier's failure announces itself like the small tier's
+    on_first_failure: Callable[[Trace], None] | None = None
+    _trace: Trace | None = None
+    _announced: bool = False
+
+    @property
+    def trace(self) -> Trace | None:
+        """The failing trace (the last one recorded)."""
+        return self._trace
+
+    @trace.setter
+    def trace(self, trace: Trace | None) -> None:
+        self._trace = trace
+        if trace is not None and not self._announced and self.on_first_failure is not None:
+            self._announced = True
+            self.on_first_failure(trace)
 
 
 def tier_layouts(
@@ -131,15 +147,17 @@ def run_tier(
     hyp_settings: settings,
     seed: int | None = None,
     engine: EngineUnderTest | Callable | None = None,
+    on_first_failure: Callable[[Trace], None] | None = None,
 ) -> TierOutcome:
     """Run ``hyp_settings.max_examples`` examples of tier ``tier_name`` for property
     ``name`` (``config`` as :func:`properties.runner.check.config_for` gives it).
     Failures are not shrunk far (a large trace shrinks slowly): the failing trace is
-    the outcome's ``trace``."""
+    the outcome's ``trace``; ``on_first_failure`` hears of the first one as it is
+    recorded."""
     scale = kvst.tier(tier_name)
     engine = engine_of(config, engine)
     layouts = tier_layouts(config, scale, engine)
-    outcome = TierOutcome(tier_name)
+    outcome = TierOutcome(tier_name, on_first_failure=on_first_failure)
 
     def example(data: st.DataObject) -> None:
         layout = data.draw(layouts)

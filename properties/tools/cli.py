@@ -94,6 +94,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     wanted = wanted_properties(args)  # an empty selection is refused before anything runs
+    check_outputs.validate_outputs(args)  # a bad output path costs seconds, not the run
     selection = check_outputs.selection_of(args)
     config = with_skips(config_from_args(args, preset=args.preset), selection)
     profile = load_profile(args.profile)

@@ -29,6 +29,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from properties.core.output_files import write_text_atomic
+
 REPORT_FORMAT = "kvconform-report/1"
 #: The JSON Schema of the report, shipped with the package.
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
@@ -113,10 +115,9 @@ def build_report(
 
 
 def write_json(report: Mapping[str, Any], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    return path
+    """Write the JSON report whole or not at all
+    (:func:`properties.core.output_files.write_text_atomic`)."""
+    return write_text_atomic(path, json.dumps(report, indent=2) + "\n", "the JSON report")
 
 
 def _failure_text(failure: Mapping[str, Any]) -> str:
@@ -183,9 +184,8 @@ def junit_tree(report: Mapping[str, Any]) -> ET.ElementTree:
 
 
 def write_junit(report: Mapping[str, Any], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write the JUnit XML whole or not at all."""
     tree = junit_tree(report)
     ET.indent(tree)
-    tree.write(path, encoding="utf-8", xml_declaration=True)
-    return path
+    text = ET.tostring(tree.getroot(), encoding="unicode", xml_declaration=True)
+    return write_text_atomic(path, text + "\n", "the JUnit XML")

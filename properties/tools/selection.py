@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from properties.checks.registry import CHECKS, INVARIANTS
 from reference.errors import KVConformError
@@ -55,6 +54,10 @@ class CheckSelection:
 
     def __bool__(self) -> bool:
         return bool(self.skip or self.xfail)
+
+
+#: The largest xfails file read (a few hundred lines of check names and reasons).
+MAX_XFAILS_BYTES = 1024 * 1024
 
 
 def parse_xfails(text: str, source: str = "xfails file") -> tuple[tuple[str, str], ...]:
@@ -99,12 +102,9 @@ def load_selection(skip: Iterable[str] | None, xfails_file: str | None) -> Check
             )
     xfail: tuple[tuple[str, str], ...] = ()
     if xfails_file is not None:
-        try:
-            text = Path(xfails_file).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise KVConformError(
-                f"--xfails-file: cannot read {xfails_file!r}: {exc.strerror or exc}"
-            ) from None
+        from properties.core.json_input import read_text
+
+        text = read_text(xfails_file, "--xfails-file", MAX_XFAILS_BYTES)
         xfail = parse_xfails(text, xfails_file)
     both = sorted(skipped & {name for name, _ in xfail})
     if both:
