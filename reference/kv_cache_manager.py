@@ -36,7 +36,7 @@ from reference.coordinator import make_coordinator
 from reference.errors import InvalidLayoutError, InvalidRequestError
 from reference.layout import KVCacheLayout
 from reference.request import Request, RequestStatus
-from reference.validation import require_bool, require_instance, require_int
+from reference.validation import require_bool, require_instance, require_int, require_token_ids
 
 BlockIdLists = tuple[tuple[int, ...], ...]
 
@@ -167,6 +167,8 @@ class KVCacheManager(ManagerBookkeeping):
                 f"make_request: request id {request_id!r} is used twice (the request holding "
                 "blocks under it has not been freed)"
             )
+        # (checked before its length is read: None is a clear error, never a TypeError)
+        require_token_ids(InvalidRequestError, "make_request", "prompt_token_ids", prompt_token_ids)
         check_prompt_length(request_id, len(prompt_token_ids), self.max_model_len)
         return Request(
             request_id,

@@ -27,6 +27,20 @@ class DeclarationError(EngineLoadError):
     """An adapter's declaration is not of the type its field expects (exit 2)."""
 
 
+def read_declaration(factory: object, attribute: str, where: str) -> object:
+    """``factory.attribute``, or None when it has none; a factory whose attribute lookup
+    raises something else (a ``__getattr__`` that raises) is a :class:`DeclarationError`
+    naming the attribute. Example: a factory class whose ``__getattr__`` raises
+    ``RuntimeError("no")`` gives ``DeclarationError("--engine 'm:f': factory attribute
+    spec_types: reading it raised RuntimeError: no")``."""
+    try:
+        return getattr(factory, attribute, None)
+    except Exception as exc:  # noqa: BLE001 - any adapter failure is reported as its own
+        raise DeclarationError(
+            f"{where} {attribute}: reading it raised {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 def check_spec_types(declared: object, where: str) -> tuple[str, ...]:
     """``None`` (all of :data:`SPEC_KINDS`) or a non-empty list or tuple of names among
     them, without repeats. Example: ``["full", "sliding_window"]`` -> ``("full",

@@ -442,7 +442,13 @@ def load_engine_factory(name: str) -> EngineFactory:
         raise EngineLoadError(
             f"--engine {name!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
         ) from exc
-    factory = getattr(module, attr, None)
+    try:
+        factory = getattr(module, attr, None)
+    except Exception as exc:  # noqa: BLE001 - a module __getattr__ that raises
+        raise EngineLoadError(
+            f"--engine {name!r}: reading {attr!r} from module {module_name!r} raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     if factory is None:
         raise EngineLoadError(f"--engine {name!r}: module {module_name!r} has no {attr!r}")
     if not callable(factory):

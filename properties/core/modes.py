@@ -157,9 +157,10 @@ EXTERNAL_SETTING = "external"
 def production_settings(factory: object) -> frozenset[str]:
     """The production layout settings ``factory`` declares (``factory.production_settings``),
     checked by :func:`check_production_settings`; empty when it declares none."""
-    return check_production_settings(
-        getattr(factory, "production_settings", None), "production_settings"
-    )
+    from properties.core.declarations import read_declaration
+
+    declared = read_declaration(factory, "production_settings", "factory attribute")
+    return check_production_settings(declared, "production_settings")
 
 
 def check_production_settings(declared: object, where: str) -> frozenset[str]:

@@ -58,7 +58,8 @@ def _probe_folder(folder: Path, option: str, shown: str) -> None:
         while not existing.exists():
             if existing.is_symlink():  # a link to nothing (a loop, a missing target)
                 raise OutputPathError(
-                    f"{option} {shown!r}: {str(existing)!r} is a broken symbolic link"
+                    f"{option} {shown!r}: {str(existing)!r} is a symbolic link that leads "
+                    "nowhere (a loop or a missing target)"
                 )
             if existing.parent == existing:
                 break

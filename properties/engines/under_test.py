@@ -42,6 +42,7 @@ from properties.core.declarations import (
     check_layout_strategy,
     check_spec_types,
     check_version,
+    read_declaration,
 )
 from properties.core.engine import (
     EngineFactory,
@@ -154,7 +155,7 @@ def from_factory(name: str, factory: object) -> EngineUnderTest:
             f"--engine {name!r}: {type(factory).__name__} is not a callable factory"
         )
     where = f"--engine {name!r}: factory attribute"
-    declared = {a: getattr(factory, a, None) for a in DECLARED_ATTRIBUTES}
+    declared = {a: read_declaration(factory, a, where) for a in DECLARED_ATTRIBUTES}
     return EngineUnderTest(
         name=name,
         factory=factory,

@@ -53,7 +53,7 @@ from properties.core.constants import (
     PROFILES,
     PROPERTIES,
 )
-from properties.core.engine import EngineError, EngineLoadError
+from properties.core.engine import EngineError, EngineLoadError, UnsupportedLayoutError
 from properties.core.outcome import Outcome, combined_exit_code
 from properties.tools import check_outputs
 from properties.tools.options import check_numbers
@@ -487,7 +487,15 @@ def _replay(args: argparse.Namespace, trace, config, engine) -> int:
             f"recorded failure: [{trace.failure.get('property')}] on "
             f"{trace.failure.get('engine')} ({trace.failure.get('level')})"
         )
+    unsupported = [s.type_name for s in trace.layout.specs if s.type_name not in engine.spec_types]
+    if unsupported:
+        raise usage_error(
+            f"{args.engine} does not support this trace's layout: it declares spec types "
+            f"{', '.join(engine.spec_types)}, the trace has {', '.join(sorted(set(unsupported)))}"
+        )
     run, exc = replay_trace(trace, config, engine)
+    if isinstance(exc, UnsupportedLayoutError):  # the factory refused the layout
+        raise usage_error(f"{args.engine} does not support this trace's layout: {exc}")
     if exc is None:
         print(f"no failure: {args.engine} passes every check on this trace ({args.level})")
         return EXIT_PASSED

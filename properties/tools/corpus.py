@@ -39,6 +39,7 @@ from properties.core.engine import (
     UnsupportedLayoutError,
 )
 from properties.core.json_input import InputError, read_json
+from properties.core.output_files import OutputPathError, check_output_dir, write_text_atomic
 from properties.core.proxy import EngineProxy
 from properties.core.trace import (
     TRACE_FORMAT,
@@ -426,6 +427,11 @@ def export_corpus(directory: str | Path, per_mode: int = 4, modes: Sequence[str]
     if unknown:
         raise CorpusError(f"unknown corpus modes {unknown}; known: {', '.join(MODES)}")
     root = _corpus_root(directory)
+
+    try:
+        check_output_dir(root, "corpus export")
+    except OutputPathError as exc:
+        raise CorpusError(str(exc)) from None
     cases_dir = root / "cases"
     cases_dir.mkdir(parents=True, exist_ok=True)
     for old in cases_dir.glob("*.json"):
@@ -447,7 +453,7 @@ def export_corpus(directory: str | Path, per_mode: int = 4, modes: Sequence[str]
                 "trace": trace_to_json(trace),
                 "expected": expected,
             }
-            path.write_text(json.dumps(case, separators=(",", ":")) + "\n")
+            write_text_atomic(path, json.dumps(case, separators=(",", ":")) + "\n", "corpus case")
             counts = _coverage(trace, expected)
             for key, value in counts.items():
                 coverage[key] = coverage.get(key, 0) + value
@@ -472,7 +478,7 @@ def export_corpus(directory: str | Path, per_mode: int = 4, modes: Sequence[str]
         "coverage": coverage,
         "cases": cases,
     }
-    (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    write_text_atomic(root / MANIFEST, json.dumps(manifest, indent=1) + "\n", "corpus manifest")
     return manifest
 
 
@@ -503,15 +509,22 @@ def _read_json(path: Path, what: str) -> Any:
 def _corpus_root(directory: str | Path) -> Path:
     """The corpus directory; a path that is not a directory is a usage error."""
     root = Path(directory)
-    if root.exists() and not root.is_dir():
-        raise CorpusError(f"{root} is a file, not a corpus directory")
+    try:
+        if root.exists() and not root.is_dir():
+            raise CorpusError(f"{root} is a file, not a corpus directory")
+    except OSError as exc:  # a symbolic link loop, a name too long
+        raise CorpusError(f"{root}: {exc.strerror or exc}") from None
     return root
 
 
 def _case_path(root: Path, name: str, index: int) -> Path:
     """Case ``index`` of the manifest, a file inside the corpus: a manifest naming a path
     outside it (``../../etc/passwd``, an absolute path, a link out) is refused."""
-    if not (root / name).resolve().is_relative_to(root.resolve()):
+    try:
+        inside = (root / name).resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError) as exc:  # a symbolic link loop (RuntimeError in 3.11)
+        raise CorpusError(f"{root / MANIFEST}: cases[{index}] ({name!r}): {exc}") from None
+    if not inside:
         raise CorpusError(
             f"{root / MANIFEST}: cases[{index}] names {name!r}, outside the corpus directory"
         )

@@ -94,13 +94,17 @@ def example_database(spec: str | None, engine: str, level: str):
 
 
 def check_database(spec: str | None) -> None:
-    """Fail early, with one line, when a Redis database cannot be reached or a database
-    directory is a file."""
-    if spec is not None and not spec.startswith(REDIS_SCHEME) and "://" not in spec:
-        if Path(spec).exists() and not Path(spec).is_dir():
-            raise KVConformError(f"--database {spec}: is a file, not a directory")
-        return
+    """Fail early, in the parent and with one line, when ``--database`` names a scheme
+    other than ``redis://``, a Redis server that cannot be reached, or a directory that
+    cannot take new files (a file, a read-only folder: failures would not be stored)."""
+    if spec is not None and "://" in spec and not spec.startswith(REDIS_SCHEME):
+        raise KVConformError(
+            f"--database {spec!r}: only redis://HOST:PORT[/DB] or a directory is supported"
+        )
     if spec is None or not spec.startswith(REDIS_SCHEME):
+        from properties.core.output_files import check_output_dir
+
+        check_output_dir(spec or DEFAULT_DATABASE_DIR, "--database")
         return
     client = _redis_client(spec)
     try:
@@ -287,6 +291,9 @@ def run_campaign(
     resolved = config.resolve_engine()  # a bad --engine or declaration fails here, clearly
     try:
         check_database(database)
+        from properties.core.output_files import check_output_dir
+
+        check_output_dir(failure_dir, "--failure-dir")
     except KVConformError as exc:
         print(f"kvconform fuzz: {exc}", file=sys.stderr)
         return EXIT_USAGE
