@@ -14,7 +14,9 @@ nor pass. What is checked:
 * ``allocate_slots`` returns ``None`` or one sequence per group of ids in
   ``[1, num_blocks)`` (a new block is never the null block), and those ids are the tail
   of the table the engine then reports (:func:`check_new_blocks_are_tail`);
-* ``num_free_blocks`` is an integer in ``[0, num_blocks - 1]`` (one shared pool);
+* ``num_free_blocks`` is an integer; one outside ``[0, num_blocks - 1]`` (one shared
+  pool) is a well-formed answer no pool can give: a failure of ``pool_accounting`` (exit
+  1: the engine is wrong), not a protocol error (exit 3: the engine broke the protocol);
 * ``reset_prefix_cache`` is a bool;
 * the optional capabilities: ``ref_counts`` maps block ids in ``[1, num_blocks)`` to
   integers ``>= 0``; ``free_queue`` lists ids in ``[1, num_blocks)``;
@@ -185,12 +187,21 @@ def check_new_blocks_are_tail(what: str, new: BlockIds, table: BlockIds) -> None
 
 
 def check_free_count(what: str, value: Any, layout: KVCacheLayout, shared_pool: bool) -> int:
-    """``num_free_blocks``: an int in ``[0, num_blocks - 1]`` (the null block is never free;
-    engines with one pool per group may count up to ``groups * (num_blocks - 1)``)."""
+    """``num_free_blocks``: an int (else :class:`AnswerError`) in ``[0, num_blocks - 1]``
+    (the null block is never free; engines with one pool per group may count up to
+    ``groups * (num_blocks - 1)``), else a ``pool_accounting`` violation. Example: 17 on a
+    pool of 16 blocks fails ``pool_accounting``; ``"17"`` is an :class:`AnswerError`."""
     count = as_int(value, what)
     most = (layout.num_blocks - 1) * (1 if shared_pool else len(layout.groups))
     if not 0 <= count <= most:
-        raise AnswerError(f"{what} returned {count}, outside [0, {most}]")
+        # a well-formed count no pool can have: the engine is wrong, not off the protocol
+        from properties.checks.registry import PropertyViolation
+
+        raise PropertyViolation(
+            "pool_accounting",
+            f"{what} returned {count} free blocks, outside [0, {most}]: the pool has "
+            f"{layout.num_blocks - 1} blocks besides the null block",
+        )
     return count
 
 

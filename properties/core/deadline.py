@@ -47,7 +47,6 @@ from properties.core.charged_time import (
     WALL_CAP,
     overrun_text,
     run_queue_seconds,
-    schedstat_path,
 )
 from properties.core.engine import CallTimeoutError
 
@@ -76,8 +75,9 @@ class _Running:
     waited: float = 0.0
 
 
-#: The schedstat file of the main thread (the one calls and ticks run in).
-_SCHEDSTAT = schedstat_path()
+#: The schedstat file of the thread reading it: ticks run in the main thread, the one
+#: calls run in (a path fixed at import would name the parent's thread in a forked worker).
+_SCHEDSTAT = "/proc/thread-self/schedstat"
 
 
 def _now() -> float:

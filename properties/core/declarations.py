@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from properties.core.constants import SPEC_KINDS
 from properties.core.engine import EngineLoadError, KnownDivergence
+from reference.errors import KVConformError
 
 
 class DeclarationError(EngineLoadError):
@@ -35,6 +36,8 @@ def read_declaration(factory: object, attribute: str, where: str) -> object:
     spec_types: reading it raised RuntimeError: no")``."""
     try:
         return getattr(factory, attribute, None)
+    except KVConformError:  # kvconform's own error (an exec: engine that cannot start)
+        raise
     except Exception as exc:  # noqa: BLE001 - any adapter failure is reported as its own
         raise DeclarationError(
             f"{where} {attribute}: reading it raised {type(exc).__name__}: {exc}"

@@ -181,3 +181,20 @@ def watchdog_pid() -> int | None:
     if proc is None or _Watchdog.owner != os.getpid() or proc.poll() is not None:
         return None
     return proc.pid
+
+
+def start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker now, with SIGHUP ignored (an ignored
+    signal stays ignored across ``exec``). It already ignores SIGINT and SIGTERM, but a
+    closed terminal sends SIGHUP to the whole foreground process group: a tracker killed
+    by it makes every worker relaunch it and print tracebacks of the semaphores it forgot,
+    while kvconform itself stops cleanly on the same signal."""
+    if not hasattr(signal, "SIGHUP"):
+        return
+    from multiprocessing import resource_tracker
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, previous)

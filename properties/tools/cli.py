@@ -954,6 +954,9 @@ def main(argv: list[str] | None = None) -> int:
     # it starts measuring, and must not have imported the reference yet
 
     args = build_parser().parse_args(argv)  # bad options: argparse exits 2
+    from properties.core.processes import start_resource_tracker
+
+    start_resource_tracker()  # before any worker: a hang-up must not kill it
     try:
         with stop_on_signals():
             check_numbers(args)  # every numeric option finite and in range, or exit 2

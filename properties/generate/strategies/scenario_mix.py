@@ -29,8 +29,10 @@ def any_layouts(
 
     ``kinds`` (an engine's ``spec_types``) keeps only layouts made of those spec types:
     generated ones of those kinds, the presets made of them (:func:`presets_of_kinds`)
-    and, when sliding windows are among them, the targeted layouts that qualify. With
-    all four kinds the mix (and so every derandomized stream) is the unrestricted one.
+    and, when sliding windows are among them, the targeted layouts that qualify (else
+    layouts of those kinds with prefix caching off, which the targeted ones include: an
+    engine that keeps caching when told not to is caught whatever it supports). With all
+    four kinds the mix (and so every derandomized stream) is the unrestricted one.
     """
     if set(SPEC_KINDS) <= set(kinds):
         generated = layouts(max_len=max_len)
@@ -50,4 +52,6 @@ def any_layouts(
                 lambda layout: {s.type_name for s in layout.specs} <= allowed
             )
         )
+    else:  # prefix caching off is drawn for every engine (the targeted mix has it)
+        parts.append(layouts(max_len=max_len, kinds=kinds, enable_caching=False))
     return st.one_of(parts)

@@ -267,6 +267,11 @@ BROKEN: dict[str, tuple[str, Callable, str]] = {
 }
 
 
+#: Answers that are well formed but impossible (a free count no pool can have): the engine
+#: is wrong, a property failure of a named check (exit 1), not a protocol error (exit 3).
+IMPOSSIBLE = {"free_count_negative": "pool_accounting", "free_count_too_big": "pool_accounting"}
+
+
 def _factory(name: str) -> Callable:
     method, rewrite, _ = BROKEN[name]
 
