@@ -82,16 +82,16 @@ def run_with_selection(
     started = time.perf_counter()
     from properties.core.engine import EngineError
     from properties.runner.check import PropertyResult
-    from properties.runner.run import active_checks_for
     from properties.tools.selection import (
         checks_ran,
+        engine_checks,
         run_selected,
         xfail_outcomes,
         xpass_failure,
     )
 
     try:
-        active = active_checks_for(engine, config)[0]
+        active = list(engine_checks(engine, config).runnable)
     except EngineError:  # the properties report it with a trace
         active = []
 

@@ -395,39 +395,18 @@ def format_pair_reach(results, engine) -> list[str]:
     return pair_table(counts, declared)
 
 
-#: Invariants that only the serving modes (or one production setting) can trigger: the
-#: event they run on never happens without it. Check -> (what it needs, why).
-DECLARATION_ONLY_CHECKS: dict[str, tuple[str, str]] = {
-    "external_hit_bounds": ("external", "external hits need the 'external' setting"),
-    "external_load_exclusive": ("external", "external hits need the 'external' setting"),
-    "in_flight_reads_held": ("serving_modes", "asynchronous steps need the serving calls"),
-    "committed_blocks_verified": ("serving_modes", "cache_blocks is a serving call"),
-}
-
-
 def format_active_checks(engine, config) -> str:
     """Which invariants run for this engine's capabilities, which its capabilities turn
-    off, and which its declarations can never trigger (the serving calls, the
-    ``external`` setting: :data:`DECLARATION_ONLY_CHECKS`)."""
-    from properties.checks.registry import INVARIANTS
-    from properties.runner.run import active_checks_for
+    off, and which its declarations can never trigger
+    (:func:`properties.tools.selection.engine_checks`)."""
+    from properties.tools.selection import engine_checks
 
-    active, capabilities = active_checks_for(engine, config)
-    lost = [n for n in INVARIANTS if n not in active and n not in config.disabled]
-    declared = set(engine.production_settings) | (capabilities & {"serving_modes"})
-    if "serving_modes" not in declared:
-        declared.discard("external")  # external hits travel through the serving calls
-    idle = {
-        n: why
-        for n, (needs, why) in DECLARATION_ONLY_CHECKS.items()
-        if n in active and needs not in declared
-    }
-    shown = [n for n in active if n not in idle]
+    checks = engine_checks(engine, config)
     return (
-        f"  capabilities: {', '.join(sorted(capabilities)) or 'none'}\n"
-        f"  checks: {', '.join(shown)}"
-        + (f"\n  not run (capabilities missing): {', '.join(lost)}" if lost else "")
-        + "".join(f"\n  off ({why}): {n}" for n, why in idle.items())
+        f"  capabilities: {', '.join(sorted(checks.capabilities)) or 'none'}\n"
+        f"  checks: {', '.join(checks.runnable)}"
+        + (f"\n  not run (capabilities missing): {', '.join(checks.lost)}" if checks.lost else "")
+        + "".join(f"\n  off ({why}): {n}" for n, why in checks.idle.items())
     )
 
 
