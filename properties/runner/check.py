@@ -33,6 +33,7 @@ Worked example::
 
 from __future__ import annotations
 
+import shlex
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -96,6 +97,8 @@ class FirstFailure:
     kind: str = "property"
     #: the scale tier it was found in (None: the small tier)
     tier: str | None = None
+    #: what its replay needs beyond the engine and level (:meth:`CheckConfig.replay_options`)
+    options: str = ""
 
     def describe(self) -> str:
         where = f" at the {self.tier} tier" if self.tier else ""
@@ -107,7 +110,9 @@ class FirstFailure:
     def replay(self) -> str | None:
         if self.trace_path is None:
             return None
-        return replay_command(self.trace_path, self.engine, self.level, self.prop == "attention")
+        return replay_command(
+            self.trace_path, self.engine, self.level, self.prop == "attention", self.options
+        )
 
 
 @dataclass
@@ -306,6 +311,7 @@ def tier_first_failure(
     )
     first.kind = str(failure.get("kind", "property"))
     first.tier = tier
+    first.options = config.replay_options()
     return first
 
 
@@ -358,6 +364,7 @@ def save_first_failure(
     )
     first.reduced = reduced
     first.kind = kind
+    first.options = config.replay_options()
     return first
 
 
@@ -635,21 +642,37 @@ def _determinism_run(
     return start_run(config, trace.layout, engine, lambda t: failing.update(trace=t))
 
 
-def replay_command(path: Path | str, engine: str, level: str, attention: bool) -> str:
-    """The command that replays a saved failure (``--attention`` for that property)."""
-    return (
-        f"kvconform replay {path} --engine {engine} --level {level}"
-        f"{' --attention' if attention else ''}"
-    )
+def replay_command(
+    path: Path | str, engine: str, level: str, attention: bool, options: str = ""
+) -> str:
+    """The command that replays a saved failure and reproduces it: ``--attention`` for
+    that property and the run's ``options`` (:meth:`CheckConfig.replay_options`), every
+    part quoted for a shell."""
+    parts = ["kvconform", "replay", str(path), "--engine", engine, "--level", level]
+    command = " ".join(shlex.quote(p) for p in parts)
+    return command + (" --attention" if attention else "") + (f" {options}" if options else "")
 
 
-def failure_report(result: PropertyResult, engine: str, level: str) -> str:
-    """What a failed property reports under pytest: the failure, where its trace was
-    saved (and why elsewhere) and the command that replays it."""
+def failure_report(
+    result: PropertyResult,
+    engine: str,
+    level: str,
+    seed: int | None = None,
+    options: str = "",
+    page: str | None = None,
+) -> str:
+    """What a failed property reports under pytest: the failure, the seed, where its
+    trace was saved (and why elsewhere), its page and the command that replays it."""
     lines = [f"[{result.name}] ({result.kind}) {(result.failure or '')[:4000]}"]
     if result.note:
         lines.append(f"note: {result.note}")
+    lines.append(f"seed: {seed if seed is not None else 'derandomized (the ci profile)'}")
     if result.trace_path is not None:
-        command = replay_command(result.trace_path, engine, level, result.name == "attention")
-        lines += [f"trace: {result.trace_path}", f"replay: {command}"]
+        command = replay_command(
+            result.trace_path, engine, level, result.name == "attention", options
+        )
+        lines += [f"trace: {result.trace_path}"]
+        if page:
+            lines.append(page)
+        lines.append(f"replay: {command}")
     return "\n".join(lines)

@@ -117,6 +117,7 @@ def format_summary(
     reports: dict[str, Path | str] | None = None,
     tiers: dict[str, tuple[int, int]] | None = None,
     wall_seconds: float | None = None,
+    options: str = "",
 ) -> str:
     """The closing summary of ``kvconform check``: the properties that ran (by name),
     their examples and steps (per tier when tiers exist: ``{tier: (examples, steps)}``),
@@ -158,5 +159,6 @@ def format_summary(
         report = (reports or {}).get(r.name)
         if report is not None:
             lines.append(f"    report: {report}" if isinstance(report, Path) else f"    {report}")
-        lines.append(f"    replay: {replay_command(path, engine, level, r.name == 'attention')}")
+        command = replay_command(path, engine, level, r.name == "attention", options)
+        lines.append(f"    replay: {command}")
     return "\n".join(lines)

@@ -80,7 +80,7 @@ def failure_info(
 ) -> dict:
     """The ``failure`` record of a trace: the check, the message, whether the engine broke
     the protocol (``kind``), the engine, level and the versions."""
-    return {
+    info = {
         "property": getattr(failure, "name", type(failure).__name__),
         "kind": failure_kind(failure),
         "message": str(failure),
@@ -88,6 +88,10 @@ def failure_info(
         "level": config.level,
         "versions": found_versions if found_versions is not None else versions(),
     }
+    options = config.replay_options()
+    if options:  # what a replay needs to reproduce this very failure
+        info["replay_options"] = options
+    return info
 
 
 #: Picks the serving mode of a run once its engine is built, from whether the engine

@@ -111,7 +111,9 @@ def run_with_selection(
     return CheckRun(results, outcomes, ran, started)
 
 
-def write_outputs(args: argparse.Namespace, seed: int | None, run: CheckRun, code: int) -> None:
+def write_outputs(
+    args: argparse.Namespace, seed: int | None, run: CheckRun, code: int, options: str = ""
+) -> None:
     """Write ``--report-json`` and ``--junit-xml`` (when asked for)."""
     if not (args.report_json or args.junit_xml):
         return
@@ -133,7 +135,9 @@ def write_outputs(args: argparse.Namespace, seed: int | None, run: CheckRun, cod
         results=[r for r in run.results if r.name != "xfails"],
         checks=run.ran,
         replays={
-            r.name: replay_command(r.trace_path, args.engine, args.level, r.name == "attention")
+            r.name: replay_command(
+                r.trace_path, args.engine, args.level, r.name == "attention", options
+            )
             for r in run.results
             if r.trace_path is not None
         },

@@ -56,7 +56,7 @@ from properties.core.constants import (
 from properties.core.engine import EngineError, EngineLoadError, UnsupportedLayoutError
 from properties.core.outcome import Outcome, combined_exit_code
 from properties.tools import check_outputs
-from properties.tools.options import check_numbers
+from properties.tools.options import check_numbers, selected_tiers
 from properties.tools.stopping import Stopped, stop_on_signals, stopped_exit_code
 from reference.errors import KVConformError
 
@@ -162,9 +162,15 @@ def cmd_check(args: argparse.Namespace) -> int:
             report, line = report_beside(r.trace_path)
             reports[r.name] = report if report is not None else line
     wall = time.monotonic() - started
-    print("\n" + format_summary(results, args.engine, args.level, reports, wall_seconds=wall))
+    options = config.replay_options()
+    print(
+        "\n"
+        + format_summary(
+            results, args.engine, args.level, reports, wall_seconds=wall, options=options
+        )
+    )
     code = exit_code([result_kind(r) for r in results])
-    check_outputs.write_outputs(args, seed, run, code)
+    check_outputs.write_outputs(args, seed, run, code, options)
     return code
 
 
@@ -214,21 +220,6 @@ def result_word(result) -> str:
     return Outcome.from_kind(result_kind(result)).word
 
 
-def large_tiers(
-    value: str | None, profile: str, max_examples: int | None = None
-) -> tuple[str, ...] | None:
-    """``--tiers``: None (the profile's), ``()`` for ``none``, else the tiers named,
-    checked against the profile's (a usage error names an unknown one). A run bounded by
-    ``--max-examples`` runs the small tier only unless ``--tiers`` names more."""
-    from properties.runner.profiles import tier_examples
-
-    if value is None:
-        return () if max_examples is not None else None
-    names = () if value.strip() == "none" else tuple(t.strip() for t in value.split(","))
-    tier_examples(profile, names)  # raises on an unknown tier
-    return names
-
-
 def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine) -> list:
     """The properties, in ``--workers`` processes (default: the cores), with the rule
     coverage report (``--coverage``) as one more row that fails on a gated gap
@@ -246,7 +237,7 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine
     workers = args.workers if args.workers is not None else default_workers()
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
-    tiers = large_tiers(getattr(args, "tiers", None), args.profile, args.max_examples)
+    tiers = selected_tiers(getattr(args, "tiers", None), args.profile, args.max_examples)
     tasks = [
         PropertyTask(
             name,
@@ -447,7 +438,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
             args.trust_recorded_engine,
         )
         print(f"--engine not given: using {args.engine}, the engine recorded in the trace")
-    config = config_for("attention" if args.attention else "invariants", config_from_args(args))
+    from properties.tools.selection import load_selection, with_skips
+
+    base = with_skips(config_from_args(args), load_selection(args.skip_checks, None))
+    config = config_for("attention" if args.attention else "invariants", base)
     engine = config.resolve_engine()
     if needs_guard(config):  # an in-process adapter must not end the process with exit 0
         return run_guarded(lambda: _replay(args, trace, config, engine), on_command_error)
@@ -865,6 +859,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine_args(p)
     p.set_defaults(engine=None)  # the engine recorded in the trace, if built in
     p.add_argument("--attention", action="store_true", help="check attention outputs only")
+    p.add_argument(
+        "--skip-checks",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="invariants not to run (as the run that saved the trace skipped them)",
+    )
     p.add_argument(
         "--trust-recorded-engine",
         action="store_true",

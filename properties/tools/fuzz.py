@@ -418,7 +418,12 @@ def _print_failure(failure: tuple, worker: int, engine: str, level: str, attenti
     )
     from properties.tools.report import report_beside
 
-    command = replay_command(path, engine, level, attention)
+    options = ""
+    if path:
+        from properties.core.trace import load_trace
+
+        options = str((load_trace(path).failure or {}).get("replay_options") or "")
+    command = replay_command(path, engine, level, attention, options)
     report = f"\n  {report_beside(path)[1]}" if path else ""
     print(
         f"\nFAILURE ({origin}): {message[:300]}\n  trace: {path}{report}\n  replay: {command}",

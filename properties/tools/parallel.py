@@ -134,17 +134,12 @@ def _run(task: PropertyTask, engine, on_first_failure):
 
 
 def large_tier_counts(task: PropertyTask) -> dict[str, int]:
-    """The examples of each large tier ``task`` runs: the profile's counts of the tiers
-    it names, each replaced by ``examples_per_tier`` when set (``--tier-examples``; the
-    attention and determinism properties then scale it as they scale the profile's:
-    :func:`properties.runner.check.tiers_for`). Example: profile ci, tiers
-    ``("medium",)``, 20 per tier -> ``{"medium": 20}``."""
-    from properties.runner.profiles import tier_examples
+    """The examples of each large tier ``task`` runs (:func:`properties.tools.options.tier_counts`;
+    the attention and determinism properties then scale them as they scale the profile's:
+    :func:`properties.runner.check.tiers_for`)."""
+    from properties.tools.options import tier_counts
 
-    counts = tier_examples(task.profile, task.tiers)
-    if task.examples_per_tier is None:
-        return counts
-    return {tier: task.examples_per_tier for tier in counts}
+    return tier_counts(task.profile, task.tiers, task.examples_per_tier)
 
 
 def announce_first_failure(first) -> None:

@@ -135,7 +135,8 @@ def write_report(
     trace = load_trace(Path(trace_path))
     data = report_data(trace, engine, level, factory)
     attention = data["check"] == "attention"
-    data["replay"] = replay_command(trace_path, data["engine"], data["level"], attention)
+    options = str((trace.failure or {}).get("replay_options") or "")
+    data["replay"] = replay_command(trace_path, data["engine"], data["level"], attention, options)
     path = Path(out) if out is not None else report_path_for(trace_path)
     return write_text_atomic(path, render_html(data), "the HTML report")
 

@@ -97,6 +97,36 @@ def build_report(
     """The report of one run (see the module docstring). ``run`` holds engine, level,
     profile, preset, seed, skip_checks and xfails_file; ``checks`` and ``replays`` are
     per property name; ``xfails`` are :class:`properties.tools.selection.XfailOutcome`."""
+    return report_of(
+        run,
+        [property_entry(r, checks.get(r.name, ()), replays.get(r.name)) for r in results],
+        [xfail_entry(o) for o in xfails],
+        versions,
+        seconds,
+        exit_code,
+    )
+
+
+def xfail_entry(outcome) -> dict[str, Any]:
+    """One listed check's entry (an :class:`properties.tools.selection.XfailOutcome`)."""
+    return {
+        "check": outcome.check,
+        "reason": outcome.reason,
+        "status": outcome.status,
+        "property": outcome.prop,
+    }
+
+
+def report_of(
+    run: Mapping[str, Any],
+    properties: Sequence[Mapping[str, Any]],
+    xfails: Sequence[Mapping[str, Any]],
+    versions: Mapping[str, str | None],
+    seconds: float,
+    exit_code: int,
+) -> dict[str, Any]:
+    """The report from its entries (:func:`property_entry`, :func:`xfail_entry`): what
+    ``kvconform check --report-json`` and ``pytest --kv-report-json`` both write."""
     return {
         "format": REPORT_FORMAT,
         "run": dict(run),
@@ -104,13 +134,8 @@ def build_report(
         "seconds": round(seconds, 3),
         "result": "passed" if exit_code == 0 else "failed",
         "exit_code": exit_code,
-        "properties": [
-            property_entry(r, checks.get(r.name, ()), replays.get(r.name)) for r in results
-        ],
-        "xfails": [
-            {"check": o.check, "reason": o.reason, "status": o.status, "property": o.prop}
-            for o in xfails
-        ],
+        "properties": [dict(p) for p in properties],
+        "xfails": [dict(x) for x in xfails],
     }
 
 
