@@ -36,7 +36,7 @@ from dataclasses import dataclass
 PROPERTIES: tuple[str, ...] = ("invariants", "attention", "determinism", "production")
 
 LEVELS: tuple[str, ...] = ("universal", "exact")
-PROFILES: tuple[str, ...] = ("dev", "ci", "nightly", "gpu")
+PROFILES: tuple[str, ...] = ("dev", "pr", "ci", "nightly", "gpu")
 
 #: The spec types (``KVCacheSpec.type_name``) layouts are made of, in shrinking order
 #: (full attention is the simplest); an engine declares a subset (``spec_types``).

@@ -253,7 +253,8 @@ def start_run(
     except UnsupportedLayoutError:
         reject()
         raise  # unreachable: reject() raises
-    except EngineError as exc:  # the factory failed: the trace is the layout alone
+    except (EngineError, PropertyViolation) as exc:  # the build failed (or a first read
+        # of the fresh pool was impossible): the trace is the layout alone
         on_failure(Trace(layout, (), failure=failure_info(exc, config)))
         if isinstance(exc, CallTimeoutError):
             raise RunStopped(exc) from exc

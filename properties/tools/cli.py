@@ -1,7 +1,7 @@
 """The ``kvconform`` command line.
 
 * ``kvconform check --engine NAME|module:factory [--level universal|exact]
-  [--profile dev|ci|nightly|gpu] [--preset NAME] [--no-attention]``: runs the
+  [--profile dev|pr|ci|nightly|gpu] [--preset NAME] [--no-attention]``: runs the
   properties and prints a table (property, examples, steps, time, result; a row per
   scale tier under each property: small, medium, offline, production); exit 1
   on any failure, after writing the shrunk trace and printing its replay command.
@@ -106,6 +106,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"preset={args.preset or '-'} seed={seed if seed is not None else 'derandomized'}",
         flush=True,
     )
+    from properties.runner.profiles import profile_note
+
+    note = profile_note(args.profile)
+    if note:  # a reduced profile says what it leaves to the gate
+        print(f"  {note}")
     engine = config.resolve_engine()
     if engine.spec_types != SPEC_KINDS:
         print(

@@ -115,9 +115,9 @@ def _run(task: PropertyTask, engine, on_first_failure):
     from hypothesis import settings
 
     from properties.runner.check import run_property
-    from properties.runner.profiles import load_profile
+    from properties.runner.profiles import get_profile
 
-    profile = load_profile(task.profile)
+    profile = get_profile(task.profile)
     hyp = settings(profile, max_examples=task.max_examples or profile.max_examples)
     if task.seed is not None:  # a seed reproduces a run exactly: no example database
         hyp = settings(hyp, database=None)

@@ -215,9 +215,7 @@ def _run_property(config: pytest.Config, prop: str) -> PropertyRun:
     from hypothesis import settings
 
     from properties.core.constants import DEFAULT_FAILURE_DIR
-    from properties.runner.check import run_property
     from properties.runner.config import CheckConfig
-    from properties.tools.engine_coverage import measure_task
     from properties.tools.report import report_beside
     from properties.tools.selection import checks_ran, engine_checks, run_selected, with_skips
 
@@ -243,15 +241,23 @@ def _run_property(config: pytest.Config, prop: str) -> PropertyRun:
     )
     under_test = check_config.resolve_engine()
 
-    from properties.tools.options import tier_counts
+    from properties.runner.check import DEFAULT_SHRINK_SECONDS
+    from properties.tools.parallel import PropertyTask, announce_first_failure, run_task
 
-    counts = tier_counts(profile_name, options.tiers, options.tier_examples)
+    def run(cfg, names):  # exactly as kvconform check runs a property (same examples)
+        task = PropertyTask(
+            names[0],
+            cfg,
+            profile_name,
+            options.max_examples,
+            seed,
+            DEFAULT_SHRINK_SECONDS,
+            options.tiers,
+            options.tier_examples,
+        )
+        return [run_task(task, engine=under_test, on_first_failure=announce_first_failure)]
 
-    def run(cfg, names):
-        return [run_property(names[0], cfg, profile, seed, under_test, tiers=counts)]
-
-    with measure_task(check_config):  # --kv-engine-coverage: measured where it runs
-        results, _ = run_selected(run, check_config, [prop], options.selection)
+    results, _ = run_selected(run, check_config, [prop], options.selection)
     result = results[0]
     try:
         runnable = list(engine_checks(under_test, check_config).runnable)
