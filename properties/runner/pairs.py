@@ -165,8 +165,10 @@ def pair_status(
 def pair_table(counts: Mapping[tuple[str, str], int], declared: Declared) -> list[str]:
     """The lines ``kvconform check`` prints: a summary line, then the missed pairs (one
     line per first feature: ``missed: drafts x {mamba, pool-pressure}``), then the
-    excluded pairs counted by reason. Reached pairs are counted, not
-    listed (their counts go in the JSON result)."""
+    excluded pairs, one line for the model's exclusions and one for the engine's
+    declarations, each counted by reason. Reached pairs are counted, not listed (their
+    counts go in the JSON result). Example: ``excluded by the engine's declarations: 70
+    pairs (no serving-mode calls: 70)``."""
     statuses = {pair: pair_status(pair, counts, declared) for pair in all_pairs()}
     reached = [p for p, s in statuses.items() if s.startswith("reached")]
     missed = [p for p, s in statuses.items() if s == "MISSED"]
@@ -184,6 +186,11 @@ def pair_table(counts: Mapping[tuple[str, str], int], declared: Declared) -> lis
         by_first.setdefault(a, []).append(b)
     for a, others in by_first.items():
         lines.append(f"  missed: {a} x {{{', '.join(others)}}}")
-    for why, pairs in sorted(excluded.items()):
-        lines.append(f"  excluded ({why}): {len(pairs)} pairs")
+    model_reasons = set(MODEL_EXCLUSIONS.values())
+    for label, of_model in (("the model", True), ("the engine's declarations", False)):
+        reasons = {w: p for w, p in excluded.items() if (w in model_reasons) == of_model}
+        if reasons:  # one line per source, reasons counted: never a wall of lines
+            counted = "; ".join(f"{why}: {len(p)}" for why, p in sorted(reasons.items()))
+            total = sum(len(p) for p in reasons.values())
+            lines.append(f"  excluded by {label}: {total} pairs ({counted})")
     return lines

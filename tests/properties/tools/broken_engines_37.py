@@ -95,3 +95,9 @@ ENGINE_WITH_STRATEGY = EngineUnderTest(
     spec_types=("full",),
     layout_strategy=_small_full_layouts,
 )
+
+
+def make_plain(layout: KVCacheLayout) -> Broken:
+    """The reference's answers, without the serving calls (so the CLI says the checks
+    that need them are off)."""
+    return Broken(layout, "no call has this name", lambda answer, engine: answer)

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[3]
 MUTANT = "properties.mutants.reference_mutants:make_no_hit_cap"
 XFAILS = "hit_bounds  # lookups may hit a whole prompt\n"
 SMALL = ["--kv-profile", "dev", "--kv-seed", "7", "--kv-max-examples", "12"]
+PLAIN = "tests.properties.tools.broken_engines_37:make_plain"
 
 
 def _pytest(folder: Path, *args: str) -> subprocess.CompletedProcess:
@@ -99,17 +100,17 @@ def test_a_strict_xpass_is_a_failure_in_the_junit_too(tmp_path) -> None:
 def test_the_report_json_is_the_cli_s_for_the_same_run(tmp_path) -> None:
     """Same engine, seed and examples: the same examples, steps, verdicts and checks,
     and ``kv_checks_ran`` is the CLI's list (issue 42: it listed checks the CLI says are
-    off for the engine)."""
+    off for the engine, here an engine without the serving calls)."""
     py_dir, cli_dir = tmp_path / "py", tmp_path / "cli"
     py_dir.mkdir()
     cli_dir.mkdir()
     result = _pytest(
-        py_dir, "--kv-engine", "reference", *SMALL, "--kv-report-json", "report.json",
+        py_dir, "--kv-engine", PLAIN, *SMALL, "--kv-report-json", "report.json",
         "--junitxml", "junit.xml", "-k", "test_property and (invariants or determinism)",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     cli = _cli(
-        cli_dir, "--engine", "reference", "--profile", "dev", "--seed", "7", "--max-examples",
+        cli_dir, "--engine", PLAIN, "--profile", "dev", "--seed", "7", "--max-examples",
         "12", "--only", "invariants", "determinism", "--workers", "1", "--report-json",
         "report.json",
     )  # fmt: skip
@@ -141,6 +142,7 @@ def test_a_failure_names_its_seed_trace_page_and_replay(tmp_path) -> None:
     result = _pytest(tmp_path, "--kv-engine", engine, *SMALL, "-k", "test_property and invariants")
     assert result.returncode == 1, result.stdout + result.stderr
     out = result.stdout
+    assert "invariants: first failure [" in out  # announced as found, live
     assert "seed: 7" in out
     trace = Path(tmp_path, out.split("trace: ", 1)[1].split()[0])
     assert trace.is_file() and trace.with_suffix(".html").is_file()
