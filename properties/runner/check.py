@@ -143,6 +143,8 @@ class PropertyResult:
     reduced: str | None = None
     #: scale tier -> (examples, steps, seconds), the small tier first (:func:`run_tiers`)
     tiers: dict[str, tuple[int, int, float]] | None = None
+    #: reach corpus cases replayed before the draws (:mod:`properties.runner.reach`)
+    reach: int = 0
 
     @property
     def passed(self) -> bool:
@@ -195,6 +197,11 @@ def run_property(
     config = config_for(name, config)
     hyp_settings = settings_for(name, hyp_settings)
     engine = engine_of(config, engine)
+    reached = 0
+    if config.reach_corpus and config.tier == kvst.SMALL:  # what must never be lost, first
+        failed, reached = _replay_reach_corpus(name, config, seed, engine)
+        if failed is not None:
+            return failed
     with bounded_shrinking(shrink_seconds):
         if config.tier != kvst.SMALL:
             result = PropertyResult(name, 0, 0, 0, tiers={})
@@ -204,6 +211,7 @@ def run_property(
             result = _run_machine(
                 name, config, hyp_settings, seed, engine, on_first_failure, shrink_seconds
             )
+        result.reach = reached
         if tiers is not None and result.passed:
             run_tiers(
                 result,
@@ -215,6 +223,36 @@ def run_property(
                 on_first_failure,
             )
     return result
+
+
+def _replay_reach_corpus(
+    name: str, config: CheckConfig, seed: int | None, engine: EngineUnderTest
+) -> tuple[PropertyResult | None, int]:
+    """Replay the reach corpus for property ``name`` (:mod:`properties.runner.reach`):
+    ``(the failed result, cases replayed)``; the result is None when every case passed.
+    A failing case is saved and reported like a failure of the property's own draws,
+    its message naming the case."""
+    from properties.runner.reach import load_reach_corpus, replay_reach
+
+    started = time.perf_counter()
+    replay = replay_reach(name, config, engine, load_reach_corpus())
+    if replay.failed is None:
+        return None, replay.replayed
+    kind, text = _classify(replay.error, 0)
+    path, note = _save(replay.trace, config, seed, engine)
+    result = PropertyResult(
+        name,
+        0,
+        0,
+        time.perf_counter() - started,
+        f"{text}\n(reach corpus case {replay.failed.name!r}: {replay.failed.why})",
+        path,
+        kind,
+        note,
+        check=failed_check(replay.error),
+    )
+    result.reach = replay.replayed
+    return result, replay.replayed
 
 
 def tiers_for(name: str, counts: Mapping[str, int]) -> dict[str, int]:

@@ -48,6 +48,8 @@ class CheckConfig:
     #: stateful machine (then the profile's medium, offline and production examples), a larger
     #: one only that tier's examples
     tier: str = SMALL
+    #: replay the reach corpus before drawing (:mod:`properties.runner.reach`)
+    reach_corpus: bool = True
 
     def __post_init__(self) -> None:
         timeout = self.call_timeout

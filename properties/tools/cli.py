@@ -96,7 +96,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     wanted = wanted_properties(args)  # an empty selection is refused before anything runs
     check_outputs.validate_outputs(args)  # a bad output path costs seconds, not the run
     selection = check_outputs.selection_of(args)
-    config = with_skips(config_from_args(args, preset=args.preset), selection)
+    config = with_skips(
+        config_from_args(args, preset=args.preset, reach_corpus=not args.no_reach_corpus),
+        selection,
+    )
     profile = load_profile(args.profile)
     seed = args.seed
     if seed is None and not profile.derandomize:
@@ -337,9 +340,12 @@ def coverage_result(data_dir: str, gate: bool):
 def print_result_line(r) -> None:
     """A property's result, printed once, when it ends (marked ``announced``)."""
     r.announced = True
+    reach = getattr(r, "reach", 0)
     print(
         f"  {r.name:<12} {result_word(r)} "
-        f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s)",
+        f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s"
+        + (f"; {reach} reach corpus traces first" if reach else "")
+        + ")",
         flush=True,
     )
     if r.tiers and len(r.tiers) > 1:  # the small tier alone is the line above
@@ -576,6 +582,34 @@ def _corpus_run(args: argparse.Namespace) -> int:
         return EXIT_PASSED
     failed = [r.kind or "property" for r in report.results if r.status == "fail"]
     return exit_code(failed) if failed else EXIT_FAILED  # none failed: no case ran
+
+
+def cmd_reach(args: argparse.Namespace) -> int:
+    """``kvconform reach list|add|grow`` (:mod:`properties.tools.reach_grow`)."""
+    from properties.runner.reach import load_reach_corpus
+    from properties.tools import reach_grow
+
+    if args.action == "list":
+        cases = load_reach_corpus(args.dir)
+        for case in cases:
+            print(f"{case.name}: {len(case.trace.operations)} operations, {len(case.reached)} keys")
+            print(f"  {case.why}")
+        print(f"{len(cases)} cases")
+        return EXIT_PASSED
+    if args.action == "add":
+        path = reach_grow.add_case(args.trace, args.name, args.why, args.reached, args.dir)
+        print(f"kvconform reach: {path}")
+        return EXIT_PASSED
+    kept, drawn = reach_grow.grow(args.examples, args.seed, args.dir)
+    keys = [k for case in kept for k in case.reached]
+    pairs = sum(k.startswith("pair:") for k in keys)
+    print(
+        f"kvconform reach: kept {len(kept)} of {drawn} traces ({len(keys)} new keys: "
+        f"{pairs} pairs, {len(keys) - pairs} branches)"
+    )
+    for case in kept:
+        print(f"  {case.name}: {len(case.trace.operations)} operations, {len(case.reached)} keys")
+    return EXIT_PASSED
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -822,6 +856,11 @@ def build_parser() -> argparse.ArgumentParser:
     shrink_args(p)
     coverage_args(p)
     p.add_argument(
+        "--no-reach-corpus",
+        action="store_true",
+        help="do not replay the reach corpus before drawing (properties/runner/reach.py)",
+    )
+    p.add_argument(
         "--pairs-gate",
         action="store_true",
         help="fail (exit 4) if a pair of features the engine supports was not reached",
@@ -894,6 +933,24 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("directory")
     engine_args(q)
     q.set_defaults(func=cmd_corpus)
+
+    p = sub.add_parser("reach", help="the reach corpus every check replays first")
+    reach = p.add_subparsers(dest="action", required=True)
+    q = reach.add_parser("list", help="the cases and what each reached")
+    q.add_argument("--dir", default=None, help="a corpus folder (default: the shipped one)")
+    q.set_defaults(func=cmd_reach)
+    q = reach.add_parser("add", help="add a trace that passes on the reference")
+    q.add_argument("trace")
+    q.add_argument("--name", required=True)
+    q.add_argument("--why", required=True, help="what the trace reaches that must not be lost")
+    q.add_argument("--reached", nargs="*", default=(), help="keys (default: its pairs)")
+    q.add_argument("--dir", default=None)
+    q.set_defaults(func=cmd_reach)
+    q = reach.add_parser("grow", help="keep drawn traces that reach new pairs or branches")
+    q.add_argument("--examples", type=int, default=200)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--dir", default=None)
+    q.set_defaults(func=cmd_reach)
 
     p = sub.add_parser("bench", help="speed figures")
     p.add_argument("what", choices=("suite", "engines", "attention", "device"))

@@ -287,6 +287,7 @@ def run_campaign(
         failure_dir=failure_dir,
         call_timeout=call_timeout,
         isolation=isolation,
+        reach_corpus=False,  # a campaign's rounds draw; the corpus is check's first step
     )
     resolved = config.resolve_engine()  # a bad --engine or declaration fails here, clearly
     try:

@@ -58,6 +58,7 @@ NUMERIC_OPTIONS: dict[str, NumberRange] = {
     "minutes": NumberRange("--minutes", 0, 366 * 24 * 60, low_inclusive=False),
     "progress_seconds": NumberRange("--progress-seconds", 0, DAY_S, low_inclusive=False),
     "per_mode": NumberRange("--per-mode", 1, 10_000),
+    "examples": NumberRange("--examples", 1, 1_000_000),
     "repeat": NumberRange("--repeat", 1, 10_000),
     "hotspots": NumberRange("--hotspots", 0, 10_000),
     "scale": NumberRange("--scale", 1, 10_000),

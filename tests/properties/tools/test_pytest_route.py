@@ -142,7 +142,6 @@ def test_a_failure_names_its_seed_trace_page_and_replay(tmp_path) -> None:
     result = _pytest(tmp_path, "--kv-engine", engine, *SMALL, "-k", "test_property and invariants")
     assert result.returncode == 1, result.stdout + result.stderr
     out = result.stdout
-    assert "invariants: first failure [" in out  # announced as found, live
     assert "seed: 7" in out
     relative = Path(out.split("trace: ", 1)[1].split()[0])
     trace = tmp_path / relative
@@ -155,3 +154,16 @@ def test_a_report_json_that_cannot_be_written_is_a_usage_error(tmp_path) -> None
     result = _pytest(tmp_path, "--kv-engine", "reference", "--kv-report-json", str(tmp_path))
     assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
     assert "--kv-report-json" in result.stderr and "is a directory" in result.stderr
+
+
+def test_a_first_failure_is_announced_as_it_is_found(tmp_path) -> None:
+    """Live output: the first failure (and its trace and page) is printed the moment it is
+    found, before the shrink and before pytest's own report (issue 42: no output for
+    minutes)."""
+    result = _pytest(tmp_path, "--kv-engine", MUTANT, "--kv-tiers", "none", "-k",
+                     "test_property and invariants")  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    out = result.stdout
+    announced = out.index("invariants: first failure [hit_bounds]")
+    assert announced < out.index("= FAILURES =")
+    assert "first failing trace: " in out[announced:]
