@@ -213,7 +213,7 @@ def compiled_loops_note() -> str:
         return f"optimized: compiled loops on (numba {jit.numba.__version__})"
     return (
         "optimized: numpy paths (numba missing or KVCONFORM_JIT=0; the jit extra gives the "
-        "compiled loops, as CI and the README's figures run it)"
+        "compiled loops, as CI and the bench figures of docs/optimized.md run it)"
     )
 
 
