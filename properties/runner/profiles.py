@@ -58,28 +58,26 @@ settings.register_profile(
     suppress_health_check=_SUPPRESS,
     print_blob=True,
 )
-settings.register_profile(
-    "pr",
-    max_examples=40,
-    stateful_step_count=30,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    phases=_NO_TARGET,
-    suppress_health_check=_SUPPRESS,
-    print_blob=True,
-)
-settings.register_profile(
-    "ci",
-    max_examples=200,
-    stateful_step_count=40,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    phases=_NO_TARGET,
-    suppress_health_check=_SUPPRESS,
-    print_blob=True,
-)
+
+
+def _register_gate(name: str, max_examples: int, stateful_step_count: int) -> None:
+    """A gate's profile: derandomized (the same examples on every run), no database, no
+    target phase."""
+    settings.register_profile(
+        name,
+        max_examples=max_examples,
+        stateful_step_count=stateful_step_count,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=_NO_TARGET,
+        suppress_health_check=_SUPPRESS,
+        print_blob=True,
+    )
+
+
+_register_gate("pr", max_examples=40, stateful_step_count=30)
+_register_gate("ci", max_examples=200, stateful_step_count=40)
 settings.register_profile(
     "nightly",
     max_examples=5000,
@@ -88,17 +86,7 @@ settings.register_profile(
     suppress_health_check=_SUPPRESS,
     print_blob=True,
 )
-settings.register_profile(
-    "gpu",
-    max_examples=30,
-    stateful_step_count=40,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    phases=_NO_TARGET,
-    suppress_health_check=_SUPPRESS,
-    print_blob=True,
-)
+_register_gate("gpu", max_examples=30, stateful_step_count=40)
 
 
 #: Examples of the large scale tiers a property runs after its small ones, per profile

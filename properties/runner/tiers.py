@@ -109,6 +109,29 @@ def _drawn_mode(name: str, data: st.DataObject) -> ServingMode:
     return data.draw(kvst.swarm_modes())
 
 
+def drawn_run(
+    config: CheckConfig,
+    layout: KVCacheLayout,
+    mode: ServingMode,
+    engine: EngineUnderTest,
+    at_boundaries: bool = False,
+) -> TraceRun:
+    """A run of a drawn example: the engine built for ``layout``, driven in what it takes
+    of ``mode`` (:func:`kept_mode`); a layout the engine refuses is not an example
+    (``reject()``). ``at_boundaries``: the O(pool) checks at step boundaries."""
+    try:
+        return TraceRun(
+            config,
+            layout,
+            engine,
+            choose_mode=lambda supports: kept_mode(mode, layout, supports, engine),
+            at_boundaries=at_boundaries,
+        )
+    except UnsupportedLayoutError:
+        reject()
+        raise  # unreachable: reject() raises
+
+
 def _run_trace(
     config: CheckConfig,
     layout: KVCacheLayout,
@@ -120,16 +143,7 @@ def _run_trace(
     """Run ``ops`` with the O(pool) checks at step boundaries; a layout the engine
     refuses is not an example. Raises the first violation or engine error, its trace
     kept as ``outcome.trace``."""
-    try:
-        run = TraceRun(
-            config,
-            layout,
-            engine,
-            choose_mode=lambda supports: kept_mode(mode, layout, supports, engine),
-            at_boundaries=True,
-        )
-    except UnsupportedLayoutError:
-        reject()
+    run = drawn_run(config, layout, mode, engine, at_boundaries=True)
     try:
         for op in ops:
             run.apply(op)

@@ -28,16 +28,15 @@ their pages and replay commands (``docs/fuzz-campaigns.md`` says when to use whi
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from properties.core.engine import UnsupportedLayoutError
 from properties.core.modes import SYNC
 from properties.generate import strategies as kvst
 from properties.runner.check import config_for
 from properties.runner.config import CheckConfig
-from properties.runner.run import TraceRun, layout_strategy
-from properties.runner.tiers import kept_mode
+from properties.runner.run import layout_strategy
+from properties.runner.tiers import drawn_run
 
 #: What every target relaxes: a trace is slow and large by Hypothesis' standards.
 _RELAXED = settings(
@@ -58,15 +57,7 @@ def check_trace(data: st.DataObject, prop: str, engine, level: str) -> None:
     layout = data.draw(layout_strategy(config, engine), label="layout")
     mode = data.draw(kvst.swarm_modes(), label="serving mode") if prop == "production" else SYNC
     operations = data.draw(kvst.operations(layout), label="operations")
-    try:
-        run = TraceRun(
-            config,
-            layout,
-            engine,
-            choose_mode=lambda supports: kept_mode(mode, layout, supports, engine),
-        )
-    except UnsupportedLayoutError:
-        reject()  # a layout the engine does not support is not an example
+    run = drawn_run(config, layout, mode, engine)  # every check after every call
     for op in operations:
         run.apply(op)
     run.finish()
