@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Shared body of ci/engines/vllm and ci/engines/sglang: create .engines/NAME, install
+# Shared body of ci/engines/{vllm,sglang,aphrodite}: create .engines/NAME, install
 # torch (CPU wheel, never a CUDA build), the engine --no-deps, its pinned lock file
-# --no-deps, and kvconform itself --no-deps. Idempotent: a complete environment
-# (marker file written last) is left alone.
+# --no-deps, and kvconform itself --no-deps. Arguments after the import check are paths
+# under site-packages (globs) removed after the install: compiled extensions the KV
+# cache code never loads. Idempotent: a complete environment (marker file written
+# last) is left alone.
 set -euo pipefail
-name="$1"; pkg="$2"; import_check="$3"
+name="$1"; pkg="$2"; import_check="$3"; shift 3; prune=("$@")
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 env="$root/.engines/$name"
@@ -36,10 +38,10 @@ pip=("$env/bin/pip" install -q --disable-pip-version-check)
 "${pip[@]}" --no-deps "$pkg"
 "${pip[@]}" --no-deps -r "$here/$name-lock.txt"
 sp="$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-if [ "$name" = "vllm" ]; then
-  # compiled extensions the KV cache code never loads (saves about 600 MB)
-  rm -f "$sp"/vllm/*.so; rm -rf "$sp/vllm/vllm_flash_attn"
-fi
+for path in "${prune[@]}"; do
+  # shellcheck disable=SC2086 # a glob, expanded on purpose
+  rm -rf "$sp"/$path
+done
 if [ "$name" = "sglang" ]; then
   # torchvision is imported (never used) by sglang/transformers; PyPI has no CPU wheel
   cp "$here/torchvision_stub.py" "$sp/_tv_stub.py"; echo "import _tv_stub" > "$sp/zz_tv_stub.pth"

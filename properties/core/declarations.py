@@ -69,6 +69,13 @@ def check_known_divergences(declared: object, where: str) -> tuple[KnownDivergen
                 f"{where}[{index}].applies must be a callable (layout -> bool), "
                 f"got {item.applies!r}"
             )
+        if not isinstance(item.features, tuple) or not all(
+            isinstance(f, str) for f in item.features
+        ):
+            raise DeclarationError(
+                f"{where}[{index}].features must be a tuple of pair-table feature names, "
+                f"got {item.features!r}"
+            )
     return tuple(declared)
 
 

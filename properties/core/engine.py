@@ -380,13 +380,18 @@ class KnownDivergence:
 
     An adapter lists them on its factory (``factory.known_divergences``); the suite
     does not draw layouts for which ``applies(layout)`` is true, and ``kvconform
-    check`` prints each one with its finding so nothing is hidden.
+    check`` prints each one with its finding so nothing is hidden. ``features``: the
+    features of the pair table (:mod:`properties.runner.pairs`) whose every layout the
+    divergence removes, so their pairs are listed as excluded by it, not missed.
+    Example: an engine without lookahead hashes declares ``applies=lambda layout:
+    layout.num_hash_lookahead_tokens > 0, features=("lookahead-hashes",)``.
     """
 
     name: str
     summary: str
     finding: str
     applies: Callable[[KVCacheLayout], bool]
+    features: tuple[str, ...] = ()
 
 
 #: Adapters shipped with kvconform: name -> "module:factory".
@@ -395,6 +400,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "optimized": "properties.engines.optimized:make_engine",
     "vllm": "properties.engines.vllm:make_engine",
     "sglang": "properties.engines.sglang:make_engine",
+    "aphrodite": "properties.engines.aphrodite:make_engine",
 }
 
 

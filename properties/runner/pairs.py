@@ -21,7 +21,7 @@ scheduling and the admission gate on a pool of 3 requests has the features ``asy
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import combinations
 
 from properties.core.modes import ServingMode
@@ -130,14 +130,20 @@ def count_pairs(counts: dict[tuple[str, str], int], example: Iterable[str]) -> N
 @dataclass(frozen=True)
 class Declared:
     """What the engine under test declares: its production settings, whether it takes
-    the serving-mode calls, its spec types (None: all)."""
+    the serving-mode calls, its spec types (None: all), and the features its known
+    divergences remove from every draw (feature -> divergence name)."""
 
     settings: frozenset[str]
     serving_modes: bool
     spec_types: tuple[str, ...] | None
+    removed: Mapping[str, str] = field(default_factory=dict)
 
     def supports(self, feature: str) -> str | None:
-        """None when the engine can be driven with ``feature``, else why not."""
+        """None when the engine can be driven with ``feature``, else why not. Example:
+        ``Declared(frozenset({"eagle"}), True, None, {"lookahead-hashes": "d"})
+        .supports("lookahead-hashes") == "known divergence d"``."""
+        if feature in self.removed:
+            return f"known divergence {self.removed[feature]}"
         for need in NEEDS[feature]:
             kind, _, name = need.partition(":")
             if kind == "serving_modes" and not self.serving_modes:
