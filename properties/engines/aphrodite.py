@@ -27,7 +27,7 @@ finding (``findings/aphrodite/``) when it breaks a property of vLLM 0.33's polic
 from __future__ import annotations
 
 from properties.core.engine import KnownDivergence
-from properties.core.modes import PRODUCTION_SETTINGS
+from properties.core.modes import PRODUCTION_SETTINGS, ServingMode
 from properties.engines.vllm import (
     V1CoreAPI,
     VLLMEngine,
@@ -35,6 +35,7 @@ from properties.engines.vllm import (
     _import_vllm,
 )
 from reference.layout import KVCacheLayout
+from reference.specs import MambaSpec, SlidingWindowSpec
 
 #: Aphrodite 0.24.1's v1 core, as the vLLM adapter imports it.
 APHRODITE_API = V1CoreAPI(
@@ -62,6 +63,31 @@ def _lookahead_hashes(layout: KVCacheLayout) -> bool:
     return layout.num_hash_lookahead_tokens > 0
 
 
+def _has_mamba(layout: KVCacheLayout) -> bool:
+    return any(isinstance(g.spec, MambaSpec) for g in layout.groups)
+
+
+def _asynchronous(mode: ServingMode) -> bool:
+    return mode.async_scheduling
+
+
+def _eagle_hybrid(layout: KVCacheLayout) -> bool:
+    """EAGLE in a hybrid coordinator (two or more groups, caching on): Aphrodite bounds
+    the EAGLE group's extra block by the lookup bound, vLLM 0.33 by the hashed length."""
+    return layout.enable_caching and layout.use_eagle and len(layout.groups) > 1
+
+
+def _eagle_sparse_window(layout: KVCacheLayout) -> bool:
+    """EAGLE with sparse or interval retention and a sliding-window or Mamba group (the
+    groups retention thins out)."""
+    return (
+        layout.enable_caching
+        and layout.use_eagle
+        and layout.prefix_cache_retention_interval is not None
+        and any(isinstance(g.spec, (SlidingWindowSpec, MambaSpec)) for g in layout.groups)
+    )
+
+
 #: Aphrodite 0.24.1 behaviours that break a property of vLLM 0.33's policy, and the one
 #: vLLM feature it lacks; see findings/aphrodite/ and docs/aphrodite-behaviour.md.
 KNOWN_DIVERGENCES = (
@@ -72,6 +98,32 @@ KNOWN_DIVERGENCES = (
         finding="docs/aphrodite-behaviour.md",
         applies=_lookahead_hashes,
         features=("lookahead-hashes",),
+    ),
+    KnownDivergence(
+        name="aphrodite-eagle-sparse-retention-no-hit",
+        summary="EAGLE with sparse retention (Aphrodite's default interval 0) keeps the "
+        "sliding-window tail ending on prompt - 1, not the positions an EAGLE hit drops "
+        "back to: a resend of the same prompt never hits",
+        finding="findings/aphrodite/eagle-sparse-retention-no-hit.md",
+        applies=_eagle_sparse_window,
+    ),
+    KnownDivergence(
+        name="aphrodite-eagle-hybrid-bounded-margin",
+        summary="hybrid models with EAGLE: the extra block an EAGLE group matches and "
+        "drops is bounded by num_tokens - 1 (vLLM 0.33: by the hashed tokens), so a "
+        "block-aligned prompt's resend hits one block less",
+        finding="docs/aphrodite-behaviour.md",
+        applies=_eagle_hybrid,
+    ),
+    KnownDivergence(
+        name="aphrodite-mamba-async-state-leak",
+        summary="Mamba 'align' groups under asynchronous scheduling (Aphrodite's default): "
+        "the state block of every prefill chunk but the last two stays held until the "
+        "request ends (the skip walk stops at the first null gap)",
+        finding="findings/aphrodite/mamba-async-state-leak.md",
+        applies=_has_mamba,
+        modes=_asynchronous,
+        features=("async", "mamba"),
     ),
     KnownDivergence(
         name="aphrodite-chunked-hit-in-previous-chunk",

@@ -362,7 +362,7 @@ def format_pair_reach(results, engine) -> list[str]:
         frozenset(engine.production_settings),
         any(getattr(r, "serving_calls", False) for r in results),
         tuple(engine.spec_types),
-        {f: d.name for d in engine.known_divergences for f in d.features},
+        {frozenset(d.features): d.name for d in engine.known_divergences if d.features},
     )
     return pair_table(counts, declared)
 
