@@ -26,6 +26,8 @@ finding (``findings/aphrodite/``) when it breaks a property of vLLM 0.33's polic
 
 from __future__ import annotations
 
+import os
+
 from properties.core.engine import KnownDivergence
 from properties.core.modes import PRODUCTION_SETTINGS, ServingMode
 from properties.engines.vllm import (
@@ -45,6 +47,9 @@ APHRODITE_API = V1CoreAPI(
     lookahead_hashes=False,
     lookup_bound=False,
 )
+# Aphrodite logs at INFO while it imports (Triton missing on CPU); anything may import it
+# first (``--engine-coverage`` finds its modules before the adapter builds an engine).
+os.environ.setdefault("APHRODITE_LOGGING_LEVEL", "ERROR")
 
 
 class AphroditeEngine(VLLMEngine):
