@@ -14,10 +14,11 @@ marker="$env/.kvconform-complete"
 py="${PYTHON:-python3}"
 trap 'echo "ci/engines/$name: FAILED (line $LINENO, exit $?) while installing $pkg into $env" >&2' ERR
 # Test tools for `.engines/NAME/bin/python -m pytest` (installed --no-deps, so their
-# own dependencies are listed too), and numba (kvconform's jit extra: the bench runs here
+# own dependencies are listed too: pytest imports Pygments, which vLLM's lock happens to
+# have and Aphrodite's does not), and numba (kvconform's jit extra: the bench runs here
 # and times the optimized engine with its compiled loops, as .venv does).
 test_tools=(setuptools wheel hypothesis==6.155.2 sortedcontainers pytest pluggy iniconfig
-  pytest-xdist execnet coverage numba==0.68.1 llvmlite==0.50.0)
+  Pygments==2.21.0 pytest-xdist execnet coverage numba==0.68.1 llvmlite==0.50.0)
 ensure_test_tools() {
   if ! "$env/bin/python" -c 'import pytest, xdist, hypothesis, sortedcontainers, coverage, numba' 2>/dev/null; then
     "$env/bin/pip" install -q --disable-pip-version-check --no-deps "${test_tools[@]}" >/dev/null
