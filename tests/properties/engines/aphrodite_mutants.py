@@ -6,10 +6,11 @@ part of the package; they need Aphrodite (``.engines/aphrodite``).
   ``request.num_tokens`` instead of ``num_tokens - 1``: a prompt whose every block is
   cached hits all its tokens, so no token is left to compute the logits from (the H1 hit
   bound: a hit is at most ``num_tokens - 1``).
-* ``mamba_state_freed_early``: ``MambaManager.remove_skipped_blocks`` (a fork-specific
-  method: vLLM 0.33 retires states differently) frees the state block of two steps ago
-  when its index is ``<=`` the last fully processed block instead of ``<``, so a chunk
-  ending on a block boundary frees the state the next step still starts from.
+* ``window_skips_one_more``: ``SlidingWindowManager.get_num_skipped_tokens`` skips one
+  token more than the window allows (``- sliding_window + 2``): when the oldest token a
+  query still reads opens a block, that block is freed and nulled while the window reads
+  it. The same count sizes ``get_num_blocks_to_allocate``, so the ci profile first sees
+  an allocation pulling a block its estimate left out (A4, ``estimate_matches_pulls``).
 
 Each mutation rewrites one line of the method's source at run time and is applied once per
 process, when the factory first builds an engine (:mod:`tests.properties.engines.line_mutants`).
@@ -37,12 +38,12 @@ MUTATIONS = {
         "max_cache_hit_length = request.num_tokens - 1",
         "max_cache_hit_length = request.num_tokens",
     ),
-    "mamba_state_freed_early": (
+    "window_skips_one_more": (
         "aphrodite.v1.core.single_type_kv_cache_manager",
-        "MambaManager",
-        "remove_skipped_blocks",
-        "and last_state_block_idx < cdiv(processed_computed_tokens, self.block_size) - 1",
-        "and last_state_block_idx <= cdiv(processed_computed_tokens, self.block_size) - 1",
+        "SlidingWindowManager",
+        "get_num_skipped_tokens",
+        "num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens,",
+        "num_computed_tokens - self.sliding_window + 2 - self.extra_retained_tokens,",
     ),
 }
 
@@ -60,4 +61,4 @@ def _factory(name: str) -> Callable:
 
 
 make_lookup_whole_prompt = _factory("lookup_whole_prompt")
-make_mamba_state_freed_early = _factory("mamba_state_freed_early")
+make_window_skips_one_more = _factory("window_skips_one_more")
