@@ -2,7 +2,9 @@
 
 Run it with the interpreter of ``.engines/vllm`` (``bash ci/engines/vllm`` builds it);
 vLLM is imported lazily inside :func:`make_engine`, so importing this module never
-needs vLLM.
+needs vLLM. The package it imports is a parameter (:class:`V1CoreAPI`: the top-level
+package and the API differences of a fork), so a fork that ships vLLM's v1 core is
+driven by this same adapter (:mod:`properties.engines.aphrodite`).
 
 How our layout maps to vLLM objects
 -----------------------------------
