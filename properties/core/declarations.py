@@ -69,10 +69,14 @@ def check_spec_types(declared: object, where: str) -> tuple[str, ...]:
     return tuple(declared)
 
 
-def check_known_divergences(declared: object, where: str) -> tuple[KnownDivergence, ...]:
+def check_known_divergences(
+    declared: object, where: str, default_mode: object = None
+) -> tuple[KnownDivergence, ...]:
     """``None`` (none) or a list or tuple of :class:`KnownDivergence`, each with a
-    callable ``applies``. Example: ``(KnownDivergence("x", "...", "findings/x.md",
-    lambda layout: False),)`` is kept; ``["x"]`` is refused."""
+    callable ``applies``, at most two ``features`` and ``modes`` (if given) false for
+    ``default_mode`` (the caller's :data:`properties.core.modes.SYNC`). Example:
+    ``(KnownDivergence("x", "...", "findings/x.md", lambda layout: False),)`` is kept;
+    ``["x"]`` is refused."""
     if declared is None:
         return ()
     expected = f"{where} must be a list of properties.core.engine.KnownDivergence"
@@ -85,6 +89,23 @@ def check_known_divergences(declared: object, where: str) -> tuple[KnownDivergen
             raise DeclarationError(
                 f"{where}[{index}].applies must be a callable (layout -> bool), "
                 f"got {item.applies!r}"
+            )
+        if item.modes is not None and (
+            not callable(item.modes) or (default_mode is not None and item.modes(default_mode))
+        ):
+            raise DeclarationError(
+                f"{where}[{index}].modes must be a callable (serving mode -> bool) that is "
+                f"false for the default synchronous mode, got {item.modes!r}"
+            )
+        features = item.features
+        if (
+            not isinstance(features, tuple)
+            or len(features) > 2
+            or not all(isinstance(f, str) for f in features)
+        ):
+            raise DeclarationError(
+                f"{where}[{index}].features must be a tuple of at most two pair-table "
+                f"feature names, got {features!r}"
             )
     return tuple(declared)
 

@@ -380,13 +380,40 @@ class KnownDivergence:
 
     An adapter lists them on its factory (``factory.known_divergences``); the suite
     does not draw layouts for which ``applies(layout)`` is true, and ``kvconform
-    check`` prints each one with its finding so nothing is hidden.
+    check`` prints each one with its finding so nothing is hidden. ``features``: one or
+    two features of the pair table (:mod:`properties.runner.pairs`) such that the
+    divergence removes every layout that has them all, so the pairs they make are
+    listed as excluded by it, not missed. Example: an engine without lookahead hashes
+    declares ``applies=lambda layout: layout.num_hash_lookahead_tokens > 0,
+    features=("lookahead-hashes",)`` (every pair with ``lookahead-hashes`` excluded);
+    ``features=("eagle-drop", "retention=sparse")`` excludes that one pair.
+
+    ``modes``: for a behaviour that shows only under some serving modes
+    (:class:`properties.core.modes.ServingMode`), a predicate on the mode. The layouts
+    are then drawn; a run whose layout and mode the divergence applies to gets the
+    default synchronous mode instead (the predicate must be false for it). Example: a
+    leak under asynchronous scheduling with Mamba groups: ``applies=has_mamba,
+    modes=lambda mode: mode.async_scheduling, features=("async", "mamba")``.
     """
 
     name: str
     summary: str
     finding: str
     applies: Callable[[KVCacheLayout], bool]
+    features: tuple[str, ...] = ()
+    modes: Callable[[Any], bool] | None = None
+
+    def applies_to(self, layout: KVCacheLayout, mode: Any = None) -> bool:
+        """Whether the divergence applies to a run of ``layout`` in serving ``mode``
+        (``None``: whatever the mode; then only a divergence without ``modes``, one
+        that applies to every mode of its layouts, does). Example: the Mamba leak
+        above applies to ``(mamba layout, async mode)``, not to ``(mamba layout,
+        None)``."""
+        if not self.applies(layout):
+            return False
+        if self.modes is None:
+            return True
+        return mode is not None and bool(self.modes(mode))
 
 
 #: Adapters shipped with kvconform: name -> "module:factory".
@@ -395,6 +422,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "optimized": "properties.engines.optimized:make_engine",
     "vllm": "properties.engines.vllm:make_engine",
     "sglang": "properties.engines.sglang:make_engine",
+    "aphrodite": "properties.engines.aphrodite:make_engine",
 }
 
 

@@ -2,7 +2,9 @@
 
 Run it with the interpreter of ``.engines/vllm`` (``bash ci/engines/vllm`` builds it);
 vLLM is imported lazily inside :func:`make_engine`, so importing this module never
-needs vLLM.
+needs vLLM. The package it imports is a parameter (:class:`V1CoreAPI`: the top-level
+package and the API differences of a fork), so a fork that ships vLLM's v1 core is
+driven by this same adapter (:mod:`properties.engines.aphrodite`).
 
 How our layout maps to vLLM objects
 -----------------------------------
@@ -73,9 +75,11 @@ Not bridged / differences
 
 from __future__ import annotations
 
+import importlib
 import os
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from properties.core.engine import (
@@ -85,6 +89,7 @@ from properties.core.engine import (
     EngineError,
     KnownDivergence,
     RequestInput,
+    UnsupportedLayoutError,
     quiet_loggers,
 )
 from properties.core.modes import PRODUCTION_SETTINGS
@@ -100,15 +105,19 @@ from reference.specs import (
 #: ``dtype_bytes`` -> name of the torch dtype that gives vLLM the same page size.
 DTYPE_BY_BYTES: dict[int, str] = {1: "uint8", 2: "float16", 4: "float32", 8: "float64"}
 
-_NONE_HASH_READY = False
+#: the packages whose ``init_none_hash`` ran in this process
+_NONE_HASH_READY: set[str] = set()
 
 
 def _fmt_args(args: Sequence[Any]) -> str:
     return ", ".join(repr(a) for a in args)
 
 
-def _call(name: str, args: Sequence[Any], fn: Any, *call_args: Any, **kwargs: Any) -> Any:
-    """Run one vLLM call; any exception becomes an :class:`EngineError` naming it.
+def call_engine(
+    label: str, name: str, args: Sequence[Any], fn: Any, *call_args: Any, **kwargs: Any
+) -> Any:
+    """Run one call of engine ``label``; any exception becomes an :class:`EngineError`
+    naming it.
 
     Example message: ``vllm: allocate_slots('r1', 4, 0) raised AssertionError: ...``.
     """
@@ -116,58 +125,86 @@ def _call(name: str, args: Sequence[Any], fn: Any, *call_args: Any, **kwargs: An
         return fn(*call_args, **kwargs)
     except Exception as exc:  # every engine failure is reported, never swallowed
         raise EngineError(
-            f"vllm: {name}({_fmt_args(args)}) raised {type(exc).__name__}: {exc}"
+            f"{label}: {name}({_fmt_args(args)}) raised {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def _call(name: str, args: Sequence[Any], fn: Any, *call_args: Any, **kwargs: Any) -> Any:
+    """:func:`call_engine` for vLLM (``vllm: ...`` messages)."""
+    return call_engine("vllm", name, args, fn, *call_args, **kwargs)
+
+
+@dataclass(frozen=True)
+class V1CoreAPI:
+    """A package that ships vLLM's v1 KV cache manager, and where its API differs.
+
+    ``root`` is the top-level package (``vllm``, or a fork's: ``aphrodite``): every name
+    the adapter imports lives at the same path under it (``ROOT.v1.core.kv_cache_manager``,
+    ``ROOT.v1.request``, ...), and its logging level is ``ROOT_LOGGING_LEVEL``.
+    ``lookahead_hashes``: ``KVCacheManager`` and ``get_request_block_hasher`` take
+    ``num_hash_lookahead_tokens``. ``lookup_bound``: ``get_computed_blocks`` takes the
+    hit bound (``max_cache_hit_length``). Example: vLLM 0.33 has both; a fork made
+    before they were added has neither.
+    """
+
+    root: str
+    label: str
+    release: str
+    lookahead_hashes: bool = True
+    lookup_bound: bool = True
+
+
+#: vLLM 0.33.0 itself.
+VLLM_API = V1CoreAPI(root="vllm", label="vllm", release="vLLM 0.33.0")
 
 
 class _VLLM:
-    """The vLLM names the adapter uses, imported once by :func:`_import_vllm`."""
+    """The names of a v1 core (:class:`V1CoreAPI`) the adapter uses, imported once by
+    :func:`_import_vllm`."""
 
-    def __init__(self) -> None:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    def __init__(self, api: V1CoreAPI = VLLM_API) -> None:
+        root = api.root
+        os.environ.setdefault(f"{root.upper()}_LOGGING_LEVEL", "ERROR")
         import torch
-        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-        from vllm.lora.request import LoRARequest
-        from vllm.sampling_params import SamplingParams
-        from vllm.utils.hashing import sha256
-        from vllm.v1 import kv_cache_interface as kvi
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.core.kv_cache_utils import (
-            get_block_hash,
-            get_group_id,
-            get_request_block_hasher,
-            init_none_hash,
-            maybe_convert_block_hash,
-        )
-        from vllm.v1.request import Request, RequestStatus
 
+        def module(path: str) -> Any:
+            return importlib.import_module(f"{root}.{path}")
+
+        kv_events = module("distributed.kv_events")
+        utils = module("v1.core.kv_cache_utils")
+        request = module("v1.request")
+        self.api = api
         self.torch = torch
-        self.kvi = kvi
-        self.KVCacheManager = KVCacheManager
-        self.Request = Request
-        self.RequestStatus = RequestStatus
-        self.SamplingParams = SamplingParams
-        self.LoRARequest = LoRARequest
-        self.sha256 = sha256
-        self.get_request_block_hasher = get_request_block_hasher
-        self.init_none_hash = init_none_hash
-        self.events = (AllBlocksCleared, BlockRemoved, BlockStored)
-        self.pool_key = (get_group_id, get_block_hash, maybe_convert_block_hash)
-        quiet_loggers("vllm")
+        self.kvi = module("v1.kv_cache_interface")
+        self.KVCacheManager = module("v1.core.kv_cache_manager").KVCacheManager
+        self.Request = request.Request
+        self.RequestStatus = request.RequestStatus
+        self.SamplingParams = module("sampling_params").SamplingParams
+        self.LoRARequest = module("lora.request").LoRARequest
+        self.sha256 = module("utils.hashing").sha256
+        self.get_request_block_hasher = utils.get_request_block_hasher
+        self.init_none_hash = utils.init_none_hash
+        self.events = (kv_events.AllBlocksCleared, kv_events.BlockRemoved, kv_events.BlockStored)
+        self.pool_key = (utils.get_group_id, utils.get_block_hash, utils.maybe_convert_block_hash)
+        quiet_loggers(root)
+
+    def call(self, name: str, args: Sequence[Any], fn: Any, *call_args: Any, **kwargs: Any) -> Any:
+        """:func:`call_engine` under this package's label."""
+        return call_engine(self.api.label, name, args, fn, *call_args, **kwargs)
 
 
-def _import_vllm() -> _VLLM:
-    global _NONE_HASH_READY
+def _import_vllm(api: V1CoreAPI = VLLM_API) -> _VLLM:
+    """The names of ``api``'s package, imported (its none hash set once per process)."""
     try:
-        v = _VLLM()
+        v = _VLLM(api)
     except ImportError as exc:
         raise EngineError(
-            f"vllm: cannot import vLLM 0.33.0 ({exc}); run ci/engines/vllm and use "
-            ".engines/vllm/bin/python"
+            f"{api.label}: cannot import {api.release} ({exc}); run ci/engines/{api.label} "
+            f"and use .engines/{api.label}/bin/python"
         ) from exc
-    if not _NONE_HASH_READY:
+    if api.root not in _NONE_HASH_READY:
         v.init_none_hash(v.sha256)
-        _NONE_HASH_READY = True
+        _NONE_HASH_READY.add(api.root)
     return v
 
 
@@ -175,7 +212,8 @@ def _dtype(v: _VLLM, owner: str, dtype_bytes: int) -> Any:
     name = DTYPE_BY_BYTES.get(dtype_bytes)
     if name is None:
         raise EngineError(
-            f"vllm: {owner}.dtype_bytes must be one of {sorted(DTYPE_BY_BYTES)}, got {dtype_bytes}"
+            f"{v.api.label}: {owner}.dtype_bytes must be one of {sorted(DTYPE_BY_BYTES)}, "
+            f"got {dtype_bytes}"
         )
     return getattr(v.torch, name)
 
@@ -215,7 +253,7 @@ def to_vllm_spec(v: _VLLM, spec: KVCacheSpec) -> Any:
         return kvi.ChunkedLocalAttentionSpec(
             attention_chunk_size=spec.attention_chunk_size, **common
         )
-    raise EngineError(f"vllm: no vLLM spec for {owner} {spec!r}")
+    raise EngineError(f"{v.api.label}: no {v.api.release} spec for {owner} {spec!r}")
 
 
 def observes_stats_and_events(layout: KVCacheLayout) -> bool:
@@ -256,7 +294,7 @@ class VLLMEngine:
         self._build_manager()
         self._hasher = (
             v.get_request_block_hasher(
-                layout.hash_block_size, v.sha256, layout.num_hash_lookahead_tokens
+                layout.hash_block_size, v.sha256, *self._lookahead_option().values()
             )
             if layout.enable_caching
             else None
@@ -276,12 +314,26 @@ class VLLMEngine:
         #: whether reset_prefix_cache succeeded since the last step
         self._reset_since_stats = False
 
+    def _lookahead_option(self) -> dict[str, int]:
+        """``num_hash_lookahead_tokens`` for the manager and the hasher, where the package
+        takes it (:attr:`V1CoreAPI.lookahead_hashes`; the factory's divergences keep
+        layouts with lookahead hashes away from one that does not)."""
+        lookahead = self.layout.num_hash_lookahead_tokens
+        if self._v.api.lookahead_hashes:
+            return {"num_hash_lookahead_tokens": lookahead}
+        if lookahead:
+            raise UnsupportedLayoutError(
+                f"{self.name}: {self._v.api.release} has no lookahead hashes "
+                f"(num_hash_lookahead_tokens={lookahead})"
+            )
+        return {}
+
     def _build_manager(self) -> None:
         """vLLM's ``KVCacheManager`` of the layout, with stats and events as set."""
         layout, v = self.layout, self._v
         # vLLM's scheduler turns the block drop off when lookahead hashes are on
         drop_eagle = layout.use_eagle and layout.num_hash_lookahead_tokens == 0
-        self.manager = _call(
+        self.manager = self._v.call(
             "KVCacheManager",
             (layout.describe(),),
             v.KVCacheManager,
@@ -292,9 +344,9 @@ class VLLMEngine:
             max_in_flight_tokens=layout.max_in_flight_tokens,
             enable_caching=layout.enable_caching,
             use_eagle=drop_eagle,
-            num_hash_lookahead_tokens=layout.num_hash_lookahead_tokens,
             log_stats=self._stats_on,
             enable_kv_cache_events=self._events_on,
+            **self._lookahead_option(),
         )
         self._record_estimates(self.manager.coordinator)
 
@@ -303,7 +355,7 @@ class VLLMEngine:
         default: prefix cache stats on (unless ``--disable-log-stats``), KV cache events
         off (unless a KV events config is given). Only before the first request."""
         if self._used:
-            raise EngineError("vllm: build_as_deployed() after requests were added")
+            raise EngineError(f"{self.name}: build_as_deployed() after requests were added")
         if (self._stats_on, self._events_on) != (True, False):
             self._stats_on, self._events_on = True, False
             self._build_manager()
@@ -327,7 +379,7 @@ class VLLMEngine:
         try:
             return self.requests[request_id]
         except KeyError:
-            raise EngineError(f"vllm: unknown request {request_id!r}") from None
+            raise EngineError(f"{self.name}: unknown request {request_id!r}") from None
 
     def _lora(self, name: str | None) -> Any:
         if name is None:
@@ -345,7 +397,7 @@ class VLLMEngine:
     def add_request(self, request: RequestInput) -> None:
         rid = request.request_id
         if rid in self.requests:
-            raise EngineError(f"vllm: request {rid!r} added twice")
+            raise EngineError(f"{self.name}: request {rid!r} added twice")
         v = self._v
         # every other request asks for events of its reused blocks too (vLLM's "full"
         # report mode), the others for newly cached blocks only ("incremental")
@@ -355,7 +407,7 @@ class VLLMEngine:
             max_tokens=max(1, self.layout.max_model_len),
             extra_args={"kv_cache_report_mode": mode},
         )
-        self.requests[rid] = _call(
+        self.requests[rid] = self._v.call(
             "Request",
             (rid, len(request.prompt_token_ids)),
             v.Request,
@@ -370,7 +422,7 @@ class VLLMEngine:
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         req = self._request(request_id)
-        _call(
+        self._v.call(
             "append_output_token_ids",
             (request_id, list(token_ids)),
             req.append_output_token_ids,
@@ -382,7 +434,7 @@ class VLLMEngine:
         limit = req.num_tokens + req.num_output_placeholders
         if num_computed_tokens < 0 or num_computed_tokens > limit:
             raise EngineError(
-                f"vllm: set_num_computed_tokens({request_id!r}, {num_computed_tokens}): "
+                f"{self.name}: set_num_computed_tokens({request_id!r}, {num_computed_tokens}): "
                 f"num_computed_tokens must be in [0, {limit}] (tokens + placeholders)"
             )
         req.num_computed_tokens = num_computed_tokens
@@ -391,13 +443,13 @@ class VLLMEngine:
 
     def new_step(self) -> None:
         self._drain_events()
-        stats = _call("make_prefix_cache_stats", (), self.manager.make_prefix_cache_stats)
+        stats = self._v.call("make_prefix_cache_stats", (), self.manager.make_prefix_cache_stats)
         if self._self_checks:
             self._check_stats(stats)
             self._check_usage()
         self._admissions.clear()
         self._reset_since_stats = False
-        _call("new_step_starts", (), self.manager.new_step_starts)
+        self._v.call("new_step_starts", (), self.manager.new_step_starts)
 
     def _check_stats(self, stats: Any) -> None:
         """vLLM's prefix cache stats of a step against the admissions the adapter recorded.
@@ -410,7 +462,9 @@ class VLLMEngine:
         """
         if not self._stats_on:
             if stats is not None:
-                raise EngineError(f"vllm: make_prefix_cache_stats gave {stats!r} with stats off")
+                raise EngineError(
+                    f"{self.name}: make_prefix_cache_stats gave {stats!r} with stats off"
+                )
             return
         got = (
             stats.requests + stats.preempted_requests,
@@ -426,7 +480,7 @@ class VLLMEngine:
         )
         if got != want:
             raise EngineError(
-                f"vllm: prefix cache stats (requests, queries, hits, reset) = {got}, "
+                f"{self.name}: prefix cache stats (requests, queries, hits, reset) = {got}, "
                 f"the step's admissions give {want}"
             )
 
@@ -435,11 +489,11 @@ class VLLMEngine:
 
         Example: 7 blocks (6 usable), 3 free: usage 0.5.
         """
-        usage = _call("usage", (), lambda: self.manager.usage)
+        usage = self._v.call("usage", (), lambda: self.manager.usage)
         usable = self.layout.num_blocks - 1
         want = 1.0 - self.num_free_blocks() / usable if usable else 0
         if abs(usage - want) > 1e-9:
-            raise EngineError(f"vllm: usage {usage} != 1 - free / usable blocks = {want}")
+            raise EngineError(f"{self.name}: usage {usage} != 1 - free / usable blocks = {want}")
 
     def disable_self_checks(self) -> None:
         """Stop the adapter's own checks of vLLM (KV events against the pool, prefix cache
@@ -451,9 +505,9 @@ class VLLMEngine:
         names a hash a BlockStored announced (since the last AllBlocksCleared), and every
         hash the pool holds was announced. Example: a block cached and evicted in one step
         gives BlockStored([h]) then BlockRemoved([h]), and ``h`` leaves the pool."""
-        events = _call("take_events", (), self.manager.take_events)
+        events = self._v.call("take_events", (), self.manager.take_events)
         if not self._events_on and events:
-            raise EngineError(f"vllm: take_events gave {events!r} with events off")
+            raise EngineError(f"{self.name}: take_events gave {events!r} with events off")
         if not self._self_checks or not self._events_on:
             return
         cleared, removed, stored = self._v.events
@@ -465,12 +519,12 @@ class VLLMEngine:
             if isinstance(event, stored):
                 self._announced.update(keys)
             elif isinstance(event, removed) and not self._announced.issuperset(keys):
-                raise EngineError(f"vllm: KV event {event!r} removes a hash never stored")
+                raise EngineError(f"{self.name}: KV event {event!r} removes a hash never stored")
         group_of, hash_of, external = self._v.pool_key
         for key in self._pool.cached_block_hash_to_block._cache:
             if (group_of(key), external(hash_of(key))) not in self._announced:
                 raise EngineError(
-                    f"vllm: the pool caches hash {hash_of(key).hex()} of group "
+                    f"{self.name}: the pool caches hash {hash_of(key).hex()} of group "
                     f"{group_of(key)} that no BlockStored event announced"
                 )
 
@@ -479,8 +533,8 @@ class VLLMEngine:
         # the "full" report-mode requests pass vLLM's default bound (tokens - 1)
         # explicitly, as vLLM's scheduler does when it bounds the lookup itself
         explicit = req.sampling_params.extra_args["kv_cache_report_mode"] == "full"
-        bound = (req.num_tokens - 1,) if explicit else ()
-        blocks, num_tokens, junction = _call(
+        bound = (req.num_tokens - 1,) if explicit and self._v.api.lookup_bound else ()
+        blocks, num_tokens, junction = self._v.call(
             "get_computed_blocks",
             (request_id, *bound),
             self.manager.get_computed_blocks,
@@ -511,7 +565,7 @@ class VLLMEngine:
             kept = self._hits.pop(request_id, None)
             if kept is None or kept[0] != hit:
                 raise EngineError(
-                    f"vllm: allocate_slots({request_id!r}) got a hit this adapter did not "
+                    f"{self.name}: allocate_slots({request_id!r}) got a hit this adapter did not "
                     f"return from its last get_computed_blocks({request_id!r})"
                 )
             blocks = kept[1]
@@ -519,7 +573,7 @@ class VLLMEngine:
         if num_external_computed_tokens or delay_cache_blocks:
             args += (num_external_computed_tokens, delay_cache_blocks)
         self._estimate = None
-        new = _call(
+        new = self._v.call(
             "allocate_slots",
             args,
             self.manager.allocate_slots,
@@ -536,7 +590,7 @@ class VLLMEngine:
             return None
         if hit is not None:
             # vLLM's scheduler records the lookup at admission (allocation succeeded)
-            _call(
+            self._v.call(
                 "record_prefix_cache_stats",
                 (request_id, hit.num_tokens),
                 self.manager.record_prefix_cache_stats,
@@ -563,11 +617,12 @@ class VLLMEngine:
 
     def cache_blocks(self, request_id: str, num_tokens: int) -> None:
         req = self._request(request_id)
-        _call("cache_blocks", (request_id, num_tokens), self.manager.cache_blocks, req, num_tokens)
+        args = (request_id, num_tokens)
+        self._v.call("cache_blocks", args, self.manager.cache_blocks, req, num_tokens)
 
     def free(self, request_id: str) -> None:
         req = self._request(request_id)
-        _call("free", (request_id,), self.manager.free, req)
+        self._v.call("free", (request_id,), self.manager.free, req)
         self._hits.pop(request_id, None)
 
     def remove_request(self, request_id: str) -> None:
@@ -575,13 +630,13 @@ class VLLMEngine:
         self._hits.pop(request_id, None)
 
     def reset_prefix_cache(self) -> bool:
-        done = bool(_call("reset_prefix_cache", (), self.manager.reset_prefix_cache))
+        done = bool(self._v.call("reset_prefix_cache", (), self.manager.reset_prefix_cache))
         self._reset_since_stats = self._reset_since_stats or done
         self._drain_events()
         return done
 
     def get_block_ids(self, request_id: str) -> BlockIds:
-        ids = _call("get_block_ids", (request_id,), self.manager.get_block_ids, request_id)
+        ids = self._v.call("get_block_ids", (request_id,), self.manager.get_block_ids, request_id)
         return tuple(tuple(group) for group in ids)
 
     def num_free_blocks(self) -> int:
@@ -601,12 +656,13 @@ class VLLMEngine:
         """The free list from the front (next to allocate) to the back (vLLM's own walk,
         ``FreeKVCacheBlockQueue.get_all_free_blocks``)."""
         queue = self._pool.free_block_queue
-        ids = [b.block_id for b in _call("get_all_free_blocks", (), queue.get_all_free_blocks)]
+        free = self._v.call("get_all_free_blocks", (), queue.get_all_free_blocks)
+        ids = [b.block_id for b in free]
         if self._self_checks:
             # vLLM's cursor walk (what its offloading connector uses) gives the same order,
             # from the head (cursor None) and from after the first block
             def walk(cursor: Any) -> list[int]:
-                blocks = _call(
+                blocks = self._v.call(
                     "iter_blocks_after", (cursor,), list, queue.iter_blocks_after(cursor)
                 )
                 return [b.block_id for b in blocks]
@@ -615,7 +671,7 @@ class VLLMEngine:
             after_first = walk(queue.fake_free_list_head.next_free_block) if ids else []
             if walked != ids or after_first != ids[1:]:
                 raise EngineError(
-                    f"vllm: free queue walks differ: get_all_free_blocks {ids}, "
+                    f"{self.name}: free queue walks differ: get_all_free_blocks {ids}, "
                     f"iter_blocks_after(None) {walked}, after the first {after_first}"
                 )
         return ids

@@ -115,7 +115,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             layout,
             self.engine,
             on_failure=self._record_failure,
-            choose_mode=lambda supports: self._choose_mode(data, supports),
+            choose_mode=lambda supports: self._choose_mode(data, supports, layout),
         )
         self.pool = data.draw(kvst.prefix_pools(layout), label="prefix pool")
         self.arrivals = kvst.request_inputs(layout, self.pool, "r")
@@ -131,15 +131,17 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _record_failure(self, trace: Trace) -> None:
         type(self).stats.last_failure = trace
 
-    def _choose_mode(self, data: st.DataObject, supports: bool) -> ServingMode:
-        """The serving mode of this run, once its engine is built: the one drawn
-        (:meth:`_draw_mode`) as the engine gets it
+    def _choose_mode(
+        self, data: st.DataObject, supports: bool, layout: KVCacheLayout
+    ) -> ServingMode:
+        """The serving mode of this run of ``layout``, once its engine is built: the one
+        drawn (:meth:`_draw_mode`) as the engine gets it
         (:meth:`properties.engines.under_test.EngineUnderTest.serving_mode`)."""
         type(self).stats.serving_calls |= supports
         drawn = self._draw_mode(data, supports)
         if drawn is None:
             return SYNC
-        mode = self.engine.serving_mode(drawn, supports)
+        mode = self.engine.serving_mode(drawn, supports, layout)
         note(f"serving mode: {mode.describe()}")
         return mode
 

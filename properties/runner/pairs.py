@@ -21,7 +21,7 @@ scheduling and the admission gate on a pool of 3 requests has the features ``asy
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import combinations
 
 from properties.core.modes import ServingMode
@@ -130,11 +130,23 @@ def count_pairs(counts: dict[tuple[str, str], int], example: Iterable[str]) -> N
 @dataclass(frozen=True)
 class Declared:
     """What the engine under test declares: its production settings, whether it takes
-    the serving-mode calls, its spec types (None: all)."""
+    the serving-mode calls, its spec types (None: all), and the features its known
+    divergences remove from every draw: a set of one or two features -> the divergence's
+    name (``KnownDivergence.features``)."""
 
     settings: frozenset[str]
     serving_modes: bool
     spec_types: tuple[str, ...] | None
+    removed: Mapping[frozenset[str], str] = field(default_factory=dict)
+
+    def removed_by(self, pair: tuple[str, str]) -> str | None:
+        """The known divergence that removes every layout of ``pair`` (one of its features,
+        or both together), else None. Example: with ``removed = {frozenset({"a"}): "d"}``
+        the pairs ``("a", "full")`` and ``("async", "a")`` are removed by ``d``."""
+        for key in (frozenset(pair), frozenset(pair[:1]), frozenset(pair[1:])):
+            if key in self.removed:
+                return self.removed[key]
+        return None
 
     def supports(self, feature: str) -> str | None:
         """None when the engine can be driven with ``feature``, else why not."""
@@ -159,6 +171,8 @@ def pair_status(
     why = MODEL_EXCLUSIONS.get(frozenset(pair))
     if why is None:
         why = declared.supports(pair[0]) or declared.supports(pair[1])
+    if why is None and (divergence := declared.removed_by(pair)) is not None:
+        why = f"known divergence {divergence}"
     return f"excluded: {why}" if why else "MISSED"
 
 

@@ -365,7 +365,7 @@ def declared_layouts(
         )
     known = engine.known_divergences
     if known:
-        strategy = strategy.filter(lambda layout: not any(d.applies(layout) for d in known))
+        strategy = strategy.filter(lambda layout: not any(d.applies_to(layout) for d in known))
     return strategy
 
 

@@ -94,10 +94,11 @@ def kept_mode(
     """What the engine gets of a drawn mode: nothing a Mamba group does not model
     (:func:`kvst.mode_for_layout`), then what its declarations take
     (:meth:`properties.engines.under_test.EngineUnderTest.serving_mode`: the default mode
-    without the serving calls, no external hits unless it declares them)."""
+    without the serving calls, no external hits unless it declares them, the default
+    mode where a known divergence of a serving mode applies)."""
     if not supports:
         return SYNC
-    return engine.serving_mode(kvst.mode_for_layout(mode, layout), supports)
+    return engine.serving_mode(kvst.mode_for_layout(mode, layout), supports, layout)
 
 
 _INVARIANTS, _ATTENTION, _DETERMINISM, _PRODUCTION = PROPERTIES

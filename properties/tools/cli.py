@@ -393,6 +393,7 @@ def format_pair_reach(results, engine) -> list[str]:
         frozenset(engine.production_settings),
         any(getattr(r, "serving_calls", False) for r in results),
         tuple(engine.spec_types),
+        {frozenset(d.features): d.name for d in engine.known_divergences if d.features},
     )
     return pair_table(counts, declared)
 

@@ -587,7 +587,7 @@ def run_case(path: Path, level: str, engine: EngineUnderTest, checks: Sequence[s
     if unsupported:
         return CaseResult(name, str(path), "skip", f"spec types {unsupported} not supported")
     for divergence in engine.known_divergences:
-        if divergence.applies(trace.layout):
+        if divergence.applies_to(trace.layout, trace.mode):
             return CaseResult(
                 name,
                 str(path),

@@ -122,3 +122,25 @@ def test_missed_pairs_are_grouped_by_their_first_feature() -> None:
     lines = pair_table({}, only_full)
     assert "  missed: async x {admission-gate, pool-pressure, full}" in lines
     assert "  missed: drafts x {pool-pressure, full}" in lines
+
+
+def test_pairs_a_known_divergence_removes_are_excluded_by_it() -> None:
+    """``KnownDivergence.features``: one feature removes every pair it is in, two remove
+    that pair only; a pair the model already excludes keeps the model's reason."""
+    declared = dataclasses.replace(
+        EVERYTHING,
+        removed={
+            frozenset({"lookahead-hashes"}): "no-lookahead",
+            frozenset({"async", "mamba"}): "mamba-leak",
+        },
+    )
+    why = "excluded: known divergence "
+    assert pair_status(("async", "lookahead-hashes"), {}, declared) == why + "no-lookahead"
+    assert pair_status(("lookahead-hashes", "full"), {}, declared) == why + "no-lookahead"
+    assert pair_status(("async", "mamba"), {}, declared) == why + "mamba-leak"
+    assert pair_status(("admission-gate", "mamba"), {}, declared) == "MISSED"
+    assert pair_status(("async", "mamba"), {("async", "mamba"): 3}, declared) == "reached 3"
+    assert pair_status(("lookahead-hashes", "mamba"), {}, declared) == (
+        "excluded: EAGLE is modelled without Mamba groups"
+    )
+    assert declared.removed_by(("full", "async")) is None
