@@ -1,5 +1,6 @@
 """The conformance checks as ``@given`` tests under the public name, for HypoFuzz:
-``hypothesis fuzz -- --pyargs kvconform.fuzz_targets --kv-engine mypkg.adapter:make_engine``
+``hypothesis fuzz -- --pyargs kvconform.fuzz_targets --kv-engine mypkg.adapter:make_engine
+--kv-profile nightly``
 (see :mod:`properties.tools.fuzz_targets` and ``docs/fuzz-campaigns.md``)."""
 
 from properties.tools.fuzz_targets import (

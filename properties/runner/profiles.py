@@ -13,6 +13,8 @@ variants of one example; campaigns keep it. ``CI=true`` makes Hypothesis load it
 from __future__ import annotations
 
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.configuration import storage_directory
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 from properties.core.constants import PROFILES
 from properties.generate.strategies import MEDIUM, OFFLINE, PRODUCTION
@@ -83,6 +85,12 @@ settings.register_profile(
     max_examples=5000,
     stateful_step_count=80,
     deadline=None,
+    # a campaign draws fresh examples and keeps them, CI=true or not (there Hypothesis'
+    # own defaults are derandomized with no database, which HypoFuzz refuses to fuzz)
+    derandomize=False,
+    database=DirectoryBasedExampleDatabase(
+        storage_directory("examples", intent_to_write=False).path
+    ),
     suppress_health_check=_SUPPRESS,
     print_blob=True,
 )

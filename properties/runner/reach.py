@@ -148,7 +148,7 @@ def replay_reach(
     at the first failure."""
     if prop not in REPLAYED_BY:
         return ReachReplay(0)
-    from properties.runner.run import active_checks_for
+    from properties.runner.run import active_checks_for, replayed_trace
 
     try:
         serving = "serving_modes" in active_checks_for(engine, config)[1]
@@ -159,5 +159,7 @@ def replay_reach(
         replayed += 1
         run, error = replay_trace(case.trace, config, engine)
         if error is not None:
-            return ReachReplay(replayed, case, error, run.to_trace(error))
+            return ReachReplay(
+                replayed, case, error, replayed_trace(case.trace, run, error, config)
+            )
     return ReachReplay(replayed)

@@ -236,6 +236,17 @@ class TraceRun:
         )
 
 
+def replayed_trace(
+    trace: Trace, run: TraceRun | None, failure: BaseException, config: CheckConfig
+) -> Trace:
+    """The trace a failing replay of ``trace`` leaves (:func:`replay_trace`): the run's
+    operations up to the failure, or, when the build failed (``run`` is None), the layout
+    alone in the trace's mode, as :func:`start_run` records a failed build."""
+    if run is not None:
+        return run.to_trace(failure)
+    return Trace(trace.layout, (), failure=failure_info(failure, config), mode=trace.mode)
+
+
 def start_run(
     config: CheckConfig,
     layout: KVCacheLayout,
@@ -273,11 +284,17 @@ def engine_of(config: CheckConfig, engine: EngineUnderTest | Callable | None) ->
 
 def replay_trace(
     trace: Trace, config: CheckConfig, engine: EngineUnderTest, at_boundaries: bool = False
-) -> tuple[TraceRun, BaseException | None]:
+) -> tuple[TraceRun | None, BaseException | None]:
     """Replay ``trace`` (in its serving mode) with every check; returns the run and the
-    first failure (or None). ``at_boundaries``: the O(pool) checks at step boundaries
-    (:class:`TraceRun`), as for a bench trace of 10^5 blocks."""
-    run = TraceRun(config, trace.layout, engine, trace.mode, at_boundaries=at_boundaries)
+    first failure (or None). The run is None when the build itself failed (an engine
+    error, or an impossible first read of the fresh pool such as more free blocks than
+    the pool has): nothing ran, the failure is the build's. ``at_boundaries``: the
+    O(pool) checks at step boundaries (:class:`TraceRun`), as for a bench trace of 10^5
+    blocks. An :class:`UnsupportedLayoutError` is returned as the failure too."""
+    try:
+        run = TraceRun(config, trace.layout, engine, trace.mode, at_boundaries=at_boundaries)
+    except (EngineError, PropertyViolation) as exc:
+        return None, exc
     try:
         for op in trace.operations:
             run.apply(op)

@@ -484,6 +484,10 @@ def _replay(args: argparse.Namespace, trace, config, engine) -> int:
     if exc is None:
         print(f"no failure: {args.engine} passes every check on this trace ({args.level})")
         return EXIT_PASSED
+    if run is None:  # the engine's build (or its first read of the fresh pool) failed
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"FAILED before the first operation: {type(exc).__name__}: {first}")
+        return Outcome.of_failure(exc).exit_code
     op_index = len(run.operations) - 1
     print(f"FAILED at operation {op_index}: {run.operations[op_index]!r}")
     print(f"  {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")

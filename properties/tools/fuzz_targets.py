@@ -19,7 +19,10 @@ the default database, which the conformance tests (one derandomized run per prop
 The engine and level come from the plugin's ``--kv-engine`` and ``--kv-level``::
 
     hypothesis fuzz --no-dashboard -- --pyargs kvconform.fuzz_targets \
-        --kv-engine mypkg.adapter:make_engine --kv-level universal
+        --kv-engine mypkg.adapter:make_engine --kv-level universal --kv-profile nightly
+
+(``--kv-profile nightly``: under ``CI=true`` the default is the derandomized ``ci``
+profile, whose tests HypoFuzz does not fuzz.)
 
 A failure raises the check's error with the trace's operations in Hypothesis' report;
 ``kvconform fuzz`` is the campaign to use when you want kvconform's own saved traces,

@@ -115,12 +115,16 @@ def test_broken_engine_is_a_named_engine_error(name, tmp_path, capsys, no_shrink
     assert code == EXIT_ENGINE, out
     line = next(x for x in out.splitlines() if x.startswith("ENGINE ERROR"))
     assert expected in line and f"{method}(" in line, line
+    # the summary's trace, and the first failing trace when it was announced apart
     traces = saved_traces(tmp_path)
-    assert len(traces) == 1
-    saved = load_trace(traces[0])
-    assert saved.failure["kind"] == "engine"
-    assert saved.failure["engine"] == f"{BROKEN_MODULE}:make_{name}"
-    assert saved.seed == 1 and saved.failure["versions"]["python"]
+    summary = out.split("\nsummary:", 1)[1]
+    final = next(x.split("trace: ", 1)[1] for x in summary.splitlines() if "trace: " in x)
+    assert Path(final) in traces and 1 <= len(traces) <= 2, (traces, out)
+    for path in traces:
+        saved = load_trace(path)
+        assert saved.failure["kind"] == "engine"
+        assert saved.failure["engine"] == f"{BROKEN_MODULE}:make_{name}"
+        assert saved.seed == 1 and saved.failure["versions"]["python"]
 
 
 @pytest.mark.parametrize("name", sorted(IMPOSSIBLE))

@@ -204,7 +204,8 @@ def _read_until(proc: subprocess.Popen, prefix: str) -> str:
 def test_signal_stops_check_within_seconds(signum, expected, tmp_path):
     """A correct outside adapter (in an isolated child): the signal goes to the whole
     process group, as a terminal's Ctrl-C does; the engine child, in its own session,
-    must not be blamed (no failure trace) and the command stops within 5 s."""
+    must not be blamed (no failure trace) and the command stops at once (within a
+    liveness bound)."""
     proc = _start_check(
         "--engine",
         f"{BROKEN_MODULE}:make_rejects_in_determinism",
@@ -222,10 +223,12 @@ def test_signal_stops_check_within_seconds(signum, expected, tmp_path):
     out, err = proc.communicate(timeout=60)
     elapsed = time.monotonic() - start
     assert proc.returncode == expected, out + err
-    assert elapsed < 5, elapsed
-    assert f"kvconform check: stopped by {signal.Signals(signum).name}" in out
-    assert "Traceback" not in err
-    assert saved_traces(tmp_path) == []
+    # a liveness bound, not a speed: the run left alone goes on for minutes, a stop
+    # takes about a second; 30 s leaves room for two loaded cores
+    assert elapsed < 30, (elapsed, out, err)
+    assert f"kvconform check: stopped by {signal.Signals(signum).name}" in out, out + err
+    assert "Traceback" not in err, err
+    assert saved_traces(tmp_path) == [], out
 
 
 def test_signal_after_a_failure_keeps_and_reports_it(tmp_path):
