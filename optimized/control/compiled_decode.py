@@ -48,19 +48,22 @@ from optimized.control.batched_decode import cache_decode_item
 from optimized.control.block_pool import BlockPool, FreeBlockQueue
 from optimized.control.compiled_pool import group_row_arrays, span_free
 from optimized.control.jit import compiled
+from optimized.control.key_index import ArrayKeyIndex, remove_key
 from optimized.control.managers.chunked_local import ChunkedLocalAttentionManager
 from optimized.control.managers.full import FullAttentionManager
+from optimized.control.managers.mamba import MambaManager
 from optimized.control.managers.sliding_window import SlidingWindowManager
 from reference.errors import KVConformError
-from reference.specs import ChunkedLocalAttentionSpec, SlidingWindowSpec
+from reference.specs import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
 
 #: :func:`loud_pass` statuses: every item applied; the item at the returned index met a
 #: full pool (its result is None: its frees are done, nothing else); the pass leaves the
 #: item at the index to the caller (nothing done); a block reached a ref
 #: count below 0 (its id is in ``counters[2]``)
 APPLIED, EXHAUSTED, FALLBACK, FREED_TOO_OFTEN = 0, 1, 2, 3
-#: per group, how its rows drop blocks: never, a sliding window, a chunk
-NO_SKIP, WINDOW, CHUNK = 0, 1, 2
+#: per group, how its rows drop blocks: never, a sliding window, a chunk; or a Mamba
+#: group (columns retired, one state block per step at most)
+NO_SKIP, WINDOW, CHUNK, MAMBA = 0, 1, 2, 3
 #: ``items`` columns: row, computed tokens, slots (``min(computed + 1, max_model_len)``),
 #: cache limit (``min(cacheable tokens, hashed tokens)``)
 ROW, TOTAL, SLOTS, LIMIT = 0, 1, 2, 3
@@ -79,11 +82,14 @@ def loud_pass(
     leading: tuple,
     cached: tuple,
     dirty: tuple,
+    retired: tuple,
+    last_state: tuple,
     ref_cnt: np.ndarray,
     block_group: np.ndarray,
     cached_tokens: np.ndarray,
     prev_free: np.ndarray,
     next_free: np.ndarray,
+    key_index: tuple,
     queue: np.ndarray,
     popped: np.ndarray,
     pop_counts: np.ndarray,
@@ -97,10 +103,15 @@ def loud_pass(
     at. Per group ``g``: its class ``twin_of[g]`` (the rows of twins hold the same
     counts: the first group of the class decides), ``block_size``, ``skip_kind`` and
     ``skip_param`` (the window or the chunk); ``tables[g]``, ``row_lens[g]``,
-    ``leading[g]``, ``cached[g]``, ``dirty[g]`` its row arrays. ``queue``: head, tail,
+    ``leading[g]``, ``cached[g]``, ``dirty[g]`` its row arrays, ``retired[g]`` and
+    ``last_state[g]`` a Mamba group's (any array for another group). ``key_index``: the
+    pool's :class:`~optimized.control.key_index.ArrayKeyIndex` arrays ``(heads, words,
+    links)``, which the pass updates itself when a popped block loses its key, or three
+    empty arrays (the keys live in dicts: the caller drops them). ``queue``: head, tail,
     number of free blocks (updated). Out: ``popped`` (the blocks popped, item by item, in
-    group order), ``pop_counts[i, g]``, ``evicted[k] = (block, group)``, ``thresholds[i]``,
-    ``to_cache[i]``; ``counters``: popped and evicted so far, the bad block."""
+    group order), ``pop_counts[i, g]``, ``evicted[k] = (block, group)`` (keys left to the
+    caller), ``thresholds[i]``, ``to_cache[i]``; ``counters``: popped and evicted so far,
+    the bad block."""
     m = items.shape[0]
     num_groups = twin_of.shape[0]
     head = queue[0]
@@ -108,9 +119,12 @@ def loud_pass(
     num_free = queue[2]
     n_popped = counters[0]
     n_evicted = counters[1]
+    key_heads, key_words, key_links = key_index
+    inline_keys = key_heads.shape[0] > 0
     start = np.zeros(num_groups, dtype=np.int64)
     end = np.zeros(num_groups, dtype=np.int64)
     pops = np.zeros(num_groups, dtype=np.int64)
+    required = np.zeros(num_groups, dtype=np.int64)
     status = APPLIED
     i = first
     while i < m:
@@ -129,8 +143,24 @@ def loud_pass(
                 held = row_lens[g][row]
                 start[g] = 0
                 end[g] = 0
-                skipped = 0
                 kind = skip_kind[g]
+                if kind == MAMBA:
+                    # the columns before (total - 1) // bs not retired yet; one state
+                    # block at column cdiv(main, bs) - 1 when the row is shorter
+                    if total > 1:
+                        last = min((total - 1) // bs, held)
+                        if last > retired[g][row]:
+                            start[g] = retired[g][row]
+                            end[g] = last
+                    required[g] = (total + 1 + bs - 1) // bs
+                    pops[g] = 0
+                    if required[g] > held:
+                        pops[g] = 1
+                    elif required[g] < held:
+                        odd = True  # a row longer than its tokens: the reference counts < 0
+                    need += pops[g]
+                    continue
+                skipped = 0
                 if kind == WINDOW:
                     skipped = max(total - skip_param[g] + 1, 0)
                 elif kind == CHUNK:
@@ -141,9 +171,9 @@ def loud_pass(
                     if last > lead:
                         start[g] = lead
                         end[g] = last
-                required = (slots + bs - 1) // bs
-                pops[g] = max(required - held, 0)
-                if cached[g][row] < 0 and max(required - max(skipped // bs, held), 0) != pops[g]:
+                req = (slots + bs - 1) // bs
+                pops[g] = max(req - held, 0)
+                if cached[g][row] < 0 and max(req - max(skipped // bs, held), 0) != pops[g]:
                     odd = True  # a new request's rule that counts fewer blocks than it pops
             need += pops[t]
         if odd or n_popped + need > popped.shape[0]:
@@ -152,27 +182,53 @@ def loud_pass(
         # -- remove_skipped_blocks: one free call per group, in group order -------------
         for g in range(num_groups):
             t = twin_of[g]
-            if end[t] == 0:
-                continue
-            freed, bad = span_free(
-                tables[g],
-                row,
-                start[t],
-                end[t],
-                ref_cnt,
-                block_group,
-                prev_free,
-                next_free,
-                head,
-                tail,
-            )
-            num_free += freed
-            if bad >= 0:
-                counters[2] = bad
-                queue[2] = num_free
-                return FREED_TOO_OFTEN, i
-            leading[g][row] = end[t]
-            dirty[g][row] = True
+            if end[t] > 0:
+                freed, bad = span_free(
+                    tables[g],
+                    row,
+                    start[t],
+                    end[t],
+                    ref_cnt,
+                    block_group,
+                    prev_free,
+                    next_free,
+                    head,
+                    tail,
+                )
+                num_free += freed
+                if bad >= 0:
+                    counters[2] = bad
+                    queue[2] = num_free
+                    return FREED_TOO_OFTEN, i
+                if skip_kind[t] == MAMBA:
+                    retired[g][row] = end[t]
+                else:
+                    leading[g][row] = end[t]
+                dirty[g][row] = True
+            if skip_kind[t] == MAMBA:
+                # the previous state once older than column cdiv(total, bs) - 1 (the
+                # reference's rule; the retirement above has always freed it already)
+                state = last_state[g][row]
+                stale = state >= 0 and state < (total + block_size[t] - 1) // block_size[t] - 1
+                if stale and tables[g][row, state] != 0:
+                    freed, bad = span_free(
+                        tables[g],
+                        row,
+                        state,
+                        state + 1,
+                        ref_cnt,
+                        block_group,
+                        prev_free,
+                        next_free,
+                        head,
+                        tail,
+                    )
+                    num_free += freed
+                    if bad >= 0:
+                        counters[2] = bad
+                        queue[2] = num_free
+                        return FREED_TOO_OFTEN, i
+                    dirty[g][row] = True
         # -- the pool check, then the pops in group order -----------------------------
         exhausted = need > num_free
         if not exhausted and need:
@@ -184,10 +240,15 @@ def loud_pass(
                 prev_free[after] = head
                 prev_free[block] = -1
                 next_free[block] = -1
-                if caching and block_group[block] >= 0:  # its key is dropped by the caller
-                    evicted[n_evicted, 0] = block
-                    evicted[n_evicted, 1] = block_group[block]
-                    n_evicted += 1
+                if caching and block_group[block] >= 0:  # its key is dropped
+                    if inline_keys:
+                        remove_key(
+                            key_heads, key_words, key_links, block_group, block, block_group[block]
+                        )
+                    else:  # by the caller
+                        evicted[n_evicted, 0] = block
+                        evicted[n_evicted, 1] = block_group[block]
+                        n_evicted += 1
                     block_group[block] = -1
                     cached_tokens[block] = 0
                 ref_cnt[block] = 1
@@ -195,13 +256,25 @@ def loud_pass(
                 n_popped += 1
             num_free -= need
             for g in range(num_groups):
-                p = pops[twin_of[g]]
+                t = twin_of[g]
+                p = pops[t]
                 if p == 0:
                     continue
                 n = row_lens[g][row]
-                for j in range(p):
-                    tables[g][row, n + j] = popped[k + j]
-                row_lens[g][row] = n + p
+                if skip_kind[t] == MAMBA:
+                    # the state block at column required - 1, nulls before it; the last
+                    # column held is the previous state
+                    if n > 0:
+                        last_state[g][row] = n - 1
+                    column = required[t] - 1
+                    for j in range(n, column):
+                        tables[g][row, j] = 0
+                    tables[g][row, column] = popped[k]
+                    row_lens[g][row] = column + 1
+                else:
+                    for j in range(p):
+                        tables[g][row, n + j] = popped[k + j]
+                    row_lens[g][row] = n + p
                 dirty[g][row] = True
                 pop_counts[i, g] = p
                 k += p
@@ -222,7 +295,9 @@ def loud_pass(
                     flagged = True
             at = held * bs  # the next block
             kind = skip_kind[g]
-            if kind != NO_SKIP and held > lead:  # the next drop
+            if kind == MAMBA:  # the next retirement
+                at = min(at, (retired[g][row] + 1) * bs + 1)
+            elif kind != NO_SKIP and held > lead:  # the next drop
                 tokens = (lead + 1) * bs
                 if kind == WINDOW:
                     at = min(at, tokens + skip_param[g] - 1)
@@ -260,9 +335,11 @@ class CompiledLayout:
 
 def compiled_layout(managers: Sequence, twin_of: Sequence[int], pool) -> CompiledLayout | None:
     """The constants of groups the pass knows, or None when some group, the pool or the
-    queue is of another type (Mamba, a full group with a partial tail key, a subclass
-    with rules of its own: the Python paths apply them).
-    Example: gemma3 -> classes ``[0, 1, 1, 1, 1, 1]``, kinds ``[NO_SKIP, WINDOW, ...]``."""
+    queue is of another type (a full group with a partial tail key, a subclass with rules
+    of its own: the Python paths apply them).
+    Example: gemma3 -> classes ``[0, 1, 1, 1, 1, 1]``, kinds ``[NO_SKIP, WINDOW, ...]``;
+    full + window + two Mamba groups of one spec -> ``[0, 1, 2, 2]``, ``[NO_SKIP, WINDOW,
+    MAMBA, MAMBA]``."""
     if type(pool) is not BlockPool or type(pool.free_block_queue) is not FreeBlockQueue:
         return None
     kinds, params = [], []
@@ -278,6 +355,9 @@ def compiled_layout(managers: Sequence, twin_of: Sequence[int], pool) -> Compile
         elif type(m) is ChunkedLocalAttentionManager and type(m.spec) is ChunkedLocalAttentionSpec:
             kinds.append(CHUNK)
             params.append(m.spec.attention_chunk_size)
+        elif type(m) is MambaManager and type(m.spec) is MambaSpec:
+            kinds.append(MAMBA)
+            params.append(0)
         else:
             return None
     return CompiledLayout(
@@ -286,6 +366,22 @@ def compiled_layout(managers: Sequence, twin_of: Sequence[int], pool) -> Compile
         np.asarray(kinds, dtype=np.int64),
         np.asarray(params, dtype=np.int64),
     )
+
+
+#: the key index of a pool whose keys live in dicts, as the pass takes it: no arrays
+_NO_KEY_ARRAYS = (
+    np.zeros(0, dtype=np.int32),
+    np.zeros((0, 4), dtype=np.int64),
+    np.zeros((0, 2), dtype=np.int32),
+)
+
+
+def _key_arrays(index) -> tuple:
+    """The arrays of an :class:`ArrayKeyIndex` (the pass drops popped blocks' keys
+    there), or :data:`_NO_KEY_ARRAYS` (dicts: the caller drops them)."""
+    if isinstance(index, ArrayKeyIndex):
+        return (index.heads, index.words, index.links)
+    return _NO_KEY_ARRAYS
 
 
 class LoudPass:
@@ -337,13 +433,18 @@ class LoudPass:
             managers = coord.managers
             pool = manager.block_pool
             queue = pool.free_block_queue
+            no_rows = np.zeros(0, dtype=np.int32)  # (a group that is not Mamba: never read)
+            mamba = [isinstance(m, MambaManager) for m in managers]
             self._arrays = (
                 *group_row_arrays(managers),
+                tuple(m.num_retired_blocks if k else no_rows for m, k in zip(managers, mamba)),
+                tuple(m.last_state_block_index if k else no_rows for m, k in zip(managers, mamba)),
                 pool.ref_cnt,
                 pool.block_group,
                 pool.num_cached_tokens,
                 queue.prev_free,
                 queue.next_free,
+                _key_arrays(pool.index),
             )
             self._arrays_rows = coord.max_num_reqs
         return self._arrays
@@ -426,7 +527,6 @@ class LoudPass:
             if num_evicted:
                 for block, group in self.evicted[:num_evicted].tolist():
                     pool._evict_key(block, group)
-                    pool.block_hash[block] = None
             if status == FREED_TOO_OFTEN:
                 raise KVConformError(f"block {counters.item(2)} freed more often than allocated")
             last = stop + 1 if status == EXHAUSTED else stop

@@ -31,6 +31,7 @@ from optimized.control.block_pool import (
     BlockPool,
     RunEnds,
 )
+from optimized.control.hashing import chain_words
 from optimized.control.managers import SingleTypeKVCacheManager, manager_class_for
 from optimized.control.managers.base import BlockList, HitAdmission, HitAdoption
 from optimized.control.request import Request
@@ -505,17 +506,24 @@ class HybridCoordinator(KVCacheCoordinator):
         ``max_length`` or the hashes do not reach one block) its hit is 0, every later
         group is asked for at most 0 tokens, and the answer is no block, hit 0, uncached
         0. Example: full bs 16 + windows, a 2048-token prompt whose first 16 tokens are
-        not cached -> ``([[], ...], 0, 0)`` after one dict lookup."""
+        not cached -> ``([[], ...], 0, 0)`` after one lookup."""
         first = self._first_full
         if first is not None:
             group_ids, ratio = first
             if max_length < ratio * self.block_pool.hash_block_size or len(block_hashes) < ratio:
                 return [[] for _ in self.managers], 0, 0
-            key = block_hashes[ratio - 1]
-            cached = self.block_pool.cached
-            for g in group_ids:
-                if key not in cached[g]:
+            pool = self.block_pool
+            if pool.keys_as_words:  # the key's row of the chain's words: no conversion
+                words = chain_words(block_hashes)
+                get_row = pool.index.get_row
+                if any(get_row(words, ratio - 1, g) is None for g in group_ids):
                     return [[] for _ in self.managers], 0, 0
+            else:
+                key = block_hashes[ratio - 1]
+                get = pool.index.get
+                for g in group_ids:
+                    if get(key, g) is None:
+                        return [[] for _ in self.managers], 0, 0
         if self._two_specs:
             return self._two_spec_hit(block_hashes, max_length)
         return hybrid_coordinator_hit(self, block_hashes, max_length)

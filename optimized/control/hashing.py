@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from reference.errors import KVConformError
+
 #: The parent of block 0.
 ROOT_HASH: bytes = hashlib.sha256(b"kvconform-optimized-root").digest()
 
@@ -94,3 +96,69 @@ def chain_link(parent: bytes, block: bytes, extra: bytes) -> bytes:
     digest = hashlib.sha256(parent + block + extra).digest()
     hash(digest)
     return digest
+
+
+#: bytes of a block hash, and the int64 words the key index keeps of one
+KEY_BYTES = 32
+KEY_WORDS = KEY_BYTES // 8
+
+
+def key_words(keys: Sequence[bytes]) -> np.ndarray:
+    """``keys`` as an ``(n, 4)`` int64 array: each 32-byte hash as four little-endian
+    words (the form :mod:`optimized.control.key_index` keeps). Keys whose lengths do not
+    add up to 32 each raise :class:`KVConformError` (lengths are not checked one by one:
+    the engine's keys are its own SHA-256 digests). Example: ``key_words([bytes(32)])``
+    is ``[[0, 0, 0, 0]]``."""
+    raw = b"".join(keys)
+    if len(raw) != KEY_BYTES * len(keys):
+        bad = next(k for k in keys if len(k) != KEY_BYTES)
+        raise KVConformError(
+            f"key index: a block hash must be {KEY_BYTES} bytes, got {len(bad)}: {bad[:40]!r}"
+        )
+    return np.frombuffer(raw, dtype=np.int64).reshape(-1, KEY_WORDS).copy()
+
+
+#: the words of no hash
+_NO_WORDS = np.zeros((0, KEY_WORDS), dtype=np.int64)
+
+
+class HashChain(list):
+    """A request's block hashes: a list of 32-byte digests (appended to as blocks
+    complete, never changed otherwise) that also gives them as int64 words
+    (:meth:`words`), converted as they are first asked for and kept. Example: a chain of
+    3 hashes -> ``words()`` has shape ``(3, 4)``; after an append, ``words()`` converts
+    the one new hash."""
+
+    __slots__ = ("_words", "_num_words")
+
+    def __init__(self, hashes: Sequence[bytes] = ()) -> None:
+        super().__init__(hashes)
+        self._words = _NO_WORDS
+        self._num_words = 0
+
+    def words(self) -> np.ndarray:
+        """Every hash as words (:func:`key_words`), a view of a buffer grown by doubling."""
+        n = len(self)
+        done = self._num_words
+        if done < n:
+            if self._words.shape[0] < n:
+                grown = np.empty((max(n, 2 * self._words.shape[0]), KEY_WORDS), dtype=np.int64)
+                grown[:done] = self._words[:done]
+                self._words = grown
+            self._words[done:n] = key_words(self[done:n])
+            self._num_words = n
+        return self._words[:n]
+
+
+def chain_words(
+    hashes: Sequence[bytes], block_size: int = 1, hash_block_size: int = 1
+) -> np.ndarray:
+    """The words of :func:`hashes_at_block_size` of ``hashes`` (the chain at
+    ``block_size``): a :class:`HashChain`'s kept words (every ``k``-th row, as a copy,
+    when ``k = block_size // hash_block_size`` is above 1), else converted. Example: a
+    chain of 4 hashes at ``k = 2`` -> rows 1 and 3."""
+    k = block_size // hash_block_size
+    if isinstance(hashes, HashChain):
+        words = hashes.words()
+        return words if k == 1 else np.ascontiguousarray(words[k - 1 :: k])
+    return key_words(hashes_at_block_size(hashes, hash_block_size, block_size))

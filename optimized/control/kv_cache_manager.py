@@ -193,10 +193,7 @@ class KVCacheManager(ManagerBookkeeping):
         #: compiles (the Python paths apply them)
         self._compiled = (
             LoudPass(self)
-            if compiled
-            and compiled_pass is not None
-            and self._per_group_apply
-            and not _overrides_loud_rules(type(self))
+            if compiled and compiled_pass is not None and not _overrides_loud_rules(type(self))
             else None
         )
         #: the rows of the step :meth:`_loud_items` last looked at
@@ -415,8 +412,10 @@ class KVCacheManager(ManagerBookkeeping):
         over the items (no array is built). Sets ``_step_ids`` and ``_step_rows``.
         Example: computed ``[30, 47]``, thresholds ``[47, 47]`` -> ``[1]``.
         """
-        if not self._per_group_apply:
-            return None  # Mamba: every row is tested every step
+        if not self._per_group_apply and not (
+            self._compiled is not None and self._compiled.usable()
+        ):
+            return None  # Mamba: only the compiled pass applies its loud items
         requests = items.requests
         n = len(requests)
         new, ahead = items.num_new_tokens, items.num_lookahead_tokens
@@ -450,10 +449,11 @@ class KVCacheManager(ManagerBookkeeping):
     ) -> list[list[list[int]] | None]:
         """A few loud items (validated by :meth:`_loud_items`: one new token, no hit, a
         row) applied one by one in order through :func:`apply_decode_item` on every group
-        (a group with nothing to do frees, allocates and caches nothing there), stopping
-        after the first None; each row's threshold is refreshed after its item, one int per
-        class of twins. Example: 2 loud items, the first crossing a block boundary in a
-        full pool -> ``[None]``."""
+        (a group with nothing to do frees, allocates and caches nothing there), or, with a
+        Mamba group (its own rules), through ``allocate_slots``, stopping after the first
+        None; each row's threshold is refreshed after its item, one int per class of
+        twins. Example: 2 loud items, the first crossing a block boundary in a full pool
+        -> ``[None]``."""
         groups = self._all_groups
         managers = self.coordinator.managers
         reps = [managers[g] for g in self._class_reps]
@@ -463,12 +463,15 @@ class KVCacheManager(ManagerBookkeeping):
         out: list[list[list[int]] | None] = []
         for i, row in zip(picked, rows):
             request = requests[i]
-            total = request.num_computed_tokens
-            main = total + 1
-            cache_tokens = cacheable(min(main, request.num_tokens))
-            new_blocks = apply_decode_item(
-                self, request, row, total, main, min(main, mml), cache_tokens, groups
-            )
+            if self._per_group_apply:
+                total = request.num_computed_tokens
+                main = total + 1
+                cache_tokens = cacheable(min(main, request.num_tokens))
+                new_blocks = apply_decode_item(
+                    self, request, row, total, main, min(main, mml), cache_tokens, groups
+                )
+            else:  # a Mamba group (its own rules): allocate_slots itself
+                new_blocks = self.allocate_slots(request, 1)
             next_work[row] = min([m.decode_work_threshold_of(row) for m in reps])
             out.append(new_blocks)
             if new_blocks is None:

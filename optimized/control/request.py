@@ -17,6 +17,7 @@ import numpy as np
 from optimized.control.hashing import (
     ROOT_HASH,
     TOKEN_DTYPE,
+    HashChain,
     chain_link,
     extend_block_hashes,
     extra_key_bytes,
@@ -112,7 +113,8 @@ class Request:
         self.lora_name = lora_name
         self.hash_block_size = hash_block_size
         self.status = RequestStatus.WAITING
-        self.block_hashes: list[bytes] = []
+        #: the chain of block hashes (its int64 words for the key index kept alongside)
+        self.block_hashes = HashChain()
         #: the junction the last prefix lookup found (:mod:`reference.retention`; 0: none)
         self.shared_prefix_boundary = 0
         #: extra keys of every block but block 0 (the LoRA name)

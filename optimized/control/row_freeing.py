@@ -1,5 +1,7 @@
 """Freeing whole rows through the compiled :func:`optimized.control.compiled_pool.free_rows`
-for a coordinator whose groups keep their rows by the base rules.
+for a coordinator whose groups keep their rows by the base rules, or are Mamba groups
+(whose rows also hold a previous state and a retired count, reset after the loop as
+:meth:`~optimized.control.managers.mamba.MambaManager.release_row` resets them).
 
 Example: a decode-heavy request finishing on gemma3 frees 456 blocks (the full group's
 131, each window's 65) in one compiled call instead of some dozens of numpy calls.
@@ -14,21 +16,24 @@ import numpy as np
 from optimized.control.block_pool import BlockPool, FreeBlockQueue
 from optimized.control.compiled_pool import compiled_free_rows, group_row_arrays
 from optimized.control.managers.base import SingleTypeKVCacheManager
+from optimized.control.managers.mamba import MambaManager
 from reference.errors import KVConformError
 
 
 class RowFreeing:
     """A coordinator's compiled :func:`free_rows`, used while every group keeps its rows
-    by the base rules (no Mamba state, no subclass releasing rows its own way) and the
-    pool and queue are the plain ones; checked again whenever the coordinator's managers,
-    pool or queue are replaced. ``run``: the loop (the compiled one; a test gives the
-    Python :func:`~optimized.control.compiled_pool.free_rows`)."""
+    by the base rules or is a plain Mamba group (no subclass releasing rows its own way)
+    and the pool and queue are the plain ones; checked again whenever the coordinator's
+    managers, pool or queue are replaced. ``run``: the loop (the compiled one; a test
+    gives the Python :func:`~optimized.control.compiled_pool.free_rows`)."""
 
     def __init__(self, coordinator, run: Callable | None = None) -> None:
         self.coordinator = coordinator
         self.run = compiled_free_rows if run is None else run
         self._seen: tuple = ()
         self._plain = False
+        #: the Mamba groups' managers (their own row arrays reset after the loop)
+        self._mamba: list[MambaManager] = []
         self._arrays: tuple = ()
         self._rows = -1  # the row count when ``_arrays`` was taken
         self.state = np.zeros(3, dtype=np.int64)
@@ -41,6 +46,7 @@ class RowFreeing:
         if len(seen) != len(self._seen) or any(a is not b for a, b in zip(seen, self._seen)):
             self._seen = seen
             self._plain = self.run is not None and _plain_rows(coord.managers, pool)
+            self._mamba = [m for m in coord.managers if type(m) is MambaManager]
             self._rows = -1
         if not self._plain:
             return False
@@ -64,21 +70,29 @@ class RowFreeing:
         queue = self.coordinator.block_pool.free_block_queue
         state = self.state
         state[0], state[1], state[2] = queue.head, queue.tail, queue.num_free_blocks
-        bad = self.run(np.asarray(rows, dtype=np.int64), *self._arrays, state)
+        at = np.asarray(rows, dtype=np.int64)
+        bad = self.run(at, *self._arrays, state)
         queue.num_free_blocks = int(state[2])
         if bad >= 0:
             raise KVConformError(f"block {bad} freed more often than allocated")
+        for m in self._mamba:  # (the rest of MambaManager.release_row)
+            m.last_state_block_index[at] = -1
+            m.num_retired_blocks[at] = 0
         return True
 
 
 def _plain_rows(managers: Sequence, pool) -> bool:
-    """Do the groups, pool and queue keep rows and links by the base rules?"""
+    """Do the groups, pool and queue keep rows and links by the base rules (a plain Mamba
+    group's rows by the base rules and its two arrays of its own)?"""
     if type(pool) is not BlockPool or type(pool.free_block_queue) is not FreeBlockQueue:
         return False
     base = SingleTypeKVCacheManager
     return all(
-        type(m).release_row is base.release_row
-        and type(m).release_rows is base.release_rows
-        and type(m)._row_arrays is base._row_arrays
+        type(m) is MambaManager
+        or (
+            type(m).release_row is base.release_row
+            and type(m).release_rows is base.release_rows
+            and type(m)._row_arrays is base._row_arrays
+        )
         for m in managers
     )

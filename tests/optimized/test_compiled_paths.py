@@ -171,12 +171,12 @@ def test_the_python_pass_drops_pops_and_sets_the_threshold_by_hand() -> None:
 @settings(max_examples=40, deadline=None)
 @given(layout=layouts(), seed=st.integers(0, 2**32 - 1))
 def test_the_python_pass_matches_reference(layout, seed) -> None:
-    """The pass as plain Python (no numba needed) on random layouts and plain decode
-    steps: every table, queue, count and cached entry as the reference's."""
+    """The pass as plain Python (no numba needed) on random layouts (Mamba groups
+    included) and plain decode steps: every table, queue, count and cached entry as the
+    reference's."""
     pair = Pair(layout, columns=True)
     opt = pair.opt
-    if opt._per_group_apply:
-        opt._compiled = LoudPass(opt, run=loud_pass)
+    opt._compiled = LoudPass(opt, run=loud_pass)
     counts = run_trace(pair, seed, num_steps=30, batched=True, plain_decode=True)
     assert counts["steps"] == 30
 
