@@ -46,6 +46,12 @@ import numpy as np
 
 from optimized.control.batched_decode import cache_decode_item
 from optimized.control.block_pool import BlockPool, FreeBlockQueue
+from optimized.control.compiled_caching import (
+    EVERY_BLOCK,
+    MAMBA_MASK,
+    WINDOW_MASK,
+    compiled_cache_items,
+)
 from optimized.control.compiled_pool import group_row_arrays, span_free
 from optimized.control.jit import compiled
 from optimized.control.key_index import ArrayKeyIndex, remove_key
@@ -76,6 +82,7 @@ def loud_pass(
     block_size: np.ndarray,
     skip_kind: np.ndarray,
     skip_param: np.ndarray,
+    ratio: np.ndarray,
     caching: bool,
     tables: tuple,
     row_lens: tuple,
@@ -110,8 +117,10 @@ def loud_pass(
     empty arrays (the keys live in dicts: the caller drops them). ``queue``: head, tail,
     number of free blocks (updated). Out: ``popped`` (the blocks popped, item by item, in
     group order), ``pop_counts[i, g]``, ``evicted[k] = (block, group)`` (keys left to the
-    caller), ``thresholds[i]``, ``to_cache[i]``; ``counters``: popped and evicted so far,
-    the bad block."""
+    caller), ``thresholds[i]``, ``to_cache[i]`` (-1: nothing to register; else the first
+    hash, at the hash block size, that some group may register: the least
+    ``num_cached * ratio[g]``, ``ratio`` the group's block size in hash blocks);
+    ``counters``: popped and evicted so far, the bad block."""
     m = items.shape[0]
     num_groups = twin_of.shape[0]
     head = queue[0]
@@ -280,7 +289,7 @@ def loud_pass(
                 k += p
         # -- the row's new threshold (caching predicted), least over the classes -------
         least = -1
-        flagged = False
+        cache_from = -1
         for g in range(num_groups):
             if twin_of[g] != g:
                 continue
@@ -291,8 +300,9 @@ def loud_pass(
             if caching and not exhausted:
                 full = items[i, LIMIT] // bs
                 if full > done:
+                    if cache_from < 0 or done * ratio[g] < cache_from:
+                        cache_from = done * ratio[g]
                     done = full
-                    flagged = True
             at = held * bs  # the next block
             kind = skip_kind[g]
             if kind == MAMBA:  # the next retirement
@@ -308,7 +318,7 @@ def loud_pass(
             if least < 0 or at < least:
                 least = at
         thresholds[i] = least
-        to_cache[i] = flagged
+        to_cache[i] = cache_from
         if exhausted:
             status = EXHAUSTED
             break
@@ -325,12 +335,20 @@ compiled_pass = compiled(loud_pass)
 
 @dataclass(frozen=True, eq=False)
 class CompiledLayout:
-    """The per-group constants :func:`loud_pass` reads (see its docstring)."""
+    """The per-group constants :func:`loud_pass` reads (see its docstring), and those of
+    the caching (:func:`~optimized.control.compiled_caching.cache_items`): each group's
+    block size in hash blocks, retention mask kind, alignment, blocks a window's hit
+    needs (0 elsewhere) and retention interval (-1: dense)."""
 
     twin_of: np.ndarray
     block_size: np.ndarray
     skip_kind: np.ndarray
     skip_param: np.ndarray
+    ratio: np.ndarray
+    mask_kind: np.ndarray
+    alignment: np.ndarray
+    need: np.ndarray
+    interval: np.ndarray
 
 
 def compiled_layout(managers: Sequence, twin_of: Sequence[int], pool) -> CompiledLayout | None:
@@ -360,11 +378,23 @@ def compiled_layout(managers: Sequence, twin_of: Sequence[int], pool) -> Compile
             params.append(0)
         else:
             return None
+        if m.use_eagle or m.eagle_replay:  # (no EAGLE group in this engine)
+            return None
+    masks = {NO_SKIP: EVERY_BLOCK, WINDOW: WINDOW_MASK, CHUNK: EVERY_BLOCK, MAMBA: MAMBA_MASK}
+
+    def ints(values) -> np.ndarray:
+        return np.asarray(list(values), dtype=np.int64)
+
     return CompiledLayout(
-        np.asarray(twin_of, dtype=np.int64),
-        np.asarray([m.block_size for m in managers], dtype=np.int64),
-        np.asarray(kinds, dtype=np.int64),
-        np.asarray(params, dtype=np.int64),
+        ints(twin_of),
+        ints(m.block_size for m in managers),
+        ints(kinds),
+        ints(params),
+        ints(m.block_size // pool.hash_block_size for m in managers),
+        ints(masks[k] for k in kinds),
+        ints(m.cache_hit_alignment for m in managers),
+        ints(m._need if k == WINDOW else 0 for m, k in zip(managers, kinds)),
+        ints(-1 if m.retention_interval is None else m.retention_interval for m in managers),
     )
 
 
@@ -390,11 +420,15 @@ class LoudPass:
     pass knows), the state arrays it hands the pass (fetched again once the manager has
     grown) and output buffers reused from step to step (grown to the most items seen).
     ``run``: the pass (:data:`compiled_pass`; a test gives the Python :func:`loud_pass`,
-    a mutant a broken one)."""
+    a mutant a broken one); ``cache``: the caching of the flagged items when the pool
+    keeps its keys in arrays (:data:`~optimized.control.compiled_caching.
+    compiled_cache_items`; a test gives the Python form), else each item is cached in
+    Python (:func:`~optimized.control.batched_decode.cache_decode_item`)."""
 
-    def __init__(self, manager, run: Callable | None = None) -> None:
+    def __init__(self, manager, run: Callable | None = None, cache: Callable | None = None) -> None:
         self.manager = manager
         self.run_pass = compiled_pass if run is None else run
+        self.run_cache = compiled_cache_items if cache is None else cache
         self.layout: CompiledLayout | None = None
         self._seen: tuple = ()
         self._arrays: tuple = ()
@@ -458,7 +492,7 @@ class LoudPass:
         self.pop_counts = np.empty((m, num_groups), dtype=np.int64)
         self.evicted = np.empty((self.popped.size, 2), dtype=np.int64)
         self.thresholds = np.empty(m, dtype=np.int64)
-        self.to_cache = np.empty(m, dtype=np.bool_)
+        self.to_cache = np.empty(m, dtype=np.int64)
         self.counters = np.zeros(3, dtype=np.int64)
         self.state = np.zeros(3, dtype=np.int64)
 
@@ -478,6 +512,7 @@ class LoudPass:
             layout.block_size,
             layout.skip_kind,
             layout.skip_param,
+            layout.ratio,
             self.manager.enable_caching,
             *self._state_arrays(),
             state,
@@ -518,6 +553,9 @@ class LoudPass:
         items = np.array(flat, dtype=np.int64).reshape(m, 4)
         next_work = manager._next_work
         empty = manager.no_new_blocks
+        # the flagged items' caching in one compiled call per pass (keys in arrays), else
+        # item by item in Python
+        in_arrays = self.run_cache is not None and isinstance(pool.index, ArrayKeyIndex)
         out: list = []
         first = 0
         while first < m:
@@ -534,6 +572,8 @@ class LoudPass:
             thresholds = self.thresholds[first:last].tolist()
             to_cache = self.to_cache[first:last].tolist()
             counts = self.pop_counts[first:last].tolist() if ids else None
+            if in_arrays and to_cache.count(-1) != len(to_cache):
+                self._cache_flagged(requests, picked, rows, items, first, to_cache)
             k = 0
             for j in range(first, last):
                 row = rows[j]
@@ -541,7 +581,7 @@ class LoudPass:
                 if j == stop:  # the exhausted item
                     out.append(None)
                     return out
-                if to_cache[j - first]:
+                if to_cache[j - first] >= 0 and not in_arrays:
                     cache_decode_item(
                         coord.managers,
                         manager._twin_of,
@@ -568,3 +608,73 @@ class LoudPass:
                 return out
             first = stop + 1
         return out
+
+    def _cache_flagged(
+        self,
+        requests: Sequence,
+        picked: Sequence[int],
+        rows: Sequence[int],
+        items: np.ndarray,
+        first: int,
+        cache_from: list[int],
+    ) -> None:
+        """Register what the flagged items of ``items[first:]`` complete (``cache_from``:
+        the pass's ``to_cache`` from ``first`` on), in one call of
+        :func:`~optimized.control.compiled_caching.cache_items`: each item's hashes from
+        its first row any group may register up to its cache limit, as words (a slice of
+        its chain's), laid end to end; then a Mamba group's registered keys join its keys
+        cached this step."""
+        manager = self.manager
+        pool = manager.block_pool
+        layout = self.layout
+        h = pool.hash_block_size
+        flagged = [j for j, lo in enumerate(cache_from, first) if lo >= 0]
+        rows_of = np.empty((len(flagged), 6), dtype=np.int64)
+        slabs = []
+        at = 0
+        for f, j in enumerate(flagged):
+            request = requests[picked[j]]
+            lo = cache_from[j - first]
+            limit = items.item(j, LIMIT)
+            slabs.append(request.block_hashes.words()[lo : limit // h])
+            rows_of[f] = (
+                rows[j],
+                limit,
+                request.num_prompt_tokens,
+                request.shared_prefix_boundary,
+                at,
+                lo,
+            )
+            at += limit // h - lo
+        words = slabs[0] if len(slabs) == 1 else np.concatenate(slabs)
+        arrays = self._state_arrays()
+        spans = np.zeros((len(flagged), len(layout.twin_of), 2), dtype=np.int64)
+        self.run_cache(
+            rows_of,
+            words,
+            layout.block_size,
+            layout.ratio,
+            layout.mask_kind,
+            layout.alignment,
+            layout.need,
+            layout.interval,
+            arrays[0],  # tables
+            arrays[3],  # cached counts
+            pool.block_group,
+            pool.num_cached_tokens,
+            *arrays[12],  # the key index
+            spans,
+        )
+        mamba = [g for g, kind in enumerate(layout.mask_kind.tolist()) if kind == MAMBA_MASK]
+        if mamba:
+            managers = manager.coordinator.managers
+            key_of = pool.index.key_of
+            block_group = pool.block_group
+            for f, j in enumerate(flagged):
+                for g in mamba:
+                    done, full = spans[f, g].tolist()
+                    table = managers[g].table
+                    for column in range(done, full):
+                        block = table.item(rows[j], column)
+                        if block and block_group.item(block) >= 0:
+                            managers[g].cached_keys_this_step.add(key_of(block))

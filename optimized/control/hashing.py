@@ -129,25 +129,28 @@ class HashChain(list):
     3 hashes -> ``words()`` has shape ``(3, 4)``; after an append, ``words()`` converts
     the one new hash."""
 
-    __slots__ = ("_words", "_num_words")
+    __slots__ = ("_words", "_num_words", "_view")
 
     def __init__(self, hashes: Sequence[bytes] = ()) -> None:
         super().__init__(hashes)
         self._words = _NO_WORDS
         self._num_words = 0
+        self._view = _NO_WORDS  # ``_words[:_num_words]``
 
     def words(self) -> np.ndarray:
         """Every hash as words (:func:`key_words`), a view of a buffer grown by doubling."""
         n = len(self)
+        if self._num_words == n:
+            return self._view
         done = self._num_words
-        if done < n:
-            if self._words.shape[0] < n:
-                grown = np.empty((max(n, 2 * self._words.shape[0]), KEY_WORDS), dtype=np.int64)
-                grown[:done] = self._words[:done]
-                self._words = grown
-            self._words[done:n] = key_words(self[done:n])
-            self._num_words = n
-        return self._words[:n]
+        if self._words.shape[0] < n:
+            grown = np.empty((max(n, 2 * self._words.shape[0]), KEY_WORDS), dtype=np.int64)
+            grown[:done] = self._words[:done]
+            self._words = grown
+        self._words[done:n] = key_words(self[done:n])
+        self._num_words = n
+        self._view = self._words[:n]
+        return self._view
 
 
 def chain_words(

@@ -164,7 +164,8 @@ _find = compiled(find_slot) or find_slot
 _delete = compiled(delete_slot) or delete_slot
 _insert = compiled(insert_block) or insert_block
 _remove = compiled(remove_block) or remove_block
-#: :func:`remove_block` as other modules' loops call it
+#: :func:`insert_block` and :func:`remove_block` as other modules' loops call them
+insert_key = _insert
 remove_key = _remove
 
 

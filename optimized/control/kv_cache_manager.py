@@ -214,9 +214,12 @@ class KVCacheManager(ManagerBookkeeping):
         lora_name: str | None = None,
     ) -> Request:
         check_prompt_length(request_id, len(prompt_token_ids), self.max_model_len)
-        return Request(
+        request = Request(
             request_id, prompt_token_ids, self.layout.hash_block_size, cache_salt, lora_name
         )
+        if self.block_pool.keys_as_words:  # the prompt's hashes as the key index reads them
+            request.block_hashes.words()
+        return request
 
     # -- lookup ----------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[ComputedBlocks, int]:
@@ -366,14 +369,25 @@ class KVCacheManager(ManagerBookkeeping):
         row's decode threshold (:meth:`_refresh_thresholds`) has nothing to free,
         allocate or cache, so it is settled without any per-group test; the loud ones are
         applied one by one (:meth:`_apply_loud`) or, when many, vectorised
-        (:meth:`_apply_loud_batch`), and their rows' thresholds are refreshed. Any other
-        step goes through :meth:`_schedule_items`. Example: 27 decode items on gemma3 of
-        which 3 reach a block boundary: the 24 others are settled in one pass.
+        (:meth:`_apply_loud_batch`), and their rows' thresholds are refreshed. With the
+        compiled pass, a step mixing one-token decode items with others (a prefill chunk,
+        lookahead) goes through :meth:`_schedule_mixed`. Any other step goes through
+        :meth:`_schedule_items`. Example: 27 decode items on gemma3 of which 3 reach a
+        block boundary: the 24 others are settled in one pass.
         """
         self.last_num_blocks_to_allocate = None  # batched items report none
         loud = self._loud_items(items) if isinstance(items, StepBatch) else None
         if loud is None:
-            return self._schedule_items(items)
+            mixed = (
+                self._mixed_items(items)
+                if isinstance(items, StepBatch)
+                and self._compiled is not None
+                and self._compiled.usable()
+                else None
+            )
+            if mixed is None:
+                return self._schedule_items(items)
+            return self._schedule_mixed(items, *mixed)
         n = len(items)
         step_ids, rows = self._step_ids, self._step_rows
         if not loud:
@@ -443,6 +457,102 @@ class KVCacheManager(ManagerBookkeeping):
                 loud.append(i)
         self._step_ids, self._step_rows = rids, rows
         return loud
+
+    def _mixed_items(self, items: StepBatch) -> tuple[list[int], list[int]] | None:
+        """A step's items as ``(loud, other)``: the one-token decode items on running
+        requests holding rows that reach their row's threshold (as :meth:`_loud_items`;
+        the rest of those are quiet), and every item of another kind (more tokens,
+        lookahead, a request with no row or not running), in order; or None when some
+        item is invalid or a request repeats (:meth:`_schedule_items` then raises the
+        first error before anything changes). Sets ``_step_ids`` and ``_step_rows``.
+        Example: a chunk of 512 tokens, then decode items at computed ``[30, 47]`` with
+        thresholds ``[47, 47]`` -> ``([2], [0])``."""
+        requests = items.requests
+        n = len(requests)
+        new, ahead = items.num_new_tokens, items.num_lookahead_tokens
+        if not (n and isinstance(new, list) and isinstance(ahead, list)):
+            return None
+        rids = list(map(_REQUEST_ID, requests))
+        if len(set(rids)) != n:
+            return None
+        rows = list(map(self.coordinator.row_of.get, rids))
+        next_work = self._next_work
+        if len(next_work) < self.coordinator.max_num_reqs:
+            next_work.extend([0] * (self.coordinator.max_num_reqs - len(next_work)))
+        mml = self.max_model_len
+        running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
+        loud: list[int] = []
+        other: list[int] = []
+        for i, request, k, la, row in zip(range(n), requests, new, ahead, rows):
+            status = request.status
+            computed = request.num_computed_tokens
+            num_tokens = request.num_tokens
+            if (
+                status is finished
+                or k < 1
+                or la < 0
+                or computed + k > num_tokens
+                or num_tokens > mml
+            ):
+                return None  # an invalid item: the general path raises its error
+            if k == 1 and la == 0 and row is not None and status is running:
+                if computed >= next_work[row]:
+                    loud.append(i)
+            else:
+                other.append(i)
+        self._step_ids, self._step_rows = rids, rows
+        return loud, other
+
+    def _schedule_mixed(
+        self, items: StepBatch, loud: list[int], other: list[int]
+    ) -> list[list[list[int]] | None]:
+        """:meth:`schedule_step` of a step that :meth:`_mixed_items` split: the items in
+        order, each run of loud items between two others through the compiled pass in
+        one call, each other item through ``allocate_slots``, the quiet ones settled;
+        stops after the first None. Exact: a quiet item changes nothing wherever it
+        stands, and the others keep their places among the loud ones. Example: loud
+        ``[1, 2]``, other ``[0, 3]`` -> ``allocate_slots`` of 0, the pass on 1 and 2,
+        ``allocate_slots`` of 3."""
+        n = len(items)
+        requests, new, ahead = items.requests, items.num_new_tokens, items.num_lookahead_tokens
+        rows = self._step_rows
+        step_ids = self._step_ids
+        assert self._compiled is not None
+        apply = self._compiled.apply
+        results: list[list[list[int]] | None] = [self.no_new_blocks] * n
+        stop = n
+        batch: list[int] = []
+        others = iter(other)
+        after = next(others, n)  # the next other item
+        for i in [*loud, n]:
+            while after < i:  # the loud items before it, then it
+                if batch:
+                    sub = apply(requests, batch, [rows[k] for k in batch])
+                    for k, new_blocks in zip(batch, sub):
+                        results[k] = new_blocks
+                    if sub and sub[-1] is None:
+                        stop = batch[len(sub) - 1] + 1
+                        break
+                    batch = []
+                new_blocks = self.allocate_slots(requests[after], new[after], 0, None, ahead[after])
+                results[after] = new_blocks
+                if new_blocks is None:
+                    stop = after + 1
+                    break
+                after = next(others, n)
+            if stop < n:
+                break
+            if i < n:
+                batch.append(i)
+        if stop == n and batch:
+            sub = apply(requests, batch, [rows[k] for k in batch])
+            for k, new_blocks in zip(batch, sub):
+                results[k] = new_blocks
+            if sub and sub[-1] is None:
+                stop = batch[len(sub) - 1] + 1
+        self.last_num_blocks_to_allocate = None
+        self._known.update(step_ids[:stop])
+        return results if stop == n else results[:stop]
 
     def _apply_loud(
         self, requests: Sequence[Request], picked: list[int], rows: list[int]

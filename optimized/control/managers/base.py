@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
-from optimized.control.hashing import chain_words, hashes_at_block_size
+from optimized.control.hashing import HashChain, chain_words, hashes_at_block_size
 from optimized.control.request import Request
 from optimized.control.uniformity import same_everywhere
 from reference.managers.base import ManagerBase, blocks_to_allocate, cacheable_full_blocks
@@ -75,6 +75,8 @@ def lookup_words(block_hashes: Sequence[bytes], pool: BlockPool, block_size: int
     else None (the dict index reads the hashes themselves)."""
     if not pool.keys_as_words:
         return None
+    if type(block_hashes) is HashChain and block_size == pool.hash_block_size:
+        return block_hashes.words()  # (the common case, without a call more)
     return chain_words(block_hashes, block_size, pool.hash_block_size)
 
 
