@@ -104,8 +104,8 @@ def cache_items(
     alignment: np.ndarray,
     need: np.ndarray,
     interval: np.ndarray,
-    tables: tuple,
-    cached: tuple,
+    tables: np.ndarray,
+    cached: np.ndarray,
     block_group: np.ndarray,
     cached_tokens: np.ndarray,
     key_heads: np.ndarray,
@@ -118,10 +118,11 @@ def cache_items(
     ``items[f, SLAB]`` on, the first being chain row ``items[f, SLAB_ROW]``; a group
     ``g``'s block ``j`` takes chain row ``(j + 1) * ratio[g] - 1``. Per group:
     ``mask_kind``, ``alignment``, ``need`` and ``interval`` (:func:`keeps`);
-    ``tables[g]``, ``cached[g]`` its row arrays. The pool's ``block_group`` and
-    ``cached_tokens`` and the key index's arrays are updated. Out: ``mamba_spans[f, g]``,
-    a Mamba group's span ``[num_cached, num_full)`` (its hashed blocks' keys join the
-    group's keys cached this step: the caller adds them), else ``(0, 0)``."""
+    ``tables[g]``, ``cached[g]`` its row arrays (a row store's stacks). The pool's
+    ``block_group`` and ``cached_tokens`` and the key index's arrays are updated. Out:
+    ``mamba_spans[f, g]``, a Mamba group's span ``[num_cached, num_full)`` (its hashed
+    blocks' keys join the group's keys cached this step: the caller adds them), else
+    ``(0, 0)``."""
     num_groups = block_size.shape[0]
     for f in range(items.shape[0]):
         row = items[f, ROW]
@@ -131,11 +132,10 @@ def cache_items(
             mamba_spans[f, g, 0] = 0
             mamba_spans[f, g, 1] = 0
             bs = block_size[g]
-            done = max(cached[g][row], 0)
+            done = max(cached[g, row], 0)
             full = limit // bs
             if full <= done:
                 continue
-            table = tables[g]
             for j in range(done, full):
                 if not _keeps(
                     mask_kind[g],
@@ -148,7 +148,7 @@ def cache_items(
                     items[f, JUNCTION],
                 ):
                     continue
-                block = table[row, j]
+                block = tables[g, row, j]
                 if block == 0:
                     continue
                 tokens = (j + 1) * bs
@@ -173,7 +173,7 @@ def cache_items(
             if mask_kind[g] == MAMBA_MASK:
                 mamba_spans[f, g, 0] = done
                 mamba_spans[f, g, 1] = full
-            cached[g][row] = full
+            cached[g, row] = full
 
 
 #: the compiled :func:`cache_items` (None: numba missing or turned off)

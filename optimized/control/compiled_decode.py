@@ -84,13 +84,13 @@ def loud_pass(
     skip_param: np.ndarray,
     ratio: np.ndarray,
     caching: bool,
-    tables: tuple,
-    row_lens: tuple,
-    leading: tuple,
-    cached: tuple,
-    dirty: tuple,
-    retired: tuple,
-    last_state: tuple,
+    tables: np.ndarray,
+    row_lens: np.ndarray,
+    leading: np.ndarray,
+    cached: np.ndarray,
+    dirty: np.ndarray,
+    retired: np.ndarray,
+    last_state: np.ndarray,
     ref_cnt: np.ndarray,
     block_group: np.ndarray,
     cached_tokens: np.ndarray,
@@ -111,7 +111,8 @@ def loud_pass(
     counts: the first group of the class decides), ``block_size``, ``skip_kind`` and
     ``skip_param`` (the window or the chunk); ``tables[g]``, ``row_lens[g]``,
     ``leading[g]``, ``cached[g]``, ``dirty[g]`` its row arrays, ``retired[g]`` and
-    ``last_state[g]`` a Mamba group's (any array for another group). ``key_index``: the
+    ``last_state[g]`` a Mamba group's (the stacks of a
+    :class:`~optimized.control.row_store.RowStore`). ``key_index``: the
     pool's :class:`~optimized.control.key_index.ArrayKeyIndex` arrays ``(heads, words,
     links)``, which the pass updates itself when a popped block loses its key, or three
     empty arrays (the keys live in dicts: the caller drops them). ``queue``: head, tail,
@@ -149,7 +150,7 @@ def loud_pass(
             t = twin_of[g]
             if t == g:
                 bs = block_size[g]
-                held = row_lens[g][row]
+                held = row_lens[g, row]
                 start[g] = 0
                 end[g] = 0
                 kind = skip_kind[g]
@@ -158,8 +159,8 @@ def loud_pass(
                     # block at column cdiv(main, bs) - 1 when the row is shorter
                     if total > 1:
                         last = min((total - 1) // bs, held)
-                        if last > retired[g][row]:
-                            start[g] = retired[g][row]
+                        if last > retired[g, row]:
+                            start[g] = retired[g, row]
                             end[g] = last
                     required[g] = (total + 1 + bs - 1) // bs
                     pops[g] = 0
@@ -176,13 +177,13 @@ def loud_pass(
                     skipped = total // skip_param[g] * skip_param[g]
                 if skipped > 0:
                     last = min(skipped // bs, held)
-                    lead = leading[g][row]
+                    lead = leading[g, row]
                     if last > lead:
                         start[g] = lead
                         end[g] = last
                 req = (slots + bs - 1) // bs
                 pops[g] = max(req - held, 0)
-                if cached[g][row] < 0 and max(req - max(skipped // bs, held), 0) != pops[g]:
+                if cached[g, row] < 0 and max(req - max(skipped // bs, held), 0) != pops[g]:
                     odd = True  # a new request's rule that counts fewer blocks than it pops
             need += pops[t]
         if odd or n_popped + need > popped.shape[0]:
@@ -210,16 +211,16 @@ def loud_pass(
                     queue[2] = num_free
                     return FREED_TOO_OFTEN, i
                 if skip_kind[t] == MAMBA:
-                    retired[g][row] = end[t]
+                    retired[g, row] = end[t]
                 else:
-                    leading[g][row] = end[t]
-                dirty[g][row] = True
+                    leading[g, row] = end[t]
+                dirty[g, row] = True
             if skip_kind[t] == MAMBA:
                 # the previous state once older than column cdiv(total, bs) - 1 (the
                 # reference's rule; the retirement above has always freed it already)
-                state = last_state[g][row]
+                state = last_state[g, row]
                 stale = state >= 0 and state < (total + block_size[t] - 1) // block_size[t] - 1
-                if stale and tables[g][row, state] != 0:
+                if stale and tables[g, row, state] != 0:
                     freed, bad = span_free(
                         tables[g],
                         row,
@@ -237,7 +238,7 @@ def loud_pass(
                         counters[2] = bad
                         queue[2] = num_free
                         return FREED_TOO_OFTEN, i
-                    dirty[g][row] = True
+                    dirty[g, row] = True
         # -- the pool check, then the pops in group order -----------------------------
         exhausted = need > num_free
         if not exhausted and need:
@@ -269,22 +270,22 @@ def loud_pass(
                 p = pops[t]
                 if p == 0:
                     continue
-                n = row_lens[g][row]
+                n = row_lens[g, row]
                 if skip_kind[t] == MAMBA:
                     # the state block at column required - 1, nulls before it; the last
                     # column held is the previous state
                     if n > 0:
-                        last_state[g][row] = n - 1
+                        last_state[g, row] = n - 1
                     column = required[t] - 1
                     for j in range(n, column):
-                        tables[g][row, j] = 0
-                    tables[g][row, column] = popped[k]
-                    row_lens[g][row] = column + 1
+                        tables[g, row, j] = 0
+                    tables[g, row, column] = popped[k]
+                    row_lens[g, row] = column + 1
                 else:
                     for j in range(p):
-                        tables[g][row, n + j] = popped[k + j]
-                    row_lens[g][row] = n + p
-                dirty[g][row] = True
+                        tables[g, row, n + j] = popped[k + j]
+                    row_lens[g, row] = n + p
+                dirty[g, row] = True
                 pop_counts[i, g] = p
                 k += p
         # -- the row's new threshold (caching predicted), least over the classes -------
@@ -294,9 +295,9 @@ def loud_pass(
             if twin_of[g] != g:
                 continue
             bs = block_size[g]
-            held = row_lens[g][row]
-            lead = leading[g][row]
-            done = max(cached[g][row], 0)
+            held = row_lens[g, row]
+            lead = leading[g, row]
+            done = max(cached[g, row], 0)
             if caching and not exhausted:
                 full = items[i, LIMIT] // bs
                 if full > done:
@@ -306,7 +307,7 @@ def loud_pass(
             at = held * bs  # the next block
             kind = skip_kind[g]
             if kind == MAMBA:  # the next retirement
-                at = min(at, (retired[g][row] + 1) * bs + 1)
+                at = min(at, (retired[g, row] + 1) * bs + 1)
             elif kind != NO_SKIP and held > lead:  # the next drop
                 tokens = (lead + 1) * bs
                 if kind == WINDOW:
@@ -464,15 +465,10 @@ class LoudPass:
         manager = self.manager
         coord = manager.coordinator
         if coord.max_num_reqs != self._arrays_rows:
-            managers = coord.managers
             pool = manager.block_pool
             queue = pool.free_block_queue
-            no_rows = np.zeros(0, dtype=np.int32)  # (a group that is not Mamba: never read)
-            mamba = [isinstance(m, MambaManager) for m in managers]
             self._arrays = (
-                *group_row_arrays(managers),
-                tuple(m.num_retired_blocks if k else no_rows for m, k in zip(managers, mamba)),
-                tuple(m.last_state_block_index if k else no_rows for m, k in zip(managers, mamba)),
+                *group_row_arrays(coord),
                 pool.ref_cnt,
                 pool.block_group,
                 pool.num_cached_tokens,

@@ -36,6 +36,7 @@ from optimized.control.managers import SingleTypeKVCacheManager, manager_class_f
 from optimized.control.managers.base import BlockList, HitAdmission, HitAdoption
 from optimized.control.request import Request
 from optimized.control.row_freeing import RowFreeing
+from optimized.control.row_store import RowStore
 from optimized.control.uniformity import row_index
 from reference.coordinator import hybrid_coordinator_hit, make_managers, spec_groups_of
 from reference.layout import KVCacheLayout
@@ -106,6 +107,8 @@ class KVCacheCoordinator:
             max_num_reqs=max_num_reqs,
         )
         self.max_num_reqs = max_num_reqs
+        #: every group's row arrays stacked (the managers' arrays are views of them)
+        self._rows = RowStore(self.managers, max_num_reqs)
         self.row_of: dict[str, int] = {}
         self._free_rows: list[int] = list(range(max_num_reqs))
         #: no Mamba group: a new request's block count follows
@@ -145,9 +148,15 @@ class KVCacheCoordinator:
             self.row_of[request_id] = row
         return row
 
+    def row_store(self) -> RowStore:
+        """The stacked row arrays of the current managers (bound again when the managers
+        were replaced after the coordinator was built, as a mutant does)."""
+        if not self._rows.bound_to(self.managers):
+            self._rows = RowStore(self.managers, self.max_num_reqs)
+        return self._rows
+
     def _grow(self, max_num_reqs: int) -> None:
-        for m in self.managers:
-            m.grow(max_num_reqs)
+        self.row_store().grow(max_num_reqs)
         for r in range(self.max_num_reqs, max_num_reqs):
             heapq.heappush(self._free_rows, r)
         self.max_num_reqs = max_num_reqs

@@ -1,6 +1,6 @@
 """Freeing whole rows through the compiled :func:`optimized.control.compiled_pool.free_rows`
 for a coordinator whose groups keep their rows by the base rules, or are Mamba groups
-(whose rows also hold a previous state and a retired count, reset after the loop as
+(whose rows also hold a previous state and a retired count, reset by the loop as
 :meth:`~optimized.control.managers.mamba.MambaManager.release_row` resets them).
 
 Example: a decode-heavy request finishing on gemma3 frees 456 blocks (the full group's
@@ -32,8 +32,6 @@ class RowFreeing:
         self.run = compiled_free_rows if run is None else run
         self._seen: tuple = ()
         self._plain = False
-        #: the Mamba groups' managers (their own row arrays reset after the loop)
-        self._mamba: list[MambaManager] = []
         self._arrays: tuple = ()
         self._rows = -1  # the row count when ``_arrays`` was taken
         self.state = np.zeros(3, dtype=np.int64)
@@ -46,14 +44,13 @@ class RowFreeing:
         if len(seen) != len(self._seen) or any(a is not b for a, b in zip(seen, self._seen)):
             self._seen = seen
             self._plain = self.run is not None and _plain_rows(coord.managers, pool)
-            self._mamba = [m for m in coord.managers if type(m) is MambaManager]
             self._rows = -1
         if not self._plain:
             return False
         if self._rows != coord.max_num_reqs:
             queue = pool.free_block_queue
             self._arrays = (
-                *group_row_arrays(coord.managers),
+                *group_row_arrays(coord),
                 pool.ref_cnt,
                 pool.block_group,
                 queue.prev_free,
@@ -70,14 +67,10 @@ class RowFreeing:
         queue = self.coordinator.block_pool.free_block_queue
         state = self.state
         state[0], state[1], state[2] = queue.head, queue.tail, queue.num_free_blocks
-        at = np.asarray(rows, dtype=np.int64)
-        bad = self.run(at, *self._arrays, state)
+        bad = self.run(np.asarray(rows, dtype=np.int64), *self._arrays, state)
         queue.num_free_blocks = int(state[2])
         if bad >= 0:
             raise KVConformError(f"block {bad} freed more often than allocated")
-        for m in self._mamba:  # (the rest of MambaManager.release_row)
-            m.last_state_block_index[at] = -1
-            m.num_retired_blocks[at] = 0
         return True
 
 

@@ -131,15 +131,26 @@ class SingleTypeKVCacheManager(ManagerBase):
 
     # -- rows --------------------------------------------------------------------
     def grow(self, max_num_reqs: int) -> None:
-        """Make room for ``max_num_reqs`` rows (existing rows keep their content)."""
+        """Make room for ``max_num_reqs`` rows (existing rows keep their content), for a
+        manager whose arrays are its own (a coordinator's managers have theirs grown by
+        its :class:`~optimized.control.row_store.RowStore`)."""
         old = self.row_len.shape[0]
         if max_num_reqs <= old:
             return
         table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
         table[:old] = self.table
         self.table = table
+        self.grow_own_rows(max_num_reqs, frozenset())
+
+    def grow_own_rows(self, max_num_reqs: int, skip: frozenset[str]) -> None:
+        """Grow each row array of :meth:`_row_arrays` not named in ``skip`` (those a
+        :class:`~optimized.control.row_store.RowStore` holds) to ``max_num_reqs`` rows,
+        new rows absent."""
         for name in self._row_arrays():
             arr = getattr(self, name)
+            old = arr.shape[0]
+            if name in skip or max_num_reqs <= old:
+                continue
             fill = -1 if name in self._absent_minus_one() else 0
             grown = np.full(max_num_reqs, fill, dtype=arr.dtype)
             grown[:old] = arr
