@@ -1,16 +1,15 @@
-"""The caching of a decode step's loud items in one compiled call (numba), when the pool
-keeps its keys in arrays (:class:`~optimized.control.key_index.ArrayKeyIndex`).
+"""The caching of a decode step's loud items inside the compiled pass (numba), when the
+pool keeps its keys in arrays (:class:`~optimized.control.key_index.ArrayKeyIndex`).
 
-:func:`~optimized.control.compiled_decode.loud_pass` flags the items that complete a
-block to register; :func:`cache_items` then registers them, item after item and group
-after group, exactly as ``cache_blocks`` does
+:func:`~optimized.control.compiled_decode.loud_pass` calls :func:`cache_row` for each
+item that completes a block to register, right after the item's pops (the reference's
+order), which registers them group after group, exactly as ``cache_blocks`` does
 (:meth:`~optimized.control.managers.base.SingleTypeKVCacheManager.cache_plan` and
 :meth:`~optimized.control.block_pool.BlockPool.cache_block`): in each group the blocks
 ``[num_cached, num_full)`` of the row, ``num_full = min(cache limit, hashed tokens) //
 bs``, those the group's retention mask keeps (:func:`keeps`), each under the chain's
 hash at its end, a null skipped, a block whose key already covers as many tokens kept
-(one with a shorter key promoted); then ``num_cached = num_full``. Registering a held
-block and evicting a popped one commute, so the step's pops may all come first.
+(one with a shorter key promoted); then ``num_cached = num_full``.
 
 The masks, per block ``i`` of a group of block size ``bs``, alignment ``A`` and
 retention interval ``R`` (-1: dense), with the request's reachable boundaries (its
@@ -25,10 +24,10 @@ replay boundary ``P - 1`` and its junction, if any: the engine has no EAGLE grou
   ``R // bs <= 1``; the last block of each ``R``-token segment; under ``R >= 0`` the
   block ending at each boundary's aligned position.
 
-Example: gpt-oss (full + window 128, bs 16, sparse), an item completing block 80 of a
-1300-token prompt's request: the full group registers block 80; the window's kept
-blocks end at ``1299 // 16 * 16 // 16 = 81``... only ``[73, 81)`` (``need`` 8), so it
-registers block 80 too.
+Example: gpt-oss (full + window 128, bs 16, sparse), a request of a 1300-token prompt
+decoding at 1343 computed tokens completes block 83: the full group registers it; the
+window keeps only the ``need = 8`` blocks ending at its replay boundary's aligned block
+``1299 // 16 * 16 // 16 = 81`` (blocks 73..80), so it registers nothing.
 """
 
 from __future__ import annotations
@@ -40,9 +39,6 @@ from optimized.control.key_index import insert_key, remove_key
 
 #: per group, how its retention mask reads (the ``kind`` of :func:`keeps`)
 EVERY_BLOCK, WINDOW_MASK, MAMBA_MASK = 0, 1, 2
-#: ``items`` columns: row, cache limit (``min(cacheable tokens, hashed tokens)``), prompt
-#: tokens, junction (0: none), the item's first row in ``words``, the chain row there
-ROW, LIMIT, PROMPT, JUNCTION, SLAB, SLAB_ROW = 0, 1, 2, 3, 4, 5
 
 
 def keeps(
@@ -95,9 +91,13 @@ def keeps(
 _keeps = compiled(keeps) or keeps
 
 
-def cache_items(
-    items: np.ndarray,
+def cache_row(
+    row: int,
+    limit: int,
+    prompt: int,
+    junction: int,
     words: np.ndarray,
+    base: int,
     block_size: np.ndarray,
     ratio: np.ndarray,
     mask_kind: np.ndarray,
@@ -111,70 +111,56 @@ def cache_items(
     key_heads: np.ndarray,
     key_words: np.ndarray,
     key_links: np.ndarray,
-    mamba_spans: np.ndarray,
+    spans: np.ndarray,
 ) -> None:
-    """Register the blocks each item of ``items`` completes (module docstring), in item
-    order. Item ``f``'s hashes at the hash block size are the rows of ``words`` from
-    ``items[f, SLAB]`` on, the first being chain row ``items[f, SLAB_ROW]``; a group
-    ``g``'s block ``j`` takes chain row ``(j + 1) * ratio[g] - 1``. Per group:
-    ``mask_kind``, ``alignment``, ``need`` and ``interval`` (:func:`keeps`);
-    ``tables[g]``, ``cached[g]`` its row arrays (a row store's stacks). The pool's
-    ``block_group`` and ``cached_tokens`` and the key index's arrays are updated. Out:
-    ``mamba_spans[f, g]``, a Mamba group's span ``[num_cached, num_full)`` (its hashed
-    blocks' keys join the group's keys cached this step: the caller adds them), else
-    ``(0, 0)``."""
-    num_groups = block_size.shape[0]
-    for f in range(items.shape[0]):
-        row = items[f, ROW]
-        limit = items[f, LIMIT]
-        slab = items[f, SLAB] - items[f, SLAB_ROW]  # words row of chain row 0
-        for g in range(num_groups):
-            mamba_spans[f, g, 0] = 0
-            mamba_spans[f, g, 1] = 0
-            bs = block_size[g]
-            done = max(cached[g, row], 0)
-            full = limit // bs
-            if full <= done:
+    """Register what one decode item completes in ``row`` (module docstring), group
+    after group: its cache limit ``limit`` (``min(cacheable tokens, hashed tokens)``),
+    its prompt tokens and junction (the masks' boundaries); its chain's hash row ``r`` is
+    ``words[base + r]`` (a group ``g``'s block ``j`` takes row ``(j + 1) * ratio[g] -
+    1``). Per group: ``mask_kind``, ``alignment``, ``need`` and ``interval``
+    (:func:`keeps`); ``tables[g]``, ``cached[g]`` its row arrays (a row store's stacks).
+    The pool's ``block_group`` and ``cached_tokens`` and the key index's arrays are
+    updated. Out: ``spans[g]``, a Mamba group's span ``[num_cached, num_full)`` (its
+    hashed blocks' keys join the group's keys cached this step: the caller adds them),
+    else ``(0, 0)``."""
+    for g in range(block_size.shape[0]):
+        spans[g, 0] = 0
+        spans[g, 1] = 0
+        bs = block_size[g]
+        done = max(cached[g, row], 0)
+        full = limit // bs
+        if full <= done:
+            continue
+        for j in range(done, full):
+            if not _keeps(
+                mask_kind[g], j, bs, alignment[g], need[g], interval[g], prompt, junction
+            ):
                 continue
-            for j in range(done, full):
-                if not _keeps(
-                    mask_kind[g],
-                    j,
-                    bs,
-                    alignment[g],
-                    need[g],
-                    interval[g],
-                    items[f, PROMPT],
-                    items[f, JUNCTION],
-                ):
+            block = tables[g, row, j]
+            if block == 0:
+                continue
+            tokens = (j + 1) * bs
+            if block_group[block] >= 0:  # a key already: kept if it covers as much
+                if cached_tokens[block] >= tokens:
                     continue
-                block = tables[g, row, j]
-                if block == 0:
-                    continue
-                tokens = (j + 1) * bs
-                if block_group[block] >= 0:  # a key already: kept if it covers as much
-                    if cached_tokens[block] >= tokens:
-                        continue
-                    remove_key(
-                        key_heads, key_words, key_links, block_group, block, block_group[block]
-                    )
-                block_group[block] = g
-                cached_tokens[block] = tokens
-                insert_key(
-                    key_heads,
-                    key_words,
-                    key_links,
-                    block_group,
-                    words,
-                    slab + (j + 1) * ratio[g] - 1,
-                    g,
-                    block,
-                )
-            if mask_kind[g] == MAMBA_MASK:
-                mamba_spans[f, g, 0] = done
-                mamba_spans[f, g, 1] = full
-            cached[g, row] = full
+                remove_key(key_heads, key_words, key_links, block_group, block, block_group[block])
+            block_group[block] = g
+            cached_tokens[block] = tokens
+            insert_key(
+                key_heads,
+                key_words,
+                key_links,
+                block_group,
+                words,
+                base + (j + 1) * ratio[g] - 1,
+                g,
+                block,
+            )
+        if mask_kind[g] == MAMBA_MASK:
+            spans[g, 0] = done
+            spans[g, 1] = full
+        cached[g, row] = full
 
 
-#: the compiled :func:`cache_items` (None: numba missing or turned off)
-compiled_cache_items = compiled(cache_items)
+#: :func:`cache_row` as the decode pass calls it: compiled where numba is on
+row_caching = compiled(cache_row) or cache_row

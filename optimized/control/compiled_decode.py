@@ -9,21 +9,27 @@ blocks from the front (a hashed block loses its key) and append them group by gr
 then cache the completed blocks. :func:`loud_pass` runs that on index arrays, item after
 item, exactly as :func:`optimized.control.batched_decode.apply_decode_item` does: the
 same frees in the same order (a call's unhashed blocks prepended as one chain, hashed
-ones appended), the same pops, the same table writes. What it cannot do in compiled code
-it hands back:
+ones appended), the same pops, the same table writes, and, when the pool keeps its keys
+in arrays (:class:`~optimized.control.key_index.ArrayKeyIndex`), the same evictions and
+registrations (:func:`~optimized.control.compiled_caching.cache_row`, each item's hashes
+read from a slab of its chain's last rows). What it cannot do in compiled code it hands
+back:
 
 * keys live in Python dicts: the pass evicts a popped block's arrays (group -1, no
   tokens) and lists ``(block, group)``; the caller drops the key (registering and
   evicting commute: each key's blocks form a list, and appending one block and removing
-  another give the same list in either order);
-* caching registers keys: the pass only flags the items with a block to register (their
-  count of cached blocks is predicted for the threshold, ``min(cache limit, hashed
-  tokens) // bs``, which is what registering sets) and the caller caches them;
-* a row that is not running (``num_cached_block < 0``: no prefix cache, or nothing
-  cached yet) counts its need by a new request's rule, ``cdiv(slots, bs) - max(skipped
-  blocks, held)``; where that differs from what it pops (``cdiv(slots, bs) - held``) the
-  pass stops before the item (status :data:`FALLBACK`) and the caller applies it in
-  Python, then starts the pass again after it.
+  another give the same list in either order); and it only flags the items with a block
+  to register (their count of cached blocks is predicted for the threshold, ``min(cache
+  limit, hashed tokens) // bs``, which is what registering sets): the caller caches them;
+* a Mamba group's keys registered in a step join its keys cached this step (a Python
+  set): the pass gives each item's span of such blocks;
+* an item whose registrations reach below its slab (not met in a decode step: a row
+  caches at most the blocks of the last scheduler block), and a row that is not running
+  (``num_cached_block < 0``: no prefix cache, or nothing cached yet) whose need by a new
+  request's rule, ``cdiv(slots, bs) - max(skipped blocks, held)``, differs from what it
+  pops (``cdiv(slots, bs) - held``): the pass stops before the item (status
+  :data:`FALLBACK`) and the caller applies it in Python, then starts the pass again
+  after it.
 
 Each applied item's row gets its new decode threshold (the least over its classes of
 twins of :meth:`optimized.control.managers.base.SingleTypeKVCacheManager._threshold`).
@@ -50,9 +56,10 @@ from optimized.control.compiled_caching import (
     EVERY_BLOCK,
     MAMBA_MASK,
     WINDOW_MASK,
-    compiled_cache_items,
+    row_caching,
 )
 from optimized.control.compiled_pool import group_row_arrays, span_free
+from optimized.control.hashing import KEY_BYTES, KEY_WORDS
 from optimized.control.jit import compiled
 from optimized.control.key_index import ArrayKeyIndex, remove_key
 from optimized.control.managers.chunked_local import ChunkedLocalAttentionManager
@@ -65,14 +72,21 @@ from reference.specs import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowS
 #: :func:`loud_pass` statuses: every item applied; the item at the returned index met a
 #: full pool (its result is None: its frees are done, nothing else); the pass leaves the
 #: item at the index to the caller (nothing done); a block reached a ref
-#: count below 0 (its id is in ``counters[2]``)
+#: count below 0 (its id is returned)
 APPLIED, EXHAUSTED, FALLBACK, FREED_TOO_OFTEN = 0, 1, 2, 3
+#: ``report`` columns: the item's new decode threshold, its caching (-1: nothing
+#: registered, else the least ``num_cached * ratio`` of the groups that register), then
+#: its pops in each group
+THRESHOLD, CACHED_FROM, POPS = 0, 1, 2
 #: per group, how its rows drop blocks: never, a sliding window, a chunk; or a Mamba
 #: group (columns retired, one state block per step at most)
 NO_SKIP, WINDOW, CHUNK, MAMBA = 0, 1, 2, 3
 #: ``items`` columns: row, computed tokens, slots (``min(computed + 1, max_model_len)``),
 #: cache limit (``min(cacheable tokens, hashed tokens)``)
-ROW, TOTAL, SLOTS, LIMIT = 0, 1, 2, 3
+#: ... and, for the caching in the pass: prompt tokens, junction (0: none), the row of
+#: ``words`` holding the request's chain row 0 (may be below 0), the first chain row held
+ROW, TOTAL, SLOTS, LIMIT, PROMPT, JUNCTION, BASE, SLAB_LO = 0, 1, 2, 3, 4, 5, 6, 7
+ITEM_COLUMNS = (ROW, TOTAL, SLOTS, LIMIT, PROMPT, JUNCTION, BASE, SLAB_LO)
 
 
 def loud_pass(
@@ -83,7 +97,12 @@ def loud_pass(
     skip_kind: np.ndarray,
     skip_param: np.ndarray,
     ratio: np.ndarray,
+    mask_kind: np.ndarray,
+    alignment: np.ndarray,
+    need_blocks: np.ndarray,
+    interval: np.ndarray,
     caching: bool,
+    words: np.ndarray,
     tables: np.ndarray,
     row_lens: np.ndarray,
     leading: np.ndarray,
@@ -97,38 +116,42 @@ def loud_pass(
     prev_free: np.ndarray,
     next_free: np.ndarray,
     key_index: tuple,
-    queue: np.ndarray,
+    head: int,
+    tail: int,
+    num_free: int,
     popped: np.ndarray,
-    pop_counts: np.ndarray,
     evicted: np.ndarray,
-    thresholds: np.ndarray,
-    to_cache: np.ndarray,
-    counters: np.ndarray,
-) -> tuple[int, int]:
+    spans: np.ndarray,
+    report: np.ndarray,
+) -> tuple[int, int, int, int, int, int]:
     """Apply ``items[first:]`` in order (see the module docstring); return ``(status,
-    index)``: :data:`APPLIED` and ``len(items)``, or the status and the item it stopped
-    at. Per group ``g``: its class ``twin_of[g]`` (the rows of twins hold the same
-    counts: the first group of the class decides), ``block_size``, ``skip_kind`` and
-    ``skip_param`` (the window or the chunk); ``tables[g]``, ``row_lens[g]``,
+    index, free blocks, popped, evicted, bad block)``: :data:`APPLIED` and
+    ``len(items)``, or the status and the item it stopped at; the free count after; how
+    many blocks it popped (``popped[:n]``) and left keys to drop (``evicted[:n]``); the
+    block freed too often, or -1. Per group ``g``: its class ``twin_of[g]`` (the rows of
+    twins hold the same counts: the first group of the class decides), ``block_size``,
+    ``skip_kind`` and
+    ``skip_param`` (the window or the chunk), ``ratio`` (its block size in hash blocks)
+    and the caching's ``mask_kind``, ``alignment``, ``need_blocks``, ``interval``
+    (:func:`~optimized.control.compiled_caching.keeps`); ``words``: the items' hash
+    slabs (``items[:, BASE]``, ``items[:, SLAB_LO]``); ``tables[g]``, ``row_lens[g]``,
     ``leading[g]``, ``cached[g]``, ``dirty[g]`` its row arrays, ``retired[g]`` and
     ``last_state[g]`` a Mamba group's (the stacks of a
     :class:`~optimized.control.row_store.RowStore`). ``key_index``: the
     pool's :class:`~optimized.control.key_index.ArrayKeyIndex` arrays ``(heads, words,
     links)``, which the pass updates itself when a popped block loses its key, or three
-    empty arrays (the keys live in dicts: the caller drops them). ``queue``: head, tail,
-    number of free blocks (updated). Out: ``popped`` (the blocks popped, item by item, in
-    group order), ``pop_counts[i, g]``, ``evicted[k] = (block, group)`` (keys left to the
-    caller), ``thresholds[i]``, ``to_cache[i]`` (-1: nothing to register; else the first
-    hash, at the hash block size, that some group may register: the least
-    ``num_cached * ratio[g]``, ``ratio`` the group's block size in hash blocks);
-    ``counters``: popped and evicted so far, the bad block."""
+    empty arrays (the keys live in dicts: the caller drops them). ``head``, ``tail``,
+    ``num_free``: the free queue's sentinels and free count. Out: ``popped`` (the blocks
+    popped, item by item, in group order), ``evicted[k] = (block, group)`` (keys left to
+    the caller), ``spans[i]`` (a Mamba group's registered span,
+    :func:`~optimized.control.compiled_caching.cache_row`), ``report[i]`` (columns
+    :data:`THRESHOLD`, :data:`CACHED_FROM`, :data:`POPS`: registered in the pass when the
+    keys live in arrays, else flagged for the caller). ``report`` comes last (a mutant
+    reads it there)."""
     m = items.shape[0]
     num_groups = twin_of.shape[0]
-    head = queue[0]
-    tail = queue[1]
-    num_free = queue[2]
-    n_popped = counters[0]
-    n_evicted = counters[1]
+    n_popped = 0
+    n_evicted = 0
     key_heads, key_words, key_links = key_index
     inline_keys = key_heads.shape[0] > 0
     start = np.zeros(num_groups, dtype=np.int64)
@@ -142,12 +165,16 @@ def loud_pass(
         total = items[i, TOTAL]
         slots = items[i, SLOTS]
         for g in range(num_groups):
-            pop_counts[i, g] = 0
+            report[i, POPS + g] = 0
         # -- each class decides its drop span and pops (its first group's row) --------
         need = 0
         odd = False
         for g in range(num_groups):
             t = twin_of[g]
+            if t == g and inline_keys and caching:
+                done = max(cached[g, row], 0)
+                if items[i, LIMIT] // block_size[g] > done and done * ratio[g] < items[i, SLAB_LO]:
+                    odd = True  # registrations below the item's slab
             if t == g:
                 bs = block_size[g]
                 held = row_lens[g, row]
@@ -207,9 +234,7 @@ def loud_pass(
                 )
                 num_free += freed
                 if bad >= 0:
-                    counters[2] = bad
-                    queue[2] = num_free
-                    return FREED_TOO_OFTEN, i
+                    return FREED_TOO_OFTEN, i, num_free, n_popped, n_evicted, bad
                 if skip_kind[t] == MAMBA:
                     retired[g, row] = end[t]
                 else:
@@ -235,9 +260,7 @@ def loud_pass(
                     )
                     num_free += freed
                     if bad >= 0:
-                        counters[2] = bad
-                        queue[2] = num_free
-                        return FREED_TOO_OFTEN, i
+                        return FREED_TOO_OFTEN, i, num_free, n_popped, n_evicted, bad
                     dirty[g, row] = True
         # -- the pool check, then the pops in group order -----------------------------
         exhausted = need > num_free
@@ -286,7 +309,7 @@ def loud_pass(
                         tables[g, row, n + j] = popped[k + j]
                     row_lens[g, row] = n + p
                 dirty[g, row] = True
-                pop_counts[i, g] = p
+                report[i, POPS + g] = p
                 k += p
         # -- the row's new threshold (caching predicted), least over the classes -------
         least = -1
@@ -318,16 +341,36 @@ def loud_pass(
                 at = min(at, done * bs + bs - 1)
             if least < 0 or at < least:
                 least = at
-        thresholds[i] = least
-        to_cache[i] = cache_from
+        report[i, THRESHOLD] = least
+        report[i, CACHED_FROM] = cache_from
+        if cache_from >= 0 and inline_keys:
+            row_caching(
+                row,
+                items[i, LIMIT],
+                items[i, PROMPT],
+                items[i, JUNCTION],
+                words,
+                items[i, BASE],
+                block_size,
+                ratio,
+                mask_kind,
+                alignment,
+                need_blocks,
+                interval,
+                tables,
+                cached,
+                block_group,
+                cached_tokens,
+                key_heads,
+                key_words,
+                key_links,
+                spans[i],
+            )
         if exhausted:
             status = EXHAUSTED
             break
         i += 1
-    queue[2] = num_free
-    counters[0] = n_popped
-    counters[1] = n_evicted
-    return status, i
+    return status, i, num_free, n_popped, n_evicted, -1
 
 
 #: the compiled :func:`loud_pass` (None: numba missing or turned off)
@@ -399,6 +442,8 @@ def compiled_layout(managers: Sequence, twin_of: Sequence[int], pool) -> Compile
     )
 
 
+#: the hash slabs of no item
+_NO_WORDS = np.zeros((0, 4), dtype=np.int64)
 #: the key index of a pool whose keys live in dicts, as the pass takes it: no arrays
 _NO_KEY_ARRAYS = (
     np.zeros(0, dtype=np.int32),
@@ -421,20 +466,20 @@ class LoudPass:
     pass knows), the state arrays it hands the pass (fetched again once the manager has
     grown) and output buffers reused from step to step (grown to the most items seen).
     ``run``: the pass (:data:`compiled_pass`; a test gives the Python :func:`loud_pass`,
-    a mutant a broken one); ``cache``: the caching of the flagged items when the pool
-    keeps its keys in arrays (:data:`~optimized.control.compiled_caching.
-    compiled_cache_items`; a test gives the Python form), else each item is cached in
-    Python (:func:`~optimized.control.batched_decode.cache_decode_item`)."""
+    a mutant a broken one). With the pool's keys in arrays the pass caches the items
+    itself; else each flagged item is cached in Python
+    (:func:`~optimized.control.batched_decode.cache_decode_item`)."""
 
-    def __init__(self, manager, run: Callable | None = None, cache: Callable | None = None) -> None:
+    def __init__(self, manager, run: Callable | None = None) -> None:
         self.manager = manager
         self.run_pass = compiled_pass if run is None else run
-        self.run_cache = compiled_cache_items if cache is None else cache
         self.layout: CompiledLayout | None = None
         self._seen: tuple = ()
         self._arrays: tuple = ()
         self._arrays_rows = -1  # the manager's row count when ``_arrays`` was taken
         self._capacity = -1
+        #: the chain rows an item's slab holds (:meth:`_slab_rows`)
+        self._slab = 0
         self.usable()
 
     def usable(self) -> bool:
@@ -443,7 +488,7 @@ class LoudPass:
         manager = self.manager
         coord = manager.coordinator
         pool = manager.block_pool
-        seen = (coord.managers, pool, pool.free_block_queue)
+        seen = (coord.managers, pool, pool.free_block_queue, pool.index)
         if len(seen) == len(self._seen) and all(a is b for a, b in zip(seen, self._seen)):
             return self.layout is not None
         self._seen = seen
@@ -455,10 +500,21 @@ class LoudPass:
         )
         if self.layout is None:
             return False
+        self._slab = self._slab_rows()
         self._capacity = -1
         self._grow_buffers(8)
-        self.run(np.zeros((0, 4), dtype=np.int64), 0)  # numba compiles (or loads) it now
+        self.run(np.zeros((0, len(ITEM_COLUMNS)), dtype=np.int64), 0, _NO_WORDS)  # compile
         return True
+
+    def _slab_rows(self) -> int:
+        """How many of a loud item's last chain rows (hashes at the hash block size) the
+        pass is given: what a decode step registers (a row's registrations since its last
+        caching: at most one scheduler block, plus the widest group's block), twice."""
+        pool = self.manager.block_pool
+        layout = self.layout
+        assert layout is not None
+        scheduler = self.manager.layout.scheduler_block_size // pool.hash_block_size
+        return 2 * (scheduler + int(layout.ratio.max()))
 
     def _state_arrays(self) -> tuple:
         """The arrays the pass reads and writes, in its argument order."""
@@ -485,23 +541,18 @@ class LoudPass:
         num_groups = len(self.layout.twin_of)
         self._capacity = m
         self.popped = np.empty(2 * m * num_groups, dtype=np.int64)
-        self.pop_counts = np.empty((m, num_groups), dtype=np.int64)
         self.evicted = np.empty((self.popped.size, 2), dtype=np.int64)
-        self.thresholds = np.empty(m, dtype=np.int64)
-        self.to_cache = np.empty(m, dtype=np.int64)
-        self.counters = np.zeros(3, dtype=np.int64)
-        self.state = np.zeros(3, dtype=np.int64)
+        self.spans = np.zeros((m, num_groups, 2), dtype=np.int64)
+        self.report = np.empty((m, POPS + num_groups), dtype=np.int64)
 
-    def run(self, items: np.ndarray, first: int) -> tuple[int, int]:
-        """:func:`loud_pass` of ``items[first:]`` on the manager's state; the queue's free
-        count is written back."""
+    def run(self, items: np.ndarray, first: int, words: np.ndarray) -> tuple[int, int, int]:
+        """:func:`loud_pass` of ``items[first:]`` (their hash slabs in ``words``) on the
+        manager's state; the queue's free count is written back. Returns ``(status,
+        stop, popped)``; a block freed too often raises (:class:`KVConformError`)."""
         layout = self.layout
         assert layout is not None
         queue = self.manager.block_pool.free_block_queue
-        state = self.state
-        state[0], state[1], state[2] = queue.head, queue.tail, queue.num_free_blocks
-        self.counters[:2] = 0
-        status, stop = self.run_pass(
+        status, stop, num_free, n_popped, n_evicted, bad = self.run_pass(
             first,
             items,
             layout.twin_of,
@@ -509,18 +560,29 @@ class LoudPass:
             layout.skip_kind,
             layout.skip_param,
             layout.ratio,
+            layout.mask_kind,
+            layout.alignment,
+            layout.need,
+            layout.interval,
             self.manager.enable_caching,
+            words,
             *self._state_arrays(),
-            state,
+            queue.head,
+            queue.tail,
+            queue.num_free_blocks,
             self.popped,
-            self.pop_counts,
             self.evicted,
-            self.thresholds,
-            self.to_cache,
-            self.counters,
+            self.spans,
+            self.report,
         )
-        queue.num_free_blocks = int(state[2])
-        return status, stop
+        queue.num_free_blocks = num_free
+        if n_evicted:
+            evict_key = self.manager.block_pool._evict_key
+            for block, group in self.evicted[:n_evicted].tolist():
+                evict_key(block, group)
+        if status == FREED_TOO_OFTEN:
+            raise KVConformError(f"block {bad} freed more often than allocated")
+        return status, stop, n_popped
 
     def apply(self, requests: Sequence, picked: Sequence[int], rows: Sequence[int]) -> list:
         """The results of the loud items ``requests[i]`` for ``i`` in ``picked`` (on
@@ -528,56 +590,71 @@ class LoudPass:
         gives them: per item its new blocks per group (``manager.no_new_blocks`` when
         none), stopping after the first None; each row's decode threshold refreshed. The
         items went through ``_loud_items`` (one new token, no hit, running, a row each);
-        the caller checked :meth:`usable`."""
+        the caller checked :meth:`usable`. With the keys in arrays each item's last chain
+        rows go to the pass as its slab (:meth:`_slab_rows`), laid end to end (one join
+        of the chains' raw bytes)."""
         manager = self.manager
         coord = manager.coordinator
-        pool = manager.block_pool
         mml = manager.max_model_len
-        cacheable = coord.num_cacheable_tokens
+        h = coord.block_pool.hash_block_size
+        unit = coord.cache_unit
+        in_arrays = coord.block_pool.keys_as_words
+        width = self._slab
         m = len(picked)
         self._grow_buffers(m)
         flat: list[int] = []
         cache_tokens: list[int] = []
+        slabs: list[bytearray] = []
+        at = 0
         for i, row in zip(picked, rows):
             request = requests[i]
             total = request.num_computed_tokens
             main = total + 1
-            tokens = cacheable(min(main, request.num_tokens))
-            cache_tokens.append(tokens)
-            hashed = len(request.block_hashes) * request.hash_block_size
-            flat += (row, total, min(main, mml), min(tokens, hashed))
-        items = np.array(flat, dtype=np.int64).reshape(m, 4)
+            tokens = min(main, request.num_tokens) // unit * unit  # num_cacheable_tokens
+            chain = request.block_hashes
+            limit = min(tokens, len(chain) * h)
+            if in_arrays:
+                hi = limit // h
+                lo = hi - width if hi > width else 0
+                slabs.append(chain.raw[KEY_BYTES * lo : KEY_BYTES * hi])
+                flat += (
+                    row,
+                    total,
+                    main if main < mml else mml,
+                    limit,
+                    request.num_prompt_tokens,
+                    request.shared_prefix_boundary,
+                    at - lo,
+                    lo,
+                )
+                at += hi - lo
+            else:
+                flat += (row, total, min(main, mml), limit, 0, 0, 0, 0)
+                cache_tokens.append(tokens)
+        items = np.array(flat, dtype=np.int64).reshape(m, len(ITEM_COLUMNS))
+        if in_arrays:
+            words = np.frombuffer(bytearray().join(slabs), dtype=np.int64).reshape(-1, KEY_WORDS)
+        else:
+            words = _NO_WORDS
         next_work = manager._next_work
         empty = manager.no_new_blocks
-        # the flagged items' caching in one compiled call per pass (keys in arrays), else
-        # item by item in Python
-        in_arrays = self.run_cache is not None and isinstance(pool.index, ArrayKeyIndex)
         out: list = []
         first = 0
         while first < m:
-            status, stop = self.run(items, first)
-            counters = self.counters
-            num_evicted = counters.item(1)
-            if num_evicted:
-                for block, group in self.evicted[:num_evicted].tolist():
-                    pool._evict_key(block, group)
-            if status == FREED_TOO_OFTEN:
-                raise KVConformError(f"block {counters.item(2)} freed more often than allocated")
+            status, stop, n_popped = self.run(items, first, words)
             last = stop + 1 if status == EXHAUSTED else stop
-            ids = self.popped[: counters.item(0)].tolist()
-            thresholds = self.thresholds[first:last].tolist()
-            to_cache = self.to_cache[first:last].tolist()
-            counts = self.pop_counts[first:last].tolist() if ids else None
-            if in_arrays and to_cache.count(-1) != len(to_cache):
-                self._cache_flagged(requests, picked, rows, items, first, to_cache)
+            report = self.report[first:last].tolist()
+            ids = self.popped[:n_popped].tolist() if n_popped else ()
+            if in_arrays and any(r[CACHED_FROM] >= 0 for r in report):
+                self._mamba_keys(rows, first, report)
             k = 0
-            for j in range(first, last):
+            for j, done in enumerate(report, first):
                 row = rows[j]
-                next_work[row] = thresholds[j - first]
+                next_work[row] = done[THRESHOLD]
                 if j == stop:  # the exhausted item
                     out.append(None)
                     return out
-                if to_cache[j - first] >= 0 and not in_arrays:
+                if done[CACHED_FROM] >= 0 and not in_arrays:
                     cache_decode_item(
                         coord.managers,
                         manager._twin_of,
@@ -587,11 +664,11 @@ class LoudPass:
                         cache_tokens[j],
                         manager._all_groups,
                     )
-                if counts is None or k == len(ids):
+                if k == len(ids):
                     out.append(empty)
                     continue
                 blocks = []
-                for c in counts[j - first]:
+                for c in done[POPS:]:
                     blocks.append(ids[k : k + c])
                     k += c
                 out.append(blocks)
@@ -605,72 +682,26 @@ class LoudPass:
             first = stop + 1
         return out
 
-    def _cache_flagged(
-        self,
-        requests: Sequence,
-        picked: Sequence[int],
-        rows: Sequence[int],
-        items: np.ndarray,
-        first: int,
-        cache_from: list[int],
-    ) -> None:
-        """Register what the flagged items of ``items[first:]`` complete (``cache_from``:
-        the pass's ``to_cache`` from ``first`` on), in one call of
-        :func:`~optimized.control.compiled_caching.cache_items`: each item's hashes from
-        its first row any group may register up to its cache limit, as words (a slice of
-        its chain's), laid end to end; then a Mamba group's registered keys join its keys
-        cached this step."""
-        manager = self.manager
-        pool = manager.block_pool
+    def _mamba_keys(self, rows: Sequence[int], first: int, report: list[list[int]]) -> None:
+        """The keys a Mamba group registered for the items of ``rows[first:]`` that
+        cached (``report``: the pass's from ``first`` on) join its keys cached this step:
+        each hashed block of the span the pass gave
+        (:func:`~optimized.control.compiled_caching.cache_row`)."""
         layout = self.layout
-        h = pool.hash_block_size
-        flagged = [j for j, lo in enumerate(cache_from, first) if lo >= 0]
-        rows_of = np.empty((len(flagged), 6), dtype=np.int64)
-        slabs = []
-        at = 0
-        for f, j in enumerate(flagged):
-            request = requests[picked[j]]
-            lo = cache_from[j - first]
-            limit = items.item(j, LIMIT)
-            slabs.append(request.block_hashes.words()[lo : limit // h])
-            rows_of[f] = (
-                rows[j],
-                limit,
-                request.num_prompt_tokens,
-                request.shared_prefix_boundary,
-                at,
-                lo,
-            )
-            at += limit // h - lo
-        words = slabs[0] if len(slabs) == 1 else np.concatenate(slabs)
-        arrays = self._state_arrays()
-        spans = np.zeros((len(flagged), len(layout.twin_of), 2), dtype=np.int64)
-        self.run_cache(
-            rows_of,
-            words,
-            layout.block_size,
-            layout.ratio,
-            layout.mask_kind,
-            layout.alignment,
-            layout.need,
-            layout.interval,
-            arrays[0],  # tables
-            arrays[3],  # cached counts
-            pool.block_group,
-            pool.num_cached_tokens,
-            *arrays[12],  # the key index
-            spans,
-        )
         mamba = [g for g, kind in enumerate(layout.mask_kind.tolist()) if kind == MAMBA_MASK]
-        if mamba:
-            managers = manager.coordinator.managers
-            key_of = pool.index.key_of
-            block_group = pool.block_group
-            for f, j in enumerate(flagged):
-                for g in mamba:
-                    done, full = spans[f, g].tolist()
-                    table = managers[g].table
-                    for column in range(done, full):
-                        block = table.item(rows[j], column)
-                        if block and block_group.item(block) >= 0:
-                            managers[g].cached_keys_this_step.add(key_of(block))
+        if not mamba:
+            return
+        manager = self.manager
+        managers = manager.coordinator.managers
+        key_of = manager.block_pool.index.key_of
+        block_group = manager.block_pool.block_group
+        for j, done in enumerate(report, first):
+            if done[CACHED_FROM] < 0:
+                continue
+            for g in mamba:
+                done, full = self.spans[j, g].tolist()
+                table = managers[g].table
+                for column in range(done, full):
+                    block = table.item(rows[j], column)
+                    if block and block_group.item(block) >= 0:
+                        managers[g].cached_keys_this_step.add(key_of(block))

@@ -172,8 +172,13 @@ class KVCacheCoordinator:
         KVCacheCoordinator.find_longest_cache_hit`)."""
         raise NotImplementedError
 
+    #: the tokens caching registers are rounded down to a multiple of this (a hybrid
+    #: coordinator's scheduler block size, the LCM of its groups' block sizes)
+    cache_unit: int = 1
+
     def num_cacheable_tokens(self, num_tokens: int) -> int:
-        return num_tokens
+        """``num_tokens`` rounded down to :attr:`cache_unit`. Example: unit 32, 70 -> 64."""
+        return num_tokens // self.cache_unit * self.cache_unit
 
     # -- allocation --------------------------------------------------------------
     def get_num_blocks_to_allocate(
@@ -484,6 +489,7 @@ class HybridCoordinator(KVCacheCoordinator):
         super().__init__(layout, max_num_reqs, compiled)
         self.spec_groups = spec_groups_of(self.managers)
         self.scheduler_block_size = layout.scheduler_block_size
+        self.cache_unit = layout.scheduler_block_size
         #: the first full-attention spec group's ids and its block size in hash blocks
         #: (None: no full-attention group), for the miss test of ``find_longest_cache_hit``
         self._first_full: tuple[list[int], int] | None = next(
@@ -501,10 +507,6 @@ class HybridCoordinator(KVCacheCoordinator):
             and isinstance(self.spec_groups[0].spec, FullAttentionSpec)
             and not any(sg.use_eagle for sg in self.spec_groups)
         )
-
-    def num_cacheable_tokens(self, num_tokens: int) -> int:
-        s = self.scheduler_block_size
-        return num_tokens // s * s
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int

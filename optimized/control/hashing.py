@@ -66,10 +66,12 @@ def extend_block_hashes(
     width = h * TOKEN_DTYPE.itemsize
     parent = hashes[-1] if hashes else ROOT_HASH
     lora = extra_key_bytes(1, None, lora_name)
+    new = []
     for k in range(end - j):
         extra = extra_key_bytes(0, cache_salt, lora_name) if j + k == 0 else lora
         parent = chain_link(parent, raw[k * width : (k + 1) * width], extra)
-        hashes.append(parent)
+        new.append(parent)
+    hashes.extend(new)  # (one write of a HashChain's buffer)
 
 
 def hashes_at_block_size(
@@ -118,39 +120,58 @@ def key_words(keys: Sequence[bytes]) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.int64).reshape(-1, KEY_WORDS).copy()
 
 
-#: the words of no hash
-_NO_WORDS = np.zeros((0, KEY_WORDS), dtype=np.int64)
-
-
 class HashChain(list):
-    """A request's block hashes: a list of 32-byte digests (appended to as blocks
-    complete, never changed otherwise) that also gives them as int64 words
-    (:meth:`words`), converted as they are first asked for and kept. Example: a chain of
-    3 hashes -> ``words()`` has shape ``(3, 4)``; after an append, ``words()`` converts
-    the one new hash."""
+    """A request's block hashes: a list of 32-byte digests, appended to as blocks complete
+    (never changed otherwise), each also written end to end into a buffer (:attr:`raw`,
+    grown by doubling) that :meth:`words` reads as int64 words with no conversion (the
+    form :mod:`optimized.control.key_index` keeps). Example: a chain of 3 hashes ->
+    ``words()`` has shape ``(3, 4)``; an append writes the new hash's 32 bytes, and
+    ``words()`` then has 4 rows."""
 
-    __slots__ = ("_words", "_num_words", "_view")
+    __slots__ = ("raw", "_all_words")
 
     def __init__(self, hashes: Sequence[bytes] = ()) -> None:
         super().__init__(hashes)
-        self._words = _NO_WORDS
-        self._num_words = 0
-        self._view = _NO_WORDS  # ``_words[:_num_words]``
+        #: the hashes end to end (its capacity may exceed them: read ``len(self)`` rows)
+        self.raw = bytearray()
+        self._all_words = np.zeros((0, KEY_WORDS), dtype=np.int64)
+        self._room(len(self))
+        if len(self):
+            self._write(0, self)
+
+    def _room(self, n: int) -> None:
+        """Capacity for ``n`` hashes at least (a new buffer, the old content copied: a
+        buffer read by an array cannot be resized in place)."""
+        if len(self.raw) >= KEY_BYTES * n:
+            return
+        raw = bytearray(KEY_BYTES * max(n, 2 * (len(self.raw) // KEY_BYTES), 16))
+        raw[: len(self.raw)] = self.raw
+        self.raw = raw
+        self._all_words = np.frombuffer(raw, dtype=np.int64).reshape(-1, KEY_WORDS)
+
+    def _write(self, at: int, hashes: Sequence[bytes]) -> None:
+        data = b"".join(hashes)
+        if len(data) != KEY_BYTES * len(hashes):
+            raise KVConformError(f"HashChain: block hashes must be {KEY_BYTES} bytes each")
+        self.raw[KEY_BYTES * at : KEY_BYTES * at + len(data)] = data
+
+    def append(self, block_hash: bytes) -> None:
+        n = len(self)
+        self._room(n + 1)
+        self._write(n, (block_hash,))
+        super().append(block_hash)
+
+    def extend(self, hashes) -> None:
+        hashes = list(hashes)
+        n = len(self)
+        self._room(n + len(hashes))
+        self._write(n, hashes)
+        super().extend(hashes)
 
     def words(self) -> np.ndarray:
-        """Every hash as words (:func:`key_words`), a view of a buffer grown by doubling."""
-        n = len(self)
-        if self._num_words == n:
-            return self._view
-        done = self._num_words
-        if self._words.shape[0] < n:
-            grown = np.empty((max(n, 2 * self._words.shape[0]), KEY_WORDS), dtype=np.int64)
-            grown[:done] = self._words[:done]
-            self._words = grown
-        self._words[done:n] = key_words(self[done:n])
-        self._num_words = n
-        self._view = self._words[:n]
-        return self._view
+        """Every hash as four little-endian int64 words (:func:`key_words`' form), a view
+        of :attr:`raw`."""
+        return self._all_words[: len(self)]
 
 
 def chain_words(

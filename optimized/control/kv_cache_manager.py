@@ -214,12 +214,9 @@ class KVCacheManager(ManagerBookkeeping):
         lora_name: str | None = None,
     ) -> Request:
         check_prompt_length(request_id, len(prompt_token_ids), self.max_model_len)
-        request = Request(
+        return Request(
             request_id, prompt_token_ids, self.layout.hash_block_size, cache_salt, lora_name
         )
-        if self.block_pool.keys_as_words:  # the prompt's hashes as the key index reads them
-            request.block_hashes.words()
-        return request
 
     # -- lookup ----------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[ComputedBlocks, int]:

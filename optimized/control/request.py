@@ -62,7 +62,7 @@ def _reserve(items: list, extra: int) -> None:
     still 128 hashes.
     """
     n = len(items)
-    items.extend([None] * extra)
+    list.extend(items, [None] * extra)  # (a HashChain's own extend writes hashes)
     del items[n:]
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from optimized.control.block_pool import NOT_QUEUED, FreeBlockQueue
-from optimized.control.compiled_decode import LoudPass, compiled_pass, loud_pass
+from optimized.control.compiled_decode import THRESHOLD, LoudPass, compiled_pass, loud_pass
 from optimized.control.coordinator import HybridCoordinator
 from optimized.control.kv_cache_manager import KVCacheManager
 from optimized.control.managers import (
@@ -239,10 +239,10 @@ def late_threshold_pass(first, items, *args):
     """The compiled decode pass (its Python form without numba), each applied row's
     decode threshold then set one token later than the pass computed."""
     run = loud_pass if compiled_pass is None else compiled_pass
-    status, stop = run(first, items, *args)
-    thresholds = args[-3]  # (the pass's outputs: ..., thresholds, to_cache, counters)
-    thresholds[first:stop] += 1  # BUG: the row's work at its threshold count is skipped
-    return status, stop
+    result = run(first, items, *args)
+    report = args[-1]  # (the pass's last argument: a row of results per item)
+    report[first : result[1], THRESHOLD] += 1  # BUG: the row's work at its threshold waits
+    return result
 
 
 @REGISTRY.mutant(
@@ -254,8 +254,7 @@ def late_threshold_pass(first, items, *args):
 def make_compiled_threshold_late(layout: KVCacheLayout) -> OptimizedMutantEngine:
     engine = OptimizedMutantEngine(layout, "compiled_threshold_late")
     manager = engine.manager
-    if manager._per_group_apply:  # (Mamba layouts take the Python paths)
-        manager._compiled = LoudPass(manager, run=late_threshold_pass)
+    manager._compiled = LoudPass(manager, run=late_threshold_pass)
     return engine
 
 

@@ -237,13 +237,21 @@ def test_a_key_of_another_length_is_refused() -> None:
     assert key_words([bytes(32)]).tolist() == [[0, 0, 0, 0]]
 
 
-def test_a_hash_chain_converts_each_hash_once() -> None:
+def test_a_hash_chain_keeps_its_hashes_as_words() -> None:
+    """Made from 3 hashes, then 20 appended one at a time and 2 at once (its buffer grows
+    past 16 hashes): every row is its hash's words, and a view taken before the growth
+    still reads the old rows."""
     chain = HashChain(_key(7, t) for t in range(3))
     first = chain.words()
     assert first.shape == (3, 4) and first[:, 0].tolist() == [7, 7, 7]
-    chain.append(_key(9, 0))
-    assert chain.words()[3, 0] == 9 and chain._num_words == 4
-    assert chain.words()[:3].tolist() == first.tolist()
+    for t in range(20):
+        chain.append(_key(100 + t, t))
+    chain.extend([_key(200, 1), _key(201, 2)])
+    assert chain.words().shape == (25, 4)
+    assert chain.words().tolist() == key_words(list(chain)).tolist()
+    assert first[:, 0].tolist() == [7, 7, 7]
+    with pytest.raises(KVConformError, match="32 bytes"):
+        chain.append(b"short")
 
 
 @needs_numba
