@@ -120,6 +120,11 @@ def key_words(keys: Sequence[bytes]) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.int64).reshape(-1, KEY_WORDS).copy()
 
 
+#: the hashes a :class:`HashChain` has room for past those it is grown for (16 blocks of
+#: decoded tokens)
+HASH_HEADROOM = 16
+
+
 class HashChain(list):
     """A request's block hashes: a list of 32-byte digests, appended to as blocks complete
     (never changed otherwise), each also written end to end into a buffer (:attr:`raw`,
@@ -140,11 +145,13 @@ class HashChain(list):
             self._write(0, self)
 
     def _room(self, n: int) -> None:
-        """Capacity for ``n`` hashes at least (a new buffer, the old content copied: a
-        buffer read by an array cannot be resized in place)."""
+        """Capacity for ``n`` hashes at least, and :data:`HASH_HEADROOM` more (a new
+        buffer, the old content copied: a buffer read by an array cannot be resized in
+        place), so that a prompt's chain takes the hashes of its first decoded blocks
+        with no copy."""
         if len(self.raw) >= KEY_BYTES * n:
             return
-        raw = bytearray(KEY_BYTES * max(n, 2 * (len(self.raw) // KEY_BYTES), 16))
+        raw = bytearray(KEY_BYTES * max(n + HASH_HEADROOM, 2 * (len(self.raw) // KEY_BYTES)))
         raw[: len(self.raw)] = self.raw
         self.raw = raw
         self._all_words = np.frombuffer(raw, dtype=np.int64).reshape(-1, KEY_WORDS)

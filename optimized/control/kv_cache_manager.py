@@ -292,6 +292,7 @@ class KVCacheManager(ManagerBookkeeping):
         slots = min(main + num_lookahead_tokens, self.max_model_len)
 
         row = coordinator.row_of.get(rid)
+        took_row = row is None  # (a row taken here gets its decode threshold at the end)
         # a fresh row, empty or holding an adopted hit: its new blocks are cached from a list
         fresh = False
         if row is None and coordinator.plain_counts and not any(hits):
@@ -338,15 +339,27 @@ class KVCacheManager(ManagerBookkeeping):
             coordinator.cache_blocks(request, row, min(total + num_new_tokens, request.num_tokens))
         if request.status is not RequestStatus.FINISHED:
             request.status = RequestStatus.RUNNING
+        if took_row:  # its first decode item is then tested against the row's counts
+            self._next_work[row] = self._row_threshold(row)
         return new_blocks
 
     def _take_row(self, request_id: str) -> int:
         """The coordinator's new row for the request, its decode threshold zeroed (the row
         may have changed hands: its items are tested until a step refreshes it)."""
         row = self.coordinator.row(request_id)
-        if row < len(self._next_work):
-            self._next_work[row] = 0
+        next_work = self._next_work
+        if row >= len(next_work):
+            next_work.extend([0] * (self.coordinator.max_num_reqs - len(next_work)))
+        next_work[row] = 0
         return row
+
+    def _row_threshold(self, row: int) -> int:
+        """The row's decode threshold: the least over the classes of twins of
+        :meth:`~optimized.control.managers.base.SingleTypeKVCacheManager.
+        decode_work_threshold_of`. Example: full group 48 (its next block), window group
+        40 (its next drop) -> 40."""
+        managers = self.coordinator.managers
+        return min([managers[g].decode_work_threshold_of(row) for g in self._class_reps])
 
     def schedule_columns(
         self,
@@ -562,8 +575,6 @@ class KVCacheManager(ManagerBookkeeping):
         twins. Example: 2 loud items, the first crossing a block boundary in a full pool
         -> ``[None]``."""
         groups = self._all_groups
-        managers = self.coordinator.managers
-        reps = [managers[g] for g in self._class_reps]
         next_work = self._next_work
         mml = self.max_model_len
         cacheable = self.coordinator.num_cacheable_tokens
@@ -579,7 +590,7 @@ class KVCacheManager(ManagerBookkeeping):
                 )
             else:  # a Mamba group (its own rules): allocate_slots itself
                 new_blocks = self.allocate_slots(request, 1)
-            next_work[row] = min([m.decode_work_threshold_of(row) for m in reps])
+            next_work[row] = self._row_threshold(row)
             out.append(new_blocks)
             if new_blocks is None:
                 break
