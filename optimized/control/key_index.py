@@ -286,12 +286,15 @@ def window_run(
     return 0, run
 
 
-#: the compiled bulk loops (None: numba missing or turned off)
-compiled_lookup = compiled(lookup_heads)
-compiled_lookup_right = compiled(lookup_right)
-compiled_window_run = compiled(window_run)
-compiled_insert = compiled(insert_blocks)
-compiled_evict = compiled(evict_blocks)
+#: are the loops compiled (numba on)? Else :func:`make_key_index` keeps the keys in
+#: dicts; an :class:`ArrayKeyIndex` built anyway runs its loops as Python (tests)
+COMPILED = _find is not find_slot
+#: the bulk loops as :class:`ArrayKeyIndex` calls them: compiled where numba is on
+compiled_lookup = compiled(lookup_heads) or lookup_heads
+compiled_lookup_right = compiled(lookup_right) or lookup_right
+compiled_window_run = compiled(window_run) or window_run
+compiled_insert = compiled(insert_blocks) or insert_blocks
+compiled_evict = compiled(evict_blocks) or evict_blocks
 
 
 # ---------------------------------------------------------------------------
@@ -620,6 +623,6 @@ def make_key_index(
 ) -> ArrayKeyIndex | DictKeyIndex:
     """:class:`ArrayKeyIndex` when ``compiled_loops`` and numba is on, else
     :class:`DictKeyIndex`."""
-    if compiled_loops and compiled_lookup is not None:
+    if compiled_loops and COMPILED:
         return ArrayKeyIndex(num_blocks, block_group)
     return DictKeyIndex(num_blocks, num_groups, block_group)

@@ -24,9 +24,12 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from optimized.control import key_index
 from optimized.control.block_pool import NOT_QUEUED, FreeBlockQueue
 from optimized.control.compiled_decode import THRESHOLD, LoudPass, compiled_pass, loud_pass
 from optimized.control.coordinator import HybridCoordinator
+from optimized.control.jit import compiled
+from optimized.control.key_index import ArrayKeyIndex
 from optimized.control.kv_cache_manager import KVCacheManager
 from optimized.control.managers import (
     ChunkedLocalAttentionManager,
@@ -204,6 +207,64 @@ class _OffByOneSlotEngine(OptimizedMutantEngine):
 )
 def make_slot_mapping_off_by_one_block(layout: KVCacheLayout) -> OptimizedMutantEngine:
     return _OffByOneSlotEngine(layout, "slot_mapping_off_by_one_block")
+
+
+def remove_leaving_a_hole(heads, words, links, block_group, block, group) -> None:
+    """:func:`optimized.control.key_index.remove_block` with a deletion that empties the
+    slot of a key's last block without shifting the later entries of its probe run back:
+    a key placed past the hole (its home taken when it was added) is no longer found."""
+    s = key_index._find(heads, words, block_group, words, block, group)
+    if s < 0:
+        return
+    head = heads[s]
+    after = links[block, key_index.NEXT]
+    if head == block:
+        if after < 0:
+            heads[s] = key_index.EMPTY  # BUG: no backward shift of the run after the slot
+        else:
+            heads[s] = after
+            links[after, key_index.PREV] = links[block, key_index.PREV]
+        return
+    before = links[block, key_index.PREV]
+    links[before, key_index.NEXT] = after
+    if after < 0:
+        links[head, key_index.PREV] = before
+    else:
+        links[after, key_index.PREV] = before
+
+
+_remove_leaving_a_hole = compiled(remove_leaving_a_hole) or remove_leaving_a_hole
+
+
+class HoleOnDeleteKeyIndex(ArrayKeyIndex):
+    """The key index whose evictions (one block, or a prefill's popped blocks) leave holes
+    in the table's probe runs (:func:`remove_leaving_a_hole`)."""
+
+    def remove(self, block: int, group: int) -> None:
+        _remove_leaving_a_hole(self.heads, self.words, self.links, self.block_group, block, group)
+
+    def remove_many(self, blocks: np.ndarray, num_cached_tokens: np.ndarray) -> None:
+        for block in blocks.tolist():
+            group = int(self.block_group[block])
+            _remove_leaving_a_hole(
+                self.heads, self.words, self.links, self.block_group, block, group
+            )
+            self.block_group[block] = -1
+            num_cached_tokens[block] = 0
+
+
+@REGISTRY.mutant(
+    "exact",
+    ["exact_match"],
+    "evicting a key from the prefix cache's hash table empties its slot without moving "
+    "the later entries of its probe run back: a cached prefix past the hole is missed",
+)
+def make_key_index_hole_on_delete(layout: KVCacheLayout) -> OptimizedMutantEngine:
+    engine = OptimizedMutantEngine(layout, "key_index_hole_on_delete")
+    pool = engine.manager.block_pool
+    pool.index = HoleOnDeleteKeyIndex(pool.num_blocks, pool.block_group)
+    pool.keys_as_words = True
+    return engine
 
 
 class BatchedThresholdMaxManager(KVCacheManager):

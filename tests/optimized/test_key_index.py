@@ -21,7 +21,7 @@ from optimized.control.key_index import ArrayKeyIndex, DictKeyIndex, make_key_in
 from reference.errors import KVConformError
 
 needs_numba = pytest.mark.skipif(
-    key_index.compiled_lookup is None,
+    not key_index.COMPILED,
     reason="numba is not installed (the jit extra) or KVCONFORM_JIT=0",
 )
 
