@@ -47,11 +47,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, chain
 
 import numpy as np
 
 from optimized.control.batched_decode import cache_decode_item
 from optimized.control.block_pool import BlockPool, FreeBlockQueue
+from optimized.control.compiled_admission import compiled_admit
 from optimized.control.compiled_caching import (
     EVERY_BLOCK,
     MAMBA_MASK,
@@ -59,6 +61,7 @@ from optimized.control.compiled_caching import (
     row_caching,
 )
 from optimized.control.compiled_pool import group_row_arrays, span_free
+from optimized.control.compiled_rows import CHUNK, MAMBA, NO_SKIP, WINDOW, threshold_of
 from optimized.control.hashing import KEY_BYTES, KEY_WORDS
 from optimized.control.jit import compiled
 from optimized.control.key_index import ArrayKeyIndex, remove_key
@@ -78,9 +81,6 @@ APPLIED, EXHAUSTED, FALLBACK, FREED_TOO_OFTEN = 0, 1, 2, 3
 #: registered, else the least ``num_cached * ratio`` of the groups that register), then
 #: its pops in each group
 THRESHOLD, CACHED_FROM, POPS = 0, 1, 2
-#: per group, how its rows drop blocks: never, a sliding window, a chunk; or a Mamba
-#: group (columns retired, one state block per step at most)
-NO_SKIP, WINDOW, CHUNK, MAMBA = 0, 1, 2, 3
 #: ``items`` columns: row, computed tokens, slots (``min(computed + 1, max_model_len)``),
 #: cache limit (``min(cacheable tokens, hashed tokens)``)
 #: ... and, for the caching in the pass: prompt tokens, junction (0: none), the row of
@@ -311,37 +311,27 @@ def loud_pass(
                 dirty[g, row] = True
                 report[i, POPS + g] = p
                 k += p
-        # -- the row's new threshold (caching predicted), least over the classes -------
-        least = -1
+        # -- what the item registers, and the row's new threshold (caching predicted) --
+        limit = -1 if exhausted or not caching else items[i, LIMIT]
         cache_from = -1
         for g in range(num_groups):
-            if twin_of[g] != g:
-                continue
-            bs = block_size[g]
-            held = row_lens[g, row]
-            lead = leading[g, row]
             done = max(cached[g, row], 0)
-            if caching and not exhausted:
-                full = items[i, LIMIT] // bs
-                if full > done:
-                    if cache_from < 0 or done * ratio[g] < cache_from:
-                        cache_from = done * ratio[g]
-                    done = full
-            at = held * bs  # the next block
-            kind = skip_kind[g]
-            if kind == MAMBA:  # the next retirement
-                at = min(at, (retired[g, row] + 1) * bs + 1)
-            elif kind != NO_SKIP and held > lead:  # the next drop
-                tokens = (lead + 1) * bs
-                if kind == WINDOW:
-                    at = min(at, tokens + skip_param[g] - 1)
-                else:
-                    at = min(at, (tokens + skip_param[g] - 1) // skip_param[g] * skip_param[g])
-            if caching:  # the next completed block
-                at = min(at, done * bs + bs - 1)
-            if least < 0 or at < least:
-                least = at
-        report[i, THRESHOLD] = least
+            registers = twin_of[g] == g and limit // block_size[g] > done
+            if registers and (cache_from < 0 or done * ratio[g] < cache_from):
+                cache_from = done * ratio[g]
+        report[i, THRESHOLD] = threshold_of(
+            row,
+            limit,
+            caching,
+            twin_of,
+            block_size,
+            skip_kind,
+            skip_param,
+            row_lens,
+            leading,
+            cached,
+            retired,
+        )
         report[i, CACHED_FROM] = cache_from
         if cache_from >= 0 and inline_keys:
             row_caching(
@@ -394,6 +384,12 @@ class CompiledLayout:
     need: np.ndarray
     interval: np.ndarray
 
+    @property
+    def admits(self) -> bool:
+        """Does :func:`~optimized.control.compiled_admission.admit` know this layout (no
+        Mamba group)?"""
+        return not (self.skip_kind == MAMBA).any()
+
 
 def compiled_layout(managers: Sequence, twin_of: Sequence[int], pool) -> CompiledLayout | None:
     """The constants of groups the pass knows, or None when some group, the pool or the
@@ -442,8 +438,9 @@ def compiled_layout(managers: Sequence, twin_of: Sequence[int], pool) -> Compile
     )
 
 
-#: the hash slabs of no item
+#: the hash slabs of no item; the hit blocks of no group
 _NO_WORDS = np.zeros((0, 4), dtype=np.int64)
+_NO_HITS = np.zeros(0, dtype=np.int64)
 #: the key index of a pool whose keys live in dicts, as the pass takes it: no arrays
 _NO_KEY_ARRAYS = (
     np.zeros(0, dtype=np.int32),
@@ -470,9 +467,12 @@ class LoudPass:
     itself; else each flagged item is cached in Python
     (:func:`~optimized.control.batched_decode.cache_decode_item`)."""
 
-    def __init__(self, manager, run: Callable | None = None) -> None:
+    def __init__(self, manager, run: Callable | None = None, admit: Callable | None = None) -> None:
         self.manager = manager
         self.run_pass = compiled_pass if run is None else run
+        #: a new request's admission (:func:`~optimized.control.compiled_admission.
+        #: admit`; a test gives the Python form)
+        self.run_admit = compiled_admit if admit is None else admit
         self.layout: CompiledLayout | None = None
         self._seen: tuple = ()
         self._arrays: tuple = ()
@@ -503,6 +503,8 @@ class LoudPass:
         self._slab = self._slab_rows()
         self._capacity = -1
         self._grow_buffers(8)
+        self._admit_pops = np.zeros(len(self.layout.twin_of), dtype=np.int64)
+        self._no_hit_ends = np.zeros(len(self.layout.twin_of), dtype=np.int64)
         self.run(np.zeros((0, len(ITEM_COLUMNS)), dtype=np.int64), 0, _NO_WORDS)  # compile
         return True
 
@@ -681,6 +683,90 @@ class LoudPass:
                 return out
             first = stop + 1
         return out
+
+    def admits(self) -> bool:
+        """Can :meth:`admit` take a new request (the pass usable, no Mamba group, the keys
+        in arrays)?"""
+        if not self.usable() or self.run_admit is None:
+            return False
+        layout = self.layout
+        return layout.admits and self.manager.block_pool.keys_as_words
+
+    def admit(
+        self,
+        request,
+        row: int,
+        hits: Sequence[Sequence[int]],
+        total: int,
+        slots: int,
+        limit: int,
+        adopt: bool,
+    ) -> tuple[int, list[list[int]] | None]:
+        """``allocate_slots`` of a new request on the fresh ``row`` in one compiled call
+        (:func:`~optimized.control.compiled_admission.admit`): ``(need, new blocks per
+        group)``, or ``(need, None)`` when the pool cannot hold it (nothing changed).
+        ``hits`` per group (adopted when ``adopt``), ``total`` computed tokens, ``slots``
+        to cover, cache limit ``limit`` (-1: none). The row's decode threshold is set."""
+        layout = self.layout
+        manager = self.manager
+        queue = manager.block_pool.free_block_queue
+        num_groups = len(layout.twin_of)
+        if adopt:
+            ends = np.fromiter(accumulate(map(len, hits)), dtype=np.int64, count=num_groups)
+            flat = np.fromiter(chain.from_iterable(hits), dtype=np.int64, count=int(ends[-1]))
+        else:
+            ends, flat = self._no_hit_ends, _NO_HITS
+        arrays = self._state_arrays()
+        pops = self._admit_pops
+        if self.popped.size < (slots // int(layout.block_size.min()) + 1) * num_groups:
+            self.popped = np.empty(2 * (slots + 1) * num_groups, dtype=np.int64)
+            self.evicted = np.empty((self.popped.size, 2), dtype=np.int64)
+        need, num_free, threshold = self.run_admit(
+            row,
+            total,
+            slots,
+            limit,
+            request.num_prompt_tokens,
+            request.shared_prefix_boundary,
+            adopt,
+            flat,
+            ends,
+            request.block_hashes.words(),
+            layout.twin_of,
+            layout.block_size,
+            layout.skip_kind,
+            layout.skip_param,
+            layout.ratio,
+            layout.mask_kind,
+            layout.alignment,
+            layout.need,
+            layout.interval,
+            manager.enable_caching,
+            arrays[0],  # tables
+            arrays[1],  # row lengths
+            arrays[2],  # leading nulls
+            arrays[3],  # cached counts
+            arrays[4],  # dirty rows
+            arrays[5],  # retired columns
+            *arrays[7:12],  # ref counts, groups, cached tokens, the queue's links
+            *arrays[12],  # the key index
+            queue.head,
+            queue.num_free_blocks,
+            self.popped,
+            pops,
+            self.spans[0],
+        )
+        if need > queue.num_free_blocks:
+            return need, None
+        queue.num_free_blocks = num_free
+        manager._next_work[row] = threshold
+        ids = self.popped[: int(pops.sum())].tolist()
+        out: list[list[int]] = []
+        k = 0
+        for n in pops.tolist():
+            out.append(ids[k : k + n])
+            k += n
+        return need, out
 
     def _mamba_keys(self, rows: Sequence[int], first: int, report: list[list[int]]) -> None:
         """The keys a Mamba group registered for the items of ``rows[first:]`` that

@@ -93,8 +93,10 @@ def free_span(
     return freed, -1
 
 
-#: :func:`free_span` as the other loops call it: compiled where numba is on
+#: :func:`free_span` and :func:`pop_front` as the other loops call them: compiled where
+#: numba is on
 span_free = compiled(free_span) or free_span
+front_pop = compiled(pop_front) or pop_front
 
 
 def free_rows(

@@ -60,6 +60,8 @@ _REQUEST_INTS = tuple(
 _REQUEST_HASHES = attrgetter("block_hashes")
 _REQUEST_COMPUTED = attrgetter("num_computed_tokens")
 _REQUEST_TOKENS = attrgetter("num_tokens")
+#: :meth:`KVCacheManager._admit_compiled`'s answer when the Python paths must decide
+_NOT_ADMITTED = object()
 #: the methods whose rules the compiled pass applies in their place
 _LOUD_RULES = ("_apply_loud", "_apply_loud_batch", "_refresh_thresholds", "_least_thresholds")
 
@@ -293,6 +295,12 @@ class KVCacheManager(ManagerBookkeeping):
 
         row = coordinator.row_of.get(rid)
         took_row = row is None  # (a row taken here gets its decode threshold at the end)
+        if took_row and self._compiled is not None and self._compiled.admits():
+            admitted = self._admit_compiled(
+                request, new_computed_blocks, hits, local, total, slots, num_new_tokens
+            )
+            if admitted is not _NOT_ADMITTED:
+                return admitted
         # a fresh row, empty or holding an adopted hit: its new blocks are cached from a list
         fresh = False
         if row is None and coordinator.plain_counts and not any(hits):
@@ -341,6 +349,51 @@ class KVCacheManager(ManagerBookkeeping):
             request.status = RequestStatus.RUNNING
         if took_row:  # its first decode item is then tested against the row's counts
             self._next_work[row] = self._row_threshold(row)
+        return new_blocks
+
+    def _admit_compiled(
+        self,
+        request: Request,
+        new_computed_blocks: ComputedBlocks | None,
+        hits: BlockIdLists,
+        local: int,
+        total: int,
+        slots: int,
+        num_new_tokens: int,
+    ):
+        """``allocate_slots`` of a request with no row through the compiled admission
+        (:meth:`~optimized.control.compiled_decode.LoudPass.admit`): a new request with
+        nothing computed and no hit (counted before a row is taken: a refusal takes none,
+        as below), or one adopting a hit (the row taken first); else
+        :data:`_NOT_ADMITTED` (the Python paths below). The same counts, queue, rows,
+        keys and answer as those paths."""
+        coordinator = self.coordinator
+        adopt = new_computed_blocks is not None and any(hits)
+        if adopt:
+            if not coordinator.plain_hits:
+                return _NOT_ADMITTED
+            row = self._take_row(request.request_id)
+        elif local == 0 and coordinator.plain_counts:
+            need = coordinator.num_blocks_for_new_request(slots, local)
+            self.last_num_blocks_to_allocate = need
+            if need > self.block_pool.get_num_free_blocks():
+                return None
+            row = self._take_row(request.request_id)
+        else:
+            return _NOT_ADMITTED
+        limit = -1
+        if self.enable_caching:
+            cacheable = coordinator.num_cacheable_tokens(
+                min(total + num_new_tokens, request.num_tokens)
+            )
+            limit = min(cacheable, len(request.block_hashes) * request.hash_block_size)
+        assert self._compiled is not None
+        need, new_blocks = self._compiled.admit(request, row, hits, total, slots, limit, adopt)
+        self.last_num_blocks_to_allocate = need
+        if new_blocks is None:
+            return None
+        if request.status is not RequestStatus.FINISHED:
+            request.status = RequestStatus.RUNNING
         return new_blocks
 
     def _take_row(self, request_id: str) -> int:
