@@ -385,10 +385,14 @@ class CompiledLayout:
     interval: np.ndarray
 
     @property
+    def has_mamba(self) -> bool:
+        return bool((self.skip_kind == MAMBA).any())
+
+    @property
     def admits(self) -> bool:
         """Does :func:`~optimized.control.compiled_admission.admit` know this layout (no
         Mamba group)?"""
-        return not (self.skip_kind == MAMBA).any()
+        return not self.has_mamba
 
 
 def compiled_layout(managers: Sequence, twin_of: Sequence[int], pool) -> CompiledLayout | None:
@@ -647,8 +651,10 @@ class LoudPass:
             last = stop + 1 if status == EXHAUSTED else stop
             report = self.report[first:last].tolist()
             ids = self.popped[:n_popped].tolist() if n_popped else ()
-            if in_arrays and any(r[CACHED_FROM] >= 0 for r in report):
-                self._mamba_keys(rows, first, report)
+            if in_arrays and self.layout.has_mamba:
+                for j, done in enumerate(report, first):
+                    if done[CACHED_FROM] >= 0:
+                        self._mamba_keys(rows[j], self.spans[j])
             k = 0
             for j, done in enumerate(report, first):
                 row = rows[j]
@@ -768,26 +774,64 @@ class LoudPass:
             k += n
         return need, out
 
-    def _mamba_keys(self, rows: Sequence[int], first: int, report: list[list[int]]) -> None:
-        """The keys a Mamba group registered for the items of ``rows[first:]`` that
-        cached (``report``: the pass's from ``first`` on) join its keys cached this step:
-        each hashed block of the span the pass gave
-        (:func:`~optimized.control.compiled_caching.cache_row`)."""
+    def caches(self) -> bool:
+        """Can :meth:`cache` register a row's blocks (the pass usable, the keys in arrays,
+        a prefix cache)?"""
+        return (
+            self.usable() and self.manager.enable_caching and self.manager.block_pool.keys_as_words
+        )
+
+    def cache(self, request, row: int, num_tokens: int) -> None:
+        """The coordinator's ``cache_blocks(request, row, num_tokens)`` in one compiled
+        call (:func:`~optimized.control.compiled_caching.cache_row` over the request's
+        chain, every group's masks in the loop); a Mamba group's registered keys join its
+        keys cached this step. The caller checked :meth:`caches`."""
         layout = self.layout
-        mamba = [g for g, kind in enumerate(layout.mask_kind.tolist()) if kind == MAMBA_MASK]
-        if not mamba:
+        manager = self.manager
+        coord = manager.coordinator
+        chain = request.block_hashes
+        limit = min(coord.num_cacheable_tokens(num_tokens), len(chain) * request.hash_block_size)
+        arrays = self._state_arrays()
+        spans = self.spans[0]
+        row_caching(
+            row,
+            limit,
+            request.num_prompt_tokens,
+            request.shared_prefix_boundary,
+            chain.words(),
+            0,
+            layout.block_size,
+            layout.ratio,
+            layout.mask_kind,
+            layout.alignment,
+            layout.need,
+            layout.interval,
+            arrays[0],  # tables
+            arrays[3],  # cached counts
+            arrays[8],  # block groups
+            arrays[9],  # cached tokens
+            *arrays[12],  # the key index
+            spans,
+        )
+        self._mamba_keys(row, spans)
+
+    def _mamba_keys(self, row: int, spans: np.ndarray) -> None:
+        """The keys a Mamba group registered in ``row`` join its keys cached this step:
+        each hashed block of the span the caching gave it (``spans[g]``,
+        :func:`~optimized.control.compiled_caching.cache_row`)."""
+        layout = self.layout
+        if not layout.has_mamba:
             return
         manager = self.manager
         managers = manager.coordinator.managers
         key_of = manager.block_pool.index.key_of
         block_group = manager.block_pool.block_group
-        for j, done in enumerate(report, first):
-            if done[CACHED_FROM] < 0:
+        for g, kind in enumerate(layout.mask_kind.tolist()):
+            if kind != MAMBA_MASK:
                 continue
-            for g in mamba:
-                done, full = self.spans[j, g].tolist()
-                table = managers[g].table
-                for column in range(done, full):
-                    block = table.item(rows[j], column)
-                    if block and block_group.item(block) >= 0:
-                        managers[g].cached_keys_this_step.add(key_of(block))
+            done, full = spans[g].tolist()
+            table = managers[g].table
+            for column in range(done, full):
+                block = table.item(row, column)
+                if block and block_group.item(block) >= 0:
+                    managers[g].cached_keys_this_step.add(key_of(block))

@@ -343,6 +343,8 @@ class KVCacheManager(ManagerBookkeeping):
                 new_blocks,
                 new_arrays,
             )
+        elif self._compiled is not None and self._compiled.caches():  # one compiled call
+            self._compiled.cache(request, row, min(total + num_new_tokens, request.num_tokens))
         else:
             coordinator.cache_blocks(request, row, min(total + num_new_tokens, request.num_tokens))
         if request.status is not RequestStatus.FINISHED:
