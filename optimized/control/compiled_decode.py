@@ -85,8 +85,9 @@ THRESHOLD, CACHED_FROM, POPS = 0, 1, 2
 #: cache limit (``min(cacheable tokens, hashed tokens)``)
 #: ... and, for the caching in the pass: prompt tokens, junction (0: none), the row of
 #: ``words`` holding the request's chain row 0 (may be below 0), the first chain row held
-ROW, TOTAL, SLOTS, LIMIT, PROMPT, JUNCTION, BASE, SLAB_LO = 0, 1, 2, 3, 4, 5, 6, 7
-ITEM_COLUMNS = (ROW, TOTAL, SLOTS, LIMIT, PROMPT, JUNCTION, BASE, SLAB_LO)
+#: ... and the tokens the item computes to (``computed + new``: a Mamba group's state)
+ROW, TOTAL, SLOTS, LIMIT, PROMPT, JUNCTION, BASE, SLAB_LO, MAIN = 0, 1, 2, 3, 4, 5, 6, 7, 8
+ITEM_COLUMNS = (ROW, TOTAL, SLOTS, LIMIT, PROMPT, JUNCTION, BASE, SLAB_LO, MAIN)
 
 
 def loud_pass(
@@ -189,7 +190,7 @@ def loud_pass(
                         if last > retired[g, row]:
                             start[g] = retired[g, row]
                             end[g] = last
-                    required[g] = (total + 1 + bs - 1) // bs
+                    required[g] = (items[i, MAIN] + bs - 1) // bs
                     pops[g] = 0
                     if required[g] > held:
                         pops[g] = 1
@@ -590,15 +591,24 @@ class LoudPass:
             raise KVConformError(f"block {bad} freed more often than allocated")
         return status, stop, n_popped
 
-    def apply(self, requests: Sequence, picked: Sequence[int], rows: Sequence[int]) -> list:
+    def apply(
+        self,
+        requests: Sequence,
+        picked: Sequence[int],
+        rows: Sequence[int],
+        tokens: Sequence[int] | None = None,
+        lookahead: Sequence[int] | None = None,
+    ) -> list:
         """The results of the loud items ``requests[i]`` for ``i`` in ``picked`` (on
         ``rows``), as :meth:`~optimized.control.kv_cache_manager.KVCacheManager._apply_loud`
         gives them: per item its new blocks per group (``manager.no_new_blocks`` when
         none), stopping after the first None; each row's decode threshold refreshed. The
-        items went through ``_loud_items`` (one new token, no hit, running, a row each);
-        the caller checked :meth:`usable`. With the keys in arrays each item's last chain
-        rows go to the pass as its slab (:meth:`_slab_rows`), laid end to end (one join
-        of the chains' raw bytes)."""
+        items went through ``_loud_items`` (one new token, no hit, running, a row each),
+        or ``_mixed_items`` (``tokens[i]`` new tokens and ``lookahead[i]`` for item
+        ``requests[i]``: a running request's prefill chunk too); the caller checked
+        :meth:`usable`. With the keys in arrays each item's chain rows go to the pass as
+        its slab, laid end to end (one join of the chains' raw bytes): a decode item's
+        last ones (:meth:`_slab_rows`), a chunk's all."""
         manager = self.manager
         coord = manager.coordinator
         mml = manager.max_model_len
@@ -615,28 +625,42 @@ class LoudPass:
         for i, row in zip(picked, rows):
             request = requests[i]
             total = request.num_computed_tokens
-            main = total + 1
-            tokens = min(main, request.num_tokens) // unit * unit  # num_cacheable_tokens
+            if tokens is None or (tokens[i] == 1 and lookahead[i] == 0):  # a decode item
+                main = total + 1
+                slots = main if main < mml else mml
+                last = width
+            else:  # a chunk (its caching may reach back to the chain's start)
+                main = total + tokens[i]
+                slots = min(main + lookahead[i], mml)
+                last = 0
+            cacheable = min(main, request.num_tokens) // unit * unit  # num_cacheable_tokens
             chain = request.block_hashes
-            limit = min(tokens, len(chain) * h)
+            limit = min(cacheable, len(chain) * h)
             if in_arrays:
                 hi = limit // h
-                lo = hi - width if hi > width else 0
+                lo = hi - last if 0 < last < hi else 0
                 slabs.append(chain.raw[KEY_BYTES * lo : KEY_BYTES * hi])
                 flat += (
                     row,
                     total,
-                    main if main < mml else mml,
+                    slots,
                     limit,
                     request.num_prompt_tokens,
                     request.shared_prefix_boundary,
                     at - lo,
                     lo,
+                    main,
                 )
                 at += hi - lo
             else:
-                flat += (row, total, min(main, mml), limit, 0, 0, 0, 0)
-                cache_tokens.append(tokens)
+                flat += (row, total, slots, limit, 0, 0, 0, 0, main)
+                cache_tokens.append(cacheable)
+        if tokens is not None:  # room for a chunk's pops: at most cdiv(tokens, bs) a group
+            smallest = int(self.layout.block_size.min())
+            room = sum(tokens[i] + lookahead[i] for i in picked) // smallest + 2 * m
+            if self.popped.size < room * len(self.layout.twin_of):
+                self.popped = np.empty(room * len(self.layout.twin_of), dtype=np.int64)
+                self.evicted = np.empty((self.popped.size, 2), dtype=np.int64)
         items = np.array(flat, dtype=np.int64).reshape(m, len(ITEM_COLUMNS))
         if in_arrays:
             words = np.frombuffer(bytearray().join(slabs), dtype=np.int64).reshape(-1, KEY_WORDS)
@@ -683,7 +707,12 @@ class LoudPass:
             if status == APPLIED:
                 return out
             # FALLBACK: the item at ``stop`` goes through the Python path
-            new_blocks = manager._apply_loud(requests, [picked[stop]], [rows[stop]])[0]
+            i = picked[stop]
+            if tokens is None or (tokens[i] == 1 and lookahead[i] == 0):
+                new_blocks = manager._apply_loud(requests, [i], [rows[stop]])[0]
+            else:  # a chunk: allocate_slots itself
+                new_blocks = manager.allocate_slots(requests[i], tokens[i], 0, None, lookahead[i])
+                manager._next_work[rows[stop]] = manager._row_threshold(rows[stop])
             out.append(new_blocks)
             if new_blocks is None:
                 return out

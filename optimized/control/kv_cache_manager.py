@@ -524,14 +524,15 @@ class KVCacheManager(ManagerBookkeeping):
         return loud
 
     def _mixed_items(self, items: StepBatch) -> tuple[list[int], list[int]] | None:
-        """A step's items as ``(loud, other)``: the one-token decode items on running
-        requests holding rows that reach their row's threshold (as :meth:`_loud_items`;
-        the rest of those are quiet), and every item of another kind (more tokens,
-        lookahead, a request with no row or not running), in order; or None when some
-        item is invalid or a request repeats (:meth:`_schedule_items` then raises the
-        first error before anything changes). Sets ``_step_ids`` and ``_step_rows``.
-        Example: a chunk of 512 tokens, then decode items at computed ``[30, 47]`` with
-        thresholds ``[47, 47]`` -> ``([2], [0])``."""
+        """A step's items as ``(loud, other)``: the items of running requests holding rows
+        that the compiled pass applies (a one-token decode item that reaches its row's
+        threshold, as :meth:`_loud_items`: the rest of those are quiet; a prefill chunk or
+        an item with lookahead, always), and every other item (a request with no row or
+        not running), in order; or None when some item is invalid or a request repeats
+        (:meth:`_schedule_items` then raises the first error before anything changes).
+        Sets ``_step_ids`` and ``_step_rows``. Example: a new request's chunk, a running
+        request's chunk of 512 tokens, then decode items at computed ``[30, 47]`` with
+        thresholds ``[47, 47]`` -> ``([1, 3], [0])``."""
         requests = items.requests
         n = len(requests)
         new, ahead = items.num_new_tokens, items.num_lookahead_tokens
@@ -560,11 +561,10 @@ class KVCacheManager(ManagerBookkeeping):
                 or num_tokens > mml
             ):
                 return None  # an invalid item: the general path raises its error
-            if k == 1 and la == 0 and row is not None and status is running:
-                if computed >= next_work[row]:
-                    loud.append(i)
-            else:
+            if row is None or status is not running:
                 other.append(i)
+            elif k != 1 or la != 0 or computed >= next_work[row]:
+                loud.append(i)
         self._step_ids, self._step_rows = rids, rows
         return loud, other
 
@@ -573,17 +573,22 @@ class KVCacheManager(ManagerBookkeeping):
     ) -> list[list[list[int]] | None]:
         """:meth:`schedule_step` of a step that :meth:`_mixed_items` split: the items in
         order, each run of loud items between two others through the compiled pass in
-        one call, each other item through ``allocate_slots``, the quiet ones settled;
-        stops after the first None. Exact: a quiet item changes nothing wherever it
-        stands, and the others keep their places among the loud ones. Example: loud
-        ``[1, 2]``, other ``[0, 3]`` -> ``allocate_slots`` of 0, the pass on 1 and 2,
-        ``allocate_slots`` of 3."""
+        one call (a chunk among them: the pass applies any running request's item), each
+        other item through ``allocate_slots``, the quiet ones settled; stops after the
+        first None. Exact: a quiet item changes nothing wherever it stands, and the
+        others keep their places among the loud ones. Example: loud ``[1, 2]``, other
+        ``[0, 3]`` -> ``allocate_slots`` of 0, the pass on 1 and 2, ``allocate_slots``
+        of 3."""
         n = len(items)
         requests, new, ahead = items.requests, items.num_new_tokens, items.num_lookahead_tokens
         rows = self._step_rows
         step_ids = self._step_ids
         assert self._compiled is not None
-        apply = self._compiled.apply
+        pass_apply = self._compiled.apply
+
+        def apply(requests, batch, batch_rows):
+            return pass_apply(requests, batch, batch_rows, new, ahead)
+
         results: list[list[list[int]] | None] = [self.no_new_blocks] * n
         stop = n
         batch: list[int] = []
