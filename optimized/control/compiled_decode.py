@@ -2,11 +2,15 @@
 
 :meth:`optimized.control.kv_cache_manager.KVCacheManager.schedule_step` settles a step's
 quiet items in one pass; each *loud* item (one new token on a running request with no
-hit, whose row reached its decode threshold) is ``allocate_slots``: in group order, free
-what left the window or chunk (``remove_skipped_blocks``: one ``free_blocks`` call per
-group, the span tail first), then ``need > free`` -> None and stop, else pop ``need``
-blocks from the front (a hashed block loses its key) and append them group by group,
-then cache the completed blocks. :func:`loud_pass` runs that on index arrays, item after
+hit, whose row reached its decode threshold; or any item of a running request holding a
+row, a prefill chunk too, in a step that mixes them) is ``allocate_slots``: in group
+order, free what left the window or chunk (``remove_skipped_blocks``: one
+``free_blocks`` call per group, the span tail first; a Mamba group: the columns before
+its newest state, then its previous state once stale), then ``need > free`` -> None and
+stop, else pop ``need`` blocks from the front (a hashed block loses its key) and append
+them group by group (a Mamba group: one state block at column ``cdiv(main, bs) - 1``,
+the previous one remembered), then cache the completed blocks. :func:`loud_pass` runs that on index
+arrays (the row store's stacks, :mod:`optimized.control.row_store`), item after
 item, exactly as :func:`optimized.control.batched_decode.apply_decode_item` does: the
 same frees in the same order (a call's unhashed blocks prepended as one chain, hashed
 ones appended), the same pops, the same table writes, and, when the pool keeps its keys
@@ -31,8 +35,11 @@ back:
   :data:`FALLBACK`) and the caller applies it in Python, then starts the pass again
   after it.
 
-Each applied item's row gets its new decode threshold (the least over its classes of
-twins of :meth:`optimized.control.managers.base.SingleTypeKVCacheManager._threshold`).
+Each applied item's row gets its new decode threshold
+(:func:`optimized.control.compiled_rows.row_threshold`).
+:meth:`LoudPass.admit` and :meth:`LoudPass.cache` give ``allocate_slots`` a new request's
+admission (:mod:`optimized.control.compiled_admission`) and a row's caching in one
+compiled call each.
 Example: gemma3 (full + 5 windows w 1024, bs 16), an item at 2063 computed tokens: each
 window frees its oldest block (unhashed: to the front), the full group none, nothing is
 popped, the completed block 128 is flagged for caching and the threshold becomes 2064

@@ -137,11 +137,15 @@ class KVCacheManager(ManagerBookkeeping):
     Example: 30 decode items on 6 groups, bs 16: about 2 cross a block boundary in a
     step, so two ``allocate_slots`` calls beat one vectorised pass.
 
-    ``compiled``: where numba is installed, the loud items of a plain decode step go
-    through the compiled pass of :mod:`optimized.control.compiled_decode` when every group
-    is of a kind it knows (then ``min_batched_apply`` only matters for other steps), and
-    the pool pops and frees rows through :mod:`optimized.control.compiled_pool`; False
-    keeps the numpy paths (tests of those paths).
+    ``compiled``: where numba is installed, the loud items of a decode step (and a
+    running request's chunk among them) go through the compiled pass of
+    :mod:`optimized.control.compiled_decode` when every group is of a kind it knows
+    (Mamba included; then ``min_batched_apply`` only matters for other steps), a new
+    request's admission (no Mamba group) through :mod:`optimized.control.
+    compiled_admission`, the pool keeps its keys in arrays
+    (:mod:`optimized.control.key_index`), pops and frees rows through
+    :mod:`optimized.control.compiled_pool`; False keeps the numpy paths and dicts (tests
+    of those paths).
     """
 
     #: Fewer working items than this go through ``allocate_slots`` (see the class docstring).
