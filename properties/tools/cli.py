@@ -648,7 +648,10 @@ def _bench(args: argparse.Namespace, finished: list) -> int:
         from properties.tools.bench.progress import suite_line
         from properties.tools.bench.suite import bench_suite, format_suite
 
-        print(format_suite(bench_suite(profile=args.profile, on_row=keeping(suite_line))))
+        rows = bench_suite(
+            profile=args.profile, on_row=keeping(suite_line), engines=tuple(args.engines)
+        )
+        print(format_suite(rows))
     elif args.what == "engines":
         from properties.tools.bench.engines import (
             ALL_RECIPES,
