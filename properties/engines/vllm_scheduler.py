@@ -87,6 +87,12 @@ from properties.core.decisions import (
 )
 from properties.core.engine import EngineError
 from properties.core.modes import load_fails
+from properties.core.scheduler_options import (
+    DEFAULT_OPTIONS,
+    SchedulerOptions,
+    pause_state,
+    request_priority,
+)
 from properties.core.trace import Arrive
 from properties.engines.vllm import _call, _import_vllm, to_vllm_spec
 from reference.layout import KVCacheLayout
@@ -155,12 +161,14 @@ class VLLMSchedulerHarness:
         lookup: LookupFn | None = None,
         async_loads: bool = False,
         load_failures: bool = False,
+        options: SchedulerOptions = DEFAULT_OPTIONS,
     ) -> None:
         v = _import_vllm()
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
             KVTransferConfig,
+            LoRAConfig,
             SchedulerConfig,
             SpeculativeConfig,
             VllmConfig,
@@ -171,7 +179,12 @@ class VLLMSchedulerHarness:
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.layout = layout
+        self.options = options
         self._v = v
+        #: arrivals so far: a request's arrival time (ties of equal priority go by it)
+        self._num_arrivals = 0
+        #: steps so far: the index of :func:`pause_state`
+        self._num_steps = 0
         self._accepted = accepted
         self._outputs: dict[str, tuple[int, ...]] = {}
         self._num_draft_tokens = num_draft_tokens
@@ -182,13 +195,17 @@ class VLLMSchedulerHarness:
         self._draft_ids = DraftTokenIds
         length = layout.max_model_len
         scheduler_config = SchedulerConfig(
-            max_num_seqs=min(64, length),
+            max_num_seqs=min(options.max_num_seqs, length),
             max_num_batched_tokens=length,
             max_model_len=length,
-            enable_chunked_prefill=True,
+            enable_chunked_prefill=options.chunked_prefill,
             is_encoder_decoder=False,
             async_scheduling=asynchronous,
             scheduler_reserve_full_isl=admission_gate,
+            policy=options.policy,
+            long_prefill_token_threshold=min(options.long_prefill_token_threshold, length),
+            long_prefill_token_threshold_adaptive=options.adaptive_long_prefill,
+            prefill_schedule_interval=options.prefill_schedule_interval,
         )
         cache_config = CacheConfig(
             block_size=layout.scheduler_block_size,
@@ -230,6 +247,8 @@ class VLLMSchedulerHarness:
         )
         # no model: the scheduler reads only ModelStub's fields of model_config
         object.__setattr__(config, "model_config", ModelStub(max_model_len=length))
+        if options.max_loras:  # set after: VllmConfig checks a LoRA config against the model
+            object.__setattr__(config, "lora_config", LoRAConfig(max_loras=options.max_loras))
         groups = [
             v.kvi.KVCacheGroupSpec(
                 list(g.layer_names), to_vllm_spec(v, g.spec), is_eagle_group=g.is_eagle_group
@@ -272,6 +291,16 @@ class VLLMSchedulerHarness:
         self.told_at_end: dict[str, tuple[tuple[int, ...], ...]] = {}
         #: the admission phase's connector events of the step being scheduled
         self._events: list[ConnectorEvent] = []
+        #: the scheduler's own preemptions during the step being scheduled, in order
+        self._preempted: list[str] = []
+        preempt = self.scheduler._preempt_request
+        self._preempt_request = preempt
+
+        def preempted(request: Any, *args: Any, **kwargs: Any) -> None:  # observed only
+            self._preempted.append(request.request_id)
+            preempt(request, *args, **kwargs)
+
+        self.scheduler._preempt_request = preempted
         if self.connector is not None:
             self.connector.lookup = lookup
             self.connector.asynchronous = async_loads
@@ -292,6 +321,8 @@ class VLLMSchedulerHarness:
             if op.lora_name is None
             else v.LoRARequest(op.lora_name, 1 + sum(map(ord, op.lora_name)), "/kvconform/lora")
         )
+        priority = request_priority(op.request_id) if self.options.policy == "priority" else 0
+        self._num_arrivals += 1
         request = _call(
             "Request",
             (op.request_id,),
@@ -300,8 +331,10 @@ class VLLMSchedulerHarness:
             list(op.prompt),
             params,
             None,
+            arrival_time=float(self._num_arrivals),
             lora_request=lora,
             cache_salt=op.cache_salt,
+            priority=priority,
             block_hasher=self._hasher,
         )
         self._outputs[op.request_id] = tuple(op.output)
@@ -323,7 +356,7 @@ class VLLMSchedulerHarness:
             return
         self.scheduler.running.remove(request)
         self._external_preemptions.add(request_id)
-        _call("_preempt_request", (request_id,), self.scheduler._preempt_request, request, 0.0)
+        _call("_preempt_request", (request_id,), self._preempt_request, request, 0.0)
 
     def reset_prefix_cache(self) -> bool:
         return bool(_call("reset_prefix_cache", (), self.scheduler.reset_prefix_cache))
@@ -333,10 +366,15 @@ class VLLMSchedulerHarness:
         and the drafter's proposals; returns what the scheduler decided."""
         s = self.scheduler
         s.max_num_scheduled_tokens = token_budget
+        self._num_steps += 1
+        if self.options.pauses:
+            from vllm.v1.core.sched.interface import PauseState
+
+            s.set_pause_state(PauseState[pause_state(self._num_steps)])
         before = {rid: r.num_computed_tokens for rid, r in s.requests.items()}
-        running_before = [r.request_id for r in s.running]
         proposed = tuple((r.request_id, len(r.spec_token_ids)) for r in s.running)
         self._events = []
+        self._preempted = []
         out = _call("schedule", (token_budget,), s.schedule)
         events = self._connector_events()
         order = [r.request_id for r in s.running if r.request_id in out.num_scheduled_tokens]
@@ -357,12 +395,15 @@ class VLLMSchedulerHarness:
             accepted = self._num_accepted(rid, start, drafts)
             n = out.num_scheduled_tokens[rid]
             decisions.append(ScheduledDecision(rid, start, n, len(drafts), accepted))
-        # victims go newest first (vLLM's FCFS policy pops the running list's tail)
-        victims = set(out.preempted_req_ids or ()) - self._external_preemptions
+        # victims in the order vLLM preempted them (FCFS: the running list's tail first;
+        # priority: the lowest priority, latest arrival first)
+        reported = set(out.preempted_req_ids or ())
+        preempted = tuple(self._preempted)
+        if not set(preempted) <= reported <= set(preempted) | self._external_preemptions:
+            raise EngineError(
+                f"vllm scheduler: preempted {preempted} in schedule(), reported {sorted(reported)}"
+            )
         self._external_preemptions.clear()
-        preempted = tuple(rid for rid in reversed(running_before) if rid in victims)
-        if len(preempted) != len(victims):
-            raise EngineError(f"vllm scheduler: preempted {sorted(victims)} not all running")
         if self.asynchronous:
             # schedule N, then process N - 1 (as vLLM's engine core does); the requests
             # whose chunk reaches the last known or pending token sample

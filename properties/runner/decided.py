@@ -50,6 +50,7 @@ from properties.core.allocation import Allocation, allocate
 from properties.core.decisions import ALLOCATED, PROMOTE, ConnectorEvent, StepDecisions
 from properties.core.engine import KVCacheEngine
 from properties.core.modes import ServingMode, load_fails
+from properties.core.scheduler_options import DEFAULT_OPTIONS, SchedulerOptions
 from properties.core.trace import Abort, Arrive, Operation, Preempt, ResetPrefixCache, Step, Trace
 from properties.engines.reference import make_engine as make_reference
 from properties.runner.async_scheduler import AsyncScheduler
@@ -267,9 +268,19 @@ class DecidedScheduler(Scheduler):
         return record
 
     def _admit_waiting(self, record: StepRecord, budget: int, lookahead: int) -> None:
-        """With a connector, the engine's connector events in order (class docstring)."""
+        """The engine's admissions in its order (it may pass over waiting requests: a
+        LoRA limit, priorities, a pause, stale output in flight), each by kvconform's
+        admission rule (:meth:`_admit_only`); the first the reference cannot admit stops
+        (check 1 then names it). With a connector, the engine's connector events in order
+        (class docstring)."""
         if self.connector is None:
-            super()._admit_waiting(record, budget, lookahead)
+            for d in self._decisions.scheduled:
+                if d.request_id not in self.waiting:
+                    continue
+                before = len(record.scheduled)
+                if not self._admit_only(d.request_id, record, budget, lookahead):
+                    return
+                budget -= sum(s.num_tokens for s in record.scheduled[before:])
             return
         for event in self._decisions.connector_events:
             if event.kind == PROMOTE:
@@ -327,19 +338,12 @@ class DecidedScheduler(Scheduler):
             record.scheduled.append(ScheduledRequest(rid, start, n, hit, new, num_drafts=drafts))
             told_external, asynchronous = 0, False
         else:
-            queue = self.waiting
-            if rid not in queue:
+            if rid not in self.waiting:
                 raise DecisionMismatch(
                     f"{where}: the engine admitted {rid}, which is not waiting on the "
-                    f"reference (waiting: {queue})"
+                    f"reference (waiting: {self.waiting})"
                 )
-            self.waiting = [rid]
-            try:
-                super()._admit_waiting(record, budget, lookahead)
-            finally:
-                admitted = not self.waiting
-                self.waiting = [r for r in queue if r != rid or not admitted]
-            if not admitted:
+            if not self._admit_only(rid, record, budget, lookahead):
                 raise DecisionMismatch(
                     f"{where}: the engine admitted {rid}, the reference's admission of it "
                     "fails on the same decisions"
@@ -358,6 +362,19 @@ class DecidedScheduler(Scheduler):
                 f"{(told_external, asynchronous, want)}"
             )
         return budget - sum(s.num_tokens for s in record.scheduled[before:])
+
+    def _admit_only(self, request_id: str, record: StepRecord, budget: int, lookahead: int) -> bool:
+        """Rule 3 (kvconform's admission of a waiting request, with its connector) for
+        ``request_id`` alone, the rest of the queue kept in order; whether it was
+        admitted (or started its load)."""
+        queue = self.waiting
+        self.waiting = [request_id]
+        try:
+            super()._admit_waiting(record, budget, lookahead)
+        finally:
+            admitted = not self.waiting
+            self.waiting = [r for r in queue if r != request_id or not admitted]
+        return admitted
 
     def _victim(self, current: int) -> str | None:
         rid = self.running[current]
@@ -484,10 +501,13 @@ def compare_views(engine: Any, reference: View, where: str) -> None:
 HarnessFactory = Callable[..., Any]
 
 
-def run_decided(trace: Trace, make_harness: HarnessFactory) -> int:
+def run_decided(
+    trace: Trace, make_harness: HarnessFactory, options: SchedulerOptions = DEFAULT_OPTIONS
+) -> int:
     """Run ``trace`` on the engine's scheduler and on :class:`DecidedScheduler` over the
     reference; raises :class:`DecisionMismatch` at the first disagreement, returns the
-    number of steps run. ``trace.mode`` gives drafts and the admission gate."""
+    number of steps run. ``trace.mode`` gives drafts and the admission gate, ``options``
+    the engine scheduler's configuration (the reference follows its decisions)."""
     mode = trace.mode
     # the connector's store: made first, it answers both sides (None: no connector)
     tier = connector_host_tier(trace.layout, mode)
@@ -514,6 +534,7 @@ def run_decided(trace: Trace, make_harness: HarnessFactory) -> int:
         admission_gate=mode.admission_gate,
         accepted=Drafts.accepted_drafts,
         asynchronous=mode.async_scheduling,
+        options=options,
         **connector_kw,
     )
     # the reference bounds unprocessed tokens as the engine does (vLLM: batches in

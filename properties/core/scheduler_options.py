@@ -1,0 +1,152 @@
+"""How the scheduler level configures an engine's own scheduler beyond the serving mode.
+
+The serving mode (:class:`properties.core.modes.ServingMode`) says what every engine and
+kvconform's own scheduler model (asynchronous scheduling, drafts, the admission gate, a
+KV connector). The scheduler level (``kvconform check --engine vllm-scheduler``,
+``docs/scheduler-level.md``) also runs vLLM's scheduler in configurations whose
+*decisions* differ (which request runs, with how many tokens, which is preempted) while
+the reference replays those decisions: :class:`SchedulerOptions`.
+
+Per-request inputs these options need and a trace does not carry are deterministic
+functions of the request id (so that a trace replays): the priority
+(:func:`request_priority`). The pause states are a fixed pattern of the step index
+(:func:`pause_state`), as an operator would pause and resume.
+
+Worked example: ``SchedulerOptions(policy="priority")`` builds vLLM's scheduler with
+``SchedulingPolicy.PRIORITY`` and gives request ``"r3"`` priority
+``request_priority("r3")`` (one of 0, 1, 2; lower runs first, ties by arrival).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from reference.errors import KVConformError
+
+#: the scheduling policies of vLLM's ``SchedulerConfig.policy``
+POLICIES: tuple[str, ...] = ("fcfs", "priority")
+#: the pause states of vLLM's ``PauseState``, by name
+UNPAUSED, PAUSED_NEW, PAUSED_ALL = "UNPAUSED", "PAUSED_NEW", "PAUSED_ALL"
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """The scheduler configuration of one scheduler-level example (module docstring).
+
+    * ``policy``: ``"fcfs"`` or ``"priority"`` (:func:`request_priority`);
+    * ``max_loras``: 0 without a LoRA configuration, else vLLM's ``LoRAConfig.max_loras``
+      (a waiting request whose adapter would exceed it is skipped);
+    * ``long_prefill_token_threshold`` (0: none) and ``adaptive_long_prefill``: vLLM's cap
+      on one request's chunk while others wait;
+    * ``prefill_schedule_interval``: vLLM's local prefill cadence (1: every step);
+    * ``max_num_seqs``: the most running requests (capped by ``max_model_len``);
+    * ``chunked_prefill``: False makes a prompt that does not fit the budget wait;
+    * ``pauses``: the harness sets vLLM's pause state before each step
+      (:func:`pause_state`).
+    """
+
+    policy: str = "fcfs"
+    max_loras: int = 0
+    long_prefill_token_threshold: int = 0
+    adaptive_long_prefill: bool = False
+    prefill_schedule_interval: int = 1
+    max_num_seqs: int = 64
+    chunked_prefill: bool = True
+    pauses: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise KVConformError(
+                f"SchedulerOptions.policy must be one of {POLICIES}, got {self.policy!r}"
+            )
+        for name in (
+            "max_loras",
+            "long_prefill_token_threshold",
+            "prefill_schedule_interval",
+            "max_num_seqs",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise KVConformError(
+                    f"SchedulerOptions.{name} must be an integer >= 0, got {value!r}"
+                )
+        if self.prefill_schedule_interval < 1 or self.max_num_seqs < 1:
+            raise KVConformError(
+                "SchedulerOptions.prefill_schedule_interval and max_num_seqs must be >= 1"
+            )
+        for name in ("adaptive_long_prefill", "chunked_prefill", "pauses"):
+            if not isinstance(getattr(self, name), bool):
+                raise KVConformError(f"SchedulerOptions.{name} must be a boolean")
+
+    def describe(self) -> str:
+        """The options that differ from the defaults, e.g. ``policy=priority max_loras=1``
+        (``default`` when none does)."""
+        default = SchedulerOptions()
+        parts = [
+            f"{f.name}={getattr(self, f.name)}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        ]
+        return " ".join(parts) or "default"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(data: Any, where: str = "options") -> SchedulerOptions:
+        """The options from :meth:`to_json`'s data (missing fields: defaults; an unknown
+        field is a one-line error)."""
+        if data is None:
+            return SchedulerOptions()
+        if not isinstance(data, Mapping):
+            raise KVConformError(f"{where} must be an object, got {data!r}")
+        known = {f.name for f in dataclasses.fields(SchedulerOptions)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise KVConformError(f"{where}: unknown fields {unknown}")
+        return SchedulerOptions(**dict(data))
+
+
+#: the defaults, for argument defaults
+DEFAULT_OPTIONS = SchedulerOptions()
+
+
+def _digest(label: str) -> bytes:
+    return hashlib.sha256(label.encode()).digest()
+
+
+def request_priority(request_id: str) -> int:
+    """The priority of ``request_id`` under ``policy="priority"``: 0, 1 or 2 from a
+    ``sha256`` of the id (lower is served first). Example: every run gives ``"r0"`` the
+    same priority."""
+    return _digest(f"priority:{request_id}")[0] % 3
+
+
+def pause_state(step_index: int) -> str:
+    """The pause state the harness sets before step ``step_index`` (1 first) under
+    ``pauses``: a fixed pattern of period 7, steps 3 and 4 ``PAUSED_NEW`` (running
+    requests and waiting ones that hold blocks go on, nothing new is admitted), step 6
+    ``PAUSED_ALL`` (nothing is scheduled), the others ``UNPAUSED``. Example:
+    ``pause_state(10) == PAUSED_NEW``."""
+    phase = step_index % 7
+    if phase in (3, 4):
+        return PAUSED_NEW
+    if phase == 6:
+        return PAUSED_ALL
+    return UNPAUSED
+
+
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "PAUSED_ALL",
+    "PAUSED_NEW",
+    "POLICIES",
+    "SchedulerOptions",
+    "UNPAUSED",
+    "pause_state",
+    "request_priority",
+]

@@ -1,0 +1,191 @@
+"""The scheduler level with vLLM's scheduler options (``SchedulerOptions``): priority
+scheduling, a LoRA limit, pause states, the long-prefill threshold, the prefill cadence.
+
+Run with ``.engines/vllm/bin/python -m pytest tests/properties/engines/
+test_vllm_scheduler_options.py`` (``conftest.py`` skips the module without vLLM). Tables
+are derived by hand in each docstring; priorities come from
+:func:`properties.core.scheduler_options.request_priority`: ``r0`` has 2 (served last),
+``r1`` 0 (served first).
+
+The layout of every trace: one full-attention group, block size 2, ``max_model_len``
+16; ``NB`` blocks (block 0 is the null block, so ``NB - 1`` usable).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from properties.core.scheduler_options import SchedulerOptions, request_priority
+from properties.core.trace import Arrive, Step, Trace
+from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.specs import FullAttentionSpec
+
+pytestmark = pytest.mark.engine
+
+PRIORITY = SchedulerOptions(policy="priority")
+
+
+def _layout(num_blocks: int) -> KVCacheLayout:
+    spec = FullAttentionSpec(block_size=2, num_kv_heads=1, head_size=8)
+    return KVCacheLayout(
+        groups=(KVCacheGroup(("l0",), spec),), num_blocks=num_blocks, max_model_len=16
+    )
+
+
+def _run(layout: KVCacheLayout, ops: tuple, options: SchedulerOptions) -> list[tuple]:
+    """vLLM's harness and the reference on its decisions, side by side: per step the
+    decisions (``describe()``), block tables, computed tokens and free blocks, checked
+    equal on both sides after every operation."""
+    from properties.core.modes import ServingMode
+    from properties.engines.reference import make_engine
+    from properties.engines.vllm_scheduler import make_harness
+    from properties.runner.decided import compare_views, decided_scheduler, reference_view
+
+    h = make_harness(layout, options=options)
+    ref = decided_scheduler(make_engine(layout), layout, ServingMode())
+    steps = []
+    for op in ops:
+        if isinstance(op, Arrive):
+            h.arrive(op)
+            ref.arrive(op)
+            continue
+        d = h.step(op.token_budget)
+        ref.step_as(d, op.token_budget)
+        view = h.view()
+        compare_views(view, reference_view(ref), d.describe())
+        steps.append((d.describe(), view.block_ids, view.num_computed_tokens, view.num_free_blocks))
+    return steps
+
+
+def test_the_priorities_the_hand_tables_assume() -> None:
+    assert (request_priority("r0"), request_priority("r1")) == (2, 0)
+
+
+def _prompt_ops(r0_prompt: int) -> tuple:
+    return (
+        Arrive("r0", tuple(range(1, r0_prompt + 1)), (5, 6, 7, 8, 9, 10)),
+        Step(16),
+        Arrive("r1", (4, 3, 2, 1), (1, 1, 1, 1, 1, 1)),
+        Step(16),
+        Step(16),
+        Step(16),
+    )
+
+
+def test_priority_preempts_a_request_it_scheduled_earlier_in_the_step() -> None:
+    """NB 6 (5 usable). Step 1: ``r0`` (prompt 4) alone: blocks (1, 2), 3 free. Step 2:
+    ``r0`` decodes position 4 (block 3); ``r1`` (priority 0) is admitted, 4 tokens in
+    (4, 5); 0 free. Step 3: the running list is [r0, r1]. ``r0`` at position 5 fits
+    block 3 and is scheduled first; ``r1`` at position 4 needs a block and none is free.
+    The victim is the running request of the largest (priority, arrival): ``r0`` (2),
+    scheduled already in this step: it leaves the step (its token goes back to the
+    budget) and its blocks go back tail first (3: not full, to the front; 2, 1: cached);
+    ``r1`` takes block 3: (4, 5, 3), 2 free; ``r0`` waits with 0 computed tokens.
+    Step 4: ``r1`` decodes position 5 in block 3; ``r0`` (6 tokens: hit 4 in blocks 1,
+    2) needs one more block: the free ones are 2 and 1 themselves, so it waits."""
+    steps = _run(_layout(6), _prompt_ops(4), PRIORITY)
+    assert steps[:4] == [
+        ("r0+4@0", {"r0": ((1, 2),)}, {"r0": 4}, 3),
+        ("r0+1@4 r1+4@0", {"r0": ((1, 2, 3),), "r1": ((4, 5),)}, {"r0": 5, "r1": 4}, 0),
+        ("r1+1@4; preempted r0", {"r0": ((),), "r1": ((4, 5, 3),)}, {"r0": 0, "r1": 5}, 2),
+        ("r1+1@5", {"r0": ((),), "r1": ((4, 5, 3),)}, {"r0": 0, "r1": 6}, 2),
+    ]
+
+
+def test_priority_self_preemption_goes_on_to_the_next_running_request() -> None:
+    """NB 6. Step 1: ``r0`` (prompt 5): blocks (1, 2, 3), 2 free. Step 2: ``r0`` at
+    position 5 (block 3); ``r1`` admitted in (4, 5); 0 free. Step 3: ``r0`` at position 6
+    needs a block; the victim is ``r0`` itself (priority 2): its blocks go back (3, 2, 1,
+    all full and cached), and vLLM goes on with ``r1`` (FCFS would stop): position 4
+    takes block 3 (the front of the free queue): (4, 5, 3), 2 free."""
+    steps = _run(_layout(6), _prompt_ops(5), PRIORITY)
+    assert steps[2] == (
+        "r1+1@4; preempted r0",
+        {"r0": ((),), "r1": ((4, 5, 3),)},
+        {"r0": 0, "r1": 5},
+        2,
+    )
+
+
+def test_fcfs_preempts_the_newest_instead() -> None:
+    """The same trace as the first priority test under FCFS: at step 3 ``r1`` (the
+    newest) needs a block and is itself the victim (its blocks 5, 4 go back), so
+    ``r0`` alone runs; 2 free."""
+    steps = _run(_layout(6), _prompt_ops(4), SchedulerOptions())
+    blocks = {"r0": ((1, 2, 3),), "r1": ((),)}
+    assert steps[2] == ("r0+1@5; preempted r1", blocks, {"r0": 6, "r1": 0}, 2)
+
+
+def test_a_lora_limit_passes_over_a_waiting_request() -> None:
+    """``max_loras=1``, NB 17 (room for all), FCFS. ``r1`` (lora-a), ``r2`` (lora-b),
+    ``r3`` (lora-a) arrive, 2 outputs each. Step 1 admits ``r1`` (4 tokens), passes over
+    ``r2`` (a second adapter would exceed the limit) and admits ``r3`` (lora-a again):
+    ``r1`` (1, 2), ``r3`` (3, 4); ``r2`` waits with no blocks."""
+    ops = (
+        Arrive("r1", (1, 2, 3, 4), (5, 6), lora_name="lora-a"),
+        Arrive("r2", (1, 2, 3, 4), (5, 6), lora_name="lora-b"),
+        Arrive("r3", (4, 3, 2, 1), (5, 6), lora_name="lora-a"),
+        Step(16),
+    )
+    steps = _run(_layout(17), ops, SchedulerOptions(max_loras=1))
+    assert steps[0][0] == "r1+4@0 r3+4@0"
+    assert steps[0][1] == {"r1": ((1, 2),), "r2": ((),), "r3": ((3, 4),)}
+
+
+def test_pause_states_hold_admission_then_everything() -> None:
+    """``pauses``: steps 3, 4 are PAUSED_NEW and step 6 PAUSED_ALL (:func:`pause_state`).
+    NB 17. ``r0`` (prompt 4, 5 outputs) runs from step 1; ``r1`` (prompt 4) arrives
+    before step 3: not admitted in steps 3 and 4 (``r0`` decodes), admitted in step 5,
+    where ``r0`` samples its last output and finishes; in step 6 nothing runs; step 7
+    goes on with ``r1``."""
+    ops = (
+        Arrive("r0", (1, 2, 3, 4), (5, 6, 7, 8, 9)),
+        Step(16),
+        Step(16),
+        Arrive("r1", (4, 3, 2, 1), (1, 1)),
+        Step(16),
+        Step(16),
+        Step(16),
+        Step(16),
+        Step(16),
+    )
+    steps = _run(_layout(17), ops, SchedulerOptions(pauses=True))
+    assert [s[0] for s in steps] == [
+        "r0+4@0",
+        "r0+1@4",
+        "r0+1@5",
+        "r0+1@6",
+        "r0+1@7 r1+4@0",
+        "nothing scheduled",
+        "r1+1@4",
+    ]
+
+
+def test_a_long_prefill_threshold_caps_each_chunk_while_others_wait() -> None:
+    """``long_prefill_token_threshold=4``, NB 17: ``r0`` (prompt 10) and ``r1`` (prompt
+    6) waiting together: each prefill chunk is at most 4 tokens while both are
+    unfinished: step 1 ``r0`` 0+4, ``r1`` 0+4; step 2 ``r0`` 4+4, ``r1`` 4+2; step 3
+    ``r0`` 8+2 (its prompt's end), ``r1`` decodes at 6."""
+    ops = (
+        Arrive("r0", tuple(range(1, 11)), (1, 2)),
+        Arrive("r1", (6, 5, 4, 3, 2, 1), (1, 2)),
+        Step(16),
+        Step(16),
+        Step(16),
+    )
+    steps = _run(_layout(17), ops, SchedulerOptions(long_prefill_token_threshold=4))
+    assert [s[0] for s in steps] == ["r0+4@0 r1+4@0", "r0+4@4 r1+2@4", "r0+2@8 r1+1@6"]
+
+
+def test_option_traces_agree_and_their_options_replay() -> None:
+    """A failing search saves the options in the trace's failure; ``run_one`` reads them
+    back (``trace_options``)."""
+    from properties.tools.scheduler_level import run_one, trace_options
+
+    trace = Trace(
+        layout=_layout(6),
+        operations=_prompt_ops(4),
+        failure={"options": PRIORITY.to_json()},
+    )
+    assert trace_options(trace) == PRIORITY
+    assert run_one(trace) == 4
