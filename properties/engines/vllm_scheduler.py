@@ -223,11 +223,6 @@ class VLLMSchedulerHarness:
             if num_draft_tokens
             else None
         )
-        if lookup is not None and asynchronous:
-            raise EngineError(
-                "vllm scheduler: a KV connector with asynchronous scheduling is not driven "
-                "(docs/scheduler-level.md)"
-            )
         transfer = (
             None
             if lookup is None
@@ -261,8 +256,8 @@ class VLLMSchedulerHarness:
         cls = scheduler_class or (AsyncScheduler if asynchronous else Scheduler)
         self.asynchronous = asynchronous
         #: asynchronous scheduling: the step scheduled and not processed yet (its
-        #: SchedulerOutput, order and the requests that sample)
-        self._in_flight: tuple[Any, list[str], set[str]] | None = None
+        #: SchedulerOutput, order, the requests that sample and the loads it started)
+        self._in_flight: tuple[Any, list[str], set[str], list[str]] | None = None
         #: vLLM's bound on unprocessed tokens (max_concurrent_batches * budget cap)
         self.max_in_flight_tokens = int(config.max_in_flight_tokens)
         self.scheduler = _call(
@@ -408,7 +403,8 @@ class VLLMSchedulerHarness:
             # schedule N, then process N - 1 (as vLLM's engine core does); the requests
             # whose chunk reaches the last known or pending token sample
             samples = {rid for rid in order if not s.requests[rid].is_prefill_chunk}
-            previous, self._in_flight = self._in_flight, (out, order, samples)
+            loads = [] if self.connector is None else self.connector.take_loads()
+            previous, self._in_flight = self._in_flight, (out, order, samples, loads)
             if previous is not None:
                 self._process(*previous)
         else:
@@ -417,7 +413,7 @@ class VLLMSchedulerHarness:
                 req_ids=order,
                 req_id_to_index={rid: i for i, rid in enumerate(order)},
                 sampled_token_ids=sampled,
-                kv_connector_output=self._worker_output(),
+                kv_connector_output=self._worker_output(self._take_loads()),
             )
             _call("update_from_output", (token_budget,), s.update_from_output, out, output)
             self._read_told()
@@ -460,14 +456,17 @@ class VLLMSchedulerHarness:
                 admissions.append(told)
         return admissions
 
-    def _worker_output(self) -> Any:
-        """The worker's connector output for this step: the asynchronous loads started
-        in it are done, and failed where ``load_fails`` says so."""
+    def _take_loads(self) -> list[str]:
+        """The asynchronous loads started since the last call."""
+        return [] if self.connector is None else self.connector.take_loads()
+
+    def _worker_output(self, done: list[str]) -> Any:
+        """The worker's connector output for a step: the asynchronous loads ``done``
+        started in it are done, and failed where ``load_fails`` says so."""
         if self.connector is None:
             return None
         from vllm.v1.outputs import KVConnectorOutput
 
-        done = self.connector.take_loads()
         if not done:
             return None
         failed = set()
@@ -478,9 +477,10 @@ class VLLMSchedulerHarness:
                 failed.add(rid)
         return KVConnectorOutput(finished_recving=set(done), failed_recving=failed)
 
-    def _process(self, out: Any, order: list[str], samples: set[str]) -> None:
+    def _process(self, out: Any, order: list[str], samples: set[str], loads: list[str]) -> None:
         """Asynchronous scheduling: the output of a step scheduled earlier; a request that
-        samples gets its next trace output (outputs are processed in order)."""
+        samples gets its next trace output (outputs are processed in order); the worker
+        reports the loads the step started."""
         sampled = []
         for rid in order:
             request = self.scheduler.requests.get(rid)
@@ -495,9 +495,11 @@ class VLLMSchedulerHarness:
             req_ids=order,
             req_id_to_index={rid: i for i, rid in enumerate(order)},
             sampled_token_ids=sampled,
+            kv_connector_output=self._worker_output(loads),
         )
         s = self.scheduler
         _call("update_from_output", ("async",), s.update_from_output, out, output)
+        self._read_told()
 
     def _sampled(self, d: ScheduledDecision) -> list[int]:
         """The tokens the model samples for ``d``: none mid-prefill; else the next output

@@ -23,6 +23,13 @@ test_vllm_scheduler_mutants.py``).
   ``_connector_finished``): the connector is told blocks the window no longer covers,
   and they go back to the pool with the rest, tail first, instead of before it.
 
+* ``deferred-free-ignored`` (a consumer KV connector under asynchronous scheduling):
+  the scheduler forgets its fence (``_request_blocks_can_be_freed`` always True), so a
+  request freed with tokens in flight returns its blocks to the pool at once, where a
+  load could reuse them while the step in flight still writes them. Example: ``r0``
+  aborted with position 4 in flight: 7 free blocks at once, the reference's 4 until the
+  step is processed.
+
 Each mutant is built on first use (vLLM is imported then): :func:`mutant_class`.
 """
 
@@ -36,6 +43,7 @@ MUTANTS: dict[str, str] = {
     "preemption-frees-late": "a preempted request's blocks are freed at the end of schedule()",
     "connector-told-new-blocks": "update_state_after_alloc gets allocate_slots' new blocks only",
     "connector-end-keeps-skipped-blocks": "_connector_finished does not remove skipped blocks",
+    "deferred-free-ignored": "blocks of a request with tokens in flight are freed at once",
 }
 
 
@@ -121,22 +129,34 @@ def _connector_end_keeps_skipped_blocks(base: type) -> type:
     return ConnectorEndKeepsSkippedBlocks
 
 
+def _deferred_free_ignored(base: type) -> type:
+    class DeferredFreeIgnored(base):  # type: ignore[misc, valid-type]
+        def _request_blocks_can_be_freed(self, request: Any) -> bool:
+            return True
+
+    return DeferredFreeIgnored
+
+
 _BUILDERS = {
     "lookahead-on-running": _lookahead_on_running,
     "preemption-frees-late": _preemption_frees_late,
     "connector-told-new-blocks": _connector_told_new_blocks,
     "connector-end-keeps-skipped-blocks": _connector_end_keeps_skipped_blocks,
+    "deferred-free-ignored": _deferred_free_ignored,
 }
 
 
-def mutant_class(name: str) -> type:
-    """The mutant ``name`` as a subclass of vLLM's ``Scheduler`` (an unknown name is a
-    one-line ``KeyError``)."""
+def mutant_class(name: str, asynchronous: bool = False) -> type:
+    """The mutant ``name`` as a subclass of vLLM's ``Scheduler`` (``AsyncScheduler`` with
+    ``asynchronous``; an unknown name is a one-line ``KeyError``)."""
     if name not in _BUILDERS:
         raise KeyError(f"unknown vLLM scheduler mutant {name!r}; known: {sorted(MUTANTS)}")
-    from vllm.v1.core.sched.scheduler import Scheduler
+    if asynchronous:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
+    else:
+        from vllm.v1.core.sched.scheduler import Scheduler as base
 
-    return _BUILDERS[name](Scheduler)
+    return _BUILDERS[name](base)
 
 
 __all__ = ["MUTANTS", "mutant_class"]

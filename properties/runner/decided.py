@@ -53,7 +53,7 @@ from properties.core.modes import ServingMode, load_fails
 from properties.core.scheduler_options import DEFAULT_OPTIONS, SchedulerOptions
 from properties.core.trace import Abort, Arrive, Operation, Preempt, ResetPrefixCache, Step, Trace
 from properties.engines.reference import make_engine as make_reference
-from properties.runner.async_scheduler import AsyncScheduler
+from properties.runner.async_scheduler import AsyncRequestState, AsyncScheduler
 from properties.runner.connector import Connector
 from properties.runner.scheduler import (
     Drafts,
@@ -92,15 +92,21 @@ class DecidedConnector(Connector):
         super().start_load(request_id, hit_tokens, external_tokens)
         self.started.append(request_id)
 
-    def report(self, scheduler: Scheduler) -> None:
-        """The end of a step: the worker reports the loads started in it."""
-        for rid in self.started:
+    def take_started(self) -> list[str]:
+        """The asynchronous loads started since the last call."""
+        started, self.started = self.started, []
+        return started
+
+    def report(self, scheduler: Scheduler, request_ids: list[str]) -> None:
+        """The worker reports the loads of ``request_ids`` (synchronous scheduling: at
+        the end of the step that started them; asynchronous: when that step's output is
+        processed); a failing one sets the request's computed tokens back to 0."""
+        for rid in request_ids:
             attempt = self.num_load_attempts.get(rid, 0)
             state = scheduler.requests.get(rid)
             if state is not None and self.failures and load_fails(rid, attempt):
                 state.num_computed_tokens = 0
                 self.engine.set_num_computed_tokens(rid, 0)
-        self.started = []
 
 
 class DecidedScheduler(Scheduler):
@@ -232,6 +238,14 @@ class DecidedScheduler(Scheduler):
         if self.connector is None or not self._ending:
             super()._free(state)
             return
+        self._end_with_connector(state)
+        self._free_blocks(state)
+
+    def _end_with_connector(self, state: RequestState) -> None:
+        """A request's end with a connector before its blocks are freed (vLLM's
+        ``_connector_finished``): offloaded, its skipped blocks freed on the processed
+        basis, and check 4 on the block ids the engine told its connector."""
+        assert self.connector is not None
         rid = state.request_id
         self.connector.release(state, self._processed(state))
         if state.holds_blocks:
@@ -248,7 +262,6 @@ class DecidedScheduler(Scheduler):
                 f"ids {told}, the reference's blocks covering its "
                 f"{state.num_computed_tokens} computed tokens are {want}"
             )
-        self.engine.free(rid)
 
     def _remove_skipped_blocks(self, request_id: str, num_processed_tokens: int) -> None:
         """The reference manager's ``remove_skipped_blocks`` (not an engine protocol
@@ -263,8 +276,8 @@ class DecidedScheduler(Scheduler):
 
     def _end_step(self, record: StepRecord) -> StepRecord:
         record = super()._end_step(record)
-        if isinstance(self.connector, DecidedConnector):
-            self.connector.report(self)
+        if isinstance(self.connector, DecidedConnector) and not self.asynchronous:
+            self.connector.report(self, self.connector.take_started())
         return record
 
     def _admit_waiting(self, record: StepRecord, budget: int, lookahead: int) -> None:
@@ -424,19 +437,112 @@ class DecidedAsyncScheduler(DecidedScheduler, AsyncScheduler):
     * an ``Abort`` frees the request's blocks at once; the output of its step in flight
       is dropped when processed.
 
+    With a KV connector (vLLM 0.33 defers block frees for a consumer connector when
+    batches overlap, ``defer_block_free``: a load into reused blocks is not ordered
+    against a write of the step in flight):
+
+    * **deferred frees**: a request freed while tokens of it are in flight (a
+      ``Preempt`` or ``Abort`` between steps) gives up its blocks at once
+      (``pop_blocks_for_free``) but the pool gets them back only when the step in
+      flight is processed, before its output is handled, tail first over all groups
+      (``free_popped_blocks``); the engine never picks a victim with tokens in flight;
+    * **loads** started in a step are reported when that step's output is processed
+      (a failing one: computed tokens back to 0 then), and completed (``PROMOTE``) by a
+      later step's admission;
+    * an ``Abort`` of a request whose load is not reported yet ends it at once (check
+      4, its skipped blocks freed) but its blocks go back only when the load is
+      reported (vLLM's ``delay_free_blocks``).
+
     Example: ``r1`` (8 tokens in flight, blocks 3-4) is aborted: the reference frees
     blocks 3-4 at once (2 more free blocks, as vLLM's ``finish_requests``), and the
-    next step's processing skips ``r1``."""
+    next step's processing skips ``r1``. With a connector the 2 blocks come back only
+    after the next step is scheduled, when the step in flight is processed."""
+
+    def __init__(
+        self,
+        engine: KVCacheEngine,
+        layout: KVCacheLayout,
+        mode: ServingMode,
+        connector: Connector | None = None,
+    ) -> None:
+        super().__init__(engine, layout, mode, connector)
+        #: non-empty steps planned and processed (vLLM's ``sched_step_seq`` and
+        #: ``processed_step_seq``)
+        self.sched_seq = 0
+        self.processed_seq = 0
+        #: deferred frees in order: (the step that must be processed first, blocks)
+        self.deferred_frees: list[tuple[int, list[Any]]] = []
+        #: the loads started in the step in flight (reported when it is processed)
+        self._loads_in_flight: list[str] = []
+        #: aborted requests whose load is not reported yet: their blocks wait for it
+        self._aborted_loads: dict[str, RequestState] = {}
 
     def _defers_abort(self, state: RequestState) -> bool:
-        """Never: released at once (see the class docstring)."""
-        return False
+        """Never (see the class docstring); with a connector the loading request's
+        state is dropped first (:meth:`DecidedScheduler._defers_abort`), and one whose
+        load is not reported keeps its blocks until it is."""
+        if self.connector is None:
+            return False
+        rid = state.request_id
+        super()._defers_abort(state)
+        if rid not in self._loads_in_flight:
+            return False
+        self._aborted_loads[rid] = state
+        self._end_with_connector(state)
+        self._forget(rid, removed=True)
+        return True
 
     def preempt(self, request_id: str) -> None:
         """A trace's ``Preempt`` of a running request, at once also with tokens in flight
         (stale output, as the engine's own preemptions)."""
         if request_id in self.running:
             self._preempt(request_id)
+
+    def _free_blocks(self, state: RequestState) -> None:
+        """With a connector, the blocks of a request with tokens in flight come back
+        when the step in flight is processed (class docstring)."""
+        assert isinstance(state, AsyncRequestState)
+        if self.connector is None or state.num_in_flight == 0:
+            super()._free_blocks(state)
+            return
+        blocks = self.engine.pop_blocks_for_free(state.request_id)
+        if blocks:
+            self.deferred_frees.append((self.sched_seq, blocks))
+
+    def _end_step(self, record: StepRecord) -> StepRecord:
+        started = [] if self.connector is None else self.connector.take_started()
+        record = super()._end_step(record)
+        self._loads_in_flight = started
+        return record
+
+    def _plan(self, record: StepRecord) -> StepRecord:
+        record = super()._plan(record)
+        if record.scheduled:
+            self.sched_seq += 1
+        return record
+
+    def _process(self, previous: StepRecord, record: StepRecord) -> None:
+        """With a connector: the deferred frees the step releases go back first, then
+        its output, then the worker's report of the loads it started."""
+        if self.connector is not None and previous.scheduled:
+            self.processed_seq += 1
+            while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_seq:
+                _, blocks = self.deferred_frees.pop(0)
+                self.engine.free_popped_blocks(blocks)
+        self._ending = True  # a request freed while an output is processed ends (check 4)
+        try:
+            super()._process(previous, record)
+        finally:
+            self._ending = False
+        if isinstance(self.connector, DecidedConnector):
+            loads, self._loads_in_flight = self._loads_in_flight, []
+            self.connector.report(self, loads)
+            for rid in loads:
+                state = self._aborted_loads.pop(rid, None)
+                if state is not None:
+                    self.engine.free(rid)
+                    self.engine.remove_request(rid)
+                    self.connector.forget(rid)
 
 
 def decided_scheduler(
@@ -501,13 +607,21 @@ def compare_views(engine: Any, reference: View, where: str) -> None:
 HarnessFactory = Callable[..., Any]
 
 
+#: ``after(harness, reference, operation, index)``: called after each operation agreed.
+OperationObserver = Callable[[Any, "DecidedScheduler", Operation, int], None]
+
+
 def run_decided(
-    trace: Trace, make_harness: HarnessFactory, options: SchedulerOptions = DEFAULT_OPTIONS
+    trace: Trace,
+    make_harness: HarnessFactory,
+    options: SchedulerOptions = DEFAULT_OPTIONS,
+    after: OperationObserver | None = None,
 ) -> int:
     """Run ``trace`` on the engine's scheduler and on :class:`DecidedScheduler` over the
     reference; raises :class:`DecisionMismatch` at the first disagreement, returns the
     number of steps run. ``trace.mode`` gives drafts and the admission gate, ``options``
-    the engine scheduler's configuration (the reference follows its decisions)."""
+    the engine scheduler's configuration (the reference follows its decisions);
+    ``after`` observes both sides after every operation (tests)."""
     mode = trace.mode
     # the connector's store: made first, it answers both sides (None: no connector)
     tier = connector_host_tier(trace.layout, mode)
@@ -546,6 +660,8 @@ def run_decided(
         ref.told_at_end = harness.told_at_end
     for index, op in enumerate(trace.operations):
         _apply(harness, ref, op, index)
+        if after is not None:
+            after(harness, ref, op, index)
     return ref.num_steps
 
 

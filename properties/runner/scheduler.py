@@ -301,6 +301,11 @@ class RequestQueues:
         every full computed block of its table is offloaded there)."""
         if self.connector is not None:
             self.connector.release(state, self._processed(state))
+        self._free_blocks(state)
+
+    def _free_blocks(self, state: RequestState) -> None:
+        """The engine's ``free`` of the request's blocks (a subclass may defer it:
+        :class:`properties.runner.decided.DecidedAsyncScheduler`)."""
         self.engine.free(state.request_id)
 
     def _processed(self, state: RequestState) -> int:

@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from properties.core.modes import ServingMode
 from properties.core.scheduler_options import SchedulerOptions
@@ -114,6 +115,12 @@ def _modes() -> tuple[LevelMode, ...]:
             ServingMode(external_hits=True, async_loads=True, load_failures=True),
             SchedulerOptions(pauses=True),
         ),
+        LevelMode(ServingMode(async_scheduling=True, external_hits=True)),
+        LevelMode(
+            ServingMode(
+                async_scheduling=True, external_hits=True, async_loads=True, load_failures=True
+            )
+        ),
     )
 
 
@@ -167,8 +174,11 @@ def _harness_factory(mutant: str | None) -> Callable:
         return make_harness
     from properties.mutants.vllm_scheduler_mutants import mutant_class
 
-    cls = mutant_class(mutant)
-    return lambda layout, **kw: make_harness(layout, scheduler_class=cls, **kw)
+    def factory(layout: KVCacheLayout, **kw: Any) -> Any:
+        cls = mutant_class(mutant, kw.get("asynchronous", False))
+        return make_harness(layout, scheduler_class=cls, **kw)
+
+    return factory
 
 
 def run_one(

@@ -1,0 +1,138 @@
+"""The scheduler level's serving modes beyond docs/scheduler-level.md's first eight: a KV
+connector under asynchronous scheduling (vLLM's deferred block frees).
+
+Run with ``.engines/vllm/bin/python -m pytest tests/properties/engines/
+test_vllm_scheduler_modes.py`` (``conftest.py`` skips the module without vLLM). Every
+table is derived by hand in its docstring; the harness and the reference on vLLM's
+decisions are compared after every operation as well.
+
+Layout: one full-attention group, block size 2, ``max_model_len`` 16, ``NB`` blocks
+(block 0 is the null block: ``NB - 1`` usable, free queue ``1..NB-1`` at first).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from properties.core.modes import ServingMode
+from properties.core.trace import Abort, Arrive, Preempt, Step
+from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.specs import FullAttentionSpec
+
+pytestmark = pytest.mark.engine
+
+ASYNC_CONNECTOR = ServingMode(async_scheduling=True, external_hits=True)
+
+
+def _layout(num_blocks: int) -> KVCacheLayout:
+    spec = FullAttentionSpec(block_size=2, num_kv_heads=1, head_size=8)
+    return KVCacheLayout(
+        groups=(KVCacheGroup(("l0",), spec),), num_blocks=num_blocks, max_model_len=16
+    )
+
+
+def _replay(
+    layout: KVCacheLayout, mode: ServingMode, ops: tuple, mutant: str | None = None
+) -> list[tuple]:
+    """``run_decided`` (vLLM's harness and the reference on its decisions, compared after
+    every operation); per operation: (operation, vLLM's free blocks, its free queue, live
+    block tables), the free queue checked equal to the reference's."""
+    from properties.core.trace import Trace
+    from properties.runner.decided import run_decided
+    from properties.tools.scheduler_level import _harness_factory
+
+    rows = []
+
+    def after(h, ref, op, index) -> None:
+        queue = h.scheduler.kv_cache_manager.block_pool.free_block_queue
+        ids, block = [], queue.fake_free_list_head.next_free_block
+        while block is not None and block is not queue.fake_free_list_tail:
+            ids.append(block.block_id)
+            block = block.next_free_block
+        assert ids == ref.engine.free_queue(), f"free queues differ after {op}"
+        rows.append((type(op).__name__, h.view().num_free_blocks, ids, h.view().block_ids))
+
+    trace = Trace(layout=layout, operations=ops, mode=mode)
+    run_decided(trace, _harness_factory(mutant), after=after)
+    return rows
+
+
+def test_an_abort_with_tokens_in_flight_frees_when_the_step_is_processed() -> None:
+    """NB 8 (7 usable), asynchronous scheduling, a KV connector (vLLM defers block frees
+    of a consumer connector). ``r0`` (prompt 1-4, 4 outputs): step 1 plans its prefill
+    (blocks 1, 2; in flight); step 2 plans position 4 (block 3) and processes step 1.
+    ``Abort r0`` with position 4 in flight: the request ends at once (its connector is
+    told blocks (1, 2, 3), the ones covering its 5 computed tokens) but its blocks stay
+    out of the pool: 4 free. ``r1`` (prompt of 10 other tokens) arrives; step 3 cannot
+    admit it (5 blocks, 4 free), then processes step 2: r0's blocks come back tail
+    first: 3 (uncached) to the front, 2 and 1 (cached) to the back: queue
+    (3, 4, 5, 6, 7, 2, 1), 7 free. Step 4 admits ``r1`` into 3, 4, 5, 6, 7."""
+    ops = (
+        Arrive("r0", (1, 2, 3, 4), (5, 6, 7, 8)),
+        Step(16),
+        Step(16),
+        Abort("r0"),
+        Arrive("r1", (7, 7, 6, 6, 5, 5, 4, 4, 3, 3), (1,)),
+        Step(16),
+        Step(16),
+    )
+    rows = _replay(_layout(8), ASYNC_CONNECTOR, ops)
+    assert rows[1] == ("Step", 5, [3, 4, 5, 6, 7], {"r0": ((1, 2),)})
+    assert rows[2] == ("Step", 4, [4, 5, 6, 7], {"r0": ((1, 2, 3),)})
+    assert rows[3] == ("Abort", 4, [4, 5, 6, 7], {})
+    assert rows[5] == ("Step", 7, [3, 4, 5, 6, 7, 2, 1], {"r1": ((),)})
+    assert rows[6] == ("Step", 2, [2, 1], {"r1": ((3, 4, 5, 6, 7),)})
+
+
+ABORT_IN_FLIGHT = (
+    Arrive("r0", (1, 2, 3, 4), (5, 6, 7, 8)),
+    Step(16),
+    Step(16),
+    Abort("r0"),
+    Arrive("r1", (7, 7, 6, 6, 5, 5, 4, 4, 3, 3), (1,)),
+    Step(16),
+    Step(16),
+)
+
+
+def test_the_deferred_free_ignored_mutant_is_caught() -> None:
+    """The mutant frees r0's blocks at the abort: 7 free on vLLM, 4 on the reference."""
+    from properties.runner.decided import DecisionMismatch
+
+    with pytest.raises(DecisionMismatch, match="free blocks differ: engine 7, reference 4"):
+        _replay(_layout(8), ASYNC_CONNECTOR, ABORT_IN_FLIGHT, "deferred-free-ignored")
+
+
+def test_without_a_connector_the_abort_frees_at_once() -> None:
+    """The same trace without a connector: the abort frees r0's blocks at once (3 to the
+    front, 2 and 1 to the back: 7 free), and step 3 admits ``r1``."""
+    ops = (
+        Arrive("r0", (1, 2, 3, 4), (5, 6, 7, 8)),
+        Step(16),
+        Step(16),
+        Abort("r0"),
+        Arrive("r1", (7, 7, 6, 6, 5, 5, 4, 4, 3, 3), (1,)),
+        Step(16),
+    )
+    rows = _replay(_layout(8), ServingMode(async_scheduling=True), ops)
+    assert rows[3] == ("Abort", 7, [3, 4, 5, 6, 7, 2, 1], {})
+    assert rows[5] == ("Step", 2, [2, 1], {"r1": ((3, 4, 5, 6, 7),)})
+
+
+def test_a_preempt_with_tokens_in_flight_is_deferred_too() -> None:
+    """NB 8, asynchronous with a connector. Steps 1-2 as above (``r0`` in 1, 2, 3;
+    position 4 in flight). ``Preempt r0``: its table is empty at once, the 3 blocks
+    stay out of the pool (4 free); step 3 processes step 2 (r0's stale token is
+    delivered, nothing cached): 3, 2, 1 come back (7 free) after the step was
+    scheduled, so r0 (waiting behind its stale token until then) is not re-admitted
+    in it."""
+    ops = (
+        Arrive("r0", (1, 2, 3, 4), (5, 6, 7, 8)),
+        Step(16),
+        Step(16),
+        Preempt("r0"),
+        Step(16),
+    )
+    rows = _replay(_layout(8), ASYNC_CONNECTOR, ops)
+    assert rows[3] == ("Preempt", 4, [4, 5, 6, 7], {"r0": ((),)})
+    assert rows[4] == ("Step", 7, [3, 4, 5, 6, 7, 2, 1], {"r0": ((),)})
