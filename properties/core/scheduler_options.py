@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from properties.core.images import MAX_IMAGE_LENGTH
 from reference.errors import KVConformError
 
 #: the scheduling policies of vLLM's ``SchedulerConfig.policy``
@@ -46,7 +47,13 @@ class SchedulerOptions:
     * ``max_num_seqs``: the most running requests (capped by ``max_model_len``);
     * ``chunked_prefill``: False makes a prompt that does not fit the budget wait;
     * ``pauses``: the harness sets vLLM's pause state before each step
-      (:func:`pause_state`).
+      (:func:`pause_state`);
+    * ``encoder_budget`` (0: no encoder inputs): the model takes images
+      (:mod:`properties.core.images`: the requests' image placeholders become vLLM's
+      ``mm_features``) with this encoder compute budget and encoder cache size, in
+      tokens (at least :data:`properties.core.images.MAX_IMAGE_LENGTH`);
+      ``unchunked_images``: an image is never split across chunks
+      (``disable_chunked_mm_input``).
     """
 
     policy: str = "fcfs"
@@ -57,6 +64,8 @@ class SchedulerOptions:
     max_num_seqs: int = 64
     chunked_prefill: bool = True
     pauses: bool = False
+    encoder_budget: int = 0
+    unchunked_images: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -68,6 +77,7 @@ class SchedulerOptions:
             "long_prefill_token_threshold",
             "prefill_schedule_interval",
             "max_num_seqs",
+            "encoder_budget",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -78,7 +88,12 @@ class SchedulerOptions:
             raise KVConformError(
                 "SchedulerOptions.prefill_schedule_interval and max_num_seqs must be >= 1"
             )
-        for name in ("adaptive_long_prefill", "chunked_prefill", "pauses"):
+        if 0 < self.encoder_budget < MAX_IMAGE_LENGTH:
+            raise KVConformError(
+                f"SchedulerOptions.encoder_budget must be 0 or at least {MAX_IMAGE_LENGTH} "
+                "(the longest image)"
+            )
+        for name in ("adaptive_long_prefill", "chunked_prefill", "pauses", "unchunked_images"):
             if not isinstance(getattr(self, name), bool):
                 raise KVConformError(f"SchedulerOptions.{name} must be a boolean")
 

@@ -95,6 +95,7 @@ from properties.core.scheduler_options import (
 )
 from properties.core.trace import Arrive
 from properties.engines.vllm import _call, _import_vllm, to_vllm_spec
+from properties.engines.vllm_images import ImageRegistry, MultiModalConfigStub, mm_features
 from reference.layout import KVCacheLayout
 
 #: ``accepted(request_id, start, num_drafts)``: how many drafts a step accepts.
@@ -124,8 +125,12 @@ class ModelStub:
     return_sampling_mask: bool = False
     #: read by vLLM's ``StructuredOutputManager``: no tokenizer (no grammar is used)
     skip_tokenizer_init: bool = True
-    #: read by ``VllmConfig.is_mm_encoder_only``: no multimodal config
-    multimodal_config: None = None
+    #: read by ``VllmConfig.is_mm_encoder_only`` and vLLM's multimodal budget: None for a
+    #: text model (:class:`properties.engines.vllm_images.MultiModalConfigStub` for images)
+    multimodal_config: Any = None
+
+    def get_multimodal_config(self) -> Any:
+        return self.multimodal_config
 
 
 @dataclass(frozen=True)
@@ -241,7 +246,17 @@ class VLLMSchedulerHarness:
             kv_transfer_config=transfer,
         )
         # no model: the scheduler reads only ModelStub's fields of model_config
-        object.__setattr__(config, "model_config", ModelStub(max_model_len=length))
+        images = options.encoder_budget > 0
+        model = ModelStub(
+            max_model_len=length,
+            supports_multimodal_inputs=images,
+            multimodal_config=MultiModalConfigStub() if images else None,
+        )
+        object.__setattr__(config, "model_config", model)
+        if images:  # the encoder budget and cache (init=False fields of SchedulerConfig)
+            scheduler_config.max_num_encoder_input_tokens = options.encoder_budget
+            scheduler_config.encoder_cache_size = options.encoder_budget
+            scheduler_config.disable_chunked_mm_input = options.unchunked_images
         if options.max_loras:  # set after: VllmConfig checks a LoRA config against the model
             object.__setattr__(config, "lora_config", LoRAConfig(max_loras=options.max_loras))
         groups = [
@@ -269,6 +284,7 @@ class VLLMSchedulerHarness:
             StructuredOutputManager(config),
             block_size=layout.scheduler_block_size,
             hash_block_size=layout.hash_block_size,
+            mm_registry=ImageRegistry(),
             log_stats=True,
         )
         self._hasher = (
@@ -327,6 +343,7 @@ class VLLMSchedulerHarness:
             params,
             None,
             arrival_time=float(self._num_arrivals),
+            mm_features=mm_features(op.prompt) if self.options.encoder_budget else None,
             lora_request=lora,
             cache_salt=op.cache_salt,
             priority=priority,

@@ -30,6 +30,17 @@ test_vllm_scheduler_mutants.py``).
   aborted with position 4 in flight: 7 free blocks at once, the reference's 4 until the
   step is processed.
 
+* ``priority-victim-frees-late`` (priority scheduling): a victim that was scheduled
+  earlier in the same step keeps its blocks until the end of ``schedule()`` (as if its
+  step's allocation had to stay valid), so the allocation it was preempted for still
+  fails and the scheduler preempts on, down to the request itself. Example: ``r0``
+  (priority 2, scheduled) preempted for ``r1``: ``r1`` preempts itself too.
+* ``encoder-cut-after-allocation`` (image inputs): the chunk vLLM cuts before an image
+  the encoder budget cannot take is cut only after ``allocate_slots`` saw it whole, so
+  the request holds blocks for tokens it does not compute. Example: ``r1`` (2 text
+  tokens, then an image the budget cannot take) runs 2 tokens but is allocated 9
+  positions: blocks 7-11, the reference's 7.
+
 Each mutant is built on first use (vLLM is imported then): :func:`mutant_class`.
 """
 
@@ -44,6 +55,8 @@ MUTANTS: dict[str, str] = {
     "connector-told-new-blocks": "update_state_after_alloc gets allocate_slots' new blocks only",
     "connector-end-keeps-skipped-blocks": "_connector_finished does not remove skipped blocks",
     "deferred-free-ignored": "blocks of a request with tokens in flight are freed at once",
+    "encoder-cut-after-allocation": "allocate_slots sees the chunk before the encoder cut",
+    "priority-victim-frees-late": "a victim scheduled in the step is freed at its end",
 }
 
 
@@ -137,12 +150,84 @@ def _deferred_free_ignored(base: type) -> type:
     return DeferredFreeIgnored
 
 
+def _encoder_cut_after_allocation(base: type) -> type:
+    class EncoderCutAfterAllocation(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            #: request id -> the chunk before the encoder cut (read by allocate_slots)
+            self._uncut: dict[str, int] = {}
+            manager = self.kv_cache_manager
+            allocate = manager.allocate_slots
+            uncut = self._uncut
+
+            def allocate_slots(request: Any, num_new_tokens: int, *args: Any, **kw: Any) -> Any:
+                whole = uncut.pop(request.request_id, 0)
+                return allocate(request, max(whole, num_new_tokens), *args, **kw)
+
+            manager.allocate_slots = allocate_slots
+
+        def _try_schedule_encoder_inputs(
+            self, request: Any, num_computed_tokens: int, num_new_tokens: int, *args: Any, **kw: Any
+        ) -> Any:
+            out = super()._try_schedule_encoder_inputs(
+                request, num_computed_tokens, num_new_tokens, *args, **kw
+            )
+            if 0 < out[1] < num_new_tokens:
+                self._uncut[request.request_id] = num_new_tokens
+            return out
+
+    return EncoderCutAfterAllocation
+
+
+def _priority_victim_frees_late(base: type) -> type:
+    class PriorityVictimFreesLate(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            #: requests allocated in the schedule() running now, and their late frees
+            self._allocated: set[str] = set()
+            self._late: list[Any] = []
+            manager = self.kv_cache_manager
+            allocate = manager.allocate_slots
+            allocated = self._allocated
+
+            def allocate_slots(request: Any, *args: Any, **kw: Any) -> Any:
+                new = allocate(request, *args, **kw)
+                if new is not None:
+                    allocated.add(request.request_id)
+                return new
+
+            manager.allocate_slots = allocate_slots
+
+        def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> None:
+            if request.request_id not in self._allocated:
+                super()._preempt_request(request, *args, **kwargs)
+                return
+            free = self._free_request_blocks
+            self._free_request_blocks = self._late.append  # type: ignore[method-assign]
+            try:
+                super()._preempt_request(request, *args, **kwargs)
+            finally:
+                self._free_request_blocks = free  # type: ignore[method-assign]
+
+        def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            self._allocated.clear()
+            out = super().schedule(*args, **kwargs)
+            late, self._late = self._late, []
+            for request in late:
+                self.kv_cache_manager.free(request)
+            return out
+
+    return PriorityVictimFreesLate
+
+
 _BUILDERS = {
     "lookahead-on-running": _lookahead_on_running,
     "preemption-frees-late": _preemption_frees_late,
     "connector-told-new-blocks": _connector_told_new_blocks,
     "connector-end-keeps-skipped-blocks": _connector_end_keeps_skipped_blocks,
     "deferred-free-ignored": _deferred_free_ignored,
+    "encoder-cut-after-allocation": _encoder_cut_after_allocation,
+    "priority-victim-frees-late": _priority_victim_frees_late,
 }
 
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from properties.core.images import with_images
 from properties.core.modes import ServingMode
 from properties.core.scheduler_options import SchedulerOptions
 from properties.core.trace import (
@@ -66,11 +67,12 @@ class LevelMode:
     mode: ServingMode
     options: SchedulerOptions = SchedulerOptions()
     loras: bool = False
+    #: the drawn prompts get images (:func:`properties.core.images.with_images`)
+    images: bool = False
 
     def describe(self) -> str:
-        return f"{self.mode.describe()} / {self.options.describe()}" + (
-            " / loras" if self.loras else ""
-        )
+        extras = [name for name in ("loras", "images") if getattr(self, name)]
+        return " / ".join([self.mode.describe(), self.options.describe(), *extras])
 
 
 def _modes() -> tuple[LevelMode, ...]:
@@ -114,6 +116,17 @@ def _modes() -> tuple[LevelMode, ...]:
         LevelMode(
             ServingMode(external_hits=True, async_loads=True, load_failures=True),
             SchedulerOptions(pauses=True),
+        ),
+        LevelMode(ServingMode(), SchedulerOptions(encoder_budget=10), images=True),
+        LevelMode(
+            ServingMode(async_scheduling=True, admission_gate=True),
+            SchedulerOptions(encoder_budget=8, unchunked_images=True, policy="priority"),
+            images=True,
+        ),
+        LevelMode(
+            ServingMode(external_hits=True, async_loads=True),
+            SchedulerOptions(encoder_budget=16),
+            images=True,
         ),
         LevelMode(ServingMode(async_scheduling=True, external_hits=True)),
         LevelMode(
@@ -242,6 +255,11 @@ def search(
                 ops = ops + reload_tail(layout, ops, draw(st.booleans()))
             if level.loras:
                 ops = with_loras(ops)
+            if level.images:
+                ops = tuple(
+                    replace(op, prompt=with_images(op.prompt)) if isinstance(op, Arrive) else op
+                    for op in ops
+                )
             return Trace(layout=layout, operations=ops, mode=mode)
 
         return draw_trace()

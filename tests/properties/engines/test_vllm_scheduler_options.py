@@ -32,7 +32,9 @@ def _layout(num_blocks: int) -> KVCacheLayout:
     )
 
 
-def _run(layout: KVCacheLayout, ops: tuple, options: SchedulerOptions) -> list[tuple]:
+def _run(
+    layout: KVCacheLayout, ops: tuple, options: SchedulerOptions, mutant: str | None = None
+) -> list[tuple]:
     """vLLM's harness and the reference on its decisions, side by side: per step the
     decisions (``describe()``), block tables, computed tokens and free blocks, checked
     equal on both sides after every operation."""
@@ -41,7 +43,12 @@ def _run(layout: KVCacheLayout, ops: tuple, options: SchedulerOptions) -> list[t
     from properties.engines.vllm_scheduler import make_harness
     from properties.runner.decided import compare_views, decided_scheduler, reference_view
 
-    h = make_harness(layout, options=options)
+    if mutant is None:
+        h = make_harness(layout, options=options)
+    else:
+        from properties.mutants.vllm_scheduler_mutants import mutant_class
+
+        h = make_harness(layout, options=options, scheduler_class=mutant_class(mutant))
     ref = decided_scheduler(make_engine(layout), layout, ServingMode())
     steps = []
     for op in ops:
@@ -90,6 +97,15 @@ def test_priority_preempts_a_request_it_scheduled_earlier_in_the_step() -> None:
         ("r1+1@4; preempted r0", {"r0": ((),), "r1": ((4, 5, 3),)}, {"r0": 0, "r1": 5}, 2),
         ("r1+1@5", {"r0": ((),), "r1": ((4, 5, 3),)}, {"r0": 0, "r1": 6}, 2),
     ]
+
+
+def test_the_priority_victim_frees_late_mutant_is_caught() -> None:
+    """The mutant keeps r0's blocks (scheduled in step 3, then the victim) until the end
+    of the step: r1's allocation still fails and r1 preempts itself too."""
+    from properties.runner.decided import DecisionMismatch
+
+    with pytest.raises(DecisionMismatch, match="preempted r0, r1"):
+        _run(_layout(6), _prompt_ops(4), PRIORITY, "priority-victim-frees-late")
 
 
 def test_priority_self_preemption_goes_on_to_the_next_running_request() -> None:
@@ -189,3 +205,45 @@ def test_option_traces_agree_and_their_options_replay() -> None:
     )
     assert trace_options(trace) == PRIORITY
     assert run_one(trace) == 4
+
+
+def test_the_encoder_budget_cuts_a_chunk_before_an_image() -> None:
+    """``encoder_budget=8`` (encoder compute budget and cache: 8 tokens), NB 33,
+    ``max_model_len`` 32. ``r0``: 2 text tokens, image 3 (8 placeholders), 2 text
+    tokens; ``r1``: 2 text tokens, image 2 (5), 2 text tokens. Step 1 (budget 32):
+    ``r0``'s 12 tokens with its image use the whole encoder budget, so ``r1``'s chunk
+    stops before its image: 2 tokens. ``r0`` blocks 1-6, ``r1`` block 7. After step 1
+    ``r0``'s image is computed and freed from the encoder cache; step 2: ``r0`` decodes
+    position 12 (block 8), ``r1`` computes its image and the rest, positions 2-8
+    (blocks 9-12)."""
+    steps = _run(*_image_trace(), SchedulerOptions(encoder_budget=8))
+    assert steps[0][:2] == (
+        "r0+12@0 r1+2@0",
+        {"r0": ((1, 2, 3, 4, 5, 6),), "r1": ((7,),)},
+    )
+    assert steps[1][:2] == (
+        "r0+1@12 r1+7@2",
+        {"r0": ((1, 2, 3, 4, 5, 6, 8),), "r1": ((7, 9, 10, 11, 12),)},
+    )
+
+
+def test_the_encoder_cut_after_allocation_mutant_is_caught() -> None:
+    """The mutant allocates r1's 9 remaining prompt tokens in step 1 (blocks 7-11)
+    although it runs 2: the tables differ."""
+    from properties.runner.decided import DecisionMismatch
+
+    with pytest.raises(
+        DecisionMismatch,
+        match=r"r1's block ids differ: engine \(\(7, 8, 9, 10, 11\),\), reference \(\(7,\),\)",
+    ):
+        _run(*_image_trace(), SchedulerOptions(encoder_budget=8), "encoder-cut-after-allocation")
+
+
+def _image_trace() -> tuple:
+    from properties.core.images import image_token
+
+    r0 = (1, 2) + tuple(image_token(3, j) for j in range(8)) + (3, 4)
+    r1 = (5, 6) + tuple(image_token(2, j) for j in range(5)) + (1, 1)
+    layout = KVCacheLayout(groups=_layout(33).groups, num_blocks=33, max_model_len=32)
+    ops = (Arrive("r0", r0, (1, 2, 3)), Arrive("r1", r1, (1, 2)), Step(32), Step(32))
+    return layout, ops
