@@ -80,6 +80,7 @@ from typing import Any
 
 from properties.core.decisions import (
     ALLOCATED,
+    Accounting,
     PROMOTE,
     ConnectorEvent,
     ScheduledDecision,
@@ -141,6 +142,8 @@ class ManagerView:
     block_ids: dict[str, tuple[tuple[int, ...], ...]]
     num_computed_tokens: dict[str, int]
     num_free_blocks: int
+    #: the scheduler's request accounting (``get_request_counts``, ...)
+    accounting: Accounting | None = None
 
 
 def _no_drafts(request_id: str, start: int, num_drafts: int) -> int:
@@ -574,7 +577,35 @@ class VLLMSchedulerHarness:
             blocks[rid] = tuple(tuple(group) for group in ids)
             computed[rid] = request.num_computed_tokens
         free = int(manager.block_pool.get_num_free_blocks())
-        return ManagerView(blocks, computed, free)
+        return ManagerView(blocks, computed, free, self.accounting())
+
+    def accounting(self) -> Accounting:
+        """What vLLM's engine core reads between steps (``get_request_counts``,
+        ``has_finished_requests``); ``get_num_unfinished_requests`` is checked against
+        them under the pause state (running and waiting; only the block holders waiting
+        when ``PAUSED_NEW``; nothing when ``PAUSED_ALL``)."""
+        from vllm.v1.core.sched.interface import PauseState
+
+        s = self.scheduler
+        running, waiting = s.get_request_counts()
+        holding = len(s.kv_holding_waiting)
+        state = s.pause_state
+        want = {
+            PauseState.UNPAUSED: running + waiting,
+            PauseState.PAUSED_NEW: running + holding,
+            PauseState.PAUSED_ALL: 0,
+        }[state]
+        got = s.get_num_unfinished_requests()
+        if got != want or s.has_requests() != (got > 0 or s.has_finished_requests()):
+            raise EngineError(
+                f"vllm scheduler: get_num_unfinished_requests() is {got} under {state.name} "
+                f"with {running} running, {waiting} waiting ({holding} holding blocks)"
+            )
+        return Accounting(running, waiting, holding, bool(s.has_finished_requests()))
+
+    def close(self) -> None:
+        """The end of a trace: vLLM's ``shutdown`` (its connector and event publisher)."""
+        _call("shutdown", (), self.scheduler.shutdown)
 
 
 def make_harness(layout: KVCacheLayout, **kwargs: Any) -> VLLMSchedulerHarness:

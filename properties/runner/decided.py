@@ -47,7 +47,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from properties.core.allocation import Allocation, allocate
-from properties.core.decisions import ALLOCATED, PROMOTE, ConnectorEvent, StepDecisions
+from properties.core.decisions import (
+    ALLOCATED,
+    PROMOTE,
+    Accounting,
+    ConnectorEvent,
+    StepDecisions,
+)
 from properties.core.engine import KVCacheEngine
 from properties.core.modes import ServingMode, load_fails
 from properties.core.scheduler_options import DEFAULT_OPTIONS, SchedulerOptions
@@ -146,6 +152,19 @@ class DecidedScheduler(Scheduler):
         self.told_at_end: dict[str, tuple[tuple[int, ...], ...]] = {}
         #: a request is ending (finished or aborted): check 4 runs when it is freed
         self._ending = False
+        #: requests that ended (finished or aborted) since the last step was scheduled
+        self.ended: set[str] = set()
+
+    def accounting(self) -> Accounting:
+        """The reference's :class:`Accounting`: running requests; waiting ones (loading
+        and loaded included; those two hold blocks); whether a request ended since the
+        last step was scheduled, or ended and still holds blocks."""
+        loading = [] if self.connector is None else self.connector.loading
+        holding = len(loading) + len(self.loaded)
+        held = bool(getattr(self, "_aborted_loads", None))
+        return Accounting(
+            len(self.running), len(self.waiting) + holding, holding, bool(self.ended) or held
+        )
 
     def step_as(self, decisions: StepDecisions, token_budget: int) -> StepRecord:
         """One step on ``decisions`` (checks 1 run before the step's output)."""
@@ -221,6 +240,8 @@ class DecidedScheduler(Scheduler):
     def abort(self, request_id: str) -> None:
         self._ending = True
         try:
+            if request_id in self.requests:
+                self.ended.add(request_id)
             super().abort(request_id)
         finally:
             self._ending = False
@@ -274,7 +295,14 @@ class DecidedScheduler(Scheduler):
             )
         manager.coordinator.remove_skipped_blocks(request_id, num_processed_tokens)
 
+    def _forget(self, request_id: str, removed: bool = False) -> None:
+        """A finished, aborted or failed request is forgotten: it ended."""
+        if request_id in self.requests:
+            self.ended.add(request_id)
+        super()._forget(request_id, removed)
+
     def _end_step(self, record: StepRecord) -> StepRecord:
+        self.ended = set()  # vLLM clears its finished ids when a step is scheduled
         record = super()._end_step(record)
         if isinstance(self.connector, DecidedConnector) and not self.asynchronous:
             self.connector.report(self, self.connector.take_started())
@@ -566,6 +594,8 @@ class View:
     block_ids: dict[str, tuple[tuple[int, ...], ...]]
     num_computed_tokens: dict[str, int]
     num_free_blocks: int
+    #: the request accounting (compared when both sides give one)
+    accounting: Accounting | None = None
 
 
 def reference_view(scheduler: DecidedScheduler) -> View:
@@ -573,7 +603,7 @@ def reference_view(scheduler: DecidedScheduler) -> View:
     engine = scheduler.engine
     blocks = {rid: tuple(map(tuple, engine.get_block_ids(rid))) for rid in scheduler.requests}
     computed = {rid: s.num_computed_tokens for rid, s in scheduler.requests.items()}
-    return View(blocks, computed, engine.num_free_blocks())
+    return View(blocks, computed, engine.num_free_blocks(), scheduler.accounting())
 
 
 def compare_views(engine: Any, reference: View, where: str) -> None:
@@ -600,6 +630,11 @@ def compare_views(engine: Any, reference: View, where: str) -> None:
         raise DecisionMismatch(
             f"{where}: free blocks differ: engine {engine.num_free_blocks}, reference "
             f"{reference.num_free_blocks}"
+        )
+    mine, ref = getattr(engine, "accounting", None), reference.accounting
+    if mine is not None and ref is not None and mine != ref:
+        raise DecisionMismatch(
+            f"{where}: request accounting differs: engine {mine}, reference {ref}"
         )
 
 
@@ -662,6 +697,9 @@ def run_decided(
         _apply(harness, ref, op, index)
         if after is not None:
             after(harness, ref, op, index)
+    close = getattr(harness, "close", None)
+    if close is not None:  # the engine's own end of a run (vLLM: shutdown)
+        close()
     return ref.num_steps
 
 

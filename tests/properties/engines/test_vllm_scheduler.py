@@ -440,14 +440,13 @@ def test_connector_trace_agrees_and_the_told_blocks_mutant_is_caught() -> None:
     ) in str(caught.value)
 
 
-def test_connector_with_asynchronous_scheduling_is_refused_in_one_line() -> None:
-    """vLLM defers a consumer connector's frees under asynchronous scheduling, which the
-    reference does not model: the harness says so rather than drive it."""
-    from properties.core.engine import EngineError
+def test_connector_with_asynchronous_scheduling_defers_block_frees() -> None:
+    """vLLM defers a consumer connector's frees under asynchronous scheduling (the
+    reference models it: tests/properties/engines/test_vllm_scheduler_modes.py)."""
     from properties.engines.vllm_scheduler import make_harness
 
-    with pytest.raises(EngineError, match="KV connector with asynchronous scheduling"):
-        make_harness(CONNECTOR_LAYOUT, lookup=_store_of_4, asynchronous=True)
+    h = make_harness(CONNECTOR_LAYOUT, lookup=_store_of_4, asynchronous=True)
+    assert h.scheduler.defer_block_free
 
 
 def test_end_with_a_connector_frees_skipped_blocks_first_and_the_mutant_is_caught() -> None:
