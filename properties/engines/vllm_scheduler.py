@@ -80,8 +80,8 @@ from typing import Any
 
 from properties.core.decisions import (
     ALLOCATED,
-    Accounting,
     PROMOTE,
+    Accounting,
     ConnectorEvent,
     ScheduledDecision,
     StepDecisions,
