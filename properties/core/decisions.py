@@ -104,17 +104,15 @@ class StepDecisions:
 class Accounting:
     """A scheduler's request accounting between steps, as vLLM's engine core reads it
     (``get_request_counts``, ``has_finished_requests``): running requests; waiting ones
-    (loading from a KV connector included), of which ``num_holding`` hold blocks
-    (loading, or loaded and not scheduled since); and whether a request ended
-    (finished or aborted) since the last step was scheduled, or ended and still holds
-    blocks a connector has not released.
+    (loading from a KV connector included); and whether a request ended (finished or
+    aborted) since the last step was scheduled, or ended and is still kept by a
+    connector (a save or a load not reported yet).
 
     Example: ``r0`` running, ``r1`` waiting for its asynchronous load, ``r2`` aborted
-    since the last step: ``Accounting(1, 1, 1, True)``."""
+    since the last step: ``Accounting(1, 1, True)``."""
 
     num_running: int
     num_waiting: int
-    num_holding: int
     has_finished: bool
 
 

@@ -53,7 +53,14 @@ class SchedulerOptions:
       ``mm_features``) with this encoder compute budget and encoder cache size, in
       tokens (at least :data:`properties.core.images.MAX_IMAGE_LENGTH`);
       ``unchunked_images``: an image is never split across chunks
-      (``disable_chunked_mm_input``).
+      (``disable_chunked_mm_input``);
+    * ``delayed_frees`` (a KV connector): the connector saves the blocks of one ended
+      request in two (:func:`connector_saves`) and keeps them until the worker reports
+      the save done with the output of the next step scheduled
+      (``request_finished`` returns True, then ``finished_sending``);
+    * ``reset_connector`` (a KV connector): a ``ResetPrefixCache`` resets the
+      connector's store too (``reset_prefix_cache(reset_connector=True)``: the host tier
+      is emptied).
     """
 
     policy: str = "fcfs"
@@ -66,6 +73,8 @@ class SchedulerOptions:
     pauses: bool = False
     encoder_budget: int = 0
     unchunked_images: bool = False
+    delayed_frees: bool = False
+    reset_connector: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -93,7 +102,14 @@ class SchedulerOptions:
                 f"SchedulerOptions.encoder_budget must be 0 or at least {MAX_IMAGE_LENGTH} "
                 "(the longest image)"
             )
-        for name in ("adaptive_long_prefill", "chunked_prefill", "pauses", "unchunked_images"):
+        for name in (
+            "adaptive_long_prefill",
+            "chunked_prefill",
+            "pauses",
+            "unchunked_images",
+            "delayed_frees",
+            "reset_connector",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise KVConformError(f"SchedulerOptions.{name} must be a boolean")
 
@@ -141,6 +157,13 @@ def request_priority(request_id: str) -> int:
     return _digest(f"priority:{request_id}")[0] % 3
 
 
+def connector_saves(request_id: str) -> bool:
+    """Whether the KV connector saves ``request_id``'s blocks at its end (keeping them
+    until the save is reported) under ``delayed_frees``: one request in two, from a
+    ``sha256`` of the id."""
+    return _digest(f"save:{request_id}")[0] % 2 == 0
+
+
 def pause_state(step_index: int) -> str:
     """The pause state the harness sets before step ``step_index`` (1 first) under
     ``pauses``: a fixed pattern of period 7, steps 3 and 4 ``PAUSED_NEW`` (running
@@ -162,6 +185,7 @@ __all__ = [
     "POLICIES",
     "SchedulerOptions",
     "UNPAUSED",
+    "connector_saves",
     "pause_state",
     "request_priority",
 ]

@@ -91,6 +91,7 @@ from properties.core.modes import load_fails
 from properties.core.scheduler_options import (
     DEFAULT_OPTIONS,
     SchedulerOptions,
+    connector_saves,
     pause_state,
     request_priority,
 )
@@ -305,6 +306,8 @@ class VLLMSchedulerHarness:
         self.told_at_end: dict[str, tuple[tuple[int, ...], ...]] = {}
         #: the admission phase's connector events of the step being scheduled
         self._events: list[ConnectorEvent] = []
+        #: how often vLLM reset its connector's store (``reset_cache``)
+        self.connector_resets = 0
         #: the scheduler's own preemptions during the step being scheduled, in order
         self._preempted: list[str] = []
         preempt = self.scheduler._preempt_request
@@ -318,6 +321,9 @@ class VLLMSchedulerHarness:
         if self.connector is not None:
             self.connector.lookup = lookup
             self.connector.asynchronous = async_loads
+            if options.delayed_frees:
+                self.connector.saves = connector_saves
+            self.connector.reset = self._connector_reset
             promote = self.scheduler._update_waiting_for_remote_kv
 
             def promoted(request: Any) -> None:  # observed, not changed
@@ -373,8 +379,16 @@ class VLLMSchedulerHarness:
         self._external_preemptions.add(request_id)
         _call("_preempt_request", (request_id,), self._preempt_request, request, 0.0)
 
+    def _connector_reset(self) -> None:
+        """The connector's ``reset_cache``: counted (the reference empties the store it
+        shares with vLLM's connector, and checks the count)."""
+        self.connector_resets += 1
+
     def reset_prefix_cache(self) -> bool:
-        return bool(_call("reset_prefix_cache", (), self.scheduler.reset_prefix_cache))
+        """``reset_prefix_cache()`` (with ``reset_connector`` under that option)."""
+        reset = self.scheduler.reset_prefix_cache
+        connector = self.options.reset_connector and self.connector is not None
+        return bool(_call("reset_prefix_cache", (), reset, reset_connector=connector))
 
     def step(self, token_budget: int) -> StepDecisions:
         """``schedule()`` with ``token_budget``, the synthetic output, ``update_from_output``
@@ -423,19 +437,21 @@ class VLLMSchedulerHarness:
             # schedule N, then process N - 1 (as vLLM's engine core does); the requests
             # whose chunk reaches the last known or pending token sample
             samples = {rid for rid in order if not s.requests[rid].is_prefill_chunk}
-            loads = [] if self.connector is None else self.connector.take_loads()
-            previous, self._in_flight = self._in_flight, (out, order, samples, loads)
+            work = self._take_worker_jobs()
+            previous, self._in_flight = self._in_flight, (out, order, samples, work)
             if previous is not None:
                 self._process(*previous)
         else:
+            work = self._take_worker_jobs()
             sampled = [self._sampled(d) for d in decisions]
             output = self._mro(
                 req_ids=order,
                 req_id_to_index={rid: i for i, rid in enumerate(order)},
                 sampled_token_ids=sampled,
-                kv_connector_output=self._worker_output(self._take_loads()),
+                kv_connector_output=self._worker_output(work),
             )
             _call("update_from_output", (token_budget,), s.update_from_output, out, output)
+            self._saved(work)
             self._read_told()
             self._propose_drafts()
         return StepDecisions(tuple(decisions), preempted, proposed, events)
@@ -476,18 +492,28 @@ class VLLMSchedulerHarness:
                 admissions.append(told)
         return admissions
 
-    def _take_loads(self) -> list[str]:
-        """The asynchronous loads started since the last call."""
-        return [] if self.connector is None else self.connector.take_loads()
+    def _take_worker_jobs(self) -> tuple[list[str], list[str]]:
+        """The worker's jobs of the step just scheduled: the asynchronous loads it
+        started and the saves started before it; both are reported done with its
+        output."""
+        if self.connector is None:
+            return [], []
+        return self.connector.take_loads(), self.connector.take_saves()
 
-    def _worker_output(self, done: list[str]) -> Any:
-        """The worker's connector output for a step: the asynchronous loads ``done``
-        started in it are done, and failed where ``load_fails`` says so."""
+    def _saved(self, work: tuple[list[str], list[str]]) -> None:
+        if self.connector is not None:
+            self.connector.saved(*work)
+
+    def _worker_output(self, work: tuple[list[str], list[str]]) -> Any:
+        """The worker's connector output for a step (:meth:`_take_worker_jobs`): its
+        asynchronous loads are done, and failed where ``load_fails`` says so; its saves
+        are done."""
         if self.connector is None:
             return None
         from vllm.v1.outputs import KVConnectorOutput
 
-        if not done:
+        done, saves = work
+        if not done and not saves:
             return None
         failed = set()
         for rid in done:
@@ -495,9 +521,13 @@ class VLLMSchedulerHarness:
             self._load_attempts[rid] = attempt + 1
             if self._load_failures and load_fails(rid, attempt):
                 failed.add(rid)
-        return KVConnectorOutput(finished_recving=set(done), failed_recving=failed)
+        return KVConnectorOutput(
+            finished_recving=set(done), failed_recving=failed, finished_sending=set(saves)
+        )
 
-    def _process(self, out: Any, order: list[str], samples: set[str], loads: list[str]) -> None:
+    def _process(
+        self, out: Any, order: list[str], samples: set[str], work: tuple[list[str], list[str]]
+    ) -> None:
         """Asynchronous scheduling: the output of a step scheduled earlier; a request that
         samples gets its next trace output (outputs are processed in order); the worker
         reports the loads the step started."""
@@ -515,10 +545,11 @@ class VLLMSchedulerHarness:
             req_ids=order,
             req_id_to_index={rid: i for i, rid in enumerate(order)},
             sampled_token_ids=sampled,
-            kv_connector_output=self._worker_output(loads),
+            kv_connector_output=self._worker_output(work),
         )
         s = self.scheduler
         _call("update_from_output", ("async",), s.update_from_output, out, output)
+        self._saved(work)
         self._read_told()
 
     def _sampled(self, d: ScheduledDecision) -> list[int]:
@@ -601,7 +632,7 @@ class VLLMSchedulerHarness:
                 f"vllm scheduler: get_num_unfinished_requests() is {got} under {state.name} "
                 f"with {running} running, {waiting} waiting ({holding} holding blocks)"
             )
-        return Accounting(running, waiting, holding, bool(s.has_finished_requests()))
+        return Accounting(running, waiting, bool(s.has_finished_requests()))
 
     def close(self) -> None:
         """The end of a trace: vLLM's ``shutdown`` (its connector and event publisher)."""

@@ -41,6 +41,12 @@ test_vllm_scheduler_mutants.py``).
   tokens, then an image the budget cannot take) runs 2 tokens but is allocated 9
   positions: blocks 7-11, the reference's 7.
 
+* ``connector-delay-ignored`` (a KV connector that saves): the scheduler frees an ended
+  request's blocks although its connector asked to keep them while it saves them
+  (``request_finished`` returning True is ignored), so they can be reused under the
+  save. Example: ``r0`` ends with a save: 7 free blocks at once, the reference's 5 until
+  the save is reported.
+
 Each mutant is built on first use (vLLM is imported then): :func:`mutant_class`.
 """
 
@@ -57,6 +63,7 @@ MUTANTS: dict[str, str] = {
     "deferred-free-ignored": "blocks of a request with tokens in flight are freed at once",
     "encoder-cut-after-allocation": "allocate_slots sees the chunk before the encoder cut",
     "priority-victim-frees-late": "a victim scheduled in the step is freed at its end",
+    "connector-delay-ignored": "an ended request's blocks are freed while its connector saves",
 }
 
 
@@ -220,6 +227,15 @@ def _priority_victim_frees_late(base: type) -> type:
     return PriorityVictimFreesLate
 
 
+def _connector_delay_ignored(base: type) -> type:
+    class ConnectorDelayIgnored(base):  # type: ignore[misc, valid-type]
+        def _connector_finished(self, request: Any) -> Any:
+            _, params = super()._connector_finished(request)
+            return False, params
+
+    return ConnectorDelayIgnored
+
+
 _BUILDERS = {
     "lookahead-on-running": _lookahead_on_running,
     "preemption-frees-late": _preemption_frees_late,
@@ -228,6 +244,7 @@ _BUILDERS = {
     "deferred-free-ignored": _deferred_free_ignored,
     "encoder-cut-after-allocation": _encoder_cut_after_allocation,
     "priority-victim-frees-late": _priority_victim_frees_late,
+    "connector-delay-ignored": _connector_delay_ignored,
 }
 
 

@@ -56,7 +56,7 @@ from properties.core.decisions import (
 )
 from properties.core.engine import KVCacheEngine
 from properties.core.modes import ServingMode, load_fails
-from properties.core.scheduler_options import DEFAULT_OPTIONS, SchedulerOptions
+from properties.core.scheduler_options import DEFAULT_OPTIONS, SchedulerOptions, connector_saves
 from properties.core.trace import Abort, Arrive, Operation, Preempt, ResetPrefixCache, Step, Trace
 from properties.engines.reference import make_engine as make_reference
 from properties.runner.async_scheduler import AsyncRequestState, AsyncScheduler
@@ -73,6 +73,10 @@ from reference.errors import KVConformError
 from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
 from reference.specs import cdiv
+
+
+def _never(request_id: str) -> bool:
+    return False
 
 
 class DecisionMismatch(KVConformError):
@@ -154,17 +158,23 @@ class DecidedScheduler(Scheduler):
         self._ending = False
         #: requests that ended (finished or aborted) since the last step was scheduled
         self.ended: set[str] = set()
+        #: whether the engine's connector saves a request's blocks at its end (kept
+        #: until the save is reported: ``SchedulerOptions.delayed_frees``)
+        self.saves: Callable[[str], bool] = _never
+        #: ended requests whose blocks a save keeps: id -> (state, the step with whose
+        #: output the save is reported)
+        self._held: dict[str, tuple[RequestState, int]] = {}
+        #: a ``ResetPrefixCache`` resets the connector's store too
+        self.reset_connector = False
 
     def accounting(self) -> Accounting:
         """The reference's :class:`Accounting`: running requests; waiting ones (loading
-        and loaded included; those two hold blocks); whether a request ended since the
-        last step was scheduled, or ended and still holds blocks."""
+        and loaded included); whether a request ended since the last step was
+        scheduled, or ended and is still kept (a save, a load not reported)."""
         loading = [] if self.connector is None else self.connector.loading
-        holding = len(loading) + len(self.loaded)
-        held = bool(getattr(self, "_aborted_loads", None))
-        return Accounting(
-            len(self.running), len(self.waiting) + holding, holding, bool(self.ended) or held
-        )
+        waiting = len(self.waiting) + len(loading) + len(self.loaded)
+        held = bool(self._held) or bool(getattr(self, "_aborted_loads", None))
+        return Accounting(len(self.running), waiting, bool(self.ended) or held)
 
     def step_as(self, decisions: StepDecisions, token_budget: int) -> StepRecord:
         """One step on ``decisions`` (checks 1 run before the step's output)."""
@@ -240,8 +250,6 @@ class DecidedScheduler(Scheduler):
     def abort(self, request_id: str) -> None:
         self._ending = True
         try:
-            if request_id in self.requests:
-                self.ended.add(request_id)
             super().abort(request_id)
         finally:
             self._ending = False
@@ -260,7 +268,32 @@ class DecidedScheduler(Scheduler):
             super()._free(state)
             return
         self._end_with_connector(state)
+        rid = state.request_id
+        if self.saves(rid) and rid not in self._unreported_loads():  # kept until reported
+            self._held[rid] = (state, self.num_steps + 1)
+            return
         self._free_blocks(state)
+
+    def _release_saved(self, reported_step: int) -> None:
+        """The worker reported the saves started before step ``reported_step`` (and
+        earlier): their blocks go back (vLLM's ``finished_sending``). vLLM frees them in
+        the iteration order of the reported set, which the harness builds from the saves
+        in the order they started; an equal set built in the same order iterates in the
+        same order (CPython), so the reference iterates one."""
+        reported = [rid for rid, (_, step) in self._held.items() if step <= reported_step]
+        for rid in set(reported):
+            state, _ = self._held.pop(rid)
+            if state.holds_blocks:
+                self.engine.free(rid)
+            self.engine.remove_request(rid)
+
+    def reset_prefix_cache(self) -> bool:
+        """``ResetPrefixCache``: the engine's ``reset_prefix_cache``; with
+        ``reset_connector``, the connector's store is emptied too."""
+        ok = self.engine.reset_prefix_cache()
+        if self.reset_connector and self.connector is not None:
+            self.connector.host_tier.clear()
+        return ok
 
     def _end_with_connector(self, state: RequestState) -> None:
         """A request's end with a connector before its blocks are freed (vLLM's
@@ -296,16 +329,35 @@ class DecidedScheduler(Scheduler):
         manager.coordinator.remove_skipped_blocks(request_id, num_processed_tokens)
 
     def _forget(self, request_id: str, removed: bool = False) -> None:
-        """A finished, aborted or failed request is forgotten: it ended."""
-        if request_id in self.requests:
+        """A finished or aborted request is forgotten: it ended. A save keeps it (and
+        its blocks, :meth:`_free`) until the save is reported; the engine's connector is
+        told at every end, so a request with no blocks left (aborted while waiting,
+        finished by a stale token) is kept too, unless its load is not reported yet
+        (nothing to save)."""
+        state = self.requests.get(request_id)
+        if state is not None:
             self.ended.add(request_id)
-        super()._forget(request_id, removed)
+            if (
+                self.connector is not None
+                and request_id not in self._held
+                and not state.holds_blocks
+                and self.saves(request_id)
+                and request_id not in self._unreported_loads()
+            ):
+                self._held[request_id] = (state, self.num_steps + 1)
+        super()._forget(request_id, removed or request_id in self._held)
+
+    def _unreported_loads(self) -> list[str]:
+        """Asynchronous loads the worker has not reported (none: synchronous scheduling
+        reports a step's loads at its end)."""
+        return []
 
     def _end_step(self, record: StepRecord) -> StepRecord:
         self.ended = set()  # vLLM clears its finished ids when a step is scheduled
         record = super()._end_step(record)
         if isinstance(self.connector, DecidedConnector) and not self.asynchronous:
             self.connector.report(self, self.connector.take_started())
+            self._release_saved(self.num_steps)
         return record
 
     def _admit_waiting(self, record: StepRecord, budget: int, lookahead: int) -> None:
@@ -526,6 +578,10 @@ class DecidedAsyncScheduler(DecidedScheduler, AsyncScheduler):
         if request_id in self.running:
             self._preempt(request_id)
 
+    def _unreported_loads(self) -> list[str]:
+        started = [] if self.connector is None else self.connector.started
+        return self._loads_in_flight + started
+
     def _free_blocks(self, state: RequestState) -> None:
         """With a connector, the blocks of a request with tokens in flight come back
         when the step in flight is processed (class docstring)."""
@@ -565,12 +621,13 @@ class DecidedAsyncScheduler(DecidedScheduler, AsyncScheduler):
         if isinstance(self.connector, DecidedConnector):
             loads, self._loads_in_flight = self._loads_in_flight, []
             self.connector.report(self, loads)
-            for rid in loads:
+            for rid in set(loads):  # the reported set's order (_release_saved)
                 state = self._aborted_loads.pop(rid, None)
                 if state is not None:
                     self.engine.free(rid)
                     self.engine.remove_request(rid)
                     self.connector.forget(rid)
+            self._release_saved(self.num_steps - 1)
 
 
 def decided_scheduler(
@@ -690,6 +747,9 @@ def run_decided(
     # flight x the budget cap; the layout's default is max_model_len)
     layout = replace(trace.layout, max_in_flight_tokens=harness.max_in_flight_tokens)
     ref = decided_scheduler(make_reference(layout), layout, mode, tier)
+    if options.delayed_frees:
+        ref.saves = connector_saves
+    ref.reset_connector = options.reset_connector
     requests = ref.requests
     if tier is not None:
         ref.told_at_end = harness.told_at_end
@@ -715,12 +775,16 @@ def _apply(harness: Any, ref: DecidedScheduler, op: Operation, index: int) -> No
         harness.preempt(op.request_id)
         ref.preempt(op.request_id)
     elif isinstance(op, ResetPrefixCache):
-        mine, theirs = harness.reset_prefix_cache(), ref.engine.reset_prefix_cache()
+        resets = getattr(harness, "connector_resets", 0)
+        mine, theirs = harness.reset_prefix_cache(), ref.reset_prefix_cache()
         if mine != theirs:
             raise DecisionMismatch(
                 f"{where}: reset_prefix_cache returned {mine} on the engine, {theirs} on "
                 "the reference"
             )
+        reset = ref.reset_connector and ref.connector is not None
+        if reset and getattr(harness, "connector_resets", 0) != resets + 1:
+            raise DecisionMismatch(f"{where}: the engine did not reset its connector's store")
     elif isinstance(op, Step):
         decisions = harness.step(op.token_budget)
         ref.step_as(decisions, op.token_budget)

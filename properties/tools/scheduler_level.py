@@ -128,7 +128,14 @@ def _modes() -> tuple[LevelMode, ...]:
             SchedulerOptions(encoder_budget=16),
             images=True,
         ),
-        LevelMode(ServingMode(async_scheduling=True, external_hits=True)),
+        LevelMode(
+            ServingMode(external_hits=True),
+            SchedulerOptions(delayed_frees=True, reset_connector=True),
+        ),
+        LevelMode(
+            ServingMode(async_scheduling=True, external_hits=True),
+            SchedulerOptions(delayed_frees=True),
+        ),
         LevelMode(
             ServingMode(
                 async_scheduling=True, external_hits=True, async_loads=True, load_failures=True

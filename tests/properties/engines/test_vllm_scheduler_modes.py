@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from properties.core.modes import ServingMode
+from properties.core.scheduler_options import DEFAULT_OPTIONS, SchedulerOptions, connector_saves
 from properties.core.trace import Abort, Arrive, Preempt, Step
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec
@@ -32,7 +33,11 @@ def _layout(num_blocks: int) -> KVCacheLayout:
 
 
 def _replay(
-    layout: KVCacheLayout, mode: ServingMode, ops: tuple, mutant: str | None = None
+    layout: KVCacheLayout,
+    mode: ServingMode,
+    ops: tuple,
+    mutant: str | None = None,
+    options: SchedulerOptions = DEFAULT_OPTIONS,
 ) -> list[tuple]:
     """``run_decided`` (vLLM's harness and the reference on its decisions, compared after
     every operation); per operation: (operation, vLLM's free blocks, its free queue, live
@@ -50,10 +55,11 @@ def _replay(
             ids.append(block.block_id)
             block = block.next_free_block
         assert ids == ref.engine.free_queue(), f"free queues differ after {op}"
-        rows.append((type(op).__name__, h.view().num_free_blocks, ids, h.view().block_ids))
+        view = h.view()
+        rows.append((type(op).__name__, view.num_free_blocks, ids, view.block_ids))
 
     trace = Trace(layout=layout, operations=ops, mode=mode)
-    run_decided(trace, _harness_factory(mutant), after=after)
+    run_decided(trace, _harness_factory(mutant), options, after=after)
     return rows
 
 
@@ -136,3 +142,42 @@ def test_a_preempt_with_tokens_in_flight_is_deferred_too() -> None:
     rows = _replay(_layout(8), ASYNC_CONNECTOR, ops)
     assert rows[3] == ("Preempt", 4, [4, 5, 6, 7], {"r0": ((),)})
     assert rows[4] == ("Step", 7, [3, 4, 5, 6, 7, 2, 1], {"r0": ((),)})
+
+
+# -- a connector that saves: delayed frees ----------------------------------------------
+SAVES = SchedulerOptions(delayed_frees=True)
+SAVING_TRACE = (
+    Arrive("r0", (1, 2, 3, 4), (9,)),
+    Arrive("r3", (5, 6, 7, 8), (9,)),
+    Step(16),
+    Step(16),
+)
+
+
+def test_the_saved_requests_the_tables_assume() -> None:
+    assert (connector_saves("r0"), connector_saves("r3")) == (True, False)
+
+
+def test_a_saved_request_keeps_its_blocks_until_the_save_is_reported() -> None:
+    """NB 8, synchronous with a connector that saves ``r0`` and not ``r3``. Step 1:
+    ``r0`` (blocks 1, 2) and ``r3`` (3, 4) compute their prompts, sample their one
+    output and end. ``r3``'s blocks go back at once, tail first (4, 3: cached, to the
+    back): queue (5, 6, 7, 4, 3), 5 free; ``r0``'s stay while its connector saves them.
+    Step 2 schedules nothing; its output reports the save done: 2, 1 go back: queue
+    (5, 6, 7, 4, 3, 2, 1), 7 free."""
+    rows = _replay(_layout(8), ServingMode(external_hits=True), SAVING_TRACE, options=SAVES)
+    assert rows[2] == ("Step", 5, [5, 6, 7, 4, 3], {})
+    assert rows[3] == ("Step", 7, [5, 6, 7, 4, 3, 2, 1], {})
+
+
+def test_the_connector_delay_ignored_mutant_is_caught() -> None:
+    from properties.runner.decided import DecisionMismatch
+
+    with pytest.raises(DecisionMismatch, match="free blocks differ: engine 7, reference 5"):
+        _replay(
+            _layout(8),
+            ServingMode(external_hits=True),
+            SAVING_TRACE,
+            "connector-delay-ignored",
+            SAVES,
+        )
