@@ -72,6 +72,10 @@ class StepDecisions:
     proposed_drafts: tuple[tuple[str, int], ...] = ()
     #: the admission phase's KV connector events, in order (none without a connector)
     connector_events: tuple[ConnectorEvent, ...] = ()
+    #: running requests whose allocation failed with no victim taken for them (the
+    #: engine stopped instead: a victim with tokens in flight under deferred frees, a
+    #: connector's pending frees), neither scheduled nor preempted, in order
+    failed_allocations: tuple[str, ...] = ()
 
     def of(self, request_id: str) -> ScheduledDecision | None:
         """The decision for ``request_id`` (None: not scheduled in this step)."""

@@ -60,7 +60,14 @@ class SchedulerOptions:
       (``request_finished`` returns True, then ``finished_sending``);
     * ``reset_connector`` (a KV connector): a ``ResetPrefixCache`` resets the
       connector's store too (``reset_prefix_cache(reset_connector=True)``: the host tier
-      is emptied).
+      is emptied);
+    * ``invalid_blocks`` (a KV connector, single-group layouts: vLLM refuses block-level
+      failures with several groups): the worker reports loaded blocks it could not
+      write (:func:`invalid_load_block`, ``invalid_block_ids``), synchronous and
+      asynchronous loads alike;
+    * ``fail_on_load_errors`` (a KV connector): vLLM's ``fail`` load-failure policy (a
+      request whose load failed, wholly or in a block, ends with an error) instead of
+      ``recompute``.
     """
 
     policy: str = "fcfs"
@@ -75,6 +82,8 @@ class SchedulerOptions:
     unchunked_images: bool = False
     delayed_frees: bool = False
     reset_connector: bool = False
+    invalid_blocks: bool = False
+    fail_on_load_errors: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -109,6 +118,8 @@ class SchedulerOptions:
             "unchunked_images",
             "delayed_frees",
             "reset_connector",
+            "invalid_blocks",
+            "fail_on_load_errors",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise KVConformError(f"SchedulerOptions.{name} must be a boolean")
@@ -164,6 +175,17 @@ def connector_saves(request_id: str) -> bool:
     return _digest(f"save:{request_id}")[0] % 2 == 0
 
 
+def invalid_load_block(request_id: str, attempt: int) -> int | None:
+    """Under ``invalid_blocks``: the first block the worker could not write in attempt
+    ``attempt`` (0 first) of ``request_id``'s load, as an index among the blocks the
+    load writes (past its last block: none fails), or None: for a first load one time
+    in two (a ``sha256`` of the id), at index 0, 1 or 2; a retry never fails."""
+    if attempt > 0:
+        return None
+    digest = _digest(f"invalid:{request_id}")
+    return digest[1] % 3 if digest[0] % 2 == 0 else None
+
+
 def pause_state(step_index: int) -> str:
     """The pause state the harness sets before step ``step_index`` (1 first) under
     ``pauses``: a fixed pattern of period 7, steps 3 and 4 ``PAUSED_NEW`` (running
@@ -186,6 +208,7 @@ __all__ = [
     "SchedulerOptions",
     "UNPAUSED",
     "connector_saves",
+    "invalid_load_block",
     "pause_state",
     "request_priority",
 ]

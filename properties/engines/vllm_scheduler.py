@@ -92,6 +92,7 @@ from properties.core.scheduler_options import (
     DEFAULT_OPTIONS,
     SchedulerOptions,
     connector_saves,
+    invalid_load_block,
     pause_state,
     request_priority,
 )
@@ -145,6 +146,20 @@ class ManagerView:
     num_free_blocks: int
     #: the scheduler's request accounting (``get_request_counts``, ...)
     accounting: Accounting | None = None
+
+
+@dataclass(frozen=True)
+class WorkerJobs:
+    """What the worker's KV connector does in a step, reported with its output: the
+    asynchronous loads the step started, the saves started before it, and the
+    synchronous loads of its admissions as (request id, first, end) positions."""
+
+    loads: tuple[str, ...] = ()
+    saves: tuple[str, ...] = ()
+    synchronous: tuple[tuple[str, int, int], ...] = ()
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves or self.synchronous)
 
 
 def _no_drafts(request_id: str, start: int, num_drafts: int) -> int:
@@ -232,6 +247,11 @@ class VLLMSchedulerHarness:
             if num_draft_tokens
             else None
         )
+        if (options.invalid_blocks or options.fail_on_load_errors) and asynchronous:
+            raise EngineError(
+                "vllm scheduler: block-level load failures and the fail policy are driven "
+                "with synchronous scheduling only (docs/scheduler-level.md)"
+            )
         transfer = (
             None
             if lookup is None
@@ -239,7 +259,7 @@ class VLLMSchedulerHarness:
                 kv_connector=CONNECTOR_CLASS,
                 kv_connector_module_path=CONNECTOR_MODULE,
                 kv_role="kv_both",
-                kv_load_failure_policy="recompute",
+                kv_load_failure_policy="fail" if options.fail_on_load_errors else "recompute",
             )
         )
         config = VllmConfig(
@@ -275,8 +295,10 @@ class VLLMSchedulerHarness:
         cls = scheduler_class or (AsyncScheduler if asynchronous else Scheduler)
         self.asynchronous = asynchronous
         #: asynchronous scheduling: the step scheduled and not processed yet (its
-        #: SchedulerOutput, order, the requests that sample and the loads it started)
-        self._in_flight: tuple[Any, list[str], set[str], list[str]] | None = None
+        #: SchedulerOutput, order, the requests that sample and the worker's jobs)
+        self._in_flight: tuple[Any, list[str], set[str], WorkerJobs] | None = None
+        #: asynchronous loads not reported yet: request id -> (first, end) positions
+        self._load_ranges: dict[str, tuple[int, int]] = {}
         #: vLLM's bound on unprocessed tokens (max_concurrent_batches * budget cap)
         self.max_in_flight_tokens = int(config.max_in_flight_tokens)
         self.scheduler = _call(
@@ -318,6 +340,19 @@ class VLLMSchedulerHarness:
             preempt(request, *args, **kwargs)
 
         self.scheduler._preempt_request = preempted
+        #: running requests whose allocation failed during the step being scheduled
+        self._failed_running: list[str] = []
+        manager = self.scheduler.kv_cache_manager
+        allocate = manager.allocate_slots
+        running = v.RequestStatus.RUNNING
+
+        def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:  # observed only
+            new = allocate(request, *args, **kwargs)
+            if new is None and request.status == running:
+                self._failed_running.append(request.request_id)
+            return new
+
+        manager.allocate_slots = allocate_slots
         if self.connector is not None:
             self.connector.lookup = lookup
             self.connector.asynchronous = async_loads
@@ -404,6 +439,7 @@ class VLLMSchedulerHarness:
         proposed = tuple((r.request_id, len(r.spec_token_ids)) for r in s.running)
         self._events = []
         self._preempted = []
+        self._failed_running = []
         out = _call("schedule", (token_budget,), s.schedule)
         events = self._connector_events()
         order = [r.request_id for r in s.running if r.request_id in out.num_scheduled_tokens]
@@ -437,12 +473,12 @@ class VLLMSchedulerHarness:
             # schedule N, then process N - 1 (as vLLM's engine core does); the requests
             # whose chunk reaches the last known or pending token sample
             samples = {rid for rid in order if not s.requests[rid].is_prefill_chunk}
-            work = self._take_worker_jobs()
+            work = self._take_worker_jobs(events, decisions)
             previous, self._in_flight = self._in_flight, (out, order, samples, work)
             if previous is not None:
                 self._process(*previous)
         else:
-            work = self._take_worker_jobs()
+            work = self._take_worker_jobs(events, decisions)
             sampled = [self._sampled(d) for d in decisions]
             output = self._mro(
                 req_ids=order,
@@ -454,7 +490,9 @@ class VLLMSchedulerHarness:
             self._saved(work)
             self._read_told()
             self._propose_drafts()
-        return StepDecisions(tuple(decisions), preempted, proposed, events)
+        done = {d.request_id for d in decisions} | set(preempted)
+        failed = tuple(dict.fromkeys(r for r in self._failed_running if r not in done))
+        return StepDecisions(tuple(decisions), preempted, proposed, events, failed)
 
     # -- the KV connector ----------------------------------------------------------
     def _connector_events(self) -> tuple[ConnectorEvent, ...]:
@@ -492,42 +530,80 @@ class VLLMSchedulerHarness:
                 admissions.append(told)
         return admissions
 
-    def _take_worker_jobs(self) -> tuple[list[str], list[str]]:
+    def _take_worker_jobs(
+        self, events: Sequence[ConnectorEvent], decisions: Sequence[ScheduledDecision]
+    ) -> WorkerJobs:
         """The worker's jobs of the step just scheduled: the asynchronous loads it
-        started and the saves started before it; both are reported done with its
-        output."""
+        started, its synchronous loads (from the admissions' events) and the saves
+        started before it; all are reported with its output."""
         if self.connector is None:
-            return [], []
-        return self.connector.take_loads(), self.connector.take_saves()
+            return WorkerJobs()
+        starts = {d.request_id: d.start for d in decisions}
+        synchronous = []
+        for e in events:
+            if e.kind == ALLOCATED and e.external_tokens and not e.asynchronous:
+                end = starts[e.request_id]
+                synchronous.append((e.request_id, end - e.external_tokens, end))
+            elif e.kind == ALLOCATED and e.external_tokens:
+                end = self.scheduler.requests[e.request_id].num_computed_tokens
+                self._load_ranges[e.request_id] = (end - e.external_tokens, end)
+        return WorkerJobs(
+            tuple(self.connector.take_loads()),
+            tuple(self.connector.take_saves()),
+            tuple(synchronous),
+        )
 
-    def _saved(self, work: tuple[list[str], list[str]]) -> None:
+    def _saved(self, work: WorkerJobs) -> None:
         if self.connector is not None:
-            self.connector.saved(*work)
+            self.connector.saved(list(work.loads), list(work.saves))
 
-    def _worker_output(self, work: tuple[list[str], list[str]]) -> Any:
+    def _worker_output(self, work: WorkerJobs) -> Any:
         """The worker's connector output for a step (:meth:`_take_worker_jobs`): its
-        asynchronous loads are done, and failed where ``load_fails`` says so; its saves
-        are done."""
+        asynchronous loads are done, and failed wholly where ``load_fails`` says so; with
+        ``invalid_blocks``, a block of a load (asynchronous or not) the worker could not
+        write where ``invalid_load_block`` says so; its saves are done."""
         if self.connector is None:
             return None
         from vllm.v1.outputs import KVConnectorOutput
 
-        done, saves = work
-        if not done and not saves:
+        if work.is_empty():
             return None
-        failed = set()
-        for rid in done:
+        failed, invalid = set(), set()
+        loads = [(rid, *self._load_ranges.pop(rid, (0, 0))) for rid in work.loads]
+        for rid, start, end in [*loads, *work.synchronous]:
             attempt = self._load_attempts.get(rid, 0)
             self._load_attempts[rid] = attempt + 1
-            if self._load_failures and load_fails(rid, attempt):
+            if rid in work.loads and self._load_failures and load_fails(rid, attempt):
                 failed.add(rid)
+                continue
+            block = self._invalid_block(rid, attempt, start, end)
+            if block is not None:
+                invalid.add(block)
         return KVConnectorOutput(
-            finished_recving=set(done), failed_recving=failed, finished_sending=set(saves)
+            finished_recving=set(work.loads),
+            failed_recving=failed,
+            finished_sending=set(work.saves),
+            invalid_block_ids=invalid,
         )
 
-    def _process(
-        self, out: Any, order: list[str], samples: set[str], work: tuple[list[str], list[str]]
-    ) -> None:
+    def _invalid_block(self, request_id: str, attempt: int, start: int, end: int) -> int | None:
+        """The block id the worker reports invalid for the load of positions ``[start,
+        end)`` (``invalid_blocks``, one group): the ``invalid_load_block``-th block of
+        the load's range, if the load wrote it (not past its end, not a null entry)."""
+        if not self.options.invalid_blocks or len(self.layout.groups) != 1:
+            return None
+        k = invalid_load_block(request_id, attempt)
+        bs = self.layout.groups[0].spec.block_size
+        if k is None or start // bs + k >= end // bs:
+            return None
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.is_finished():
+            return None
+        table = self.scheduler.kv_cache_manager.get_block_ids(request_id)[0]
+        block = int(table[start // bs + k])
+        return block or None  # a null entry (a window's skipped block) was not written
+
+    def _process(self, out: Any, order: list[str], samples: set[str], work: WorkerJobs) -> None:
         """Asynchronous scheduling: the output of a step scheduled earlier; a request that
         samples gets its next trace output (outputs are processed in order); the worker
         reports the loads the step started."""

@@ -47,6 +47,11 @@ test_vllm_scheduler_mutants.py``).
   save. Example: ``r0`` ends with a save: 7 free blocks at once, the reference's 5 until
   the save is reported.
 
+* ``invalid-block-off-by-one`` (block-level load failures): a request whose loaded block
+  the worker reports invalid falls back to the *end* of that block instead of its start,
+  so the block's unwritten tokens count as computed. Example: ``r1`` loaded 8 tokens
+  (bs 2), block 2 invalid: 6 computed tokens, the reference's 4.
+
 Each mutant is built on first use (vLLM is imported then): :func:`mutant_class`.
 """
 
@@ -64,6 +69,7 @@ MUTANTS: dict[str, str] = {
     "encoder-cut-after-allocation": "allocate_slots sees the chunk before the encoder cut",
     "priority-victim-frees-late": "a victim scheduled in the step is freed at its end",
     "connector-delay-ignored": "an ended request's blocks are freed while its connector saves",
+    "invalid-block-off-by-one": "an invalid loaded block counts as computed",
 }
 
 
@@ -236,6 +242,32 @@ def _connector_delay_ignored(base: type) -> type:
     return ConnectorDelayIgnored
 
 
+def _invalid_block_off_by_one(base: type) -> type:
+    class InvalidBlockOffByOne(base):  # type: ignore[misc, valid-type]
+        def _update_requests_with_invalid_blocks(
+            self,
+            requests: Any,
+            invalid_block_ids: Any,
+            num_scheduled_tokens: Any,
+            *a: Any,
+            **k: Any,
+        ) -> Any:
+            requests = list(requests)
+            before = {
+                r.request_id: r.num_computed_tokens - num_scheduled_tokens.get(r.request_id, 0)
+                for r in requests
+            }
+            out = super()._update_requests_with_invalid_blocks(
+                requests, invalid_block_ids, num_scheduled_tokens, *a, **k
+            )
+            for r in requests:
+                if r.request_id in out[0] and r.num_computed_tokens < before[r.request_id]:
+                    r.num_computed_tokens += self.block_size
+            return out
+
+    return InvalidBlockOffByOne
+
+
 _BUILDERS = {
     "lookahead-on-running": _lookahead_on_running,
     "preemption-frees-late": _preemption_frees_late,
@@ -245,6 +277,7 @@ _BUILDERS = {
     "encoder-cut-after-allocation": _encoder_cut_after_allocation,
     "priority-victim-frees-late": _priority_victim_frees_late,
     "connector-delay-ignored": _connector_delay_ignored,
+    "invalid-block-off-by-one": _invalid_block_off_by_one,
 }
 
 

@@ -56,11 +56,17 @@ from properties.core.decisions import (
 )
 from properties.core.engine import KVCacheEngine
 from properties.core.modes import ServingMode, load_fails
-from properties.core.scheduler_options import DEFAULT_OPTIONS, SchedulerOptions, connector_saves
+from properties.core.scheduler_options import (
+    DEFAULT_OPTIONS,
+    SchedulerOptions,
+    connector_saves,
+    invalid_load_block,
+)
 from properties.core.trace import Abort, Arrive, Operation, Preempt, ResetPrefixCache, Step, Trace
 from properties.engines.reference import make_engine as make_reference
 from properties.runner.async_scheduler import AsyncRequestState, AsyncScheduler
-from properties.runner.connector import Connector
+from properties.runner.connector import Connector, RequestView
+from properties.runner.load_failures import ScannedRequest, error_order, scan
 from properties.runner.scheduler import (
     Drafts,
     RequestState,
@@ -97,6 +103,13 @@ class DecidedConnector(Connector):
         super().__init__(*args, **kwargs)
         #: asynchronous loads started in the current step
         self.started: list[str] = []
+        #: the worker reports blocks it could not write (``invalid_load_block``)
+        self.invalid_blocks = False
+        #: vLLM's ``fail`` load-failure policy (else ``recompute``)
+        self.fail = False
+        #: asynchronous loads that kept a valid prefix (an invalid block, ``recompute``):
+        #: request id -> computed tokens
+        self.partial: dict[str, int] = {}
 
     def start_load(self, request_id: str, hit_tokens: int, external_tokens: int) -> None:
         super().start_load(request_id, hit_tokens, external_tokens)
@@ -107,16 +120,68 @@ class DecidedConnector(Connector):
         started, self.started = self.started, []
         return started
 
-    def report(self, scheduler: Scheduler, request_ids: list[str]) -> None:
+    def report(self, scheduler: Scheduler, request_ids: list[str]) -> tuple[list[str], list[str]]:
         """The worker reports the loads of ``request_ids`` (synchronous scheduling: at
         the end of the step that started them; asynchronous: when that step's output is
-        processed); a failing one sets the request's computed tokens back to 0."""
+        processed); a wholly failing one sets the request's computed tokens back to 0
+        (``recompute``); with ``invalid_blocks`` one with an invalid block falls back to
+        that block's start (:func:`properties.runner.load_failures.scan`) and, under
+        ``recompute``, keeps that prefix (:meth:`complete_load`). Returns the whole
+        failures and the requests an invalid block affected (``fail`` ends both)."""
+        failed, scanned = [], []
+        invalid: set[int] = set()
         for rid in request_ids:
             attempt = self.num_load_attempts.get(rid, 0)
             state = scheduler.requests.get(rid)
-            if state is not None and self.failures and load_fails(rid, attempt):
-                state.num_computed_tokens = 0
-                self.engine.set_num_computed_tokens(rid, 0)
+            if state is None:
+                continue
+            if self.failures and load_fails(rid, attempt):
+                failed.append(rid)
+                if not self.fail:
+                    state.num_computed_tokens = 0
+                    self.engine.set_num_computed_tokens(rid, 0)
+                continue
+            hit, external = self.loaded.get(rid, (0, 0))
+            block = self.invalid_block(rid, attempt, hit, hit + external)
+            if block is not None:
+                invalid.add(block)
+                table = self.engine.get_block_ids(rid)[0]
+                scanned.append(ScannedRequest(rid, tuple(table), state.num_computed_tokens))
+        result = scan(scanned, invalid, self.layout.groups[0].spec.block_size)
+        for rid in result.affected:
+            computed = result.num_computed[rid]
+            scheduler.requests[rid].num_computed_tokens = computed
+            self.engine.set_num_computed_tokens(rid, computed)
+            if not self.fail:
+                self.partial[rid] = computed
+        return failed, list(result.affected)
+
+    def invalid_block(self, request_id: str, attempt: int, start: int, end: int) -> int | None:
+        """The block id the worker reports invalid for attempt ``attempt`` of the load of
+        positions ``[start, end)``, or None (``invalid_load_block``: the block of the
+        range the load wrote, not a null entry; one group only)."""
+        if not self.invalid_blocks or len(self.layout.groups) != 1:
+            return None
+        k = invalid_load_block(request_id, attempt)
+        bs = self.layout.groups[0].spec.block_size
+        if k is None or start // bs + k >= end // bs:
+            return None
+        block = self.engine.get_block_ids(request_id)[0][start // bs + k]
+        return block or None  # a null entry (a window's skipped block) was not written
+
+    def complete_load(self, state: RequestView) -> bool:
+        """A load that kept a valid prefix (:attr:`partial`) caches it and the request
+        runs from there; none kept (the first block invalid), it fails as a whole."""
+        rid = state.request_id
+        if rid not in self.partial:
+            return super().complete_load(state)
+        self.num_load_attempts[rid] = self.num_load_attempts.get(rid, 0) + 1
+        computed = self.partial.pop(rid)
+        if computed == 0:
+            self.loaded.pop(rid, None)
+            return False
+        self.engine.cache_blocks(rid, computed)
+        return True
 
 
 class DecidedScheduler(Scheduler):
@@ -148,6 +213,7 @@ class DecidedScheduler(Scheduler):
         super().__init__(engine, layout, mode, self._check_scheduled, connector)
         self._decisions = StepDecisions()
         self._victims: list[str] = []
+        self._failed: list[str] = []
         #: loads completed and not scheduled since (the engine's waiting requests that
         #: hold blocks), in order
         self.loaded: list[str] = []
@@ -166,6 +232,10 @@ class DecidedScheduler(Scheduler):
         self._held: dict[str, tuple[RequestState, int]] = {}
         #: a ``ResetPrefixCache`` resets the connector's store too
         self.reset_connector = False
+        #: the loads being reported (their requests have nothing a save could keep)
+        self._reporting: list[str] = []
+        #: ended requests whose failed load frees their blocks when it is reported
+        self._failed_loads: list[str] = []
 
     def accounting(self) -> Accounting:
         """The reference's :class:`Accounting`: running requests; waiting ones (loading
@@ -180,6 +250,7 @@ class DecidedScheduler(Scheduler):
         """One step on ``decisions`` (checks 1 run before the step's output)."""
         self._decisions = decisions
         self._victims = list(decisions.preempted)
+        self._failed = list(decisions.failed_allocations)
         if self.drafts is not None:
             # the model's verdict on the drafts: the decided count (an instance attribute
             # shadows Drafts.accepted_drafts for this scheduler's hook only)
@@ -196,9 +267,12 @@ class DecidedScheduler(Scheduler):
         drafts) are announced here. A running request the engine preempted instead of
         scheduling gets kvconform's own chunk: its allocation must fail."""
         d = self._decisions.of(state.request_id)
-        if d is None and state.request_id in self._victims and state.request_id in self.running:
-            # the engine preempted this running request when its own allocation failed:
-            # the reference tries kvconform's chunk and must fail the same way; where
+        failed = state.request_id in self._victims or state.request_id in self._failed
+        if d is None and failed and state.request_id in self.running:
+            # the engine preempted this running request when its own allocation failed,
+            # or stopped there (no victim it could take): the reference tries
+            # kvconform's chunk and must fail the same way (its out-of-window blocks
+            # are freed all the same: allocate_slots step 5); where
             # kvconform's Mamba rule cuts the chunk to 0 (a Mamba block wider than the
             # step's budget), vLLM's scheduler advances sub-block: the uncut chunk
             # (Mamba bs 22, computed 110, budget 19: 19 tokens, not 0)
@@ -219,7 +293,7 @@ class DecidedScheduler(Scheduler):
         scheduling tries the drafts it carried (within the budget)."""
         d = self._decisions.of(state.request_id)
         drafts = 0 if d is None else d.num_drafts
-        if d is None and state.request_id in self._victims:
+        if d is None and (state.request_id in self._victims or state.request_id in self._failed):
             carried = dict(self._decisions.proposed_drafts).get(state.request_id, 0)
             drafts = max(0, min(carried, budget - n))
         if drafts:
@@ -320,13 +394,17 @@ class DecidedScheduler(Scheduler):
     def _remove_skipped_blocks(self, request_id: str, num_processed_tokens: int) -> None:
         """The reference manager's ``remove_skipped_blocks`` (not an engine protocol
         call: the replay runs on the reference engine, :func:`run_decided`)."""
+        self._manager().coordinator.remove_skipped_blocks(request_id, num_processed_tokens)
+
+    def _manager(self) -> Any:
+        """The reference engine's manager (calls that are not engine protocol calls)."""
         manager = getattr(self.engine, "manager", None)
         if manager is None:
             raise KVConformError(
-                "DecidedScheduler with a connector runs on the reference engine (it frees "
-                "a request's skipped blocks through its manager)"
+                "DecidedScheduler with a connector runs on the reference engine (it reaches "
+                "the manager for calls beyond the engine protocol)"
             )
-        manager.coordinator.remove_skipped_blocks(request_id, num_processed_tokens)
+        return manager
 
     def _forget(self, request_id: str, removed: bool = False) -> None:
         """A finished or aborted request is forgotten: it ended. A save keeps it (and
@@ -348,17 +426,103 @@ class DecidedScheduler(Scheduler):
         super()._forget(request_id, removed or request_id in self._held)
 
     def _unreported_loads(self) -> list[str]:
-        """Asynchronous loads the worker has not reported (none: synchronous scheduling
-        reports a step's loads at its end)."""
-        return []
+        """Asynchronous loads the worker has not reported (synchronous scheduling: those
+        being reported at the step's end)."""
+        return self._reporting
 
     def _end_step(self, record: StepRecord) -> StepRecord:
+        """The step runs; with a connector (synchronous scheduling), in vLLM's order of
+        ``update_from_output``: the worker's invalid blocks of the step's synchronous
+        loads first (the requests they affect skip their output), the outputs, the
+        report of its asynchronous loads, the requests the ``fail`` policy ends, then
+        the loads and saves the worker reported done free their blocks."""
         self.ended = set()  # vLLM clears its finished ids when a step is scheduled
+        connector = self.connector
+        if not isinstance(connector, DecidedConnector) or self.asynchronous:
+            return super()._end_step(record)
+        affected = self._invalid_synchronous_loads(record)
         record = super()._end_step(record)
-        if isinstance(self.connector, DecidedConnector) and not self.asynchronous:
-            self.connector.report(self, self.connector.take_started())
-            self._release_saved(self.num_steps)
+        loads = connector.take_started()
+        self._reporting = loads
+        failed, async_affected = connector.report(self, loads)
+        if connector.fail:
+            ended = frozenset(r for r in failed if r not in self.requests)
+            for rid in error_order(failed, async_affected, affected, ended):
+                self._end_with_error(rid)
+            for rid in set(loads):  # the reported set's order (_release_saved)
+                if rid in self._failed_loads:
+                    self._failed_loads.remove(rid)
+                    self.engine.free(rid)
+                    self.engine.remove_request(rid)
+        self._reporting = []
+        self._release_saved(self.num_steps)
         return record
+
+    def _invalid_synchronous_loads(self, record: StepRecord) -> list[str]:
+        """The worker's invalid blocks of the step's synchronous loads (attempts counted
+        per request, as the worker counts them), scanned over the running requests
+        (:func:`properties.runner.load_failures.scan`): each affected request falls back,
+        leaves the step's record (no output, its drafts dropped); under ``fail`` the
+        blocks from each first invalid one on lose their hashes. Returns the affected
+        requests."""
+        connector = self.connector
+        assert isinstance(connector, DecidedConnector)
+        invalid: set[int] = set()
+        for item in record.scheduled:
+            if not item.external_tokens:
+                continue
+            rid = item.request_id
+            attempt = connector.num_load_attempts.get(rid, 0)
+            connector.num_load_attempts[rid] = attempt + 1
+            block = connector.invalid_block(rid, attempt, item.hit_tokens, item.start)
+            if block is not None:
+                invalid.add(block)
+        if not invalid:
+            return []
+        scanned = [
+            ScannedRequest(
+                rid,
+                tuple(self.engine.get_block_ids(rid)[0]),
+                self.requests[rid].num_computed_tokens,
+            )
+            for rid in self.running
+        ]
+        result = scan(scanned, invalid, self.layout.groups[0].spec.block_size)
+        if connector.fail and result.to_evict:
+            self._manager().block_pool.evict_blocks(sorted(result.to_evict))
+        for rid in result.affected:
+            computed = result.num_computed[rid]
+            self.requests[rid].num_computed_tokens = computed
+            self.engine.set_num_computed_tokens(rid, computed)
+            for k, item in enumerate(record.scheduled):
+                if item.request_id == rid:
+                    del record.scheduled[k]
+                    if item.num_drafts:
+                        self.engine.set_in_flight(rid, 0, 0)
+                    break
+        return list(result.affected)
+
+    def _end_with_error(self, request_id: str) -> None:
+        """vLLM's ``fail`` policy ends a request whose load failed (``FINISHED_ERROR``):
+        as an abort, except that a request still waiting for its load keeps its blocks
+        until the load's report frees them (at the end of the same output)."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return
+        connector = self.connector
+        assert connector is not None
+        if request_id in connector.loading:
+            connector.loading.remove(request_id)
+            self._ending = True
+            try:
+                self._end_with_connector(state)
+            finally:
+                self._ending = False
+            self._failed_loads.append(request_id)
+            self._forget(request_id, removed=True)
+        else:
+            self.abort(request_id)
+        self.finished.append(request_id)  # a later Abort of it is a no-op, as in vLLM
 
     def _admit_waiting(self, record: StepRecord, budget: int, lookahead: int) -> None:
         """The engine's admissions in its order (it may pass over waiting requests: a
@@ -471,6 +635,8 @@ class DecidedScheduler(Scheduler):
 
     def _victim(self, current: int) -> str | None:
         rid = self.running[current]
+        if not self._victims and rid in self._failed:
+            return None  # the engine stopped at this request's failed allocation
         if not self._victims:
             raise DecisionMismatch(
                 f"step {self.num_steps}: the reference cannot allocate {rid}'s tokens and "
@@ -580,7 +746,7 @@ class DecidedAsyncScheduler(DecidedScheduler, AsyncScheduler):
 
     def _unreported_loads(self) -> list[str]:
         started = [] if self.connector is None else self.connector.started
-        return self._loads_in_flight + started
+        return self._loads_in_flight + started + self._reporting
 
     def _free_blocks(self, state: RequestState) -> None:
         """With a connector, the blocks of a request with tokens in flight come back
@@ -620,7 +786,9 @@ class DecidedAsyncScheduler(DecidedScheduler, AsyncScheduler):
             self._ending = False
         if isinstance(self.connector, DecidedConnector):
             loads, self._loads_in_flight = self._loads_in_flight, []
+            self._reporting = loads
             self.connector.report(self, loads)
+            self._reporting = []
             for rid in set(loads):  # the reported set's order (_release_saved)
                 state = self._aborted_loads.pop(rid, None)
                 if state is not None:
@@ -750,6 +918,9 @@ def run_decided(
     if options.delayed_frees:
         ref.saves = connector_saves
     ref.reset_connector = options.reset_connector
+    if isinstance(ref.connector, DecidedConnector):
+        ref.connector.invalid_blocks = options.invalid_blocks
+        ref.connector.fail = options.fail_on_load_errors
     requests = ref.requests
     if tier is not None:
         ref.told_at_end = harness.told_at_end

@@ -136,6 +136,11 @@ def _modes() -> tuple[LevelMode, ...]:
             ServingMode(async_scheduling=True, external_hits=True),
             SchedulerOptions(delayed_frees=True),
         ),
+        LevelMode(ServingMode(external_hits=True), SchedulerOptions(invalid_blocks=True)),
+        LevelMode(
+            ServingMode(external_hits=True, async_loads=True, load_failures=True),
+            SchedulerOptions(invalid_blocks=True, fail_on_load_errors=True),
+        ),
         LevelMode(
             ServingMode(
                 async_scheduling=True, external_hits=True, async_loads=True, load_failures=True

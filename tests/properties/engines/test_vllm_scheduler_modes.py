@@ -15,8 +15,13 @@ from __future__ import annotations
 import pytest
 
 from properties.core.modes import ServingMode
-from properties.core.scheduler_options import DEFAULT_OPTIONS, SchedulerOptions, connector_saves
-from properties.core.trace import Abort, Arrive, Preempt, Step
+from properties.core.scheduler_options import (
+    DEFAULT_OPTIONS,
+    SchedulerOptions,
+    connector_saves,
+    invalid_load_block,
+)
+from properties.core.trace import Abort, Arrive, Preempt, ResetPrefixCache, Step
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec
 
@@ -180,4 +185,57 @@ def test_the_connector_delay_ignored_mutant_is_caught() -> None:
             SAVING_TRACE,
             "connector-delay-ignored",
             SAVES,
+        )
+
+
+# -- block-level load failures ------------------------------------------------------------
+# r0 (prompt 1-8, one output) computes and ends: its 4 blocks go to the connector's store
+# (the host tier); the prefix cache is reset; r1 (the same 8 tokens, then 10, 11) finds no
+# device hit and loads 8 tokens synchronously, its block 2 of the load invalid.
+RELOAD = (
+    Arrive("r0", (1, 2, 3, 4, 5, 6, 7, 8), (9,)),
+    Step(16),
+    ResetPrefixCache(),
+    Arrive("r1", (1, 2, 3, 4, 5, 6, 7, 8, 10, 11), (12, 13)),
+    Step(16),
+    Step(16),
+)
+
+
+def test_the_invalid_block_the_tables_assume() -> None:
+    assert invalid_load_block("r1", 0) == 2
+    assert invalid_load_block("r1", 1) is None
+
+
+def test_an_invalid_loaded_block_sets_the_request_back_to_its_start() -> None:
+    """NB 8, synchronous, ``invalid_blocks``, ``recompute``. Step 1: ``r0`` in blocks
+    1-4, ends; they go back tail first (all cached): queue (5, 6, 7, 4, 3, 2, 1). Step 2:
+    ``r1`` loads 8 tokens and computes 2 (positions 8, 9): blocks (5, 6, 7, 4, 3). The
+    worker reports block 7 (index 2 of the load) invalid: ``r1`` falls back to 2 * 2 = 4
+    computed tokens and skips its output. Step 3 recomputes positions 4-9 in the blocks
+    it holds."""
+    options = SchedulerOptions(invalid_blocks=True)
+    rows = _replay(_layout(8), ServingMode(external_hits=True), RELOAD, options=options)
+    assert rows[4] == ("Step", 2, [2, 1], {"r1": ((5, 6, 7, 4, 3),)})
+
+
+def test_under_the_fail_policy_the_request_ends_and_the_blocks_lose_their_hashes() -> None:
+    """The same trace under ``fail``: in step 2 blocks 7, 4, 3 (the invalid one and those
+    after it) lose their hashes and ``r1`` ends with an error: its blocks go back tail
+    first, 3, 4, 7 (uncached now) to the front, 6, 5 to the back: queue
+    (3, 4, 7, 2, 1, 6, 5), 7 free."""
+    options = SchedulerOptions(invalid_blocks=True, fail_on_load_errors=True)
+    rows = _replay(_layout(8), ServingMode(external_hits=True), RELOAD, options=options)
+    assert rows[4] == ("Step", 7, [3, 4, 7, 2, 1, 6, 5], {})
+
+
+def test_the_invalid_block_off_by_one_mutant_is_caught() -> None:
+    from properties.runner.decided import DecisionMismatch
+
+    options = SchedulerOptions(invalid_blocks=True)
+    with pytest.raises(
+        DecisionMismatch, match="r1's computed tokens differ: engine 6, reference 4"
+    ):
+        _replay(
+            _layout(8), ServingMode(external_hits=True), RELOAD, "invalid-block-off-by-one", options
         )
