@@ -76,6 +76,10 @@ class StepDecisions:
     #: engine stopped instead: a victim with tokens in flight under deferred frees, a
     #: connector's pending frees), neither scheduled nor preempted, in order
     failed_allocations: tuple[str, ...] = ()
+    #: requests the engine ended with an error when this step's output (asynchronous:
+    #: the previous step's) was processed, in order: a grammar rejected a sampled token
+    #: (a request that ran) or failed to compile (a waiting one)
+    grammar_errors: tuple[str, ...] = ()
 
     def of(self, request_id: str) -> ScheduledDecision | None:
         """The decision for ``request_id`` (None: not scheduled in this step)."""

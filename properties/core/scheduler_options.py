@@ -67,7 +67,10 @@ class SchedulerOptions:
       asynchronous loads alike;
     * ``fail_on_load_errors`` (a KV connector): vLLM's ``fail`` load-failure policy (a
       request whose load failed, wholly or in a block, ends with an error) instead of
-      ``recompute``.
+      ``recompute``;
+    * ``structured_output``: requests ask for a grammar (:func:`grammar_plan`): they wait
+      until it compiles, a failed compilation ends them, and a grammar that rejects a
+      sampled token ends the request (drafts it rejects are dropped before they run).
     """
 
     policy: str = "fcfs"
@@ -84,6 +87,7 @@ class SchedulerOptions:
     reset_connector: bool = False
     invalid_blocks: bool = False
     fail_on_load_errors: bool = False
+    structured_output: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -120,6 +124,7 @@ class SchedulerOptions:
             "reset_connector",
             "invalid_blocks",
             "fail_on_load_errors",
+            "structured_output",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise KVConformError(f"SchedulerOptions.{name} must be a boolean")
@@ -186,6 +191,30 @@ def invalid_load_block(request_id: str, attempt: int) -> int | None:
     return digest[1] % 3 if digest[0] % 2 == 0 else None
 
 
+@dataclass(frozen=True)
+class GrammarPlan:
+    """A request's grammar under ``structured_output``: it compiles for
+    ``compile_steps`` steps (0: ready when the first step is scheduled), or fails to;
+    once compiled it rejects ``rejected_token`` (None: nothing) wherever it is sampled or
+    drafted."""
+
+    compile_steps: int
+    compile_fails: bool
+    rejected_token: int | None
+
+
+def grammar_plan(request_id: str) -> GrammarPlan | None:
+    """The grammar of ``request_id`` under ``structured_output``, from a ``sha256`` of the
+    id: none for one request in two; otherwise compiling for 0-2 steps, failing one time
+    in four, and rejecting one text token (0-7) two times in three. Example: every run
+    gives ``"r0"`` the same plan."""
+    digest = _digest(f"grammar:{request_id}")
+    if digest[0] % 2:
+        return None
+    rejected = digest[3] % 8 if digest[2] % 3 else None
+    return GrammarPlan(digest[1] % 3, digest[4] % 4 == 0, rejected)
+
+
 def pause_state(step_index: int) -> str:
     """The pause state the harness sets before step ``step_index`` (1 first) under
     ``pauses``: a fixed pattern of period 7, steps 3 and 4 ``PAUSED_NEW`` (running
@@ -202,12 +231,14 @@ def pause_state(step_index: int) -> str:
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "GrammarPlan",
     "PAUSED_ALL",
     "PAUSED_NEW",
     "POLICIES",
     "SchedulerOptions",
     "UNPAUSED",
     "connector_saves",
+    "grammar_plan",
     "invalid_load_block",
     "pause_state",
     "request_priority",

@@ -90,8 +90,10 @@ from properties.core.engine import EngineError
 from properties.core.modes import load_fails
 from properties.core.scheduler_options import (
     DEFAULT_OPTIONS,
+    GrammarPlan,
     SchedulerOptions,
     connector_saves,
+    grammar_plan,
     invalid_load_block,
     pause_state,
     request_priority,
@@ -205,6 +207,12 @@ class VLLMSchedulerHarness:
         self.layout = layout
         self.options = options
         self._v = v
+        if options.structured_output or options.invalid_blocks or options.fail_on_load_errors:
+            # the failures these options drive are logged as errors by vLLM's scheduler
+            # ("grammar rejected tokens", "Failing N request(s)"): expected here
+            import logging
+
+            logging.getLogger("vllm.v1.core.sched.scheduler").setLevel(logging.CRITICAL)
         #: arrivals so far: a request's arrival time (ties of equal priority go by it)
         self._num_arrivals = 0
         #: steps so far: the index of :func:`pause_state`
@@ -353,6 +361,23 @@ class VLLMSchedulerHarness:
             return new
 
         manager.allocate_slots = allocate_slots
+        #: structured output: grammars compiling (request id -> future, plan, due step)
+        #: and the requests a grammar ended with an error since the last step
+        self._compiling: dict[str, tuple[Any, GrammarPlan, int]] = {}
+        self._grammar_errors: list[str] = []
+        if options.structured_output:
+            from properties.engines.vllm_grammar import GrammarBackend
+
+            self.scheduler.structured_output_manager.backend = GrammarBackend()
+            free_request = self.scheduler._free_request
+            error = v.RequestStatus.FINISHED_ERROR
+
+            def free_observed(request: Any, *args: Any, **kwargs: Any) -> Any:  # observed
+                if request.status == error and request.use_structured_output:
+                    self._grammar_errors.append(request.request_id)
+                return free_request(request, *args, **kwargs)
+
+            self.scheduler._free_request = free_observed
         if self.connector is not None:
             self.connector.lookup = lookup
             self.connector.asynchronous = async_loads
@@ -370,7 +395,15 @@ class VLLMSchedulerHarness:
     # -- trace operations ------------------------------------------------------
     def arrive(self, op: Arrive) -> None:
         v = self._v
-        params = v.SamplingParams(max_tokens=max(1, len(op.output)), ignore_eos=True)
+        plan = grammar_plan(op.request_id) if self.options.structured_output else None
+        grammar = None
+        if plan is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            grammar = StructuredOutputsParams(regex=".*")
+        params = v.SamplingParams(
+            max_tokens=max(1, len(op.output)), ignore_eos=True, structured_outputs=grammar
+        )
         lora = (
             None
             if op.lora_name is None
@@ -394,7 +427,27 @@ class VLLMSchedulerHarness:
             block_hasher=self._hasher,
         )
         self._outputs[op.request_id] = tuple(op.output)
+        if plan is not None:  # the engine core's grammar_init: compiling from now on
+            from concurrent.futures import Future
+
+            request.status = v.RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+            future: Future = Future()
+            request.structured_output_request.grammar = future
+            self._compiling[op.request_id] = (future, plan, self._num_steps + plan.compile_steps)
         _call("add_request", (op.request_id,), self.scheduler.add_request, request)
+
+    def _compile_grammars(self) -> None:
+        """Grammars due by the step about to be scheduled finish compiling (a plan's
+        ``compile_steps`` steps after their request arrived), or fail to."""
+        from properties.engines.vllm_grammar import PlannedGrammar
+
+        for rid, (future, plan, due) in list(self._compiling.items()):
+            if due < self._num_steps:
+                del self._compiling[rid]
+                if plan.compile_fails:
+                    future.set_exception(ValueError(f"{rid}: the grammar does not compile"))
+                else:
+                    future.set_result(PlannedGrammar(plan))
 
     def abort(self, request_id: str) -> None:
         """``finish_requests(id, FINISHED_ABORTED)`` (at once, also with tokens in
@@ -440,7 +493,10 @@ class VLLMSchedulerHarness:
         self._events = []
         self._preempted = []
         self._failed_running = []
+        self._compile_grammars()
         out = _call("schedule", (token_budget,), s.schedule)
+        if out.has_structured_output_requests:  # the engine core's grammar bitmask
+            _call("get_grammar_bitmask", (token_budget,), s.get_grammar_bitmask, out)
         events = self._connector_events()
         order = [r.request_id for r in s.running if r.request_id in out.num_scheduled_tokens]
         missing = set(out.num_scheduled_tokens) - set(order)
@@ -492,7 +548,8 @@ class VLLMSchedulerHarness:
             self._propose_drafts()
         done = {d.request_id for d in decisions} | set(preempted)
         failed = tuple(dict.fromkeys(r for r in self._failed_running if r not in done))
-        return StepDecisions(tuple(decisions), preempted, proposed, events, failed)
+        errors, self._grammar_errors = tuple(self._grammar_errors), []
+        return StepDecisions(tuple(decisions), preempted, proposed, events, failed, errors)
 
     # -- the KV connector ----------------------------------------------------------
     def _connector_events(self) -> tuple[ConnectorEvent, ...]:

@@ -52,6 +52,11 @@ test_vllm_scheduler_mutants.py``).
   so the block's unwritten tokens count as computed. Example: ``r1`` loaded 8 tokens
   (bs 2), block 2 invalid: 6 computed tokens, the reference's 4.
 
+* ``grammar-error-keeps-blocks`` (structured output): a request its grammar ends with an
+  error (a rejected token) is finished but its blocks are never freed (the error path
+  skips the free). Example: ``r0`` rejected at position 4: 4 free blocks, the
+  reference's 7.
+
 Each mutant is built on first use (vLLM is imported then): :func:`mutant_class`.
 """
 
@@ -70,6 +75,7 @@ MUTANTS: dict[str, str] = {
     "priority-victim-frees-late": "a victim scheduled in the step is freed at its end",
     "connector-delay-ignored": "an ended request's blocks are freed while its connector saves",
     "invalid-block-off-by-one": "an invalid loaded block counts as computed",
+    "grammar-error-keeps-blocks": "a request a grammar ends keeps its blocks",
 }
 
 
@@ -268,6 +274,18 @@ def _invalid_block_off_by_one(base: type) -> type:
     return InvalidBlockOffByOne
 
 
+def _grammar_error_keeps_blocks(base: type) -> type:
+    class GrammarErrorKeepsBlocks(base):  # type: ignore[misc, valid-type]
+        def _free_request(self, request: Any, delay_free_blocks: bool = False) -> Any:
+            from vllm.v1.request import RequestStatus
+
+            if request.status == RequestStatus.FINISHED_ERROR and request.use_structured_output:
+                delay_free_blocks = True
+            return super()._free_request(request, delay_free_blocks)
+
+    return GrammarErrorKeepsBlocks
+
+
 _BUILDERS = {
     "lookahead-on-running": _lookahead_on_running,
     "preemption-frees-late": _preemption_frees_late,
@@ -278,6 +296,7 @@ _BUILDERS = {
     "priority-victim-frees-late": _priority_victim_frees_late,
     "connector-delay-ignored": _connector_delay_ignored,
     "invalid-block-off-by-one": _invalid_block_off_by_one,
+    "grammar-error-keeps-blocks": _grammar_error_keeps_blocks,
 }
 
 

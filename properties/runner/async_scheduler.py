@@ -227,13 +227,18 @@ class AsyncScheduler(Scheduler):
                 and state.num_computed_tokens >= len(state.input.prompt_token_ids)
             ):
                 state.release = "finish"
-            if state.release is not None and state.num_in_flight == 0:
+            if state.release is not None and self._releasable(state):
                 if state.holds_blocks:
                     self._free(state)
                 self._forget(rid)
                 if state.release == "finish":
                     self.finished.append(rid)
                     record.finished.append(rid)
+
+    def _releasable(self, state: AsyncRequestState) -> bool:
+        """Whether a request with a release is freed now: once nothing of it is in
+        flight (a subclass may free some at once: an engine's error end)."""
+        return state.num_in_flight == 0
 
     def _process_stale(
         self, item: ScheduledRequest, state: AsyncRequestState, record: StepRecord

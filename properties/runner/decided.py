@@ -236,6 +236,8 @@ class DecidedScheduler(Scheduler):
         self._reporting: list[str] = []
         #: ended requests whose failed load frees their blocks when it is reported
         self._failed_loads: list[str] = []
+        #: requests a grammar rejection ends in the output being processed
+        self._rejected: set[str] = set()
 
     def accounting(self) -> Accounting:
         """The reference's :class:`Accounting`: running requests; waiting ones (loading
@@ -437,11 +439,17 @@ class DecidedScheduler(Scheduler):
         report of its asynchronous loads, the requests the ``fail`` policy ends, then
         the loads and saves the worker reported done free their blocks."""
         self.ended = set()  # vLLM clears its finished ids when a step is scheduled
-        connector = self.connector
-        if not isinstance(connector, DecidedConnector) or self.asynchronous:
+        if self.asynchronous:  # plan, then process the previous step (_process)
             return super()._end_step(record)
+        ran = self._truncate_rejected(record)
+        connector = self.connector
+        if not isinstance(connector, DecidedConnector):
+            record = super()._end_step(record)
+            self._end_compile_failures(ran)
+            return record
         affected = self._invalid_synchronous_loads(record)
         record = super()._end_step(record)
+        self._end_compile_failures(ran)
         loads = connector.take_started()
         self._reporting = loads
         failed, async_affected = connector.report(self, loads)
@@ -457,6 +465,32 @@ class DecidedScheduler(Scheduler):
         self._reporting = []
         self._release_saved(self.num_steps)
         return record
+
+    def _truncate_rejected(self, record: StepRecord) -> set[str]:
+        """Structured output: a request of ``record`` whose grammar the engine reports
+        rejected a token sampled in this step ends with it (the tokens it sampled are
+        still appended, as vLLM appends them before asking the grammar): its outputs are
+        cut after them, so the step ends it in order with the others. Returns the
+        requests the step ran."""
+        ran = {item.request_id for item in record.scheduled}
+        for rid in self._decisions.grammar_errors:
+            if rid not in ran:
+                continue
+            state = self.requests[rid]
+            d = self._decisions.of(rid)
+            sampled = 1 + (0 if d is None else d.num_accepted)
+            state.output = state.output[: state.num_generated + sampled]
+            self._rejected.add(rid)
+        return ran
+
+    def _end_compile_failures(self, ran: set[str]) -> None:
+        """Structured output: a waiting request whose grammar failed to compile ends
+        with an error after the step's outputs (vLLM's ``grammar_compile_error_reqs``)."""
+        for rid in self._decisions.grammar_errors:
+            if rid not in ran and rid in self.requests:
+                self.abort(rid)
+                self.finished.append(rid)
+        self._rejected = set()
 
     def _invalid_synchronous_loads(self, record: StepRecord) -> list[str]:
         """The worker's invalid blocks of the step's synchronous loads (attempts counted
@@ -771,9 +805,22 @@ class DecidedAsyncScheduler(DecidedScheduler, AsyncScheduler):
             self.sched_seq += 1
         return record
 
+    def _releasable(self, state: AsyncRequestState) -> bool:
+        """A grammar rejection ends the request at once, also with tokens in flight (as
+        vLLM frees it)."""
+        return state.request_id in self._rejected or super()._releasable(state)
+
     def _process(self, previous: StepRecord, record: StepRecord) -> None:
         """With a connector: the deferred frees the step releases go back first, then
-        its output, then the worker's report of the loads it started."""
+        its output, then the worker's report of the loads it started. The requests a
+        grammar ended when the step's output was processed end with it
+        (:meth:`DecidedScheduler._truncate_rejected`), those whose grammar failed to
+        compile after it."""
+        ran = self._truncate_rejected(previous)
+        self._process_connector(previous, record)
+        self._end_compile_failures(ran)
+
+    def _process_connector(self, previous: StepRecord, record: StepRecord) -> None:
         if self.connector is not None and previous.scheduled:
             self.processed_seq += 1
             while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_seq:

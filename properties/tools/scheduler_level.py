@@ -49,7 +49,7 @@ from properties.core.trace import (
 from reference.layout import KVCacheLayout
 
 #: examples per profile
-EXAMPLES: dict[str, int] = {"dev": 64, "ci": 600, "nightly": 3000, "gpu": 600}
+EXAMPLES: dict[str, int] = {"dev": 64, "ci": 1050, "nightly": 5000, "gpu": 1050}
 
 #: spec kinds the level draws (every kind kvconform models)
 KINDS: tuple[str, ...] = ("full", "sliding_window", "chunked_local", "mamba")
@@ -135,6 +135,11 @@ def _modes() -> tuple[LevelMode, ...]:
         LevelMode(
             ServingMode(async_scheduling=True, external_hits=True),
             SchedulerOptions(delayed_frees=True),
+        ),
+        LevelMode(ServingMode(num_draft_tokens=2), SchedulerOptions(structured_output=True)),
+        LevelMode(
+            ServingMode(async_scheduling=True),
+            SchedulerOptions(structured_output=True, policy="priority"),
         ),
         LevelMode(ServingMode(external_hits=True), SchedulerOptions(invalid_blocks=True)),
         LevelMode(

@@ -247,3 +247,50 @@ def _image_trace() -> tuple:
     layout = KVCacheLayout(groups=_layout(33).groups, num_blocks=33, max_model_len=32)
     ops = (Arrive("r0", r0, (1, 2, 3)), Arrive("r1", r1, (1, 2)), Step(32), Step(32))
     return layout, ops
+
+
+# -- structured output: grammars compile, fail and reject --------------------------------
+GRAMMARS = SchedulerOptions(structured_output=True)
+
+
+def test_the_grammars_the_tables_assume() -> None:
+    from properties.core.scheduler_options import GrammarPlan, grammar_plan
+
+    assert grammar_plan("r0") == GrammarPlan(0, False, 7)
+    assert grammar_plan("r1") is None
+    assert grammar_plan("r2") == GrammarPlan(2, True, None)
+
+
+def test_a_rejected_token_ends_the_request_and_frees_its_blocks() -> None:
+    """NB 8. ``r0`` (prompt 1-4, outputs 5, 7, 6) has a grammar ready at once that
+    rejects token 7. Step 1 prefills it (blocks 1, 2) and samples 5; step 2 decodes
+    position 4 (block 3) and samples 7: rejected, ``r0`` ends with an error, its blocks
+    go back tail first: 3 (not full) to the front, 2 and 1 to the back: 7 free."""
+    ops = (Arrive("r0", (1, 2, 3, 4), (5, 7, 6)), Step(16), Step(16))
+    steps = _run(_layout(8), ops, GRAMMARS)
+    assert steps[1] == ("r0+1@4", {}, {}, 7)
+
+
+def test_a_request_waits_for_its_grammar_and_ends_if_it_does_not_compile() -> None:
+    """NB 8. ``r2`` (a grammar compiling for 2 steps, which fails) arrives before ``r1``
+    (no grammar): steps 1 and 2 pass over ``r2`` and run ``r1``; in step 3 the
+    compilation has failed: ``r2`` ends (it never held a block)."""
+    ops = (
+        Arrive("r2", (1, 2), (3,)),
+        Arrive("r1", (3, 4), (5, 6, 7, 8)),
+        Step(16),
+        Step(16),
+        Step(16),
+    )
+    steps = _run(_layout(8), ops, GRAMMARS)
+    assert [s[0] for s in steps] == ["r1+2@0", "r1+1@2", "r1+1@3"]
+    assert set(steps[1][1]) == {"r1", "r2"}
+    assert set(steps[2][1]) == {"r1"}
+
+
+def test_the_grammar_error_keeps_blocks_mutant_is_caught() -> None:
+    from properties.runner.decided import DecisionMismatch
+
+    ops = (Arrive("r0", (1, 2, 3, 4), (5, 7, 6)), Step(16), Step(16))
+    with pytest.raises(DecisionMismatch, match="free blocks differ: engine 4, reference 7"):
+        _run(_layout(8), ops, GRAMMARS, "grammar-error-keeps-blocks")
