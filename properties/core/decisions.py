@@ -80,6 +80,10 @@ class StepDecisions:
     #: the previous step's) was processed, in order: a grammar rejected a sampled token
     #: (a request that ran) or failed to compile (a waiting one)
     grammar_errors: tuple[str, ...] = ()
+    #: the requests the engine reported ended with this step's output processing (since
+    #: its previous report), sorted; None when it reports none (no output processed, or
+    #: not asked to)
+    finished_reported: tuple[str, ...] | None = None
 
     def of(self, request_id: str) -> ScheduledDecision | None:
         """The decision for ``request_id`` (None: not scheduled in this step)."""

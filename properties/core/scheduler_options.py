@@ -70,7 +70,14 @@ class SchedulerOptions:
       ``recompute``;
     * ``structured_output``: requests ask for a grammar (:func:`grammar_plan`): they wait
       until it compiles, a failed compilation ends them, and a grammar that rejects a
-      sampled token ends the request (drafts it rejects are dropped before they run).
+      sampled token ends the request (drafts it rejects are dropped before they run);
+    * ``report_finished``: vLLM reports the requests that ended with each output
+      (``include_finished_set``, as a data-parallel engine core asks), compared with the
+      requests that ended on the reference;
+    * ``v1_model_runner``: vLLM's scheduler as built for the V1 model runner
+      (``VLLM_USE_V2_MODEL_RUNNER=0``: token ids resent for requests not scheduled in
+      the previous step);
+    * ``stats``: vLLM's ``log_stats`` (off: no scheduler stats, no event timestamps).
     """
 
     policy: str = "fcfs"
@@ -88,6 +95,9 @@ class SchedulerOptions:
     invalid_blocks: bool = False
     fail_on_load_errors: bool = False
     structured_output: bool = False
+    report_finished: bool = False
+    v1_model_runner: bool = False
+    stats: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -125,6 +135,9 @@ class SchedulerOptions:
             "invalid_blocks",
             "fail_on_load_errors",
             "structured_output",
+            "report_finished",
+            "v1_model_runner",
+            "stats",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise KVConformError(f"SchedulerOptions.{name} must be a boolean")

@@ -74,7 +74,8 @@ with a Mamba group.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +163,24 @@ class WorkerJobs:
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.synchronous)
+
+
+@contextmanager
+def _model_runner(v2: bool) -> Iterator[None]:
+    """vLLM's choice of model runner while its scheduler is built (it reads
+    ``use_v2_model_runner`` once, from ``VLLM_USE_V2_MODEL_RUNNER``), restored after."""
+    import os
+
+    name = "VLLM_USE_V2_MODEL_RUNNER"
+    before = os.environ.get(name)
+    os.environ[name] = "1" if v2 else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def _no_drafts(request_id: str, start: int, num_drafts: int) -> int:
@@ -309,18 +328,22 @@ class VLLMSchedulerHarness:
         self._load_ranges: dict[str, tuple[int, int]] = {}
         #: vLLM's bound on unprocessed tokens (max_concurrent_batches * budget cap)
         self.max_in_flight_tokens = int(config.max_in_flight_tokens)
-        self.scheduler = _call(
-            "Scheduler",
-            (layout.describe(),),
-            cls,
-            config,
-            kv_cache_config,
-            StructuredOutputManager(config),
-            block_size=layout.scheduler_block_size,
-            hash_block_size=layout.hash_block_size,
-            mm_registry=ImageRegistry(),
-            log_stats=True,
-        )
+        # the engine core passes no hash block size when blocks are hashed whole
+        hashed = layout.hash_block_size
+        with _model_runner(v2=not options.v1_model_runner):
+            self.scheduler = _call(
+                "Scheduler",
+                (layout.describe(),),
+                cls,
+                config,
+                kv_cache_config,
+                StructuredOutputManager(config),
+                block_size=layout.scheduler_block_size,
+                hash_block_size=None if hashed == layout.scheduler_block_size else hashed,
+                mm_registry=ImageRegistry(),
+                include_finished_set=options.report_finished,
+                log_stats=options.stats,
+            )
         self._hasher = (
             v.get_request_block_hasher(layout.hash_block_size, v.sha256, 0)
             if layout.enable_caching
@@ -365,6 +388,8 @@ class VLLMSchedulerHarness:
         #: and the requests a grammar ended with an error since the last step
         self._compiling: dict[str, tuple[Any, GrammarPlan, int]] = {}
         self._grammar_errors: list[str] = []
+        #: the finished ids vLLM reported with the output processed in this step
+        self._finished_reported: tuple[str, ...] | None = None
         if options.structured_output:
             from properties.engines.vllm_grammar import GrammarBackend
 
@@ -542,14 +567,30 @@ class VLLMSchedulerHarness:
                 sampled_token_ids=sampled,
                 kv_connector_output=self._worker_output(work),
             )
-            _call("update_from_output", (token_budget,), s.update_from_output, out, output)
+            outputs = _call(
+                "update_from_output", (token_budget,), s.update_from_output, out, output
+            )
+            self._report_finished(outputs)
             self._saved(work)
             self._read_told()
             self._propose_drafts()
         done = {d.request_id for d in decisions} | set(preempted)
         failed = tuple(dict.fromkeys(r for r in self._failed_running if r not in done))
         errors, self._grammar_errors = tuple(self._grammar_errors), []
-        return StepDecisions(tuple(decisions), preempted, proposed, events, failed, errors)
+        reported, self._finished_reported = self._finished_reported, None
+        return StepDecisions(
+            tuple(decisions), preempted, proposed, events, failed, errors, reported
+        )
+
+    def _report_finished(self, outputs: Any) -> None:
+        """``report_finished``: the ids vLLM's engine core outputs carry as finished (the
+        ``include_finished_set`` report of one output processing)."""
+        if not self.options.report_finished:
+            return
+        ids: set[str] = set()
+        for out in (outputs or {}).values():
+            ids |= set(out.finished_requests or ())
+        self._finished_reported = tuple(sorted(ids))
 
     # -- the KV connector ----------------------------------------------------------
     def _connector_events(self) -> tuple[ConnectorEvent, ...]:
@@ -681,7 +722,8 @@ class VLLMSchedulerHarness:
             kv_connector_output=self._worker_output(work),
         )
         s = self.scheduler
-        _call("update_from_output", ("async",), s.update_from_output, out, output)
+        outputs = _call("update_from_output", ("async",), s.update_from_output, out, output)
+        self._report_finished(outputs)
         self._saved(work)
         self._read_told()
 

@@ -222,8 +222,10 @@ class DecidedScheduler(Scheduler):
         self.told_at_end: dict[str, tuple[tuple[int, ...], ...]] = {}
         #: a request is ending (finished or aborted): check 4 runs when it is freed
         self._ending = False
-        #: requests that ended (finished or aborted) since the last step was scheduled
+        #: requests that ended (finished or aborted) since the last step was scheduled,
+        #: and since the engine last reported its finished requests
         self.ended: set[str] = set()
+        self.ended_since_report: set[str] = set()
         #: whether the engine's connector saves a request's blocks at its end (kept
         #: until the save is reported: ``SchedulerOptions.delayed_frees``)
         self.saves: Callable[[str], bool] = _never
@@ -417,6 +419,7 @@ class DecidedScheduler(Scheduler):
         state = self.requests.get(request_id)
         if state is not None:
             self.ended.add(request_id)
+            self.ended_since_report.add(request_id)
             if (
                 self.connector is not None
                 and request_id not in self._held
@@ -1007,6 +1010,14 @@ def _apply(harness: Any, ref: DecidedScheduler, op: Operation, index: int) -> No
         decisions = harness.step(op.token_budget)
         ref.step_as(decisions, op.token_budget)
         where = f"{where}, step {ref.num_steps} ({decisions.describe()})"
+        if decisions.finished_reported is not None:
+            want = tuple(sorted(ref.ended_since_report))
+            ref.ended_since_report = set()
+            if decisions.finished_reported != want:
+                raise DecisionMismatch(
+                    f"{where}: the engine reported {decisions.finished_reported} finished, "
+                    f"the requests that ended on the reference are {want}"
+                )
     compare_views(harness.view(), reference_view(ref), where)
 
 

@@ -117,7 +117,11 @@ def _modes() -> tuple[LevelMode, ...]:
             ServingMode(external_hits=True, async_loads=True, load_failures=True),
             SchedulerOptions(pauses=True),
         ),
-        LevelMode(ServingMode(), SchedulerOptions(encoder_budget=10), images=True),
+        LevelMode(
+            ServingMode(),
+            SchedulerOptions(encoder_budget=10, v1_model_runner=True, report_finished=True),
+            images=True,
+        ),
         LevelMode(
             ServingMode(async_scheduling=True, admission_gate=True),
             SchedulerOptions(encoder_budget=8, unchunked_images=True, policy="priority"),
@@ -134,9 +138,12 @@ def _modes() -> tuple[LevelMode, ...]:
         ),
         LevelMode(
             ServingMode(async_scheduling=True, external_hits=True),
-            SchedulerOptions(delayed_frees=True),
+            SchedulerOptions(delayed_frees=True, report_finished=True),
         ),
-        LevelMode(ServingMode(num_draft_tokens=2), SchedulerOptions(structured_output=True)),
+        LevelMode(
+            ServingMode(num_draft_tokens=2),
+            SchedulerOptions(structured_output=True, report_finished=True, stats=False),
+        ),
         LevelMode(
             ServingMode(async_scheduling=True),
             SchedulerOptions(structured_output=True, policy="priority"),
