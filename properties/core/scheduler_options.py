@@ -77,7 +77,10 @@ class SchedulerOptions:
     * ``v1_model_runner``: vLLM's scheduler as built for the V1 model runner
       (``VLLM_USE_V2_MODEL_RUNNER=0``: token ids resent for requests not scheduled in
       the previous step);
-    * ``stats``: vLLM's ``log_stats`` (off: no scheduler stats, no event timestamps).
+    * ``stats``: vLLM's ``log_stats`` (off: no scheduler stats, no event timestamps);
+    * ``reset_running``: a ``ResetPrefixCache`` first preempts every running request,
+      newest first, dropping their in-flight outputs (vLLM's
+      ``reset_prefix_cache(reset_running_requests=True)``, as after a weight update).
     """
 
     policy: str = "fcfs"
@@ -98,6 +101,7 @@ class SchedulerOptions:
     report_finished: bool = False
     v1_model_runner: bool = False
     stats: bool = True
+    reset_running: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -138,6 +142,7 @@ class SchedulerOptions:
             "report_finished",
             "v1_model_runner",
             "stats",
+            "reset_running",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise KVConformError(f"SchedulerOptions.{name} must be a boolean")

@@ -501,7 +501,18 @@ class VLLMSchedulerHarness:
         """``reset_prefix_cache()`` (with ``reset_connector`` under that option)."""
         reset = self.scheduler.reset_prefix_cache
         connector = self.options.reset_connector and self.connector is not None
-        return bool(_call("reset_prefix_cache", (), reset, reset_connector=connector))
+        running = self.options.reset_running
+        if running:  # preempted outside a step: reported with the next one
+            self._external_preemptions.update(r.request_id for r in self.scheduler.running)
+        return bool(
+            _call(
+                "reset_prefix_cache",
+                (),
+                reset,
+                reset_running_requests=running,
+                reset_connector=connector,
+            )
+        )
 
     def step(self, token_budget: int) -> StepDecisions:
         """``schedule()`` with ``token_budget``, the synthetic output, ``update_from_output``

@@ -57,6 +57,12 @@ test_vllm_scheduler_mutants.py``).
   skips the free). Example: ``r0`` rejected at position 4: 4 free blocks, the
   reference's 7.
 
+* ``reset-delivers-stale-output`` (a reset that preempts running requests): the
+  requests it preempts keep their in-flight output (it is delivered, not dropped), so
+  each waits for it before it runs again and then carries a token its reset state
+  never sampled. Example: ``r0`` preempted with position 4 in flight: not re-admitted
+  in the next step, where the reference runs its 5 tokens.
+
 Each mutant is built on first use (vLLM is imported then): :func:`mutant_class`.
 """
 
@@ -76,6 +82,7 @@ MUTANTS: dict[str, str] = {
     "connector-delay-ignored": "an ended request's blocks are freed while its connector saves",
     "invalid-block-off-by-one": "an invalid loaded block counts as computed",
     "grammar-error-keeps-blocks": "a request a grammar ends keeps its blocks",
+    "reset-delivers-stale-output": "a reset's preemptions deliver their in-flight output",
 }
 
 
@@ -286,6 +293,23 @@ def _grammar_error_keeps_blocks(base: type) -> type:
     return GrammarErrorKeepsBlocks
 
 
+def _reset_delivers_stale_output(base: type) -> type:
+    class ResetDeliversStaleOutput(base):  # type: ignore[misc, valid-type]
+        def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
+            preempt = self._preempt_request
+
+            def delivering(request: Any, timestamp: float, drop_stale_output: bool = False):
+                return preempt(request, timestamp, drop_stale_output=False)
+
+            self._preempt_request = delivering  # type: ignore[method-assign]
+            try:
+                return super().reset_prefix_cache(*args, **kwargs)
+            finally:
+                self._preempt_request = preempt  # type: ignore[method-assign]
+
+    return ResetDeliversStaleOutput
+
+
 _BUILDERS = {
     "lookahead-on-running": _lookahead_on_running,
     "preemption-frees-late": _preemption_frees_late,
@@ -297,6 +321,7 @@ _BUILDERS = {
     "connector-delay-ignored": _connector_delay_ignored,
     "invalid-block-off-by-one": _invalid_block_off_by_one,
     "grammar-error-keeps-blocks": _grammar_error_keeps_blocks,
+    "reset-delivers-stale-output": _reset_delivers_stale_output,
 }
 
 

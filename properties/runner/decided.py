@@ -232,8 +232,10 @@ class DecidedScheduler(Scheduler):
         #: ended requests whose blocks a save keeps: id -> (state, the step with whose
         #: output the save is reported)
         self._held: dict[str, tuple[RequestState, int]] = {}
-        #: a ``ResetPrefixCache`` resets the connector's store too
+        #: a ``ResetPrefixCache`` resets the connector's store too, or preempts every
+        #: running request first
         self.reset_connector = False
+        self.reset_running = False
         #: the loads being reported (their requests have nothing a save could keep)
         self._reporting: list[str] = []
         #: ended requests whose failed load frees their blocks when it is reported
@@ -286,6 +288,12 @@ class DecidedScheduler(Scheduler):
             # an asynchronous load computes nothing: any positive chunk (the load
             # allocates none) lets kvconform's admission rule start it
             return 1 if self._loads_asynchronously(state.request_id) else 0
+        if d.num_tokens - d.num_drafts > self._end(state) - start:
+            raise DecisionMismatch(
+                f"step {self.num_steps} ({self._decisions.describe()}): the engine "
+                f"scheduled {d.num_tokens - d.num_drafts} tokens of {state.request_id} from "
+                f"{start}, past the {self._end(state)} tokens it has on the reference"
+            )
         if state.request_id in self.running:
             return d.num_tokens - d.num_drafts
         if d.num_drafts:
@@ -367,7 +375,15 @@ class DecidedScheduler(Scheduler):
 
     def reset_prefix_cache(self) -> bool:
         """``ResetPrefixCache``: the engine's ``reset_prefix_cache``; with
-        ``reset_connector``, the connector's store is emptied too."""
+        ``reset_running``, every running request is preempted first, newest first (its
+        in-flight output dropped); with ``reset_connector``, the connector's store is
+        emptied too."""
+        if self.reset_running:
+            for rid in reversed(list(self.running)):
+                if isinstance(self, AsyncScheduler):
+                    self.preempt_dropping(rid)
+                else:
+                    self._preempt(rid)
         ok = self.engine.reset_prefix_cache()
         if self.reset_connector and self.connector is not None:
             self.connector.host_tier.clear()
@@ -968,6 +984,7 @@ def run_decided(
     if options.delayed_frees:
         ref.saves = connector_saves
     ref.reset_connector = options.reset_connector
+    ref.reset_running = options.reset_running
     if isinstance(ref.connector, DecidedConnector):
         ref.connector.invalid_blocks = options.invalid_blocks
         ref.connector.fail = options.fail_on_load_errors

@@ -99,9 +99,14 @@ def _modes() -> tuple[LevelMode, ...]:
                 num_draft_tokens=2, external_hits=True, async_loads=True, load_failures=True
             )
         ),
-        LevelMode(ServingMode(), SchedulerOptions(policy="priority", max_loras=1), loras=True),
         LevelMode(
-            ServingMode(async_scheduling=True), SchedulerOptions(policy="priority", pauses=True)
+            ServingMode(),
+            SchedulerOptions(policy="priority", max_loras=1),
+            loras=True,
+        ),
+        LevelMode(
+            ServingMode(async_scheduling=True),
+            SchedulerOptions(policy="priority", pauses=True, reset_running=True),
         ),
         LevelMode(
             ServingMode(admission_gate=True),
@@ -112,7 +117,10 @@ def _modes() -> tuple[LevelMode, ...]:
                 max_num_seqs=2,
             ),
         ),
-        LevelMode(ServingMode(num_draft_tokens=2), SchedulerOptions(chunked_prefill=False)),
+        LevelMode(
+            ServingMode(num_draft_tokens=2),
+            SchedulerOptions(chunked_prefill=False, reset_running=True),
+        ),
         LevelMode(
             ServingMode(external_hits=True, async_loads=True, load_failures=True),
             SchedulerOptions(pauses=True),

@@ -239,3 +239,53 @@ def test_the_invalid_block_off_by_one_mutant_is_caught() -> None:
         _replay(
             _layout(8), ServingMode(external_hits=True), RELOAD, "invalid-block-off-by-one", options
         )
+
+
+# -- a reset of the prefix cache that preempts the running requests -----------------------
+RESET_TRACE = (
+    Arrive("r0", (1, 2, 3, 4), (5, 6, 7, 8)),
+    Step(16),
+    Step(16),
+    ResetPrefixCache(),
+    Step(16),
+)
+
+
+def test_a_reset_preempting_running_requests_drops_their_in_flight_output() -> None:
+    """NB 8, asynchronous, ``reset_running``. Step 1 plans ``r0``'s prefill (blocks 1,
+    2); step 2 plans position 4 (block 3) and processes step 1 (token 5 appended). The
+    reset preempts ``r0`` with position 4 in flight, its output to be dropped: its
+    blocks go back (3 not full to the front, then 2, 1), the hashes are forgotten:
+    7 free. Step 3 admits ``r0`` again at once (a dropped stale output does not hold it
+    back): 5 tokens (prompt and token 5) in 3, 4, 5; then step 2's output is processed
+    and dropped (token 6 is not appended)."""
+    rows = _replay(
+        _layout(8),
+        ServingMode(async_scheduling=True),
+        RESET_TRACE,
+        options=SchedulerOptions(reset_running=True),
+    )
+    assert rows[3] == ("ResetPrefixCache", 7, [3, 4, 5, 6, 7, 2, 1], {"r0": ((),)})
+    assert rows[4] == ("Step", 4, [6, 7, 2, 1], {"r0": ((3, 4, 5),)})
+
+
+def test_a_plain_reset_cannot_run_while_a_request_holds_blocks() -> None:
+    """The same trace without ``reset_running``: the reset fails (``r0`` holds blocks)
+    and step 3 plans position 5."""
+    rows = _replay(_layout(8), ServingMode(async_scheduling=True), RESET_TRACE)
+    assert rows[4][3] == {"r0": ((1, 2, 3),)}
+
+
+def test_the_reset_delivers_stale_output_mutant_is_caught() -> None:
+    """The mutant holds ``r0`` back in step 3 (its stale output not drained): the
+    reference, which may admit it, has its 5 tokens' blocks; the engine none."""
+    from properties.runner.decided import DecisionMismatch
+
+    with pytest.raises(DecisionMismatch):
+        _replay(
+            _layout(8),
+            ServingMode(async_scheduling=True),
+            RESET_TRACE + (Step(16), Step(16)),
+            "reset-delivers-stale-output",
+            SchedulerOptions(reset_running=True),
+        )
