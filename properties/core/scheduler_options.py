@@ -80,7 +80,10 @@ class SchedulerOptions:
     * ``stats``: vLLM's ``log_stats`` (off: no scheduler stats, no event timestamps);
     * ``reset_running``: a ``ResetPrefixCache`` first preempts every running request,
       newest first, dropping their in-flight outputs (vLLM's
-      ``reset_prefix_cache(reset_running_requests=True)``, as after a weight update).
+      ``reset_prefix_cache(reset_running_requests=True)``, as after a weight update);
+    * ``remote_images`` (with ``encoder_budget``): an encoder-cache connector holds some
+      images' encoder outputs, loaded instead of computed; a request waits one step
+      for their transfer (:mod:`properties.engines.vllm_ec_connector`).
     """
 
     policy: str = "fcfs"
@@ -102,6 +105,7 @@ class SchedulerOptions:
     v1_model_runner: bool = False
     stats: bool = True
     reset_running: bool = False
+    remote_images: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -143,6 +147,7 @@ class SchedulerOptions:
             "v1_model_runner",
             "stats",
             "reset_running",
+            "remote_images",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise KVConformError(f"SchedulerOptions.{name} must be a boolean")

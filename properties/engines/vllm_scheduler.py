@@ -113,6 +113,10 @@ LookupFn = Callable[[str, tuple[int, ...], int], int]
 CONNECTOR_MODULE = "properties.engines.vllm_connector"
 CONNECTOR_CLASS = "KVConformConnector"
 
+#: the module and class vLLM loads as the encoder-cache connector (``remote_images``)
+EC_CONNECTOR_MODULE = "properties.engines.vllm_ec_connector"
+EC_CONNECTOR_CLASS = "KVConformECConnector"
+
 #: The scheduler modules the level measures (``--engine-coverage``).
 COVERAGE_MODULES = ("vllm.v1.core.sched.scheduler",)
 
@@ -289,12 +293,22 @@ class VLLMSchedulerHarness:
                 kv_load_failure_policy="fail" if options.fail_on_load_errors else "recompute",
             )
         )
+        encoder_transfer = None
+        if options.remote_images:
+            from vllm.config import ECTransferConfig
+
+            encoder_transfer = ECTransferConfig(
+                ec_connector=EC_CONNECTOR_CLASS,
+                ec_connector_module_path=EC_CONNECTOR_MODULE,
+                ec_role="ec_consumer",
+            )
         config = VllmConfig(
             scheduler_config=scheduler_config,
             cache_config=cache_config,
             speculative_config=speculative,
             device_config=DeviceConfig(device="cpu"),
             kv_transfer_config=transfer,
+            ec_transfer_config=encoder_transfer,
         )
         # no model: the scheduler reads only ModelStub's fields of model_config
         images = options.encoder_budget > 0
@@ -577,6 +591,7 @@ class VLLMSchedulerHarness:
                 req_id_to_index={rid: i for i, rid in enumerate(order)},
                 sampled_token_ids=sampled,
                 kv_connector_output=self._worker_output(work),
+                ec_connector_output=self._encoder_worker_output(),
             )
             outputs = _call(
                 "update_from_output", (token_budget,), s.update_from_output, out, output
@@ -695,6 +710,15 @@ class VLLMSchedulerHarness:
             invalid_block_ids=invalid,
         )
 
+    def _encoder_worker_output(self) -> Any:
+        """The encoder-cache connector's worker output of a step (``remote_images``): no
+        transfer to report (the stub's transfers complete at the scheduler's check)."""
+        if not self.options.remote_images:
+            return None
+        from vllm.v1.outputs import ECConnectorOutput
+
+        return ECConnectorOutput()
+
     def _invalid_block(self, request_id: str, attempt: int, start: int, end: int) -> int | None:
         """The block id the worker reports invalid for the load of positions ``[start,
         end)`` (``invalid_blocks``, one group): the ``invalid_load_block``-th block of
@@ -731,6 +755,7 @@ class VLLMSchedulerHarness:
             req_id_to_index={rid: i for i, rid in enumerate(order)},
             sampled_token_ids=sampled,
             kv_connector_output=self._worker_output(work),
+            ec_connector_output=self._encoder_worker_output(),
         )
         s = self.scheduler
         outputs = _call("update_from_output", ("async",), s.update_from_output, out, output)

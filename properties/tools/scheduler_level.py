@@ -137,7 +137,7 @@ def _modes() -> tuple[LevelMode, ...]:
         ),
         LevelMode(
             ServingMode(external_hits=True, async_loads=True),
-            SchedulerOptions(encoder_budget=16),
+            SchedulerOptions(encoder_budget=16, remote_images=True),
             images=True,
         ),
         LevelMode(

@@ -294,3 +294,17 @@ def test_the_grammar_error_keeps_blocks_mutant_is_caught() -> None:
     ops = (Arrive("r0", (1, 2, 3, 4), (5, 7, 6)), Step(16), Step(16))
     with pytest.raises(DecisionMismatch, match="free blocks differ: engine 4, reference 7"):
         _run(_layout(8), ops, GRAMMARS, "grammar-error-keeps-blocks")
+
+
+def test_a_remote_image_waits_one_step_for_its_transfer() -> None:
+    """``remote_images`` (an encoder-cache connector holds images 0 and 2),
+    ``encoder_budget=8``, NB 17. ``r0`` (text, image 0, text) waits in step 1 while its
+    image is transferred; step 2 runs its 4 tokens, loading the image (no encoder
+    budget). ``r1`` (image 1, computed locally) runs in step 1."""
+    from properties.core.images import image_token
+
+    r0 = (1, image_token(0, 0), image_token(0, 1), 3)
+    r1 = (image_token(1, 0), image_token(1, 1), image_token(1, 2), 4)
+    ops = (Arrive("r0", r0, (5, 6)), Arrive("r1", r1, (5, 6)), Step(16), Step(16))
+    steps = _run(_layout(17), ops, SchedulerOptions(encoder_budget=8, remote_images=True))
+    assert [s[0] for s in steps] == ["r1+4@0", "r1+1@4 r0+4@0"]
