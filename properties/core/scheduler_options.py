@@ -83,7 +83,12 @@ class SchedulerOptions:
       ``reset_prefix_cache(reset_running_requests=True)``, as after a weight update);
     * ``remote_images`` (with ``encoder_budget``): an encoder-cache connector holds some
       images' encoder outputs, loaded instead of computed; a request waits one step
-      for their transfer (:mod:`properties.engines.vllm_ec_connector`).
+      for their transfer (:mod:`properties.engines.vllm_ec_connector`);
+    * ``dynamic_drafts`` (with drafts): vLLM's dynamic speculative decoding, the number
+      of drafts the drafter proposes after a step set by the step's batch size (one
+      running request: all, more: one), and no padding of admissions;
+    * ``metrics``: vLLM's observability options: the KV block metrics collector
+      (every block sampled) and per-request speculative decoding metrics.
     """
 
     policy: str = "fcfs"
@@ -106,6 +111,8 @@ class SchedulerOptions:
     stats: bool = True
     reset_running: bool = False
     remote_images: bool = False
+    dynamic_drafts: bool = False
+    metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -148,6 +155,8 @@ class SchedulerOptions:
             "stats",
             "reset_running",
             "remote_images",
+            "dynamic_drafts",
+            "metrics",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise KVConformError(f"SchedulerOptions.{name} must be a boolean")

@@ -218,6 +218,7 @@ class VLLMSchedulerHarness:
             DeviceConfig,
             KVTransferConfig,
             LoRAConfig,
+            ObservabilityConfig,
             SchedulerConfig,
             SpeculativeConfig,
             VllmConfig,
@@ -268,12 +269,19 @@ class VLLMSchedulerHarness:
             mamba_cache_mode="align",
         )
         cache_config.num_gpu_blocks = layout.num_blocks
+        # dynamic drafts: all of them for a batch of one request, one for larger ones
+        schedule = (
+            [(1, 1, num_draft_tokens), (2, 64, 1)]
+            if options.dynamic_drafts and num_draft_tokens
+            else None
+        )
         speculative = (
             SpeculativeConfig(
                 method="ngram",
                 num_speculative_tokens=num_draft_tokens,
                 prompt_lookup_max=1,
                 prompt_lookup_min=1,
+                num_speculative_tokens_per_batch_size=schedule,
             )
             if num_draft_tokens
             else None
@@ -302,6 +310,11 @@ class VLLMSchedulerHarness:
                 ec_connector_module_path=EC_CONNECTOR_MODULE,
                 ec_role="ec_consumer",
             )
+        observability = ObservabilityConfig(
+            kv_cache_metrics=options.metrics,
+            kv_cache_metrics_sample=1.0,
+            per_request_spec_decode_metrics="detailed" if options.metrics else "none",
+        )
         config = VllmConfig(
             scheduler_config=scheduler_config,
             cache_config=cache_config,
@@ -309,6 +322,7 @@ class VLLMSchedulerHarness:
             device_config=DeviceConfig(device="cpu"),
             kv_transfer_config=transfer,
             ec_transfer_config=encoder_transfer,
+            observability_config=observability,
         )
         # no model: the scheduler reads only ModelStub's fields of model_config
         images = options.encoder_budget > 0
@@ -599,7 +613,7 @@ class VLLMSchedulerHarness:
             self._report_finished(outputs)
             self._saved(work)
             self._read_told()
-            self._propose_drafts()
+            self._propose_drafts(out)
         done = {d.request_id for d in decisions} | set(preempted)
         failed = tuple(dict.fromkeys(r for r in self._failed_running if r not in done))
         errors, self._grammar_errors = tuple(self._grammar_errors), []
@@ -784,10 +798,11 @@ class VLLMSchedulerHarness:
         left = len(self._outputs[request_id]) - request.num_output_tokens - 1
         return max(0, min(self._accepted(request_id, start, len(drafts)), left))
 
-    def _propose_drafts(self) -> None:
-        """The drafter: every running decoding request proposes its next ``k`` outputs."""
-        k = self._num_draft_tokens
-        if not k:
+    def _propose_drafts(self, out: Any) -> None:
+        """The drafter: every running decoding request proposes its next ``k`` outputs
+        (``k`` as many as the step's output asks for: dynamic drafts)."""
+        k = min(self._num_draft_tokens, int(out.num_spec_tokens_to_schedule or 0))
+        if not self._num_draft_tokens:
             return
         ids, drafts = [], []
         for request in self.scheduler.running:

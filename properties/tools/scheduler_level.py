@@ -49,7 +49,7 @@ from properties.core.trace import (
 from reference.layout import KVCacheLayout
 
 #: examples per profile
-EXAMPLES: dict[str, int] = {"dev": 64, "ci": 1050, "nightly": 5000, "gpu": 1050}
+EXAMPLES: dict[str, int] = {"dev": 64, "ci": 1250, "nightly": 5000, "gpu": 1250}
 
 #: spec kinds the level draws (every kind kvconform models)
 KINDS: tuple[str, ...] = ("full", "sliding_window", "chunked_local", "mamba")
@@ -99,14 +99,13 @@ def _modes() -> tuple[LevelMode, ...]:
                 num_draft_tokens=2, external_hits=True, async_loads=True, load_failures=True
             )
         ),
+        LevelMode(ServingMode(), SchedulerOptions(policy="priority")),
+        LevelMode(ServingMode(async_scheduling=True), SchedulerOptions(max_loras=1), loras=True),
         LevelMode(
-            ServingMode(),
-            SchedulerOptions(policy="priority", max_loras=1),
-            loras=True,
+            ServingMode(async_scheduling=True), SchedulerOptions(policy="priority", pauses=True)
         ),
         LevelMode(
-            ServingMode(async_scheduling=True),
-            SchedulerOptions(policy="priority", pauses=True, reset_running=True),
+            ServingMode(num_draft_tokens=3), SchedulerOptions(dynamic_drafts=True, metrics=True)
         ),
         LevelMode(
             ServingMode(admission_gate=True),
@@ -142,7 +141,7 @@ def _modes() -> tuple[LevelMode, ...]:
         ),
         LevelMode(
             ServingMode(external_hits=True),
-            SchedulerOptions(delayed_frees=True, reset_connector=True),
+            SchedulerOptions(delayed_frees=True, reset_connector=True, stats=False),
         ),
         LevelMode(
             ServingMode(async_scheduling=True, external_hits=True),
