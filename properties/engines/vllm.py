@@ -88,6 +88,7 @@ from properties.core.engine import (
     quiet_loggers,
 )
 from properties.core.modes import PRODUCTION_SETTINGS
+from reference.block_metrics import BlockLifecycles
 from reference.layout import KVCacheLayout
 from reference.specs import (
     ChunkedLocalAttentionSpec,
@@ -96,6 +97,7 @@ from reference.specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from reference.zeroing import blocks_to_zero, needs_zeroing
 
 #: ``dtype_bytes`` -> name of the torch dtype that gives vLLM the same page size.
 DTYPE_BY_BYTES: dict[int, str] = {1: "uint8", 2: "float16", 4: "float32", 8: "float64"}
@@ -231,6 +233,13 @@ def observes_stats_and_events(layout: KVCacheLayout) -> bool:
     return zlib.crc32(layout.describe().encode()) % 4 != 0
 
 
+def observes_block_metrics(layout: KVCacheLayout) -> bool:
+    """Whether the adapter gives vLLM's manager a KV block metrics collector: for one
+    layout in two, ``crc32("metrics:" + layout.describe()) % 2 == 0`` (so vLLM's paths
+    without a collector run too; a replay builds the same manager)."""
+    return zlib.crc32(("metrics:" + layout.describe()).encode()) % 2 == 0
+
+
 class VLLMEngine:
     """vLLM's ``KVCacheManager`` driven through the engine protocol."""
 
@@ -253,6 +262,14 @@ class VLLMEngine:
         )
         #: whether vLLM's manager keeps prefix cache stats, and emits KV cache events
         self._stats_on = self._events_on = observes_stats_and_events(layout)
+        #: vLLM's KV block metrics collector (every block sampled; one layout in two) and
+        #: the lifecycles kvconform expects it to record
+        self._metrics: Any = None
+        if observes_block_metrics(layout):
+            from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+
+            self._metrics = KVCacheMetricsCollector(sample_rate=1.0)
+        self._lifecycles = BlockLifecycles(layout.enable_caching)
         self._build_manager()
         self._hasher = (
             v.get_request_block_hasher(
@@ -271,6 +288,8 @@ class VLLMEngine:
         self._announced: set[tuple[int, Any]] = set()
         #: whether _drain_events checks the events against the pool (HasSelfChecks)
         self._self_checks = True
+        #: per allocation since the last step, the blocks it added to the request's table
+        self._added: list[tuple[tuple[int, ...], ...]] = []
         #: (tokens, hit tokens, preempted) of each admission recorded since the last step
         self._admissions: list[tuple[int, int, bool]] = []
         #: whether reset_prefix_cache succeeded since the last step
@@ -295,6 +314,7 @@ class VLLMEngine:
             num_hash_lookahead_tokens=layout.num_hash_lookahead_tokens,
             log_stats=self._stats_on,
             enable_kv_cache_events=self._events_on,
+            metrics_collector=self._metrics,
         )
         self._record_estimates(self.manager.coordinator)
 
@@ -391,6 +411,8 @@ class VLLMEngine:
 
     def new_step(self) -> None:
         self._drain_events()
+        self._check_zeroing()
+        self._check_block_metrics()
         stats = _call("make_prefix_cache_stats", (), self.manager.make_prefix_cache_stats)
         if self._self_checks:
             self._check_stats(stats)
@@ -398,6 +420,44 @@ class VLLMEngine:
         self._admissions.clear()
         self._reset_since_stats = False
         _call("new_step_starts", (), self.manager.new_step_starts)
+
+    def _check_zeroing(self) -> None:
+        """vLLM's blocks to zero since the last step (``take_new_block_ids``, drained every
+        step as its scheduler does) against :func:`reference.zeroing.blocks_to_zero` of
+        the blocks each allocation added (the tables before and after, hits excluded).
+        Example: full + Mamba, ``r0`` allocated full (1, 2) and Mamba (3): ``[1, 2]``."""
+        got = list(_call("take_new_block_ids", (), self.manager.take_new_block_ids))
+        added, self._added = self._added, []
+        if not self._self_checks:
+            return
+        want = blocks_to_zero(self.layout, added)
+        if got != want:
+            raise EngineError(
+                f"vllm: take_new_block_ids gave {got}; the blocks the step's allocations "
+                f"added to attention groups are {want} (zeroing "
+                f"{'on' if needs_zeroing(self.layout) else 'off'})"
+            )
+
+    def _check_block_metrics(self) -> None:
+        """With a metrics collector: the eviction events vLLM's collector emitted since
+        the last step (their numbers of reuse gaps) and the blocks it tracks against
+        :class:`reference.block_metrics.BlockLifecycles` fed with the blocks the
+        adapter's allocations handed out and its hits adopted. Example: a block cached,
+        hit twice, then reused: one event with one gap."""
+        if self._metrics is None:
+            return
+        events = self._metrics.drain_events()
+        want = self._lifecycles.take_events()
+        if not self._self_checks:
+            return
+        got = [len(e.reuse_gaps_seconds) for e in events]
+        tracked = set(self._metrics.block_metrics)
+        if got != want or tracked != set(self._lifecycles.accesses):
+            raise EngineError(
+                f"vllm: the block metrics collector emitted events with {got} reuse gaps "
+                f"and tracks {sorted(tracked)}; kvconform's lifecycles give {want} and "
+                f"{sorted(self._lifecycles.accesses)}"
+            )
 
     def _check_stats(self, stats: Any) -> None:
         """vLLM's prefix cache stats of a step against the admissions the adapter recorded.
@@ -519,6 +579,7 @@ class VLLMEngine:
         if num_external_computed_tokens or delay_cache_blocks:
             args += (num_external_computed_tokens, delay_cache_blocks)
         self._estimate = None
+        before = self.manager.get_block_ids(request_id)
         new = _call(
             "allocate_slots",
             args,
@@ -534,6 +595,15 @@ class VLLMEngine:
         )
         if new is None:
             return None
+        adopted = set() if hit is None else {b for row in hit.block_ids for b in row}
+        after = self.manager.get_block_ids(request_id)
+        added = tuple(
+            tuple(b for b in row if b and b not in set(old) and b not in adopted)
+            for old, row in zip(before, after)
+        )
+        self._added.append(added)
+        self._lifecycles.adopted(b for row in (hit.block_ids if hit else ()) for b in row if b)
+        self._lifecycles.handed_out(b for row in added for b in row)
         if hit is not None:
             # vLLM's scheduler records the lookup at admission (allocation succeeded)
             _call(
@@ -576,6 +646,8 @@ class VLLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         done = bool(_call("reset_prefix_cache", (), self.manager.reset_prefix_cache))
+        if done:
+            self._lifecycles.reset()
         self._reset_since_stats = self._reset_since_stats or done
         self._drain_events()
         return done

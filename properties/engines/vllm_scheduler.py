@@ -51,8 +51,8 @@ schedules step N, then processes step N - 1's output (as vLLM's engine core does
 ``Abort`` and a ``Preempt`` are vLLM's, at once also with tokens in flight (blocks freed;
 a preempted request's in-flight output arrives stale and it is not resumed before).
 
-KV connector (``lookup`` given: the ``external_hits`` modes, synchronous scheduling,
-drafts or not):
+KV connector (``lookup`` given: the ``external_hits`` modes, drafts or not; under
+asynchronous scheduling vLLM defers a consumer connector's frees):
 ``KVTransferConfig`` names the stub :class:`properties.engines.vllm_connector.
 KVConformConnector` (``kv_both``, ``recompute`` load-failure policy), which answers
 ``get_num_new_matched_tokens`` from ``lookup(request_id, token_ids, computed)`` (the
@@ -67,9 +67,22 @@ completes (``_update_waiting_for_remote_kv``) and every allocation's
 ``update_state_after_alloc`` (block ids, external tokens); the block ids told at a
 request's end (``request_finished_all_groups``) are kept in :attr:`told_at_end`.
 
-Not driven (``docs/scheduler-level.md``): KV connectors with asynchronous scheduling,
-layouts with production settings (retention, EAGLE, lookahead hashes), drafts
-with a Mamba group.
+Scheduler options (:class:`properties.core.scheduler_options.SchedulerOptions`):
+priority policy (per-request priorities from the id, arrival times in order), a LoRA
+limit, pause states set before each step, the long-prefill threshold and prefill
+cadence, image inputs (``mm_features`` from the prompt's image placeholders and an
+image model for the encoder budget: :mod:`properties.engines.vllm_images`), an
+encoder-cache connector, a KV connector that saves (delayed frees), block-level load
+failures and the ``fail`` policy, grammars (:mod:`properties.engines.vllm_grammar`),
+the finished-ids report, the V1 model runner, stats off, a reset that preempts running
+requests, dynamic drafts and observability metrics. Each step's decisions also carry
+vLLM's preemptions in order (recorded as they happen), the running requests whose
+allocation failed with no victim taken, and the requests a grammar ended; the view
+carries the request accounting (:class:`properties.core.decisions.Accounting`).
+
+Not driven (``docs/scheduler-level.md``): layouts with production settings (retention,
+EAGLE, lookahead hashes), drafts with a Mamba group or with asynchronous scheduling,
+streaming input sessions.
 """
 
 from __future__ import annotations

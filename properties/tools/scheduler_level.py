@@ -9,10 +9,11 @@ interpreter::
         --level exact --profile ci --engine-coverage
 
 Examples per profile: :data:`EXAMPLES` (derandomized on ``ci``; ``--seed N`` draws
-another stream), an equal share for each mode of :func:`_modes` (synchronous, 2 drafts,
-the admission gate, asynchronous scheduling, and four KV connector modes: synchronous
-loads, asynchronous loads that may fail, asynchronous loads with the gate, and with 2
-drafts). Each example
+another stream), an equal share for each mode of :func:`_modes` (a serving mode and
+vLLM's scheduler options, :class:`LevelMode`: synchronous, 2 drafts, the admission
+gate, asynchronous scheduling, four KV connector modes, then priority scheduling, LoRA
+limits, pauses, dynamic drafts, long-prefill caps, images, connectors that save, under
+asynchronous scheduling and with block-level load failures, grammars). Each example
 is a trace of the small tier's strategies (``layouts``: 1-3 groups of the kinds in
 :data:`KINDS`; ``operations``: up to 30; in a connector mode, no Mamba group and
 :func:`reload_tail` at the end); layouts where one of vLLM's known divergences of its
@@ -100,7 +101,11 @@ def _modes() -> tuple[LevelMode, ...]:
             )
         ),
         LevelMode(ServingMode(), SchedulerOptions(policy="priority")),
-        LevelMode(ServingMode(async_scheduling=True), SchedulerOptions(max_loras=1), loras=True),
+        LevelMode(
+            ServingMode(async_scheduling=True),
+            SchedulerOptions(max_loras=1, reset_running=True),
+            loras=True,
+        ),
         LevelMode(
             ServingMode(async_scheduling=True), SchedulerOptions(policy="priority", pauses=True)
         ),
@@ -185,6 +190,17 @@ def with_loras(ops: tuple[Operation, ...]) -> tuple[Operation, ...]:
         replace(op, lora_name=adapter(op.request_id)) if isinstance(op, Arrive) else op
         for op in ops
     )
+
+
+def modes_described(*descriptions: str) -> tuple[LevelMode, ...]:
+    """The modes of :func:`_modes` whose :meth:`LevelMode.describe` is one of
+    ``descriptions`` (a test runs the ci draws of those modes alone: each mode's
+    derandomized draws do not depend on the others)."""
+    found = tuple(m for m in _modes() if m.describe() in descriptions)
+    if len(found) != len(descriptions):
+        known = [m.describe() for m in _modes()]
+        raise KeyError(f"no level mode described {descriptions}; known: {known}")
+    return found
 
 
 def reload_tail(
