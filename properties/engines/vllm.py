@@ -28,7 +28,11 @@ How our layout maps to vLLM objects
   does) and the prefix cache stats taken at every step must match the admissions;
   ``usage`` is checked at every step; ``free_queue`` compares ``get_all_free_blocks`` with
   the cursor walk ``iter_blocks_after``. With stats and events off, the stats must be
-  ``None`` and no event may come.
+  ``None`` and no event may come. Every step the blocks vLLM would zero
+  (``take_new_block_ids``) are checked against ``reference.zeroing.blocks_to_zero`` of
+  the blocks each allocation added; one layout in two (``observes_block_metrics``) gets
+  a KV block metrics collector sampling every block, whose eviction events and tracked
+  blocks are checked against ``reference.block_metrics.BlockLifecycles``.
 * Requests are vLLM ``Request`` objects (``SamplingParams(max_tokens=max_model_len)``),
   hashed by ``get_request_block_hasher(hash_block_size, sha256)`` when caching is on.
   ``cache_salt`` goes to ``Request(cache_salt=...)``; a LoRA name becomes
