@@ -93,6 +93,7 @@ from properties.core.engine import (
 )
 from properties.core.modes import PRODUCTION_SETTINGS
 from reference.block_metrics import BlockLifecycles
+from reference.connector_blocks import blocks_covering
 from reference.layout import KVCacheLayout
 from reference.specs import (
     ChunkedLocalAttentionSpec,
@@ -417,6 +418,7 @@ class VLLMEngine:
         self._drain_events()
         self._check_zeroing()
         self._check_block_metrics()
+        self._check_connector_blocks()
         stats = _call("make_prefix_cache_stats", (), self.manager.make_prefix_cache_stats)
         if self._self_checks:
             self._check_stats(stats)
@@ -441,6 +443,29 @@ class VLLMEngine:
                 f"added to attention groups are {want} (zeroing "
                 f"{'on' if needs_zeroing(self.layout) else 'off'})"
             )
+
+    def _check_connector_blocks(self) -> None:
+        """What vLLM would tell a KV connector covers each live request's computed tokens
+        (``get_block_ids_for_computed_tokens``) against
+        :func:`reference.connector_blocks.blocks_covering` of its rows."""
+        if not self._self_checks:
+            return
+        for rid, req in self.requests.items():
+            n = req.num_computed_tokens
+            got = _call(
+                "get_block_ids_for_computed_tokens",
+                (rid, n),
+                self.manager.get_block_ids_for_computed_tokens,
+                rid,
+                n,
+            )
+            got = tuple(tuple(row) for row in got)
+            want = blocks_covering(self.layout, self.manager.get_block_ids(rid), n)
+            if got != want:
+                raise EngineError(
+                    f"vllm: get_block_ids_for_computed_tokens({rid!r}, {n}) gave {got}; the "
+                    f"rows cut to {n} computed tokens are {want}"
+                )
 
     def _check_block_metrics(self) -> None:
         """With a metrics collector: the eviction events vLLM's collector emitted since

@@ -75,10 +75,10 @@ from properties.runner.scheduler import (
     StepRecord,
 )
 from properties.runner.serving import connector_host_tier
+from reference.connector_blocks import blocks_covering
 from reference.errors import KVConformError
 from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
-from reference.specs import cdiv
 
 
 def _never(request_id: str) -> bool:
@@ -399,10 +399,7 @@ class DecidedScheduler(Scheduler):
         if state.holds_blocks:
             self._remove_skipped_blocks(rid, self._processed(state))
         table = self.engine.get_block_ids(rid)
-        want = tuple(
-            tuple(row[: cdiv(state.num_computed_tokens, g.spec.block_size)])
-            for row, g in zip(table, self.layout.groups)
-        )
+        want = blocks_covering(self.layout, table, state.num_computed_tokens)
         told = self.told_at_end.pop(rid, None)
         if told != want:
             raise DecisionMismatch(

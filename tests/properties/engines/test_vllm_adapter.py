@@ -602,3 +602,27 @@ def test_block_metrics_lifecycles_by_hand_and_a_mutant_is_caught(monkeypatch):
     run_prompt(engine, "e", (8, 8, 8, 8, 8, 8))  # reuses tracked blocks: no event now
     with pytest.raises(EngineError, match="block metrics collector"):
         engine.new_step()
+
+
+def test_connector_blocks_are_checked_each_step_and_a_mutant_is_caught(monkeypatch):
+    """vLLM's ``get_block_ids_for_computed_tokens`` must cut each attention row to the
+    computed tokens (``reference.connector_blocks.blocks_covering``): a request of 6
+    prompt tokens with 3 computed is told 2 blocks of bs 2. A manager that tells the
+    whole row is caught at the next step."""
+    from properties.core.engine import EngineError
+
+    engine = make((FullAttentionSpec(block_size=2),), 20)
+    engine.new_step()
+    engine.add_request(RequestInput("a", (1, 2, 3, 4, 5, 6)))
+    hit = engine.get_computed_blocks("a")
+    assert engine.allocate_slots("a", 6, 0, hit) == ((1, 2, 3),)
+    engine.set_num_computed_tokens("a", 3)
+    engine.new_step()
+    manager = engine.manager
+    monkeypatch.setattr(
+        manager,
+        "get_block_ids_for_computed_tokens",
+        lambda request_id, n: manager.get_block_ids(request_id),
+    )
+    with pytest.raises(EngineError, match="get_block_ids_for_computed_tokens"):
+        engine.new_step()
