@@ -626,8 +626,14 @@ class VLLMEngine:
             return None
         adopted = set() if hit is None else {b for row in hit.block_ids for b in row}
         after = self.manager.get_block_ids(request_id)
+        # per position: a block freed from the row (a window's skipped block) may come
+        # back at another position in the same call, so a set difference would miss it
         added = tuple(
-            tuple(b for b in row if b and b not in set(old) and b not in adopted)
+            tuple(
+                b
+                for i, b in enumerate(row)
+                if b and (i >= len(old) or old[i] != b) and b not in adopted
+            )
             for old, row in zip(before, after)
         )
         self._added.append(added)
