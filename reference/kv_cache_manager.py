@@ -322,6 +322,41 @@ class KVCacheManager(ManagerBookkeeping):
         self._holders.pop(request.request_id, None)
         self.coordinator.free(request.request_id)
 
+    def pop_blocks_for_free(  # pragma: no cover - the scheduler level's deferred frees
+        self, request: Request
+    ) -> list[KVCacheBlock]:
+        """A *deferred* free, first half: ``request`` gives up its blocks without
+        returning them to the pool, as vLLM 0.33's scheduler does with a consumer KV
+        connector under asynchronous scheduling while a step in flight may still write
+        them. The result is every group's table in group order, each without its leading
+        nulls (a window's skipped prefix), in one list; :meth:`free_popped_blocks`
+        returns them later. The request is forgotten at once (as by :meth:`free`)."""
+        if not isinstance(request, Request):
+            raise InvalidRequestError(
+                f"pop_blocks_for_free: request must be a Request, got {request!r}"
+            )
+        self._forget(request.request_id)
+        self._holders.pop(request.request_id, None)
+        blocks: list[KVCacheBlock] = []
+        for manager in self.coordinator.managers:
+            blocks.extend(manager.pop_blocks_for_free(request.request_id))
+        return blocks
+
+    def free_popped_blocks(  # pragma: no cover - the scheduler level's deferred frees
+        self, blocks: list[KVCacheBlock]
+    ) -> None:
+        """A deferred free, second half: the blocks :meth:`pop_blocks_for_free` took go
+        back to the pool in one ``free_blocks`` call, tail first over the *whole* list
+        (the last group's tail first), not group by group as :meth:`free` does, so
+        cached blocks reach the back of the free queue in another order.
+
+        Worked example: group 0 holds (1, 2), group 1 holds (3, 4), all cached, free
+        queue (5,). ``free``: group 0 appends 2, 1, then group 1 appends 4, 3: queue
+        (5, 2, 1, 4, 3). Popped then freed: one call with 4, 3, 2, 1: queue
+        (5, 4, 3, 2, 1). Uncached blocks go to the front in the same order both ways:
+        (4, 3, 2, 1, 5)."""
+        self.block_pool.free_blocks(reversed(blocks))
+
     # -- views -----------------------------------------------------------------
     def get_blocks(self, request_id: str) -> list[list[KVCacheBlock]]:
         return self.coordinator.get_blocks(request_id)

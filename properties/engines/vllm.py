@@ -30,7 +30,11 @@ How our layout maps to vLLM objects
   does) and the prefix cache stats taken at every step must match the admissions;
   ``usage`` is checked at every step; ``free_queue`` compares ``get_all_free_blocks`` with
   the cursor walk ``iter_blocks_after``. With stats and events off, the stats must be
-  ``None`` and no event may come.
+  ``None`` and no event may come. Every step the blocks vLLM would zero
+  (``take_new_block_ids``) are checked against ``reference.zeroing.blocks_to_zero`` of
+  the blocks each allocation added; one layout in two (``observes_block_metrics``) gets
+  a KV block metrics collector sampling every block, whose eviction events and tracked
+  blocks are checked against ``reference.block_metrics.BlockLifecycles``.
 * Requests are vLLM ``Request`` objects (``SamplingParams(max_tokens=max_model_len)``),
   hashed by ``get_request_block_hasher(hash_block_size, sha256)`` when caching is on.
   ``cache_salt`` goes to ``Request(cache_salt=...)``; a LoRA name becomes
@@ -93,6 +97,8 @@ from properties.core.engine import (
     quiet_loggers,
 )
 from properties.core.modes import PRODUCTION_SETTINGS
+from reference.block_metrics import BlockLifecycles
+from reference.connector_blocks import blocks_covering
 from reference.layout import KVCacheLayout
 from reference.specs import (
     ChunkedLocalAttentionSpec,
@@ -101,6 +107,7 @@ from reference.specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from reference.zeroing import blocks_to_zero, needs_zeroing
 
 #: ``dtype_bytes`` -> name of the torch dtype that gives vLLM the same page size.
 DTYPE_BY_BYTES: dict[int, str] = {1: "uint8", 2: "float16", 4: "float32", 8: "float64"}
@@ -269,6 +276,13 @@ def observes_stats_and_events(layout: KVCacheLayout) -> bool:
     return zlib.crc32(layout.describe().encode()) % 4 != 0
 
 
+def observes_block_metrics(layout: KVCacheLayout) -> bool:
+    """Whether the adapter gives vLLM's manager a KV block metrics collector: for one
+    layout in two, ``crc32("metrics:" + layout.describe()) % 2 == 0`` (so vLLM's paths
+    without a collector run too; a replay builds the same manager)."""
+    return zlib.crc32(("metrics:" + layout.describe()).encode()) % 2 == 0
+
+
 class VLLMEngine:
     """vLLM's ``KVCacheManager`` driven through the engine protocol."""
 
@@ -291,6 +305,13 @@ class VLLMEngine:
         )
         #: whether vLLM's manager keeps prefix cache stats, and emits KV cache events
         self._stats_on = self._events_on = observes_stats_and_events(layout)
+        #: vLLM's KV block metrics collector (every block sampled; one layout in two) and
+        #: the lifecycles kvconform expects it to record
+        self._metrics: Any = None
+        if observes_block_metrics(layout):
+            metrics = importlib.import_module(f"{v.api.root}.v1.core.kv_cache_metrics")
+            self._metrics = metrics.KVCacheMetricsCollector(sample_rate=1.0)
+        self._lifecycles = BlockLifecycles(layout.enable_caching)
         self._build_manager()
         self._hasher = (
             v.get_request_block_hasher(
@@ -309,6 +330,8 @@ class VLLMEngine:
         self._announced: set[tuple[int, Any]] = set()
         #: whether _drain_events checks the events against the pool (HasSelfChecks)
         self._self_checks = True
+        #: per allocation since the last step, the blocks it added to the request's table
+        self._added: list[tuple[tuple[int, ...], ...]] = []
         #: (tokens, hit tokens, preempted) of each admission recorded since the last step
         self._admissions: list[tuple[int, int, bool]] = []
         #: whether reset_prefix_cache succeeded since the last step
@@ -347,6 +370,7 @@ class VLLMEngine:
             log_stats=self._stats_on,
             enable_kv_cache_events=self._events_on,
             **self._lookahead_option(),
+            metrics_collector=self._metrics,
         )
         self._record_estimates(self.manager.coordinator)
 
@@ -443,6 +467,9 @@ class VLLMEngine:
 
     def new_step(self) -> None:
         self._drain_events()
+        self._check_zeroing()
+        self._check_block_metrics()
+        self._check_connector_blocks()
         stats = self._v.call("make_prefix_cache_stats", (), self.manager.make_prefix_cache_stats)
         if self._self_checks:
             self._check_stats(stats)
@@ -450,6 +477,67 @@ class VLLMEngine:
         self._admissions.clear()
         self._reset_since_stats = False
         self._v.call("new_step_starts", (), self.manager.new_step_starts)
+
+    def _check_zeroing(self) -> None:
+        """vLLM's blocks to zero since the last step (``take_new_block_ids``, drained every
+        step as its scheduler does) against :func:`reference.zeroing.blocks_to_zero` of
+        the blocks each allocation added (the tables before and after, hits excluded).
+        Example: full + Mamba, ``r0`` allocated full (1, 2) and Mamba (3): ``[1, 2]``."""
+        got = list(self._v.call("take_new_block_ids", (), self.manager.take_new_block_ids))
+        added, self._added = self._added, []
+        if not self._self_checks:
+            return
+        want = blocks_to_zero(self.layout, added)
+        if got != want:
+            raise EngineError(
+                f"vllm: take_new_block_ids gave {got}; the blocks the step's allocations "
+                f"added to attention groups are {want} (zeroing "
+                f"{'on' if needs_zeroing(self.layout) else 'off'})"
+            )
+
+    def _check_connector_blocks(self) -> None:
+        """What vLLM would tell a KV connector covers each live request's computed tokens
+        (``get_block_ids_for_computed_tokens``) against
+        :func:`reference.connector_blocks.blocks_covering` of its rows."""
+        if not self._self_checks:
+            return
+        for rid, req in self.requests.items():
+            n = req.num_computed_tokens
+            got = self._v.call(
+                "get_block_ids_for_computed_tokens",
+                (rid, n),
+                self.manager.get_block_ids_for_computed_tokens,
+                rid,
+                n,
+            )
+            got = tuple(tuple(row) for row in got)
+            want = blocks_covering(self.layout, self.manager.get_block_ids(rid), n)
+            if got != want:
+                raise EngineError(
+                    f"vllm: get_block_ids_for_computed_tokens({rid!r}, {n}) gave {got}; the "
+                    f"rows cut to {n} computed tokens are {want}"
+                )
+
+    def _check_block_metrics(self) -> None:
+        """With a metrics collector: the eviction events vLLM's collector emitted since
+        the last step (their numbers of reuse gaps) and the blocks it tracks against
+        :class:`reference.block_metrics.BlockLifecycles` fed with the blocks the
+        adapter's allocations handed out and its hits adopted. Example: a block cached,
+        hit twice, then reused: one event with one gap."""
+        if self._metrics is None:
+            return
+        events = self._metrics.drain_events()
+        want = self._lifecycles.take_events()
+        if not self._self_checks:
+            return
+        got = [len(e.reuse_gaps_seconds) for e in events]
+        tracked = set(self._metrics.block_metrics)
+        if got != want or tracked != set(self._lifecycles.accesses):
+            raise EngineError(
+                f"vllm: the block metrics collector emitted events with {got} reuse gaps "
+                f"and tracks {sorted(tracked)}; kvconform's lifecycles give {want} and "
+                f"{sorted(self._lifecycles.accesses)}"
+            )
 
     def _check_stats(self, stats: Any) -> None:
         """vLLM's prefix cache stats of a step against the admissions the adapter recorded.
@@ -573,6 +661,7 @@ class VLLMEngine:
         if num_external_computed_tokens or delay_cache_blocks:
             args += (num_external_computed_tokens, delay_cache_blocks)
         self._estimate = None
+        before = self.manager.get_block_ids(request_id)
         new = self._v.call(
             "allocate_slots",
             args,
@@ -588,6 +677,21 @@ class VLLMEngine:
         )
         if new is None:
             return None
+        adopted = set() if hit is None else {b for row in hit.block_ids for b in row}
+        after = self.manager.get_block_ids(request_id)
+        # per position: a block freed from the row (a window's skipped block) may come
+        # back at another position in the same call, so a set difference would miss it
+        added = tuple(
+            tuple(
+                b
+                for i, b in enumerate(row)
+                if b and (i >= len(old) or old[i] != b) and b not in adopted
+            )
+            for old, row in zip(before, after)
+        )
+        self._added.append(added)
+        self._lifecycles.adopted(b for row in (hit.block_ids if hit else ()) for b in row if b)
+        self._lifecycles.handed_out(b for row in added for b in row)
         if hit is not None:
             # vLLM's scheduler records the lookup at admission (allocation succeeded)
             self._v.call(
@@ -631,6 +735,8 @@ class VLLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         done = bool(self._v.call("reset_prefix_cache", (), self.manager.reset_prefix_cache))
+        if done:
+            self._lifecycles.reset()
         self._reset_since_stats = self._reset_since_stats or done
         self._drain_events()
         return done

@@ -301,6 +301,11 @@ class RequestQueues:
         every full computed block of its table is offloaded there)."""
         if self.connector is not None:
             self.connector.release(state, self._processed(state))
+        self._free_blocks(state)
+
+    def _free_blocks(self, state: RequestState) -> None:
+        """The engine's ``free`` of the request's blocks (a subclass may defer it:
+        :class:`properties.runner.decided.DecidedAsyncScheduler`)."""
         self.engine.free(state.request_id)
 
     def _processed(self, state: RequestState) -> int:
@@ -459,7 +464,9 @@ class Scheduler(RequestQueues):
                 continue
             drafts = self._propose_drafts(state, n, budget)
             n += drafts
-            new = self._allocate_running(record, i, n, budget, lookahead)
+            new, restored, shift = self._allocate_running(record, i, n, budget, lookahead)
+            budget += restored
+            i -= shift
             if new is None:
                 if rid in self.running:
                     i += 1  # asynchronous scheduling: no victim, the request waits a step
@@ -482,12 +489,18 @@ class Scheduler(RequestQueues):
 
     def _allocate_running(
         self, record: StepRecord, i: int, n: int, budget: int, lookahead: int
-    ) -> BlockIds | None:
+    ) -> tuple[BlockIds | None, int, int]:
         """``n`` slots for running request ``i``, preempting victims until they fit (the
-        first try is read from the batch when the engine plans steps); None when the
-        request itself was preempted or no victim is left."""
+        first try is read from the batch when the engine plans steps); the blocks (None
+        when the request itself was preempted or no victim is left), the budget the
+        victims give back (those scheduled earlier in the step: :meth:`_unschedule`) and
+        how many of them stood before index ``i``. kvconform's own victims come after
+        ``i`` and were not scheduled yet (0 and 0); an engine's priority scheduling can
+        pick any running request (:class:`properties.runner.decided.DecidedScheduler`).
+        """
         rid = self.running[i]
         first_try = True
+        restored = shift = 0
         while True:
             if first_try and self.batched and rid not in self._planned:
                 self._planned = self._plan_running(i, budget, lookahead)
@@ -497,14 +510,30 @@ class Scheduler(RequestQueues):
                 new = allocate(self.engine, Allocation(rid, n, 0, None, lookahead))
             first_try = False
             if new is not None:
-                return new
-            victim = self._victim(i)
+                return new, restored, shift
+            victim = self._victim(i - shift)
             if victim is None:
-                return None
+                return None, restored, shift
+            if self.running.index(victim) < i - shift:
+                shift += 1
+            restored += self._unschedule(record, victim)
             self._preempt(victim)
             record.preempted.append(victim)
             if victim == rid:
-                return None
+                return None, restored, shift
+
+    def _unschedule(self, record: StepRecord, request_id: str) -> int:
+        """A victim scheduled earlier in this step leaves it (vLLM's priority scheduling
+        can preempt one): its share is dropped from ``record``, its drafts are no longer
+        pending, and its tokens go back to the budget (returned; 0 when it was not
+        scheduled). Example: ``r2`` ran 4 tokens, then ``r0`` needs its blocks: 4."""
+        for k, item in enumerate(record.scheduled):
+            if item.request_id == request_id:
+                del record.scheduled[k]
+                if item.num_drafts:
+                    self.engine.set_in_flight(request_id, 0, 0)
+                return item.num_tokens
+        return 0
 
     def _admit_waiting(self, record: StepRecord, budget: int, lookahead: int) -> None:
         """Rule 3 (with a connector: external hits, synchronous or asynchronous loads)."""
