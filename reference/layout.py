@@ -131,6 +131,7 @@ class KVCacheLayout:
                 "(vLLM turns the hybrid manager off with chunked local attention and EAGLE; "
                 "Mamba's EAGLE checkpoints are not modelled)"
             )
+        _check_mamba_groups(self)
         if self.enable_caching and self.partial_hits_enabled:
             raise InvalidLayoutError(
                 "KVCacheLayout.groups enable partial (sub-block) prefix hits: a Mamba group "
@@ -248,6 +249,46 @@ def _check_layout_fields(layout: KVCacheLayout) -> None:
         require_int(err, owner, "max_in_flight_tokens", layout.max_in_flight_tokens, lowest=1)
     if not isinstance(layout.name, str):
         raise err(f"{owner}.name must be a string, got {layout.name!r}")
+
+
+def _check_mamba_groups(layout: KVCacheLayout) -> None:
+    """vLLM 0.33 builds every Mamba group from one cache config: one caching mode and one
+    speculative block count for all of them, and mode ``"none"`` only with prefix caching
+    off (its Mamba manager asserts it) and a block of at least ``max_model_len`` tokens
+    (the state lives in the row's first block). Example: a Mamba group in mode
+    ``"none"`` in a layout with ``enable_caching=True`` is refused."""
+    mambas = [s for s in layout.specs if isinstance(s, MambaSpec)]
+    if not mambas:
+        return
+    modes = {s.mamba_cache_mode for s in mambas}
+    counts = {s.num_speculative_blocks for s in mambas}
+    if len(modes) > 1 or len(counts) > 1:
+        raise InvalidLayoutError(
+            "KVCacheLayout.groups: every Mamba group must have the same mamba_cache_mode and "
+            f"num_speculative_blocks (one cache config), got modes {sorted(modes)} and "
+            f"speculative blocks {sorted(counts)}"
+        )
+    if modes == {"none"} and layout.enable_caching:
+        raise InvalidLayoutError(
+            "KVCacheLayout.groups: a Mamba group in mamba_cache_mode 'none' needs "
+            "enable_caching=False (Mamba prefix caching requires 'align')"
+        )
+    if modes == {"none"} and any(s.block_size < layout.max_model_len for s in mambas):
+        raise InvalidLayoutError(
+            "KVCacheLayout.groups: a Mamba group in mamba_cache_mode 'none' keeps its state "
+            "in one block: its block_size must be >= max_model_len "
+            f"{layout.max_model_len} (vLLM sets it to max_model_len), got "
+            f"{sorted(s.block_size for s in mambas)}"
+        )
+
+
+def draft_token_limit(layout: KVCacheLayout) -> int | None:
+    """The most draft tokens a step of ``layout`` may schedule: the speculative block
+    count of its Mamba groups (vLLM sizes them by the speculative token count), None (no
+    limit) without a Mamba group. Example: full + Mamba with 2 speculative blocks -> 2;
+    full attention alone -> None."""
+    counts = [s.num_speculative_blocks for s in layout.specs if isinstance(s, MambaSpec)]
+    return min(counts) if counts else None
 
 
 def merge_key(spec: KVCacheSpec) -> KVCacheSpec:

@@ -47,6 +47,15 @@ class TrackedRequest:
     num_computed_tokens: int = 0
     holds_blocks: bool = False
     ids: list[int] = field(default_factory=list)
+    #: draft tokens of the step being scheduled (synchronous drafts: tokens pending with
+    #: none in flight, ``set_in_flight(id, 0, d)``)
+    num_drafts: int = 0
+    #: Mamba group -> (its row, the running state's end, the running column) of a draft
+    #: step not settled yet (:mod:`properties.checks.mamba_states`)
+    draft_rows: dict[int, tuple[tuple[int, ...], int, int]] = field(default_factory=dict)
+    #: Mamba group -> the block holding the request's state after a draft step (an
+    #: accepted draft's column), until its next step without drafts
+    mamba_running: dict[int, int] = field(default_factory=dict)
 
     def refresh_ids(self) -> None:
         """Extend ``ids`` over tokens appended since (decodes add one token a step)."""

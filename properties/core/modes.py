@@ -22,8 +22,9 @@ does:
   ``a`` of them are accepted (a deterministic function of the request and position,
   so traces replay), ``num_computed_tokens`` goes *down* to ``start + 1 + a`` (the
   rejected drafts roll back), the ``a`` accepted tokens and one bonus token are
-  appended, and the processed tokens are committed (``cache_blocks``). Not drawn
-  with Mamba groups (no speculative Mamba blocks are modelled).
+  appended, and the processed tokens are committed (``cache_blocks``). With Mamba
+  groups a step drafts at most their ``num_speculative_blocks`` tokens (vLLM sizes
+  the speculative state blocks by the speculative token count; none without them).
 
 * ``external_hits`` (a KV connector over a host tier, :mod:`reference.host_tier`):
   the scheduler owns a host tier that receives the blocks leaving the primary pool
@@ -148,8 +149,12 @@ SYNC = ServingMode()
 #: (``prefix_cache_retention_interval``), ``eagle`` (``use_eagle``, ``is_eagle_group``,
 #: ``num_hash_lookahead_tokens``) and ``admission_cap`` (``max_in_flight_tokens`` and a
 #: pool sized with the admission caps) and ``external`` (the ``external_hits`` serving
-#: mode: ``allocate_slots(..., num_external_computed_tokens=...)``).
-PRODUCTION_SETTINGS: frozenset[str] = frozenset({"retention", "eagle", "admission_cap", "external"})
+#: mode: ``allocate_slots(..., num_external_computed_tokens=...)``) and ``mamba_modes``
+#: (a Mamba group's ``mamba_cache_mode``, ``num_speculative_blocks`` and prefill
+#: checkpoint blocks; drafts on a Mamba layout need its speculative blocks).
+PRODUCTION_SETTINGS: frozenset[str] = frozenset(
+    {"retention", "eagle", "admission_cap", "external", "mamba_modes"}
+)
 #: The production setting of the ``external_hits`` serving mode.
 EXTERNAL_SETTING = "external"
 

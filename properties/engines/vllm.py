@@ -14,7 +14,8 @@ How our layout maps to vLLM objects
   ``num_kv_heads``, ``head_size``, ``page_size_padded``, and ``dtype`` chosen by
   ``dtype_bytes`` (1: uint8, 2: float16, 4: float32, 8: float64), so vLLM's page size
   equals ours. ``MambaSpec(shapes, dtypes=(dtype,) * len(shapes), page_size_padded,
-  mamba_cache_mode="align")`` (no speculative or prefill-checkpoint blocks).
+  mamba_cache_mode, num_speculative_blocks, num_prefill_checkpoint_blocks,
+  prefill_checkpoint_alignment)`` (our fields, same names).
 * ``KVCacheManager(config, max_model_len, scheduler_block_size=layout.scheduler_block_size,
   hash_block_size=layout.hash_block_size, max_in_flight_tokens=layout.max_in_flight_tokens,
   enable_caching=layout.enable_caching, log_stats=on, enable_kv_cache_events=on)`` with
@@ -196,7 +197,10 @@ def to_vllm_spec(v: _VLLM, spec: KVCacheSpec) -> Any:
             shapes=tuple(spec.shapes),
             dtypes=(dtype,) * len(spec.shapes),
             page_size_padded=spec.page_size_padded,
-            mamba_cache_mode="align",
+            mamba_cache_mode=spec.mamba_cache_mode,
+            num_speculative_blocks=spec.num_speculative_blocks,
+            num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
+            prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment,
         )
     common: dict[str, Any] = {}
     if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)):

@@ -5,7 +5,7 @@ layout leaves of a mode (:func:`mode_for_layout`).
 Example: a swarm draw of ``drafts``, gate, 3 drafts, connector level 3 is
 ``ServingMode(admission_gate=True, num_draft_tokens=3, external_hits=True,
 async_loads=True, load_failures=True)``; on a layout with a Mamba group it loses its
-drafts and connector.
+connector and keeps at most as many drafts as the group has speculative blocks.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import dataclasses
 from hypothesis import strategies as st
 
 from properties.core.modes import ServingMode
-from reference.layout import KVCacheLayout
+from reference.layout import KVCacheLayout, draft_token_limit
 from reference.specs import MambaSpec
 
 
@@ -102,10 +102,18 @@ def _valid_mode(
 
 
 def mode_for_layout(mode: ServingMode, layout: KVCacheLayout) -> ServingMode:
-    """``mode`` without what a layout with a Mamba group does not model (external hits
-    and drafts: no loaded or speculative Mamba states)."""
+    """``mode`` without what a layout with a Mamba group does not model (external hits:
+    no loaded Mamba states), its drafts at most the Mamba groups' speculative blocks
+    (:func:`reference.layout.draft_token_limit`: vLLM sizes them by the speculative
+    token count). Example: 3 drafts on full + Mamba with 2 speculative blocks -> 2
+    drafts; with none -> no drafts."""
     if not any(isinstance(s, MambaSpec) for s in layout.specs):
         return mode
+    limit = draft_token_limit(layout) or 0
     return dataclasses.replace(
-        mode, num_draft_tokens=0, external_hits=False, async_loads=False, load_failures=False
+        mode,
+        num_draft_tokens=min(mode.num_draft_tokens, limit),
+        external_hits=False,
+        async_loads=False,
+        load_failures=False,
     )

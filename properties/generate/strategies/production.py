@@ -1,6 +1,7 @@
 """Production layouts: the production property's base layouts
 (:func:`production_base_layouts`) and the settings drawn on top of them
-(:func:`production_layouts`: EAGLE, the retention interval, the admission cap).
+(:func:`production_layouts`: EAGLE, the retention interval, the Mamba settings, the
+admission cap).
 
 Example: gpt-oss (SWA + full) may come out sparse, EAGLE on the full group only,
 ``L = 0``.
@@ -17,6 +18,7 @@ from properties.core.constants import SPEC_KINDS
 from properties.core.modes import PRODUCTION_SETTINGS
 from properties.generate.strategies.edges import edge_case_kinds, edge_layouts
 from properties.generate.strategies.generated_layouts import _blocks_one_request_needs
+from properties.generate.strategies.mamba_modes import mamba_settings
 from properties.generate.strategies.scenario_mix import any_layouts
 from properties.generate.strategies.swarm import swarm_layouts
 from properties.generate.strategies.tiers import SMALL, TIERS
@@ -82,6 +84,9 @@ def production_layouts(
       without them, one time in four on a layout with them (three in four keep them,
       so they meet the other settings: swarm testing counts pairs);
     * the retention interval (:func:`retention_intervals`);
+    * a Mamba group's caching mode, speculative blocks and prefill checkpoint blocks
+      (:func:`properties.generate.strategies.mamba_modes.mamba_settings`; nothing is
+      drawn without a Mamba group);
     * ``max_in_flight_tokens`` (``None``, or 1 or 2 scheduler blocks): the bound of
       the per-request admission caps of windowed groups (the pool is then redrawn
       with those bounds, as vLLM sizes it at startup).
@@ -99,6 +104,8 @@ def production_layouts(
     if "retention" in settings:
         retention = draw(retention_intervals(layout), label="retention interval")
         layout = dataclasses.replace(layout, prefix_cache_retention_interval=retention)
+    if "mamba_modes" in settings:
+        layout = draw(mamba_settings(layout))
     unit = layout.scheduler_block_size
     in_flight = None
     if "admission_cap" in settings:
