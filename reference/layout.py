@@ -220,6 +220,8 @@ class KVCacheLayout:
                 extra = f" w={s.sliding_window}"
             elif hasattr(s, "attention_chunk_size"):
                 extra = f" C={s.attention_chunk_size}"
+            elif isinstance(s, MambaSpec):
+                extra = _mamba_settings(s)
             eagle = "*" if g.is_eagle_group else ""
             parts.append(f"g{gid}{eagle}:{s.type_name}(bs={s.block_size}{extra})")
         retention = ""
@@ -233,6 +235,20 @@ class KVCacheLayout:
             f"{' '.join(parts)} num_blocks={self.num_blocks} "
             f"max_model_len={self.max_model_len} caching={self.enable_caching}{retention}"
         )
+
+
+def _mamba_settings(spec: MambaSpec) -> str:
+    """A Mamba group's settings other than the defaults, for :meth:`KVCacheLayout.describe`.
+    Example: mode "none" with 2 speculative blocks -> ``" mode=none spec=2"``; a
+    checkpoint block of alignment 1 -> ``" ckpt=1/1"``; the defaults -> ``""``."""
+    out = ""
+    if not spec.is_align:
+        out += f" mode={spec.mamba_cache_mode}"
+    if spec.num_speculative_blocks:
+        out += f" spec={spec.num_speculative_blocks}"
+    if spec.num_prefill_checkpoint_blocks or spec.prefill_checkpoint_alignment is not None:
+        out += f" ckpt={spec.num_prefill_checkpoint_blocks}/{spec.prefill_checkpoint_alignment}"
+    return out
 
 
 def _check_layout_fields(layout: KVCacheLayout) -> None:

@@ -207,6 +207,13 @@ class Checker:
                 )
             if drafts:
                 req.draft_rows[gid] = (tuple(row), end - drafts, cdiv(end, bs) - 1)
+                copies = self.state.pending_copies.setdefault(req.request_id, [])
+                for accepted in range(drafts + 1):
+                    copy = settle_copy(spec, row, end - drafts, end - drafts + accepted)
+                    if copy is not None:
+                        p = copy.position
+                        prefix = req.ids[p - 1] if p - 1 < len(req.ids) else -1
+                        copies.append((gid, copy.block, prefix, p))
             else:
                 req.draft_rows.pop(gid, None)
                 req.mamba_running.pop(gid, None)
@@ -281,6 +288,7 @@ class Checker:
                 else:
                     self.state.shadow.write(w[0], w[1], w[2], OVERWRITTEN)
             self.deferred_writes[request_id] = kept
+        self.state.pending_copies.pop(request_id, None)
         for gid, block, _, end in self.state.pending_states.pop(request_id, ()):
             if num_computed_tokens > 0:
                 if end > num_computed_tokens:  # a rejected draft's state

@@ -80,14 +80,13 @@ def _state_pending(state: CheckState, gid: int, table, ids, length: int) -> bool
         return False
     return any(
         g == gid and b == table[col] and prefix == ids[length - 1]
-        for writes in state.pending_states.values()
-        for g, b, prefix, _ in writes
+        for g, b, prefix, _ in state.pending_writes()
     )
 
 
 def _states_being_replaced(state: CheckState) -> set[tuple[int, int]]:
     """The ``(group, block)`` of the Mamba blocks that this step's run overwrites with
-    another state than the one the shadow shows (:attr:`CheckState.pending_states`: a
+    another state than the one the shadow shows (:meth:`CheckState.pending_writes`: a
     state is written when the step runs, not at allocation). Until then the shadow still
     holds the old state, but the engine has already taken the block for its new owner
     (evicting the old key, registering the new one), so the old state is not servable.
@@ -96,8 +95,7 @@ def _states_being_replaced(state: CheckState) -> set[tuple[int, int]]:
     ``[3]``, and it is in this set."""
     return {
         (gid, block)
-        for writes in state.pending_states.values()
-        for gid, block, prefix, _ in writes
+        for gid, block, prefix, _ in state.pending_writes()
         if not state.shadow.holds(gid, block, -1, prefix)
     }
 

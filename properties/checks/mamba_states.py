@@ -77,9 +77,7 @@ def step_state_writes(
             spec.prefill_checkpoint_alignment,
         ):
             writes.append((column - 1, position))
-    return [
-        StateWrite(row[c], p) for c, p in writes if 0 <= c < len(row) and row[c] != 0 and p > 0
-    ]
+    return [StateWrite(row[c], p) for c, p in writes if 0 <= c < len(row) and row[c] != 0 and p > 0]
 
 
 def settle_copy(

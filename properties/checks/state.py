@@ -82,6 +82,10 @@ class CheckState:
         #: request id -> Mamba states its step will write: (group, block, prefix id or
         #: -1 while the last token is not known yet, end position).
         self.pending_states: dict[str, list[tuple[int, int, int, int]]] = {}
+        #: request id -> Mamba states a draft step may copy to a block boundary once its
+        #: drafts are judged (one per possible acceptance; same form): written by the
+        #: settle, pending for the checks until then
+        self.pending_copies: dict[str, list[tuple[int, int, int, int]]] = {}
         #: request id -> its steps still in flight (asynchronous scheduling), oldest
         #: first: (tokens, the (group, index, block) entries of its table they read).
         self.in_flight_reads: dict[str, list[tuple[int, frozenset[tuple[int, int, int]]]]] = {}
@@ -212,6 +216,13 @@ class CheckState:
             if rid != other_than and tracked is not None and tracked.holds_blocks:
                 return rid
         return None
+
+    def pending_writes(self) -> Iterator[tuple[int, int, int, int]]:
+        """Every Mamba state write not done yet (:attr:`pending_states` and
+        :attr:`pending_copies`), as ``(group, block, prefix id or -1, position)``."""
+        for pending in (self.pending_states, self.pending_copies):
+            for writes in pending.values():
+                yield from writes
 
     def forget(self, request_id: str) -> None:
         """The request is gone: out of the table reads and the index."""

@@ -124,6 +124,17 @@ class UnsupportedLayoutError(EngineError):
     """
 
 
+class KnownDivergenceMet(EngineError):
+    """An adapter met one of its engine's known divergences in a call (one declared
+    with ``at_run_time``: it depends on the calls, not on the layout). The example stops
+    there and is not counted (as a layout the engine refuses); ``name`` is the
+    divergence's. Example: vLLM's Mamba estimate below zero after a draft rollback."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"known divergence {name}: {message}")
+        self.name = name
+
+
 @runtime_checkable
 class KVCacheEngine(Protocol):
     """The calls every engine under test implements (see the module docstring)."""
@@ -380,13 +391,17 @@ class KnownDivergence:
 
     An adapter lists them on its factory (``factory.known_divergences``); the suite
     does not draw layouts for which ``applies(layout)`` is true, and ``kvconform
-    check`` prints each one with its finding so nothing is hidden.
+    check`` prints each one with its finding so nothing is hidden. One that depends on
+    the calls rather than the layout is declared ``at_run_time`` (its ``applies`` is
+    false for every layout): the adapter detects it in the call where it happens and
+    raises :class:`KnownDivergenceMet`, which stops that example uncounted.
     """
 
     name: str
     summary: str
     finding: str
     applies: Callable[[KVCacheLayout], bool]
+    at_run_time: bool = False
 
 
 #: Adapters shipped with kvconform: name -> "module:factory".

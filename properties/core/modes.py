@@ -25,6 +25,11 @@ does:
   appended, and the processed tokens are committed (``cache_blocks``). With Mamba
   groups a step drafts at most their ``num_speculative_blocks`` tokens (vLLM sizes
   the speculative state blocks by the speculative token count; none without them).
+* ``varying_drafts`` (with ``num_draft_tokens``): the proposer offers a different number
+  of drafts at each step, as vLLM's suffix and n-gram decoding do (:func:`proposed_drafts`:
+  a deterministic function of the request and position, ``0..k``), instead of always
+  ``k`` (MTP, EAGLE). A step then may schedule fewer tokens than the last one did: a
+  Mamba group's row is longer than the step needs (vLLM issue 39271).
 
 * ``external_hits`` (a KV connector over a host tier, :mod:`reference.host_tier`):
   the scheduler owns a host tier that receives the blocks leaving the primary pool
@@ -82,6 +87,7 @@ class ServingMode:
     external_hits: bool = False
     async_loads: bool = False
     load_failures: bool = False
+    varying_drafts: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -90,6 +96,7 @@ class ServingMode:
             "external_hits",
             "async_loads",
             "load_failures",
+            "varying_drafts",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -107,6 +114,10 @@ class ServingMode:
                 "ServingMode.load_failures needs async_loads=True (only asynchronous loads "
                 "can fail in this model)"
             )
+        if self.varying_drafts and not k:
+            raise KVConformError(
+                "ServingMode.varying_drafts needs num_draft_tokens > 0 (the drafts that vary)"
+            )
         if k and self.async_scheduling:
             raise KVConformError(
                 "ServingMode: drafts with asynchronous scheduling are not modelled; set "
@@ -121,6 +132,8 @@ class ServingMode:
         parts = [name for name in ("async_scheduling", "admission_gate") if getattr(self, name)]
         if self.num_draft_tokens:
             parts.append(f"drafts={self.num_draft_tokens}")
+        if self.varying_drafts:
+            parts.append("varying")
         if self.external_hits:
             parts.append("external_hits")
         if self.async_loads:
@@ -128,6 +141,14 @@ class ServingMode:
         if self.load_failures:
             parts.append("load_failures")
         return " ".join(parts) or "sync"
+
+
+def proposed_drafts(request_id: str, position: int, num_draft_tokens: int) -> int:
+    """How many drafts a ``varying_drafts`` proposer offers for ``request_id``'s decode at
+    ``position``: a ``sha256`` of the two (so traces replay), uniform over
+    ``0..num_draft_tokens``. Example: ``proposed_drafts("r0", 9, 0) == 0``."""
+    digest = hashlib.sha256(f"propose:{request_id}:{position}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") % (num_draft_tokens + 1)
 
 
 def load_fails(request_id: str, attempt: int) -> bool:

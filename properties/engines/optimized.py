@@ -203,9 +203,7 @@ def make_engine(layout: KVCacheLayout) -> OptimizedEngine:
     :class:`UnsupportedLayoutError`."""
     for spec in layout.specs:
         if isinstance(spec, MambaSpec) and (
-            not spec.is_align
-            or spec.num_speculative_blocks
-            or spec.num_prefill_checkpoint_blocks
+            not spec.is_align or spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks
         ):
             raise UnsupportedLayoutError(
                 "optimized: Mamba groups run in plain 'align' mode only (no mode 'none', "

@@ -25,12 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hypothesis import note, target
+from hypothesis import note, reject, target
 from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from properties.core.engine import CallTimeoutError
+from properties.core.engine import CallTimeoutError, KnownDivergenceMet
 from properties.core.modes import SYNC, ServingMode
 from properties.core.trace import (
     Abort,
@@ -99,6 +99,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.run is not None
         try:
             return fn()
+        except KnownDivergenceMet:
+            raise
         except (AssertionError, KVConformError) as exc:  # violations and engine errors
             type(self).stats.last_failure = self.run.to_trace(exc)
             if isinstance(exc, CallTimeoutError):
@@ -115,7 +117,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             layout,
             self.engine,
             on_failure=self._record_failure,
-            choose_mode=lambda supports: self._choose_mode(data, supports),
+            choose_mode=lambda supports: self._choose_mode(data, supports, layout),
         )
         self.pool = data.draw(kvst.prefix_pools(layout), label="prefix pool")
         self.arrivals = kvst.request_inputs(layout, self.pool, "r")
@@ -131,15 +133,17 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _record_failure(self, trace: Trace) -> None:
         type(self).stats.last_failure = trace
 
-    def _choose_mode(self, data: st.DataObject, supports: bool) -> ServingMode:
+    def _choose_mode(
+        self, data: st.DataObject, supports: bool, layout: KVCacheLayout
+    ) -> ServingMode:
         """The serving mode of this run, once its engine is built: the one drawn
-        (:meth:`_draw_mode`) as the engine gets it
-        (:meth:`properties.engines.under_test.EngineUnderTest.serving_mode`)."""
+        (:meth:`_draw_mode`) as the layout runs it (:func:`kvst.mode_for_layout`) and the
+        engine gets it (:meth:`properties.engines.under_test.EngineUnderTest.serving_mode`)."""
         type(self).stats.serving_calls |= supports
         drawn = self._draw_mode(data, supports)
         if drawn is None:
             return SYNC
-        mode = self.engine.serving_mode(drawn, supports)
+        mode = self.engine.serving_mode(kvst.mode_for_layout(drawn, layout), supports)
         note(f"serving mode: {mode.describe()}")
         return mode
 
@@ -164,6 +168,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         stats = type(self).stats
         try:
             record = self._guard(lambda: self.run.apply(op))
+        except KnownDivergenceMet as met:
+            # a documented engine behaviour met at run time: not an example
+            self.failed = True
+            stats.modes.setdefault(f"met {met.name}", [0, 0])[0] += 1
+            reject()
         except BaseException as exc:
             self.failed = True
             if isinstance(exc, Exception) and stats.first_failure is None:

@@ -64,7 +64,7 @@ from properties.core.engine import (
     SlotRequest,
     StepUpdate,
 )
-from properties.core.modes import SYNC, ServingMode
+from properties.core.modes import SYNC, ServingMode, proposed_drafts
 from properties.core.trace import Abort, Arrive, Operation, Preempt, ResetPrefixCache, Step
 from properties.runner.connector import Connector
 from reference.errors import KVConformError
@@ -152,17 +152,26 @@ class Drafts:
     tokens become 10 and 2 outputs are appended. With a Mamba group of one speculative
     block the same step proposes 1 draft."""
 
-    def __init__(self, engine: KVCacheEngine, layout: KVCacheLayout, num_draft_tokens: int):
+    def __init__(
+        self,
+        engine: KVCacheEngine,
+        layout: KVCacheLayout,
+        num_draft_tokens: int,
+        varying: bool = False,
+    ):
         self.engine = engine
         self.layout = layout
         limit = draft_token_limit(layout)
         #: ``k``, at most the speculative blocks of the Mamba groups (vLLM sizes them by
         #: the speculative token count)
         self.num_draft_tokens = num_draft_tokens if limit is None else min(num_draft_tokens, limit)
+        #: the proposer offers :func:`properties.core.modes.proposed_drafts` drafts, not ``k``
+        self.varying = varying
 
     def propose(self, state: RequestState, n: int, budget: int) -> int:
-        """Draft tokens a decode step of ``n == 1`` token adds: up to ``k``, never past the
-        request's last output, the budget or ``max_model_len``; announced as pending
+        """Draft tokens a decode step of ``n == 1`` token adds: the proposer's count (``k``,
+        or :func:`properties.core.modes.proposed_drafts` with ``varying``), never past
+        the request's last output, the budget or ``max_model_len``; announced as pending
         tokens (``set_in_flight(id, 0, drafts)``)."""
         decoding = state.num_computed_tokens == state.num_tokens - 1 and state.num_generated > 0
         if not decoding or n != 1:
@@ -172,7 +181,10 @@ class Drafts:
             budget - 1,
             self.layout.max_model_len - state.num_tokens,
         )
-        drafts = max(0, min(self.num_draft_tokens, room))
+        offered = self.num_draft_tokens
+        if self.varying:
+            offered = proposed_drafts(state.request_id, state.num_computed_tokens, offered)
+        drafts = max(0, min(offered, room))
         if drafts:
             self.engine.set_in_flight(state.request_id, 0, drafts)
         return drafts
@@ -400,7 +412,9 @@ class Scheduler(RequestQueues):
         self._check_parts(mode, connector)
         #: the drafts hook of speculative decoding (None: no drafts)
         self.drafts = (
-            Drafts(engine, layout, mode.num_draft_tokens) if mode.num_draft_tokens else None
+            Drafts(engine, layout, mode.num_draft_tokens, mode.varying_drafts)
+            if mode.num_draft_tokens
+            else None
         )
         self.num_steps = 0
         #: Running requests are allocated in batches when the engine plans steps.

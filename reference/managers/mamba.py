@@ -290,7 +290,9 @@ class MambaManager(SingleTypeKVCacheManager):
                 [],
             )
             retained = mask is None or mask[0]
-        if not checkpoint_kept(position, prompt_checkpoint, retained, request.shared_prefix_boundary):
+        if not checkpoint_kept(
+            position, prompt_checkpoint, retained, request.shared_prefix_boundary
+        ):
             self.block_pool.evict_blocks([block.block_id])
             return None
         if block.cache_key is not None and block.num_cached_tokens == position:

@@ -21,7 +21,7 @@ from reference.specs import MambaSpec
 
 #: Speculative block counts (vLLM: the speculative token count; 0 without drafts), the
 #: shrink target first; drafts on a Mamba layout are capped by it, so most are > 0.
-SPECULATIVE_BLOCKS: tuple[int, ...] = (0, MAX_DRAFT_TOKENS, 2, 1, 3)
+SPECULATIVE_BLOCKS: tuple[int, ...] = (MAX_DRAFT_TOKENS, 2, 0, 1, 3)
 
 
 @st.composite
@@ -32,15 +32,19 @@ def mamba_settings(draw, layout: KVCacheLayout) -> KVCacheLayout:
     count (:data:`SPECULATIVE_BLOCKS`, one for every Mamba group as vLLM's one cache
     config gives), and in ``"align"`` mode, half the time, one prefill checkpoint block
     with an alignment of 1 token or one Mamba block (the backends vLLM ships: Mamba2
-    exports at any token, GDN and KDA on their block grid). Mode ``"none"`` is drawn only
+    exports at any token, GDN and KDA on their block grid). The pool grows by the extra
+    blocks (speculative and checkpoint) of two requests. Mode ``"none"`` is drawn only
     where every other group's block size divides ``max_model_len``: its state lives in
     one block of ``max_model_len`` tokens, as vLLM sizes it."""
     if not any(isinstance(s, MambaSpec) for s in layout.specs):
         return layout
     mode = "align"
     mml = layout.max_model_len
-    if not layout.enable_caching and all(
-        mml % s.block_size == 0 for s in layout.specs if not isinstance(s, MambaSpec)
+    retention = layout.prefix_cache_retention_interval
+    if (
+        not layout.enable_caching
+        and all(mml % s.block_size == 0 for s in layout.specs if not isinstance(s, MambaSpec))
+        and (not retention or retention % mml == 0)
     ):
         mode = draw(st.sampled_from(("align", "none")), label="mamba cache mode")
     speculative = draw(st.sampled_from(SPECULATIVE_BLOCKS), label="speculative blocks")
@@ -62,4 +66,7 @@ def mamba_settings(draw, layout: KVCacheLayout) -> KVCacheLayout:
         dataclasses.replace(g, spec=settled(g.spec)) if isinstance(g.spec, MambaSpec) else g
         for g in layout.groups
     )
-    return dataclasses.replace(layout, groups=groups)
+    # the pool grows by what two requests' extra blocks take (it was drawn for plain
+    # Mamba groups): pool pressure stays what it was, requests still run
+    extra = (speculative + int(checkpoints)) * sum(isinstance(g.spec, MambaSpec) for g in groups)
+    return dataclasses.replace(layout, groups=groups, num_blocks=layout.num_blocks + 2 * extra)
