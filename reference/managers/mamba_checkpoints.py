@@ -139,4 +139,4 @@ def checkpoint_kept(
     the prompt), a state the retention interval keeps (``retained``), or the request's
     junction. Otherwise the block's keys are dropped. Example: position 8 of a 10-token
     prompt (its own checkpoint 8) -> kept under any retention."""
-    return position == prompt_checkpoint or retained or position == shared_prefix_boundary
+    return retained or position in (prompt_checkpoint, shared_prefix_boundary)
