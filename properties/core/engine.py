@@ -127,12 +127,12 @@ class UnsupportedLayoutError(EngineError):
 class KnownDivergenceMet(EngineError):
     """An adapter met one of its engine's known divergences in a call (one declared
     with ``at_run_time``: it depends on the calls, not on the layout). The example stops
-    there and is not counted (as a layout the engine refuses); ``name`` is the
-    divergence's. Example: vLLM's Mamba estimate below zero after a draft rollback."""
+    there and is not counted (as a layout the engine refuses); ``divergence`` is the
+    divergence's name. Example: vLLM's Mamba estimate below zero after a draft rollback."""
 
-    def __init__(self, name: str, message: str) -> None:
-        super().__init__(f"known divergence {name}: {message}")
-        self.name = name
+    def __init__(self, divergence: str, message: str) -> None:
+        super().__init__(f"known divergence {divergence}: {message}")
+        self.divergence = divergence
 
 
 @runtime_checkable

@@ -171,7 +171,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         except KnownDivergenceMet as met:
             # a documented engine behaviour met at run time: not an example
             self.failed = True
-            stats.modes.setdefault(f"met {met.name}", [0, 0])[0] += 1
+            stats.modes.setdefault(f"met {met.divergence}", [0, 0])[0] += 1
             reject()
         except BaseException as exc:
             self.failed = True
