@@ -10,6 +10,8 @@ freed unhashed block goes to the front of the queue.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from properties.core.engine import RequestInput
@@ -23,13 +25,17 @@ from reference.managers.mamba_checkpoints import (
 )
 from reference.specs import FullAttentionSpec, KVCacheSpec, MambaSpec
 
+#: builds an engine of a layout (the reference here; tests/properties/engines/
+#: test_vllm_mamba_modes.py runs the same checks on vLLM)
+Factory = Callable[[KVCacheLayout], object]
+
 
 def _layout(*specs: KVCacheSpec, num_blocks: int = 16, **kw) -> KVCacheLayout:
     groups = tuple(KVCacheGroup((f"l{i}",), s) for i, s in enumerate(specs))
     return KVCacheLayout(groups, num_blocks=num_blocks, **{"max_model_len": 64, **kw})
 
 
-def _cached(engine: ReferenceEngine) -> set[tuple[int, int, int]]:
+def _cached(engine) -> set[tuple[int, int, int]]:
     return {(c.block_id, c.group_id, c.num_tokens) for c in engine.cached_blocks()}
 
 
@@ -71,11 +77,13 @@ def test_draft_token_limit_is_the_speculative_block_count() -> None:
 # -- mode "none" ------------------------------------------------------------------------
 
 
-def test_none_mode_takes_the_state_and_speculative_blocks_at_once() -> None:
+def check_none_mode_takes_the_state_and_speculative_blocks_at_once(
+    make: Factory = ReferenceEngine,
+) -> None:
     # bs 32 = max_model_len, k 2: cdiv(10 + 2 * 32, 32) = 3 blocks on admission, then
     # nothing (the slots never pass 32 + 64); nothing is freed before (n - 1) // 32 = 0
     spec = MambaSpec(block_size=32, mamba_cache_mode="none", num_speculative_blocks=2)
-    eng = ReferenceEngine(_layout(spec, num_blocks=8, max_model_len=32, enable_caching=False))
+    eng = make(_layout(spec, num_blocks=8, max_model_len=32, enable_caching=False))
     eng.add_request(RequestInput("r", tuple(range(10))))
     assert eng.allocate_slots("r", 10) == ((1, 2, 3),)
     assert eng.last_allocation_estimate() == 3
@@ -93,11 +101,13 @@ def test_none_mode_takes_the_state_and_speculative_blocks_at_once() -> None:
 # -- "align" mode with speculative blocks ---------------------------------------------
 
 
-def test_speculative_blocks_are_relocated_when_the_state_passes_them() -> None:
+def check_speculative_blocks_are_relocated_when_the_state_passes_them(
+    make: Factory = ReferenceEngine,
+) -> None:
     # bs 4, k 2. Chunk [0, 8): required cdiv(8, 4) + 2 = 4: column 0 null, then the
     # state (1) and two speculative blocks (2, 3); estimate min(4, 1 + 2) = 3.
     spec = MambaSpec(block_size=4, num_speculative_blocks=2)
-    eng = ReferenceEngine(_layout(spec, enable_caching=False))
+    eng = make(_layout(spec, enable_caching=False))
     eng.add_request(RequestInput("r", tuple(range(24))))
     assert eng.allocate_slots("r", 8) == ((1, 2, 3),)
     assert eng.get_block_ids("r") == ((0, 1, 2, 3),)
@@ -118,10 +128,12 @@ def test_speculative_blocks_are_relocated_when_the_state_passes_them() -> None:
     assert eng.last_allocation_estimate() == 1
 
 
-def test_estimate_never_below_zero_after_a_draft_rollback() -> None:
+def check_estimate_never_below_zero_after_a_draft_rollback(
+    make: Factory = ReferenceEngine,
+) -> None:
     # bs 4, k 4, prompt 6: required 2 + 4 = 6: row (0, 1..5), estimate min(6, 1 + 4) = 5
     spec = MambaSpec(block_size=4, num_speculative_blocks=4)
-    eng = ReferenceEngine(_layout(spec, enable_caching=False))
+    eng = make(_layout(spec, enable_caching=False))
     eng.add_request(RequestInput("r", tuple(range(6))))
     assert eng.allocate_slots("r", 6) == ((1, 2, 3, 4, 5),)
     assert eng.last_allocation_estimate() == 5
@@ -165,14 +177,16 @@ def test_checkpoint_position_and_exportable_by_hand() -> None:
     assert not checkpoint_kept(4, 16, False, 0) and checkpoint_kept(4, 16, False, 4)
 
 
-def test_checkpoint_reserves_a_block_keyed_at_its_position() -> None:
+def check_checkpoint_reserves_a_block_keyed_at_its_position(
+    make: Factory = ReferenceEngine,
+) -> None:
     # full bs 8 + Mamba bs 4 (S 8, H 4), checkpoint blocks with alignment 1, one chunk
     # [0, 14): position (14 - 1) // 8 * 8 = 8, reserved column cdiv(14, 4) - 2 = 2.
     # Full takes blocks 1, 2; Mamba nulls columns 0, 1 and takes 3 (checkpoint) and 4
     # (state at 14): estimate 2 + min(4, 1 + 1) = 4. Caching rounds to 8 tokens: full
     # block 1; Mamba columns 0, 1 are null; the checkpoint block 3 is keyed at 8.
     ckpt = MambaSpec(block_size=4, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)
-    eng = ReferenceEngine(_layout(FullAttentionSpec(block_size=8), ckpt))
+    eng = make(_layout(FullAttentionSpec(block_size=8), ckpt))
     prompt = tuple(range(14))
     eng.add_request(RequestInput("r", prompt))
     hit = eng.get_computed_blocks("r")
@@ -187,8 +201,10 @@ def test_checkpoint_reserves_a_block_keyed_at_its_position() -> None:
     assert (hit.num_tokens, hit.block_ids) == (8, ((1,), (0, 3)))
 
 
-def test_without_checkpoint_blocks_the_same_chunk_caches_no_state() -> None:
-    eng = ReferenceEngine(_layout(FullAttentionSpec(block_size=8), MambaSpec(block_size=4)))
+def check_without_checkpoint_blocks_the_same_chunk_caches_no_state(
+    make: Factory = ReferenceEngine,
+) -> None:
+    eng = make(_layout(FullAttentionSpec(block_size=8), MambaSpec(block_size=4)))
     prompt = tuple(range(14))
     eng.add_request(RequestInput("r", prompt))
     assert eng.allocate_slots("r", 14, 0, eng.get_computed_blocks("r")) == ((1, 2), (3,))
@@ -211,11 +227,37 @@ def test_without_checkpoint_blocks_the_same_chunk_caches_no_state() -> None:
     ],
 )
 def test_checkpoint_outside_the_retention_is_not_kept(retention, cached) -> None:
+    check_checkpoint_outside_the_retention_is_not_kept(retention, cached)
+
+
+def check_checkpoint_outside_the_retention_is_not_kept(
+    retention, cached, make: Factory = ReferenceEngine
+) -> None:
     # Mamba bs 4 alone, checkpoints of alignment 1, a 20-token prompt, first chunk
     # [0, 8): position (8 - 1) // 4 * 4 = 4, column 0 reserved: row (1, 2), estimate 2
     ckpt = MambaSpec(block_size=4, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)
-    eng = ReferenceEngine(_layout(ckpt, prefix_cache_retention_interval=retention))
+    eng = make(_layout(ckpt, prefix_cache_retention_interval=retention))
     eng.add_request(RequestInput("r", tuple(range(20))))
     assert eng.allocate_slots("r", 8, 0, eng.get_computed_blocks("r")) == ((1, 2),)
     assert eng.last_allocation_estimate() == 2
     assert _cached(eng) == cached
+
+
+def test_none_mode_takes_the_state_and_speculative_blocks_at_once() -> None:
+    check_none_mode_takes_the_state_and_speculative_blocks_at_once()
+
+
+def test_speculative_blocks_are_relocated_when_the_state_passes_them() -> None:
+    check_speculative_blocks_are_relocated_when_the_state_passes_them()
+
+
+def test_estimate_never_below_zero_after_a_draft_rollback() -> None:
+    check_estimate_never_below_zero_after_a_draft_rollback()
+
+
+def test_checkpoint_reserves_a_block_keyed_at_its_position() -> None:
+    check_checkpoint_reserves_a_block_keyed_at_its_position()
+
+
+def test_without_checkpoint_blocks_the_same_chunk_caches_no_state() -> None:
+    check_without_checkpoint_blocks_the_same_chunk_caches_no_state()
