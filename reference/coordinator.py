@@ -18,7 +18,8 @@
   EAGLE: a spec group that drops looks ``bs`` tokens beyond the candidate (capped at
   the hashed tokens) and drops them, proving the block past the boundary exists; it
   drops at most once per candidate length (``verified``, cleared when a group without
-  the drop shrinks the candidate).
+  the drop shrinks the candidate). A Mamba spec group of the EAGLE groups looks no
+  further than the candidate (its hit never drops) but counts as verified.
 
   Worked example: full (bs 4) + SWA (w 5, bs 4), ``max 15``. Full hits 12 (3 blocks).
   SWA, asked for ``<= 12``, needs blocks 1 and 2 (``cdiv(4, 4) = 1``... one block
@@ -40,7 +41,7 @@ from reference.managers import SingleTypeKVCacheManager, manager_class_for
 from reference.managers.base import Block, BlockList
 from reference.managers.mamba import MambaManager
 from reference.request import Request
-from reference.specs import FullAttentionSpec, KVCacheSpec, cdiv
+from reference.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, cdiv
 
 
 @dataclass
@@ -322,7 +323,7 @@ def hybrid_cache_hit(
                 continue
             drop = sg.use_eagle and idx not in verified
             limit = candidate
-            if drop:
+            if drop and not isinstance(sg.spec, MambaSpec):  # a Mamba hit never drops
                 limit = min(candidate + sg.spec.block_size, hashed_tokens)
             found, new = find(sg, limit, drop)
             if drop:

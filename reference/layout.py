@@ -67,7 +67,8 @@ class KVCacheLayout:
     hand-built vLLM config), ``0`` sparse (vLLM's production default), ``k > 0`` one
     tail per ``k`` tokens plus the sparse ones.
     ``use_eagle``: EAGLE speculative decoding; a hit drops its last block in the
-    EAGLE groups (those flagged ``is_eagle_group``, or all when none is flagged),
+    EAGLE groups (those flagged ``is_eagle_group``, or all when none is flagged; a Mamba
+    group never drops, but its prefill checkpoints move one unit down),
     unless ``num_hash_lookahead_tokens > 0`` (lookahead hashes prove the boundary,
     so nothing is dropped).
     """
@@ -123,13 +124,10 @@ class KVCacheLayout:
                 "KVCacheLayout.num_hash_lookahead_tokens must be >= 0, got "
                 f"{self.num_hash_lookahead_tokens}"
             )
-        if self.use_eagle and any(
-            isinstance(s, (ChunkedLocalAttentionSpec, MambaSpec)) for s in self.specs
-        ):
+        if self.use_eagle and any(isinstance(s, ChunkedLocalAttentionSpec) for s in self.specs):
             raise InvalidLayoutError(
-                "KVCacheLayout.use_eagle with a chunked-local or Mamba group is out of scope "
-                "(vLLM turns the hybrid manager off with chunked local attention and EAGLE; "
-                "Mamba's EAGLE checkpoints are not modelled)"
+                "KVCacheLayout.use_eagle with a chunked-local group is out of scope "
+                "(vLLM turns the hybrid manager off with chunked local attention and EAGLE)"
             )
         _check_mamba_groups(self)
         if self.enable_caching and self.partial_hits_enabled:

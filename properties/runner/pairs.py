@@ -75,9 +75,7 @@ MODEL_EXCLUSIONS: Mapping[frozenset[str], str] = {
     frozenset({"async-loads", "mamba"}): "loaded Mamba states are not modelled",
     frozenset({"load-failures", "mamba"}): "loaded Mamba states are not modelled",
     frozenset({"eagle-drop", "chunked_local"}): "vLLM runs EAGLE without chunked groups",
-    frozenset({"eagle-drop", "mamba"}): "EAGLE is modelled without Mamba groups",
     frozenset({"lookahead-hashes", "chunked_local"}): "vLLM runs EAGLE without chunked groups",
-    frozenset({"lookahead-hashes", "mamba"}): "EAGLE is modelled without Mamba groups",
     frozenset({"eagle-drop", "lookahead-hashes"}): "lookahead hashes turn the EAGLE drop off",
     frozenset({"retention=sparse", "retention=interval"}): "a layout has one retention interval",
 }

@@ -254,13 +254,51 @@ class MambaManager(SingleTypeKVCacheManager):
         before = self.num_cached_block.get(request.request_id, 0)
         super().cache_blocks(request, num_tokens)
         after = self.num_cached_block.get(request.request_id, 0)
-        key = self._cache_checkpoint(request)
+        if request.request_id in self.checkpoints:
+            key = self._cache_checkpoint(request)
+        else:
+            key = self._cache_prompt_tail(request, num_tokens)
         if key is not None:
             self.cached_keys_this_step.add(key)
         blocks = self.blocks_of(request.request_id)
         for block in blocks[before:after]:
             if not block.is_null and block.cache_key is not None:
                 self.cached_keys_this_step.add(block.cache_key)
+
+    def _cache_prompt_tail(self, request: Request, num_tokens: int) -> bytes | None:
+        """A call caching exactly up to the prompt's own checkpoint at the hash grid
+        (:func:`reference.managers.mamba_checkpoints.checkpoint_position` of the prompt
+        over the hash block size) keys the state block of that boundary there, when the
+        retention mask left it out (a block keyed for fewer tokens is re-keyed); the new
+        key, else None. Example: lookahead hashes ``L = 2``, bs 4, sparse retention, a
+        9-token prompt: its replay boundary keeps the state at 8, but a chunk ending at
+        ``(9 - 2) // 4 * 4 = 4`` keys the state at 4 too."""
+        pool = self.block_pool
+        if num_tokens <= 0 or num_tokens % pool.hash_block_size:
+            return None
+        tail = checkpoint_position(
+            request.num_prompt_tokens,
+            pool.hash_block_size,
+            self.drop_eagle_checkpoint,
+            self.num_hash_lookahead_tokens,
+        )
+        blocks = self.blocks_of(request.request_id)
+        column = cdiv(num_tokens, self.block_size) - 1
+        if num_tokens != tail or column >= len(blocks) or blocks[column].is_null:
+            return None
+        block = blocks[column]
+        if block.cache_key is not None and block.num_cached_tokens >= num_tokens:
+            return None
+        if num_tokens % self.block_size:  # pragma: no cover - partial hits are refused
+            raise KVConformError(
+                f"Mamba group {self.group_id}: a prompt tail at {num_tokens} tokens inside "
+                "a block (partial hits) is not modelled"
+            )
+        pool.evict_blocks([block.block_id])
+        pool.cache_block(
+            block, request.block_hashes[tail // pool.hash_block_size - 1], self.group_id, num_tokens
+        )
+        return block.cache_key
 
     def _cache_checkpoint(self, request: Request) -> bytes | None:
         """Key the block reserved for the request's last checkpoint at the checkpoint
