@@ -130,3 +130,59 @@ def make_mamba_checkpoint_unkeyed(layout: KVCacheLayout) -> MutantEngine:
     return mutant_engine(
         "mamba_checkpoint_unkeyed", layout, managers={MambaManager: MambaCheckpointUnkeyed}
     )
+
+
+class MambaEagleLookPast(MambaManager):
+    """Under EAGLE, a Mamba lookup looks one block past the candidate, as the attention
+    groups do before their drop (but a Mamba hit never drops): the hit outgrows the
+    other groups' agreed length."""
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        pool,
+        spec,
+        alignment: int,
+        drop_eagle: bool = False,
+    ) -> tuple[list[BlockList], int]:
+        if drop_eagle:
+            hashed = len(block_hashes) * pool.hash_block_size
+            max_length = min(max_length + spec.block_size, hashed)  # BUG: looks past
+        return super().find_longest_cache_hit(
+            block_hashes, max_length, group_ids, pool, spec, alignment, drop_eagle
+        )
+
+
+@REGISTRY.mutant(
+    "exact",
+    ["exact_match"],
+    "under EAGLE a Mamba lookup looks one block past the candidate (it never drops)",
+    "production",
+)
+def make_mamba_eagle_look_past(layout: KVCacheLayout) -> MutantEngine:
+    return mutant_engine(
+        "mamba_eagle_look_past", layout, managers={MambaManager: MambaEagleLookPast}
+    )
+
+
+class MambaPromptTailUnkeyed(MambaManager):
+    """Never keys the prompt's own checkpoint on the hash grid when the retention mask
+    left its state out."""
+
+    def _cache_prompt_tail(self, request: Request, num_tokens: int) -> bytes | None:
+        return None  # BUG: the prompt tail's state is never registered
+
+
+@REGISTRY.mutant(
+    "exact",
+    ["exact_match"],
+    "a Mamba prompt tail on the hash grid that retention left out is never keyed",
+    "production",
+)
+def make_mamba_prompt_tail_unkeyed(layout: KVCacheLayout) -> MutantEngine:
+    return mutant_engine(
+        "mamba_prompt_tail_unkeyed", layout, managers={MambaManager: MambaPromptTailUnkeyed}
+    )

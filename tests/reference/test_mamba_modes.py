@@ -261,3 +261,60 @@ def test_checkpoint_reserves_a_block_keyed_at_its_position() -> None:
 
 def test_without_checkpoint_blocks_the_same_chunk_caches_no_state() -> None:
     check_without_checkpoint_blocks_the_same_chunk_caches_no_state()
+
+
+# -- EAGLE with a Mamba group -----------------------------------------------------------
+
+
+def check_eagle_hit_with_a_mamba_group(make: Factory = ReferenceEngine) -> None:
+    """Full bs 4 + Mamba bs 4, EAGLE on both groups (none flagged). A writer computes 12
+    tokens in chunks [0, 8) and [8, 12): full blocks 1, 2, 4 cached at 4, 8, 12; Mamba
+    states 3 (at 8) and 5 (at 12); freed (hashed: to the back). A reader of those 12
+    tokens and 4 more (lookup bound 15): full looks up to min(15 + 4, 16) = 16, finds 12
+    and drops one block: 8; Mamba looks no further than 8 (its hit never drops): the state
+    at 8 (block 3). Hit 8, rows (1, 2) and (0, 3) (with a look past 8, Mamba would find
+    the state at 12 and the hit would outgrow the full group's)."""
+    eng = make(
+        _layout(FullAttentionSpec(block_size=4), MambaSpec(block_size=4), use_eagle=True)
+    )
+    prompt = tuple(range(12))
+    eng.add_request(RequestInput("w", prompt))
+    assert eng.allocate_slots("w", 8, 0, eng.get_computed_blocks("w")) == ((1, 2), (3,))
+    eng.set_num_computed_tokens("w", 8)
+    eng.new_step()
+    assert eng.allocate_slots("w", 4) == ((4,), (5,))
+    eng.set_num_computed_tokens("w", 12)
+    assert _cached(eng) == {(1, 0, 4), (2, 0, 8), (4, 0, 12), (3, 1, 8), (5, 1, 12)}
+    eng.free("w")
+    eng.new_step()
+    eng.add_request(RequestInput("r", prompt + (50, 51, 52, 53)))
+    hit = eng.get_computed_blocks("r")
+    assert (hit.num_tokens, hit.block_ids) == (8, ((1, 2), (0, 3)))
+
+
+def check_prompt_tail_keyed_at_the_hash_grid(make: Factory = ReferenceEngine) -> None:
+    """Full attention and Mamba of bs 4, sparse retention, lookahead hashes L 2 (EAGLE
+    without the drop), a 9-token prompt: one hash ((0 + 1) * 4 + 2 <= 9; block 1 would
+    need 10 tokens). The chunk [0, 4) caches 4 tokens (full block 1); for Mamba the
+    replay boundary (9 - 1 = 8) keeps only the state at 8, but the prompt's own
+    checkpoint on the hash grid is (9 - 2) // 4 * 4 = 4: the state block 2 (at 4) is
+    keyed there."""
+    layout = _layout(
+        FullAttentionSpec(block_size=4),
+        MambaSpec(block_size=4),
+        prefix_cache_retention_interval=0,
+        use_eagle=True,
+        num_hash_lookahead_tokens=2,
+    )
+    eng = make(layout)
+    eng.add_request(RequestInput("r", tuple(range(9))))
+    assert eng.allocate_slots("r", 4, 0, eng.get_computed_blocks("r")) == ((1,), (2,))
+    assert _cached(eng) == {(1, 0, 4), (2, 1, 4)}
+
+
+def test_eagle_hit_with_a_mamba_group() -> None:
+    check_eagle_hit_with_a_mamba_group()
+
+
+def test_prompt_tail_keyed_at_the_hash_grid() -> None:
+    check_prompt_tail_keyed_at_the_hash_grid()

@@ -557,6 +557,8 @@ def test_mamba_none_mode_speculative_relocation_and_checkpoints_as_computed_by_h
         None, {(1, 0, 4), (2, 0, 8)}, _vllm_factory
     )
     vectors.check_checkpoint_outside_the_retention_is_not_kept(8, {(2, 0, 8)}, _vllm_factory)
+    vectors.check_eagle_hit_with_a_mamba_group(_vllm_factory)
+    vectors.check_prompt_tail_keyed_at_the_hash_grid(_vllm_factory)
 
 
 def test_negative_mamba_estimate_after_a_rollback_is_met_at_run_time():
