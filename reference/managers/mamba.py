@@ -44,8 +44,12 @@ the state is only written when the step runs.
 
 Which states are registered: :func:`reference.retention.mamba_block_mask` (every one
 under dense retention; under sparse retention only the state on the prompt's replay
-boundary and on a shared-prefix junction), and a kept checkpoint under the chained
-hash at its position.
+boundary and on a shared-prefix junction), a kept checkpoint under the chained hash at
+its position, and the prompt's own checkpoint on the hash grid when a call caches exactly
+up to it (with lookahead hashes or the EAGLE drop it may lie below the replay boundary).
+
+EAGLE: a Mamba hit never drops its last state (the coordinator does not look past the
+candidate for it); the drop moves its checkpoints one unit down.
 """
 
 from __future__ import annotations
