@@ -7,8 +7,7 @@ blocks, a decode with 4 drafts grows the row to ``cdiv(11, 4) + 4 = 7`` columns;
 rejected and the next step schedules one token: ``cdiv(8, 4) + 4 = 6 < 7``. The
 reference estimates 0 blocks and takes none; the mutant estimates -1 and takes none:
 ``estimate_matches_pulls`` (or the estimate's answer check, below zero) reports it. The
-small tier's requests rarely decode long enough for that; the offline tier's do (its ci
-examples catch it).
+ci streams rarely draw that rollback (``CI_ESCAPES``); a hand-written trace catches it.
 """
 
 from __future__ import annotations
@@ -64,7 +63,6 @@ class MambaNegativeEstimate(MambaManager):
     ["estimate_matches_pulls", "not a block count >= 0"],
     "a Mamba group's estimate goes below zero after a draft rollback (vLLM 0.33's rule)",
     "production",
-    "offline",
 )
 def make_mamba_negative_estimate(layout: KVCacheLayout) -> MutantEngine:
     return mutant_engine(

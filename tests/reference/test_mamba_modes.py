@@ -274,9 +274,7 @@ def check_eagle_hit_with_a_mamba_group(make: Factory = ReferenceEngine) -> None:
     and drops one block: 8; Mamba looks no further than 8 (its hit never drops): the state
     at 8 (block 3). Hit 8, rows (1, 2) and (0, 3) (with a look past 8, Mamba would find
     the state at 12 and the hit would outgrow the full group's)."""
-    eng = make(
-        _layout(FullAttentionSpec(block_size=4), MambaSpec(block_size=4), use_eagle=True)
-    )
+    eng = make(_layout(FullAttentionSpec(block_size=4), MambaSpec(block_size=4), use_eagle=True))
     prompt = tuple(range(12))
     eng.add_request(RequestInput("w", prompt))
     assert eng.allocate_slots("w", 8, 0, eng.get_computed_blocks("w")) == ((1, 2), (3,))
