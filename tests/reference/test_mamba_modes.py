@@ -316,3 +316,16 @@ def test_eagle_hit_with_a_mamba_group() -> None:
 
 def test_prompt_tail_keyed_at_the_hash_grid() -> None:
     check_prompt_tail_keyed_at_the_hash_grid()
+
+
+def test_describe_names_the_mamba_settings_other_than_the_defaults() -> None:
+    spec = MambaSpec(
+        block_size=4,
+        num_speculative_blocks=2,
+        num_prefill_checkpoint_blocks=1,
+        prefill_checkpoint_alignment=1,
+    )
+    assert "g0:mamba(bs=4 spec=2 ckpt=1/1)" in _layout(spec).describe()
+    none = MambaSpec(block_size=64, mamba_cache_mode="none")
+    assert "g0:mamba(bs=64 mode=none)" in _layout(none, enable_caching=False).describe()
+    assert "g0:mamba(bs=4) " in _layout(MambaSpec(block_size=4)).describe()
