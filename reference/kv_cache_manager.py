@@ -279,10 +279,13 @@ class KVCacheManager(ManagerBookkeeping):
         self._known.add(rid)
         self._holders[rid] = request
         total = min(local + num_external_computed_tokens, self.max_model_len)
+        # where the prefill ends (a resumed request replays its outputs): Mamba's
+        # prefill checkpoints under sparse retention are taken on the chunk reaching it
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if full_sequence_must_fit:
             whole = min(request.num_tokens, self.max_model_len)
             need = self.coordinator.get_num_blocks_to_allocate(
-                rid, whole, hits, total, whole, apply_admission_cap=True
+                rid, whole, hits, total, whole, apply_admission_cap=True, prefill_end=prefill_end
             )
             if need > self.block_pool.get_num_free_blocks():
                 return None
@@ -290,7 +293,9 @@ class KVCacheManager(ManagerBookkeeping):
         slots = min(main + num_lookahead_tokens, self.max_model_len)
 
         self.coordinator.remove_skipped_blocks(rid, max(0, total - request.num_in_flight_tokens))
-        need = self.coordinator.get_num_blocks_to_allocate(rid, slots, hits, total, main)
+        need = self.coordinator.get_num_blocks_to_allocate(
+            rid, slots, hits, total, main, prefill_end=prefill_end
+        )
         self.last_num_blocks_to_allocate = need
         if need > self.block_pool.get_num_free_blocks():
             return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from properties.checks.mamba_states import settle_copy, step_state_writes
 from properties.checks.oracles import OVERWRITTEN
 from properties.checks.registry import (
     CHECKS,
@@ -197,11 +198,25 @@ class Checker:
         spec = self.state.layout.groups[gid].spec
         bs = spec.block_size
         if isinstance(spec, MambaSpec):
-            if end > 0 and cdiv(end, bs) <= len(row):
-                prefix = req.ids[end - 1] if end - 1 < len(req.ids) else -1
+            drafts = req.num_drafts
+            layout = self.state.layout
+            for w in step_state_writes(layout, spec, row, start, end, drafts):
+                prefix = req.ids[w.position - 1] if w.position - 1 < len(req.ids) else -1
                 self.state.pending_states.setdefault(req.request_id, []).append(
-                    (gid, row[cdiv(end, bs) - 1], prefix, end)
+                    (gid, w.block, prefix, w.position)
                 )
+            if drafts:
+                req.draft_rows[gid] = (tuple(row), end - drafts, cdiv(end, bs) - 1)
+                copies = self.state.pending_copies.setdefault(req.request_id, [])
+                for accepted in range(drafts + 1):
+                    copy = settle_copy(spec, row, end - drafts, end - drafts + accepted)
+                    if copy is not None:
+                        p = copy.position
+                        prefix = req.ids[p - 1] if p - 1 < len(req.ids) else -1
+                        copies.append((gid, copy.block, prefix, p))
+            else:
+                req.draft_rows.pop(gid, None)
+                req.mamba_running.pop(gid, None)
             return
         for p in range(start, min(end, len(row) * bs)):
             if p < len(req.ids):
@@ -238,10 +253,16 @@ class Checker:
                     out.add((gid, i, row[i]))
         return frozenset(out)
 
-    def on_in_flight(self, request_id: str, num_in_flight_tokens: int) -> None:
+    def on_in_flight(
+        self, request_id: str, num_in_flight_tokens: int, num_pending_tokens: int = 0
+    ) -> None:
         """Asynchronous scheduling: a planned step's tokens join the flight (they read
         what the request's last allocation gave them), processed steps leave it
-        (oldest first)."""
+        (oldest first). Pending tokens with none in flight are a synchronous step's
+        drafts (the Mamba states they write, :mod:`properties.checks.mamba_states`)."""
+        req = self.state.requests.get(request_id)
+        if req is not None:
+            req.num_drafts = num_pending_tokens if num_in_flight_tokens == 0 else 0
         chunks = self.state.in_flight_reads.setdefault(request_id, [])
         total = sum(n for n, _ in chunks)
         if num_in_flight_tokens > total:
@@ -267,14 +288,43 @@ class Checker:
                 else:
                     self.state.shadow.write(w[0], w[1], w[2], OVERWRITTEN)
             self.deferred_writes[request_id] = kept
+        self.state.pending_copies.pop(request_id, None)
         for gid, block, _, end in self.state.pending_states.pop(request_id, ()):
             if num_computed_tokens > 0:
-                if end - 1 < len(req.ids):
-                    self.state.shadow.write(gid, block, -1, req.ids[end - 1])
+                if end > num_computed_tokens:  # a rejected draft's state
+                    self.state.shadow.write(gid, block, -1, OVERWRITTEN)
                 else:
-                    self.deferred_writes.setdefault(request_id, []).append(
-                        (gid, block, -1, end - 1)
-                    )
+                    self._write_state(req, gid, block, end)
+        self._settle_drafts(req, num_computed_tokens)
+
+    def _write_state(self, req: TrackedRequest, gid: int, block: int, position: int) -> None:
+        """``block`` of group ``gid`` holds the request's state at ``position`` tokens (a
+        token not appended yet: once it is, :meth:`on_append`)."""
+        if position - 1 < len(req.ids):
+            self.state.shadow.write(gid, block, -1, req.ids[position - 1])
+        else:
+            self.deferred_writes.setdefault(req.request_id, []).append(
+                (gid, block, -1, position - 1)
+            )
+
+    def _settle_drafts(self, req: TrackedRequest, num_computed_tokens: int) -> None:
+        """A Mamba group's draft step settled: the accepted draft's column holds the
+        running state, and the boundary passed gets its state copied
+        (:func:`properties.checks.mamba_states.settle_copy`); a preemption forgets both."""
+        if num_computed_tokens == 0:
+            req.draft_rows.clear()
+            req.mamba_running.clear()
+            return
+        for gid, (row, running_end, column) in req.draft_rows.items():
+            spec = self.state.layout.groups[gid].spec
+            assert isinstance(spec, MambaSpec)
+            at = column + num_computed_tokens - running_end
+            if running_end <= num_computed_tokens and at < len(row) and row[at] != 0:
+                req.mamba_running[gid] = row[at]
+            copy = settle_copy(spec, row, running_end, num_computed_tokens)
+            if copy is not None and self._shadowed:
+                self._write_state(req, gid, copy.block, copy.position)
+        req.draft_rows.clear()
 
     def on_append(self, request_id: str, token_ids: Sequence[int]) -> None:
         req = self.state.requests[request_id]
@@ -293,6 +343,10 @@ class Checker:
 
     def on_free(self, request_id: str) -> None:
         self.deferred_writes.pop(request_id, None)
+        req = self.state.requests.get(request_id)
+        if req is not None:
+            req.draft_rows.clear()
+            req.mamba_running.clear()
         self._run("free", FreeEvent(request_id))
         self.state.requests[request_id].holds_blocks = False
         self.check_pool()

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from properties.checks.oracles import (
     brute_force_longest_hit,
     content_bound_longest_hit,
+    describe_content,
     missing_context,
 )
 from properties.checks.state import (
@@ -34,7 +35,7 @@ from properties.checks.state import (
 )
 from properties.core.diff import short
 from reference.attention import first_visible_key
-from reference.specs import MambaSpec, cdiv
+from reference.specs import KVCacheSpec, MambaSpec, cdiv
 
 # ---------------------------------------------------------------------------
 # Lookups (H1-H5)
@@ -79,14 +80,13 @@ def _state_pending(state: CheckState, gid: int, table, ids, length: int) -> bool
         return False
     return any(
         g == gid and b == table[col] and prefix == ids[length - 1]
-        for writes in state.pending_states.values()
-        for g, b, prefix, _ in writes
+        for g, b, prefix, _ in state.pending_writes()
     )
 
 
 def _states_being_replaced(state: CheckState) -> set[tuple[int, int]]:
     """The ``(group, block)`` of the Mamba blocks that this step's run overwrites with
-    another state than the one the shadow shows (:attr:`CheckState.pending_states`: a
+    another state than the one the shadow shows (:meth:`CheckState.pending_writes`: a
     state is written when the step runs, not at allocation). Until then the shadow still
     holds the old state, but the engine has already taken the block for its new owner
     (evicting the old key, registering the new one), so the old state is not servable.
@@ -95,8 +95,7 @@ def _states_being_replaced(state: CheckState) -> set[tuple[int, int]]:
     ``[3]``, and it is in this set."""
     return {
         (gid, block)
-        for writes in state.pending_states.values()
-        for gid, block, prefix, _ in writes
+        for gid, block, prefix, _ in state.pending_writes()
         if not state.shadow.holds(gid, block, -1, prefix)
     }
 
@@ -187,6 +186,22 @@ def _write_columns(state: CheckState, event: GroupWriteEvent) -> list[int]:
     return sorted({p // bs for p in range(event.start, event.end)})
 
 
+def _mamba_resume(state: CheckState, req, gid: int, row, start: int) -> str | None:
+    """Why a Mamba group cannot resume ``req`` at ``start``: after a draft step its state
+    is in the accepted draft's block (``req.mamba_running``), which must still be in the
+    row and hold that state; otherwise the state column ``cdiv(start, bs) - 1``
+    (:func:`properties.checks.oracles.missing_context`)."""
+    block = req.mamba_running.get(gid)
+    if block is None:
+        return missing_context(state.layout, state.shadow, gid, row, req.ids, 0, start)
+    if block not in row:
+        return f"its state block {block} (after a draft step) left the row {short(list(row))}"
+    if not state.shadow.holds(gid, block, -1, req.ids[start - 1]):
+        got = describe_content(state.shadow.read(gid, block, -1), gid, req.ids)
+        return f"its state block {block} (after a draft step) holds {got}"
+    return None
+
+
 def window_liveness(state: CheckState, event: GroupWriteEvent) -> str | None:
     """W3: every key a scheduled token reads sits in a real block holding that very
     token (a Mamba group resumes from the state of exactly its prefix), and every
@@ -196,7 +211,7 @@ def window_liveness(state: CheckState, event: GroupWriteEvent) -> str | None:
     rid = req.request_id
     if isinstance(spec, MambaSpec):
         if event.start > 0:
-            why = missing_context(state.layout, state.shadow, gid, row, req.ids, 0, event.start)
+            why = _mamba_resume(state, req, gid, row, event.start)
             if why is not None:
                 return f"request {rid!r} resumes at {event.start} in group {gid} (mamba): {why}"
     else:
@@ -318,16 +333,23 @@ def pulled_blocks(state: CheckState, event: AllocateEvent) -> list[tuple[int, in
     request holds that block (then the hit is shared and leaves no free-queue slot).
 
     A block the call freed below a window and took again at a later index counts: it
-    went through the free pool. Example (full attention, bs 4, fresh request): hit
-    ``(7,)`` on block 7 that nobody holds, table after ``(7, 3, 9)``: pulled ``[(0, 0,
-    7), (0, 1, 3), (0, 2, 9)]``; if request ``b`` holds block 7, ``(0, 0, 7)`` is not.
+    went through the free pool. A Mamba group's speculative blocks (the last ``k`` of its
+    row before) that the call relocates to the end of the row do not: they never leave
+    the request (the call frees no speculative column). Example (full attention, bs 4,
+    fresh request): hit ``(7,)`` on block 7 that nobody holds, table after ``(7, 3, 9)``:
+    pulled ``[(0, 0, 7), (0, 1, 3), (0, 2, 9)]``; if request ``b`` holds block 7, ``(0,
+    0, 7)`` is not. Mamba with ``k = 2``, row ``[0, s, x, y]`` -> ``[0, s, 0, 0, x, y,
+    n]``: only ``n`` is pulled.
     """
     before = event.tables_before or ()
     candidates = []
     for gid, row in enumerate(event.table):
         old = before[gid] if gid < len(before) else ()
+        spec = state.layout.groups[gid].spec
+        k = spec.num_speculative_blocks if isinstance(spec, MambaSpec) else 0
+        relocated = set(old[len(old) - k :]) if k else set()
         for i, b in enumerate(row):
-            if b != 0 and (i >= len(old) or old[i] != b):
+            if b != 0 and (i >= len(old) or old[i] != b) and b not in relocated:
                 candidates.append((gid, i, b))
     if not candidates:
         return []
@@ -384,8 +406,9 @@ def _lists(table) -> object:
 
 def table_covers_slots(state: CheckState, event: AllocateEvent) -> str | None:
     """A5, no stray blocks: after a successful ``allocate_slots`` every group's row has
-    exactly ``max(len(row before), cdiv(slots, bs))`` entries (Mamba: ``cdiv(main, bs)``,
-    lookahead excluded), where ``slots = computed + hit + external + new + lookahead``,
+    exactly ``max(len(row before), cdiv(slots, bs))`` entries (an ``"align"`` Mamba group:
+    ``cdiv(main, bs)``, lookahead excluded; a Mamba group's ``k`` speculative blocks are
+    added in either mode), where ``slots = computed + hit + external + new + lookahead``,
     capped at ``max_model_len`` or not: vLLM caps the slots there, an engine may also give
     lookahead slots past it (SGLang does); nothing beyond the uncapped count. So a request
     never holds blocks past the highest slot it ever asked for, and the slots of rejected
@@ -403,11 +426,15 @@ def table_covers_slots(state: CheckState, event: AllocateEvent) -> str | None:
         spec = state.layout.groups[gid].spec
         bs = spec.block_size
         old = len(before[gid]) if gid < len(before) else 0
-        if isinstance(spec, MambaSpec):
+        extra = 0
+        if isinstance(spec, MambaSpec) and spec.is_align:
             low = high = event.num_main
+            extra = spec.num_speculative_blocks
         else:
             low, high = min(event.num_slots, event.max_model_len), event.num_slots
-        least, most = max(old, cdiv(low, bs)), max(old, cdiv(high, bs))
+            if isinstance(spec, MambaSpec):
+                extra = spec.num_speculative_blocks
+        least, most = max(old, cdiv(low, bs) + extra), max(old, cdiv(high, bs) + extra)
         if not least <= len(row) <= most:
             want = f"{least}" if least == most else f"{least} to {most}"
             return (
@@ -444,6 +471,14 @@ def failed_allocation(state: CheckState, event: FailedAllocationEvent) -> str | 
     return None
 
 
+def most_row_blocks(spec: KVCacheSpec, slots: int) -> int:
+    """The longest row a group may need for ``slots`` slots: ``cdiv(slots, bs)``, plus a
+    Mamba group's ``k`` speculative blocks. Example: Mamba bs 4 with 2 speculative
+    blocks, 9 slots -> 5."""
+    extra = spec.num_speculative_blocks if isinstance(spec, MambaSpec) else 0
+    return cdiv(slots, spec.block_size) + extra
+
+
 def allocation_fits(state: CheckState, event: FailedAllocationEvent) -> str | None:
     """A2: an allocation without a prefix hit whose blocks fit in the free count does
     not fail. A group needs at most ``cdiv(slots, bs) - len(row)`` new blocks for
@@ -458,7 +493,7 @@ def allocation_fits(state: CheckState, event: FailedAllocationEvent) -> str | No
         return None  # adopting a hit may cost more (evictable blocks; Mamba same step)
     rows = event.tables_before or tuple(() for _ in state.layout.groups)
     need = sum(
-        max(0, cdiv(event.num_slots, g.spec.block_size) - len(row))
+        max(0, most_row_blocks(g.spec, event.num_slots) - len(row))
         for g, row in zip(state.layout.groups, rows)
     )
     free = event.before[0]
@@ -737,7 +772,7 @@ def allocation_fits_per_pool(state: CheckState, event: FailedAllocationEvent) ->
     needs = []
     for pool in state.pools():
         need = sum(
-            max(0, cdiv(slots, state.layout.groups[g].spec.block_size) - len(rows[g]))
+            max(0, most_row_blocks(state.layout.groups[g].spec, slots) - len(rows[g]))
             for g in pool.group_ids
         )
         if need > free.get(pool.name, 0):

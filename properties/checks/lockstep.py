@@ -260,7 +260,7 @@ class LockstepEngine(EngineProxy):
         )
         if self.reference is not None:
             self.reference.set_in_flight(request_id, num_in_flight_tokens, num_pending_tokens)
-        self.checker.on_in_flight(request_id, num_in_flight_tokens)
+        self.checker.on_in_flight(request_id, num_in_flight_tokens, num_pending_tokens)
 
     def cache_blocks(self, request_id: str, num_tokens: int) -> None:
         what = f"cache_blocks({request_id!r}, {num_tokens})"

@@ -47,6 +47,15 @@ class TrackedRequest:
     num_computed_tokens: int = 0
     holds_blocks: bool = False
     ids: list[int] = field(default_factory=list)
+    #: draft tokens of the step being scheduled (synchronous drafts: tokens pending with
+    #: none in flight, ``set_in_flight(id, 0, d)``)
+    num_drafts: int = 0
+    #: Mamba group -> (its row, the running state's end, the running column) of a draft
+    #: step not settled yet (:mod:`properties.checks.mamba_states`)
+    draft_rows: dict[int, tuple[tuple[int, ...], int, int]] = field(default_factory=dict)
+    #: Mamba group -> the block holding the request's state after a draft step (an
+    #: accepted draft's column), until its next step without drafts
+    mamba_running: dict[int, int] = field(default_factory=dict)
 
     def refresh_ids(self) -> None:
         """Extend ``ids`` over tokens appended since (decodes add one token a step)."""
@@ -73,6 +82,10 @@ class CheckState:
         #: request id -> Mamba states its step will write: (group, block, prefix id or
         #: -1 while the last token is not known yet, end position).
         self.pending_states: dict[str, list[tuple[int, int, int, int]]] = {}
+        #: request id -> Mamba states a draft step may copy to a block boundary once its
+        #: drafts are judged (one per possible acceptance; same form): written by the
+        #: settle, pending for the checks until then
+        self.pending_copies: dict[str, list[tuple[int, int, int, int]]] = {}
         #: request id -> its steps still in flight (asynchronous scheduling), oldest
         #: first: (tokens, the (group, index, block) entries of its table they read).
         self.in_flight_reads: dict[str, list[tuple[int, frozenset[tuple[int, int, int]]]]] = {}
@@ -203,6 +216,13 @@ class CheckState:
             if rid != other_than and tracked is not None and tracked.holds_blocks:
                 return rid
         return None
+
+    def pending_writes(self) -> Iterator[tuple[int, int, int, int]]:
+        """Every Mamba state write not done yet (:attr:`pending_states` and
+        :attr:`pending_copies`), as ``(group, block, prefix id or -1, position)``."""
+        for pending in (self.pending_states, self.pending_copies):
+            for writes in pending.values():
+                yield from writes
 
     def forget(self, request_id: str) -> None:
         """The request is gone: out of the table reads and the index."""

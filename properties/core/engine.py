@@ -124,6 +124,17 @@ class UnsupportedLayoutError(EngineError):
     """
 
 
+class KnownDivergenceMet(EngineError):
+    """An adapter met one of its engine's known divergences in a call (one declared
+    with ``at_run_time``: it depends on the calls, not on the layout). The example stops
+    there and is not counted (as a layout the engine refuses); ``divergence`` is the
+    divergence's name. Example: vLLM's Mamba estimate below zero after a draft rollback."""
+
+    def __init__(self, divergence: str, message: str) -> None:
+        super().__init__(f"known divergence {divergence}: {message}")
+        self.divergence = divergence
+
+
 @runtime_checkable
 class KVCacheEngine(Protocol):
     """The calls every engine under test implements (see the module docstring)."""
@@ -394,6 +405,11 @@ class KnownDivergence:
     default synchronous mode instead (the predicate must be false for it). Example: a
     leak under asynchronous scheduling with Mamba groups: ``applies=has_mamba,
     modes=lambda mode: mode.async_scheduling, features=("async", "mamba")``.
+
+    One that depends on the calls rather than the layout is declared ``at_run_time``
+    (its ``applies`` is false for every layout): the adapter detects it in the call
+    where it happens and raises :class:`KnownDivergenceMet`, which stops that example
+    uncounted.
     """
 
     name: str
@@ -402,6 +418,7 @@ class KnownDivergence:
     applies: Callable[[KVCacheLayout], bool]
     features: tuple[str, ...] = ()
     modes: Callable[[Any], bool] | None = None
+    at_run_time: bool = False
 
     def applies_to(self, layout: KVCacheLayout, mode: Any = None) -> bool:
         """Whether the divergence applies to a run of ``layout`` in serving ``mode``

@@ -16,7 +16,8 @@ How our layout maps to vLLM objects
   ``num_kv_heads``, ``head_size``, ``page_size_padded``, and ``dtype`` chosen by
   ``dtype_bytes`` (1: uint8, 2: float16, 4: float32, 8: float64), so vLLM's page size
   equals ours. ``MambaSpec(shapes, dtypes=(dtype,) * len(shapes), page_size_padded,
-  mamba_cache_mode="align")`` (no speculative or prefill-checkpoint blocks).
+  mamba_cache_mode, num_speculative_blocks, num_prefill_checkpoint_blocks,
+  prefill_checkpoint_alignment)`` (our fields, same names).
 * ``KVCacheManager(config, max_model_len, scheduler_block_size=layout.scheduler_block_size,
   hash_block_size=layout.hash_block_size, max_in_flight_tokens=layout.max_in_flight_tokens,
   enable_caching=layout.enable_caching, log_stats=on, enable_kv_cache_events=on)`` with
@@ -92,6 +93,7 @@ from properties.core.engine import (
     CacheHit,
     EngineError,
     KnownDivergence,
+    KnownDivergenceMet,
     RequestInput,
     UnsupportedLayoutError,
     quiet_loggers,
@@ -130,6 +132,8 @@ def call_engine(
     """
     try:
         return fn(*call_args, **kwargs)
+    except KnownDivergenceMet:
+        raise
     except Exception as exc:  # every engine failure is reported, never swallowed
         raise EngineError(
             f"{label}: {name}({_fmt_args(args)}) raised {type(exc).__name__}: {exc}"
@@ -241,7 +245,10 @@ def to_vllm_spec(v: _VLLM, spec: KVCacheSpec) -> Any:
             shapes=tuple(spec.shapes),
             dtypes=(dtype,) * len(spec.shapes),
             page_size_padded=spec.page_size_padded,
-            mamba_cache_mode="align",
+            mamba_cache_mode=spec.mamba_cache_mode,
+            num_speculative_blocks=spec.num_speculative_blocks,
+            num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
+            prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment,
         )
     common: dict[str, Any] = {}
     if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)):
@@ -397,6 +404,10 @@ class VLLMEngine:
             return need
 
         coordinator.get_num_blocks_to_allocate = recording
+        for gid, manager in enumerate(coordinator.single_type_managers):
+            spec = self.layout.groups[gid].spec
+            if isinstance(spec, MambaSpec) and spec.is_align and spec.num_speculative_blocks:
+                _stop_at_negative_estimate(manager, gid)
 
     # -- helpers -------------------------------------------------------------
     def _request(self, request_id: str) -> Any:
@@ -802,6 +813,31 @@ class VLLMEngine:
         return out
 
 
+#: The known divergence of a Mamba group's estimate below zero (met at run time).
+NEGATIVE_MAMBA_ESTIMATE = "vllm-mamba-negative-estimate-after-rollback"
+
+
+def _stop_at_negative_estimate(manager: Any, group_id: int) -> None:
+    """Wrap this Mamba manager's ``get_num_blocks_to_allocate`` (on the instance only) to
+    raise :class:`KnownDivergenceMet` when it returns fewer than 0 blocks: vLLM 0.33's
+    align-mode estimate after a step scheduled fewer tokens than the last one (a rejected
+    draft's columns are still held), which the coordinator adds to the other groups' needs
+    (``findings/vllm/mamba-negative-estimate-after-rollback.md``). Example: k 4, bs 4, a
+    draft step to 11 tokens then a step to 8 -> -1: the example stops."""
+    estimate = manager.get_num_blocks_to_allocate
+
+    def checked(request_id: str, *args: Any, **kwargs: Any) -> Any:
+        need = estimate(request_id, *args, **kwargs)
+        if need < 0:
+            raise KnownDivergenceMet(
+                NEGATIVE_MAMBA_ESTIMATE,
+                f"Mamba group {group_id} estimated {need} blocks for request {request_id!r}",
+            )
+        return need
+
+    manager.get_num_blocks_to_allocate = checked
+
+
 def make_engine(layout: KVCacheLayout) -> VLLMEngine:
     """Build a :class:`VLLMEngine` for ``layout`` (vLLM is imported here)."""
     return VLLMEngine(layout, _import_vllm())
@@ -827,6 +863,15 @@ def _lookahead_past_the_hashes(layout: KVCacheLayout) -> bool:
 
 #: vLLM 0.33 behaviours that break a property; see findings/vllm/.
 KNOWN_DIVERGENCES = (
+    KnownDivergence(
+        name=NEGATIVE_MAMBA_ESTIMATE,
+        summary="an align-mode Mamba group with speculative blocks estimates fewer than 0 "
+        "blocks when a step schedules fewer tokens than the last (rejected or fewer drafts), "
+        "hiding another group's need from the pool check (vLLM issue 39271's scenario)",
+        finding="findings/vllm/mamba-negative-estimate-after-rollback.md",
+        applies=lambda layout: False,
+        at_run_time=True,
+    ),
     KnownDivergence(
         name="vllm-lookahead-hash-index-error",
         summary="get_computed_blocks raises IndexError with num_hash_lookahead_tokens >= 2 "

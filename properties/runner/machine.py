@@ -25,12 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hypothesis import note, target
+from hypothesis import note, reject, target
 from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from properties.core.engine import CallTimeoutError
+from properties.core.engine import CallTimeoutError, KnownDivergenceMet
 from properties.core.modes import SYNC, ServingMode
 from properties.core.trace import (
     Abort,
@@ -99,6 +99,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.run is not None
         try:
             return fn()
+        except KnownDivergenceMet:
+            raise
         except (AssertionError, KVConformError) as exc:  # violations and engine errors
             type(self).stats.last_failure = self.run.to_trace(exc)
             if isinstance(exc, CallTimeoutError):
@@ -134,14 +136,14 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _choose_mode(
         self, data: st.DataObject, supports: bool, layout: KVCacheLayout
     ) -> ServingMode:
-        """The serving mode of this run of ``layout``, once its engine is built: the one
-        drawn (:meth:`_draw_mode`) as the engine gets it
-        (:meth:`properties.engines.under_test.EngineUnderTest.serving_mode`)."""
+        """The serving mode of this run, once its engine is built: the one drawn
+        (:meth:`_draw_mode`) as the layout runs it (:func:`kvst.mode_for_layout`) and the
+        engine gets it (:meth:`properties.engines.under_test.EngineUnderTest.serving_mode`)."""
         type(self).stats.serving_calls |= supports
         drawn = self._draw_mode(data, supports)
         if drawn is None:
             return SYNC
-        mode = self.engine.serving_mode(drawn, supports, layout)
+        mode = self.engine.serving_mode(kvst.mode_for_layout(drawn, layout), supports, layout)
         note(f"serving mode: {mode.describe()}")
         return mode
 
@@ -166,6 +168,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         stats = type(self).stats
         try:
             record = self._guard(lambda: self.run.apply(op))
+        except KnownDivergenceMet as met:
+            # a documented engine behaviour met at run time: not an example
+            self.failed = True
+            stats.modes.setdefault(f"met {met.divergence}", [0, 0])[0] += 1
+            reject()
         except BaseException as exc:
             self.failed = True
             if isinstance(exc, Exception) and stats.first_failure is None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from itertools import combinations
 
 from properties.core.modes import ServingMode
-from reference.layout import KVCacheLayout
+from reference.layout import KVCacheLayout, draft_token_limit
 
 #: The features that are not group types, in the order tables list them.
 MODE_FEATURES: tuple[str, ...] = (
@@ -62,17 +62,20 @@ NEEDS: Mapping[str, tuple[str, ...]] = {
     **{kind: (f"spec:{kind}",) for kind in GROUP_TYPES},
 }
 
+#: What an engine must declare for a pair beyond its two features' needs: drafts on a
+#: Mamba group need its speculative blocks (the ``mamba_modes`` production setting).
+PAIR_NEEDS: Mapping[frozenset[str], tuple[str, ...]] = {
+    frozenset({"drafts", "mamba"}): ("setting:mamba_modes",),
+}
+
 #: Pairs the model of kvconform leaves out, with the reason (``docs`` of each mode).
 MODEL_EXCLUSIONS: Mapping[frozenset[str], str] = {
     frozenset({"drafts", "async"}): "drafts with asynchronous scheduling are not modelled",
-    frozenset({"drafts", "mamba"}): "no speculative Mamba blocks are modelled",
     frozenset({"external-hits", "mamba"}): "loaded Mamba states are not modelled",
     frozenset({"async-loads", "mamba"}): "loaded Mamba states are not modelled",
     frozenset({"load-failures", "mamba"}): "loaded Mamba states are not modelled",
     frozenset({"eagle-drop", "chunked_local"}): "vLLM runs EAGLE without chunked groups",
-    frozenset({"eagle-drop", "mamba"}): "EAGLE is modelled without Mamba groups",
     frozenset({"lookahead-hashes", "chunked_local"}): "vLLM runs EAGLE without chunked groups",
-    frozenset({"lookahead-hashes", "mamba"}): "EAGLE is modelled without Mamba groups",
     frozenset({"eagle-drop", "lookahead-hashes"}): "lookahead hashes turn the EAGLE drop off",
     frozenset({"retention=sparse", "retention=interval"}): "a layout has one retention interval",
 }
@@ -98,12 +101,14 @@ def features(layout: KVCacheLayout, mode: ServingMode | None) -> frozenset[str]:
     if layout.num_blocks - 1 < 2 * layout.blocks_per_request():
         out.add("pool-pressure")
     if mode is not None:
-        # what a Mamba layout does not model is not run: no drafts, no connector
+        # what a Mamba layout does not model is not run: no connector, drafts only up to
+        # its speculative blocks
         has_mamba = "mamba" in out
+        limit = draft_token_limit(layout)
         for name, on in (
             ("async", mode.async_scheduling),
             ("admission-gate", mode.admission_gate),
-            ("drafts", mode.num_draft_tokens > 0 and not has_mamba),
+            ("drafts", mode.num_draft_tokens > 0 and limit != 0),
             ("external-hits", mode.external_hits and not has_mamba),
             ("async-loads", mode.async_loads and not has_mamba),
             ("load-failures", mode.load_failures and not has_mamba),
@@ -150,7 +155,23 @@ class Declared:
 
     def supports(self, feature: str) -> str | None:
         """None when the engine can be driven with ``feature``, else why not."""
-        for need in NEEDS[feature]:
+        return self.meets(NEEDS[feature])
+
+    def supports_pair(self, pair: tuple[str, str]) -> str | None:
+        """None when the engine can be driven with both features of ``pair`` together
+        (each one's needs, then :data:`PAIR_NEEDS`), else why not. Example: an engine
+        declaring only ``retention`` cannot run drafts on a Mamba group: "no
+        'mamba_modes' production setting"."""
+        return (
+            self.supports(pair[0])
+            or self.supports(pair[1])
+            or self.meets(PAIR_NEEDS.get(frozenset(pair), ()))
+        )
+
+    def meets(self, needs: Iterable[str]) -> str | None:
+        """None when the engine declares every one of ``needs`` (``serving_modes``,
+        ``setting:NAME``, ``spec:TYPE``), else why not."""
+        for need in needs:
             kind, _, name = need.partition(":")
             if kind == "serving_modes" and not self.serving_modes:
                 return "no serving-mode calls"
@@ -170,7 +191,7 @@ def pair_status(
         return f"reached {n}"
     why = MODEL_EXCLUSIONS.get(frozenset(pair))
     if why is None:
-        why = declared.supports(pair[0]) or declared.supports(pair[1])
+        why = declared.supports_pair(pair)
     if why is None and (divergence := declared.removed_by(pair)) is not None:
         why = f"known divergence {divergence}"
     return f"excluded: {why}" if why else "MISSED"

@@ -54,7 +54,7 @@ from properties.runner.config import CheckConfig
 from properties.runner.scheduler import RequestState, Scheduler, StepRecord
 from properties.runner.serving import connector_host_tier, make_scheduler
 from reference.errors import KVConformError
-from reference.layout import KVCacheLayout
+from reference.layout import KVCacheLayout, draft_token_limit
 from reference.specs import MambaSpec
 
 
@@ -319,7 +319,7 @@ def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
         tags.append("async")
     if mode.admission_gate:
         tags.append("admission-gate")
-    if mode.num_draft_tokens:
+    if mode.num_draft_tokens and draft_token_limit(layout) != 0:
         tags.append("drafts")
     if mode.external_hits and not any(isinstance(s, MambaSpec) for s in layout.specs):
         tags.append("external-hits")

@@ -121,10 +121,12 @@ def cmd_check(args: argparse.Namespace) -> int:
             f"{', '.join(engine.spec_types)}"
         )
     for d in engine.known_divergences:
-        print(
-            f"  known divergence {d.name}: {d.summary}\n    layouts where it applies are "
-            f"not drawn; see {d.finding}"
+        where = (
+            "examples that meet it stop there uncounted (the adapter detects it)"
+            if d.at_run_time
+            else "layouts where it applies are not drawn"
         )
+        print(f"  known divergence {d.name}: {d.summary}\n    {where}; see {d.finding}")
     from properties.runner.explain import format_summary
     from properties.runner.progress import configure_progress
     from properties.tools.engine_coverage import cli_session

@@ -1,6 +1,7 @@
 """Production layouts: the production property's base layouts
 (:func:`production_base_layouts`) and the settings drawn on top of them
-(:func:`production_layouts`: EAGLE, the retention interval, the admission cap).
+(:func:`production_layouts`: EAGLE, the retention interval, the Mamba settings, the
+admission cap).
 
 Example: gpt-oss (SWA + full) may come out sparse, EAGLE on the full group only,
 ``L = 0``.
@@ -17,6 +18,7 @@ from properties.core.constants import SPEC_KINDS
 from properties.core.modes import PRODUCTION_SETTINGS
 from properties.generate.strategies.edges import edge_case_kinds, edge_layouts
 from properties.generate.strategies.generated_layouts import _blocks_one_request_needs
+from properties.generate.strategies.mamba_modes import mamba_settings
 from properties.generate.strategies.scenario_mix import any_layouts
 from properties.generate.strategies.swarm import swarm_layouts
 from properties.generate.strategies.tiers import SMALL, TIERS
@@ -40,13 +42,11 @@ def retention_intervals(layout: KVCacheLayout) -> st.SearchStrategy[int | None]:
     return st.sampled_from((None, 0, 0, unit, 2 * unit, 3 * unit))
 
 
-def _without_chunked_and_mamba(layout: KVCacheLayout) -> KVCacheLayout:
-    """``layout`` with its chunked-local and Mamba groups left out (one full-attention
-    group of the smallest block size when nothing is left): EAGLE is modelled only
-    with full and sliding-window groups."""
-    kept = tuple(
-        g for g in layout.groups if not isinstance(g.spec, (ChunkedLocalAttentionSpec, MambaSpec))
-    )
+def _without_chunked(layout: KVCacheLayout) -> KVCacheLayout:
+    """``layout`` with its chunked-local groups left out (one full-attention group of the
+    smallest block size when nothing is left): vLLM runs EAGLE without chunked local
+    attention (it turns the hybrid manager off)."""
+    kept = tuple(g for g in layout.groups if not isinstance(g.spec, ChunkedLocalAttentionSpec))
     if len(kept) == len(layout.groups):
         return layout
     if not kept:
@@ -55,13 +55,13 @@ def _without_chunked_and_mamba(layout: KVCacheLayout) -> KVCacheLayout:
     return dataclasses.replace(layout, groups=kept, name="")
 
 
-#: Whether a production layout runs EAGLE, drawn from these: two in three when all its
-#: groups are full or sliding-window attention, one in four when EAGLE would take its
-#: chunked-local or Mamba groups away (:func:`production_layouts`).
+#: Whether a production layout runs EAGLE, drawn from these: two in three when it has no
+#: chunked-local group, one in four when EAGLE would take its chunked-local groups away
+#: (:func:`production_layouts`).
 _EAGLE_ODDS_PLAIN = (False, True, True)
 
 
-_EAGLE_ODDS_WITH_CHUNKED_OR_MAMBA = (False, False, False, True)
+_EAGLE_ODDS_WITH_CHUNKED = (False, False, False, True)
 
 
 @st.composite
@@ -76,12 +76,15 @@ def production_layouts(
 
     * EAGLE: ``use_eagle``, the groups flagged as EAGLE groups (none flagged: all
       drop), and lookahead hashes ``L`` in ``{0, 1, 2}``, 0 half the time (``L > 0``
-      turns the drop off). EAGLE is modelled without chunked-local and Mamba groups
-      (vLLM turns the hybrid manager off with chunked local attention), so such groups
-      are left out of an EAGLE layout; it is drawn two times in three on a layout
-      without them, one time in four on a layout with them (three in four keep them,
-      so they meet the other settings: swarm testing counts pairs);
+      turns the drop off). vLLM turns the hybrid manager off with chunked local
+      attention and EAGLE, so chunked-local groups are left out of an EAGLE layout; it
+      is drawn two times in three on a layout without them, one time in four on a
+      layout with them (three in four keep them, so they meet the other settings:
+      swarm testing counts pairs);
     * the retention interval (:func:`retention_intervals`);
+    * a Mamba group's caching mode, speculative blocks and prefill checkpoint blocks
+      (:func:`properties.generate.strategies.mamba_modes.mamba_settings`; nothing is
+      drawn without a Mamba group);
     * ``max_in_flight_tokens`` (``None``, or 1 or 2 scheduler blocks): the bound of
       the per-request admission caps of windowed groups (the pool is then redrawn
       with those bounds, as vLLM sizes it at startup).
@@ -91,14 +94,16 @@ def production_layouts(
     sparse, EAGLE on the full group only, ``L = 0``.
     """
     layout = draw(base)
-    plain = _without_chunked_and_mamba(layout) is layout
-    odds = _EAGLE_ODDS_PLAIN if plain else _EAGLE_ODDS_WITH_CHUNKED_OR_MAMBA
+    plain = _without_chunked(layout) is layout
+    odds = _EAGLE_ODDS_PLAIN if plain else _EAGLE_ODDS_WITH_CHUNKED
     eagle = "eagle" in settings and draw(st.sampled_from(odds), label="eagle")
     if eagle:
-        layout = _without_chunked_and_mamba(layout)
+        layout = _without_chunked(layout)
     if "retention" in settings:
         retention = draw(retention_intervals(layout), label="retention interval")
         layout = dataclasses.replace(layout, prefix_cache_retention_interval=retention)
+    if "mamba_modes" in settings:
+        layout = draw(mamba_settings(layout))
     unit = layout.scheduler_block_size
     in_flight = None
     if "admission_cap" in settings:

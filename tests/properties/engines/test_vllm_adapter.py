@@ -626,3 +626,55 @@ def test_connector_blocks_are_checked_each_step_and_a_mutant_is_caught(monkeypat
     )
     with pytest.raises(EngineError, match="get_block_ids_for_computed_tokens"):
         engine.new_step()
+
+
+# -- Mamba modes (the hand-computed vectors of tests/reference/test_mamba_modes.py) -------
+
+
+def _vllm_factory(layout):
+    from properties.engines.vllm import make_engine
+
+    return make_engine(layout)
+
+
+def test_mamba_none_mode_speculative_relocation_and_checkpoints_as_computed_by_hand():
+    """vLLM gives the hand-computed rows, new blocks, estimates and cached states of
+    tests/reference/test_mamba_modes.py (the reference gives them too)."""
+    from tests.reference import test_mamba_modes as vectors
+
+    vectors.check_none_mode_takes_the_state_and_speculative_blocks_at_once(_vllm_factory)
+    vectors.check_speculative_blocks_are_relocated_when_the_state_passes_them(_vllm_factory)
+    vectors.check_checkpoint_reserves_a_block_keyed_at_its_position(_vllm_factory)
+    vectors.check_without_checkpoint_blocks_the_same_chunk_caches_no_state(_vllm_factory)
+    vectors.check_checkpoint_outside_the_retention_is_not_kept(
+        None, {(1, 0, 4), (2, 0, 8)}, _vllm_factory
+    )
+    vectors.check_checkpoint_outside_the_retention_is_not_kept(8, {(2, 0, 8)}, _vllm_factory)
+    vectors.check_eagle_hit_with_a_mamba_group(_vllm_factory)
+    vectors.check_prompt_tail_keyed_at_the_hash_grid(_vllm_factory)
+
+
+def test_negative_mamba_estimate_after_a_rollback_is_met_at_run_time():
+    """The rollback of tests/reference/test_mamba_modes.py: vLLM estimates -1 for the last
+    step (the reference 0); the adapter raises KnownDivergenceMet naming the divergence."""
+    from properties.core.engine import KnownDivergenceMet
+    from properties.engines.vllm import KNOWN_DIVERGENCES, NEGATIVE_MAMBA_ESTIMATE
+
+    eng = make((MambaSpec(block_size=4, num_speculative_blocks=4),), 16, 64)
+    eng.add_request(RequestInput("r", tuple(range(6))))
+    assert eng.allocate_slots("r", 6, 0, eng.get_computed_blocks("r")) == ((1, 2, 3, 4, 5),)
+    eng.set_num_computed_tokens("r", 6)
+    eng.append_output_tokens("r", [100])
+    eng.new_step()
+    eng.set_in_flight("r", 0, 4)
+    assert eng.allocate_slots("r", 5) == ((6,),)
+    eng.set_num_computed_tokens("r", 7)
+    eng.set_in_flight("r", 0, 0)
+    eng.append_output_tokens("r", [101])
+    eng.new_step()
+    with pytest.raises(KnownDivergenceMet) as met:
+        eng.allocate_slots("r", 1)
+    assert met.value.divergence == NEGATIVE_MAMBA_ESTIMATE
+    assert "estimated -1 blocks" in str(met.value)
+    (declared,) = [d for d in KNOWN_DIVERGENCES if d.name == NEGATIVE_MAMBA_ESTIMATE]
+    assert declared.at_run_time and not declared.applies(eng.layout)
