@@ -395,6 +395,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "optimized": "properties.engines.optimized:make_engine",
     "vllm": "properties.engines.vllm:make_engine",
     "sglang": "properties.engines.sglang:make_engine",
+    "lmdeploy": "properties.engines.lmdeploy:make_engine",
 }
 
 

@@ -1,0 +1,761 @@
+"""LMDeploy 0.18.0 adapter: the PyTorch engine's paging layer behind the engine protocol.
+
+Run it with the interpreter of ``.engines/lmdeploy`` (``bash ci/engines/lmdeploy`` builds
+it); LMDeploy is imported lazily by the factory, so importing this module never needs it.
+
+What the adapter builds (all LMDeploy's own objects, as its PyTorch engine builds them)
+-------------------------------------------------------------------------------------
+``CacheConfig`` with the fields ``ConfigBuilder.build_cache_config`` sets (one reserved
+GPU block for dummy inputs, no CPU blocks), ``window_size`` set afterwards as
+``ExecutorBase.__init__`` sets it from the model, then the executor's own rule
+(``ExecutorBase._maybe_disable_unsupported_prefix_caching``: prefix caching off for any
+sliding window); ``SchedulerConfig``; ``SequenceMeta`` with the AR sequence strategy;
+and LMDeploy's ``Scheduler``, which builds the block manager (``DefaultBlockManager``, or
+``WindowBlockManager`` for a window), the ``BlockTrie`` (prefix caching), the state
+manager, the sequence lifecycle and the recompute eviction helper. One
+``SchedulerSession`` per request, its ``SchedulerSequence`` added with the prompt.
+
+How each difference from the protocol (vLLM's shape) is bridged
+---------------------------------------------------------------
+1. **One block table for every layer.** LMDeploy keeps one block table per sequence
+   and one block size for all layers; a hybrid of full and sliding-window layers runs
+   with ``sliding_window = -1`` (its gemma and gpt-oss configurations: every block kept,
+   the window applied in the kernel only). So the layout's attention groups must share
+   one block size; every group reports the same table. With two or more groups the
+   adapter declares ``separate_group_pools`` and one pool ``kv`` holding them all
+   (:meth:`LMDeployEngine.pool_usage`): an id repeats across groups because one LMDeploy
+   block holds every layer's KV. A layout whose groups are all sliding windows of one
+   width ``w`` gets ``WindowBlockManager(window_size=w)`` (LMDeploy passes the model's
+   ``sliding_window`` as is; its kernels read keys ``[p - w, p]`` and its block manager
+   keeps them, one key more than the protocol's ``[p - w + 1, p]``).
+2. **Block ids.** LMDeploy hands out *logical* ids and maps them to physical GPU
+   blocks; the adapter reports the physical ids (``BlockManager.get_block_table``, what
+   its kernels index). ``num_gpu_blocks = layout.num_blocks`` with
+   ``num_reserved_gpu_blocks = 1``, as LMDeploy deploys it: physical block 0 (dummy
+   inputs and padding) is never handed out and is the protocol's null block. A window
+   group's dropped prefix reads null: ``num_ignored_history // block_size`` zeros, then
+   the kept blocks.
+3. **Lookups.** ``get_computed_blocks`` runs LMDeploy's tentative prefix match
+   (``_TentativePrefixMatch.match``: ``BlockTrie.match`` takes sequence references and
+   advances the step), reads the matched table and rolls the match back as the
+   scheduler does when admission fails (``rollback``: references, step, cursors and the
+   hit statistics restored). The allocator's access times of the matched blocks move,
+   as a failed admission moves them; no free count or reference count changes. The hit
+   is LMDeploy's own: whole blocks strictly before the last token (``n - 1`` cap).
+   LMDeploy has no cache salt: the adapter partitions the trie roots by
+   ``(LoRA, salt)`` (:func:`adapter_key`), the partition its roots already make per LoRA
+   adapter, which is what a salt of block 0 does to chained keys.
+4. **Admission.** ``allocate_slots`` of a waiting request is LMDeploy's prefill
+   admission of that one sequence (``_PrefillAdmissionAttempt.run``: match, evict for
+   capacity, allocate, attach full blocks to the trie, finalize, or roll back), then
+   ``activate`` to READY and ``Scheduler.activate_seqs`` to RUNNING, as its scheduler and
+   engine loop do. The step's token count is LMDeploy's per-step prefill budget:
+   ``cache_config.max_prefill_token_num = n`` for that call, so a longer prompt gets a
+   non-final chunk (``kv_token_limit = hit + n``) exactly as LMDeploy's long-context
+   chunker cuts it. Lookahead slots are LMDeploy's ``prealloc_size``. LMDeploy
+   preallocates nothing for a non-final chunk; where the protocol asks for lookahead
+   slots there (:meth:`LMDeployEngine._admit_chunk_with_lookahead`) the adapter makes
+   the same calls in the same order with the lookahead as ``prealloc_size``. The match
+   LMDeploy makes must equal the lookup's hit (else :class:`EngineError`).
+5. **Growth of a running request.** A prefill chunk is ``Scheduler.
+   reserve_long_context_chunk`` (the last chunk with the lookahead as prealloc); a
+   decode step is ``Scheduler.schedule_running`` of that sequence with
+   ``num_required_tokens = prealloc_size = lookahead``. Both evict trie blocks before
+   they refuse, and evictions stay. ``schedule_running`` preempts a sequence it cannot
+   grow (RUNNING -> WAITING, blocks kept): the protocol leaves preemption to the caller,
+   so the adapter puts the sequence back to RUNNING and returns ``None``.
+6. **Progress.** ``set_num_computed_tokens`` is ``SchedulerSequence.set_step`` (the long
+   context chunker's call); ``append_output_tokens`` is ``update_token_ids`` in PREFILL
+   mode for the first output, DECODE after, as the AR strategy's ``update_running``.
+7. **free** is LMDeploy's preemption and reclaim of the sequence
+   (``Scheduler.preempt_seqs`` then ``RecomputeEvictionHelper._reclaim_candidate``:
+   ``release_paging_resources`` frees its blocks, the trie keeps its own references);
+   LMDeploy keeps a stopped sequence's blocks until another request reclaims them, the
+   protocol's ``free`` releases them at once. ``remove_request`` is
+   ``Scheduler.end_session``.
+8. **num_free_blocks** is the free GPU blocks plus the trie blocks LMDeploy's eviction
+   can take (a node whose whole subtree only the trie references, as leaf-by-leaf
+   eviction needs), counted from the trie's topology, not from LMDeploy's own leaf
+   index. ``ref_counts`` are the allocator's reference counts less the trie's own
+   reference: the requests holding a block. ``cached_blocks`` are the trie's nodes.
+9. **reset_prefix_cache**: LMDeploy has none. With no sequence holding blocks the
+   adapter evicts every trie block through ``BlockTrie.evict`` (the path memory pressure
+   takes); ``False`` while a sequence holds blocks.
+10. **Clock.** LMDeploy stamps access times with ``time.perf_counter()`` into an
+    ``int64`` array, so LRU order is kept to whole seconds and ties go by the nodes'
+    addresses (``id``): a run would not replay. The adapter gives the two paging modules
+    that read the clock a logical one (:class:`LogicalClock`, one tick per read), so
+    eviction order is the order of the calls and a trace replays exactly.
+
+Refused layouts (:class:`UnsupportedLayoutError`)
+-------------------------------------------------
+* Mamba: LMDeploy keeps one runtime state slot per sequence, updated in place
+  (``StateManager``), and copies prefix checkpoints in and out of it; the protocol's
+  Mamba group is a row of state blocks, one per block boundary, which LMDeploy does not
+  have.
+* Chunked local attention: LMDeploy has no chunked local block manager.
+* Attention groups of different block sizes (one LMDeploy block size); EAGLE drops,
+  lookahead hashes, sparse retention and admission caps (vLLM settings LMDeploy lacks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from properties.core.engine import (
+    BlockIds,
+    CachedBlock,
+    CacheHit,
+    EngineError,
+    PoolUsage,
+    RequestInput,
+    UnsupportedLayoutError,
+    quiet_loggers,
+)
+from reference.layout import KVCacheLayout
+from reference.specs import FullAttentionSpec, SlidingWindowSpec
+
+#: The LMDeploy release the adapter drives (``version`` of the factory).
+LMDEPLOY_VERSION = "0.18.0"
+#: Block sizes the layout strategy draws: powers of two as LMDeploy's kernel pages are,
+#: scaled down so that a prompt of a few hundred tokens spans many blocks (LMDeploy's
+#: paging code takes any size; ``PytorchEngineConfig`` asks 16 or more for its kernels).
+LAYOUT_BLOCK_SIZES = (1, 2, 4, 8, 16)
+#: ``SchedulerConfig.max_batches`` / ``CacheConfig.max_batches``: above any trace's
+#: concurrency (the admission is per sequence, so it never binds).
+MAX_BATCHES = 4096
+#: The pool name of :meth:`LMDeployEngine.pool_usage`.
+KV_POOL = "kv"
+
+
+class LogicalClock:
+    """A stand-in for the ``time`` module of LMDeploy's paging modules: ``perf_counter``
+    returns 1, 2, 3, ... (one tick per read), so access times order the calls exactly and
+    a trace replays. Example: two reads give ``1.0`` then ``2.0``."""
+
+    def __init__(self) -> None:
+        self._ticks = itertools.count(1)
+
+    def perf_counter(self) -> float:
+        return float(next(self._ticks))
+
+    def time(self) -> float:
+        return self.perf_counter()
+
+
+@dataclass(frozen=True)
+class LMDeployConfig:
+    """What the adapter builds from a layout (module docstring, notes 1 and 2).
+
+    ``window_size`` is LMDeploy's (``-1``: every block kept); ``enable_prefix_caching``
+    is the layout's before LMDeploy's executor rule turns it off for a window.
+    Example: one sliding-window group, bs 4, ``w = 6``, 20 blocks -> ``block_size=4,
+    num_gpu_blocks=20, window_size=6, attention_groups=(0,)``.
+    """
+
+    block_size: int
+    num_gpu_blocks: int
+    window_size: int
+    enable_prefix_caching: bool
+    attention_groups: tuple[int, ...]
+    max_model_len: int
+
+
+def config_for(layout: KVCacheLayout) -> LMDeployConfig:
+    """Check that LMDeploy can serve ``layout`` and derive its configuration; refuse
+    (:class:`UnsupportedLayoutError`, one reason per kind) what it cannot.
+
+    Example: full(bs 4) + sliding window(bs 4, w 8) -> ``window_size=-1`` (a hybrid keeps
+    every block, as LMDeploy's gemma configuration does); two windows of 8 -> ``8``.
+    """
+    for spec in layout.specs:
+        if spec.type_name == "mamba":
+            raise UnsupportedLayoutError(
+                "lmdeploy adapter: Mamba groups are not bridged: LMDeploy keeps one runtime "
+                "state slot per sequence, updated in place, and copies checkpoints in and "
+                "out of it; there is no row of state blocks to report, got layout "
+                f"{layout.describe()}"
+            )
+        if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+            raise UnsupportedLayoutError(
+                f"lmdeploy adapter: LMDeploy has no {spec.type_name} attention block "
+                f"manager, got layout {layout.describe()}"
+            )
+    sizes = {spec.block_size for spec in layout.specs}
+    if len(sizes) != 1:
+        raise UnsupportedLayoutError(
+            "lmdeploy adapter: LMDeploy has one block size for every layer, got layout "
+            f"{layout.describe()}"
+        )
+    if (
+        layout.use_eagle
+        or layout.num_hash_lookahead_tokens
+        or layout.prefix_cache_retention_interval is not None
+        or layout.max_in_flight_tokens is not None
+    ):
+        raise UnsupportedLayoutError(
+            "lmdeploy adapter: EAGLE drops, lookahead hashes, retention intervals and "
+            f"admission caps are vLLM settings LMDeploy does not have, got layout "
+            f"{layout.describe()}"
+        )
+    windows = {spec.sliding_window for spec in layout.specs if isinstance(spec, SlidingWindowSpec)}
+    only_windows = all(isinstance(spec, SlidingWindowSpec) for spec in layout.specs)
+    window = windows.pop() if only_windows and len(windows) == 1 else -1
+    return LMDeployConfig(
+        block_size=sizes.pop(),
+        num_gpu_blocks=layout.num_blocks,
+        window_size=window,
+        enable_prefix_caching=layout.enable_caching,
+        attention_groups=tuple(range(len(layout.groups))),
+        max_model_len=layout.max_model_len,
+    )
+
+
+def adapter_key(lora_name: str | None, cache_salt: str | None) -> str | None:
+    """The ``adapter_name`` a request's sequence gets: its trie root (note 3). ``None``
+    without LoRA and salt (LMDeploy's base model root), the LoRA name alone without a
+    salt, else a string naming both. Example: ``("a", None) -> "a"``; ``(None, "s") ->
+    "lora=None;salt='s'"``."""
+    if cache_salt is None:
+        return lora_name
+    return f"lora={lora_name!r};salt={cache_salt!r}"
+
+
+class _LMDeployModules:
+    """LMDeploy imported once per process (the import takes seconds), with the logical
+    clock installed in the paging modules that read access times (note 10)."""
+
+    _loaded: types.SimpleNamespace | None = None
+
+    @classmethod
+    def get(cls) -> types.SimpleNamespace:
+        if cls._loaded is None:
+            os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+            try:
+                import numpy as np
+                from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig
+                from lmdeploy.pytorch.engine.executor.base import ExecutorBase
+                from lmdeploy.pytorch.messages import (
+                    MessageStatus,
+                    SequenceMeta,
+                    UpdateTokenMode,
+                )
+                from lmdeploy.pytorch.paging import prefill_scheduler
+                from lmdeploy.pytorch.paging.block_manager import base_block_manager
+                from lmdeploy.pytorch.paging.block_trie import checkpoint_lifecycle
+                from lmdeploy.pytorch.paging.scheduler import Scheduler
+                from lmdeploy.pytorch.paging.seq_states.states import RunningState
+                from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy
+            except ImportError as exc:
+                raise EngineError(
+                    f"lmdeploy adapter: cannot import LMDeploy {LMDEPLOY_VERSION} ({exc}); "
+                    "run ci/engines/lmdeploy and use .engines/lmdeploy/bin/python"
+                ) from exc
+            quiet_loggers("lmdeploy")
+            clock = LogicalClock()
+            base_block_manager.time = clock
+            checkpoint_lifecycle.time = clock
+            cls._loaded = types.SimpleNamespace(
+                np=np,
+                CacheConfig=CacheConfig,
+                SchedulerConfig=SchedulerConfig,
+                ExecutorBase=ExecutorBase,
+                MessageStatus=MessageStatus,
+                SequenceMeta=SequenceMeta,
+                UpdateTokenMode=UpdateTokenMode,
+                Scheduler=Scheduler,
+                RunningState=RunningState,
+                ARSequenceStrategy=ARSequenceStrategy,
+                AdmissionAttempt=prefill_scheduler._PrefillAdmissionAttempt,
+                AdmissionAction=prefill_scheduler._PrefillAdmissionAction,
+                TurnPolicy=prefill_scheduler._PrefillTurnPolicy,
+                TentativePrefixMatch=prefill_scheduler._TentativePrefixMatch,
+            )
+        return cls._loaded
+
+
+@dataclass
+class _Request:
+    """Adapter-side state of one request: LMDeploy's sequence and session, and the
+    protocol counters."""
+
+    seq: Any
+    session_id: int
+    num_tokens: int
+    num_computed_tokens: int = 0
+    num_generated: int = 0
+    #: admitted (holds LMDeploy paging resources, RUNNING) since its last free
+    admitted: bool = False
+
+
+class LMDeployEngine:
+    """LMDeploy's paging layer (scheduler, block manager, block trie) driven through the
+    engine protocol (module docstring)."""
+
+    def __init__(self, layout: KVCacheLayout) -> None:
+        self.layout = layout
+        self.config = config_for(layout)
+        m = _LMDeployModules.get()
+        self._m = m
+        cfg = self.config
+        cache_config = m.CacheConfig(
+            max_batches=MAX_BATCHES,
+            block_size=cfg.block_size,
+            num_cpu_blocks=0,
+            num_gpu_blocks=cfg.num_gpu_blocks,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            num_reserved_gpu_blocks=1,
+        )
+        # ExecutorBase.__init__: the model's window, then the executor's caching rule
+        cache_config.window_size = cfg.window_size
+        m.ExecutorBase._maybe_disable_unsupported_prefix_caching(
+            types.SimpleNamespace(cache_config=cache_config), check_window=True
+        )
+        scheduler_config = m.SchedulerConfig(
+            max_batches=MAX_BATCHES, max_session_len=cfg.max_model_len
+        )
+        self.scheduler = m.Scheduler(
+            scheduler_config,
+            cache_config,
+            seq_meta=m.SequenceMeta(cfg.block_size, strategy=m.ARSequenceStrategy()),
+        )
+        self.cache_config = cache_config
+        self.block_manager = self.scheduler.block_manager
+        self.block_trie = self.scheduler.block_trie
+        #: several attention groups share LMDeploy's one table (note 1)
+        self.separate_group_pools = len(cfg.attention_groups) > 1
+        self._requests: dict[str, _Request] = {}
+        self._session_ids = itertools.count()
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, request: RequestInput) -> None:
+        if request.request_id in self._requests:
+            raise EngineError(f"lmdeploy adapter: request_id {request.request_id!r} exists")
+        if not request.prompt_token_ids:
+            raise EngineError(f"lmdeploy adapter: request {request.request_id!r} has no prompt")
+        session_id = next(self._session_ids)
+        session = self.scheduler.add_session(session_id)
+        seq = session.add_sequence(
+            self._m.np.asarray(request.prompt_token_ids, dtype=self._m.np.int64),
+            adapter_name=adapter_key(request.lora_name, request.cache_salt),
+        )
+        self._requests[request.request_id] = _Request(
+            seq=seq, session_id=session_id, num_tokens=len(request.prompt_token_ids)
+        )
+
+    def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """``update_token_ids`` as the AR strategy's ``update_running`` (note 6): the
+        sequence's pending tokens join its history, the new ones are pending."""
+        state = self._get(request_id)
+        m = self._m
+        for token in token_ids:
+            mode = m.UpdateTokenMode.DECODE if state.num_generated else m.UpdateTokenMode.PREFILL
+            state.seq.update_token_ids(m.np.asarray([int(token)], dtype=m.np.int64), mode=mode)
+            state.num_generated += 1
+            state.num_tokens += 1
+        # the history is what the protocol computed (update_token_ids assumed every
+        # pending token computed, which the scheduler guarantees before an output)
+        state.seq.set_step(state.num_computed_tokens)
+
+    def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
+        state = self._get(request_id)
+        if not 0 <= num_computed_tokens <= state.num_tokens:
+            raise EngineError(
+                f"lmdeploy adapter: num_computed_tokens {num_computed_tokens} out of "
+                f"[0, {state.num_tokens}] for {request_id!r}"
+            )
+        state.num_computed_tokens = num_computed_tokens
+        state.seq.set_step(num_computed_tokens)
+
+    def new_step(self) -> None:
+        """One scheduler progress step (``Scheduler.tick``, once per forward dispatch)."""
+        self.scheduler.tick()
+
+    def remove_request(self, request_id: str) -> None:
+        state = self._get(request_id)
+        if state.admitted:
+            self.free(request_id)
+        self.scheduler.end_session(state.session_id)
+        del self._requests[request_id]
+
+    # ---------------------------------------------------------------- lookups
+    def get_computed_blocks(self, request_id: str) -> CacheHit:
+        """LMDeploy's tentative match, read, then rolled back (note 3)."""
+        state = self._get(request_id)
+        seq = state.seq
+        if state.admitted or seq.num_blocks:
+            raise EngineError(f"lmdeploy adapter: lookup for {request_id!r}, which holds blocks")
+        if not self.block_trie.enabled:
+            return CacheHit(self._per_group(()), 0)
+        match = self._m.TentativePrefixMatch(
+            seq,
+            self.block_trie,
+            self.block_manager,
+            is_ssm=False,
+            preserve_existing_state=False,
+        )
+        match.match()
+        try:
+            hit = int(seq.num_history_ids)
+            ids = self._physical(seq.logical_blocks.get_real_blocks())
+        finally:
+            match.rollback("kvconform lookup")
+        if seq.num_blocks or seq.num_history_ids:
+            raise EngineError(
+                f"lmdeploy adapter: rolling back the lookup of {request_id!r} left "
+                f"{seq.num_blocks} blocks at step {seq.num_history_ids}"
+            )
+        return CacheHit(self._per_group(ids), hit)
+
+    # ------------------------------------------------------------- allocation
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        hit: CacheHit | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> BlockIds | None:
+        state = self._get(request_id)
+        hit_tokens = hit.num_tokens if hit is not None else 0
+        if num_new_computed_tokens != hit_tokens:
+            raise EngineError(
+                f"lmdeploy adapter: num_new_computed_tokens {num_new_computed_tokens} != "
+                f"hit.num_tokens {hit_tokens}"
+            )
+        if num_new_tokens < 1 or num_lookahead_tokens < 0:
+            raise EngineError(
+                f"lmdeploy adapter: {request_id!r} asks for {num_new_tokens} new and "
+                f"{num_lookahead_tokens} lookahead tokens"
+            )
+        before = self.get_block_ids(request_id)
+        if state.admitted:
+            if hit_tokens:
+                raise EngineError(f"lmdeploy adapter: a hit for running request {request_id!r}")
+            ok = self._grow(state, num_new_tokens, num_lookahead_tokens)
+        else:
+            ok = self._admit(state, hit_tokens, num_new_tokens, num_lookahead_tokens)
+        if not ok:
+            return None
+        after = self.get_block_ids(request_id)
+        return tuple(tuple(row[len(old) :]) for row, old in zip(after, before))
+
+    def _admit(self, state: _Request, hit_tokens: int, n: int, lookahead: int) -> bool:
+        """Note 4: LMDeploy's prefill admission of this sequence, ``n`` tokens after the
+        hit; False when it stops (its match rolled back, evictions kept)."""
+        seq = state.seq
+        m = self._m
+        if state.num_computed_tokens or seq.num_history_ids:
+            raise EngineError(
+                f"lmdeploy adapter: admitting {seq.seq_id} at step {seq.num_history_ids}"
+            )
+        final = hit_tokens + n >= state.num_tokens
+        if lookahead and not final:
+            admitted = self._admit_chunk_with_lookahead(seq, hit_tokens + n, lookahead)
+        else:
+            self.cache_config.max_prefill_token_num = n
+            attempt = m.AdmissionAttempt(
+                self.scheduler._prefill_scheduler,
+                seq,
+                stopped=self.scheduler.hanging,
+                evictable_waiting=[s for s in self.scheduler.waiting if s is not seq],
+                prealloc_size=lookahead,
+                batch_prefill_tokens=0,
+                batch_has_prefill=False,
+                turn_policy=m.TurnPolicy.STANDARD,
+            )
+            admitted = attempt.run().action is m.AdmissionAction.ADMIT
+        if not admitted:
+            if seq.num_blocks:
+                raise EngineError(
+                    f"lmdeploy adapter: a refused admission left {seq.num_blocks} blocks"
+                )
+            return False
+        if seq.num_history_ids != hit_tokens:
+            raise EngineError(
+                f"lmdeploy adapter: LMDeploy's admission matched {seq.num_history_ids} "
+                f"tokens, the lookup {hit_tokens}"
+            )
+        seq.state.activate()
+        self.scheduler.activate_seqs([seq])
+        state.admitted = True
+        return True
+
+    def _admit_chunk_with_lookahead(self, seq: Any, limit: int, lookahead: int) -> bool:
+        """A non-final first chunk with lookahead slots (note 4): the tentative match,
+        then :meth:`_reserve` with the lookahead as ``prealloc_size``, then
+        ``finalize_match`` and commit; the match rolled back when capacity fails."""
+        m = self._m
+        match = m.TentativePrefixMatch(
+            seq,
+            self.block_trie,
+            self.block_manager,
+            is_ssm=False,
+            preserve_existing_state=False,
+        )
+        if self.block_trie.enabled:
+            match.match()
+        evictable = list(self.scheduler.hanging) + [
+            s for s in self.scheduler.waiting if s is not seq
+        ]
+        if not self._reserve(seq, limit, lookahead, evictable):
+            seq.kv_token_limit = None
+            match.rollback("kvconform: capacity for a chunk with lookahead")
+            return False
+        if self.block_trie.enabled:
+            self.block_trie.finalize_match(seq)
+        match.commit()
+        return True
+
+    def _reserve(self, seq: Any, limit: int, prealloc: int, evictable: list[Any]) -> bool:
+        """LMDeploy's chunk reservation (``reserve_long_context_chunk``'s calls) with a
+        ``prealloc_size`` on a non-final chunk: ``kv_token_limit = limit``, the eviction
+        helper makes capacity, the block manager allocates and the trie attaches the
+        full blocks below ``limit``; False (limit restored) when capacity fails."""
+        old = seq.kv_token_limit
+        seq.kv_token_limit = limit
+        if not self.scheduler.eviction_helper.try_make_capacity_for(seq, evictable, prealloc):
+            seq.kv_token_limit = old
+            return False
+        self.block_manager.allocate(seq, prealloc)
+        self.block_trie.allocate(seq)
+        return True
+
+    def _grow(self, state: _Request, n: int, lookahead: int) -> bool:
+        """Note 5: a prefill chunk or a decode step of a running sequence."""
+        seq = state.seq
+        m = self._m
+        end = state.num_computed_tokens + n
+        if end > state.num_tokens:
+            raise EngineError(
+                f"lmdeploy adapter: {n} new tokens from {state.num_computed_tokens} pass the "
+                f"request's {state.num_tokens} tokens"
+            )
+        scheduler = self.scheduler
+        last = end >= state.num_tokens
+        if seq.kv_token_limit is None and n == 1 and last:
+            valid = scheduler.schedule_running(
+                [seq], num_required_tokens=lookahead, prealloc_size=lookahead
+            )
+            if valid[0]:
+                return True
+            # LMDeploy preempted it (blocks kept); the protocol's caller decides
+            if seq.status != m.MessageStatus.RUNNING:
+                scheduler.sequence_lifecycle.transition(seq, m.RunningState)
+            return False
+        if lookahead and not last:
+            evictable = list(scheduler.hanging) + list(scheduler.waiting)
+            return self._reserve(seq, end, lookahead, evictable)
+        return scheduler.reserve_long_context_chunk(
+            seq, n, prealloc_size=lookahead if last else 0, is_last_chunk=last
+        )
+
+    # ------------------------------------------------------------------- free
+    def free(self, request_id: str) -> None:
+        """Note 7: LMDeploy's preemption, then its reclaim of the sequence."""
+        state = self._get(request_id)
+        seq = state.seq
+        if seq.status == self._m.MessageStatus.RUNNING:
+            self.scheduler.preempt_seqs((seq,))
+        if seq.num_blocks or seq.logical_state >= 0:
+            self.scheduler.eviction_helper._reclaim_candidate(seq)
+        state.admitted = False
+        if seq.num_blocks:
+            raise EngineError(
+                f"lmdeploy adapter: free({request_id!r}) left {seq.num_blocks} blocks"
+            )
+
+    def reset_prefix_cache(self) -> bool:
+        """Note 9: evict every trie block when no sequence holds blocks."""
+        if any(s.seq.num_blocks for s in self._requests.values()):
+            return False
+        if self.block_trie.enabled:
+            self.block_trie.evict(self.config.num_gpu_blocks)
+        return True
+
+    # ------------------------------------------------------------- observations
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        seq = self._get(request_id).seq
+        if not seq.num_blocks:
+            return self._per_group(())
+        dropped = seq.num_ignored_history // self.config.block_size
+        row = (0,) * dropped + self._physical(seq.logical_blocks.get_real_blocks())
+        return self._per_group(row)
+
+    def num_free_blocks(self) -> int:
+        """Note 8: free GPU blocks plus the trie blocks eviction can take."""
+        return int(self.block_manager.get_num_free_gpu_blocks()) + len(self._evictable_nodes())
+
+    def pool_usage(self) -> tuple[PoolUsage, ...]:
+        """One pool, ``kv``, for every attention group (note 1)."""
+        return (
+            PoolUsage(
+                KV_POOL,
+                self.config.attention_groups,
+                self.config.num_gpu_blocks - 1,
+                self.num_free_blocks(),
+            ),
+        )
+
+    def ref_counts(self) -> dict[int, int]:
+        """Per physical block: the allocator's reference count less the trie's own
+        reference (note 8); 0 for a free block."""
+        np = self._m.np
+        allocator = self.block_manager.allocator
+        refs = np.array(allocator.get_ref_count(np.arange(allocator._num_blocks)))
+        for node in self._trie_nodes():
+            refs[node.block_id] -= 1
+        counts = dict.fromkeys(range(1, self.config.num_gpu_blocks), 0)
+        held = np.flatnonzero(refs)
+        for logical, physical in zip(held, allocator.get_physical_blocks(held)):
+            counts[int(physical)] = int(refs[logical])
+        return counts
+
+    def cached_blocks(self) -> list[CachedBlock]:
+        """Every trie node, in every attention group (one table serves them all)."""
+        out: list[CachedBlock] = []
+        nodes = self._trie_nodes()
+        if not nodes:
+            return out
+        physical = self._physical([node.block_id for node in nodes])
+        for node, block in zip(nodes, physical):
+            for gid in self.config.attention_groups:
+                out.append(CachedBlock(block, gid, int(node.prefix_len)))
+        return out
+
+    # ---------------------------------------------------------------- helpers
+    def _trie_nodes(self) -> list[Any]:
+        """Every attached non-root node of every adapter root."""
+        if not self.block_trie.enabled:
+            return []
+        nodes: list[Any] = []
+        stack = list(self.block_trie._roots.values())
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                nodes.append(child)
+                stack.append(child)
+        return nodes
+
+    def _evictable_nodes(self) -> list[Any]:
+        """Trie nodes LMDeploy's leaf-by-leaf eviction can take: the node and its whole
+        subtree referenced by the trie alone, no checkpoint pinned. Example: a path
+        ``a -> b`` where a finished request released both: both; while a running request
+        holds ``a``: none (``b`` evicted first needs ``a``'s reference to drop too)."""
+        if not self.block_trie.enabled:
+            return []
+        allocator = self.block_manager.allocator
+        checkpoints = self.block_trie.state_checkpoints
+        out: list[Any] = []
+        # iterative post-order walk (a trie is max_model_len / block_size deep)
+        for root in self.block_trie._roots.values():
+            stack: list[tuple[Any, bool]] = [(root, False)]
+            takeable: dict[int, bool] = {}
+            while stack:
+                node, expanded = stack.pop()
+                children = list(node.children.values())
+                if not expanded:
+                    stack.append((node, True))
+                    stack.extend((child, False) for child in children)
+                    continue
+                ok = all(takeable[id(child)] for child in children)
+                if node.parent is not None:
+                    ok = (
+                        ok
+                        and int(allocator.get_ref_count(node.block_id)) == 1
+                        and not checkpoints.is_pinned(node)
+                    )
+                    if ok:
+                        out.append(node)
+                takeable[id(node)] = ok
+        return out
+
+    def _physical(self, logical: Any) -> tuple[int, ...]:
+        if len(logical) == 0:
+            return ()
+        np = self._m.np
+        phys = self.block_manager.allocator.get_physical_blocks(np.asarray(logical))
+        return tuple(int(b) for b in phys)
+
+    def _per_group(self, row: tuple[int, ...]) -> BlockIds:
+        return tuple(row for _ in self.layout.groups)
+
+    def _get(self, request_id: str) -> _Request:
+        state = self._requests.get(request_id)
+        if state is None:
+            raise EngineError(f"lmdeploy adapter: unknown request_id {request_id!r}")
+        return state
+
+
+def make_engine(layout: KVCacheLayout) -> LMDeployEngine:
+    """Build an :class:`LMDeployEngine` for ``layout`` (LMDeploy is imported here)."""
+    return LMDeployEngine(layout)
+
+
+def lmdeploy_layouts():
+    """The layouts this adapter drives: one to three attention groups of one block size
+    (:data:`LAYOUT_BLOCK_SIZES`), each full or a sliding window; the windows of a
+    window-only layout one width (so LMDeploy's window manager runs) one time in two;
+    prefix caching off in one layout of eight; pools from one request's worth (eviction
+    and refusals) to roomy."""
+    from hypothesis import strategies as st
+
+    from reference.layout import KVCacheGroup
+
+    @st.composite
+    def build(draw) -> KVCacheLayout:
+        bs = draw(st.sampled_from(LAYOUT_BLOCK_SIZES))
+        kinds = draw(st.lists(st.sampled_from(("full", "sliding_window")), min_size=1, max_size=3))
+        one_window = draw(st.integers(1, 6 * bs + 2))
+        shared = draw(st.booleans())
+        groups = []
+        for i, kind in enumerate(kinds):
+            if kind == "full":
+                spec = FullAttentionSpec(block_size=bs)
+            else:
+                w = one_window if shared else draw(st.integers(1, 6 * bs + 2))
+                spec = SlidingWindowSpec(block_size=bs, sliding_window=w)
+            groups.append(KVCacheGroup((f"layer.{i}",), spec))
+        max_len = draw(st.integers(max(8, 2 * bs), 160))
+        per_request = -(-max_len // bs) + 1
+        num_blocks = draw(
+            st.one_of(
+                st.integers(per_request + 1, 2 * per_request + 2),
+                st.integers(per_request + 1, 6 * per_request),
+            )
+        )
+        caching = draw(st.integers(0, 7)) != 0
+        return KVCacheLayout(tuple(groups), num_blocks, max_len, enable_caching=caching)
+
+    return build()
+
+
+make_engine.layout_strategy = lmdeploy_layouts  # type: ignore[attr-defined]
+#: Full attention and sliding windows (note 1); Mamba and chunked local are refused.
+make_engine.spec_types = ("full", "sliding_window")  # type: ignore[attr-defined]
+make_engine.version = LMDEPLOY_VERSION  # type: ignore[attr-defined]
+#: LMDeploy's paging modules the adapter drives (``--engine-coverage``): the block
+#: managers, the block trie (its checkpoint modules are the SSM prefix cache), the
+#: scheduler and its prefill admission, the sequence states, the state manager and the
+#: recompute eviction helper. The KV transfer coordinators (PD disaggregation and
+#: external KV stores) are LMDeploy's connector layer, as vLLM's adapter leaves vLLM's.
+make_engine.coverage_modules = (  # type: ignore[attr-defined]
+    "lmdeploy.pytorch.paging.block_manager.base_block_manager",
+    "lmdeploy.pytorch.paging.block_manager.default_block_manager",
+    "lmdeploy.pytorch.paging.block_manager.window_block_manager",
+    "lmdeploy.pytorch.paging.block_trie.trie",
+    "lmdeploy.pytorch.paging.block_trie.node",
+    "lmdeploy.pytorch.paging.block_trie.kv_lifecycle",
+    "lmdeploy.pytorch.paging.block_trie.checkpoint",
+    "lmdeploy.pytorch.paging.block_trie.checkpoint_lifecycle",
+    "lmdeploy.pytorch.paging.scheduler",
+    "lmdeploy.pytorch.paging.prefill_scheduler",
+    "lmdeploy.pytorch.paging.seq_states.states",
+    "lmdeploy.pytorch.paging.state_manager",
+    "lmdeploy.pytorch.paging.eviction_helper.recompute_eviction_helper",
+)
