@@ -69,6 +69,10 @@ def check_known_divergences(declared: object, where: str) -> tuple[KnownDivergen
                 f"{where}[{index}].applies must be a callable (layout -> bool), "
                 f"got {item.applies!r}"
             )
+        if not isinstance(item.checks, tuple) or not all(isinstance(c, str) for c in item.checks):
+            raise DeclarationError(
+                f"{where}[{index}].checks must be a tuple of invariant names, got {item.checks!r}"
+            )
     return tuple(declared)
 
 

@@ -381,12 +381,20 @@ class KnownDivergence:
     An adapter lists them on its factory (``factory.known_divergences``); the suite
     does not draw layouts for which ``applies(layout)`` is true, and ``kvconform
     check`` prints each one with its finding so nothing is hidden.
+
+    ``checks`` (invariant names) is for a behaviour that only some traces of a layout
+    show, where leaving the layouts out would leave the engine untested there: the
+    layouts are drawn and those checks do not run on them (``kvconform replay`` still
+    runs every check, so the finding's trace fails). Example: LMDeploy writes a block
+    its prefix trie shares (``exclusive_write``) whenever two requests compute one
+    block, so caching layouts are drawn without that check.
     """
 
     name: str
     summary: str
     finding: str
     applies: Callable[[KVCacheLayout], bool]
+    checks: tuple[str, ...] = ()
 
 
 #: Adapters shipped with kvconform: name -> "module:factory".

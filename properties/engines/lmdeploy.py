@@ -52,13 +52,12 @@ How each difference from the protocol (vLLM's shape) is bridged
    engine loop do. The step's token count is LMDeploy's per-step prefill budget:
    ``cache_config.max_prefill_token_num = n`` for that call, so a longer prompt gets a
    non-final chunk (``kv_token_limit = hit + n``) exactly as LMDeploy's long-context
-   chunker cuts it. Lookahead slots are LMDeploy's ``prealloc_size``. LMDeploy
-   preallocates nothing for a non-final chunk; where the protocol asks for lookahead
-   slots there (:meth:`LMDeployEngine._admit_chunk_with_lookahead`) the adapter makes
-   the same calls in the same order with the lookahead as ``prealloc_size``. The match
-   LMDeploy makes must equal the lookup's hit (else :class:`EngineError`).
+   chunker cuts it. Lookahead slots are LMDeploy's ``prealloc_size``, which LMDeploy
+   gives only to a step that finishes the prompt (a non-final chunk preallocates
+   nothing: ``lookahead_on_prefill_chunks = False``, which the table check honours).
+   The match LMDeploy makes must equal the lookup's hit (else :class:`EngineError`).
 5. **Growth of a running request.** A prefill chunk is ``Scheduler.
-   reserve_long_context_chunk`` (the last chunk with the lookahead as prealloc); a
+   reserve_long_context_chunk`` (the lookahead is the last chunk's prealloc); a
    decode step is ``Scheduler.schedule_running`` of that sequence with
    ``num_required_tokens = prealloc_size = lookahead``. Both evict trie blocks before
    they refuse, and evictions stay. ``schedule_running`` preempts a sequence it cannot
@@ -112,6 +111,7 @@ from properties.core.engine import (
     CachedBlock,
     CacheHit,
     EngineError,
+    KnownDivergence,
     PoolUsage,
     RequestInput,
     UnsupportedLayoutError,
@@ -297,6 +297,10 @@ class LMDeployEngine:
     """LMDeploy's paging layer (scheduler, block manager, block trie) driven through the
     engine protocol (module docstring)."""
 
+    #: LMDeploy preallocates lookahead (``prealloc_size``) only for a step that
+    #: finishes the prompt (note 4)
+    lookahead_on_prefill_chunks = False
+
     def __init__(self, layout: KVCacheLayout) -> None:
         self.layout = layout
         self.config = config_for(layout)
@@ -454,22 +458,18 @@ class LMDeployEngine:
             raise EngineError(
                 f"lmdeploy adapter: admitting {seq.seq_id} at step {seq.num_history_ids}"
             )
-        final = hit_tokens + n >= state.num_tokens
-        if lookahead and not final:
-            admitted = self._admit_chunk_with_lookahead(seq, hit_tokens + n, lookahead)
-        else:
-            self.cache_config.max_prefill_token_num = n
-            attempt = m.AdmissionAttempt(
-                self.scheduler._prefill_scheduler,
-                seq,
-                stopped=self.scheduler.hanging,
-                evictable_waiting=[s for s in self.scheduler.waiting if s is not seq],
-                prealloc_size=lookahead,
-                batch_prefill_tokens=0,
-                batch_has_prefill=False,
-                turn_policy=m.TurnPolicy.STANDARD,
-            )
-            admitted = attempt.run().action is m.AdmissionAction.ADMIT
+        self.cache_config.max_prefill_token_num = n
+        attempt = m.AdmissionAttempt(
+            self.scheduler._prefill_scheduler,
+            seq,
+            stopped=self.scheduler.hanging,
+            evictable_waiting=[s for s in self.scheduler.waiting if s is not seq],
+            prealloc_size=lookahead,
+            batch_prefill_tokens=0,
+            batch_has_prefill=False,
+            turn_policy=m.TurnPolicy.STANDARD,
+        )
+        admitted = attempt.run().action is m.AdmissionAction.ADMIT
         if not admitted:
             if seq.num_blocks:
                 raise EngineError(
@@ -484,46 +484,6 @@ class LMDeployEngine:
         seq.state.activate()
         self.scheduler.activate_seqs([seq])
         state.admitted = True
-        return True
-
-    def _admit_chunk_with_lookahead(self, seq: Any, limit: int, lookahead: int) -> bool:
-        """A non-final first chunk with lookahead slots (note 4): the tentative match,
-        then :meth:`_reserve` with the lookahead as ``prealloc_size``, then
-        ``finalize_match`` and commit; the match rolled back when capacity fails."""
-        m = self._m
-        match = m.TentativePrefixMatch(
-            seq,
-            self.block_trie,
-            self.block_manager,
-            is_ssm=False,
-            preserve_existing_state=False,
-        )
-        if self.block_trie.enabled:
-            match.match()
-        evictable = list(self.scheduler.hanging) + [
-            s for s in self.scheduler.waiting if s is not seq
-        ]
-        if not self._reserve(seq, limit, lookahead, evictable):
-            seq.kv_token_limit = None
-            match.rollback("kvconform: capacity for a chunk with lookahead")
-            return False
-        if self.block_trie.enabled:
-            self.block_trie.finalize_match(seq)
-        match.commit()
-        return True
-
-    def _reserve(self, seq: Any, limit: int, prealloc: int, evictable: list[Any]) -> bool:
-        """LMDeploy's chunk reservation (``reserve_long_context_chunk``'s calls) with a
-        ``prealloc_size`` on a non-final chunk: ``kv_token_limit = limit``, the eviction
-        helper makes capacity, the block manager allocates and the trie attaches the
-        full blocks below ``limit``; False (limit restored) when capacity fails."""
-        old = seq.kv_token_limit
-        seq.kv_token_limit = limit
-        if not self.scheduler.eviction_helper.try_make_capacity_for(seq, evictable, prealloc):
-            seq.kv_token_limit = old
-            return False
-        self.block_manager.allocate(seq, prealloc)
-        self.block_trie.allocate(seq)
         return True
 
     def _grow(self, state: _Request, n: int, lookahead: int) -> bool:
@@ -548,9 +508,6 @@ class LMDeployEngine:
             if seq.status != m.MessageStatus.RUNNING:
                 scheduler.sequence_lifecycle.transition(seq, m.RunningState)
             return False
-        if lookahead and not last:
-            evictable = list(scheduler.hanging) + list(scheduler.waiting)
-            return self._reserve(seq, end, lookahead, evictable)
         return scheduler.reserve_long_context_chunk(
             seq, n, prealloc_size=lookahead if last else 0, is_last_chunk=last
         )
@@ -735,6 +692,54 @@ def lmdeploy_layouts():
     return build()
 
 
+#: The most lookahead slots a kvconform step asks for (``properties.generate.strategies.
+#: lookaheads``): a window manager with blocks this small or smaller can hold a
+#: preallocated block past its history when it next allocates.
+MAX_LOOKAHEAD_TOKENS = 4
+
+
+def uses_window_manager(layout: KVCacheLayout) -> bool:
+    """LMDeploy builds its ``WindowBlockManager`` for ``layout``: every group a sliding
+    window of one width (note 1). Example: two windows of 8 -> True; full + window ->
+    False."""
+    try:
+        return config_for(layout).window_size > 0
+    except UnsupportedLayoutError:
+        return False
+
+
+def _prefix_caching_on(layout: KVCacheLayout) -> bool:
+    """LMDeploy runs its prefix trie for ``layout`` (caching on, no window manager)."""
+    return layout.enable_caching and not uses_window_manager(layout)
+
+
+def _window_can_hold_preallocation(layout: KVCacheLayout) -> bool:
+    """The window manager with a block size a step's lookahead can fill (``<=``
+    :data:`MAX_LOOKAHEAD_TOKENS`): a decode's preallocated block then lies past the
+    window's last block at the next allocation."""
+    return uses_window_manager(layout) and layout.groups[0].spec.block_size <= MAX_LOOKAHEAD_TOKENS
+
+
+#: LMDeploy 0.18.0 behaviours that break a property; see findings/lmdeploy/.
+KNOWN_DIVERGENCES = (
+    KnownDivergence(
+        name="lmdeploy-trie-dedup-writes-shared-block",
+        summary="BlockTrie.allocate substitutes the trie's block for a block the coming "
+        "forward computes (the one holding the last prompt token, or a later chunk's), so "
+        "two requests write one block",
+        finding="findings/lmdeploy/README.md#trie-dedup-writes-shared-block",
+        applies=_prefix_caching_on,
+        checks=("exclusive_write",),
+    ),
+    KnownDivergence(
+        name="lmdeploy-window-overdrop",
+        summary="WindowBlockManager drops one window block more for every block the "
+        "sequence holds past its history (preallocated), freeing keys the next forward reads",
+        finding="findings/lmdeploy/README.md#window-overdrop",
+        applies=_window_can_hold_preallocation,
+    ),
+)
+make_engine.known_divergences = KNOWN_DIVERGENCES  # type: ignore[attr-defined]
 make_engine.layout_strategy = lmdeploy_layouts  # type: ignore[attr-defined]
 #: Full attention and sliding windows (note 1); Mamba and chunked local are refused.
 make_engine.spec_types = ("full", "sliding_window")  # type: ignore[attr-defined]

@@ -42,7 +42,13 @@ from properties.core.trace import Operation, Trace
 from properties.engines.under_test import EngineUnderTest
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
-from properties.runner.run import TraceRun, declared_layouts, engine_of, failure_info
+from properties.runner.run import (
+    TraceRun,
+    declared_layouts,
+    engine_of,
+    excused_config,
+    failure_info,
+)
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
 
@@ -106,7 +112,7 @@ def _run_trace(
     kept as ``outcome.trace``."""
     try:
         run = TraceRun(
-            config,
+            excused_config(config, engine, layout),
             layout,
             engine,
             choose_mode=lambda supports: kept_mode(mode, layout, supports, engine),

@@ -108,10 +108,12 @@ def cmd_check(args: argparse.Namespace) -> int:
             f"{', '.join(engine.spec_types)}"
         )
     for d in engine.known_divergences:
-        print(
-            f"  known divergence {d.name}: {d.summary}\n    layouts where it applies are "
-            f"not drawn; see {d.finding}"
+        where = (
+            f"layouts where it applies run without {', '.join(d.checks)}"
+            if d.checks
+            else "layouts where it applies are not drawn"
         )
+        print(f"  known divergence {d.name}: {d.summary}\n    {where}; see {d.finding}")
     wanted = [p for p in PROPERTIES if not (p == "attention" and args.no_attention)]
     if args.only:
         wanted = [p for p in wanted if p in args.only]
@@ -732,7 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--engine",
             default="reference",
-            help="reference, vllm, sglang, module:factory, or exec:COMMAND (an engine in "
+            help="reference, vllm, sglang, lmdeploy, module:factory, or exec:COMMAND (an engine in "
             "any language speaking docs/exec-protocol.md)",
         )
         p.add_argument("--level", default=DEFAULT_LEVEL, choices=LEVELS, help="property level")
