@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Shared body of ci/engines/vllm and ci/engines/sglang: create .engines/NAME, install
+# Shared body of ci/engines/{vllm,sglang,lmdeploy}: create .engines/NAME, install
 # torch (CPU wheel, never a CUDA build), the engine --no-deps, its pinned lock file
 # --no-deps, and kvconform itself --no-deps. Idempotent: a complete environment
 # (marker file written last) is left alone.
@@ -12,10 +12,11 @@ marker="$env/.kvconform-complete"
 py="${PYTHON:-python3}"
 trap 'echo "ci/engines/$name: FAILED (line $LINENO, exit $?) while installing $pkg into $env" >&2' ERR
 # Test tools for `.engines/NAME/bin/python -m pytest` (installed --no-deps, so their
-# own dependencies are listed too), and numba (kvconform's jit extra: the bench runs here
-# and times the optimized engine with its compiled loops, as .venv does).
+# own dependencies are listed too: Pygments for pytest, which an engine's lock may not
+# bring), and numba (kvconform's jit extra: the bench runs here and times the optimized
+# engine with its compiled loops, as .venv does).
 test_tools=(setuptools wheel hypothesis==6.155.2 sortedcontainers pytest pluggy iniconfig
-  pytest-xdist execnet coverage numba==0.68.1 llvmlite==0.50.0)
+  Pygments pytest-xdist execnet coverage numba==0.68.1 llvmlite==0.50.0)
 ensure_test_tools() {
   if ! "$env/bin/python" -c 'import pytest, xdist, hypothesis, sortedcontainers, coverage, numba' 2>/dev/null; then
     "$env/bin/pip" install -q --disable-pip-version-check --no-deps "${test_tools[@]}" >/dev/null

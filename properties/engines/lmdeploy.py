@@ -437,16 +437,26 @@ class LMDeployEngine:
                 f"lmdeploy adapter: {request_id!r} asks for {num_new_tokens} new and "
                 f"{num_lookahead_tokens} lookahead tokens"
             )
-        before = self.get_block_ids(request_id)
         if state.admitted:
             if hit_tokens:
                 raise EngineError(f"lmdeploy adapter: a hit for running request {request_id!r}")
+            before = self.get_block_ids(request_id)
             ok = self._grow(state, num_new_tokens, num_lookahead_tokens)
-        else:
+        else:  # the new blocks follow the adopted hit's
+            before = hit.block_ids if hit_tokens else self._per_group(())
             ok = self._admit(state, hit_tokens, num_new_tokens, num_lookahead_tokens)
         if not ok:
             return None
         after = self.get_block_ids(request_id)
+        # the blocks it held (or adopted) stay in place; a window may null them
+        if any(
+            len(row) < len(old) or any(b not in (a, 0) for a, b in zip(old, row))
+            for row, old in zip(after, before)
+        ):
+            raise EngineError(
+                f"lmdeploy adapter: allocate_slots({request_id!r}) left a table {after} "
+                f"that does not extend {before}"
+            )
         return tuple(tuple(row[len(old) :]) for row, old in zip(after, before))
 
     def _admit(self, state: _Request, hit_tokens: int, n: int, lookahead: int) -> bool:
