@@ -335,9 +335,13 @@ class LMDeployEngine:
         self.separate_group_pools = len(cfg.attention_groups) > 1
         self._requests: dict[str, _Request] = {}
         self._session_ids = itertools.count()
+        #: num_free_blocks of the current state (None: not computed since the last call
+        #: into LMDeploy)
+        self._num_free: int | None = None
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request: RequestInput) -> None:
+        self._num_free = None
         if request.request_id in self._requests:
             raise EngineError(f"lmdeploy adapter: request_id {request.request_id!r} exists")
         if not request.prompt_token_ids:
@@ -355,6 +359,7 @@ class LMDeployEngine:
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         """``update_token_ids`` as the AR strategy's ``update_running`` (note 6): the
         sequence's pending tokens join its history, the new ones are pending."""
+        self._num_free = None
         state = self._get(request_id)
         m = self._m
         for token in token_ids:
@@ -367,6 +372,7 @@ class LMDeployEngine:
         state.seq.set_step(state.num_computed_tokens)
 
     def set_num_computed_tokens(self, request_id: str, num_computed_tokens: int) -> None:
+        self._num_free = None
         state = self._get(request_id)
         if not 0 <= num_computed_tokens <= state.num_tokens:
             raise EngineError(
@@ -378,9 +384,11 @@ class LMDeployEngine:
 
     def new_step(self) -> None:
         """One scheduler progress step (``Scheduler.tick``, once per forward dispatch)."""
+        self._num_free = None
         self.scheduler.tick()
 
     def remove_request(self, request_id: str) -> None:
+        self._num_free = None
         state = self._get(request_id)
         if state.admitted:
             self.free(request_id)
@@ -390,6 +398,7 @@ class LMDeployEngine:
     # ---------------------------------------------------------------- lookups
     def get_computed_blocks(self, request_id: str) -> CacheHit:
         """LMDeploy's tentative match, read, then rolled back (note 3)."""
+        self._num_free = None
         state = self._get(request_id)
         seq = state.seq
         if state.admitted or seq.num_blocks:
@@ -425,6 +434,7 @@ class LMDeployEngine:
         hit: CacheHit | None = None,
         num_lookahead_tokens: int = 0,
     ) -> BlockIds | None:
+        self._num_free = None
         state = self._get(request_id)
         hit_tokens = hit.num_tokens if hit is not None else 0
         if num_new_computed_tokens != hit_tokens:
@@ -437,7 +447,8 @@ class LMDeployEngine:
                 f"lmdeploy adapter: {request_id!r} asks for {num_new_tokens} new and "
                 f"{num_lookahead_tokens} lookahead tokens"
             )
-        if state.admitted:
+        admission = not state.admitted
+        if not admission:
             if hit_tokens:
                 raise EngineError(f"lmdeploy adapter: a hit for running request {request_id!r}")
             before = self.get_block_ids(request_id)
@@ -448,9 +459,11 @@ class LMDeployEngine:
         if not ok:
             return None
         after = self.get_block_ids(request_id)
-        # the blocks it held (or adopted) stay in place; a window may null them
+        # an admission's table starts with the adopted hit; a running request's table
+        # does not shrink (LMDeploy's window nulls entries, and its trie may substitute
+        # its own block for one the request holds: findings/lmdeploy/README.md)
         if any(
-            len(row) < len(old) or any(b not in (a, 0) for a, b in zip(old, row))
+            len(row) < len(old) or (admission and tuple(row[: len(old)]) != tuple(old))
             for row, old in zip(after, before)
         ):
             raise EngineError(
@@ -525,6 +538,7 @@ class LMDeployEngine:
     # ------------------------------------------------------------------- free
     def free(self, request_id: str) -> None:
         """Note 7: LMDeploy's preemption, then its reclaim of the sequence."""
+        self._num_free = None
         state = self._get(request_id)
         seq = state.seq
         if seq.status == self._m.MessageStatus.RUNNING:
@@ -539,6 +553,7 @@ class LMDeployEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Note 9: evict every trie block when no sequence holds blocks."""
+        self._num_free = None
         if any(s.seq.num_blocks for s in self._requests.values()):
             return False
         if self.block_trie.enabled:
@@ -555,8 +570,13 @@ class LMDeployEngine:
         return self._per_group(row)
 
     def num_free_blocks(self) -> int:
-        """Note 8: free GPU blocks plus the trie blocks eviction can take."""
-        return int(self.block_manager.get_num_free_gpu_blocks()) + len(self._evictable_nodes())
+        """Note 8: free GPU blocks plus the trie blocks eviction can take (computed once
+        per state: every call into LMDeploy forgets it)."""
+        if self._num_free is None:
+            self._num_free = (
+                int(self.block_manager.get_num_free_gpu_blocks()) + self._num_evictable()
+            )
+        return self._num_free
 
     def pool_usage(self) -> tuple[PoolUsage, ...]:
         """One pool, ``kv``, for every attention group (note 1)."""
@@ -609,38 +629,42 @@ class LMDeployEngine:
                 stack.append(child)
         return nodes
 
-    def _evictable_nodes(self) -> list[Any]:
-        """Trie nodes LMDeploy's leaf-by-leaf eviction can take: the node and its whole
-        subtree referenced by the trie alone, no checkpoint pinned. Example: a path
-        ``a -> b`` where a finished request released both: both; while a running request
-        holds ``a``: none (``b`` evicted first needs ``a``'s reference to drop too)."""
+    def _num_evictable(self) -> int:
+        """Trie nodes LMDeploy's leaf-by-leaf eviction can take: those whose whole subtree
+        (the node included) only the trie references, no checkpoint pinned; counted from
+        the trie's topology. Example: a path ``a -> b`` released by every request: 2; while
+        a request holds ``a`` only: 1 (``b``); while one holds ``b`` (and so ``a``): 0.
+
+        One preorder walk gives each node its subtree's interval ``[i, end)``; a node is
+        evictable when no node of its interval is held (a prefix sum of the held ones)."""
         if not self.block_trie.enabled:
-            return []
-        allocator = self.block_manager.allocator
-        checkpoints = self.block_trie.state_checkpoints
-        out: list[Any] = []
-        # iterative post-order walk (a trie is max_model_len / block_size deep)
-        for root in self.block_trie._roots.values():
-            stack: list[tuple[Any, bool]] = [(root, False)]
-            takeable: dict[int, bool] = {}
-            while stack:
-                node, expanded = stack.pop()
-                children = list(node.children.values())
-                if not expanded:
-                    stack.append((node, True))
-                    stack.extend((child, False) for child in children)
-                    continue
-                ok = all(takeable[id(child)] for child in children)
-                if node.parent is not None:
-                    ok = (
-                        ok
-                        and int(allocator.get_ref_count(node.block_id)) == 1
-                        and not checkpoints.is_pinned(node)
-                    )
-                    if ok:
-                        out.append(node)
-                takeable[id(node)] = ok
-        return out
+            return 0
+        np = self._m.np
+        block_ids: list[int] = []
+        pinned: list[bool] = []
+        ends: list[int] = []
+        # entries: a node to enter, or the index of a node whose subtree is complete
+        stack: list[Any] = [
+            child for root in self.block_trie._roots.values() for child in root.children.values()
+        ]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, int):
+                ends[item] = len(block_ids)
+                continue
+            stack.append(len(block_ids))
+            block_ids.append(item.block_id)
+            checkpoint = item.state_checkpoint
+            pinned.append(checkpoint is not None and checkpoint.pin_count > 0)
+            ends.append(0)
+            stack.extend(item.children.values())
+        if not block_ids:
+            return 0
+        refs = self.block_manager.allocator.get_ref_count(np.asarray(block_ids))
+        held = (refs != 1) | np.asarray(pinned)
+        prefix = np.concatenate(([0], np.cumsum(held)))
+        starts = np.arange(len(block_ids))
+        return int(np.count_nonzero(prefix[np.asarray(ends)] == prefix[starts]))
 
     def _physical(self, logical: Any) -> tuple[int, ...]:
         if len(logical) == 0:
