@@ -66,20 +66,27 @@ How each difference from the protocol (vLLM's shape) is bridged
 6. **Progress.** ``set_num_computed_tokens`` is ``SchedulerSequence.set_step`` (the long
    context chunker's call); ``append_output_tokens`` is ``update_token_ids`` in PREFILL
    mode for the first output, DECODE after, as the AR strategy's ``update_running``.
-7. **free** is LMDeploy's preemption and reclaim of the sequence
-   (``Scheduler.preempt_seqs`` then ``RecomputeEvictionHelper._reclaim_candidate``:
-   ``release_paging_resources`` frees its blocks, the trie keeps its own references);
-   LMDeploy keeps a stopped sequence's blocks until another request reclaims them, the
-   protocol's ``free`` releases them at once. ``remove_request`` is
-   ``Scheduler.end_session``.
-8. **num_free_blocks** is the free GPU blocks plus the trie blocks LMDeploy's eviction
-   can take (a node whose whole subtree only the trie references, as leaf-by-leaf
-   eviction needs), counted from the trie's topology, not from LMDeploy's own leaf
-   index. ``ref_counts`` are the allocator's reference counts less the trie's own
-   reference: the requests holding a block. ``cached_blocks`` are the trie's nodes.
-9. **reset_prefix_cache**: LMDeploy has none. With no sequence holding blocks the
-   adapter evicts every trie block through ``BlockTrie.evict`` (the path memory pressure
-   takes); ``False`` while a sequence holds blocks.
+7. **free** is the client's stop (``Scheduler.stop_session``: RUNNING -> STOPPED; the
+   stopped sequence keeps its blocks, as LMDeploy keeps them for the session's next
+   turn). Requests alternate (``keeps_session``): the even ones are reclaimed at once
+   (``RecomputeEvictionHelper._reclaim_candidate``: ``release_paging_resources``, the
+   trie keeping its own references), and ``remove_request`` ends their session
+   (``Scheduler.end_session``); the odd ones keep their session open after
+   ``remove_request``, with the stopped sequence holding its blocks until an admission
+   that needs them reclaims it (the candidates ``try_make_capacity_for`` goes through
+   before evicting trie blocks); the session ends at the next ``new_step`` once its
+   blocks are gone. A preempted request (``set_num_computed_tokens(0)`` after ``free``)
+   is reclaimed then, and activated (STOPPED -> WAITING) when admitted again.
+8. **num_free_blocks** is the free GPU blocks, the blocks only stopped sequences hold,
+   and the trie blocks LMDeploy's eviction can take once those are reclaimed (a node
+   whose whole subtree no request holds, as leaf-by-leaf eviction needs), counted from
+   the trie's topology, not from LMDeploy's own leaf index. ``ref_counts`` are the
+   allocator's reference counts less the trie's own reference and the stopped
+   sequences': the requests holding a block. ``cached_blocks`` are the trie's nodes.
+9. **reset_prefix_cache**: LMDeploy has none. With no request holding blocks the
+   adapter ends the kept sessions, reclaims any stopped sequence and evicts every trie
+   block through ``BlockTrie.evict`` (the path memory pressure takes); ``False`` while a
+   request holds blocks.
 10. **Clock.** LMDeploy stamps access times with ``time.perf_counter()`` into an
     ``int64`` array, so LRU order is kept to whole seconds and ties go by the nodes'
     addresses (``id``): a run would not replay. The adapter gives the two paging modules
@@ -287,6 +294,10 @@ class _Request:
     seq: Any
     session_id: int
     num_tokens: int
+    #: its session stays open after ``remove_request`` (an interactive session: the
+    #: stopped sequence keeps its blocks until an admission reclaims them); every other
+    #: request, as LMDeploy's ``end_session`` does, releases them at ``free`` (note 7)
+    keeps_session: bool = False
     num_computed_tokens: int = 0
     num_generated: int = 0
     #: admitted (holds LMDeploy paging resources, RUNNING) since its last free
@@ -335,6 +346,9 @@ class LMDeployEngine:
         self.separate_group_pools = len(cfg.attention_groups) > 1
         self._requests: dict[str, _Request] = {}
         self._session_ids = itertools.count()
+        #: sessions of removed requests kept open: session id -> its stopped sequence,
+        #: ended once LMDeploy has reclaimed its blocks
+        self._kept_sessions: dict[int, Any] = {}
         #: num_free_blocks of the current state (None: not computed since the last call
         #: into LMDeploy)
         self._num_free: int | None = None
@@ -353,7 +367,10 @@ class LMDeployEngine:
             adapter_name=adapter_key(request.lora_name, request.cache_salt),
         )
         self._requests[request.request_id] = _Request(
-            seq=seq, session_id=session_id, num_tokens=len(request.prompt_token_ids)
+            seq=seq,
+            session_id=session_id,
+            num_tokens=len(request.prompt_token_ids),
+            keeps_session=session_id % 2 == 1,
         )
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
@@ -379,20 +396,39 @@ class LMDeployEngine:
                 f"lmdeploy adapter: num_computed_tokens {num_computed_tokens} out of "
                 f"[0, {state.num_tokens}] for {request_id!r}"
             )
+        seq = state.seq
+        if not state.admitted and seq.num_blocks:
+            if num_computed_tokens:
+                raise EngineError(
+                    f"lmdeploy adapter: {request_id!r} was freed; it can only restart from 0, "
+                    f"got {num_computed_tokens} computed tokens"
+                )
+            # preempted: its prefix is computed again, so its kept blocks go now
+            self._reclaim(seq)
         state.num_computed_tokens = num_computed_tokens
-        state.seq.set_step(num_computed_tokens)
+        seq.set_step(num_computed_tokens)
 
     def new_step(self) -> None:
-        """One scheduler progress step (``Scheduler.tick``, once per forward dispatch)."""
+        """One scheduler progress step (``Scheduler.tick``, once per forward dispatch);
+        kept sessions whose blocks LMDeploy reclaimed end (note 7)."""
         self._num_free = None
         self.scheduler.tick()
+        for session_id, seq in list(self._kept_sessions.items()):
+            if not seq.num_blocks:
+                self.scheduler.end_session(session_id)
+                del self._kept_sessions[session_id]
 
     def remove_request(self, request_id: str) -> None:
+        """``Scheduler.end_session``, or, for a request that keeps its session, the
+        session left open with its stopped sequence (note 7)."""
         self._num_free = None
         state = self._get(request_id)
         if state.admitted:
             self.free(request_id)
-        self.scheduler.end_session(state.session_id)
+        if state.keeps_session and state.seq.num_blocks:
+            self._kept_sessions[state.session_id] = state.seq
+        else:
+            self.scheduler.end_session(state.session_id)
         del self._requests[request_id]
 
     # ---------------------------------------------------------------- lookups
@@ -477,10 +513,18 @@ class LMDeployEngine:
         hit; False when it stops (its match rolled back, evictions kept)."""
         seq = state.seq
         m = self._m
-        if state.num_computed_tokens or seq.num_history_ids:
+        if hit_tokens + n > state.num_tokens:
             raise EngineError(
-                f"lmdeploy adapter: admitting {seq.seq_id} at step {seq.num_history_ids}"
+                f"lmdeploy adapter: {n} new tokens after a hit of {hit_tokens} pass the "
+                f"request's {state.num_tokens} tokens"
             )
+        if state.num_computed_tokens or seq.num_history_ids or seq.num_blocks:
+            raise EngineError(
+                f"lmdeploy adapter: admitting {seq.seq_id} at step {seq.num_history_ids} "
+                f"with {seq.num_blocks} blocks"
+            )
+        if seq.status == m.MessageStatus.STOPPED:  # freed before: back to the queue
+            seq.activate()
         self.cache_config.max_prefill_token_num = n
         attempt = m.AdmissionAttempt(
             self.scheduler._prefill_scheduler,
@@ -537,45 +581,59 @@ class LMDeployEngine:
 
     # ------------------------------------------------------------------- free
     def free(self, request_id: str) -> None:
-        """Note 7: LMDeploy's preemption, then its reclaim of the sequence."""
+        """Note 7: the client's stop (``Scheduler.stop_session``: RUNNING -> STOPPED, its
+        blocks kept); a request that does not keep its session is reclaimed at once."""
         self._num_free = None
         state = self._get(request_id)
-        seq = state.seq
-        if seq.status == self._m.MessageStatus.RUNNING:
-            self.scheduler.preempt_seqs((seq,))
-        if seq.num_blocks or seq.logical_state >= 0:
-            self.scheduler.eviction_helper._reclaim_candidate(seq)
+        if not state.admitted:
+            return
         state.admitted = False
-        if seq.num_blocks:
+        self.scheduler.stop_session(state.session_id)
+        if not state.keeps_session:
+            self._reclaim(state.seq)
+
+    def _reclaim(self, seq: Any) -> None:
+        """LMDeploy's reclaim of a stopped sequence
+        (``RecomputeEvictionHelper._reclaim_candidate``: ``release_paging_resources``)."""
+        if not self.scheduler.eviction_helper._reclaim_candidate(seq) or seq.num_blocks:
             raise EngineError(
-                f"lmdeploy adapter: free({request_id!r}) left {seq.num_blocks} blocks"
+                f"lmdeploy adapter: reclaiming sequence {seq.seq_id} left {seq.num_blocks} blocks"
             )
 
     def reset_prefix_cache(self) -> bool:
-        """Note 9: evict every trie block when no sequence holds blocks."""
+        """Note 9: evict every trie block when no request holds blocks (the kept
+        sessions end first)."""
         self._num_free = None
-        if any(s.seq.num_blocks for s in self._requests.values()):
+        if any(s.admitted for s in self._requests.values()):
             return False
+        for session_id in list(self._kept_sessions):
+            self.scheduler.end_session(session_id)
+        self._kept_sessions.clear()
+        for state in self._requests.values():
+            if state.seq.num_blocks:
+                self._reclaim(state.seq)
         if self.block_trie.enabled:
             self.block_trie.evict(self.config.num_gpu_blocks)
         return True
 
     # ------------------------------------------------------------- observations
     def get_block_ids(self, request_id: str) -> BlockIds:
-        seq = self._get(request_id).seq
-        if not seq.num_blocks:
+        """The sequence's table while the request is admitted; empty after ``free`` (a
+        stopped sequence's kept blocks are LMDeploy's to reclaim, note 7)."""
+        state = self._get(request_id)
+        seq = state.seq
+        if not state.admitted or not seq.num_blocks:
             return self._per_group(())
         dropped = seq.num_ignored_history // self.config.block_size
         row = (0,) * dropped + self._physical(seq.logical_blocks.get_real_blocks())
         return self._per_group(row)
 
     def num_free_blocks(self) -> int:
-        """Note 8: free GPU blocks plus the trie blocks eviction can take (computed once
-        per state: every call into LMDeploy forgets it)."""
+        """Note 8: free GPU blocks, blocks only stopped sequences hold, and the trie
+        blocks eviction can take once they are reclaimed (computed once per state: every
+        call into LMDeploy forgets it)."""
         if self._num_free is None:
-            self._num_free = (
-                int(self.block_manager.get_num_free_gpu_blocks()) + self._num_evictable()
-            )
+            self._num_free = int(self.block_manager.get_num_free_gpu_blocks()) + self._reclaimable()
         return self._num_free
 
     def pool_usage(self) -> tuple[PoolUsage, ...]:
@@ -590,17 +648,18 @@ class LMDeployEngine:
         )
 
     def ref_counts(self) -> dict[int, int]:
-        """Per physical block: the allocator's reference count less the trie's own
-        reference (note 8); 0 for a free block."""
+        """Per physical block: the requests holding it, i.e. the allocator's reference
+        count less the trie's own reference and the stopped sequences' (note 8); 0 for a
+        free block."""
         np = self._m.np
         allocator = self.block_manager.allocator
-        refs = np.array(allocator.get_ref_count(np.arange(allocator._num_blocks)))
-        for node in self._trie_nodes():
-            refs[node.block_id] -= 1
+        owners = self._request_refs()
+        trie = self._trie_walk()[0]
+        np.subtract.at(owners, np.asarray(trie, dtype=np.int64), 1)
         counts = dict.fromkeys(range(1, self.config.num_gpu_blocks), 0)
-        held = np.flatnonzero(refs)
+        held = np.flatnonzero(owners)
         for logical, physical in zip(held, allocator.get_physical_blocks(held)):
-            counts[int(physical)] = int(refs[logical])
+            counts[int(physical)] = int(owners[logical])
         return counts
 
     def cached_blocks(self) -> list[CachedBlock]:
@@ -629,20 +688,26 @@ class LMDeployEngine:
                 stack.append(child)
         return nodes
 
-    def _num_evictable(self) -> int:
-        """Trie nodes LMDeploy's leaf-by-leaf eviction can take: those whose whole subtree
-        (the node included) only the trie references, no checkpoint pinned; counted from
-        the trie's topology. Example: a path ``a -> b`` released by every request: 2; while
-        a request holds ``a`` only: 1 (``b``); while one holds ``b`` (and so ``a``): 0.
-
-        One preorder walk gives each node its subtree's interval ``[i, end)``; a node is
-        evictable when no node of its interval is held (a prefix sum of the held ones)."""
-        if not self.block_trie.enabled:
-            return 0
+    def _request_refs(self) -> Any:
+        """Per logical block, the allocator's reference count less the references of the
+        sequences no admitted request owns (stopped, their blocks kept for a reclaim)."""
         np = self._m.np
+        allocator = self.block_manager.allocator
+        refs = np.array(allocator.get_ref_count(np.arange(allocator._num_blocks)))
+        admitted = {id(s.seq) for s in self._requests.values() if s.admitted}
+        for seq in self.scheduler.seq_manager.get_all_sequences():
+            if seq.num_blocks and id(seq) not in admitted:
+                np.subtract.at(refs, seq.logical_blocks.get_real_blocks(), 1)
+        return refs
+
+    def _trie_walk(self) -> tuple[list[int], list[int], list[bool]]:
+        """The trie's non-root nodes in preorder: their logical block ids, the end of each
+        node's subtree interval ``[i, end)``, and whether a checkpoint pins it."""
         block_ids: list[int] = []
-        pinned: list[bool] = []
         ends: list[int] = []
+        pinned: list[bool] = []
+        if not self.block_trie.enabled:
+            return block_ids, ends, pinned
         # entries: a node to enter, or the index of a node whose subtree is complete
         stack: list[Any] = [
             child for root in self.block_trie._roots.values() for child in root.children.values()
@@ -658,13 +723,31 @@ class LMDeployEngine:
             pinned.append(checkpoint is not None and checkpoint.pin_count > 0)
             ends.append(0)
             stack.extend(item.children.values())
+        return block_ids, ends, pinned
+
+    def _reclaimable(self) -> int:
+        """Blocks an allocation can take besides the free ones (note 8): those only
+        stopped sequences hold (LMDeploy reclaims them first), and the trie nodes whose
+        whole subtree (the node included) no request holds then, no checkpoint pinned,
+        as leaf-by-leaf eviction needs; from the trie's topology, not LMDeploy's leaf
+        index. Example: a path ``a -> b`` no request holds: 2; while a request holds
+        ``a`` only: 1 (``b``); while one holds ``b`` (and so ``a``): 0.
+
+        One preorder walk gives each node its subtree's interval; a node is evictable
+        when no node of its interval is held (a prefix sum of the held ones)."""
+        np = self._m.np
+        refs = self._request_refs()
+        block_ids, ends, pinned = self._trie_walk()
+        in_trie = np.zeros(len(refs), dtype=bool)
+        in_trie[np.asarray(block_ids, dtype=np.int64)] = True
+        allocated = np.asarray(self.block_manager.allocator.get_ref_count(np.arange(len(refs))))
+        stopped_only = int(np.count_nonzero((allocated > 0) & (refs == 0) & ~in_trie))
         if not block_ids:
-            return 0
-        refs = self.block_manager.allocator.get_ref_count(np.asarray(block_ids))
-        held = (refs != 1) | np.asarray(pinned)
+            return stopped_only
+        held = (refs[np.asarray(block_ids)] != 1) | np.asarray(pinned)
         prefix = np.concatenate(([0], np.cumsum(held)))
         starts = np.arange(len(block_ids))
-        return int(np.count_nonzero(prefix[np.asarray(ends)] == prefix[starts]))
+        return stopped_only + int(np.count_nonzero(prefix[np.asarray(ends)] == prefix[starts]))
 
     def _physical(self, logical: Any) -> tuple[int, ...]:
         if len(logical) == 0:

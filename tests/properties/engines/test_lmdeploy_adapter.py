@@ -402,3 +402,44 @@ def test_the_gate_catches_the_window_one_block_early_mutant():
 def test_the_gate_catches_the_trie_keeps_no_reference_mutant():
     """The trie attaches a block without its own reference: owners != ref counts (I3)."""
     assert "first failure [ref_counts_match_owners]" in _check_mutant("trie_keeps_no_reference")
+
+
+def test_a_kept_session_is_reclaimed_by_the_admission_that_needs_its_blocks():
+    """5 blocks (4 usable), bs 4. Request k (the second: it keeps its session) computes
+    10 tokens (blocks 1, 2, 3; 1 and 2 cached) and is freed and removed: its stopped
+    sequence keeps the three blocks, yet all 4 count as obtainable and none is owned.
+    A 16-token request of other tokens needs all 4: LMDeploy reclaims the stopped
+    sequence, evicts blocks 1 and 2 from the trie and admits it; the next step ends the
+    kept session."""
+    engine = make_engine(full(num_blocks=5))
+    engine.add_request(RequestInput("first", (1,)))
+    engine.remove_request("first")
+    admit(engine, "k", tuple(range(10)))
+    engine.set_num_computed_tokens("k", 10)
+    engine.free("k")
+    engine.remove_request("k")
+    session = engine._kept_sessions[1]
+    assert session.num_blocks == 3 and session.status.name == "STOPPED"
+    assert engine.block_manager.get_num_free_gpu_blocks() == 1
+    assert engine.num_free_blocks() == 4
+    assert set(engine.ref_counts().values()) == {0}
+    _, new = admit(engine, "big", tuple(range(100, 116)))
+    assert len(new[0]) == 4 and session.num_blocks == 0
+    engine.new_step()
+    assert 1 not in engine.scheduler.sessions and engine._kept_sessions == {}
+
+
+def test_a_preempted_request_is_reclaimed_and_admitted_again():
+    """The second request keeps its session, but a preemption (free, then 0 computed
+    tokens) reclaims it at once: its blocks come back (to the front of LMDeploy's free
+    list, in their order) and it is admitted again on them."""
+    engine = make_engine(full(caching=False))
+    engine.add_request(RequestInput("first", (1,)))
+    admit(engine, "p", tuple(range(10)))
+    engine.set_num_computed_tokens("p", 10)
+    engine.free("p")
+    assert engine.block_manager.get_num_free_gpu_blocks() == 12  # kept until the restart
+    engine.set_num_computed_tokens("p", 0)
+    assert engine.block_manager.get_num_free_gpu_blocks() == 15
+    hit = engine.get_computed_blocks("p")
+    assert engine.allocate_slots("p", 10, 0, hit) == ((1, 2, 3),)
