@@ -92,6 +92,14 @@ How each difference from the protocol (vLLM's shape) is bridged
     addresses (``id``): a run would not replay. The adapter gives the two paging modules
     that read the clock a logical one (:class:`LogicalClock`, one tick per read), so
     eviction order is the order of the calls and a trace replays exactly.
+11. **Metrics.** At every ``new_step`` the adapter reads ``Scheduler.schedule_metrics``
+    as LMDeploy's engine loop does and requires the adapter's own figures: the running
+    requests, the ticks, the prefix-cache statistics of the committed admissions
+    (rolled-back lookups and admissions count nothing, nor the first admission after a
+    reclaim: ``suppress_match_stats``) and the cache usage: with LMDeploy's default
+    ``enable_request_cache_usage_metric`` the blocks admitted requests hold, counted once
+    over the pool; for one layout in four (``crc32`` of the layout) the metric is off and
+    the usage is ``1 - free / blocks``. A difference is an :class:`EngineError`.
 
 Refused layouts (:class:`UnsupportedLayoutError`)
 -------------------------------------------------
@@ -109,6 +117,7 @@ from __future__ import annotations
 import itertools
 import os
 import types
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -245,6 +254,7 @@ class _LMDeployModules:
             os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
             try:
                 import numpy as np
+                from lmdeploy.pytorch import envs
                 from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig
                 from lmdeploy.pytorch.engine.executor.base import ExecutorBase
                 from lmdeploy.pytorch.messages import (
@@ -269,6 +279,7 @@ class _LMDeployModules:
             checkpoint_lifecycle.time = clock
             cls._loaded = types.SimpleNamespace(
                 np=np,
+                envs=envs,
                 CacheConfig=CacheConfig,
                 SchedulerConfig=SchedulerConfig,
                 ExecutorBase=ExecutorBase,
@@ -349,6 +360,12 @@ class LMDeployEngine:
         #: sessions of removed requests kept open: session id -> its stopped sequence,
         #: ended once LMDeploy has reclaimed its blocks
         self._kept_sessions: dict[int, Any] = {}
+        #: the prefix-cache statistics LMDeploy should hold: (query, hit) tokens of the
+        #: admissions whose match it counts (note 11)
+        self._expected_stats = [0, 0]
+        self._ticks = 0
+        #: the request-level cache usage metric (LMDeploy's default) or the pool's
+        self.request_usage_metric = zlib.crc32(layout.describe().encode()) % 4 != 0
         #: num_free_blocks of the current state (None: not computed since the last call
         #: into LMDeploy)
         self._num_free: int | None = None
@@ -412,11 +429,45 @@ class LMDeployEngine:
         """One scheduler progress step (``Scheduler.tick``, once per forward dispatch);
         kept sessions whose blocks LMDeploy reclaimed end (note 7)."""
         self._num_free = None
+        self._check_metrics()
         self.scheduler.tick()
+        self._ticks += 1
         for session_id, seq in list(self._kept_sessions.items()):
             if not seq.num_blocks:
                 self.scheduler.end_session(session_id)
                 del self._kept_sessions[session_id]
+
+    def _check_metrics(self) -> None:
+        """Note 11: ``Scheduler.schedule_metrics``, as the engine loop reads it every step,
+        against the adapter's own figures: running sequences, scheduler ticks, the
+        prefix-cache hit counts of the admissions, and the cache usage (the blocks
+        admitted requests hold, counted once, with LMDeploy's default request-level
+        metric; ``1 - free / blocks`` without it)."""
+        m = self._m
+        m.envs.enable_request_cache_usage_metric = self.request_usage_metric
+        metrics = self.scheduler.schedule_metrics
+        stats = self.block_trie.stats
+        running = [s for s in self._requests.values() if s.admitted]
+        total = self.config.num_gpu_blocks
+        if self.request_usage_metric:
+            held = {
+                b for s in running for b in self._physical(s.seq.logical_blocks.get_real_blocks())
+            }
+            usage = len(held) / total
+        else:
+            usage = 1.0 - self.block_manager.get_num_free_gpu_blocks() / total
+        got = (
+            metrics.active_seqs,
+            metrics.scheduler_tick,
+            stats.num_query_tokens,
+            stats.num_hit_tokens,
+        )
+        want = (len(running), self._ticks, *self._expected_stats)
+        if got != want or abs(metrics.cache_usage - usage) > 1e-9:
+            raise EngineError(
+                "lmdeploy adapter: schedule_metrics (active, tick, query, hit tokens, usage) "
+                f"{(*got, metrics.cache_usage)} != {(*want, usage)}"
+            )
 
     def remove_request(self, request_id: str) -> None:
         """``Scheduler.end_session``, or, for a request that keeps its session, the
@@ -536,6 +587,7 @@ class LMDeployEngine:
             batch_has_prefill=False,
             turn_policy=m.TurnPolicy.STANDARD,
         )
+        counted = self.block_trie.enabled and not seq.prefix_cache.suppress_match_stats
         admitted = attempt.run().action is m.AdmissionAction.ADMIT
         if not admitted:
             if seq.num_blocks:
@@ -548,6 +600,9 @@ class LMDeployEngine:
                 f"lmdeploy adapter: LMDeploy's admission matched {seq.num_history_ids} "
                 f"tokens, the lookup {hit_tokens}"
             )
+        if counted:  # BlockTrie._record_match_stats of the committed match
+            self._expected_stats[0] += state.num_tokens
+            self._expected_stats[1] += hit_tokens
         seq.state.activate()
         self.scheduler.activate_seqs([seq])
         state.admitted = True
@@ -581,15 +636,18 @@ class LMDeployEngine:
 
     # ------------------------------------------------------------------- free
     def free(self, request_id: str) -> None:
-        """Note 7: the client's stop (``Scheduler.stop_session``: RUNNING -> STOPPED, its
-        blocks kept); a request that does not keep its session is reclaimed at once."""
+        """Note 7: a request that keeps its session finishes (``finish``: RUNNING ->
+        STOPPED, blocks kept); the others are stopped (``Scheduler.stop_session``) and
+        reclaimed at once."""
         self._num_free = None
         state = self._get(request_id)
         if not state.admitted:
             return
         state.admitted = False
-        self.scheduler.stop_session(state.session_id)
-        if not state.keeps_session:
+        if state.keeps_session:  # the generation's own end: RUNNING -> STOPPED
+            state.seq.finish()
+        else:  # the client's stop, then the reclaim
+            self.scheduler.stop_session(state.session_id)
             self._reclaim(state.seq)
 
     def _reclaim(self, seq: Any) -> None:

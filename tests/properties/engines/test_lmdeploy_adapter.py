@@ -443,3 +443,26 @@ def test_a_preempted_request_is_reclaimed_and_admitted_again():
     assert engine.block_manager.get_num_free_gpu_blocks() == 15
     hit = engine.get_computed_blocks("p")
     assert engine.allocate_slots("p", 10, 0, hit) == ((1, 2, 3),)
+
+
+def test_the_schedule_metrics_match_the_adapters_figures():
+    """The prefix-hit example again: A queries 10 tokens and hits none, B queries 12 and
+    hits 8 (the lookups, rolled back, count nothing); 4 of the 16 blocks are held by the
+    two running requests, counted once; without the request-level metric the usage is
+    the pool's, ``1 - 11 / 16`` (the reserved dummy block counts as used). new_step reads
+    the metrics and agrees; a metric that disagrees is an engine error."""
+    engine = make_engine(full())
+    admit(engine, "a", tuple(range(10)))
+    engine.set_num_computed_tokens("a", 10)
+    admit(engine, "b", tuple(range(8)) + (50, 51, 52, 53))
+    stats = engine.block_trie.stats
+    assert (stats.num_query_tokens, stats.num_hit_tokens) == (22, 8)
+    engine.request_usage_metric = True
+    engine.new_step()
+    assert engine.scheduler.schedule_metrics.cache_usage == 4 / 16
+    engine.request_usage_metric = False
+    engine.new_step()
+    assert engine.scheduler.schedule_metrics.cache_usage == 1 - 11 / 16
+    stats.num_hit_tokens += 1
+    with pytest.raises(EngineError, match="schedule_metrics"):
+        engine.new_step()
