@@ -9,9 +9,10 @@ package; they need LMDeploy (``.engines/lmdeploy``).
   (``window_liveness``).
 * ``trie_keeps_no_reference``: ``KVBlockLifecycle.commit_path_extension`` forgets the
   trie's own allocator reference to the blocks it attaches (``add_ref_count(..., 0)``),
-  so a cached block returns to the free pool when its last request frees it, while the
-  trie still serves it as a hit: the reference counts no longer count the owners
-  (``ref_counts_match_owners``), and the block is handed out again under the trie.
+  so a block a request holds has the reference count of a block only the trie holds:
+  it is counted obtainable while held (``pool_accounting_per_pool``: free + held >
+  capacity), and it returns to the free pool when the request frees it while the trie
+  still serves it as a hit.
 
 Each mutation is applied once per process, when the factory first builds an engine
 (:mod:`tests.properties.engines.line_mutants`).
