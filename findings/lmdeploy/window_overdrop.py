@@ -52,8 +52,15 @@ assert scheduler.schedule(is_prefill=True, prealloc_size=PREALLOC).running == [s
 scheduler.activate_seqs([seq])
 seq.update_token_ids(np.array([100]), mode=UpdateTokenMode.PREFILL)
 seq.state.finish()  # the request stopped; the session keeps the sequence and its blocks
-print("after turn 1: history", seq.num_history_ids, "blocks", seq.num_blocks,
-      "(positions 0 ..", seq.num_blocks * BLOCK - 1, ")")
+print(
+    "after turn 1: history",
+    seq.num_history_ids,
+    "blocks",
+    seq.num_blocks,
+    "(positions 0 ..",
+    seq.num_blocks * BLOCK - 1,
+    ")",
+)
 
 # turn 2: the engine appends the new prompt to the session's sequence and activates it
 seq.update_token_ids(np.array([7, 7, 7, 7]), mode=UpdateTokenMode.INPUTS)
@@ -62,7 +69,12 @@ assert scheduler.schedule(is_prefill=True, prealloc_size=PREALLOC).running == [s
 history = seq.num_history_ids
 first_kept = seq.num_ignored_history
 print("turn 2: history", history, "-> its forward reads keys from", history - WINDOW)
-print("turn 2: the manager dropped positions 0 ..", first_kept - 1,
-      "and keeps positions", first_kept, "on")
+print(
+    "turn 2: the manager dropped positions 0 ..",
+    first_kept - 1,
+    "and keeps positions",
+    first_kept,
+    "on",
+)
 assert first_kept > history - WINDOW, "no over-drop"
 print(f"positions {history - WINDOW}..{first_kept - 1} lie in the window and were freed")
