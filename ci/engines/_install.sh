@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Shared body of ci/engines/{vllm,sglang,aphrodite}: create .engines/NAME, install
+# Shared body of ci/engines/{vllm,sglang,aphrodite,lmdeploy}: create .engines/NAME, install
 # torch (CPU wheel, never a CUDA build), the engine --no-deps, its pinned lock file
 # --no-deps, and kvconform itself --no-deps. Arguments after the import check are paths
 # under site-packages (globs) removed after the install: compiled extensions the KV

@@ -137,6 +137,9 @@ class EngineBoundary(EngineProxy):
         self.timeout = timeout
         self.name = engine_name(engine)
         self.separate_group_pools = bool(getattr(engine, "separate_group_pools", False))
+        self.lookahead_on_prefill_chunks = bool(
+            getattr(engine, "lookahead_on_prefill_chunks", True)
+        )
         #: request id -> (the validated hit, the engine's own hit object)
         self._hits: dict[str, tuple[CacheHit, Any]] = {}
 

@@ -419,6 +419,12 @@ def table_covers_slots(state: CheckState, event: AllocateEvent) -> str | None:
     asks for 13 slots: 4 blocks. Two drafts are rejected (computed 11); the next step
     asks for ``11 + 1 + 3 = 15`` slots: still 4 blocks, nothing new. A row of 5 blocks
     (the rejected slots' block taken again) is reported.
+
+    An engine with ``lookahead_on_prefill_chunks = False`` (LMDeploy: no
+    ``prealloc_size`` for a chunk that does not finish the prompt) may leave the
+    lookahead slots of a non-final prefill chunk (``main`` slots short of the request's
+    tokens) unallocated: the least is then ``cdiv(main, bs)``. Example: bs 4, a 20-token
+    prompt, a first chunk of 8 with 2 lookahead slots: 2 or 3 blocks.
     """
     rid = event.request.request_id
     before = event.tables_before or ()
@@ -434,6 +440,10 @@ def table_covers_slots(state: CheckState, event: AllocateEvent) -> str | None:
             low, high = min(event.num_slots, event.max_model_len), event.num_slots
             if isinstance(spec, MambaSpec):
                 extra = spec.num_speculative_blocks
+            if not state.lookahead_on_prefill_chunks and event.num_main < len(
+                event.request.token_ids
+            ):
+                low = min(event.num_main, event.max_model_len)
         least, most = max(old, cdiv(low, bs) + extra), max(old, cdiv(high, bs) + extra)
         if not least <= len(row) <= most:
             want = f"{least}" if least == most else f"{least} to {most}"

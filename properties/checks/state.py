@@ -77,6 +77,11 @@ class CheckState:
         self.engine = engine
         self.layout = layout
         self.shared_pool = not getattr(engine, "separate_group_pools", False)
+        #: False: the engine gives lookahead slots only to a step that reaches the
+        #: request's last known token (A5 asks none of a non-final prefill chunk)
+        self.lookahead_on_prefill_chunks = bool(
+            getattr(engine, "lookahead_on_prefill_chunks", True)
+        )
         self.shadow = ShadowCache(layout, self.shared_pool)
         self.requests: dict[str, TrackedRequest] = {}
         #: request id -> Mamba states its step will write: (group, block, prefix id or

@@ -107,6 +107,10 @@ def check_known_divergences(
                 f"{where}[{index}].features must be a tuple of at most two pair-table "
                 f"feature names, got {features!r}"
             )
+        if not isinstance(item.checks, tuple) or not all(isinstance(c, str) for c in item.checks):
+            raise DeclarationError(
+                f"{where}[{index}].checks must be a tuple of invariant names, got {item.checks!r}"
+            )
     return tuple(declared)
 
 

@@ -410,6 +410,13 @@ class KnownDivergence:
     (its ``applies`` is false for every layout): the adapter detects it in the call
     where it happens and raises :class:`KnownDivergenceMet`, which stops that example
     uncounted.
+
+    ``checks`` (invariant names) is for a behaviour that only some traces of a layout
+    show, where leaving the layouts out would leave the engine untested there: the
+    layouts are drawn and those checks do not run on them (``kvconform replay`` still
+    runs every check, so the finding's trace fails). Example: LMDeploy writes a block
+    its prefix trie shares (``exclusive_write``) whenever two requests compute one
+    block, so caching layouts are drawn without that check.
     """
 
     name: str
@@ -419,6 +426,7 @@ class KnownDivergence:
     features: tuple[str, ...] = ()
     modes: Callable[[Any], bool] | None = None
     at_run_time: bool = False
+    checks: tuple[str, ...] = ()
 
     def applies_to(self, layout: KVCacheLayout, mode: Any = None) -> bool:
         """Whether the divergence applies to a run of ``layout`` in serving ``mode``
@@ -440,6 +448,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "vllm": "properties.engines.vllm:make_engine",
     "sglang": "properties.engines.sglang:make_engine",
     "aphrodite": "properties.engines.aphrodite:make_engine",
+    "lmdeploy": "properties.engines.lmdeploy:make_engine",
 }
 
 

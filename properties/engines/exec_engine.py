@@ -545,6 +545,7 @@ class ExecEngine(TakesAllocations):
         self.name = process.label
         created = created if isinstance(created, dict) else {}
         self.separate_group_pools = bool(created.get("separate_group_pools", False))
+        self.lookahead_on_prefill_chunks = bool(created.get("lookahead_on_prefill_chunks", True))
         #: what ``hello`` declared: the external-hit keywords need ``external``
         self.production_settings = production_settings
 

@@ -160,6 +160,9 @@ class EngineServer:
         return {
             "capabilities": capabilities,
             "separate_group_pools": bool(getattr(engine, "separate_group_pools", False)),
+            "lookahead_on_prefill_chunks": bool(
+                getattr(engine, "lookahead_on_prefill_chunks", True)
+            ),
         }
 
     def dispatch(self, call: str, args: dict) -> Any:

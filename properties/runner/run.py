@@ -260,7 +260,9 @@ def start_run(
     :class:`RunStopped` for a deadline). Example: a factory raising ``EngineError("boom")``
     gives ``on_failure(Trace(layout, (), failure={"property": "EngineError", ...}))``."""
     try:
-        return TraceRun(config, layout, engine, choose_mode=choose_mode)
+        return TraceRun(
+            excused_config(config, engine, layout), layout, engine, choose_mode=choose_mode
+        )
     except UnsupportedLayoutError:
         reject()
         raise  # unreachable: reject() raises
@@ -380,10 +382,25 @@ def declared_layouts(
         strategy = kvst.production_layouts(
             strategy, max_len=max_len, settings=engine.production_settings
         )
-    known = engine.known_divergences
+    known = [d for d in engine.known_divergences if not d.checks]
     if known:
         strategy = strategy.filter(lambda layout: not any(d.applies_to(layout) for d in known))
     return strategy
+
+
+def excused_config(
+    config: CheckConfig, engine: EngineUnderTest, layout: KVCacheLayout
+) -> CheckConfig:
+    """``config`` for a drawn run on ``layout``: the checks of the engine's known
+    divergences that apply to it (:class:`properties.core.engine.KnownDivergence`
+    ``checks``) turned off too. A replay keeps every check. Example: LMDeploy on a layout
+    with prefix caching runs without ``exclusive_write``."""
+    excused = {
+        c for d in engine.known_divergences if d.checks and d.applies(layout) for c in d.checks
+    }
+    if not excused:
+        return config
+    return dataclasses.replace(config, disabled=config.disabled | frozenset(excused))
 
 
 def _probe_layouts() -> tuple[KVCacheLayout, ...]:
@@ -426,6 +443,7 @@ __all__ = [
     "RunStopped",
     "TraceRun",
     "active_checks_for",
+    "excused_config",
     "failure_info",
     "failure_kind",
     "layout_strategy",

@@ -42,7 +42,13 @@ from properties.core.trace import Operation, Trace
 from properties.engines.under_test import EngineUnderTest
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
-from properties.runner.run import TraceRun, declared_layouts, engine_of, failure_info
+from properties.runner.run import (
+    TraceRun,
+    declared_layouts,
+    engine_of,
+    excused_config,
+    failure_info,
+)
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
 
@@ -118,11 +124,13 @@ def drawn_run(
     at_boundaries: bool = False,
 ) -> TraceRun:
     """A run of a drawn example: the engine built for ``layout``, driven in what it takes
-    of ``mode`` (:func:`kept_mode`); a layout the engine refuses is not an example
-    (``reject()``). ``at_boundaries``: the O(pool) checks at step boundaries."""
+    of ``mode`` (:func:`kept_mode`), without the checks its known divergences excuse on
+    ``layout`` (:func:`properties.runner.run.excused_config`); a layout the engine
+    refuses is not an example (``reject()``). ``at_boundaries``: the O(pool) checks at
+    step boundaries."""
     try:
         return TraceRun(
-            config,
+            excused_config(config, engine, layout),
             layout,
             engine,
             choose_mode=lambda supports: kept_mode(mode, layout, supports, engine),

@@ -124,6 +124,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         where = (
             "examples that meet it stop there uncounted (the adapter detects it)"
             if d.at_run_time
+            else f"layouts where it applies run without {', '.join(d.checks)}"
+            if d.checks
             else "layouts where it applies are not drawn"
         )
         print(f"  known divergence {d.name}: {d.summary}\n    {where}; see {d.finding}")
@@ -795,7 +797,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--engine",
             default="reference",
-            help="reference, vllm, sglang, module:factory, or exec:COMMAND (an engine in "
+            help="reference, vllm, sglang, lmdeploy, module:factory, or exec:COMMAND (an engine in "
             "any language speaking docs/exec-protocol.md)",
         )
         p.add_argument("--level", default=DEFAULT_LEVEL, choices=LEVELS, help="property level")

@@ -55,7 +55,7 @@ from properties.core.trace import (
 )
 from properties.engines.under_test import EngineUnderTest, resolve_engine
 from properties.runner.config import CheckConfig
-from properties.runner.run import TraceRun, failure_kind
+from properties.runner.run import TraceRun, excused_config, failure_kind
 from reference.errors import KVConformError
 
 #: The value of ``"format"`` in a corpus manifest and in each case file.
@@ -588,7 +588,7 @@ def run_case(path: Path, level: str, engine: EngineUnderTest, checks: Sequence[s
     if unsupported:
         return CaseResult(name, str(path), "skip", f"spec types {unsupported} not supported")
     for divergence in engine.known_divergences:
-        if divergence.applies_to(trace.layout, trace.mode):
+        if not divergence.checks and divergence.applies_to(trace.layout, trace.mode):
             return CaseResult(
                 name,
                 str(path),
@@ -598,6 +598,7 @@ def run_case(path: Path, level: str, engine: EngineUnderTest, checks: Sequence[s
     expected = RecordedEngine(data.get("expected", [])) if level == "exact" else None
     disabled = frozenset(set(INVARIANTS) - set(checks))
     config = CheckConfig(engine=engine.name, level=level, disabled=disabled)
+    config = excused_config(config, engine, trace.layout)
     try:
         run = TraceRun(config, trace.layout, engine, mode=trace.mode, expected=expected)
     except UnsupportedLayoutError as exc:

@@ -128,6 +128,28 @@ def test_a_table_covers_exactly_the_highest_slot_asked_for() -> None:
     assert "expected max(0 before, cdiv(8, 4)) = 2 to 3" in inv.table_covers_slots(state, capped[2])
 
 
+def test_no_lookahead_for_a_non_final_chunk_when_the_engine_says_so() -> None:
+    """bs 4, a 20-token prompt, a first chunk of 8 with 2 lookahead slots (10 slots,
+    main 8). A strict engine needs 3 blocks; one declaring
+    ``lookahead_on_prefill_chunks = False`` (LMDeploy) may hold 2, never 4; the last
+    chunk (main 20 = every token) still needs its lookahead."""
+    state = _state(FULL, {})
+    state.lookahead_on_prefill_chunks = False
+    prompt = list(range(20))
+
+    def chunk(blocks: int, slots: int, main: int) -> AllocateEvent:
+        req = TrackedRequest("a", prompt, None, None)
+        return AllocateEvent(req, ((1,) * blocks,), None, slots, main, None, 64)
+
+    assert inv.table_covers_slots(state, chunk(2, 10, 8)) is None
+    assert inv.table_covers_slots(state, chunk(3, 10, 8)) is None
+    assert inv.table_covers_slots(state, chunk(4, 10, 8)) is not None
+    assert inv.table_covers_slots(state, chunk(5, 22, 20)) is not None  # 6 needed
+    assert inv.table_covers_slots(state, chunk(6, 22, 20)) is None
+    strict = _state(FULL, {})
+    assert "cdiv(10, 4)) = 3" in inv.table_covers_slots(strict, chunk(2, 10, 8))
+
+
 # -- the answer of the capability -------------------------------------------------------
 
 
