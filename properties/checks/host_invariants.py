@@ -1,0 +1,140 @@
+"""The invariants of an engine's own host tier (``OwnsHostTier``: SGLang's HiCache).
+
+Such an engine decides itself what it backs up to host memory, when it drops a host copy
+and what it loads back; it reports its host pools and every copy between the tiers
+(:class:`properties.core.engine.HostTransfer`). The checker follows each copy in the
+shadow of block contents (:attr:`properties.checks.state.CheckState.host_shadow`): a
+``write`` stores what the device block holds then, a ``load`` puts that back into a
+device block. What must hold for any such engine (labels of ``docs/spec.md``):
+
+* **X3** (:func:`host_hit_content`): a hit served from the host is a prefix that was
+  computed and written back: after ``allocate_slots(..., num_external_computed_tokens=e)``
+  every block the table gives the loaded positions ``[local, local + e)`` holds the
+  request's own prefix there (never content another prefix, or nobody, produced).
+* **X4** (:func:`host_pool_accounting`): no block is lost between the tiers: in every host
+  pool, the free blocks plus the blocks that hold a copy equal its capacity, each held
+  block once, every held block one a ``write`` filled (or one a queued write will fill:
+  in flight), and every block a transfer in flight reads or writes still held (the
+  capacity is respected on the way).
+* **X5** (:func:`host_transfers_pinned`): a device block being backed up to the host is
+  not handed to a request as a new block before the engine has acknowledged the copy
+  (the copy would read the new owner's KV).
+* **X6** (:func:`host_load_source`): a load reads a host block that a ``write`` filled.
+
+Worked example (one full group, bs 2): ``write(0, device 5, host 1)`` after block 5
+held positions 0-1 of prefix ``a``; then ``load(0, host 1, device 9)``: block 9 now holds
+``a``'s positions 0-1, so a request ``a...`` served those two tokens from the host passes
+X3; had the load named host block 2 (never written), X6 fails.
+"""
+
+from __future__ import annotations
+
+from properties.checks.oracles import missing_context
+from properties.checks.state import (
+    AllocateEvent,
+    CheckState,
+    ExternalLoadEvent,
+    HostTransferEvent,
+    PoolEvent,
+)
+from properties.core.engine import HOST_LOAD, HOST_WRITE
+
+
+def host_load_source(state: CheckState, event: HostTransferEvent) -> str | None:
+    """X6: a ``load`` reads a host block that a ``write`` filled (module docstring)."""
+    t = event.transfer
+    if t.kind == HOST_LOAD and (t.group_id, t.host_block) not in state.host_shadow:
+        return (
+            f"the engine loaded host block {t.host_block} of group {t.group_id} into device "
+            f"block {t.device_block}, but no write ever filled that host block"
+        )
+    return None
+
+
+def host_hit_content(state: CheckState, event: ExternalLoadEvent) -> str | None:
+    """X3: after a load from the engine's own host tier, every block the table gives the
+    loaded positions ``[start, end)`` holds the request's own prefix there (null entries,
+    below a sliding window, are not loaded). Example (bs 2): a request ``t0..t9`` served
+    ``[0, 8)`` from the host whose table's block 2 holds ``u2..u3`` of another prompt:
+    ``request 'r1': block 7 slot 0 (position 2) holds ...``."""
+    if not state.has_host_tier:
+        return None
+    req = event.request
+    for gid, row in enumerate(event.table):
+        bs = state.layout.groups[gid].spec.block_size
+        for col in range(event.start // bs, min(-(-event.end // bs), len(row))):
+            if row[col] == 0:
+                continue
+            first, last = max(event.start, col * bs), min(event.end, (col + 1) * bs)
+            why = missing_context(state.layout, state.shadow, gid, row, req.ids, first, last)
+            if why is not None:
+                return (
+                    f"request {req.request_id!r} loaded positions [{event.start}, "
+                    f"{event.end}) from the host tier, group {gid}: {why}"
+                )
+    return None
+
+
+def host_pool_accounting(state: CheckState, event: PoolEvent) -> str | None:
+    """X4: per host pool, ``num_free + len(held) == num_blocks``, no block held twice,
+    every held block filled by a ``write`` or in flight, every block of a transfer in
+    flight held.
+    Example: a pool of 8 blocks with 3 free and held ``(1, 2, 2, 5)``: block 2 twice;
+    held ``(1, 2, 5)``: 3 + 3 != 8, two blocks lost."""
+    for pool in state.host_pools():
+        held = set(pool.held)
+        if len(held) != len(pool.held):
+            twice = sorted(b for b in held if pool.held.count(b) > 1)
+            return f"host pool {pool.name!r}: blocks {twice} are held twice"
+        if pool.num_free + len(held) != pool.num_blocks:
+            return (
+                f"host pool {pool.name!r}: {pool.num_free} free + {len(held)} held != "
+                f"{pool.num_blocks} blocks ({pool.num_blocks - pool.num_free - len(held)} "
+                "blocks neither free nor holding a copy)"
+            )
+        gid = pool.group_ids[0]
+        flying = set(pool.in_flight)
+        unwritten = sorted(b for b in held - flying if (gid, b) not in state.host_shadow)
+        if unwritten:
+            return (
+                f"host pool {pool.name!r}: blocks {unwritten[:8]} hold a copy that no "
+                "write ever filled"
+            )
+        dropped = sorted(set(pool.in_flight) - held)
+        if dropped:
+            return (
+                f"host pool {pool.name!r}: blocks {dropped[:8]} were dropped while a copy "
+                "in flight still reads or writes them"
+            )
+    return None
+
+
+def host_transfers_pinned(state: CheckState, event: AllocateEvent) -> str | None:
+    """X5: the new blocks of an allocation (past its computed and adopted blocks) are none
+    that a backup in flight reads.
+    Example: device block 7 is being backed up (not acknowledged yet) and an allocation
+    returns it as a new block of request ``r2``: the copy would read ``r2``'s KV."""
+    before = event.tables_before or tuple(() for _ in event.table)
+    for pool in state.host_pools():
+        flying = set(pool.in_flight_device)
+        for gid in pool.group_ids:
+            row = event.table[gid]
+            first = max(len(before[gid]), event.start // state.layout.groups[gid].spec.block_size)
+            for col in range(first, len(row)):
+                if row[col] in flying:
+                    return (
+                        f"request {event.request.request_id!r} got block {row[col]} (group "
+                        f"{gid}, index {col}) while a backup to the host tier that the "
+                        "engine has not acknowledged still reads it"
+                    )
+    return None
+
+
+__all__ = [
+    "HOST_LOAD",
+    "HOST_WRITE",
+    "host_hit_content",
+    "host_load_source",
+    "host_pool_accounting",
+    "host_transfers_pinned",
+]

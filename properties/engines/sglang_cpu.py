@@ -1,0 +1,95 @@
+"""SGLang 0.5.23's HiCache on a machine without a GPU: the seams that need one, replaced.
+
+``--enable-hierarchical-cache`` builds a host memory pool beside each device pool and a
+cache controller that copies KV between them. Everything that decides *what* is copied
+(the radix tree, its components, the pools and their allocators, the controller's write
+and load queues, acknowledgements and locks) is Python over torch and runs unchanged on
+CPU tensors. Two calls below it assume CUDA; :func:`install` replaces each at SGLang's
+own seam (the module attribute SGLang's code calls through) with the smallest CPU
+equivalent. ``docs/sglang-on-cpu.md`` lists them with the reasons.
+
+1. ``sglang.srt.mem_cache.pool_host.common._cuda_host_register`` (called by
+   ``alloc_with_host_register`` when the host pool is pinned, SGLang's default): it
+   registers the host buffer with ``cudaHostRegister`` so that the GPU's copy engines can
+   read it. Without a device there is nothing to register it with (torch's CPU build
+   raises on ``torch.cuda.cudart()``): :func:`register_host_memory` does nothing, and the
+   buffer stays the ordinary CPU tensor SGLang allocated.
+2. ``sglang.srt.mem_cache.pool_host.mha.transfer_kv_direct`` (``sgl_kernel.kvcacheio``'s
+   op, imported by that module on CUDA, ROCm and XPU only): the copy of the ``direct`` io
+   backend with the ``layer_first`` host layout, for both directions (device to host
+   when a node is backed up, host to device when it is loaded back). On CPU it is
+   :func:`transfer_kv_direct`: for every layer, the rows of ``src_indices`` are copied
+   into the rows of ``dst_indices``, synchronously.
+
+Not replaced: SGLang's streams and events. On a CPU-only torch, SGLang's
+``get_device_module()`` is ``torch.cpu``, whose ``Stream`` and ``Event`` exist for
+device-agnostic code (``record``, ``wait`` and ``synchronize`` do nothing, ``query()`` is
+True): SGLang's own choice for a CPU device, and right here since the copies of (2) are
+done when the controller submits them. The controller still queues every write and
+load, acknowledges it on the scheduler's next ``check_hicache_events`` and releases the
+locks it took, exactly as on a GPU.
+
+Worked example (``transfer_kv_direct``): layers ``[a]`` -> ``[b]``, ``src_indices [4, 5]``,
+``dst_indices [8, 9]``: ``b[8] = a[4]`` and ``b[9] = a[5]``, every other row of ``b``
+unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+_installed: list[bool] = []
+
+
+def register_host_memory(buffer: Any, registration_granularity_bytes: int | None = None) -> None:
+    """Replacement 1: a host pool buffer needs no registration when there is no device."""
+
+
+def transfer_kv_direct(
+    src_layers: Sequence[Any],
+    dst_layers: Sequence[Any],
+    src_indices: Any,
+    dst_indices: Any,
+    page_size: int,
+) -> None:
+    """Replacement 2: copy the token rows ``src_indices`` of every source layer into the
+    rows ``dst_indices`` of the matching destination layer (module docstring's example).
+    ``page_size`` is the kernel's copy granularity; a row copy needs none. Raises
+    ``ValueError`` on layer or index lists of different lengths, as the kernel does."""
+    if len(src_layers) != len(dst_layers):
+        raise ValueError(
+            f"transfer_kv_direct: {len(src_layers)} source layers, {len(dst_layers)} destination"
+        )
+    if src_indices.numel() != dst_indices.numel():
+        raise ValueError(
+            f"transfer_kv_direct: {src_indices.numel()} source rows, "
+            f"{dst_indices.numel()} destination rows"
+        )
+    src = src_indices.to("cpu", dtype=_long())
+    dst = dst_indices.to("cpu", dtype=_long())
+    for source, target in zip(src_layers, dst_layers):
+        target[dst] = source[src]
+
+
+def _long() -> Any:
+    import torch
+
+    return torch.int64
+
+
+def install() -> None:
+    """Put each replacement in place where SGLang left the seam to a GPU: the copy where
+    ``pool_host.mha`` bound no kernel (a CPU build), the registration where torch has no
+    CUDA. Once per process; SGLang must be importable."""
+    if _installed:
+        return
+    import sglang.srt.mem_cache.pool_host.common as host_common
+    import sglang.srt.mem_cache.pool_host.mha as host_mha
+    import torch
+
+    if not torch.cuda.is_available():
+        host_common._cuda_host_register = register_host_memory
+    if not hasattr(host_mha, "transfer_kv_direct"):
+        host_mha.transfer_kv_direct = transfer_kv_direct
+    _installed.append(True)

@@ -1,0 +1,313 @@
+"""SGLang's HiCache behind the engine protocol: the host tier of the SGLang adapter.
+
+:class:`HostTier` attaches SGLang 0.5.23's host tier to a built ``UnifiedRadixCache``
+exactly as ``--enable-hierarchical-cache`` does (``init_hicache``: a host pool beside
+each device pool, ``HybridCacheController`` with the deployment's write policy) and
+bridges it to the protocol's host-tier capability
+(:class:`properties.core.engine.OwnsHostTier`):
+
+1. **Copies.** Every copy SGLang's controller submits (``L2TransferEngine``'s
+   ``submit_device_to_host`` for backups, ``submit_host_to_device`` for load-backs) is
+   observed and recorded page by page as :class:`HostTransfer`: the device page's block
+   id as the adapter's tables give it (full pool: ``slot // bs``; SWA pool: ``swa_slot //
+   bs``) and the host block ``host_slot // bs + 1`` (SGLang hands out host slot 0, the
+   protocol keeps block 0 null). A copy is *in flight* from the moment SGLang queues it
+   (an inserted node's backup waits in the controller's ``write_queue`` for the next
+   flush, the node already pointing at its host pages) until the scheduler's next
+   ``check_hicache_events`` acknowledges it (SGLang's ack queues).
+2. **Host pools.** One :class:`HostPoolUsage` per SGLang host pool (``kv`` backs the full
+   group, ``swa`` the sliding-window group): capacity ``page_num``, free pages from
+   SGLang's host allocator, and the pages *held*, read from the radix tree (every node's
+   ``host_value`` per component), not from the allocator, so that a page the allocator
+   lost or the tree still points at after freeing shows as a broken balance.
+3. **Host hits** (the ``external_hits`` serving mode): after a lookup, :meth:`host_hit`
+   is what SGLang's admission would load back (``init_load_back``): the tokens from the
+   device hit to the deepest node every component accepted (``best_match_node``), or 0
+   where SGLang's ``load_back`` declines (fewer Full-KV tokens on the host than its
+   ``load_back_threshold`` and no component state to load). :meth:`load_back` runs
+   SGLang's own ``init_load_back`` and starts the copy (``ready_to_load_host_cache``,
+   which SGLang's scheduler calls before the batch runs).
+
+Worked example (bs 2, write-through, host ratio 2): a request of 24 tokens is inserted
+at its free: the controller backs its 12 pages up at once (12 ``write`` transfers of the
+full group, and those of the SWA group); the tree later evicts the device copy; a new
+request with the same 24 tokens and two more gets a device hit of 0 and ``host_hit`` 24;
+admitted with ``num_external_computed_tokens=24``, 12 ``load`` transfers per group put the
+pages back into fresh device pages, which become the request's first 12 blocks.
+"""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from properties.core.engine import (
+    HOST_LOAD,
+    HOST_WRITE,
+    EngineError,
+    HostPoolUsage,
+    HostTransfer,
+)
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    """How ``--enable-hierarchical-cache`` is deployed: ``--hicache-write-policy``
+    (``write_through``: a node is backed up to the host when inserted;
+    ``write_through_selective``: once it was hit; ``write_back``: when the device evicts
+    it), ``--hicache-ratio`` (host pool tokens / device pool tokens, per pool) and the
+    CPU-capable settings of the copy: ``--hicache-io-backend direct`` with the
+    ``layer_first`` host layout (``docs/sglang-on-cpu.md``)."""
+
+    write_policy: str
+    ratio: float
+    io_backend: str = "direct"
+    mem_layout: str = "layer_first"
+
+    def server_args(self) -> dict[str, Any]:
+        """The ``ServerArgs`` fields of this deployment (SGLang's flag names)."""
+        return {
+            "enable_hierarchical_cache": True,
+            "hicache_write_policy": self.write_policy,
+            "hicache_ratio": self.ratio,
+            "hicache_io_backend": self.io_backend,
+            "hicache_mem_layout": self.mem_layout,
+        }
+
+
+@dataclass(frozen=True)
+class PoolRole:
+    """One SGLang host pool as the adapter reports it: its name, the KV cache group it
+    backs, the device pool object it copies from and to."""
+
+    name: str
+    group_id: int
+    device_pool: Any
+    host_pool: Any
+
+
+class HostTier:
+    """SGLang's host tier of one engine (module docstring)."""
+
+    def __init__(
+        self,
+        cache: Any,
+        params: Any,
+        config: HiCacheConfig,
+        page_size: int,
+        groups: dict[str, int],
+        get_context: Any,
+        init_load_back_params: Any,
+    ) -> None:
+        """Attach the tier to ``cache`` (built from ``params``) as ``init_hicache`` does,
+        with ``config``'s flags published through SGLang's scoped
+        ``override_server_args`` (restored after: the controller keeps what it read).
+        ``groups``: the group id of the ``kv`` (full) and ``swa`` host pools.
+        ``init_hicache`` registers the cache's ``shutdown`` to run at exit; a check builds
+        hundreds of engines and starts no storage thread, so that registration is undone
+        (it would keep every engine alive until exit)."""
+        from properties.engines import sglang_cpu
+
+        sglang_cpu.install()
+        self.cache = cache
+        self.config = config
+        self.page = page_size
+        self._load_back_params = init_load_back_params
+        with get_context().override_server_args(**config.server_args()) as args:
+            cache.init_hicache(args, params)
+        atexit.unregister(cache.shutdown)
+        controller = cache.cache_controller
+        if controller is None:
+            raise EngineError("sglang adapter: init_hicache attached no cache controller")
+        self.controller = controller
+        self.roles: list[PoolRole] = []
+        for entry in cache.host_pool_group.entries:
+            name = "full" if entry.name.value == "kv" else entry.name.value
+            if name not in groups:
+                raise EngineError(f"sglang adapter: unexpected HiCache host pool {name!r}")
+            self.roles.append(PoolRole(name, groups[name], entry.device_pool, entry.host_pool))
+        self._transfers: list[HostTransfer] = []
+        #: submitted copies whose acknowledgement is pending: (finish event, transfers)
+        self._in_flight: list[tuple[Any, list[HostTransfer]]] = []
+        engine = controller.l2_transfer_engine
+        submit_d2h, submit_h2d = engine.submit_device_to_host, engine.submit_host_to_device
+
+        def device_to_host(transfers: list[Any]) -> Any:
+            done = submit_d2h(transfers)
+            self._record(HOST_WRITE, transfers, done)
+            return done
+
+        def host_to_device(transfers: list[Any], **kwargs: Any) -> Any:
+            done = submit_h2d(transfers, **kwargs)
+            self._record(HOST_LOAD, transfers, done)
+            return done
+
+        engine.submit_device_to_host = device_to_host
+        engine.submit_host_to_device = host_to_device
+
+    # -- copies ---------------------------------------------------------------------
+    def _role_of(self, transfer: Any) -> PoolRole:
+        for role in self.roles:
+            if transfer.device_pool is role.device_pool and transfer.host_pool is role.host_pool:
+                return role
+        raise EngineError("sglang adapter: a HiCache copy between pools the adapter does not know")
+
+    def _record(self, kind: str, transfers: Iterable[Any], done: Any) -> None:
+        """One submission: its copies, page by page (module docstring, rule 1)."""
+        page = self.page
+        out: list[HostTransfer] = []
+        for transfer in transfers:
+            role = self._role_of(transfer)
+            device = transfer.device_indices.tolist()
+            host = transfer.host_indices.tolist()
+            if len(device) != len(host) or len(device) % page:
+                raise EngineError(
+                    f"sglang adapter: a HiCache copy of {len(device)} device and {len(host)} "
+                    f"host slots in pages of {page}"
+                )
+            gid = role.group_id
+            for i in range(0, len(device), page):
+                out.append(HostTransfer(kind, gid, device[i] // page, host[i] // page + 1))
+        self._transfers.extend(out)
+        self._in_flight.append((done.finish_event, out))
+
+    def take_transfers(self) -> list[HostTransfer]:
+        """The copies since the last call, in submission order."""
+        out, self._transfers = self._transfers, []
+        return out
+
+    def _pending_events(self) -> set[int]:
+        """The finish events of the copies SGLang has not acknowledged yet."""
+        queues = (self.controller.ack_write_queue, self.controller.ack_load_queue)
+        return {id(ack.finish_event) for queue in queues for ack in queue}
+
+    def _queued(self) -> list[HostTransfer]:
+        """The copies SGLang has queued but not submitted yet (its ``write_queue`` and
+        ``load_queue``: backups of inserted nodes wait there for the next flush, and the
+        node already points at its host pages), page by page as :meth:`_record` would
+        record them."""
+        out: list[HostTransfer] = []
+        kv_role = next(r for r in self.roles if r.name == "full")
+        for kind, queue in (
+            (HOST_WRITE, self.controller.write_queue),
+            (HOST_LOAD, self.controller.load_queue),
+        ):
+            for op in queue:
+                pairs = [(kv_role, op.device_indices, op.host_indices)]
+                for pool_transfer in op.pool_transfers or ():
+                    role = next((r for r in self.roles if r.name == pool_transfer.name.value), None)
+                    if role is not None and pool_transfer.device_indices is not None:
+                        pairs.append(
+                            (role, pool_transfer.device_indices, pool_transfer.host_indices)
+                        )
+                for role, device, host in pairs:
+                    if device is None or host is None:
+                        continue
+                    d, h = device.tolist()[:: self.page], host.tolist()[:: self.page]
+                    out.extend(
+                        HostTransfer(kind, role.group_id, a // self.page, b // self.page + 1)
+                        for a, b in zip(d, h)
+                    )
+        return out
+
+    # -- host pools -----------------------------------------------------------------
+    def _held_pages(self) -> dict[str, list[int]]:
+        """Every host page the radix tree points at, per host pool (rule 2)."""
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+        kinds = {"full": ComponentType.FULL, "swa": ComponentType.SWA}
+        held: dict[str, list[int]] = {role.name: [] for role in self.roles}
+        stack = [self.cache.tree_core.root_node]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            for role in self.roles:
+                value = node.component_data[kinds[role.name]].host_value
+                if value is not None:
+                    held[role.name].extend(s // self.page + 1 for s in value.tolist()[:: self.page])
+        return held
+
+    def pools(self, idle: bool) -> tuple[HostPoolUsage, ...]:
+        """Rule 2, with the blocks of unacknowledged copies (rule 1); ``idle``: no request
+        holds a row (then the pages the copies pin are counted, else 0)."""
+        held = self._held_pages()
+        pending = self._pending_events()
+        self._in_flight = [(e, t) for e, t in self._in_flight if id(e) in pending]
+        queued = self._queued()
+        out = []
+        for role in self.roles:
+            flying = [t for _, ts in self._in_flight for t in ts if t.group_id == role.group_id]
+            flying += [t for t in queued if t.group_id == role.group_id]
+            out.append(
+                HostPoolUsage(
+                    role.name,
+                    (role.group_id,),
+                    role.host_pool.page_num,
+                    role.host_pool.available_size() // self.page,
+                    tuple(held[role.name]),
+                    tuple(sorted({t.host_block for t in flying})),
+                    tuple(sorted({t.device_block for t in flying if t.kind == HOST_WRITE})),
+                    self._pinned_pages(role) if idle else 0,
+                )
+            )
+        return tuple(out)
+
+    def _pinned_pages(self, role: PoolRole) -> int:
+        """The device pages of ``role``'s pool that copies in flight pin while no request
+        holds a row (the only time the checks read it, :meth:`pools`): SGLang locks the
+        whole path of a node it backs up or loads back until the copy is acknowledged,
+        and with no request holding a lock every protected page is such a copy's.
+        Example: a node of 2 pages under a backed-up parent of 3, its backup not
+        acknowledged: 5."""
+        cache = self.cache
+        size = cache.full_protected_size if role.name == "full" else cache.swa_protected_size
+        return size() // self.page
+
+    # -- load-back ------------------------------------------------------------------
+    def tokens_to_load(self, best_match_node: Any, device_tokens: int, req: Any) -> int:
+        """Rule 3: the tokens SGLang's ``init_load_back`` would load past a device hit of
+        ``device_tokens`` for a lookup whose deepest accepted node is ``best_match_node``
+        (0 when ``load_back`` declines: its own ``build_load_back_spec`` and
+        ``load_back_threshold`` decide). Example: a host-only node of 24 tokens under the
+        root, threshold 10: 24; a host-only node of 4 tokens and nothing else to load: 0."""
+        core = self.cache.tree_core
+        kv_transfer, component_transfers = core.build_load_back_spec(best_match_node, req)
+        if len(kv_transfer.host_indices) < max(1, self.cache.load_back_threshold) and not (
+            component_transfers
+        ):
+            return 0
+        return _path_length(core.node_by_id(best_match_node)) - device_tokens
+
+    def load_back(
+        self, best_match_node: Any, host_hit_length: int, req: Any, expected: int
+    ) -> Any | None:
+        """SGLang's admission of a host hit: ``init_load_back`` (the request's
+        ``last_node`` is its device match), then the copy starts. Returns the node the
+        request now matches, or None when SGLang loaded nothing (the device pool is short
+        even after evicting: the protocol's refusal). Any other count than ``expected``
+        (what :meth:`tokens_to_load` said) is an engine error."""
+        loaded, node = self.cache.init_load_back(
+            self._load_back_params(
+                best_match_node=best_match_node, host_hit_length=host_hit_length, req=req
+            )
+        )
+        if loaded == 0:
+            return None
+        if loaded != expected:
+            raise EngineError(
+                f"sglang adapter: init_load_back loaded {loaded} tokens for "
+                f"{req.rid!r}, host_hit said {expected}"
+            )
+        self.cache.ready_to_load_host_cache()
+        return node
+
+
+def _path_length(node: Any) -> int:
+    """Tokens from the root to ``node`` (the sum of the keys on the path)."""
+    n = 0
+    while node.parent is not None:
+        n += len(node.key)
+        node = node.parent
+    return n
