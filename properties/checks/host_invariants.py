@@ -16,9 +16,10 @@ device block. What must hold for any such engine (labels of ``docs/spec.md``):
   block once, every held block one a ``write`` filled (or one a queued write will fill:
   in flight), and every block a transfer in flight reads or writes still held (the
   capacity is respected on the way).
-* **X5** (:func:`host_transfers_pinned`): a device block being backed up to the host is
-  not handed to a request as a new block before the engine has acknowledged the copy
-  (the copy would read the new owner's KV).
+* **X5** (:func:`host_transfers_pinned`, :func:`backed_up_blocks_not_free`): a device
+  block being backed up to the host is not handed to a request as a new block before
+  the engine has acknowledged the copy (the copy would read the new owner's KV), nor
+  counted free or reclaimable meanwhile.
 * **X6** (:func:`host_load_source`): a load reads a host block that a ``write`` filled.
 
 Worked example (one full group, bs 2): ``write(0, device 5, host 1)`` after block 5
@@ -29,6 +30,7 @@ X3; had the load named host block 2 (never written), X6 fails.
 
 from __future__ import annotations
 
+from properties.checks.invariants import held_per_pool
 from properties.checks.oracles import missing_context
 from properties.checks.state import (
     AllocateEvent,
@@ -130,8 +132,32 @@ def host_transfers_pinned(state: CheckState, event: AllocateEvent) -> str | None
     return None
 
 
+def backed_up_blocks_not_free(state: CheckState, event: PoolEvent) -> str | None:
+    """X5 per device pool (separate pools): a block a backup in flight reads is neither
+    free nor reclaimable, so the pool's free count plus the distinct blocks the requests
+    hold or such backups read never exceeds its capacity. Example: a pool of 16 blocks, 12
+    free, 3 held by requests, a queued backup reading block 9 that no request holds, the
+    engine counting block 9 reclaimable too: 12 + 4 = 16 is fine, 13 + 4 is not."""
+    held = held_per_pool(state, event.tables)
+    flying: dict[int, set[int]] = {}
+    for host in state.host_pools():
+        for gid in host.group_ids:
+            flying.setdefault(gid, set()).update(host.in_flight_device)
+    for pool in state.pools():
+        backups = set().union(*(flying.get(g, set()) for g in pool.group_ids))
+        blocks = held[pool.name] | backups
+        if backups and pool.num_free + len(blocks) > pool.num_blocks:
+            return (
+                f"pool {pool.name!r}: {pool.num_free} free or reclaimable + {len(blocks)} "
+                f"held by requests or read by backups in flight {sorted(backups)[:8]} > "
+                f"its {pool.num_blocks} blocks: a block being backed up is counted free"
+            )
+    return None
+
+
 __all__ = [
     "HOST_LOAD",
+    "backed_up_blocks_not_free",
     "HOST_WRITE",
     "host_hit_content",
     "host_load_source",

@@ -679,7 +679,7 @@ def free_queue_contents(state: CheckState, event: PoolEvent) -> str | None:
 # Separate pools (S1-S3): engines whose groups do not share one block pool
 
 
-def _held_per_pool(state: CheckState, tables: dict) -> dict[str, set[int]]:
+def held_per_pool(state: CheckState, tables: dict) -> dict[str, set[int]]:
     """The distinct non-null blocks the requests' tables hold, per pool."""
     held: dict[str, set[int]] = {}
     for pool in state.pools():
@@ -698,7 +698,7 @@ def pool_accounting_per_pool(state: CheckState, event: PoolEvent) -> str | None:
     Example: SGLang's SWA pool of 16 pages reports 14 free while two requests hold SWA
     pages 3, 4 and 9: 14 + 3 > 16, a page is counted free (or reclaimable) while held.
     """
-    held = _held_per_pool(state, event.tables)
+    held = held_per_pool(state, event.tables)
     for pool in state.pools():
         first = state.initial_pools.get(pool.name)
         if first is None or (first.num_blocks, first.group_ids) != (

@@ -179,6 +179,13 @@ _REGISTRY: tuple[CheckInfo, ...] = (
         ["pools"],
     ),
     _check(
+        hinv.backed_up_blocks_not_free,
+        "pool",
+        "X5",
+        "per pool: a block a backup in flight reads is neither free nor reclaimable",
+        ["host_tier", "pools"],
+    ),
+    _check(
         hinv.host_pool_accounting,
         "pool",
         "X4",

@@ -460,13 +460,16 @@ class SGLangEngine:
         self._publish_processed(state)
 
     def _publish_processed(self, state: _Request) -> None:
-        """A step's output was processed (synchronous scheduling: as soon as it ran):
-        a request that publishes its prefix after each prefill chunk does so now, up to
-        the processed tokens ``computed - in flight`` (SGLang's ``checkpoint_kv_cache``
-        runs in ``process_batch_result``, after the chunk's forward, also under its
-        overlap scheduler), unless an asynchronous load has not completed yet. Example:
-        a 20-token prompt planned in chunks of 8 with one step in flight: after the
-        first chunk is processed, 8 tokens are published."""
+        """A step's output was processed (synchronous scheduling: as soon as it ran): a
+        request that publishes its prefix after each prefill chunk does so now
+        (``checkpoint_kv_cache``), once nothing of it is in flight and no asynchronous
+        load is pending. Under its overlap scheduler SGLang checkpoints a chunk while the
+        next one may already run (``stash_chunked_request``), and the insert can re-point
+        the request's row to the tree's copy of the same prefix: safe on one device
+        stream, but the blocks the running chunk reads would leave its table
+        (``findings/sglang/README.md``, F3), so the adapter waits for the flight to land.
+        Example: a 20-token prompt computed in chunks of 8 synchronously publishes 8, then
+        16 tokens."""
         kv = state.req.kv
         processed = state.num_computed_tokens - state.num_in_flight_tokens
         previous, state.num_processed = state.num_processed, processed
@@ -474,6 +477,7 @@ class SGLangEngine:
             kv.holds_kv
             and state.checkpoints
             and not state.loading
+            and state.num_in_flight_tokens == 0
             and previous < len(state.req.origin_input_ids)
             and processed > previous
         ):

@@ -258,10 +258,13 @@ class HostTier:
         """The device pages of ``role``'s pool that copies in flight pin while no request
         holds a row (the only time the checks read it, :meth:`pools`): SGLang locks the
         whole path of a node it backs up or loads back until the copy is acknowledged,
-        and with no request holding a lock every protected page is such a copy's.
+        and with no request holding a lock every protected page is such a copy's, as long
+        as one is in flight (none in flight: 0, so a lock a copy leaked shows).
         Example: a node of 2 pages under a backed-up parent of 3, its backup not
         acknowledged: 5."""
         cache = self.cache
+        if not (cache.ongoing_write_through or cache.ongoing_load_back):
+            return 0  # no copy in flight: a locked page is a lock leaked
         size = cache.full_protected_size if role.name == "full" else cache.swa_protected_size
         return size() // self.page
 

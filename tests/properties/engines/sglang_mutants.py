@@ -20,6 +20,21 @@ Test fixtures, not part of the package; they need SGLang (``.engines/sglang``).
   fits the pages left is refused (``allocation_fits_per_pool``). Its branch, the
   allocator's own refusal, was unreached while the adapter pre-checked SGLang's budget.
 
+HiCache (issue 39; the adapter builds SGLang's host tier for five layouts in six):
+
+* ``load_back_order``: ``FullComponent.build_hicache_transfers`` gathers the host pages
+  of a load-back leaf first and forgets to turn them root first (``backed_up.reverse()``
+  dropped) while the nodes it names stay root first: a path of two or more host-only
+  nodes is loaded with each node's pages swapped, so the request reads another part of
+  its prefix (``host_hit_content``, X3).
+* ``host_pages_leaked``: ``FullComponent.free_host_values`` drops the host pages of the
+  leaves the host tier evicts instead of freeing them (the host allocator never gets them
+  back): the host pool loses them (``host_pool_accounting``, X4).
+* ``backup_unlocked``: ``UnifiedRadixCache._execute_and_commit_kv_backup`` queues a
+  write-through backup without locking the node (``lock_params = None``): until the next
+  flush the node can be evicted and its device pages handed to another request, whose KV
+  the queued copy then reads (``host_transfers_pinned``, X5).
+
 Each mutation rewrites one line of the method's source at run time and is applied once
 per process, when the factory first builds an engine (:mod:`tests.properties.engines.line_mutants`).
 
@@ -60,6 +75,27 @@ MUTATIONS = {
         "return x.id",
         "return None",
     ),
+    "load_back_order": (
+        "sglang.srt.mem_cache.unified_cache.components.full",
+        "FullComponent",
+        "build_hicache_transfers",
+        "backed_up.reverse()",
+        "pass",
+    ),
+    "host_pages_leaked": (
+        "sglang.srt.mem_cache.unified_cache.components.full",
+        "FullComponent",
+        "free_host_values",
+        "self.cache.host_pool_group.free(host_value, pool=PoolName.KV)",
+        "pass",
+    ),
+    "backup_unlocked": (
+        "sglang.srt.mem_cache.unified_radix_cache",
+        "UnifiedRadixCache",
+        "_execute_and_commit_kv_backup",
+        "lock_params = self.inc_lock_ref(node_id).to_dec_params()",
+        "lock_params = None",
+    ),
     "extend_page_slack": (
         "sglang.srt.mem_cache.allocator.swa",
         "SWATokenToKVPoolAllocator",
@@ -78,10 +114,14 @@ def mutated(name: str) -> tuple[type, str, Callable]:
 
 
 def _factory(name: str) -> Callable:
-    return mutant_factory(name, mutated, adapter.make_engine, ("layout_strategy",))
+    attributes = ("layout_strategy", "production_settings")
+    return mutant_factory(name, mutated, adapter.make_engine, attributes)
 
 
 make_decode_mapping = _factory("decode_mapping")
 make_swa_release_twice = _factory("swa_release_twice")
 make_swa_leaf_kept = _factory("swa_leaf_kept")
 make_extend_page_slack = _factory("extend_page_slack")
+make_load_back_order = _factory("load_back_order")
+make_host_pages_leaked = _factory("host_pages_leaked")
+make_backup_unlocked = _factory("backup_unlocked")
