@@ -543,9 +543,18 @@ class SGLangEngine:
     def new_step(self) -> None:
         """A scheduler step begins: with HiCache, SGLang's scheduler polls its transfers
         first (``check_hicache_events``: the queued backups are submitted, finished writes
-        publish their nodes as host-backed and unlock them, finished loads unlock theirs)."""
+        publish their nodes as host-backed and unlock them, finished loads unlock theirs).
+        With no request holding a row, SGLang's idle self-check runs (``on_idle`` ->
+        ``InvariantChecker._check_tree_cache`` -> ``UnifiedRadixCache.sanity_check``: the
+        tree's structure, leaf sets, LRU lists, sizes and ongoing copies; SGLang gates it
+        behind ``SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK``, the adapter deploys it on): an
+        inconsistency is SGLang's own assertion, an engine error."""
         if self.cache.cache_controller is not None:
             self.cache.check_hicache_events()
+        if self.config.enable_caching and not any(
+            s.req.kv.holds_kv for s in self._requests.values()
+        ):
+            self.cache.sanity_check()
 
     def remove_request(self, request_id: str) -> None:
         state = self._get(request_id)

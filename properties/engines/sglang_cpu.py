@@ -4,9 +4,10 @@
 cache controller that copies KV between them. Everything that decides *what* is copied
 (the radix tree, its components, the pools and their allocators, the controller's write
 and load queues, acknowledgements and locks) is Python over torch and runs unchanged on
-CPU tensors. Two calls below it assume CUDA; :func:`install` replaces each at SGLang's
-own seam (the module attribute SGLang's code calls through) with the smallest CPU
-equivalent. ``docs/sglang-on-cpu.md`` lists them with the reasons.
+CPU tensors. Two calls below it assume CUDA, and the storage tier's workers run on
+threads whose timing would make runs differ; :func:`install` replaces each at SGLang's
+own seam (the module attribute SGLang's code calls through) with the smallest CPU,
+deterministic equivalent. ``docs/sglang-on-cpu.md`` lists them with the reasons.
 
 1. ``sglang.srt.mem_cache.pool_host.common._cuda_host_register`` (called by
    ``alloc_with_host_register`` when the host pool is pinned, SGLang's default): it
@@ -20,6 +21,18 @@ equivalent. ``docs/sglang-on-cpu.md`` lists them with the reasons.
    when a node is backed up, host to device when it is loaded back). On CPU it is
    :func:`transfer_kv_direct`: for every layer, the rows of ``src_indices`` are copied
    into the rows of ``dst_indices``, synchronously.
+
+3. ``threading`` and ``Queue`` as ``sglang.srt.managers.cache_controller`` sees them, for
+   the storage tier (L3): with a storage backend attached, the controller starts four
+   worker threads (``prefetch_thread_func``: the storage hit query;
+   ``prefetch_io_aux_func``: the storage-to-host page copy; ``prefetch_sync_thread_func``:
+   the rank agreement on a prefetch; ``backup_thread_func``: the host-to-storage writes)
+   that the scheduler thread feeds and polls through queues. Their timing would make a
+   run depend on the machine's load. :class:`SynchronousThread` keeps each worker's own
+   loop function as SGLang creates it, unstarted; the adapter runs it at the scheduler's
+   poll points until its queue is empty (:class:`DrainableQueue` ends the loop there
+   with :class:`QueueDrained`), as if the storage were infinitely fast. The workers'
+   code, the queues and the scheduler-side drains are SGLang's.
 
 Not replaced: SGLang's streams and events. On a CPU-only torch, SGLang's
 ``get_device_module()`` is ``torch.cpu``, whose ``Stream`` and ``Event`` exist for
@@ -36,10 +49,85 @@ unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _installed: list[bool] = []
+
+#: The storage workers' loop functions, in the order the adapter runs them (the
+#: pipeline's order: hit query, page copy, agreement, writes).
+STORAGE_WORKERS = (
+    "prefetch_thread_func",
+    "prefetch_io_aux_func",
+    "prefetch_sync_thread_func",
+    "backup_thread_func",
+)
+
+
+class QueueDrained(Exception):
+    """A storage worker found its queue empty: its synchronous run ends here."""
+
+
+class DrainableQueue(queue.Queue):
+    """Replacement 3's queue: a blocking ``get`` on an empty queue raises
+    :class:`QueueDrained` instead of waiting for a producer thread that does not exist
+    (the scheduler side only takes items it counted, so it never meets it)."""
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        if block and self.empty():
+            raise QueueDrained
+        return super().get(block, timeout)
+
+
+class SynchronousThread:
+    """Replacement 3's thread: created by the controller exactly as a
+    ``threading.Thread``, but ``start()`` only registers the worker on its controller
+    (``_kvconform_workers``, by function name); :func:`run_storage_workers` runs it."""
+
+    def __init__(self, target: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        self.target = target
+        self.name = getattr(target, "__name__", "worker")
+
+    def start(self) -> None:
+        owner = getattr(self.target, "__self__", None)
+        if owner is not None:
+            owner.__dict__.setdefault("_kvconform_workers", {})[self.name] = self
+
+    def join(self, timeout: float | None = None) -> None:
+        """Nothing runs on its own: nothing to wait for."""
+
+    def is_alive(self) -> bool:
+        return False
+
+    def run_until_drained(self) -> None:
+        """The worker's loop, until its queue is empty."""
+        if self.target is None:
+            return
+        with contextlib.suppress(QueueDrained):
+            self.target()
+
+
+class _StorageThreading:
+    """``threading`` as the cache controller module sees it: ``Thread`` is
+    :class:`SynchronousThread`, everything else the real module's."""
+
+    Thread = SynchronousThread
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(threading, name)
+
+
+def run_storage_workers(controller: Any) -> None:
+    """Run every storage worker of ``controller`` until its queue is empty, in the
+    pipeline's order (:data:`STORAGE_WORKERS`)."""
+    workers = controller.__dict__.get("_kvconform_workers", {})
+    for name in STORAGE_WORKERS:
+        worker = workers.get(name)
+        if worker is not None:
+            worker.run_until_drained()
 
 
 def register_host_memory(buffer: Any, registration_granularity_bytes: int | None = None) -> None:
@@ -92,4 +180,8 @@ def install() -> None:
         host_common._cuda_host_register = register_host_memory
     if not hasattr(host_mha, "transfer_kv_direct"):
         host_mha.transfer_kv_direct = transfer_kv_direct
+    import sglang.srt.managers.cache_controller as controller_module
+
+    controller_module.threading = _StorageThreading()
+    controller_module.Queue = DrainableQueue
     _installed.append(True)
