@@ -40,6 +40,7 @@ from typing import Any
 
 from properties.core.engine import (
     HOST_LOAD,
+    HOST_TRANSFER_KINDS,
     HOST_WRITE,
     BlockIds,
     CachedBlock,
@@ -373,21 +374,29 @@ def check_host_pools(what: str, value: Any, layout: KVCacheLayout) -> tuple[Host
 
 def check_host_transfers(what: str, value: Any, layout: KVCacheLayout) -> list[HostTransfer]:
     """``take_host_transfers()``: a sequence of :class:`HostTransfer` whose ``kind`` is
-    ``"write"`` or ``"load"``, ``group_id`` a group of the layout, ``device_block`` in
-    ``[1, num_blocks)`` and ``host_block >= 1``."""
+    one of ``HOST_TRANSFER_KINDS``, ``group_id`` a group of the layout, ``host_block >=
+    1``; a ``write`` or ``load`` names a ``device_block`` in ``[1, num_blocks)``, a
+    ``store`` or ``fetch`` device block 0 and a non-empty string ``storage_key``."""
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
         raise AnswerError(f"{what} returned {_short(value)}, not a sequence of HostTransfer")
     out: list[HostTransfer] = []
     for i, t in enumerate(value):
-        if not isinstance(t, HostTransfer) or t.kind not in (HOST_WRITE, HOST_LOAD):
+        if not isinstance(t, HostTransfer) or t.kind not in HOST_TRANSFER_KINDS:
             raise AnswerError(f"{what} returned {_short(t)} at position {i}, not a HostTransfer")
         where = f" in transfer {i}"
         gid = as_int(t.group_id, what, where)
         if not 0 <= gid < len(layout.groups):
             raise AnswerError(f"{what}: transfer {i} names group {gid} of {len(layout.groups)}")
-        device = _block_id(t.device_block, what, where, layout, 1)
         host = as_int(t.host_block, what, where)
         if host < 1:
             raise AnswerError(f"{what}: transfer {i} names host block {host} (ids start at 1)")
-        out.append(HostTransfer(t.kind, gid, device, host))
+        if t.kind in (HOST_WRITE, HOST_LOAD):
+            device = _block_id(t.device_block, what, where, layout, 1)
+            out.append(HostTransfer(t.kind, gid, device, host))
+            continue
+        if as_int(t.device_block, what, where) != 0:
+            raise AnswerError(f"{what}: storage transfer {i} names device block {t.device_block}")
+        if not isinstance(t.storage_key, str) or not t.storage_key:
+            raise AnswerError(f"{what}: storage transfer {i} has key {t.storage_key!r}")
+        out.append(HostTransfer(t.kind, gid, 0, host, t.storage_key))
     return out

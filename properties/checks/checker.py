@@ -38,7 +38,16 @@ from properties.checks.state import (
     Snapshot,
     TrackedRequest,
 )
-from properties.core.engine import HOST_WRITE, BlockIds, CacheHit, HostTransfer, KVCacheEngine
+from properties.core.engine import (
+    HOST_FETCH,
+    HOST_LOAD,
+    HOST_STORE,
+    HOST_WRITE,
+    BlockIds,
+    CacheHit,
+    HostTransfer,
+    KVCacheEngine,
+)
 from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
 from reference.specs import MambaSpec, cdiv
@@ -226,10 +235,13 @@ class Checker:
 
     def on_host_transfers(self, transfers: Sequence[HostTransfer]) -> None:
         """An engine with its own host tier made these copies in its last call, in
-        order: X6 runs on each, then the shadow follows it (a ``write`` keeps what the
-        device block holds now under its host block; a ``load`` puts a host block's
-        content into the device block, every slot it lacks marked overwritten)."""
+        order: X6 and X7 run on each, then the shadow follows it (a ``write`` keeps what
+        the device block holds now under its host block; a ``store`` keeps a host
+        block's content under its storage key, a ``fetch`` puts it into a host block; a
+        ``load`` puts a host block's content into the device block, every slot it lacks
+        marked overwritten)."""
         state = self.state
+        state.loaded_now = {(t.group_id, t.device_block) for t in transfers if t.kind == HOST_LOAD}
         for t in transfers:
             self._run("host_transfer", HostTransferEvent(t))
             if not self._shadowed:
@@ -237,6 +249,15 @@ class Checker:
             key = (t.group_id, t.host_block)
             if t.kind == HOST_WRITE:
                 state.host_shadow[key] = state.shadow.block(t.group_id, t.device_block)
+                continue
+            if t.kind == HOST_STORE:
+                state.storage_shadow[(t.group_id, t.storage_key)] = dict(
+                    state.host_shadow.get(key, {})
+                )
+                continue
+            if t.kind == HOST_FETCH:
+                stored = state.storage_shadow.get((t.group_id, t.storage_key), {})
+                state.host_shadow[key] = dict(stored)
                 continue
             copy = state.host_shadow.get(key, {})
             bs = state.layout.groups[t.group_id].spec.block_size

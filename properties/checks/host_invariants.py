@@ -20,7 +20,10 @@ device block. What must hold for any such engine (labels of ``docs/spec.md``):
   block being backed up to the host is not handed to a request as a new block before
   the engine has acknowledged the copy (the copy would read the new owner's KV), nor
   counted free or reclaimable meanwhile.
-* **X6** (:func:`host_load_source`): a load reads a host block that a ``write`` filled.
+* **X6** (:func:`host_load_source`): a load (or a store into the storage tier) reads a
+  host block that a ``write`` or a ``fetch`` filled.
+* **X7** (:func:`storage_fetch_source`): a fetch from the storage tier (L3) reads a key
+  that a ``store`` filled.
 
 Worked example (one full group, bs 2): ``write(0, device 5, host 1)`` after block 5
 held positions 0-1 of prefix ``a``; then ``load(0, host 1, device 9)``: block 9 now holds
@@ -39,16 +42,35 @@ from properties.checks.state import (
     HostTransferEvent,
     PoolEvent,
 )
-from properties.core.engine import HOST_LOAD, HOST_WRITE
+from properties.core.engine import HOST_FETCH, HOST_LOAD, HOST_STORE, HOST_WRITE
 
 
 def host_load_source(state: CheckState, event: HostTransferEvent) -> str | None:
-    """X6: a ``load`` reads a host block that a ``write`` filled (module docstring)."""
+    """X6: a ``load`` reads a host block that a ``write`` (or a ``fetch`` from storage)
+    filled, and a ``store`` reads one too (module docstring)."""
     t = event.transfer
-    if t.kind == HOST_LOAD and (t.group_id, t.host_block) not in state.host_shadow:
+    if t.kind in (HOST_LOAD, HOST_STORE) and (t.group_id, t.host_block) not in state.host_shadow:
+        into = (
+            f"into device block {t.device_block}"
+            if t.kind == HOST_LOAD
+            else f"into storage key {t.storage_key!r}"
+        )
         return (
-            f"the engine loaded host block {t.host_block} of group {t.group_id} into device "
-            f"block {t.device_block}, but no write ever filled that host block"
+            f"the engine copied host block {t.host_block} of group {t.group_id} {into}, "
+            "but nothing ever filled that host block"
+        )
+    return None
+
+
+def storage_fetch_source(state: CheckState, event: HostTransferEvent) -> str | None:
+    """X7: a ``fetch`` from the storage tier reads a key that a ``store`` filled. Example:
+    ``fetch(0, key "ab12" -> host 5)`` with no earlier ``store`` of ``"ab12"``: the page
+    the engine brings back is not one it wrote."""
+    t = event.transfer
+    if t.kind == HOST_FETCH and (t.group_id, t.storage_key) not in state.storage_shadow:
+        return (
+            f"the engine fetched storage key {t.storage_key!r} of group {t.group_id} into "
+            f"host block {t.host_block}, but no store ever wrote that key"
         )
     return None
 
@@ -163,4 +185,5 @@ __all__ = [
     "host_load_source",
     "host_pool_accounting",
     "host_transfers_pinned",
+    "storage_fetch_source",
 ]

@@ -271,12 +271,18 @@ def external_hit_bounds(state: CheckState, event: ExternalLoadEvent) -> str | No
 def _loaded_blocks(state: CheckState, event: ExternalLoadEvent) -> Iterator[tuple[int, int, int]]:
     """``(group, index, block)`` of every block a connector loads external tokens into:
     the non-null entries of the table over ``[start, end)`` (null ones, below a sliding
-    window, are not loaded)."""
+    window, are not loaded). An engine with its own host tier says which it loaded (its
+    ``load`` copies of the call): a block it kept on the device, shared with others,
+    is not loaded into (SGLang loads only the window's SWA pages when the full pages are
+    still resident)."""
     for gid, row in enumerate(event.table):
         bs = state.layout.groups[gid].spec.block_size
         for col in range(event.start // bs, min(cdiv(event.end, bs), len(row))):
-            if row[col] != 0:
-                yield gid, col, row[col]
+            if row[col] == 0:
+                continue
+            if state.has_host_tier and (gid, row[col]) not in state.loaded_now:
+                continue
+            yield gid, col, row[col]
 
 
 def external_load_exclusive(state: CheckState, event: ExternalLoadEvent) -> str | None:

@@ -87,10 +87,9 @@ class LockstepEngine(EngineProxy):
             self.checker.state.invalidate(names)
         if self._owns_host_tier:
             transfers = self.engine.take_host_transfers()
-            if transfers:
-                self.checker.on_host_transfers(transfers)
-                if self.on_host_transfers is not None:
-                    self.on_host_transfers(transfers)
+            self.checker.on_host_transfers(transfers)
+            if transfers and self.on_host_transfers is not None:
+                self.on_host_transfers(transfers)
         return result
 
     def _record(self, call: str, args: dict, result: Any) -> None:

@@ -96,6 +96,10 @@ class CheckState:
         #: an engine's own host tier: ``(group, host block)`` -> the slots a ``write`` copied
         #: there (offset -> content), as the device block held them then
         self.host_shadow: dict[tuple[int, int], dict[int, SlotContent]] = {}
+        #: its storage tier (L3): ``(group, storage key)`` -> what a ``store`` copied there
+        self.storage_shadow: dict[tuple[int, str], dict[int, SlotContent]] = {}
+        #: ``(group, device block)`` of every ``load`` the engine's last call made
+        self.loaded_now: set[tuple[int, int]] = set()
         self.alignment = layout.cache_hit_alignment
         #: the free count of the fresh engine: every block free or reclaimable
         self.initial_free = engine.num_free_blocks()

@@ -248,6 +248,14 @@ class ReportsPools(Protocol):
 HOST_WRITE = "write"
 #: :attr:`HostTransfer.kind` of a copy from a host block to a device block (a load-back).
 HOST_LOAD = "load"
+#: :attr:`HostTransfer.kind` of a copy from a host block into the storage tier under
+#: :attr:`HostTransfer.storage_key` (a backup to storage, L3).
+HOST_STORE = "store"
+#: :attr:`HostTransfer.kind` of a copy from the storage tier into a host block (a
+#: prefetch).
+HOST_FETCH = "fetch"
+#: Every :attr:`HostTransfer.kind`.
+HOST_TRANSFER_KINDS = (HOST_WRITE, HOST_LOAD, HOST_STORE, HOST_FETCH)
 
 
 @dataclass(frozen=True)
@@ -256,16 +264,21 @@ class HostTransfer:
     (:class:`OwnsHostTier`): ``kind`` :data:`HOST_WRITE` (device block ``device_block``
     to host block ``host_block``) or :data:`HOST_LOAD` (the other way), for the block
     of KV cache group ``group_id`` (its host pool is the one whose ``group_ids`` hold the
-    group). Host block ids are per host pool, ``0`` never used.
+    group). Host block ids are per host pool, ``0`` never used. A storage tier behind
+    the host tier (L3) adds :data:`HOST_STORE` (host block into storage under
+    ``storage_key``) and :data:`HOST_FETCH` (storage key into a host block), with
+    ``device_block`` 0.
 
     Example (SGLang, full group 0, bs 2): backing up the node of slots ``[8, 9, 10, 11]``
-    into host slots ``[4, 5, 6, 7]`` is ``HostTransfer("write", 0, 4, 2)`` and
-    ``HostTransfer("write", 0, 5, 3)``."""
+    into host slots ``[4, 5, 6, 7]`` is ``HostTransfer("write", 0, 4, 3)`` and
+    ``HostTransfer("write", 0, 5, 4)``; writing host block 3 to storage under key
+    ``"ab12"`` is ``HostTransfer("store", 0, 0, 3, "ab12")``."""
 
     kind: str
     group_id: int
     device_block: int
     host_block: int
+    storage_key: str = ""
 
 
 @dataclass(frozen=True)

@@ -132,14 +132,15 @@ _EMPTY: BlockIds = ((), ())
 
 #: The deployments the adapter builds, one per layout (:func:`hicache_deployment`):
 #: without HiCache, and each write policy with SGLang's default host pool (``2.0`` times
-#: the device pool) or a small one (the host tier then evicts too).
+#: the device pool) or a smaller one (the host tier then evicts too), half of them with
+#: SGLang's file-backed storage tier (L3) behind the host tier.
 HICACHE_DEPLOYMENTS: tuple[HiCacheConfig | None, ...] = (
     None,
     HiCacheConfig("write_through", 2.0),
     HiCacheConfig("write_back", 0.5),
-    HiCacheConfig("write_through_selective", 1.0),
-    HiCacheConfig("write_through", 0.5),
-    HiCacheConfig("write_back", 2.0),
+    HiCacheConfig("write_through_selective", 1.0, storage="file"),
+    HiCacheConfig("write_through", 0.5, storage="file", prefetch_policy="best_effort"),
+    HiCacheConfig("write_back", 2.0, storage="file"),
 )
 
 
@@ -439,6 +440,8 @@ class SGLangEngine:
             tokens=list(request.prompt_token_ids),
             checkpoints=len(self._requests) % 2 == 1,
         )
+        if self.host is not None:
+            self.host.prefetch(req)
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         state = self._get(request_id)
@@ -549,7 +552,8 @@ class SGLangEngine:
         tree's structure, leaf sets, LRU lists, sizes and ongoing copies; SGLang gates it
         behind ``SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK``, the adapter deploys it on): an
         inconsistency is SGLang's own assertion, an engine error."""
-        if self.cache.cache_controller is not None:
+        if self.host is not None:
+            self.host.pump_storage()
             self.cache.check_hicache_events()
         if self.config.enable_caching and not any(
             s.req.kv.holds_kv for s in self._requests.values()
@@ -560,6 +564,8 @@ class SGLangEngine:
         state = self._get(request_id)
         if state.req.kv.holds_kv:
             self.free(request_id)
+        if self.host is not None:
+            self.host.release(state.req)
         del self._requests[request_id]
 
     # ---------------------------------------------------------------- lookups
@@ -568,6 +574,8 @@ class SGLangEngine:
         state.pending = None
         n = len(state.tokens)
         req = state.req
+        if self.host is not None and not req.kv.holds_kv:
+            self.host.prefetch_done(req)
         # SGLang's scheduler matches every request (``match_kv_cache``), a one-token
         # prompt (key limit 0) and a tree with caching off (``disable``) included
         limit = req._compute_max_prefix_len(n)  # SGLang's own cap: n - 1

@@ -14,7 +14,9 @@ deterministic equivalent. ``docs/sglang-on-cpu.md`` lists them with the reasons.
    registers the host buffer with ``cudaHostRegister`` so that the GPU's copy engines can
    read it. Without a device there is nothing to register it with (torch's CPU build
    raises on ``torch.cuda.cudart()``): :func:`register_host_memory` does nothing, and the
-   buffer stays the ordinary CPU tensor SGLang allocated.
+   buffer stays the ordinary CPU tensor SGLang allocated. For the same reason each host
+   pool's ``pin_memory`` flag is cleared once built (:func:`unpin`): the pages it
+   allocates later would ask torch for pinned memory, which a CPU-only torch refuses.
 2. ``sglang.srt.mem_cache.pool_host.mha.transfer_kv_direct`` (``sgl_kernel.kvcacheio``'s
    op, imported by that module on CUDA, ROCm and XPU only): the copy of the ``direct`` io
    backend with the ``layer_first`` host layout, for both directions (device to host
@@ -132,6 +134,16 @@ def run_storage_workers(controller: Any) -> None:
 
 def register_host_memory(buffer: Any, registration_granularity_bytes: int | None = None) -> None:
     """Replacement 1: a host pool buffer needs no registration when there is no device."""
+
+
+def unpin(host_pool: Any) -> None:
+    """Replacement 1, for the pages a host pool allocates later (the storage tier's
+    bounce pages, ``get_dummy_flat_data_page``): its ``pin_memory`` flag is cleared where
+    torch has no CUDA, which cannot pin (``torch.zeros(..., pin_memory=True)`` raises)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        host_pool.pin_memory = False
 
 
 def transfer_kv_direct(

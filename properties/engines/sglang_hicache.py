@@ -39,17 +39,26 @@ pages back into fresh device pages, which become the request's first 12 blocks.
 from __future__ import annotations
 
 import atexit
+import json
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from properties.core.engine import (
+    HOST_FETCH,
     HOST_LOAD,
+    HOST_STORE,
     HOST_WRITE,
     EngineError,
     HostPoolUsage,
     HostTransfer,
 )
+
+#: The parallel ranks of a one-GPU deployment, published while the host tier is built.
+SINGLE_RANK = {"tp_rank": 0, "pp_rank": 0, "attn_dcp_rank": 0}
 
 
 @dataclass(frozen=True)
@@ -57,24 +66,43 @@ class HiCacheConfig:
     """How ``--enable-hierarchical-cache`` is deployed: ``--hicache-write-policy``
     (``write_through``: a node is backed up to the host when inserted;
     ``write_through_selective``: once it was hit; ``write_back``: when the device evicts
-    it), ``--hicache-ratio`` (host pool tokens / device pool tokens, per pool) and the
-    CPU-capable settings of the copy: ``--hicache-io-backend direct`` with the
-    ``layer_first`` host layout (``docs/sglang-on-cpu.md``)."""
+    it), ``--hicache-ratio`` (host pool tokens / device pool tokens, per pool), the
+    CPU-capable settings of the copy (``--hicache-io-backend direct`` with the
+    ``layer_first`` host layout, ``docs/sglang-on-cpu.md``) and an optional storage tier
+    (L3): ``--hicache-storage-backend file`` (SGLang's file-backed store, in a directory
+    of the engine's own) with ``--hicache-storage-prefetch-policy`` and the
+    ``prefetch_threshold`` of ``--hicache-storage-backend-extra-config`` (SGLang's 256
+    tokens would decline every prefetch of the layouts drawn: they are 96 tokens at
+    most)."""
 
     write_policy: str
     ratio: float
     io_backend: str = "direct"
     mem_layout: str = "layer_first"
+    storage: str | None = None
+    prefetch_policy: str = "wait_complete"
+    prefetch_threshold: int = 1
 
-    def server_args(self) -> dict[str, Any]:
-        """The ``ServerArgs`` fields of this deployment (SGLang's flag names)."""
-        return {
+    def server_args(self, storage_dir: str | None = None) -> dict[str, Any]:
+        """The ``ServerArgs`` fields of this deployment (SGLang's flag names);
+        ``storage_dir``: the storage tier's directory."""
+        args: dict[str, Any] = {
             "enable_hierarchical_cache": True,
             "hicache_write_policy": self.write_policy,
             "hicache_ratio": self.ratio,
             "hicache_io_backend": self.io_backend,
             "hicache_mem_layout": self.mem_layout,
         }
+        if self.storage is not None:
+            extra = {"prefetch_threshold": self.prefetch_threshold}
+            if storage_dir is not None:
+                extra["file_storage_path"] = storage_dir
+            args.update(
+                hicache_storage_backend=self.storage,
+                hicache_storage_prefetch_policy=self.prefetch_policy,
+                hicache_storage_backend_extra_config=json.dumps(extra),
+            )
+        return args
 
 
 @dataclass(frozen=True)
@@ -115,12 +143,24 @@ class HostTier:
         self.config = config
         self.page = page_size
         self._load_back_params = init_load_back_params
-        with get_context().override_server_args(**config.server_args()) as args:
+        self.storage_dir: str | None = None
+        if config.storage is not None:
+            self.storage_dir = tempfile.mkdtemp(prefix="kvconform-sglang-l3-")
+            weakref.finalize(self, shutil.rmtree, self.storage_dir, True)
+        server_args = config.server_args(self.storage_dir)
+        context = get_context()
+        # one rank of one (the storage backend keys its files by the ranks it is given)
+        with (
+            context.override_server_args(**server_args) as args,
+            context.parallel.override(**SINGLE_RANK),
+        ):
             cache.init_hicache(args, params)
         atexit.unregister(cache.shutdown)
         controller = cache.cache_controller
         if controller is None:
             raise EngineError("sglang adapter: init_hicache attached no cache controller")
+        for entry in cache.host_pool_group.entries:
+            sglang_cpu.unpin(entry.host_pool)
         self.controller = controller
         self.roles: list[PoolRole] = []
         for entry in cache.host_pool_group.entries:
@@ -146,6 +186,8 @@ class HostTier:
 
         engine.submit_device_to_host = device_to_host
         engine.submit_host_to_device = host_to_device
+        if controller.enable_storage:
+            self._observe_storage()
 
     # -- copies ---------------------------------------------------------------------
     def _role_of(self, transfer: Any) -> PoolRole:
@@ -172,6 +214,88 @@ class HostTier:
                 out.append(HostTransfer(kind, gid, device[i] // page, host[i] // page + 1))
         self._transfers.extend(out)
         self._in_flight.append((done.finish_event, out))
+
+    def _observe_storage(self) -> None:
+        """Record the storage tier's copies (rule 1 for L3): the full pool's pages go
+        through the controller's ``page_set_func`` / ``page_get_func`` (the file
+        backend's generic page copies), the SWA pool's through the backend's
+        ``batch_set_v2`` / ``batch_get_v2``; each call goes through unchanged, then its
+        successful pages are recorded as ``store`` / ``fetch`` transfers keyed by
+        SGLang's page hash."""
+        controller = self.controller
+        backend = controller.storage_backend
+        full = next(r for r in self.roles if r.name == "full")
+        page_set, page_get = controller.page_set_func, controller.page_get_func
+
+        def set_pages(hash_values: list[str], host_indices: Any, extra_info: Any = None) -> Any:
+            ok = page_set(hash_values, host_indices, extra_info)
+            if ok:
+                self._record_storage(HOST_STORE, full, hash_values, host_indices)
+            return ok
+
+        def get_pages(
+            operation: Any, hash_values: list[str], host_indices: Any, extra_info: Any = None
+        ) -> int:
+            count = page_get(operation, hash_values, host_indices, extra_info)
+            self._record_storage(HOST_FETCH, full, hash_values[:count], host_indices)
+            return count
+
+        controller.page_set_func, controller.page_get_func = set_pages, get_pages
+        batch_set, batch_get = backend.batch_set_v2, backend.batch_get_v2
+
+        def set_v2(transfers: list[Any], extra_info: Any = None) -> Any:
+            results = batch_set(transfers, extra_info=extra_info)
+            self._record_pool_storage(HOST_STORE, transfers, results)
+            return results
+
+        def get_v2(transfers: list[Any], extra_info: Any = None) -> Any:
+            results = batch_get(transfers, extra_info=extra_info)
+            self._record_pool_storage(HOST_FETCH, transfers, results)
+            return results
+
+        backend.batch_set_v2, backend.batch_get_v2 = set_v2, get_v2
+
+    def _record_storage(self, kind: str, role: PoolRole, keys: list[str], host: Any) -> None:
+        """Pages ``keys[i]`` <-> host pages starting at slot ``host[i * bs]``."""
+        slots = host.tolist()
+        self._transfers.extend(
+            HostTransfer(kind, role.group_id, 0, slots[i * self.page] // self.page + 1, key)
+            for i, key in enumerate(keys)
+        )
+
+    def _record_pool_storage(self, kind: str, transfers: list[Any], results: Any) -> None:
+        """The successful pages of ``batch_set_v2`` / ``batch_get_v2`` per pool."""
+        for transfer in transfers:
+            role = next((r for r in self.roles if r.name == transfer.name.value), None)
+            done = (results or {}).get(transfer.name) or (results or {}).get(transfer.name.value)
+            if role is None or transfer.host_indices is None or not transfer.keys or not done:
+                continue
+            ok = [key for key, success in zip(transfer.keys, done) if success]
+            self._record_storage(kind, role, ok, transfer.host_indices)
+
+    def pump_storage(self) -> None:
+        """The storage tier's workers run until their queues are empty and the
+        scheduler side drains what they produced, until nothing is left
+        (:func:`properties.engines.sglang_cpu.run_storage_workers`; SGLang's
+        ``drain_storage_control_queues``): a storage that answers at once. No-op without
+        a storage tier."""
+        from properties.engines import sglang_cpu
+
+        controller = self.controller
+        if not controller.enable_storage:
+            return
+        for _ in range(16):
+            sglang_cpu.run_storage_workers(controller)
+            queues = (
+                controller.prefetch_hit_queue,
+                controller.ack_prefetch_queue,
+                controller.ack_backup_queue,
+                controller.host_mem_release_queue,
+            )
+            if all(q.empty() for q in queues):
+                return
+            self.cache.drain_storage_control_queues()
+        raise EngineError("sglang adapter: the storage tier's queues did not settle")
 
     def take_transfers(self) -> list[HostTransfer]:
         """The copies since the last call, in submission order."""
@@ -267,6 +391,54 @@ class HostTier:
             return 0  # no copy in flight: a locked page is a lock leaked
         size = cache.full_protected_size if role.name == "full" else cache.swa_protected_size
         return size() // self.page
+
+    # -- the storage tier ------------------------------------------------------------
+    def prefetch(self, req: Any) -> None:
+        """A request arrives: SGLang's scheduler asks its storage tier for the prompt past
+        what the device and host hold (``Scheduler._prefetch_kvcache``: a match, then
+        ``prefetch_from_storage`` from the deepest host-backed node), and the storage
+        answers at once (:meth:`pump_storage`). No-op without a storage tier."""
+        cache = self.cache
+        if not self.controller.enable_storage:
+            return
+        req.init_next_round_input(cache, cow_mamba=False)
+        anchor = req.last_host_node
+        matched = req.prefix_len + req.host_hit_length
+        if cache.is_backuped(anchor) or cache.is_root(anchor):
+            fill = req.full_untruncated_fill_ids
+            end = req._compute_max_prefix_len(len(fill))
+            keys = cache.get_prefix_hash_values(anchor)
+            cache.prefetch_from_storage(
+                req.cache_request_handle,
+                anchor,
+                fill[matched:end],
+                cache.get_last_hash_value(anchor),
+                keys if cache.hicache_storage_pass_prefix_keys else None,
+                matched_prefix_tokens=fill[:matched],
+                extra_key=req.extra_key,
+                cache_salt=req.cache_salt,
+            )
+        self.pump_storage()
+
+    def prefetch_done(self, req: Any) -> None:
+        """Before a waiting request is matched for admission, SGLang's scheduler finishes
+        its prefetch (``check_prefetch_progress``: the fetched pages become host nodes
+        of the tree) and takes the loaded span (``pop_prefetch_loaded_span``)."""
+        if not self.controller.enable_storage:
+            return
+        if not self.cache.check_prefetch_progress(req.cache_request_handle):
+            raise EngineError(
+                f"sglang adapter: the prefetch of {req.rid!r} did not finish although the "
+                "storage answered at once"
+            )
+        self.cache.pop_prefetch_loaded_span(req.cache_request_handle)
+
+    def release(self, req: Any) -> None:
+        """A request leaves before its prefetch was taken (SGLang's
+        ``_release_aborted_request``: ``release_aborted_request``)."""
+        if self.controller.enable_storage:
+            self.cache.release_aborted_request(req.cache_request_handle)
+            self.pump_storage()
 
     # -- load-back ------------------------------------------------------------------
     def tokens_to_load(self, best_match_node: Any, device_tokens: int, req: Any) -> int:
