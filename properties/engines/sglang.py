@@ -97,7 +97,7 @@ import os
 import zlib
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from properties.core.engine import (
@@ -361,9 +361,19 @@ class SGLangEngine:
 
     separate_group_pools = True
 
-    def __init__(self, layout: KVCacheLayout, tree_core: str = "python") -> None:
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        tree_core: str = "python",
+        hicache: HiCacheConfig | None | str = "per layout",
+    ) -> None:
+        """``hicache``: the host tier's deployment; ``"per layout"`` (the factories):
+        :func:`hicache_deployment`, else the one given (None: no host tier; hand
+        scenarios choose)."""
         self.layout = layout
         self.config = config_for(layout, tree_core)
+        if hicache != "per layout":
+            self.config = replace(self.config, hicache=hicache)
         m = _SGLangModules.get()
         self._m = m
         torch = m["torch"]
@@ -470,7 +480,8 @@ class SGLangEngine:
         next one may already run (``stash_chunked_request``), and the insert can re-point
         the request's row to the tree's copy of the same prefix: safe on one device
         stream, but the blocks the running chunk reads would leave its table
-        (``findings/sglang/README.md``, F3), so the adapter waits for the flight to land.
+        (``findings/sglang/README.md``, the overlap checkpoint), so the adapter waits
+        for the flight to land.
         Example: a 20-token prompt computed in chunks of 8 synchronously publishes 8, then
         16 tokens."""
         kv = state.req.kv
