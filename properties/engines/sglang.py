@@ -144,6 +144,18 @@ HICACHE_DEPLOYMENTS: tuple[HiCacheConfig | None, ...] = (
 )
 
 
+def session_radix_cache(layout: KVCacheLayout) -> bool:
+    """Whether ``layout`` is deployed with ``--enable-session-radix-cache`` (SGLang tags
+    a finished request's radix nodes with its session, evicts session-held nodes last
+    and releases them when the session closes): every other layout by the CRC-32 of
+    its description (next to :func:`hicache_deployment`'s). The protocol carries no
+    session: a request's cache salt stands for its session id (the requests of one
+    conversation share both), and a session closes when its last request leaves
+    (``remove_request``). Example: a layout whose description has CRC 7 -> ``7 // 6 %
+    2 = 1``: on."""
+    return zlib.crc32(layout.describe().encode()) // len(HICACHE_DEPLOYMENTS) % 2 == 1
+
+
 def hicache_deployment(layout: KVCacheLayout) -> HiCacheConfig | None:
     """The HiCache deployment of ``layout``: :data:`HICACHE_DEPLOYMENTS` indexed by a
     CRC-32 of the layout's description (a function of the layout, so a saved trace
@@ -170,6 +182,9 @@ class SGLangConfig:
     swa_pool_pages: int = 0
     #: the host tier (``--enable-hierarchical-cache``), or None
     hicache: HiCacheConfig | None = None
+    #: ``--enable-session-radix-cache``: a request's cache salt is its session id
+    #: (:func:`session_radix_cache`)
+    session_radix_cache: bool = False
 
     @property
     def sglang_window(self) -> int:
@@ -262,6 +277,7 @@ def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
         hicache=(
             hicache_deployment(layout) if layout.enable_caching and tree_core == "python" else None
         ),
+        session_radix_cache=layout.enable_caching and session_radix_cache(layout),
     )
 
 
@@ -416,6 +432,7 @@ class SGLangEngine:
             sliding_window_size=cfg.sglang_window,
             tree_components=(ct.FULL, ct.SWA),
             tree_core_backend=tree_core,
+            enable_session_radix_cache=cfg.session_radix_cache,
         )
         self.cache = m["UnifiedRadixCache"](params)
         #: SGLang's host tier (``--enable-hierarchical-cache``), or None
@@ -442,6 +459,10 @@ class SGLangEngine:
         )
         req.extra_key = request.lora_name
         req.cache_salt = request.cache_salt or None
+        if self.config.session_radix_cache and req.cache_salt is not None:
+            # SGLang's scheduler for a request of a radix-native session
+            req.session_id = req.cache_salt
+            req.session_generation = self.cache.ensure_session_generation(req.cache_salt)
         req.refresh_fill_ids()
         # every other request publishes its prefix after each prefill step, as SGLang's
         # scheduler does; the others at free only, so both insert paths are driven
@@ -578,6 +599,13 @@ class SGLangEngine:
         if self.host is not None:
             self.host.release(state.req)
         del self._requests[request_id]
+        session = state.req.session_id
+        if session is not None and not any(
+            s.req.session_id == session for s in self._requests.values()
+        ):
+            # the session's last request left: it closes (``close_session`` ->
+            # ``release_radix_session``)
+            self.cache.release_radix_session(session)
 
     # ---------------------------------------------------------------- lookups
     def get_computed_blocks(self, request_id: str) -> CacheHit:

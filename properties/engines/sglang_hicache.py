@@ -59,6 +59,10 @@ from properties.core.engine import (
 
 #: The parallel ranks of a one-GPU deployment, published while the host tier is built.
 SINGLE_RANK = {"tp_rank": 0, "pp_rank": 0, "attn_dcp_rank": 0}
+#: The host memory the host pools are booked against (SGLang's own
+#: ``host_memory_budget_scope``): far above what the layouts' pools take (kilobytes), so
+#: a build never depends on how much memory the machine has free at that moment.
+HOST_MEMORY_BUDGET_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -149,10 +153,15 @@ class HostTier:
             weakref.finalize(self, shutil.rmtree, self.storage_dir, True)
         server_args = config.server_args(self.storage_dir)
         context = get_context()
-        # one rank of one (the storage backend keys its files by the ranks it is given)
+        from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+        # one rank of one (the storage backend keys its files by the ranks it is given);
+        # the host pools (kilobytes) are booked against a fixed budget, not against the
+        # machine's free memory less SGLang's 10 GiB reserve (a busy CI machine has less)
         with (
             context.override_server_args(**server_args) as args,
             context.parallel.override(**SINGLE_RANK),
+            host_memory_budget_scope(HOST_MEMORY_BUDGET_BYTES),
         ):
             cache.init_hicache(args, params)
         atexit.unregister(cache.shutdown)
