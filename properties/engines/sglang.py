@@ -111,7 +111,13 @@ from properties.core.engine import (
     UnsupportedLayoutError,
     quiet_loggers,
 )
-from properties.engines.sglang_hicache import HiCacheConfig, HostTier
+from properties.engines import sglang_metrics
+from properties.engines.sglang_hicache import (
+    HiCacheConfig,
+    HostTier,
+    deployed,
+    storage_directory,
+)
 from reference.layout import KVCacheLayout
 from reference.specs import FullAttentionSpec, SlidingWindowSpec
 
@@ -433,20 +439,33 @@ class SGLangEngine:
             tree_components=(ct.FULL, ct.SWA),
             tree_core_backend=tree_core,
             enable_session_radix_cache=cfg.session_radix_cache,
+            # --enable-metrics with the host tier: SGLang's counters of its copies,
+            # recorded (sglang_metrics) and checked against them
+            enable_metrics=cfg.hicache is not None,
         )
-        self.cache = m["UnifiedRadixCache"](params)
         #: SGLang's host tier (``--enable-hierarchical-cache``), or None
         self.host: HostTier | None = None
-        if cfg.hicache is not None:
-            self.host = HostTier(
-                self.cache,
-                params,
-                cfg.hicache,
-                cfg.page_size,
-                {"full": cfg.full_group, "swa": cfg.swa_group},
-                m["get_context"],
-                m["InitLoadBackParams"],
-            )
+        if cfg.hicache is None:
+            self.cache = m["UnifiedRadixCache"](params)
+        else:
+            storage_dir = storage_directory(self, cfg.hicache)
+            flags = {
+                **cfg.hicache.server_args(storage_dir),
+                "enable_metrics": True,
+                "stat_loggers": sglang_metrics.stat_loggers(),
+            }
+            with deployed(m["get_context"], flags) as args:
+                self.cache = m["UnifiedRadixCache"](params)
+                self.host = HostTier(
+                    self.cache,
+                    params,
+                    args,
+                    cfg.hicache,
+                    cfg.page_size,
+                    {"full": cfg.full_group, "swa": cfg.swa_group},
+                    m["InitLoadBackParams"],
+                    storage_dir,
+                )
         self._requests: dict[str, _Request] = {}
 
     # ----------------------------------------------------------------- requests
@@ -587,6 +606,7 @@ class SGLangEngine:
         if self.host is not None:
             self.host.pump_storage()
             self.cache.check_hicache_events()
+            self.host.audit_metrics()
         if self.config.enable_caching and not any(
             s.req.kv.holds_kv for s in self._requests.values()
         ):

@@ -43,7 +43,9 @@ import json
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +122,39 @@ class PoolRole:
     host_pool: Any
 
 
+def storage_directory(owner: object, config: HiCacheConfig | None) -> str | None:
+    """A fresh directory for the storage tier of ``config`` (None without one), removed
+    when ``owner`` (the engine) is."""
+    if config is None or config.storage is None:
+        return None
+    path = tempfile.mkdtemp(prefix="kvconform-sglang-l3-")
+    weakref.finalize(owner, shutil.rmtree, path, True)
+    return path
+
+
+@contextmanager
+def deployed(get_context: Any, flags: dict[str, Any]) -> Iterator[Any]:
+    """SGLang's flags ``flags`` published while the cache and its host tier are built
+    (SGLang's scoped ``override_server_args``, restored after: what the cache, the
+    controller and the collectors read, they keep), with one rank of one (the storage
+    backend keys its files, the metrics their labels, by the ranks) and the host pools
+    (kilobytes) booked against a fixed budget, not against the machine's free memory
+    less SGLang's 10 GiB reserve (a busy CI machine has less). Yields the published
+    ``ServerArgs``. The CPU seams are replaced first (:mod:`sglang_cpu`)."""
+    from properties.engines import sglang_cpu
+
+    sglang_cpu.install()
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    context = get_context()
+    with (
+        context.override_server_args(**flags) as args,
+        context.parallel.override(**SINGLE_RANK),
+        host_memory_budget_scope(HOST_MEMORY_BUDGET_BYTES),
+    ):
+        yield args
+
+
 class HostTier:
     """SGLang's host tier of one engine (module docstring)."""
 
@@ -127,43 +162,28 @@ class HostTier:
         self,
         cache: Any,
         params: Any,
+        server_args: Any,
         config: HiCacheConfig,
         page_size: int,
         groups: dict[str, int],
-        get_context: Any,
         init_load_back_params: Any,
+        storage_dir: str | None = None,
     ) -> None:
         """Attach the tier to ``cache`` (built from ``params``) as ``init_hicache`` does,
-        with ``config``'s flags published through SGLang's scoped
-        ``override_server_args`` (restored after: the controller keeps what it read).
-        ``groups``: the group id of the ``kv`` (full) and ``swa`` host pools.
+        with ``config``'s flags published (``server_args``: the caller holds
+        :func:`deployed`). ``groups``: the group id of the ``kv`` (full) and ``swa``
+        host pools; ``storage_dir``: the storage tier's directory (:func:`storage_directory`).
         ``init_hicache`` registers the cache's ``shutdown`` to run at exit; a check builds
         hundreds of engines and starts no storage thread, so that registration is undone
         (it would keep every engine alive until exit)."""
         from properties.engines import sglang_cpu
 
-        sglang_cpu.install()
         self.cache = cache
         self.config = config
         self.page = page_size
         self._load_back_params = init_load_back_params
-        self.storage_dir: str | None = None
-        if config.storage is not None:
-            self.storage_dir = tempfile.mkdtemp(prefix="kvconform-sglang-l3-")
-            weakref.finalize(self, shutil.rmtree, self.storage_dir, True)
-        server_args = config.server_args(self.storage_dir)
-        context = get_context()
-        from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
-
-        # one rank of one (the storage backend keys its files by the ranks it is given);
-        # the host pools (kilobytes) are booked against a fixed budget, not against the
-        # machine's free memory less SGLang's 10 GiB reserve (a busy CI machine has less)
-        with (
-            context.override_server_args(**server_args) as args,
-            context.parallel.override(**SINGLE_RANK),
-            host_memory_budget_scope(HOST_MEMORY_BUDGET_BYTES),
-        ):
-            cache.init_hicache(args, params)
+        self.storage_dir = storage_dir
+        cache.init_hicache(server_args, params)
         atexit.unregister(cache.shutdown)
         controller = cache.cache_controller
         if controller is None:
@@ -178,6 +198,8 @@ class HostTier:
                 raise EngineError(f"sglang adapter: unexpected HiCache host pool {name!r}")
             self.roles.append(PoolRole(name, groups[name], entry.device_pool, entry.host_pool))
         self._transfers: list[HostTransfer] = []
+        #: tokens copied so far, per (kind, group): what SGLang's metrics must report
+        self._copied: Counter = Counter()
         #: submitted copies whose acknowledgement is pending: (finish event, transfers)
         self._in_flight: list[tuple[Any, list[HostTransfer]]] = []
         engine = controller.l2_transfer_engine
@@ -223,6 +245,8 @@ class HostTier:
                 out.append(HostTransfer(kind, gid, device[i] // page, host[i] // page + 1))
         self._transfers.extend(out)
         self._in_flight.append((done.finish_event, out))
+        for t in out:
+            self._copied[(kind, t.group_id)] += self.page
 
     def _observe_storage(self) -> None:
         """Record the storage tier's copies (rule 1 for L3): the full pool's pages go
@@ -305,6 +329,31 @@ class HostTier:
                 return
             self.cache.drain_storage_control_queues()
         raise EngineError("sglang adapter: the storage tier's queues did not settle")
+
+    def audit_metrics(self) -> None:
+        """After a poll (every copy acknowledged): SGLang's own counters of the tokens it
+        backed up to and loaded back from the host (``--enable-metrics``,
+        ``hicache_backup_tokens_total`` and ``load_back_tokens_total`` per pool, recorded
+        by :mod:`sglang_metrics`) equal the tokens of the copies the adapter saw it
+        submit; a difference is an engine error. Example: two backed-up pages of the
+        ``kv`` pool at bs 2: both are 4."""
+        collector = self.cache.metrics_collector
+        if collector is None or self._pending_events():
+            return
+        recorded = collector.recorded
+        for role in self.roles:
+            pool = "kv" if role.name == "full" else role.name
+            for kind, metric in (
+                (HOST_WRITE, "backup_num_tokens"),
+                (HOST_LOAD, "load_back_num_tokens"),
+            ):
+                counted = recorded.total(metric, pool=pool)
+                copied = self._copied[(kind, role.group_id)]
+                if counted != copied:
+                    raise EngineError(
+                        f"sglang adapter: SGLang's metric {metric}[pool={pool}] says {counted:g} "
+                        f"tokens, the adapter saw {copied} copied ({kind})"
+                    )
 
     def take_transfers(self) -> list[HostTransfer]:
         """The copies since the last call, in submission order."""

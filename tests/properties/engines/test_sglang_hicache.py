@@ -125,6 +125,21 @@ def test_write_through_backs_a_request_up_at_its_insert() -> None:
     full = engine.host_pools()[0]
     assert (full.name, full.num_blocks, full.num_free) == ("full", 33, 21)
     assert sorted(full.held) == list(range(1, 13)) and full.in_flight == ()
+    # SGLang's own counter (--enable-metrics, recorded) agrees: 12 pages of 2 tokens
+    recorded = engine.cache.metrics_collector.recorded
+    assert recorded.total("backup_num_tokens", pool="kv") == 24
+    assert recorded.total("load_back_num_tokens", pool="kv") == 0
+
+
+def test_the_metrics_audit_catches_a_counter_that_disagrees_with_the_copies() -> None:
+    from properties.core.engine import EngineError
+
+    engine = _engine(HiCacheConfig("write_through", 2.0))
+    _run(engine, "a", PROMPT)
+    engine.new_step()
+    engine.cache.metrics_collector.backup_num_tokens.labels(pool="kv").inc(2)
+    with pytest.raises(EngineError, match=r"backup_num_tokens\[pool=kv\] says 26 tokens"):
+        engine.host.audit_metrics()
 
 
 def test_an_evicted_prefix_is_a_host_hit_and_loads_back() -> None:
