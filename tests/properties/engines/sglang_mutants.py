@@ -35,6 +35,18 @@ HiCache (issue 39; the adapter builds SGLang's host tier for five layouts in six
   flush the node can be evicted and its device pages handed to another request, whose KV
   the queued copy then reads (``host_transfers_pinned``, X5).
 
+* ``write_back_dropped``: ``UnifiedRadixCache._evict_components`` treats a write-back
+  backup that succeeded as failed (``if written > 0:`` -> ``if written < 0:``) and drops
+  the subtree instead of demoting it: the host pages the backup took are no longer any
+  node's (``host_pool_accounting``, X4).
+
+Sessions (``--enable-session-radix-cache``, one layout in two):
+
+* ``session_leaf_kept``: ``TreeComponent.discard_deleted_session_leaf`` forgets to
+  unindex a session leaf that eviction deleted: SGLang's own idle self-check
+  (``sanity_check``, which the adapter deploys) finds the session indexing an
+  unreachable leaf, an engine error.
+
 Each mutation rewrites one line of the method's source at run time and is applied once
 per process, when the factory first builds an engine (:mod:`tests.properties.engines.line_mutants`).
 
@@ -96,6 +108,20 @@ MUTATIONS = {
         "lock_params = self.inc_lock_ref(node_id).to_dec_params()",
         "lock_params = None",
     ),
+    "write_back_dropped": (
+        "sglang.srt.mem_cache.unified_radix_cache",
+        "UnifiedRadixCache",
+        "_evict_components",
+        "if written > 0:",
+        "if written < 0:",
+    ),
+    "session_leaf_kept": (
+        "sglang.srt.mem_cache.unified_cache.components.base",
+        "TreeComponent",
+        "discard_deleted_session_leaf",
+        "self._unmark_session_leaf(session_id, node)",
+        "pass",
+    ),
     "extend_page_slack": (
         "sglang.srt.mem_cache.allocator.swa",
         "SWATokenToKVPoolAllocator",
@@ -114,7 +140,7 @@ def mutated(name: str) -> tuple[type, str, Callable]:
 
 
 def _factory(name: str) -> Callable:
-    attributes = ("layout_strategy", "production_settings")
+    attributes = ("layout_strategy", "production_settings", "spec_types")
     return mutant_factory(name, mutated, adapter.make_engine, attributes)
 
 
@@ -125,3 +151,5 @@ make_extend_page_slack = _factory("extend_page_slack")
 make_load_back_order = _factory("load_back_order")
 make_host_pages_leaked = _factory("host_pages_leaked")
 make_backup_unlocked = _factory("backup_unlocked")
+make_write_back_dropped = _factory("write_back_dropped")
+make_session_leaf_kept = _factory("session_leaf_kept")

@@ -592,3 +592,15 @@ def test_the_gate_catches_the_backup_unlocked_mutant():
     """A queued write-through backup's node is left unlocked: its pages count as
     reclaimable while the backup still reads them (X5)."""
     assert "first failure [backed_up_blocks_not_free]" in _check_mutant("backup_unlocked")
+
+
+def test_the_gate_catches_the_write_back_dropped_mutant():
+    """A write-back backup that succeeded is treated as failed and its subtree dropped:
+    SGLang's own assertion on the dropped subtree fails, an engine error."""
+    assert "first failure [EngineError]" in _check_mutant("write_back_dropped")
+
+
+def test_the_gate_catches_the_session_leaf_kept_mutant():
+    """A session leaf deleted by eviction stays indexed: closing the session (its last
+    request leaves) trips SGLang's own assertion on the stale index, an engine error."""
+    assert "first failure [EngineError]" in _check_mutant("session_leaf_kept", "production")
