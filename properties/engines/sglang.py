@@ -145,7 +145,9 @@ HICACHE_DEPLOYMENTS: tuple[HiCacheConfig | None, ...] = (
     HiCacheConfig("write_through", 2.0),
     HiCacheConfig("write_back", 0.5),
     HiCacheConfig("write_through_selective", 1.0, storage="file"),
-    HiCacheConfig("write_through", 0.5, storage="file", prefetch_policy="best_effort"),
+    HiCacheConfig(
+        "write_through", 0.5, storage="file", prefetch_policy="best_effort", staged_storage=True
+    ),
     HiCacheConfig("write_back", 2.0, storage="file"),
 )
 

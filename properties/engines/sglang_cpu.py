@@ -67,6 +67,10 @@ STORAGE_WORKERS = (
     "prefetch_sync_thread_func",
     "backup_thread_func",
 )
+#: the prefetch's first stage: the storage hit query
+STORAGE_QUERY_WORKERS = STORAGE_WORKERS[:1]
+#: the rest: the prefetch's page reads and their acknowledgement, the backups
+STORAGE_IO_WORKERS = STORAGE_WORKERS[1:]
 
 
 class QueueDrained(Exception):
@@ -122,11 +126,13 @@ class _StorageThreading:
         return getattr(threading, name)
 
 
-def run_storage_workers(controller: Any) -> None:
-    """Run every storage worker of ``controller`` until its queue is empty, in the
-    pipeline's order (:data:`STORAGE_WORKERS`)."""
+def run_storage_workers(controller: Any, names: tuple[str, ...] = STORAGE_WORKERS) -> None:
+    """Run the storage workers ``names`` of ``controller`` (default: all) until their
+    queues are empty, in the pipeline's order (:data:`STORAGE_WORKERS`)."""
     workers = controller.__dict__.get("_kvconform_workers", {})
     for name in STORAGE_WORKERS:
+        if name not in names:
+            continue
         worker = workers.get(name)
         if worker is not None:
             worker.run_until_drained()

@@ -88,6 +88,17 @@ class HiCacheConfig:
     storage: str | None = None
     prefetch_policy: str = "wait_complete"
     prefetch_threshold: int = 1
+    #: the storage tier answers one stage per scheduler poll, as a remote store does:
+    #: a prefetch's hit query and host allocation at the first poll after the request
+    #: arrived, its page reads at the next (:meth:`HostTier.pump_storage`), so a request
+    #: admitted in between finds its prefetch in flight; False: the storage answers at
+    #: once. Only with the ``best_effort`` policy (admission takes what is there);
+    #: ``wait_complete`` would hold the admission, which the protocol cannot express.
+    staged_storage: bool = False
+
+    def __post_init__(self) -> None:
+        if self.staged_storage and (self.storage is None or self.prefetch_policy != "best_effort"):
+            raise ValueError("staged_storage needs a storage tier with the best_effort policy")
 
     def server_args(self, storage_dir: str | None = None) -> dict[str, Any]:
         """The ``ServerArgs`` fields of this deployment (SGLang's flag names);
@@ -307,18 +318,32 @@ class HostTier:
             self._record_storage(kind, role, ok, transfer.host_indices)
 
     def pump_storage(self) -> None:
-        """The storage tier's workers run until their queues are empty and the
-        scheduler side drains what they produced, until nothing is left
-        (:func:`properties.engines.sglang_cpu.run_storage_workers`; SGLang's
-        ``drain_storage_control_queues``): a storage that answers at once. No-op without
-        a storage tier."""
+        """The scheduler's poll of its storage tier: the storage workers run until their
+        queues are empty and the scheduler side drains what they produced, until nothing
+        is left (:func:`properties.engines.sglang_cpu.run_storage_workers`; SGLang's
+        ``drain_storage_control_queues``): a storage that answers at once. With
+        ``staged_storage``, the reads of the hits allocated at the previous poll and the
+        queued backups settle first, then the prefetches issued since are queried and
+        their hits allocated, one drain, and their reads wait for the next poll. No-op
+        without a storage tier."""
+        from properties.engines import sglang_cpu
+
+        if not self.controller.enable_storage:
+            return
+        if not self.config.staged_storage:
+            self._settle(sglang_cpu.STORAGE_WORKERS)
+            return
+        self._settle(sglang_cpu.STORAGE_IO_WORKERS)
+        sglang_cpu.run_storage_workers(self.controller, sglang_cpu.STORAGE_QUERY_WORKERS)
+        self.cache.drain_storage_control_queues()
+
+    def _settle(self, workers: tuple[str, ...]) -> None:
+        """Run ``workers`` and drain until the storage tier's queues are empty."""
         from properties.engines import sglang_cpu
 
         controller = self.controller
-        if not controller.enable_storage:
-            return
         for _ in range(16):
-            sglang_cpu.run_storage_workers(controller)
+            sglang_cpu.run_storage_workers(controller, workers)
             queues = (
                 controller.prefetch_hit_queue,
                 controller.ack_prefetch_queue,
@@ -418,6 +443,7 @@ class HostTier:
         pending = self._pending_events()
         self._in_flight = [(e, t) for e, t in self._in_flight if id(e) in pending]
         queued = self._queued()
+        prefetching = self._prefetch_pages()
         out = []
         for role in self.roles:
             flying = [t for _, ts in self._in_flight for t in ts if t.group_id == role.group_id]
@@ -429,12 +455,59 @@ class HostTier:
                     role.host_pool.page_num,
                     role.host_pool.available_size() // self.page,
                     tuple(held[role.name]),
-                    tuple(sorted({t.host_block for t in flying})),
+                    tuple(sorted({t.host_block for t in flying} | prefetching[role.name])),
                     tuple(sorted({t.device_block for t in flying if t.kind == HOST_WRITE})),
                     self._pinned_pages(role) if idle else 0,
                 )
             )
         return tuple(out)
+
+    def _prefetch_pages(self) -> dict[str, set[int]]:
+        """Rule 2, the storage tier's part: the host pages a prefetch holds outside the
+        tree, per host pool, read from SGLang's own records: the pages allocated for an
+        ongoing prefetch (``ongoing_prefetch``: its Full-KV pages and its components'
+        staging), the unread tail of a prefetch the admission took early (the read
+        acknowledgement releases it, ``ack_releases_incomplete_host_indices``) and the
+        pages queued for release (``host_mem_release_queue`` and the components'
+        queues). Empty with a storage that answers at once (every poll settles them).
+        Example: a hit of 8 tokens at bs 2 allocated at a poll and taken at admission
+        before its read: 4 pages until the next poll releases them."""
+        cache, controller = self.cache, self.controller
+        pages: dict[str, set[int]] = {role.name: set() for role in self.roles}
+        if not controller.enable_storage:
+            return pages
+
+        def add(pool: str, host: Any) -> None:
+            if host is not None and pool in pages:
+                pages[pool].update(s // self.page + 1 for s in host.tolist()[:: self.page])
+
+        def add_staging(transfers: Iterable[Any]) -> None:
+            for transfer in transfers:
+                if transfer.indices_from_pool is None:
+                    name = transfer.name.value
+                    add("full" if name == "kv" else name, transfer.host_indices)
+
+        current = set()
+        for info in cache.ongoing_prefetch.values():
+            current.add(id(info.operation))
+            add("full", info.host_indices)
+            add_staging(x for xfers in info.comp_xfers.values() for x in xfers)
+        queued = [*controller.prefetch_buffer.queue, *controller.prefetch_sync_queue.queue]
+        queued += controller.ack_prefetch_queue.queue
+        for item in queued:
+            op = getattr(item, "operation", None) or item
+            if id(op) in current or op.host_indices is None:
+                continue
+            if op.ack_releases_incomplete_host_indices:
+                add("full", op.host_indices[op.completed_tokens :])
+                if not op.pool_transfers_done:
+                    add_staging(op.pool_transfers or ())
+        for page in controller.host_mem_release_queue.queue:
+            add("full", page)
+        for name, release in controller.extra_host_mem_release_queues.items():
+            for page in release.queue:
+                add(name.value, page)
+        return pages
 
     def _pinned_pages(self, role: PoolRole) -> int:
         """The device pages of ``role``'s pool that copies in flight pin while no request
@@ -455,7 +528,8 @@ class HostTier:
         """A request arrives: SGLang's scheduler asks its storage tier for the prompt past
         what the device and host hold (``Scheduler._prefetch_kvcache``: a match, then
         ``prefetch_from_storage`` from the deepest host-backed node), and the storage
-        answers at once (:meth:`pump_storage`). No-op without a storage tier."""
+        answers at once (:meth:`pump_storage`; with ``staged_storage`` it is queried at the
+        next poll). No-op without a storage tier."""
         cache = self.cache
         if not self.controller.enable_storage:
             return
@@ -476,7 +550,8 @@ class HostTier:
                 extra_key=req.extra_key,
                 cache_salt=req.cache_salt,
             )
-        self.pump_storage()
+        if not self.config.staged_storage:
+            self.pump_storage()
 
     def prefetch_done(self, req: Any) -> None:
         """Before a waiting request is matched for admission, SGLang's scheduler finishes
@@ -493,10 +568,13 @@ class HostTier:
 
     def release(self, req: Any) -> None:
         """A request leaves before its prefetch was taken (SGLang's
-        ``_release_aborted_request``: ``release_aborted_request``)."""
+        ``_release_aborted_request``: ``release_aborted_request``); with
+        ``staged_storage`` the pages it releases wait in the release queue for the next
+        poll (:meth:`_prefetch_pages`)."""
         if self.controller.enable_storage:
             self.cache.release_aborted_request(req.cache_request_handle)
-            self.pump_storage()
+            if not self.config.staged_storage:
+                self.pump_storage()
 
     # -- load-back ------------------------------------------------------------------
     def tokens_to_load(self, best_match_node: Any, device_tokens: int, req: Any) -> int:
