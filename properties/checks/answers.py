@@ -333,9 +333,9 @@ def _host_ids(what: str, values: Any, where: str, lowest: int, end: int) -> tupl
 
 def check_host_pools(what: str, value: Any, layout: KVCacheLayout) -> tuple[HostPoolUsage, ...]:
     """``host_pools()``: a sequence of :class:`HostPoolUsage` with distinct names, each
-    group of the layout in at most one of them, ``0 <= num_free <= num_blocks``, held and
-    in-flight host blocks in ``[1, num_blocks]``, in-flight device blocks in ``[1,
-    layout.num_blocks)``.
+    group of the layout in at most one of them, ``0 <= num_free <= num_blocks``, held,
+    in-flight and staging host blocks in ``[1, num_blocks]``, in-flight device blocks in
+    ``[1, layout.num_blocks)``.
 
     Example: ``HostPoolUsage("full", (0,), 8, 9, ())`` raises (more free than the pool
     holds); ``HostPoolUsage("full", (0,), 8, 2, (9,))`` raises (host block 9 of 8)."""
@@ -368,7 +368,10 @@ def check_host_pools(what: str, value: Any, layout: KVCacheLayout) -> tuple[Host
         pinned = as_int(p.num_pinned_device, what, f" as num_pinned_device{name}")
         if pinned < 0:
             raise AnswerError(f"{what}: host pool {p.name!r} pins {pinned} device blocks")
-        out.append(HostPoolUsage(p.name, groups, blocks, free, held, flying, device, pinned))
+        staging = _host_ids(what, p.staging, f" in staging{name}", 1, blocks + 1)
+        out.append(
+            HostPoolUsage(p.name, groups, blocks, free, held, flying, device, pinned, staging)
+        )
     return tuple(out)
 
 

@@ -100,21 +100,30 @@ def host_hit_content(state: CheckState, event: ExternalLoadEvent) -> str | None:
 
 
 def host_pool_accounting(state: CheckState, event: PoolEvent) -> str | None:
-    """X4: per host pool, ``num_free + len(held) == num_blocks``, no block held twice,
-    every held block filled by a ``write`` or in flight, every block of a transfer in
-    flight held.
+    """X4: per host pool, ``num_free + len(held) + len(staging) == num_blocks``, no block
+    held twice or both held and staging, every held block filled by a ``write`` or a
+    ``fetch`` or in flight, every block of a transfer in flight held or staging.
     Example: a pool of 8 blocks with 3 free and held ``(1, 2, 2, 5)``: block 2 twice;
-    held ``(1, 2, 5)``: 3 + 3 != 8, two blocks lost."""
+    held ``(1, 2, 5)``: 3 + 3 != 8, two blocks lost; the same with ``staging=(6, 7)``:
+    3 + 3 + 2 == 8."""
     for pool in state.host_pools():
-        held = set(pool.held)
-        if len(held) != len(pool.held):
-            twice = sorted(b for b in held if pool.held.count(b) > 1)
+        held, staging = set(pool.held), set(pool.staging)
+        if len(held) != len(pool.held) or len(staging) != len(pool.staging):
+            twice = sorted(
+                b for b in held | staging if pool.held.count(b) + pool.staging.count(b) > 1
+            )
             return f"host pool {pool.name!r}: blocks {twice} are held twice"
-        if pool.num_free + len(held) != pool.num_blocks:
+        if held & staging:
             return (
-                f"host pool {pool.name!r}: {pool.num_free} free + {len(held)} held != "
-                f"{pool.num_blocks} blocks ({pool.num_blocks - pool.num_free - len(held)} "
-                "blocks neither free nor holding a copy)"
+                f"host pool {pool.name!r}: blocks {sorted(held & staging)[:8]} are both held "
+                "and staging"
+            )
+        lost = pool.num_blocks - pool.num_free - len(held) - len(staging)
+        if lost:
+            return (
+                f"host pool {pool.name!r}: {pool.num_free} free + {len(held)} held + "
+                f"{len(staging)} staging != {pool.num_blocks} blocks ({lost} blocks neither "
+                "free nor holding a copy)"
             )
         gid = pool.group_ids[0]
         flying = set(pool.in_flight)
@@ -124,7 +133,7 @@ def host_pool_accounting(state: CheckState, event: PoolEvent) -> str | None:
                 f"host pool {pool.name!r}: blocks {unwritten[:8]} hold a copy that no "
                 "write ever filled"
             )
-        dropped = sorted(set(pool.in_flight) - held)
+        dropped = sorted(set(pool.in_flight) - held - staging)
         if dropped:
             return (
                 f"host pool {pool.name!r}: blocks {dropped[:8]} were dropped while a copy "

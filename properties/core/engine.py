@@ -295,13 +295,18 @@ class HostPoolUsage:
     ``num_pinned_device``: how many device blocks of those groups the copies in flight
     keep from being free or reclaimable while no request holds them (the blocks they
     read and any the engine pins with them: SGLang locks a backed-up node's whole path),
-    read by the idle-pool checks when no request holds blocks. Between calls,
-    ``num_free + len(held) == num_blocks``.
+    read by the idle-pool checks when no request holds blocks; ``staging``: blocks taken
+    for a copy into the host tier that no backed-up copy holds yet, or given up and
+    waiting for the engine to free them (SGLang's storage prefetch: pages allocated for a
+    fetch from storage before the tree takes them, or the unread rest of a prefetch
+    ended early). Between calls, ``num_free + len(held) + len(staging) == num_blocks``.
 
     Example (32 host blocks, two backed-up nodes of 3 and 2 blocks, one of them still
     being written from device blocks 7 and 8 into host blocks 4 and 5, its parent's block
     6 pinned with them):
-    ``HostPoolUsage("full", (0,), 32, 27, (1, 2, 3, 4, 5), (4, 5), (7, 8), 3)``."""
+    ``HostPoolUsage("full", (0,), 32, 27, (1, 2, 3, 4, 5), (4, 5), (7, 8), 3)``; with
+    a fetch from storage into blocks 9 and 10 under way as well, 25 free and
+    ``staging=(9, 10)``."""
 
     name: str
     group_ids: tuple[int, ...]
@@ -311,6 +316,7 @@ class HostPoolUsage:
     in_flight: tuple[int, ...] = ()
     in_flight_device: tuple[int, ...] = ()
     num_pinned_device: int = 0
+    staging: tuple[int, ...] = ()
 
 
 @runtime_checkable

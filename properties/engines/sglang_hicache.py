@@ -19,7 +19,9 @@ bridges it to the protocol's host-tier capability
    group, ``swa`` the sliding-window group): capacity ``page_num``, free pages from
    SGLang's host allocator, and the pages *held*, read from the radix tree (every node's
    ``host_value`` per component), not from the allocator, so that a page the allocator
-   lost or the tree still points at after freeing shows as a broken balance.
+   lost or the tree still points at after freeing shows as a broken balance. The pages
+   a storage prefetch took and the tree does not hold yet are *staging*
+   (:meth:`HostTier._prefetch_pages`).
 3. **Host hits** (the ``external_hits`` serving mode): after a lookup, :meth:`host_hit`
    is what SGLang's admission would load back (``init_load_back``): the tokens from the
    device hit to the deepest node every component accepted (``best_match_node``), or 0
@@ -455,16 +457,17 @@ class HostTier:
                     role.host_pool.page_num,
                     role.host_pool.available_size() // self.page,
                     tuple(held[role.name]),
-                    tuple(sorted({t.host_block for t in flying} | prefetching[role.name])),
+                    tuple(sorted({t.host_block for t in flying})),
                     tuple(sorted({t.device_block for t in flying if t.kind == HOST_WRITE})),
                     self._pinned_pages(role) if idle else 0,
+                    tuple(sorted(prefetching[role.name])),
                 )
             )
         return tuple(out)
 
     def _prefetch_pages(self) -> dict[str, set[int]]:
-        """Rule 2, the storage tier's part: the host pages a prefetch holds outside the
-        tree, per host pool, read from SGLang's own records: the pages allocated for an
+        """Rule 2, the storage tier's part (``staging``): the host pages a prefetch holds
+        outside the tree, per host pool, read from SGLang's own records: the pages allocated for an
         ongoing prefetch (``ongoing_prefetch``: its Full-KV pages and its components'
         staging), the unread tail of a prefetch the admission took early (the read
         acknowledgement releases it, ``ack_releases_incomplete_host_indices``) and the

@@ -181,7 +181,16 @@ def test_host_pool_accounting_x4() -> None:
     engine.host = HostPoolUsage("full", (0,), 8, 5, (1, 2))  # one block neither free nor held
     state.invalidate()
     assert host_pool_accounting(state, PoolEvent({}, 16)) == (
-        "host pool 'full': 5 free + 2 held != 8 blocks (1 blocks neither free nor holding a copy)"
+        "host pool 'full': 5 free + 2 held + 0 staging != 8 blocks (1 blocks neither free "
+        "nor holding a copy)"
+    )
+    engine.host = HostPoolUsage("full", (0,), 8, 5, (1, 2), staging=(6,))  # a fetch's block
+    state.invalidate()
+    assert host_pool_accounting(state, PoolEvent({}, 16)) is None
+    engine.host = HostPoolUsage("full", (0,), 8, 5, (1, 2), staging=(2,))
+    state.invalidate()
+    assert host_pool_accounting(state, PoolEvent({}, 16)) == (
+        "host pool 'full': blocks [2] are both held and staging"
     )
     engine.host = HostPoolUsage("full", (0,), 8, 5, (1, 2, 2))
     state.invalidate()

@@ -235,26 +235,26 @@ def _stored_then_reset(engine: SGLangEngine) -> None:
 
 def test_a_staged_storage_fetches_over_two_polls() -> None:
     """A staged storage queries B's prompt at the first poll after B arrived (12 full
-    pages hit, the host pages allocated and in flight), reads them at the next: then B's
+    pages hit, the host pages allocated and staging), reads them at the next: then B's
     24 tokens are a host hit."""
     engine = _engine(STAGED)
     _stored_then_reset(engine)
     engine.add_request(RequestInput("b", PROMPT + (5, 6)))
     engine.new_step()
     full = next(p for p in engine.host_pools() if p.name == "full")
-    assert len(full.in_flight) == 12 and full.num_free == full.num_blocks - 12
+    assert len(full.staging) == 12 and full.num_free == full.num_blocks - 12
     assert not [t for t in engine.take_host_transfers() if t.kind == HOST_FETCH]
     engine.new_step()
     fetched = [t for t in engine.take_host_transfers() if t.kind == HOST_FETCH]
     assert len([t for t in fetched if t.group_id == 0]) == 12
     full = next(p for p in engine.host_pools() if p.name == "full")
-    assert full.in_flight == () and len(full.held) == 12
+    assert full.staging == () and len(full.held) == 12
     assert engine.get_computed_blocks("b").num_tokens == 0 and engine.host_hit("b") == 24
 
 
 def test_an_admission_before_the_read_takes_nothing_and_the_read_releases_the_pages() -> None:
     """best_effort: B admitted between the two polls ends its prefetch with nothing
-    read (host hit 0); the 12 host pages stay in flight until the next poll, when the
+    read (host hit 0); the 12 host pages stay staging until the next poll, when the
     read, finding the prefetch terminated, acknowledges and SGLang releases them."""
     engine = _engine(STAGED)
     _stored_then_reset(engine)
@@ -262,11 +262,11 @@ def test_an_admission_before_the_read_takes_nothing_and_the_read_releases_the_pa
     engine.new_step()
     assert engine.get_computed_blocks("b").num_tokens == 0 and engine.host_hit("b") == 0
     full = next(p for p in engine.host_pools() if p.name == "full")
-    assert len(full.in_flight) == 12 and full.held == ()
+    assert len(full.staging) == 12 and full.held == ()
     engine.new_step()
     assert not [t for t in engine.take_host_transfers() if t.kind == HOST_FETCH]
     for pool in engine.host_pools():
-        assert pool.in_flight == () and pool.num_free == pool.num_blocks
+        assert pool.staging == () and pool.num_free == pool.num_blocks
 
 
 def test_staged_storage_needs_the_best_effort_policy() -> None:
