@@ -115,6 +115,10 @@ class ShadowCache:
         ``write(0, 7, 3, h)`` in a bs-4 group, ``blocks_ending(0, h) == {7}``."""
         return self._ends.get((group_id, prefix_id), set())
 
+    def block(self, group_id: int, block_id: int) -> dict[int, SlotContent]:
+        """A copy of every written slot of a block (offset -> content; Mamba: -1)."""
+        return dict(self.slots.get(self._key(group_id, block_id), {}))
+
     def read(self, group_id: int, block_id: int, offset: int) -> SlotContent | None:
         return self.slots.get(self._key(group_id, block_id), {}).get(offset)
 
