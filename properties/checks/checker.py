@@ -203,13 +203,18 @@ class Checker:
                     (gid, row[cdiv(end, bs) - 1], prefix, end)
                 )
             return
-        for p in range(start, min(end, len(row) * bs)):
-            if p < len(req.ids):
-                self.state.shadow.write(gid, row[p // bs], p % bs, req.ids[p])
-            else:
-                self.deferred_writes.setdefault(req.request_id, []).append(
-                    (gid, row[p // bs], p % bs, p)
-                )
+        stop = min(end, len(row) * bs)
+        known = min(stop, len(req.ids))
+        p = start
+        while p < known:  # block by block
+            idx = p // bs
+            run_end = min(known, (idx + 1) * bs)
+            self.state.shadow.write_run(gid, row[idx], p % bs, req.ids[p:run_end])
+            p = run_end
+        for p in range(max(start, known), stop):
+            self.deferred_writes.setdefault(req.request_id, []).append(
+                (gid, row[p // bs], p % bs, p)
+            )
 
     def _record_load(self, req: TrackedRequest, table: BlockIds, start: int, end: int) -> None:
         """A KV connector loads positions ``[start, end)`` (external computed tokens) into
@@ -217,9 +222,14 @@ class Checker:
         its prefix (slots in null entries, below a sliding window, are not loaded)."""
         for gid, row in enumerate(table):
             bs = self.state.layout.groups[gid].spec.block_size
-            for p in range(start, min(end, len(row) * bs)):
-                if row[p // bs] != 0:
-                    self.state.shadow.write(gid, row[p // bs], p % bs, req.ids[p])
+            stop = min(end, len(row) * bs)
+            p = start
+            while p < stop:  # block by block
+                idx = p // bs
+                run_end = min(stop, (idx + 1) * bs)
+                if row[idx] != 0:
+                    self.state.shadow.write_run(gid, row[idx], p % bs, req.ids[p:run_end])
+                p = run_end
 
     def _reads(self, table: BlockIds, start: int, end: int) -> frozenset[tuple[int, int, int]]:
         """The ``(group, index, block)`` entries the tokens ``[start, end)`` read: from
