@@ -247,6 +247,8 @@ def check_cached_blocks(what: str, value: Any, layout: KVCacheLayout) -> list[Ca
     """Every cached block: a :class:`CachedBlock` naming a real block and a group."""
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
         raise AnswerError(f"{what} returned {_short(value)}, not a sequence of CachedBlock")
+    if _plain_cached_blocks(value, layout):
+        return list(value)  # already normalised (the entries are frozen)
     out = []
     for i, c in enumerate(value):
         if not isinstance(c, CachedBlock):
@@ -261,6 +263,31 @@ def check_cached_blocks(what: str, value: Any, layout: KVCacheLayout) -> list[Ca
             )
         out.append(CachedBlock(block, gid, tokens))
     return out
+
+
+def _plain_cached_blocks(value: Sequence, layout: KVCacheLayout) -> bool:
+    """The fast path of :func:`check_cached_blocks` (it runs on every lookup and commit
+    at the small tier): every entry is exactly a :class:`CachedBlock` of plain ints with
+    a block id in ``[1, num_blocks)``, a group of the layout and ``num_tokens >= 1``, so
+    the entries are returned as they are. Anything else (a subclass, a numpy integer, a
+    value out of range) takes the entry-by-entry path, which normalises or names it."""
+    if not value:
+        return True
+    if not all(type(c) is CachedBlock for c in value):
+        return False
+    blocks = [c.block_id for c in value]
+    groups = [c.group_id for c in value]
+    tokens = [c.num_tokens for c in value]
+    return (
+        set(map(type, blocks)) <= _PLAIN_INT
+        and set(map(type, groups)) <= _PLAIN_INT
+        and set(map(type, tokens)) <= _PLAIN_INT
+        and min(blocks) >= 1
+        and max(blocks) < layout.num_blocks
+        and min(groups) >= 0
+        and max(groups) < len(layout.groups)
+        and min(tokens) >= 1
+    )
 
 
 def check_pool_usage(what: str, value: Any, layout: KVCacheLayout) -> tuple[PoolUsage, ...]:

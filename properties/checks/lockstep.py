@@ -66,6 +66,13 @@ class LockstepEngine(EngineProxy):
         self._queue_stale: str | None = None
         self.engine_name = engine_name(engine)
         self.reference_name = getattr(reference, "name", "reference")
+        # the capabilities read on every call, once (a runtime Protocol check walks the
+        # protocol's members each time)
+        self._queues_compared = isinstance(self.engine, ExposesFreeQueue) and isinstance(
+            reference, ExposesFreeQueue
+        )
+        self._reports_estimate = isinstance(self.engine, ReportsAllocationEstimate)
+        self._plans_steps = isinstance(self.engine, PlansSteps)
 
     # -- plumbing -------------------------------------------------------------------
     def _call(self, fn, *args, names: Iterable[str] | None = None):
@@ -127,9 +134,7 @@ class LockstepEngine(EngineProxy):
 
     def _compare_free_queue(self, after: str) -> None:
         """The free queue (front first) equals the reference's, when both expose it."""
-        if isinstance(self.engine, ExposesFreeQueue) and isinstance(
-            self.reference, ExposesFreeQueue
-        ):
+        if self._queues_compared:
             exp_q, got_q = self.reference.free_queue(), self.checker.state.free_queue()
             if exp_q != got_q:
                 self._diverge(f"free queue (front first) after {after}", exp_q, got_q)
@@ -215,7 +220,7 @@ class LockstepEngine(EngineProxy):
         if result is not None:
             table = self.checker.state.table_of(request_id)
             check_new_blocks_are_tail(f"{self.engine_name}: {what}", result, table)
-            if isinstance(self.engine, ReportsAllocationEstimate):
+            if self._reports_estimate:
                 estimate = self.engine.last_allocation_estimate()
         self._record(
             "allocate_slots",
@@ -281,7 +286,7 @@ class LockstepEngine(EngineProxy):
         snapshot before the batch serves the failed-allocation check). Engines without
         the capability get per-request calls.
         """
-        if not isinstance(self.engine, PlansSteps):
+        if not self._plans_steps:
             out: list[BlockIds | None] = []
             for item in items:
                 out.append(self.allocate(_item_allocation(item)))
