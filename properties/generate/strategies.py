@@ -104,6 +104,42 @@ def random_tokens(seed: int, length: int) -> tuple[int, ...]:
 _seeds = st.integers(0, 2**16 - 1)
 
 
+def _reused(factory):
+    """One strategy object per distinct arguments of ``factory`` (a function returning a
+    strategy): Hypothesis validates a strategy object and computes its properties (is it
+    empty, its label: for a lambda, from its source) on its first draw, and the stateful
+    machine draws prompts, outputs, pools and specs thousands of times from factories
+    called anew each time. What is drawn is the same: a strategy's draws depend on its
+    definition and arguments, never on which object it is. Unhashable arguments (a list)
+    build a new object as before. Example: ``outputs(layout, 31) is outputs(layout, 31)``.
+    """
+    memo = functools.lru_cache(maxsize=4096)(factory)
+
+    @functools.wraps(factory)
+    def reused(*args, **kwargs):
+        try:
+            return memo(*args, **kwargs)
+        except TypeError as exc:
+            if "unhashable" not in str(exc):
+                raise
+            return factory(*args, **kwargs)
+
+    return reused
+
+
+@functools.lru_cache(maxsize=4096)
+def _sampled_list(values: tuple) -> st.SearchStrategy:
+    """``st.sampled_from(list(values))``, one object per ``values``: the list form (its
+    label is computed element by element, unlike a tuple's) as the strategies drew it."""
+    return st.sampled_from(list(values))
+
+
+@functools.lru_cache(maxsize=4096)
+def _integers_either(low: tuple[int, int], high: tuple[int, int]) -> st.SearchStrategy[int]:
+    """``st.one_of(st.integers(*low), st.integers(*high))``, one object per bounds."""
+    return st.one_of(st.integers(*low), st.integers(*high))
+
+
 # ---------------------------------------------------------------------------
 # Windows, chunks, specs
 
@@ -178,6 +214,7 @@ def mamba_specs(block_size: int, page_size: int | None = None) -> st.SearchStrat
     return st.just(spec)
 
 
+@_reused
 def _kind_specs(
     kind: str, block_size: int, page_size: int, window_sizes: Sequence[int] | None = None
 ) -> st.SearchStrategy[KVCacheSpec]:
@@ -215,6 +252,7 @@ def specs(block_size: int) -> st.SearchStrategy[KVCacheSpec]:
 # Layouts
 
 
+@_reused
 @st.composite
 def block_size_lists(draw, num_groups: int) -> list[int]:
     """``num_groups`` block sizes in ``1..MAX_BLOCK_SIZE`` with ``lcm <= MAX_LCM``.
@@ -231,7 +269,7 @@ def block_size_lists(draw, num_groups: int) -> list[int]:
     running = first
     for _ in range(num_groups - 1):
         fits = [d for d in range(1, MAX_BLOCK_SIZE + 1) if math.lcm(running, d) <= MAX_LCM]
-        size = draw(st.sampled_from(fits))
+        size = draw(_sampled_list(tuple(fits)))
         running = math.lcm(running, size)
         sizes.append(size)
     return sizes
@@ -241,6 +279,7 @@ def _blocks_one_request_needs(layout: KVCacheLayout) -> int:
     return layout.blocks_per_request()
 
 
+@_reused
 @st.composite
 def pool_sizes(
     draw, layout: KVCacheLayout, min_blocks: int = 5, max_blocks: int | None = None
@@ -264,7 +303,7 @@ def pool_sizes(
     hi_roomy = max(hi_tiny, 8 * need)
     if max_blocks is not None:
         lo, hi_tiny, hi_roomy = (min(v, max_blocks) for v in (lo, hi_tiny, hi_roomy))
-    return draw(st.one_of(st.integers(lo, hi_tiny), st.integers(hi_tiny, hi_roomy)))
+    return draw(_integers_either((lo, hi_tiny), (hi_tiny, hi_roomy)))
 
 
 @st.composite
@@ -306,9 +345,7 @@ def layouts(
     # still shrinks toward 1 group
     if group_kinds is None:
         num_groups = draw(
-            st.one_of(
-                st.integers(1, max_groups), st.integers(min(2, max_groups), min(4, max_groups))
-            )
+            _integers_either((1, max_groups), (min(2, max_groups), min(4, max_groups)))
         )
         group_kinds = draw(
             st.lists(st.sampled_from(tuple(kinds)), min_size=num_groups, max_size=num_groups)
@@ -502,7 +539,7 @@ def small_block_hybrids(draw, max_len: int = 256) -> KVCacheLayout:
     # The fine window is either wider than the alignment (every block of a segment is
     # cached, so a hit search can meet a cached block that ends off the alignment) or
     # at most one block past it (only each segment's last block is cached: the mask).
-    width = draw(st.one_of(st.integers(coarse + 1, 3 * coarse), st.integers(1, fine + 1)))
+    width = draw(_integers_either((coarse + 1, 3 * coarse), (1, fine + 1)))
     groups = tuple(
         dataclasses.replace(g, spec=dataclasses.replace(g.spec, sliding_window=width))
         if isinstance(g.spec, SlidingWindowSpec) and g.spec.block_size == fine
@@ -699,6 +736,7 @@ def _prompt_lengths(unit: int, max_len: int) -> st.SearchStrategy[int]:
     )
 
 
+@_reused
 @st.composite
 def prefix_pools(draw, layout: KVCacheLayout, max_prefixes: int = 3) -> tuple[tuple[int, ...], ...]:
     """1..``max_prefixes`` shared prefixes; later ones may fork an earlier one.
@@ -713,7 +751,7 @@ def prefix_pools(draw, layout: KVCacheLayout, max_prefixes: int = 3) -> tuple[tu
         length = draw(prompt_lengths(layout, limit))
         head: tuple[int, ...] = ()
         if pool and draw(st.booleans()):
-            base = draw(st.sampled_from(pool))
+            base = draw(_sampled_list(tuple(pool)))
             if layout.num_hash_lookahead_tokens:
                 unit, lookahead = layout.hash_block_size, layout.num_hash_lookahead_tokens
                 cut = draw(_cuts(min(len(base), length), unit, lookahead))
@@ -724,6 +762,7 @@ def prefix_pools(draw, layout: KVCacheLayout, max_prefixes: int = 3) -> tuple[tu
     return tuple(pool)
 
 
+@_reused
 @st.composite
 def prompts(
     draw,
@@ -768,6 +807,7 @@ def _output_lengths(longest: int, long_cap: int) -> st.SearchStrategy[int]:
     return st.one_of(short, short, short, st.integers(0, long_cap))
 
 
+@_reused
 @st.composite
 def outputs(draw, layout: KVCacheLayout, max_len: int) -> tuple[int, ...]:
     """The tokens a request will decode: ``0..min(max_len, 2 * lcm + 4)`` tokens, or a
@@ -871,6 +911,7 @@ def reload_ops(layout: KVCacheLayout, old: Arrive, first_id: int) -> tuple[Arriv
 # Single operations
 
 
+@_reused
 def token_budgets(layout: KVCacheLayout) -> st.SearchStrategy[int]:
     """A step's token budget: ``max_model_len`` (the shrink target), 1 to a few
     scheduler blocks (chunked prefill, drawn twice as often), or anything up to
@@ -884,6 +925,7 @@ def token_budgets(layout: KVCacheLayout) -> st.SearchStrategy[int]:
     )
 
 
+@_reused
 def lookaheads(layout: KVCacheLayout) -> st.SearchStrategy[int]:
     """Speculative lookahead slots: 0 mostly, 1..4 sometimes; always 0 with a Mamba
     group (its spec has no speculative blocks)."""
@@ -892,6 +934,7 @@ def lookaheads(layout: KVCacheLayout) -> st.SearchStrategy[int]:
     return st.sampled_from((0, 0, 0, 0, 1, 2, 3, 4))
 
 
+@_reused
 def step_ops(layout: KVCacheLayout) -> st.SearchStrategy[Step]:
     return st.builds(Step, token_budgets(layout), lookaheads(layout))
 
