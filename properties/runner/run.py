@@ -46,6 +46,7 @@ from properties.core.engine import (
 )
 from properties.core.modes import SYNC, ServingMode
 from properties.core.outcome import Outcome
+from properties.core.torch_threads import torch_on_one_thread
 from properties.core.trace import Operation, Trace
 from properties.core.versions import versions
 from properties.engines.under_test import EngineUnderTest, resolve_engine
@@ -144,6 +145,7 @@ class TraceRun:
                 f"serving mode {mode.describe()} (properties.core.engine.SupportsServingModes)"
             )
         self.mode = mode
+        torch_on_one_thread()  # the engine's and the attention oracle's tensors are small
         host_tier = connector_host_tier(layout, mode)
         # the engine's batched calls (commit_step, free_requests) are driven and compared,
         # except against a corpus case: it recorded the per-request calls, in their order
