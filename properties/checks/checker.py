@@ -182,7 +182,8 @@ class Checker:
             if self._shadowed:
                 self._record_writes(req, gid, row, start, end)
         if self._shadowed:
-            self.state.last_reads[request_id] = self._reads(table, start, end)
+            # what the tokens read, worked out only if a step of them goes in flight
+            self.state.last_reads[request_id] = (table, start, end)
         self._run("allocate", allocated)
         self.check_pool()
 
@@ -255,7 +256,8 @@ class Checker:
         chunks = self.state.in_flight_reads.setdefault(request_id, [])
         total = sum(n for n, _ in chunks)
         if num_in_flight_tokens > total:
-            reads = self.state.last_reads.get(request_id, frozenset())
+            last = self.state.last_reads.get(request_id)
+            reads = self._reads(*last) if last is not None else frozenset()
             chunks.append((num_in_flight_tokens - total, reads))
         while chunks and total > num_in_flight_tokens:
             total -= chunks.pop(0)[0]

@@ -106,7 +106,7 @@ class LockstepEngine(EngineProxy):
                 "None" if expected is None else _ids(expected),
                 "None" if result is None else _ids(result),
             )
-        if expected is not None and _ids(expected) != _ids(result):
+        if expected is not None and not _same_ids(expected, result):
             self._diverge(f"new blocks of {what}", _ids(expected), _ids(result))
 
     def _compare_state(self, after: str, request_id: str | None) -> None:
@@ -117,11 +117,13 @@ class LockstepEngine(EngineProxy):
             and self.checker.requests.get(request_id) is not None
             and self.checker.requests[request_id].holds_blocks
         ):
-            exp = _ids(self.reference.get_block_ids(request_id))
-            got = _ids(self.checker.state.table_of(request_id))
-            if exp != got:
+            exp = self.reference.get_block_ids(request_id)
+            got = self.checker.state.table_of(request_id)
+            if not _same_ids(exp, got):
                 self._diverge(
-                    f"block table of {request_id!r} after {after} (group by group)", exp, got
+                    f"block table of {request_id!r} after {after} (group by group)",
+                    _ids(exp),
+                    _ids(got),
                 )
         exp_free = self.reference.num_free_blocks()
         got_free = self.checker.state.num_free()
@@ -194,7 +196,7 @@ class LockstepEngine(EngineProxy):
             self._ref_hits[request_id] = ref_hit
             if ref_hit.num_tokens != hit.num_tokens:
                 self._diverge(f"hit length of {request_id!r}", ref_hit.num_tokens, hit.num_tokens)
-            if _ids(ref_hit.block_ids) != _ids(hit.block_ids):
+            if not _same_ids(ref_hit.block_ids, hit.block_ids):
                 self._diverge(
                     f"hit blocks of {request_id!r} (group by group)",
                     _ids(ref_hit.block_ids),
@@ -428,3 +430,12 @@ def _item_allocation(item: SlotRequest) -> Allocation:
 
 def _ids(block_ids) -> list[list[int]]:
     return [[int(b) for b in group] for group in block_ids]
+
+
+def _same_ids(a, b) -> bool:
+    """``_ids(a) == _ids(b)``, without building the lists when both are tuples of tuples
+    (the boundary's validated answers and the reference's tables are): equal tuples of
+    ints are equal lists of ints. Example: ``_same_ids(((1, 2),), [[1, 2]])`` is True."""
+    if type(a) is tuple and type(b) is tuple and a == b:
+        return True
+    return _ids(a) == _ids(b)

@@ -44,6 +44,7 @@ from properties.core.engine import (
     SupportsServingModes,
     UnsupportedLayoutError,
 )
+from properties.core.heap import freeze_imported_heap
 from properties.core.modes import SYNC, ServingMode
 from properties.core.outcome import Outcome
 from properties.core.torch_threads import torch_on_one_thread
@@ -121,6 +122,7 @@ class TraceRun:
         # an engine in a child process has its own deadline, which kills the child
         timeout = engine.call_timeout(config.call_timeout)
         built = build_engine(engine.factory, layout, timeout)
+        freeze_imported_heap()  # the engine is imported: its objects leave the collector's walks
         self.versions = versions(built, engine)
         reference = None
         if config.level == "exact":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from properties.checks.answers import AnswerError, check_cached_blocks
+from properties.checks.answers import AnswerError, check_cached_blocks, check_table
 from properties.core.engine import CachedBlock
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import FullAttentionSpec
@@ -58,4 +58,36 @@ def test_numpy_ints_and_subclasses_are_normalised() -> None:
 def test_a_bad_entry_is_named_after_good_ones(entry, message) -> None:
     with pytest.raises(AnswerError) as caught:
         check_cached_blocks("cached_blocks()", [CachedBlock(1, 0, 4), entry], LAYOUT)
+    assert message in str(caught.value)
+
+
+class Row(tuple):
+    """A tuple subclass: a sequence, through the abstract-class check."""
+
+
+@pytest.mark.parametrize(
+    ("table", "expected"),
+    [
+        (((1, 2), [3]), ((1, 2), (3,))),
+        ([Row((1,)), range(2, 4)], ((1,), (2, 3))),
+        (Row(((1,), (2,))), ((1,), (2,))),
+    ],
+)
+def test_tables_as_any_sequence_are_normalised(table, expected) -> None:
+    assert check_table("get_block_ids('r0')", table, LAYOUT) == expected
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ("ab", "returned 'ab', not a sequence of 2 block id lists"),
+        ({0: (1,), 1: (2,)}, "not a sequence of 2 block id lists"),
+        (((1,), "2"), "returned '2' for group 1, not a sequence of block ids"),
+        (((1,), {2: 1}), "returned {2: 1} for group 1, not a sequence of block ids"),
+        (((1,), 2), "returned 2 for group 1, not a sequence of block ids"),
+    ],
+)
+def test_a_table_that_is_no_sequence_is_named(table, message) -> None:
+    with pytest.raises(AnswerError) as caught:
+        check_table("get_block_ids('r0')", table, LAYOUT)
     assert message in str(caught.value)
