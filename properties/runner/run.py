@@ -44,7 +44,7 @@ from properties.core.engine import (
     SupportsServingModes,
     UnsupportedLayoutError,
 )
-from properties.core.heap import freeze_imported_heap
+from properties.core.heap import tune_collector
 from properties.core.modes import SYNC, ServingMode
 from properties.core.outcome import Outcome
 from properties.core.torch_threads import torch_on_one_thread
@@ -122,7 +122,7 @@ class TraceRun:
         # an engine in a child process has its own deadline, which kills the child
         timeout = engine.call_timeout(config.call_timeout)
         built = build_engine(engine.factory, layout, timeout)
-        freeze_imported_heap()  # the engine is imported: its objects leave the collector's walks
+        tune_collector()  # the engine is imported: the collector set for a check's heap
         self.versions = versions(built, engine)
         reference = None
         if config.level == "exact":
