@@ -61,6 +61,8 @@ class Checker:
         validate_disabled(disabled)
         self.state = CheckState(engine, layout, host_tier)
         self._pool_stale = False
+        #: the commits whose checks wait for the step boundary (large tiers)
+        self._commits: list[CommitEvent] = []
         self.disabled = frozenset(disabled)
         #: request id -> slots written before their token was known (group, block,
         #: offset or -1 for a Mamba state, position)
@@ -85,8 +87,8 @@ class Checker:
     @property
     def check_every_call(self) -> bool:
         """Run the O(pool) checks and reads after every call (True: the small tier, as
-        always). Off at the large tiers: the pool checks run at step boundaries
-        (:meth:`on_step_boundary`), a call's snapshot holds the free counts only
+        always). Off at the large tiers: the pool checks and the commit checks run at
+        step boundaries (:meth:`on_step_boundary`), a call's snapshot holds the free counts only
         (:meth:`snapshot`) and only the tables a call names are read again
         (:meth:`properties.checks.state.CheckState.invalidate`)."""
         return self.state.per_call_reads
@@ -299,9 +301,18 @@ class Checker:
             self.deferred_writes[request_id] = [w for w in deferred if w[3] >= len(req.ids)]
 
     def on_commit(self, request_id: str, num_tokens: int) -> None:
-        """``cache_blocks(request_id, num_tokens)`` returned."""
-        if self._by_event["commit"]:
-            self._run("commit", CommitEvent(self.state.requests[request_id], num_tokens))
+        """``cache_blocks(request_id, num_tokens)`` returned. The commit checks read every
+        cached block (O(pool)): at the large tiers (``check_every_call`` off) they run at
+        the step boundary, once for all of the step's commits, each on the table and
+        token count its request had at its commit."""
+        if not self._by_event["commit"]:
+            return
+        req = self.state.requests[request_id]
+        if self.check_every_call:
+            self._run("commit", CommitEvent(req, num_tokens))
+        elif req.holds_blocks:
+            table = self.state.table_of(request_id)
+            self._commits.append(CommitEvent(req, num_tokens, table, len(req.token_ids)))
 
     def on_free(self, request_id: str) -> None:
         self.deferred_writes.pop(request_id, None)
@@ -329,8 +340,12 @@ class Checker:
         self._run("pool", PoolEvent(self.state.tables(), self.state.num_free()))
 
     def on_step_boundary(self) -> None:
-        """A step starts (or a trace ends): the pool checks deferred since the last
-        boundary run once, on the state now."""
+        """A step starts (or a trace ends): the commit checks deferred since the last
+        boundary run (in the order of the commits), then the pool checks once, on the
+        state now."""
+        commits, self._commits = self._commits, []
+        for event in commits:
+            self._run("commit", event)
         if not self._pool_stale:
             return
         self._pool_stale = False

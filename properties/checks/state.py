@@ -334,10 +334,16 @@ class FailedAllocationEvent:
 
 @dataclass(frozen=True)
 class CommitEvent:
-    """``cache_blocks(request, num_tokens)``: the scheduler committed processed tokens."""
+    """``cache_blocks(request, num_tokens)``: the scheduler committed processed tokens.
+
+    Checked at the step boundary (the large tiers), it carries what the check reads of
+    the moment of the call: the request's ``table`` then and its ``num_request_tokens``
+    (None: checked at once, reading both now)."""
 
     request: TrackedRequest
     num_tokens: int
+    table: BlockIds | None = None
+    num_request_tokens: int | None = None
 
 
 @dataclass(frozen=True)
