@@ -41,6 +41,8 @@ Building blocks, smallest first (each is a ``SearchStrategy``), by module:
                             independently, at any tier.
 ``bulk``                    the large tiers' bulk arrivals and batches of requests alike.
 ``workloads``               the large tiers' layouts and trace bodies, online or offline.
+``reuse``                   ``reused(factory)``: one strategy object per distinct arguments
+                            (validated once, drawn thousands of times; same draws).
 ==========================  ================================================================
 
 Worked example of the block-size rule: sizes ``(16, 4)`` give ``lcm = 16`` and
