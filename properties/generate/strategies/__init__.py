@@ -41,7 +41,7 @@ Building blocks, smallest first (each is a ``SearchStrategy``), by module:
                             independently, at any tier.
 ``bulk``                    the large tiers' bulk arrivals and batches of requests alike.
 ``workloads``               the large tiers' layouts and trace bodies, online or offline.
-``reuse``                   ``reused(factory)``: one strategy object per distinct arguments
+``reuse``                   ``_reused(factory)``: one strategy object per distinct arguments
                             (validated once, drawn thousands of times; same draws).
 ==========================  ================================================================
 
@@ -103,6 +103,11 @@ from properties.generate.strategies.group_specs import (
     specs,
     window_category,
     windows,
+)
+from properties.generate.strategies.mamba_modes import (
+    CACHE_MODES,
+    SPECULATIVE_BLOCKS,
+    mamba_settings,
 )
 from properties.generate.strategies.modes import (
     CONNECTOR_LEVELS,
@@ -174,6 +179,7 @@ __all__ = [
     "BULK_LONG_ONE_IN",
     "BULK_OUTPUT",
     "BULK_SHORT",
+    "CACHE_MODES",
     "CONNECTOR_LEVELS",
     "LARGE_TIERS",
     "MAX_BLOCK_SIZE",
@@ -191,6 +197,7 @@ __all__ = [
     "PRODUCTION_MODE",
     "SCHEDULING",
     "SMALL",
+    "SPECULATIVE_BLOCKS",
     "SPEC_KINDS",
     "TIERS",
     "TIER_NAMES",
@@ -223,6 +230,7 @@ __all__ = [
     "layouts",
     "lookaheads",
     "lora_names",
+    "mamba_settings",
     "mamba_specs",
     "mode_for_layout",
     "offline_batch",

@@ -9,8 +9,8 @@ is the same: a strategy's draws depend on its definition and arguments, never on
 object it is (the derandomized streams, layouts, operations and engine calls, are
 unchanged).
 
-Example: with ``outputs = reused(outputs_factory)``, ``outputs(layout, 31) is
-outputs(layout, 31)``; ``integers_either((1, 4), (2, 4))`` is one object for those
+Example: with ``outputs = _reused(outputs_factory)``, ``outputs(layout, 31) is
+outputs(layout, 31)``; ``_integers_either((1, 4), (2, 4))`` is one object for those
 bounds, drawing as ``st.one_of(st.integers(1, 4), st.integers(2, 4))``.
 """
 
@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 
 from hypothesis import strategies as st
 
-F = TypeVar("F", bound=Callable[..., Any])
+_Factory = TypeVar("_Factory", bound=Callable[..., Any])
 
 
-def reused(factory: F) -> F:
+def _reused(factory: _Factory) -> _Factory:
     """``factory`` (a function returning a strategy) returning one object per distinct
     arguments; unhashable arguments (a list) build a new object, as before."""
     memo = functools.lru_cache(maxsize=4096)(factory)
@@ -43,13 +43,13 @@ def reused(factory: F) -> F:
 
 
 @functools.lru_cache(maxsize=4096)
-def sampled_list(values: tuple) -> st.SearchStrategy:
+def _sampled_list(values: tuple) -> st.SearchStrategy:
     """``st.sampled_from(list(values))``, one object per ``values``: the list form (its
     label is computed element by element, unlike a tuple's), as the strategies drew it."""
     return st.sampled_from(list(values))
 
 
 @functools.lru_cache(maxsize=4096)
-def integers_either(low: tuple[int, int], high: tuple[int, int]) -> st.SearchStrategy[int]:
+def _integers_either(low: tuple[int, int], high: tuple[int, int]) -> st.SearchStrategy[int]:
     """``st.one_of(st.integers(*low), st.integers(*high))``, one object per bounds."""
     return st.one_of(st.integers(*low), st.integers(*high))
