@@ -24,6 +24,9 @@ Building blocks, smallest first (each is a ``SearchStrategy``), by module:
 ``edges``                   ``edge_layouts()``: layouts at the edges of the hit rules.
 ``production``              the production property's layouts and the settings drawn on
                             top (EAGLE, retention interval, admission cap).
+``mamba_modes``             ``mamba_settings(layout)``: a Mamba layout's caching mode
+                            (``CACHE_MODES``), speculative blocks (``SPECULATIVE_BLOCKS``)
+                            and prefill checkpoint blocks, drawn on top of a layout.
 ``modes``                   serving modes: connector modes, ``PRODUCTION_MODE``, swarm
                             modes, ``mode_for_layout``.
 ``arrivals``                ``prefix_pools(layout)``, ``prompts(layout, pool)``,
