@@ -24,6 +24,9 @@ Building blocks, smallest first (each is a ``SearchStrategy``), by module:
 ``edges``                   ``edge_layouts()``: layouts at the edges of the hit rules.
 ``production``              the production property's layouts and the settings drawn on
                             top (EAGLE, retention interval, admission cap).
+``mamba_modes``             ``mamba_settings(layout)``: a Mamba layout's caching mode
+                            (``CACHE_MODES``), speculative blocks (``SPECULATIVE_BLOCKS``)
+                            and prefill checkpoint blocks, drawn on top of a layout.
 ``modes``                   serving modes: connector modes, ``PRODUCTION_MODE``, swarm
                             modes, ``mode_for_layout``.
 ``arrivals``                ``prefix_pools(layout)``, ``prompts(layout, pool)``,
@@ -41,6 +44,8 @@ Building blocks, smallest first (each is a ``SearchStrategy``), by module:
                             independently, at any tier.
 ``bulk``                    the large tiers' bulk arrivals and batches of requests alike.
 ``workloads``               the large tiers' layouts and trace bodies, online or offline.
+``reuse``                   ``_reused(factory)``: one strategy object per distinct arguments
+                            (validated once, drawn thousands of times; same draws).
 ==========================  ================================================================
 
 Worked example of the block-size rule: sizes ``(16, 4)`` give ``lcm = 16`` and
@@ -101,6 +106,11 @@ from properties.generate.strategies.group_specs import (
     specs,
     window_category,
     windows,
+)
+from properties.generate.strategies.mamba_modes import (
+    CACHE_MODES,
+    SPECULATIVE_BLOCKS,
+    mamba_settings,
 )
 from properties.generate.strategies.modes import (
     CONNECTOR_LEVELS,
@@ -172,6 +182,7 @@ __all__ = [
     "BULK_LONG_ONE_IN",
     "BULK_OUTPUT",
     "BULK_SHORT",
+    "CACHE_MODES",
     "CONNECTOR_LEVELS",
     "LARGE_TIERS",
     "MAX_BLOCK_SIZE",
@@ -189,6 +200,7 @@ __all__ = [
     "PRODUCTION_MODE",
     "SCHEDULING",
     "SMALL",
+    "SPECULATIVE_BLOCKS",
     "SPEC_KINDS",
     "TIERS",
     "TIER_NAMES",
@@ -221,6 +233,7 @@ __all__ = [
     "layouts",
     "lookaheads",
     "lora_names",
+    "mamba_settings",
     "mamba_specs",
     "mode_for_layout",
     "offline_batch",
