@@ -15,10 +15,11 @@
   spec group gave: a shared prefix some group caches but another does not (the
   manager turns it into the request's ``shared_prefix_boundary``).
 
-  EAGLE: a spec group that drops looks ``bs`` tokens beyond the candidate (capped at
-  the hashed tokens) and drops them, proving the block past the boundary exists; it
-  drops at most once per candidate length (``verified``, cleared when a group without
-  the drop shrinks the candidate).
+  EAGLE: a spec group that drops looks ``bs`` tokens beyond the candidate (one hash
+  block for a fine-grained group with partial hits; capped at the hashed tokens) and
+  drops them, proving the block past the boundary exists; it drops at most once per
+  candidate length (``verified``, cleared when a group without the drop shrinks the
+  candidate). A Mamba spec group never looks beyond (its hit rule drops nothing).
 
   Worked example: full (bs 4) + SWA (w 5, bs 4), ``max 15``. Full hits 12 (3 blocks).
   SWA, asked for ``<= 12``, needs blocks 1 and 2 (``cdiv(4, 4) = 1``... one block
@@ -39,7 +40,7 @@ from reference.layout import KVCacheLayout
 from reference.managers import SingleTypeKVCacheManager, manager_class_for
 from reference.managers.base import Block, BlockList
 from reference.request import Request
-from reference.specs import FullAttentionSpec, KVCacheSpec, cdiv
+from reference.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, cdiv
 
 
 @dataclass
@@ -95,6 +96,7 @@ class KVCacheCoordinator:
         total_computed: int,
         num_tokens_main: int,
         apply_admission_cap: bool = False,
+        num_local_computed_tokens: int = 0,
     ) -> int:
         return sum(
             m.get_num_blocks_to_allocate(
@@ -104,6 +106,7 @@ class KVCacheCoordinator:
                 total_computed,
                 num_tokens_main,
                 apply_admission_cap,
+                num_local_computed_tokens=num_local_computed_tokens,
             )
             for i, m in enumerate(self.managers)
         )
@@ -159,6 +162,12 @@ class KVCacheCoordinator:
     def new_step_starts(self) -> None:
         for m in self.managers:
             m.new_step_starts()
+
+    def take_block_copies(self) -> list[tuple[Block, Block]]:
+        """Every group's queued ``(source, copy)`` pairs (copy-on-write of partial hits,
+        :mod:`reference.managers.base`), group by group in order; each group's queue is
+        emptied."""
+        return [pair for m in self.managers for pair in m.take_block_copies()]
 
     def get_blocks(self, request_id: str) -> list[BlockList]:
         return [list(m.req_to_blocks.get(request_id, ())) for m in self.managers]
@@ -230,10 +239,25 @@ def hybrid_coordinator_hit(
             block_hashes, limit, sg.group_ids, pool, sg.spec, alignment, drop
         )
 
-    hashed = len(block_hashes) * coordinator.layout.hash_block_size
+    layout = coordinator.layout
+    hashed = len(block_hashes) * layout.hash_block_size
+
+    def margin(sg: SpecGroup) -> int:
+        fine = layout.partial_hits_enabled and sg.manager_cls.fine_grained_lookup
+        return eagle_proof_margin(sg.spec.block_size, layout.hash_block_size, fine)
+
     return hybrid_cache_hit(
-        coordinator.spec_groups, len(coordinator.managers), max_length, hashed, find
+        coordinator.spec_groups, len(coordinator.managers), max_length, hashed, find, margin
     )
+
+
+def eagle_proof_margin(block_size: int, hash_block_size: int, fine_grained: bool) -> int:
+    """How far past the candidate an EAGLE spec group looks before dropping: one hash
+    block for a fine-grained lookup (partial hits) coarser than the hash block size, else
+    one of its blocks. Example: bs 8, H 4 -> 4 fine-grained, 8 otherwise; bs 4, H 4 -> 4."""
+    if fine_grained and block_size > hash_block_size:
+        return hash_block_size
+    return block_size
 
 
 class HybridCoordinator(KVCacheCoordinator):
@@ -245,10 +269,14 @@ class HybridCoordinator(KVCacheCoordinator):
                 self.managers[gid].use_eagle = sg.use_eagle
 
     def num_cacheable_tokens(self, num_tokens: int, group_id: int) -> int:
-        """Rounded down to the scheduler block size; an EAGLE group caches one block
-        more (its hits read one block past the boundary, then drop it): ``min(n,
-        floor(n/S)*S + bs)`` when ``floor(n/S)*S > 0``. Example: S 4, bs 2, n 11 -> 8,
-        EAGLE 10."""
+        """Rounded down to the scheduler block size (no hit can end elsewhere); with
+        partial hits not rounded at all (a hit may end on any hash boundary, and rounding
+        would register a copied Mamba tail again); an EAGLE group caches one block more
+        (its hits read one block past the boundary, then drop it): ``min(n, floor(n/S)*S +
+        bs)`` when ``floor(n/S)*S > 0``. Example: S 4, bs 2, n 11 -> 8, EAGLE 10; with
+        partial hits 11."""
+        if self.layout.partial_hits_enabled:
+            return num_tokens
         s = self.layout.scheduler_block_size
         aligned = num_tokens // s * s
         m = self.managers[group_id]
@@ -283,12 +311,15 @@ def hybrid_cache_hit(
     max_length: int,
     hashed_tokens: int,
     find: Callable[[SpecGroup, int, bool], tuple[list[list[Block]], int]],
+    margin: Callable[[SpecGroup], int] | None = None,
 ) -> tuple[list[list[Block]], int, int]:
     """The hybrid fixed-point search of the module docstring: ``(blocks per group, hit,
     uncached)``. ``find(spec_group, limit, drop)`` is the spec group's own hit
     ``<= limit`` (``drop``: the EAGLE drop), one block list per member group; both
     engines pass their managers' lookups. ``hashed_tokens`` caps an EAGLE group's look
-    beyond the candidate.
+    beyond the candidate, ``margin(spec_group)`` is how far it looks
+    (:func:`eagle_proof_margin`; its block size by default); a Mamba spec group looks
+    no further (its hit rule never drops).
 
     Worked example (full bs 4 + SWA, max 15): full answers 12 (3 blocks); SWA asked for
     ``<= 12`` answers 8; one full and one other spec group need one pass: hit 8, the
@@ -309,8 +340,9 @@ def hybrid_cache_hit(
                 continue
             drop = sg.use_eagle and idx not in verified
             limit = candidate
-            if drop:
-                limit = min(candidate + sg.spec.block_size, hashed_tokens)
+            if drop and not isinstance(sg.spec, MambaSpec):
+                look = sg.spec.block_size if margin is None else margin(sg)
+                limit = min(candidate + look, hashed_tokens)
             found, new = find(sg, limit, drop)
             if drop:
                 verified.add(idx)

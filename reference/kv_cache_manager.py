@@ -280,7 +280,13 @@ class KVCacheManager(ManagerBookkeeping):
         if full_sequence_must_fit:
             whole = min(request.num_tokens, self.max_model_len)
             need = self.coordinator.get_num_blocks_to_allocate(
-                rid, whole, hits, total, whole, apply_admission_cap=True
+                rid,
+                whole,
+                hits,
+                total,
+                whole,
+                apply_admission_cap=True,
+                num_local_computed_tokens=local,
             )
             if need > self.block_pool.get_num_free_blocks():
                 return None
@@ -288,7 +294,9 @@ class KVCacheManager(ManagerBookkeeping):
         slots = min(main + num_lookahead_tokens, self.max_model_len)
 
         self.coordinator.remove_skipped_blocks(rid, max(0, total - request.num_in_flight_tokens))
-        need = self.coordinator.get_num_blocks_to_allocate(rid, slots, hits, total, main)
+        need = self.coordinator.get_num_blocks_to_allocate(
+            rid, slots, hits, total, main, num_local_computed_tokens=local
+        )
         self.last_num_blocks_to_allocate = need
         if need > self.block_pool.get_num_free_blocks():
             return None
@@ -310,6 +318,18 @@ class KVCacheManager(ManagerBookkeeping):
         processed under async scheduling or drafts, with ``num_computed -
         num_in_flight`` tokens (rejected drafts already rolled back)."""
         self.coordinator.cache_blocks(request, num_tokens)
+
+    def take_block_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """The step is planned: the ``(source, copy)`` block pairs its allocations queued
+        (copy-on-write of partial hits, :mod:`reference.managers.base`), group by group in
+        order; the references they held are released, ``free_blocks([source, copy, ...])``
+        in that order (the scheduler calls it once per step, after its allocations and
+        before the step runs). Example: a hit of 12 tokens on ``[a, b]`` (bs 8) queued
+        ``(b, c)``: ``b`` goes back to its hit count (to the free queue if nobody else
+        holds it), ``c`` to the one its row holds."""
+        pairs = self.coordinator.take_block_copies()
+        self.block_pool.free_blocks([block for pair in pairs for block in pair])
+        return pairs
 
     # -- freeing ---------------------------------------------------------------
     def free(self, request: Request) -> None:

@@ -131,12 +131,6 @@ class KVCacheLayout:
                 "(vLLM turns the hybrid manager off with chunked local attention and EAGLE; "
                 "Mamba's EAGLE checkpoints are not modelled)"
             )
-        if self.enable_caching and self.partial_hits_enabled:
-            raise InvalidLayoutError(
-                "KVCacheLayout.groups enable partial (sub-block) prefix hits: a Mamba group "
-                f"with block_size > hash_block_size {self.hash_block_size}; partial hits are "
-                "out of scope (give the Mamba group the smallest block size)"
-            )
 
     @property
     def drop_eagle_group_ids(self) -> frozenset[int]:
@@ -176,9 +170,15 @@ class KVCacheLayout:
 
     @property
     def partial_hits_enabled(self) -> bool:
-        """True iff a Mamba group has ``block_size > hash_block_size`` and every other
-        group either has ``block_size == hash_block_size`` or is full attention."""
-        if len(self.groups) == 1:
+        """Whether hits may end inside a block (partial, sub-block hits; vLLM 0.33's
+        ``enable_partial_hash_hits``): several groups with prefix caching, a Mamba group
+        coarser than the hash block size, and every group either of the hash block size
+        or of a type whose hit rule can end inside a block (full attention, Mamba). Hit
+        lengths are then multiples of the hash block size (:attr:`cache_hit_alignment`).
+        Examples: full bs 4 + Mamba bs 8 (H 4) -> True; full bs 8 + Mamba bs 8 + SWA bs 4
+        (H 4) -> True; Mamba bs 8 + SWA bs 8 + full bs 4 (H 4) -> False (the SWA group's
+        hits stay block aligned); full bs 8 + Mamba bs 4 -> False (Mamba not coarser)."""
+        if len(self.groups) == 1 or not self.enable_caching:
             return False
         h = self.hash_block_size
         mamba_coarse = any(isinstance(s, MambaSpec) and s.block_size > h for s in self.specs)
@@ -190,7 +190,10 @@ class KVCacheLayout:
     @property
     def cache_hit_alignment(self) -> int:
         """Hit lengths are multiples of this: the LCM of the group block sizes (the
-        block size itself with one group). Example: bs 16 and 32 -> 32; bs 16 -> 16."""
+        block size itself with one group), or the hash block size when partial hits are
+        enabled. Example: bs 16 and 32 -> 32; bs 16 -> 16; full bs 4 + Mamba bs 8 -> 4."""
+        if self.partial_hits_enabled:
+            return self.hash_block_size
         return self.scheduler_block_size
 
     def admission_in_flight_tokens(self) -> int:
