@@ -319,6 +319,11 @@ class KVCacheManager(ManagerBookkeeping):
         num_in_flight`` tokens (rejected drafts already rolled back)."""
         self.coordinator.cache_blocks(request, num_tokens)
 
+    def pending_block_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """The ``(source, copy)`` pairs queued and not taken yet, in the order
+        :meth:`take_block_copies` will give them; nothing changes."""
+        return [pair for m in self.coordinator.managers for pair in m.pending_copies]
+
     def take_block_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
         """The step is planned: the ``(source, copy)`` block pairs its allocations queued
         (copy-on-write of partial hits, :mod:`reference.managers.base`), group by group in

@@ -163,8 +163,13 @@ class AttentionChecker:
         self._host: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- public -------------------------------------------------------------------------
-    def check_step(self, chunks: Sequence[ScheduledChunk]) -> None:
-        """Write the step's K/V (or states) and check every scheduled query of every group."""
+    def check_step(
+        self, chunks: Sequence[ScheduledChunk], copies: Sequence[tuple[int, int]] = ()
+    ) -> None:
+        """Run the step's block ``copies`` (copy-on-write of partial hits: ``(source,
+        destination)``, before anything else), write the step's K/V (or states) and
+        check every scheduled query of every group."""
+        self.copy_blocks(copies)
         chunks = [c for c in chunks if self._validate(c)]
         for gid, group in enumerate(self.layout.groups):
             if isinstance(group.spec, MambaSpec):
@@ -176,6 +181,24 @@ class AttentionChecker:
                     observed = self.run_group(gid, self.prepare_group(gid, chunks))
                 expected = self.dense_outputs(gid, chunks)
                 self.compare(gid, chunks, expected, observed)
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy every page of ``source`` onto ``destination`` (each group's cache: a block
+        id belongs to one group at a time, the other groups' pages at that id are unused),
+        as a worker runs a step's copy-on-write copies before its forward pass. Example:
+        ``copy_blocks([(4, 9)])`` makes block 9's K/V (or state) block 4's."""
+        if copies and self.data_plane is not None:
+            raise AttentionInputError(
+                "AttentionChecker.copy_blocks: block copies through an engine's data plane "
+                "are not supported"
+            )
+        for source, destination in copies:
+            for cache in self.caches:
+                if isinstance(cache, PagedKVCache):
+                    cache.key[destination] = cache.key[source]
+                    cache.value[destination] = cache.value[source]
+                else:
+                    cache.state[destination] = cache.state[source]
 
     def _host_key(self, gid: int, request: RequestInput, token_ids: Sequence[int], p: int) -> tuple:
         return (gid, request.cache_salt, request.lora_name, tuple(token_ids[: p + 1]))

@@ -166,10 +166,19 @@ class Checker:
         if self._shadowed:
             req.refresh_ids()
         table = self.state.table_of(request_id)
+        copies, held = self._learn_copies()
         mml = self.state.layout.max_model_len
         main = min(start, mml) + num_new_tokens
         allocated = AllocateEvent(
-            req, table, tables_before, main + num_lookahead_tokens, main, estimate, mml
+            req,
+            table,
+            tables_before,
+            main + num_lookahead_tokens,
+            main,
+            estimate,
+            mml,
+            copies,
+            held,
         )
         self._run("table", allocated)
         others = OtherTables(self.state, request_id)
@@ -184,6 +193,28 @@ class Checker:
         if self._shadowed:
             self.state.last_reads[request_id] = self._reads(table, start, end)
         self._run("allocate", allocated)
+        self.check_pool()
+
+    def _learn_copies(self) -> tuple[tuple[tuple[int, int], ...], frozenset[int]]:
+        """The block copies the allocation just made queued (an engine with
+        :class:`properties.core.engine.CopiesBlocks`): the pending ones the checks did not
+        know, and the blocks the earlier ones held. The shadow copies each block now,
+        before the step's writes (the engine's copy runs before the step does)."""
+        if not self.state.has_copies:
+            return (), frozenset()
+        held = frozenset(self.state.copy_holds())
+        known = set(self.state.pending_copies)
+        new = tuple(p for p in self.state.engine.pending_block_copies() if p not in known)
+        for source, destination in new:
+            self.state.pending_copies.append((source, destination))
+            if self._shadowed:
+                self.state.shadow.copy(source, destination)
+        return new, held
+
+    def on_copies_taken(self, copies: Sequence[tuple[int, int]]) -> None:
+        """``take_block_copies`` returned: the copies ran (the shadow made them when they
+        were queued) and the engine released what it held for them."""
+        self.state.pending_copies.clear()
         self.check_pool()
 
     def _record_writes(

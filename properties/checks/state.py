@@ -24,6 +24,7 @@ from properties.checks.oracles import ShadowCache, extend_prefix_ids
 from properties.core.engine import (
     BlockIds,
     CacheHit,
+    CopiesBlocks,
     ExposesCachedBlocks,
     ExposesFreeQueue,
     ExposesRefCounts,
@@ -83,6 +84,10 @@ class CheckState:
         self.has_cached = isinstance(engine, ExposesCachedBlocks)
         self.has_estimate = isinstance(engine, ReportsAllocationEstimate)
         self.has_pools = isinstance(engine, ReportsPools)
+        self.has_copies = isinstance(engine, CopiesBlocks)
+        #: the block copies queued in this step and not handed over yet, as the checks
+        #: learnt them after each allocation (:meth:`Checker.on_allocate`), in that order
+        self.pending_copies: list[tuple[int, int]] = []
         self.alignment = layout.cache_hit_alignment
         #: the free count of the fresh engine: every block free or reclaimable
         self.initial_free = engine.num_free_blocks()
@@ -113,6 +118,7 @@ class CheckState:
             ("allocation_estimate", self.has_estimate),
             ("shared_pool", self.shared_pool),
             ("pools", self.has_pools),
+            ("block_copies", self.has_copies),
         )
         return frozenset(name for name, present in names if present)
 
@@ -203,6 +209,17 @@ class CheckState:
             if rid != other_than and tracked is not None and tracked.holds_blocks:
                 return rid
         return None
+
+    def copy_holds(self) -> dict[int, int]:
+        """Block id -> the references the pending copies hold on it (one per pair it is
+        the source or the destination of): vLLM keeps both ends of a copy-on-write
+        referenced until the copy is handed over. Example: pending ``[(4, 9)]`` ->
+        ``{4: 1, 9: 1}``."""
+        holds: dict[int, int] = {}
+        for pair in self.pending_copies:
+            for block in pair:
+                holds[block] = holds.get(block, 0) + 1
+        return holds
 
     def forget(self, request_id: str) -> None:
         """The request is gone: out of the table reads and the index."""
@@ -305,7 +322,9 @@ class AllocateEvent:
     lookahead``; ``max_model_len``: the layout's (vLLM caps the slots there);
     ``num_main``: the slots without lookahead (what a Mamba group allocates for);
     ``estimate``: the engine's ``last_allocation_estimate()`` (None: not reported, or a
-    batched ``schedule_step`` item)."""
+    batched ``schedule_step`` item); ``copies``: the block copies the call queued
+    (:class:`properties.core.engine.CopiesBlocks`); ``held_by_copies``: the blocks the
+    copies queued before the call kept referenced."""
 
     request: TrackedRequest
     table: BlockIds
@@ -314,6 +333,8 @@ class AllocateEvent:
     num_main: int = 0
     estimate: int | None = None
     max_model_len: int = 0
+    copies: tuple[tuple[int, int], ...] = ()
+    held_by_copies: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -148,8 +148,12 @@ SYNC = ServingMode()
 #: (``prefix_cache_retention_interval``), ``eagle`` (``use_eagle``, ``is_eagle_group``,
 #: ``num_hash_lookahead_tokens``) and ``admission_cap`` (``max_in_flight_tokens`` and a
 #: pool sized with the admission caps) and ``external`` (the ``external_hits`` serving
-#: mode: ``allocate_slots(..., num_external_computed_tokens=...)``).
-PRODUCTION_SETTINGS: frozenset[str] = frozenset({"retention", "eagle", "admission_cap", "external"})
+#: mode: ``allocate_slots(..., num_external_computed_tokens=...)``) and ``partial_hits``
+#: (a Mamba group coarser than the hash block size: hits may end inside a block, copied on
+#: write; the engine offers :class:`properties.core.engine.CopiesBlocks`).
+PRODUCTION_SETTINGS: frozenset[str] = frozenset(
+    {"retention", "eagle", "admission_cap", "external", "partial_hits"}
+)
 #: The production setting of the ``external_hits`` serving mode.
 EXTERNAL_SETTING = "external"
 

@@ -86,6 +86,7 @@ CAPABILITIES = (
     "serving_modes",
     "allocation_estimate",
     "pools",
+    "block_copies",
 )
 
 _STDERR_TAIL_BYTES = 4000
@@ -762,8 +763,34 @@ class _Pools:
         ]
 
 
+class _BlockCopies:
+    """:class:`properties.core.engine.CopiesBlocks` over the protocol: the
+    ``block_copies`` capability; each answer is a list of ``[source, destination]`` pairs
+    (the boundary then checks the ids)."""
+
+    def pending_block_copies(self) -> list[tuple[int, int]]:
+        return self._pairs("pending_block_copies")
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        return self._pairs("take_block_copies")
+
+    def _pairs(self, call: str) -> list[tuple[int, int]]:
+        result = self._call(call)
+        what = f"{call}()"
+        if not isinstance(result, list) or not all(
+            isinstance(p, list) and len(p) == 2 for p in result
+        ):
+            self.process._fail(
+                ExecProtocolError,
+                f"{what} returned {_clip(json.dumps(result))}, not a list of "
+                "[source, destination] pairs",
+            )
+        return [(_int(a, what, self.process), _int(b, what, self.process)) for a, b in result]
+
+
 _MIXINS = {
     "allocation_estimate": _AllocationEstimate,
+    "block_copies": _BlockCopies,
     "ref_counts": _RefCounts,
     "free_queue": _FreeQueue,
     "cached_blocks": _CachedBlocks,

@@ -30,6 +30,7 @@ from properties.core.engine import (
     EngineError,
     SlotRequest,
     StepUpdate,
+    UnsupportedLayoutError,
 )
 from properties.engines.manager_engine import ManagerEngine
 from reference.errors import KVConformError
@@ -195,6 +196,14 @@ class OptimizedEngine(ManagerEngine):
 
 
 def make_engine(layout: KVCacheLayout) -> OptimizedEngine:
+    """The optimized engine of ``layout``; a layout with partial (sub-block) hits is
+    refused (UnsupportedLayoutError): the optimized engine does not model copy-on-write
+    (it declares no ``partial_hits`` production setting, so none is drawn for it)."""
+    if layout.partial_hits_enabled:
+        raise UnsupportedLayoutError(
+            "optimized: partial (sub-block) prefix hits are not implemented (a Mamba group "
+            "coarser than the hash block size)"
+        )
     return OptimizedEngine(layout)
 
 

@@ -38,6 +38,7 @@ from properties.core.coverage_probe import start_measuring, stop_measuring
 from properties.core.engine import (
     CachedBlock,
     CacheHit,
+    CopiesBlocks,
     EngineFactory,
     ExposesCachedBlocks,
     ExposesFreeQueue,
@@ -149,6 +150,7 @@ class EngineServer:
                 ("serving_modes", SupportsServingModes),
                 ("allocation_estimate", ReportsAllocationEstimate),
                 ("pools", ReportsPools),
+                ("block_copies", CopiesBlocks),
             )
             if isinstance(engine, proto)
         ]
@@ -241,6 +243,10 @@ class EngineServer:
                 }
                 for p in pools
             ]
+        if call in ("pending_block_copies", "take_block_copies") and isinstance(
+            engine, CopiesBlocks
+        ):
+            return [[_plain(a), _plain(b)] for a, b in getattr(engine, call)()]
         if call == "free_queue" and isinstance(engine, ExposesFreeQueue):
             return _plain(engine.free_queue())
         if call == "cached_blocks" and isinstance(engine, ExposesCachedBlocks):

@@ -231,6 +231,21 @@ def observes_stats_and_events(layout: KVCacheLayout) -> bool:
     return zlib.crc32(layout.describe().encode()) % 4 != 0
 
 
+def reports_reused_blocks(layout: KVCacheLayout) -> bool:
+    """Whether every other request asks vLLM for the ``full`` KV event report mode (events
+    of its reused blocks too: ``emit_cached_block_events`` at each lookup with a hit).
+
+    Rule: with events on (:func:`observes_stats_and_events`), always, except on a layout
+    with partial hits, where only one in four does (``crc32(layout.describe()) % 4 ==
+    1``): there vLLM 0.33 raises IndexError when a reused block ends past the group's
+    block-aligned hashes (the known divergence ``vllm-partial-hit-reused-block-events``,
+    whose layouts are not drawn). Example: a full + Mamba layout with partial hits whose
+    description hashes to 6 keeps events on in the ``incremental`` mode only."""
+    if not observes_stats_and_events(layout):
+        return False
+    return not layout.partial_hits_enabled or zlib.crc32(layout.describe().encode()) % 4 == 1
+
+
 class VLLMEngine:
     """vLLM's ``KVCacheManager`` driven through the engine protocol."""
 
@@ -349,7 +364,8 @@ class VLLMEngine:
         v = self._v
         # every other request asks for events of its reused blocks too (vLLM's "full"
         # report mode), the others for newly cached blocks only ("incremental")
-        mode = "full" if len(self.requests) % 2 else "incremental"
+        full = reports_reused_blocks(self.layout) and len(self.requests) % 2
+        mode = "full" if full else "incremental"
         self._used = True
         params = v.SamplingParams(
             max_tokens=max(1, self.layout.max_model_len),
@@ -587,6 +603,27 @@ class VLLMEngine:
     def num_free_blocks(self) -> int:
         return int(self._pool.get_num_free_blocks())
 
+    # -- copy-on-write of partial hits (CopiesBlocks) ------------------------------
+    def pending_block_copies(self) -> list[tuple[int, int]]:
+        """The copies vLLM's managers queued and nobody took yet (each manager's
+        ``_pending_cow_copies``, group by group: the order ``take_kv_cache_block_copies``
+        gives them)."""
+        return [
+            (source.block_id, copy.block_id)
+            for manager in self.manager.coordinator.single_type_managers
+            for source, copy in manager._pending_cow_copies
+        ]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """What vLLM's scheduler does once a step is scheduled: take the copies
+        (``take_kv_cache_block_copies``) and free their retained endpoints at once
+        (``_free_cow_retained_blocks`` without deferred frees)."""
+        copies, retained = _call(
+            "take_kv_cache_block_copies", (), self.manager.take_kv_cache_block_copies
+        )
+        _call("free_blocks", ("retained copy endpoints",), self._pool.free_blocks, retained)
+        return [(int(c.src_block_id), int(c.dst_block_id)) for c in copies]
+
     # -- optional capabilities (read from vLLM's BlockPool) ---------------------
     def last_allocation_estimate(self) -> int | None:
         """What vLLM's ``coordinator.get_num_blocks_to_allocate`` returned for the step in
@@ -663,6 +700,12 @@ def _lookahead_past_the_hashes(layout: KVCacheLayout) -> bool:
     )
 
 
+def _reused_block_events_past_the_hashes(layout: KVCacheLayout) -> bool:
+    """Partial hits with the ``full`` KV event report mode (:func:`reports_reused_blocks`):
+    a lookup that reuses a block ending inside a coarser group's block raises."""
+    return layout.partial_hits_enabled and reports_reused_blocks(layout)
+
+
 #: vLLM 0.33 behaviours that break a property; see findings/vllm/.
 KNOWN_DIVERGENCES = (
     KnownDivergence(
@@ -679,6 +722,15 @@ KNOWN_DIVERGENCES = (
         "when attention_chunk_size % block_size != 0",
         finding="findings/vllm/chunked-hit-in-previous-chunk.md",
         applies=_chunk_not_multiple_of_block,
+    ),
+    KnownDivergence(
+        name="vllm-partial-hit-reused-block-events",
+        summary="get_computed_blocks raises IndexError for a request in the 'full' KV "
+        "event report mode whose hit ends inside a block of a coarser group (partial "
+        "hits): emit_cached_block_events indexes the group's block-aligned hashes past "
+        "their end",
+        finding="findings/vllm/partial-hit-reused-block-events.md",
+        applies=_reused_block_events_past_the_hashes,
     ),
 )
 make_engine.known_divergences = KNOWN_DIVERGENCES  # type: ignore[attr-defined]

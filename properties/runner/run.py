@@ -185,7 +185,7 @@ class TraceRun:
         return self.lockstep.checker.state.num_free()
 
     def _on_scheduled(self, scheduler: Scheduler, record: StepRecord) -> None:
-        if self.attention is None or not record.scheduled:
+        if self.attention is None or not (record.scheduled or record.copies):
             return
         from properties.checks.attention import AttentionMismatch, ScheduledChunk
 
@@ -202,7 +202,7 @@ class TraceRun:
                 )
             )
         try:
-            self.attention.check_step(chunks)
+            self.attention.check_step(chunks, record.copies)
         except AttentionMismatch as exc:
             raise PropertyViolation("attention", str(exc)) from exc
 
@@ -285,7 +285,7 @@ def replay_trace(
 def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
     """The production modes a run exercises, for the counts ``kvconform check`` prints:
     ``retention=dense|sparse|interval``, ``eagle-drop``, ``lookahead-hashes``,
-    ``async``, ``admission-gate``, ``drafts``, ``external-hits``, ``async-loads``,
+    ``partial-hits``, ``async``, ``admission-gate``, ``drafts``, ``external-hits``, ``async-loads``,
     ``load-failures``."""
     r = layout.prefix_cache_retention_interval
     tags = [f"retention={'dense' if r is None else 'sparse' if r == 0 else 'interval'}"]
@@ -293,6 +293,8 @@ def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
         tags.append("eagle-drop")
     if layout.num_hash_lookahead_tokens:
         tags.append("lookahead-hashes")
+    if layout.partial_hits_enabled:
+        tags.append("partial-hits")
     if mode.async_scheduling:
         tags.append("async")
     if mode.admission_gate:

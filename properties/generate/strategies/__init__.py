@@ -23,7 +23,7 @@ Building blocks, smallest first (each is a ``SearchStrategy``), by module:
 ``scenario_mix``            ``any_layouts()``: generated, preset and targeted layouts.
 ``edges``                   ``edge_layouts()``: layouts at the edges of the hit rules.
 ``production``              the production property's layouts and the settings drawn on
-                            top (EAGLE, retention interval, admission cap).
+                            top (EAGLE, partial hits, retention interval, admission cap).
 ``modes``                   serving modes: connector modes, ``PRODUCTION_MODE``, swarm
                             modes, ``mode_for_layout``.
 ``arrivals``                ``prefix_pools(layout)``, ``prompts(layout, pool)``,
@@ -113,6 +113,8 @@ from properties.generate.strategies.modes import (
     swarm_modes,
 )
 from properties.generate.strategies.production import (
+    partial_hit_block_sizes,
+    partial_hit_layouts,
     production_base_layouts,
     production_layouts,
     retention_intervals,
@@ -228,6 +230,8 @@ __all__ = [
     "offline_operations",
     "operations",
     "outputs",
+    "partial_hit_block_sizes",
+    "partial_hit_layouts",
     "pool_sizes",
     "preempt_ops",
     "prefix_pools",

@@ -1,6 +1,7 @@
 """Production layouts: the production property's base layouts
 (:func:`production_base_layouts`) and the settings drawn on top of them
-(:func:`production_layouts`: EAGLE, the retention interval, the admission cap).
+(:func:`production_layouts`: EAGLE, partial hits, the retention interval, the admission
+cap).
 
 Example: gpt-oss (SWA + full) may come out sparse, EAGLE on the full group only,
 ``L = 0``.
@@ -9,6 +10,7 @@ Example: gpt-oss (SWA + full) may come out sparse, EAGLE on the full group only,
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from hypothesis import strategies as st
@@ -55,6 +57,50 @@ def _without_chunked_and_mamba(layout: KVCacheLayout) -> KVCacheLayout:
     return dataclasses.replace(layout, groups=kept, name="")
 
 
+def partial_hit_block_sizes(layout: KVCacheLayout) -> list[int]:
+    """The block sizes a layout's Mamba groups may take so that hits can end inside a
+    block (partial hits, :attr:`KVCacheLayout.partial_hits_enabled`): ``k * G`` for ``k``
+    in 2..4, ``G`` the gcd of the other groups' block sizes (the hash block size then),
+    keeping the scheduler block size within ``max_model_len``. None when the layout cannot
+    have them: prefix caching off, no Mamba group or nothing else, a chunked-local group
+    (its block size must be the scheduler block size) or a sliding-window group whose
+    block size is not ``G`` (its hits stay block aligned). Example: full bs 4 + Mamba,
+    ``max_model_len`` 64 -> ``[8, 12, 16]``; with a sliding window of bs 8: ``[]``."""
+    specs = layout.specs
+    others = [s.block_size for s in specs if not isinstance(s, MambaSpec)]
+    if (
+        not layout.enable_caching
+        or len(others) == len(specs)
+        or not others
+        or any(isinstance(s, ChunkedLocalAttentionSpec) for s in specs)
+    ):
+        return []
+    unit = math.gcd(*others)
+    if any(isinstance(s, SlidingWindowSpec) and s.block_size != unit for s in specs):
+        return []
+    return [k * unit for k in (2, 3, 4) if math.lcm(*others, k * unit) <= layout.max_model_len]
+
+
+@st.composite
+def partial_hit_layouts(draw, layout: KVCacheLayout) -> KVCacheLayout:
+    """``layout``, or, one time in two when it can have them
+    (:func:`partial_hit_block_sizes`), the same with every Mamba group's block size
+    drawn from those that give partial hits. Example: full bs 4 + Mamba bs 4 -> full bs
+    4 + Mamba bs 8: hash block 4, hits at multiples of 4 that may end inside a Mamba
+    block."""
+    sizes = partial_hit_block_sizes(layout)
+    if not sizes or not draw(st.booleans(), label="partial hits"):
+        return layout
+    size = draw(st.sampled_from(sizes), label="Mamba block size")
+    groups = tuple(
+        dataclasses.replace(g, spec=g.spec.with_block_size(size))
+        if isinstance(g.spec, MambaSpec)
+        else g
+        for g in layout.groups
+    )
+    return dataclasses.replace(layout, groups=groups, name="")
+
+
 #: Whether a production layout runs EAGLE, drawn from these: two in three when all its
 #: groups are full or sliding-window attention, one in four when EAGLE would take its
 #: chunked-local or Mamba groups away (:func:`production_layouts`).
@@ -81,6 +127,8 @@ def production_layouts(
       are left out of an EAGLE layout; it is drawn two times in three on a layout
       without them, one time in four on a layout with them (three in four keep them,
       so they meet the other settings: swarm testing counts pairs);
+    * partial hits (:func:`partial_hit_layouts`: the Mamba groups made coarser than the
+      hash block size, one time in two when the layout can have them; not with EAGLE);
     * the retention interval (:func:`retention_intervals`);
     * ``max_in_flight_tokens`` (``None``, or 1 or 2 scheduler blocks): the bound of
       the per-request admission caps of windowed groups (the pool is then redrawn
@@ -96,6 +144,8 @@ def production_layouts(
     eagle = "eagle" in settings and draw(st.sampled_from(odds), label="eagle")
     if eagle:
         layout = _without_chunked_and_mamba(layout)
+    elif "partial_hits" in settings:
+        layout = draw(partial_hit_layouts(layout))
     if "retention" in settings:
         retention = draw(retention_intervals(layout), label="retention interval")
         layout = dataclasses.replace(layout, prefix_cache_retention_interval=retention)
