@@ -281,3 +281,34 @@ def make_estimate_without_evictable_hits(layout: KVCacheLayout) -> MutantEngine:
             ChunkedLocalAttentionManager,
         ),
     )
+
+
+class _SharedPartialHit:
+    """Adopts a hit that ends inside a block without copy-on-write: the request keeps the
+    shared block (no block reserved, no copy queued) and writes its next tokens into the
+    block the request that cached it still holds or serves from the cache."""
+
+    def add_local_computed_blocks(self, request_id: str, *args, **kwargs) -> None:
+        super().add_local_computed_blocks(request_id, *args, **kwargs)  # type: ignore[misc]
+        partial = self.partial_hits.pop(request_id, None)  # type: ignore[attr-defined]
+        if partial is not None:  # BUG: the shared block is not copied
+            self.num_cached_block[request_id] = partial[0] + 1  # type: ignore[attr-defined]
+
+    def get_num_blocks_to_allocate(self, *args, **kwargs) -> int:
+        kwargs["num_local_computed_tokens"] = 0  # BUG: no block reserved for the copy
+        return super().get_num_blocks_to_allocate(*args, **kwargs)  # type: ignore[misc]
+
+
+@REGISTRY.mutant(
+    "universal",
+    ["exclusive_write", "window_liveness", "hit_soundness"],
+    "a hit ending inside a block shares that block instead of copying it on write "
+    "(partial hits): two requests write the same block",
+    "production",
+)
+def make_partial_hit_shared(layout: KVCacheLayout) -> MutantEngine:
+    return mutant_engine(
+        "partial_hit_shared",
+        layout,
+        managers=per_manager(_SharedPartialHit, FullAttentionManager, MambaManager),
+    )

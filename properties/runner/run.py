@@ -38,6 +38,7 @@ from properties.checks.lockstep import LockstepEngine
 from properties.checks.registry import PropertyViolation
 from properties.core.engine import (
     CallTimeoutError,
+    CopiesBlocks,
     EngineError,
     ExposesDataPlane,
     KVCacheEngine,
@@ -135,6 +136,11 @@ class TraceRun:
 
             plane = built if isinstance(built, ExposesDataPlane) else None
             self.attention = AttentionChecker(layout, data_plane=plane)
+        if layout.partial_hits_enabled and not isinstance(built, CopiesBlocks):
+            raise UnsupportedLayoutError(
+                f"{engine_name(built)} does not hand over the block copies of partial hits "
+                "(properties.core.engine.CopiesBlocks), which this layout has"
+            )
         supports = isinstance(built, SupportsServingModes)
         if choose_mode is not None:
             mode = choose_mode(supports)
