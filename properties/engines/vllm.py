@@ -64,6 +64,13 @@ Not bridged / differences
   vLLM's ``update_from_output`` calls for requests with placeholders), and
   ``allocate_slots(full_sequence_must_fit=True)`` is the admission gate with the
   per-group caps from ``max_in_flight_tokens``.
+* Partial hits (a Mamba group coarser than the hash block size: vLLM's
+  ``enable_partial_hash_hits``): the layout goes to vLLM as it is; ``pending_block_copies``
+  reads each manager's queued copy-on-write copies and ``take_block_copies`` does what
+  vLLM's scheduler does once a step is scheduled (``take_kv_cache_block_copies``, then
+  ``free_blocks`` of their retained endpoints, nothing deferred). Such a layout asks for the
+  ``full`` KV event report mode on one layout in four only (:func:`reports_reused_blocks`;
+  those are the known divergence ``vllm-partial-hit-reused-block-events``).
 * ``last_allocation_estimate`` (A4): the adapter wraps the ``get_num_blocks_to_allocate``
   of its manager's coordinator (that instance only) and keeps what the per-step call of
   ``allocate_slots`` returned (step 9 of vLLM's ``allocate_slots``; the gate's call with
