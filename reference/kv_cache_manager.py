@@ -158,10 +158,13 @@ class KVCacheManager(ManagerBookkeeping):
         prompt_token_ids,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        mm_items=(),
+        prompt_embeds=None,
     ) -> Request:
-        """A request whose hashes use this layout's hash block size. An id may not be
-        reused while a request holding blocks under it is not freed (the two would share
-        one block table)."""
+        """A request whose hashes use this layout's hash block size (its multimodal items
+        and prompt embeddings: :mod:`reference.media`). An id may not be reused while a
+        request holding blocks under it is not freed (the two would share one block
+        table)."""
         if request_id in self._holders:
             raise InvalidRequestError(
                 f"make_request: request id {request_id!r} is used twice (the request holding "
@@ -175,6 +178,8 @@ class KVCacheManager(ManagerBookkeeping):
             cache_salt,
             lora_name,
             self.layout.num_hash_lookahead_tokens,
+            mm_items,
+            prompt_embeds,
         )
 
     # -- lookup ----------------------------------------------------------------

@@ -63,6 +63,7 @@ from reference.block_table import NULL_BLOCK_ID, BlockTable
 from reference.content import ContentModel
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
+from reference.media import MultimodalItem, input_identities
 from reference.specs import AttentionSpec, MambaSpec, cdiv
 
 
@@ -269,6 +270,9 @@ class AttentionChecker:
         extra = (req.cache_salt, req.lora_name)
         memo = self._hash_memo.get(req.request_id)
         tokens = chunk.token_ids
+        if req.has_media:  # what each position feeds the model (reference.media)
+            items = [MultimodalItem(*item) for item in req.mm_items]
+            tokens = tuple(input_identities(tokens, items, req.prompt_embeds))
         if memo is not None and memo[0] == extra and tokens[: len(memo[1])] == memo[1]:
             hashes = self.content.extend_hashes(memo[2], tokens[len(memo[1]) :])
         else:

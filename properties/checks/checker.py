@@ -119,9 +119,22 @@ class Checker:
 
     # -- events ---------------------------------------------------------------------
     def on_add(
-        self, request_id: str, token_ids: Sequence[int], salt: str | None, lora: str | None
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        salt: str | None,
+        lora: str | None,
+        mm_items: tuple = (),
+        prompt_embeds: tuple[int, ...] | None = None,
     ) -> None:
-        self.state.requests[request_id] = TrackedRequest(request_id, list(token_ids), salt, lora)
+        self.state.requests[request_id] = TrackedRequest(
+            request_id,
+            list(token_ids),
+            salt,
+            lora,
+            mm_items=tuple(mm_items),
+            prompt_embeds=prompt_embeds,
+        )
 
     def on_lookup(self, request_id: str, hit: CacheHit, before: Snapshot) -> None:
         req = self.state.requests[request_id]

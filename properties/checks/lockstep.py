@@ -150,7 +150,12 @@ class LockstepEngine(EngineProxy):
         if self.reference is not None:
             self.reference.add_request(request)
         self.checker.on_add(
-            request.request_id, request.prompt_token_ids, request.cache_salt, request.lora_name
+            request.request_id,
+            request.prompt_token_ids,
+            request.cache_salt,
+            request.lora_name,
+            request.mm_items,
+            request.prompt_embeds,
         )
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:

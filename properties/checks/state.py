@@ -35,6 +35,7 @@ from properties.core.engine import (
 )
 from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
+from reference.media import MultimodalItem, input_identities
 
 
 @dataclass
@@ -48,11 +49,20 @@ class TrackedRequest:
     num_computed_tokens: int = 0
     holds_blocks: bool = False
     ids: list[int] = field(default_factory=list)
+    #: its multimodal items and prompt embeddings (:mod:`reference.media`)
+    mm_items: tuple = ()
+    prompt_embeds: tuple[int, ...] | None = None
 
     def refresh_ids(self) -> None:
-        """Extend ``ids`` over tokens appended since (decodes add one token a step)."""
+        """Extend ``ids`` over tokens appended since (decodes add one token a step); a
+        request with media hashes what each position feeds the model
+        (:func:`reference.media.input_identities`)."""
         if len(self.ids) < len(self.token_ids):
-            self.ids = extend_prefix_ids(self.ids, self.token_ids, self.cache_salt, self.lora_name)
+            inputs = self.token_ids
+            if self.mm_items or self.prompt_embeds is not None:
+                items = [MultimodalItem(*item) for item in self.mm_items]
+                inputs = input_identities(self.token_ids, items, self.prompt_embeds)
+            self.ids = extend_prefix_ids(self.ids, inputs, self.cache_salt, self.lora_name)
 
 
 #: ``(num_free_blocks, ref counts or None, free queue or None, free count per pool or

@@ -72,12 +72,25 @@ BlockIds = tuple[tuple[int, ...], ...]
 
 @dataclass(frozen=True)
 class RequestInput:
-    """What a request brings: its prompt and the extra keys of its hashes."""
+    """What a request brings: its prompt and the extra keys of its hashes.
+
+    ``mm_items``: its multimodal items, ``(identifier, offset, length)`` each (an image whose
+    placeholder tokens are the prompt positions ``[offset, offset + length)``);
+    ``prompt_embeds``: None, or the embedding id the model reads at each prompt position
+    instead of the token's own (:mod:`reference.media`). Engines given requests with either
+    declare the ``multimodal`` production setting (:mod:`properties.core.modes`)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     cache_salt: str | None = None
     lora_name: str | None = None
+    mm_items: tuple[tuple[str, int, int], ...] = ()
+    prompt_embeds: tuple[int, ...] | None = None
+
+    @property
+    def has_media(self) -> bool:
+        """Whether the request carries multimodal items or prompt embeddings."""
+        return bool(self.mm_items) or self.prompt_embeds is not None
 
 
 @dataclass(frozen=True)

@@ -150,12 +150,17 @@ SYNC = ServingMode()
 #: pool sized with the admission caps) and ``external`` (the ``external_hits`` serving
 #: mode: ``allocate_slots(..., num_external_computed_tokens=...)``) and ``partial_hits``
 #: (a Mamba group coarser than the hash block size: hits may end inside a block, copied on
-#: write; the engine offers :class:`properties.core.engine.CopiesBlocks`).
+#: write; the engine offers :class:`properties.core.engine.CopiesBlocks`) and
+#: ``multimodal`` (requests with multimodal items and prompt embeddings:
+#: :class:`properties.core.engine.RequestInput`).
 PRODUCTION_SETTINGS: frozenset[str] = frozenset(
-    {"retention", "eagle", "admission_cap", "external", "partial_hits"}
+    {"retention", "eagle", "admission_cap", "external", "partial_hits", "multimodal"}
 )
 #: The production setting of the ``external_hits`` serving mode.
 EXTERNAL_SETTING = "external"
+#: The production setting of requests with multimodal items and prompt embeddings: the
+#: ``production`` property's arrivals carry them (every tier).
+MULTIMODAL = "multimodal"
 
 
 def production_settings(factory: object) -> frozenset[str]:

@@ -31,6 +31,7 @@ from properties.core.modes import ServingMode
 from properties.core.output_files import OutputWriteError, write_text_atomic
 from reference.errors import KVConformError
 from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.media import validate_media
 from reference.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -101,6 +102,10 @@ class Arrive:
     output: tuple[int, ...] = ()
     cache_salt: str | None = None
     lora_name: str | None = None
+    #: multimodal items ``(identifier, offset, length)`` and prompt embedding ids
+    #: (:class:`properties.core.engine.RequestInput`, :mod:`reference.media`)
+    mm_items: tuple[tuple[str, int, int], ...] = ()
+    prompt_embeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_request_id("Arrive", self.request_id)
@@ -108,6 +113,9 @@ class Arrive:
         _check_tokens("Arrive", "output", self.output, min_len=0)
         _check_optional_str("Arrive", "cache_salt", self.cache_salt)
         _check_optional_str("Arrive", "lora_name", self.lora_name)
+        validate_media(
+            TraceFormatError, "Arrive", len(self.prompt), self.mm_items, self.prompt_embeds
+        )
 
 
 @dataclass(frozen=True)

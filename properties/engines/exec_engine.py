@@ -556,15 +556,20 @@ class ExecEngine(TakesAllocations):
         return self.process.call(call, args)
 
     def add_request(self, request: RequestInput) -> None:
-        self._call(
-            "add_request",
-            {
-                "request_id": request.request_id,
-                "prompt_token_ids": list(request.prompt_token_ids),
-                "cache_salt": request.cache_salt,
-                "lora_name": request.lora_name,
-            },
-        )
+        """``add_request``; a request's multimodal items and prompt embeddings travel only
+        when it has them (an engine is given them only if it declares the ``multimodal``
+        production setting)."""
+        args: dict[str, Any] = {
+            "request_id": request.request_id,
+            "prompt_token_ids": list(request.prompt_token_ids),
+            "cache_salt": request.cache_salt,
+            "lora_name": request.lora_name,
+        }
+        if request.mm_items:
+            args["mm_items"] = [list(item) for item in request.mm_items]
+        if request.prompt_embeds is not None:
+            args["prompt_embeds"] = list(request.prompt_embeds)
+        self._call("add_request", args)
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         self._call(

@@ -174,6 +174,8 @@ class EngineServer:
                     _tokens(args, "prompt_token_ids"),
                     args.get("cache_salt"),
                     args.get("lora_name"),
+                    tuple(tuple(item) for item in _optional(args, "mm_items", list, [])),
+                    None if args.get("prompt_embeds") is None else _tokens(args, "prompt_embeds"),
                 )
             )
             return None

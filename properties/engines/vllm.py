@@ -135,6 +135,7 @@ class _VLLM:
         import torch
         from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
         from vllm.lora.request import LoRARequest
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1 import kv_cache_interface as kvi
@@ -155,6 +156,8 @@ class _VLLM:
         self.RequestStatus = RequestStatus
         self.SamplingParams = SamplingParams
         self.LoRARequest = LoRARequest
+        self.MultiModalFeatureSpec = MultiModalFeatureSpec
+        self.PlaceholderRange = PlaceholderRange
         self.sha256 = sha256
         self.get_request_block_hasher = get_request_block_hasher
         self.init_none_hash = init_none_hash
@@ -389,7 +392,32 @@ class VLLMEngine:
             lora_request=self._lora(request.lora_name),
             cache_salt=request.cache_salt,
             block_hasher=self._hasher,
+            **self._media(request),
         )
+
+    def _media(self, request: RequestInput) -> dict[str, Any]:
+        """A request's multimodal items as vLLM's ``MultiModalFeatureSpec`` (an image
+        whose content hash is the identifier, at ``PlaceholderRange(offset, length)``;
+        no processed data, as for a cached item) and its prompt embeddings as a float32
+        tensor with one row per prompt position (every entry of row ``p`` the embedding id
+        of ``p``: equal ids give equal bytes, the key vLLM hashes); the token ids stay
+        (both given: every position has its token and an embedding)."""
+        v = self._v
+        out: dict[str, Any] = {}
+        if request.mm_items:
+            out["mm_features"] = [
+                v.MultiModalFeatureSpec(
+                    data=None,
+                    modality="image",
+                    identifier=identifier,
+                    mm_position=v.PlaceholderRange(offset=offset, length=length),
+                )
+                for identifier, offset, length in request.mm_items
+            ]
+        if request.prompt_embeds is not None:
+            ids = v.torch.tensor(request.prompt_embeds, dtype=v.torch.float32)
+            out["prompt_embeds"] = ids.unsqueeze(1).repeat(1, 4)
+        return out
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         req = self._request(request_id)

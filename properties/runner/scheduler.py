@@ -233,7 +233,14 @@ class RequestQueues:
                 f"Arrive {op.request_id!r}: prompt {len(op.prompt)} + output {len(op.output)} "
                 f"tokens exceed max_model_len {self.layout.max_model_len}"
             )
-        req = RequestInput(op.request_id, tuple(op.prompt), op.cache_salt, op.lora_name)
+        req = RequestInput(
+            op.request_id,
+            tuple(op.prompt),
+            op.cache_salt,
+            op.lora_name,
+            op.mm_items,
+            op.prompt_embeds,
+        )
         self.requests[op.request_id] = self.state_type(req, tuple(op.output))
         self.engine.add_request(req)
         self.waiting.append(op.request_id)

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from properties.checks.registry import PropertyViolation
 from properties.core.constants import PROPERTIES
 from properties.core.engine import UnsupportedLayoutError
-from properties.core.modes import SYNC, ServingMode
+from properties.core.modes import MULTIMODAL, SYNC, ServingMode
 from properties.core.trace import Operation, Trace
 from properties.engines.under_test import EngineUnderTest
 from properties.generate import strategies as kvst
@@ -102,8 +102,11 @@ def _run_trace(
     outcome: TierOutcome,
 ) -> TraceRun:
     """Run ``ops`` with the O(pool) checks at step boundaries; a layout the engine
-    refuses is not an example. Raises the first violation or engine error, its trace
-    kept as ``outcome.trace``."""
+    refuses is not an example. The production property gives an engine declaring the
+    ``multimodal`` setting arrivals with media (:func:`kvst.bulk_media`, nothing drawn).
+    Raises the first violation or engine error, its trace kept as ``outcome.trace``."""
+    if config.production and MULTIMODAL in engine.production_settings:
+        ops = kvst.bulk_media(layout, ops)
     try:
         run = TraceRun(
             config,

@@ -26,6 +26,8 @@ Building blocks, smallest first (each is a ``SearchStrategy``), by module:
                             top (EAGLE, partial hits, retention interval, admission cap).
 ``modes``                   serving modes: connector modes, ``PRODUCTION_MODE``, swarm
                             modes, ``mode_for_layout``.
+``media``                   multimodal items and prompt embeddings of arrivals
+                            (``media_of``, ``carry_media``, ``bulk_media``).
 ``arrivals``                ``prefix_pools(layout)``, ``prompts(layout, pool)``,
                             ``request_inputs(...)``: prompts made of a shared prefix
                             (possibly cut short) plus a random suffix; resends, bursts and
@@ -59,6 +61,7 @@ from properties.generate.presets import PRESETS
 from properties.generate.strategies.arrivals import (
     boundaries,
     burst_ops,
+    media_request_inputs,
     outputs,
     prefix_pools,
     prompt_lengths,
@@ -101,6 +104,14 @@ from properties.generate.strategies.group_specs import (
     specs,
     window_category,
     windows,
+)
+from properties.generate.strategies.media import (
+    IMAGES,
+    bulk_media,
+    carry_media,
+    image_length,
+    media_of,
+    with_embeds,
 )
 from properties.generate.strategies.modes import (
     CONNECTOR_LEVELS,
@@ -175,6 +186,7 @@ __all__ = [
     "BULK_OUTPUT",
     "BULK_SHORT",
     "CONNECTOR_LEVELS",
+    "IMAGES",
     "LARGE_TIERS",
     "MAX_BLOCK_SIZE",
     "MAX_LCM",
@@ -211,8 +223,10 @@ __all__ = [
     "block_size_lists",
     "boundaries",
     "bulk_arrivals",
+    "bulk_media",
     "burst_ops",
     "cache_salts",
+    "carry_media",
     "chunk_sizes",
     "chunked_layouts",
     "chunked_local_specs",
@@ -220,10 +234,13 @@ __all__ = [
     "edge_case_kinds",
     "edge_layouts",
     "full_specs",
+    "image_length",
     "layouts",
     "lookaheads",
     "lora_names",
     "mamba_specs",
+    "media_of",
+    "media_request_inputs",
     "mode_for_layout",
     "offline_batch",
     "offline_layouts",
@@ -263,5 +280,6 @@ __all__ = [
     "uncached_layouts",
     "window_category",
     "windows",
+    "with_embeds",
     "workload_layouts",
 ]

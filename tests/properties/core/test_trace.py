@@ -139,6 +139,8 @@ def test_small_trace_json_is_the_documented_encoding():
                 "output": [7, 0],
                 "cache_salt": None,
                 "lora_name": None,
+                "mm_items": [],
+                "prompt_embeds": None,
             },
             {"op": "step", "token_budget": 4, "num_lookahead_tokens": 0},
             {"op": "step", "token_budget": 4, "num_lookahead_tokens": 0},
