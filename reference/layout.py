@@ -70,6 +70,9 @@ class KVCacheLayout:
     EAGLE groups (those flagged ``is_eagle_group``, or all when none is flagged),
     unless ``num_hash_lookahead_tokens > 0`` (lookahead hashes prove the boundary,
     so nothing is dropped).
+    ``dcp_world_size``: decode context parallelism, :func:`check_context_parallel`;
+    ``pcp_world_size``: prefill context parallelism (every group full attention; it
+    changes no manager rule).
     """
 
     groups: tuple[KVCacheGroup, ...]
@@ -80,6 +83,8 @@ class KVCacheLayout:
     prefix_cache_retention_interval: int | None = None
     use_eagle: bool = False
     num_hash_lookahead_tokens: int = 0
+    dcp_world_size: int = 1
+    pcp_world_size: int = 1
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +128,7 @@ class KVCacheLayout:
                 "KVCacheLayout.num_hash_lookahead_tokens must be >= 0, got "
                 f"{self.num_hash_lookahead_tokens}"
             )
+        check_context_parallel(self)
         if self.use_eagle and any(
             isinstance(s, (ChunkedLocalAttentionSpec, MambaSpec)) for s in self.specs
         ):
@@ -181,7 +187,9 @@ class KVCacheLayout:
         if len(self.groups) == 1 or not self.enable_caching:
             return False
         h = self.hash_block_size
-        mamba_coarse = any(isinstance(s, MambaSpec) and s.block_size > h for s in self.specs)
+        # with decode context parallelism a Mamba group of the hash block size counts too
+        least = h if self.dcp_world_size > 1 else h + 1
+        mamba_coarse = any(isinstance(s, MambaSpec) and s.block_size >= least for s in self.specs)
         others_ok = all(
             s.block_size == h or isinstance(s, (FullAttentionSpec, MambaSpec)) for s in self.specs
         )
@@ -231,6 +239,10 @@ class KVCacheLayout:
             retention += " eagle"
         if self.num_hash_lookahead_tokens:
             retention += f" lookahead_hashes={self.num_hash_lookahead_tokens}"
+        if self.dcp_world_size > 1:
+            retention += f" dcp={self.dcp_world_size}"
+        if self.pcp_world_size > 1:
+            retention += f" pcp={self.pcp_world_size}"
         return (
             f"{' '.join(parts)} num_blocks={self.num_blocks} "
             f"max_model_len={self.max_model_len} caching={self.enable_caching}{retention}"
@@ -251,6 +263,49 @@ def _check_layout_fields(layout: KVCacheLayout) -> None:
         require_int(err, owner, "max_in_flight_tokens", layout.max_in_flight_tokens, lowest=1)
     if not isinstance(layout.name, str):
         raise err(f"{owner}.name must be a string, got {layout.name!r}")
+
+
+def check_context_parallel(layout: KVCacheLayout) -> None:
+    """Context parallelism, as vLLM 0.33 takes it (``dcp_world_size``, ``pcp_world_size``
+    >= 1).
+
+    Decode context parallelism (DCP, size ``d``) shards each attention block's tokens over
+    ``d`` ranks: at the manager level a block of an attention group holds ``d`` times the
+    tokens of one rank's block, and every rule (hits, allocation, caching, the scheduler
+    and hash block sizes) works on that size. The block sizes of this layout are those
+    manager block sizes: an attention group's must be a multiple of ``d`` (vLLM's spec
+    holds ``block_size / d``); a Mamba group keeps its state whole on every rank (not
+    sharded, not scaled). vLLM allows DCP with full-attention and Mamba groups only (a
+    sliding-window or chunked-local hit search asserts ``d == 1``). Prefill context
+    parallelism (``p > 1``) needs every group full attention and changes no manager rule.
+
+    Example: full attention of (manager) block size 8 + Mamba of 8 with ``d = 2``: vLLM's
+    full spec has block size 4, its manager 8; hash block and scheduler block 8; with ``d
+    > 1`` a Mamba group of the hash block size already enables partial hits.
+    """
+    owner, err = "KVCacheLayout", InvalidLayoutError
+    require_int(err, owner, "dcp_world_size", layout.dcp_world_size, lowest=1)
+    require_int(err, owner, "pcp_world_size", layout.pcp_world_size, lowest=1)
+    d = layout.dcp_world_size
+    if d > 1:
+        for gid, s in enumerate(layout.specs):
+            if not isinstance(s, (FullAttentionSpec, MambaSpec)):
+                raise err(
+                    f"{owner}.dcp_world_size {d}: groups[{gid}] is {s.type_name}; decode "
+                    "context parallelism takes full-attention and Mamba groups only"
+                )
+            if isinstance(s, FullAttentionSpec) and s.block_size % d:
+                raise err(
+                    f"{owner}.dcp_world_size {d}: groups[{gid}] block_size {s.block_size} is "
+                    "not a multiple of it (it is the manager's block size: d ranks' blocks)"
+                )
+    if layout.pcp_world_size > 1 and not all(
+        isinstance(s, FullAttentionSpec) for s in layout.specs
+    ):
+        raise err(
+            f"{owner}.pcp_world_size {layout.pcp_world_size}: prefill context parallelism "
+            "takes full-attention groups only"
+        )
 
 
 def merge_key(spec: KVCacheSpec) -> KVCacheSpec:

@@ -152,9 +152,18 @@ SYNC = ServingMode()
 #: (a Mamba group coarser than the hash block size: hits may end inside a block, copied on
 #: write; the engine offers :class:`properties.core.engine.CopiesBlocks`) and
 #: ``multimodal`` (requests with multimodal items and prompt embeddings:
-#: :class:`properties.core.engine.RequestInput`).
+#: :class:`properties.core.engine.RequestInput`) and ``context_parallel``
+#: (``dcp_world_size`` and ``pcp_world_size``: :func:`reference.layout.check_context_parallel`).
 PRODUCTION_SETTINGS: frozenset[str] = frozenset(
-    {"retention", "eagle", "admission_cap", "external", "partial_hits", "multimodal"}
+    {
+        "retention",
+        "eagle",
+        "admission_cap",
+        "external",
+        "partial_hits",
+        "multimodal",
+        "context_parallel",
+    }
 )
 #: The production setting of the ``external_hits`` serving mode.
 EXTERNAL_SETTING = "external"

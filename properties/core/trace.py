@@ -389,6 +389,8 @@ def layout_to_json(layout: KVCacheLayout) -> dict:
         "prefix_cache_retention_interval": layout.prefix_cache_retention_interval,
         "use_eagle": layout.use_eagle,
         "num_hash_lookahead_tokens": layout.num_hash_lookahead_tokens,
+        "dcp_world_size": layout.dcp_world_size,
+        "pcp_world_size": layout.pcp_world_size,
         "groups": [
             {
                 "layer_names": list(g.layer_names),
@@ -413,6 +415,12 @@ def _require_int(data: Mapping, key: str, where: str, optional: bool = False) ->
     if not _is_int(value):
         raise TraceFormatError(f"{where}.{key} must be an integer, got {value!r}")
     return value
+
+
+def _optional_int(data: Mapping, key: str, where: str, default: int) -> int:
+    """``data[key]`` when present (an integer), else ``default``."""
+    value = _require_int(data, key, where, optional=True)
+    return default if value is None else value
 
 
 def layout_from_json(data: Any, where: str = "layout") -> KVCacheLayout:
@@ -461,6 +469,8 @@ def layout_from_json(data: Any, where: str = "layout") -> KVCacheLayout:
                 data, "num_hash_lookahead_tokens", where, optional=True
             )
             or 0,
+            dcp_world_size=_optional_int(data, "dcp_world_size", where, 1),
+            pcp_world_size=_optional_int(data, "pcp_world_size", where, 1),
             name=name,
         )
     except KVConformError as exc:

@@ -15,10 +15,14 @@ How our layout maps to vLLM objects
   ``dtype_bytes`` (1: uint8, 2: float16, 4: float32, 8: float64), so vLLM's page size
   equals ours. ``MambaSpec(shapes, dtypes=(dtype,) * len(shapes), page_size_padded,
   mamba_cache_mode="align")`` (no speculative or prefill-checkpoint blocks).
-* ``KVCacheManager(config, max_model_len, scheduler_block_size=layout.scheduler_block_size,
-  hash_block_size=layout.hash_block_size, max_in_flight_tokens=layout.max_in_flight_tokens,
+* ``KVCacheManager(config, max_model_len, scheduler_block_size, hash_block_size,
+  max_in_flight_tokens=layout.max_in_flight_tokens,
   enable_caching=layout.enable_caching, log_stats=on, enable_kv_cache_events=on)`` with
-  ``on = observes_stats_and_events(layout)`` (off for one layout in four);
+  ``on = observes_stats_and_events(layout)`` (off for one layout in four),
+  ``dcp_world_size``, ``pcp_world_size`` (context parallelism: an attention spec's block
+  size is the layout's divided by the DCP size); the scheduler and hash block sizes are
+  vLLM's own (``resolve_kv_cache_block_sizes`` and ``resolve_cache_hit_alignment_tokens``
+  from a config carrying what they read), which must equal the layout's;
   watermark 0, no EAGLE, no connector. Every other request asks for the ``full`` KV event
   report mode (events for its reused blocks too) and passes the lookup bound explicitly.
   KV events are drained at every ``new_step`` and
@@ -70,7 +74,8 @@ Not bridged / differences
   vLLM's scheduler does once a step is scheduled (``take_kv_cache_block_copies``, then
   ``free_blocks`` of their retained endpoints, nothing deferred). Such a layout asks for the
   ``full`` KV event report mode on one layout in four only (:func:`reports_reused_blocks`;
-  those are the known divergence ``vllm-partial-hit-reused-block-events``).
+  those are the known divergence ``vllm-partial-hit-reused-block-events``), and so does a
+  layout with decode context parallelism (``vllm-dcp-reused-block-events``).
 * ``last_allocation_estimate`` (A4): the adapter wraps the ``get_num_blocks_to_allocate``
   of its manager's coordinator (that instance only) and keeps what the per-step call of
   ``allocate_slots`` returned (step 9 of vLLM's ``allocate_slots``; the gate's call with
@@ -146,6 +151,8 @@ class _VLLM:
             get_request_block_hasher,
             init_none_hash,
             maybe_convert_block_hash,
+            resolve_cache_hit_alignment_tokens,
+            resolve_kv_cache_block_sizes,
         )
         from vllm.v1.request import Request, RequestStatus
 
@@ -160,6 +167,8 @@ class _VLLM:
         self.PlaceholderRange = PlaceholderRange
         self.sha256 = sha256
         self.get_request_block_hasher = get_request_block_hasher
+        self.resolve_block_sizes = resolve_kv_cache_block_sizes
+        self.resolve_alignment = resolve_cache_hit_alignment_tokens
         self.init_none_hash = init_none_hash
         self.events = (AllBlocksCleared, BlockRemoved, BlockStored)
         self.pool_key = (get_group_id, get_block_hash, maybe_convert_block_hash)
@@ -190,12 +199,14 @@ def _dtype(v: _VLLM, owner: str, dtype_bytes: int) -> Any:
     return getattr(v.torch, name)
 
 
-def to_vllm_spec(v: _VLLM, spec: KVCacheSpec) -> Any:
+def to_vllm_spec(v: _VLLM, spec: KVCacheSpec, dcp_world_size: int = 1) -> Any:
     """Our spec -> vLLM's spec of the same type, block size and page size.
 
     Example: ``SlidingWindowSpec(block_size=2, sliding_window=4)`` ->
     ``vllm SlidingWindowSpec(block_size=2, num_kv_heads=1, head_size=8,
-    dtype=torch.float16, sliding_window=4)``.
+    dtype=torch.float16, sliding_window=4)``. With decode context parallelism of size
+    ``d`` an attention spec's block size is ours divided by ``d`` (ours is the manager's,
+    :func:`reference.layout.check_context_parallel`); a Mamba spec's stays.
     """
     kvi = v.kvi
     owner = type(spec).__name__
@@ -211,7 +222,7 @@ def to_vllm_spec(v: _VLLM, spec: KVCacheSpec) -> Any:
     common: dict[str, Any] = {}
     if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)):
         common = dict(
-            block_size=spec.block_size,
+            block_size=spec.block_size // dcp_world_size,
             num_kv_heads=spec.num_kv_heads,
             head_size=spec.head_size,
             dtype=_dtype(v, owner, spec.dtype_bytes),
@@ -246,14 +257,17 @@ def reports_reused_blocks(layout: KVCacheLayout) -> bool:
     of its reused blocks too: ``emit_cached_block_events`` at each lookup with a hit).
 
     Rule: with events on (:func:`observes_stats_and_events`), always, except on a layout
-    with partial hits, where only one in four does (``crc32(layout.describe()) % 4 ==
-    1``): there vLLM 0.33 raises IndexError when a reused block ends past the group's
-    block-aligned hashes (the known divergence ``vllm-partial-hit-reused-block-events``,
-    whose layouts are not drawn). Example: a full + Mamba layout with partial hits whose
-    description hashes to 6 keeps events on in the ``incremental`` mode only."""
+    with partial hits or decode context parallelism, where only one in four does
+    (``crc32(layout.describe()) % 4 == 1``): there vLLM 0.33's reused-block events crash
+    (the known divergences ``vllm-partial-hit-reused-block-events`` and
+    ``vllm-dcp-reused-block-events``, whose layouts are not drawn). Example: a full +
+    Mamba layout with partial hits whose description hashes to 6 keeps events on in the
+    ``incremental`` mode only."""
     if not observes_stats_and_events(layout):
         return False
-    return not layout.partial_hits_enabled or zlib.crc32(layout.describe().encode()) % 4 == 1
+    if not layout.partial_hits_enabled and layout.dcp_world_size == 1:
+        return True
+    return zlib.crc32(layout.describe().encode()) % 4 == 1
 
 
 class VLLMEngine:
@@ -264,9 +278,10 @@ class VLLMEngine:
     def __init__(self, layout: KVCacheLayout, v: _VLLM) -> None:
         self.layout = layout
         self._v = v
+        dcp = layout.dcp_world_size
         groups = [
             v.kvi.KVCacheGroupSpec(
-                list(g.layer_names), to_vllm_spec(v, g.spec), is_eagle_group=g.is_eagle_group
+                list(g.layer_names), to_vllm_spec(v, g.spec, dcp), is_eagle_group=g.is_eagle_group
             )
             for g in layout.groups
         ]
@@ -276,6 +291,7 @@ class VLLMEngine:
             kv_cache_groups=groups,
             prefix_cache_retention_interval=layout.prefix_cache_retention_interval,
         )
+        self._block_sizes = self._resolve_block_sizes(groups)
         #: whether vLLM's manager keeps prefix cache stats, and emits KV cache events
         self._stats_on = self._events_on = observes_stats_and_events(layout)
         self._build_manager()
@@ -301,6 +317,48 @@ class VLLMEngine:
         #: whether reset_prefix_cache succeeded since the last step
         self._reset_since_stats = False
 
+    def _resolve_block_sizes(self, groups: list[Any]) -> tuple[int, int]:
+        """vLLM's own scheduler and hash block sizes of the layout
+        (``resolve_kv_cache_block_sizes``, as the engine core derives them, and
+        ``resolve_cache_hit_alignment_tokens``), from a config carrying what they read: the
+        block size of a one-group layout (vLLM's, per rank), no prefix match unit, prefix
+        caching as the layout has it, the DCP size, no KV connector. They must be the
+        layout's (``scheduler_block_size``, ``hash_block_size``, ``cache_hit_alignment``);
+        a difference is an :class:`EngineError` naming both."""
+        layout, v = self.layout, self._v
+        from types import SimpleNamespace
+
+        one = groups[0].kv_cache_spec.block_size
+        config = SimpleNamespace(
+            cache_config=SimpleNamespace(
+                block_size=one, prefix_match_unit=None, enable_prefix_caching=layout.enable_caching
+            ),
+            parallel_config=SimpleNamespace(decode_context_parallel_size=layout.dcp_world_size),
+            kv_transfer_config=None,
+        )
+        scheduler, hashed = _call(
+            "resolve_kv_cache_block_sizes", (), v.resolve_block_sizes, self._config, config
+        )
+        alignment = _call(
+            "resolve_cache_hit_alignment_tokens",
+            (),
+            v.resolve_alignment,
+            self._config,
+            config,
+            scheduler,
+            hashed,
+        )
+        ours = (layout.scheduler_block_size, layout.hash_block_size)
+        if (scheduler, hashed) != ours or (
+            layout.enable_caching and alignment != layout.cache_hit_alignment
+        ):
+            raise EngineError(
+                f"vllm: block sizes of {layout.describe()}: vLLM resolves (scheduler "
+                f"{scheduler}, hash {hashed}, hit alignment {alignment}), the layout has "
+                f"({ours[0]}, {ours[1]}, {layout.cache_hit_alignment})"
+            )
+        return scheduler, hashed
+
     def _build_manager(self) -> None:
         """vLLM's ``KVCacheManager`` of the layout, with stats and events as set."""
         layout, v = self.layout, self._v
@@ -312,14 +370,16 @@ class VLLMEngine:
             v.KVCacheManager,
             self._config,
             max_model_len=layout.max_model_len,
-            scheduler_block_size=layout.scheduler_block_size,
-            hash_block_size=layout.hash_block_size,
+            scheduler_block_size=self._block_sizes[0],
+            hash_block_size=self._block_sizes[1],
             max_in_flight_tokens=layout.max_in_flight_tokens,
             enable_caching=layout.enable_caching,
             use_eagle=drop_eagle,
             num_hash_lookahead_tokens=layout.num_hash_lookahead_tokens,
             log_stats=self._stats_on,
             enable_kv_cache_events=self._events_on,
+            dcp_world_size=layout.dcp_world_size,
+            pcp_world_size=layout.pcp_world_size,
         )
         self._record_estimates(self.manager.coordinator)
 
@@ -741,6 +801,12 @@ def _reused_block_events_past_the_hashes(layout: KVCacheLayout) -> bool:
     return layout.partial_hits_enabled and reports_reused_blocks(layout)
 
 
+def _reused_block_events_at_rank_block_size(layout: KVCacheLayout) -> bool:
+    """Decode context parallelism with the ``full`` KV event report mode
+    (:func:`reports_reused_blocks`): a lookup with a hit asserts."""
+    return layout.dcp_world_size > 1 and reports_reused_blocks(layout)
+
+
 #: vLLM 0.33 behaviours that break a property; see findings/vllm/.
 KNOWN_DIVERGENCES = (
     KnownDivergence(
@@ -766,6 +832,15 @@ KNOWN_DIVERGENCES = (
         "their end",
         finding="findings/vllm/partial-hit-reused-block-events.md",
         applies=_reused_block_events_past_the_hashes,
+    ),
+    KnownDivergence(
+        name="vllm-dcp-reused-block-events",
+        summary="get_computed_blocks raises AssertionError for a request in the 'full' KV "
+        "event report mode with decode context parallelism: emit_cached_block_events reads "
+        "the hashes at the spec's per-rank block size, which the hash block size does not "
+        "divide",
+        finding="findings/vllm/dcp-reused-block-events.md",
+        applies=_reused_block_events_at_rank_block_size,
     ),
 )
 make_engine.known_divergences = KNOWN_DIVERGENCES  # type: ignore[attr-defined]

@@ -11,10 +11,12 @@ that starts at 6 computed tokens the reference frees the blocks before token
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 
 from properties.core.modes import PRODUCTION_SETTINGS
-from properties.mutants.assembly import MutantEngine, mutant_engine
+from properties.mutants.assembly import MutantEngine, mutant_engine, mutated_manager
 from properties.mutants.registry import REFERENCE_CATALOGUE, Registry, per_manager
 from reference.block_pool import BlockPool, KVCacheBlock
 from reference.coordinator import HybridCoordinator
@@ -28,7 +30,7 @@ from reference.managers import (
 )
 from reference.managers.base import BlockList
 from reference.request import Request
-from reference.specs import KVCacheSpec
+from reference.specs import KVCacheSpec, MambaSpec
 
 REGISTRY = Registry(REFERENCE_CATALOGUE, production_settings=PRODUCTION_SETTINGS)
 
@@ -312,3 +314,30 @@ def make_partial_hit_shared(layout: KVCacheLayout) -> MutantEngine:
         layout,
         managers=per_manager(_SharedPartialHit, FullAttentionManager, MambaManager),
     )
+
+
+def _mamba_scaled_by_dcp(layout: KVCacheLayout) -> KVCacheLayout:
+    """``layout`` with every Mamba group's block size multiplied by the DCP size too (kept
+    as it is when that would exceed ``max_model_len``)."""
+    d = layout.dcp_world_size
+    groups = tuple(
+        dataclasses.replace(g, spec=g.spec.with_block_size(g.spec.block_size * d))
+        if isinstance(g.spec, MambaSpec)
+        else g
+        for g in layout.groups
+    )
+    if d == 1 or math.lcm(*(g.spec.block_size for g in groups)) > layout.max_model_len:
+        return layout
+    return dataclasses.replace(layout, groups=groups)
+
+
+@REGISTRY.mutant(
+    "universal",
+    ["window_liveness", "hit_soundness", "table_covers_slots", "hit_bounds"],
+    "decode context parallelism scales the replicated Mamba state's block size too (its "
+    "state columns, the scheduler and hash block sizes all move)",
+    "production",
+)
+def make_dcp_scales_mamba(layout: KVCacheLayout) -> MutantEngine:
+    scaled = _mamba_scaled_by_dcp(layout)  # BUG: Mamba state is not sharded
+    return MutantEngine(layout, mutated_manager(scaled), "dcp_scales_mamba")

@@ -291,8 +291,8 @@ def replay_trace(
 def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
     """The production modes a run exercises, for the counts ``kvconform check`` prints:
     ``retention=dense|sparse|interval``, ``eagle-drop``, ``lookahead-hashes``,
-    ``partial-hits``, ``async``, ``admission-gate``, ``drafts``, ``external-hits``, ``async-loads``,
-    ``load-failures``."""
+    ``partial-hits``, ``context-parallel``, ``async``, ``admission-gate``, ``drafts``,
+    ``external-hits``, ``async-loads``, ``load-failures``."""
     r = layout.prefix_cache_retention_interval
     tags = [f"retention={'dense' if r is None else 'sparse' if r == 0 else 'interval'}"]
     if layout.drop_eagle_group_ids:
@@ -301,6 +301,8 @@ def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
         tags.append("lookahead-hashes")
     if layout.partial_hits_enabled:
         tags.append("partial-hits")
+    if layout.dcp_world_size > 1 or layout.pcp_world_size > 1:
+        tags.append("context-parallel")
     if mode.async_scheduling:
         tags.append("async")
     if mode.admission_gate:

@@ -101,6 +101,31 @@ def partial_hit_layouts(draw, layout: KVCacheLayout) -> KVCacheLayout:
     return dataclasses.replace(layout, groups=groups, name="")
 
 
+@st.composite
+def context_parallel_layouts(draw, layout: KVCacheLayout) -> KVCacheLayout:
+    """``layout`` with context parallelism drawn when it can have it (every group full
+    attention or Mamba: :func:`reference.layout.check_context_parallel`): decode context
+    parallelism of size 2 or 4 one time in two (every full-attention group's block size
+    multiplied by it, when the scheduler block size stays within ``max_model_len``), then,
+    when every group is full attention, prefill context parallelism of size 2 one time in
+    three. Example: full bs 4 + Mamba bs 8, DCP 2 -> full bs 8 (vLLM's spec 4 per rank)."""
+    specs = layout.specs
+    if not all(isinstance(s, (FullAttentionSpec, MambaSpec)) for s in specs):
+        return layout
+    dcp = draw(st.sampled_from((1, 1, 2, 4)), label="decode context parallel size")
+    sizes = [s.block_size * (dcp if isinstance(s, FullAttentionSpec) else 1) for s in specs]
+    if dcp > 1 and math.lcm(*sizes) <= layout.max_model_len:
+        groups = tuple(
+            dataclasses.replace(g, spec=g.spec.with_block_size(size))
+            for g, size in zip(layout.groups, sizes)
+        )
+        layout = dataclasses.replace(layout, groups=groups, dcp_world_size=dcp, name="")
+    if all(isinstance(s, FullAttentionSpec) for s in specs):
+        pcp = draw(st.sampled_from((1, 1, 2)), label="prefill context parallel size")
+        layout = dataclasses.replace(layout, pcp_world_size=pcp)
+    return layout
+
+
 #: Whether a production layout runs EAGLE, drawn from these: two in three when all its
 #: groups are full or sliding-window attention, one in four when EAGLE would take its
 #: chunked-local or Mamba groups away (:func:`production_layouts`).
@@ -129,6 +154,8 @@ def production_layouts(
       so they meet the other settings: swarm testing counts pairs);
     * partial hits (:func:`partial_hit_layouts`: the Mamba groups made coarser than the
       hash block size, two times in three when the layout can have them; not with EAGLE);
+    * context parallelism (:func:`context_parallel_layouts`: decode and prefill context
+      parallel sizes, on layouts of full-attention and Mamba groups);
     * the retention interval (:func:`retention_intervals`);
     * ``max_in_flight_tokens`` (``None``, or 1 or 2 scheduler blocks): the bound of
       the per-request admission caps of windowed groups (the pool is then redrawn
@@ -146,6 +173,8 @@ def production_layouts(
         layout = _without_chunked_and_mamba(layout)
     elif "partial_hits" in settings:
         layout = draw(partial_hit_layouts(layout))
+    if "context_parallel" in settings:
+        layout = draw(context_parallel_layouts(layout))
     if "retention" in settings:
         retention = draw(retention_intervals(layout), label="retention interval")
         layout = dataclasses.replace(layout, prefix_cache_retention_interval=retention)
