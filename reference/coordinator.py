@@ -151,9 +151,11 @@ class KVCacheCoordinator:
         for gid, m in enumerate(self.managers):
             m.cache_blocks(request, self.num_cacheable_tokens(num_tokens, gid))
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
         for m in self.managers:
-            m.remove_skipped_blocks(request_id, num_computed_tokens)
+            m.remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
 
     def free(self, request_id: str) -> None:
         for m in self.managers:

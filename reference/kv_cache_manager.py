@@ -298,7 +298,9 @@ class KVCacheManager(ManagerBookkeeping):
         main = total + num_new_tokens
         slots = min(main + num_lookahead_tokens, self.max_model_len)
 
-        self.coordinator.remove_skipped_blocks(rid, max(0, total - request.num_in_flight_tokens))
+        self.coordinator.remove_skipped_blocks(
+            rid, max(0, total - request.num_in_flight_tokens), request.num_prompt_tokens
+        )
         need = self.coordinator.get_num_blocks_to_allocate(
             rid, slots, hits, total, main, num_local_computed_tokens=local
         )

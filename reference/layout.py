@@ -230,6 +230,8 @@ class KVCacheLayout:
                 extra = f" w={s.sliding_window}"
             elif hasattr(s, "attention_chunk_size"):
                 extra = f" C={s.attention_chunk_size}"
+            elif hasattr(s, "rswa_window"):
+                extra = f" W={s.rswa_window}"
             eagle = "*" if g.is_eagle_group else ""
             parts.append(f"g{gid}{eagle}:{s.type_name}(bs={s.block_size}{extra})")
         retention = ""

@@ -120,6 +120,37 @@ class FullAttentionSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
+class RSWASpec(FullAttentionSpec):
+    """Reference sliding-window attention (R-SWA, ``rswa_window = W``): the prompt of ``P``
+    tokens stays visible, then only the last ``W`` positions: query ``p`` sees ``[0,
+    min(P, p + 1))`` and ``[max(P, p - W + 1), p]``.
+
+    At the manager level it is full attention (hits, caching, memory), except that the
+    *gap* between the prompt and the window is freed (:mod:`reference.managers.rswa`).
+    Example: ``W = 8``, ``P = 16``: query 30 sees ``[0, 16)`` and ``[23, 30]``.
+    """
+
+    rswa_window: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_given("RSWASpec", "rswa_window", self.rswa_window)
+        require_positive("RSWASpec", "rswa_window", self.rswa_window)
+
+    @property
+    def type_name(self) -> str:
+        return "rswa"
+
+    def visible_ranges(self, pos: int, num_prompt_tokens: int) -> tuple[range, range]:
+        """The keys the query at ``pos`` sees: the prompt's (``[0, min(P, pos + 1))``) and
+        the window's (``[max(P, pos - W + 1), pos]``, empty inside the prompt). Example:
+        W 8, P 16, pos 30 -> ``range(0, 16), range(23, 31)``."""
+        prompt = range(0, min(num_prompt_tokens, pos + 1))
+        window = range(max(num_prompt_tokens, pos - self.rswa_window + 1), pos + 1)
+        return prompt, window
+
+
+@dataclass(frozen=True)
 class SlidingWindowSpec(AttentionSpec):
     """Sliding window ``w`` (keys seen, the query included): query ``p`` sees ``[p-w+1, p]``.
 

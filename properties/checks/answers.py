@@ -120,11 +120,12 @@ def _row(row: Any, what: str, gid: int) -> Sequence:
 
 def check_table(what: str, value: Any, layout: KVCacheLayout) -> BlockIds:
     """A request's block table: one row per group, ids in ``[0, num_blocks)``, no null in
-    a full-attention group."""
+    a full-attention group (R-SWA frees the gap behind its window: nulls there)."""
     out = []
     for gid, row in enumerate(_rows(value, what, layout)):
         ids = _ids(_row(row, what, gid), what, f" for group {gid}", layout, 0)
-        if isinstance(layout.groups[gid].spec, FullAttentionSpec) and 0 in ids:
+        spec = layout.groups[gid].spec
+        if type(spec) is FullAttentionSpec and 0 in ids:
             raise AnswerError(
                 f"{what} returned the null block 0 at position {ids.index(0)} of group {gid} "
                 f"(full attention keeps a real block for every position): {_short(ids)}"

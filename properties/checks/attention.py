@@ -64,7 +64,7 @@ from reference.content import ContentModel
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
 from reference.media import MultimodalItem, input_identities
-from reference.specs import AttentionSpec, MambaSpec, cdiv
+from reference.specs import AttentionSpec, MambaSpec, RSWASpec, cdiv
 
 
 class AttentionMismatch(KVConformError):
@@ -147,6 +147,11 @@ class AttentionChecker:
             seed=seed, num_kv_heads=num_kv_heads, head_size=head_size, state_size=state_size
         )
         self.caches: list[PagedKVCache | PagedStateCache] = []
+        if any(isinstance(g.spec, RSWASpec) for g in layout.groups):
+            raise AttentionInputError(
+                "AttentionChecker: R-SWA's mask (the prompt and the window) is not modelled "
+                "(R-SWA groups are drawn by the production property only)"
+            )
         for g in layout.groups:
             if isinstance(g.spec, MambaSpec):
                 self.caches.append(

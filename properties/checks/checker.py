@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from properties.checks.invariants import read_ranges
 from properties.checks.oracles import OVERWRITTEN
 from properties.checks.registry import (
     CHECKS,
@@ -40,7 +41,7 @@ from properties.checks.state import (
 from properties.core.engine import BlockIds, CacheHit, KVCacheEngine
 from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
-from reference.specs import MambaSpec, cdiv
+from reference.specs import MambaSpec, RSWASpec, cdiv
 
 #: The checks that compare the ref counts or free queue before a call with after it
 #: (H5, A1): the only readers of a full snapshot.
@@ -134,6 +135,7 @@ class Checker:
             lora,
             mm_items=tuple(mm_items),
             prompt_embeds=prompt_embeds,
+            num_prompt_tokens=len(token_ids),
         )
 
     def on_lookup(self, request_id: str, hit: CacheHit, before: Snapshot) -> None:
@@ -204,7 +206,9 @@ class Checker:
             if self._shadowed:
                 self._record_writes(req, gid, row, start, end)
         if self._shadowed:
-            self.state.last_reads[request_id] = self._reads(table, start, end)
+            self.state.last_reads[request_id] = self._reads(
+                table, start, end, req.num_prompt_tokens
+            )
         self._run("allocate", allocated)
         self.check_pool()
 
@@ -265,21 +269,29 @@ class Checker:
                 if row[p // bs] != 0:
                     self.state.shadow.write(gid, row[p // bs], p % bs, req.ids[p])
 
-    def _reads(self, table: BlockIds, start: int, end: int) -> frozenset[tuple[int, int, int]]:
+    def _reads(
+        self, table: BlockIds, start: int, end: int, num_prompt_tokens: int
+    ) -> frozenset[tuple[int, int, int]]:
         """The ``(group, index, block)`` entries the tokens ``[start, end)`` read: from
         the first key of ``start``'s window (Mamba: the state before ``start``) to the
-        block of ``end - 1``; null entries excluded."""
+        block of ``end - 1`` (R-SWA: the prompt's blocks and the window's from ``start``'s
+        first key, :func:`properties.checks.invariants.read_ranges`); null entries
+        excluded."""
         out = set()
         for gid, row in enumerate(table):
             spec = self.state.layout.groups[gid].spec
             bs = spec.block_size
             if isinstance(spec, MambaSpec):
-                first = max(0, cdiv(start, bs) - 1)
+                ranges = [(max(0, cdiv(start, bs) - 1), cdiv(end, bs))]
+            elif isinstance(spec, RSWASpec):
+                (p0, p1), (w0, _) = read_ranges(spec, start, num_prompt_tokens)
+                ranges = [(p0 // bs, cdiv(p1, bs)), (w0 // bs, cdiv(end, bs))]
             else:
-                first = spec.hit_context_start(start) // bs
-            for i in range(first, min(cdiv(end, bs), len(row))):
-                if row[i] != 0:
-                    out.add((gid, i, row[i]))
+                ranges = [(spec.hit_context_start(start) // bs, cdiv(end, bs))]
+            for first, last in ranges:
+                for i in range(first, min(last, len(row))):
+                    if row[i] != 0:
+                        out.add((gid, i, row[i]))
         return frozenset(out)
 
     def on_in_flight(self, request_id: str, num_in_flight_tokens: int) -> None:

@@ -35,7 +35,7 @@ from properties.checks.state import (
 from properties.core.diff import short
 from properties.core.engine import BlockIds
 from reference.attention import first_visible_key
-from reference.specs import MambaSpec, cdiv
+from reference.specs import MambaSpec, RSWASpec, cdiv
 
 # ---------------------------------------------------------------------------
 # Lookups (H1-H5)
@@ -190,6 +190,17 @@ def _write_columns(state: CheckState, event: GroupWriteEvent) -> list[int]:
     return sorted({p // bs for p in range(event.start, event.end)})
 
 
+def read_ranges(spec, start: int, num_prompt_tokens: int) -> list[tuple[int, int]]:
+    """The earlier keys a step starting at ``start`` reads in an attention group, as
+    ``[first, end)`` ranges: ``[first_visible_key(start), start)``; R-SWA: the prompt's
+    keys and the window of ``start`` (:meth:`reference.specs.RSWASpec.visible_ranges`).
+    Example: R-SWA ``W`` 8, ``P`` 16, start 30 -> ``[(0, 16), (23, 30)]``."""
+    if isinstance(spec, RSWASpec):
+        prompt, window = spec.visible_ranges(start, num_prompt_tokens)
+        return [(prompt.start, min(prompt.stop, start)), (window.start, start)]
+    return [(first_visible_key(spec, start), start)]
+
+
 def window_liveness(state: CheckState, event: GroupWriteEvent) -> str | None:
     """W3: every key a scheduled token reads sits in a real block holding that very
     token (a Mamba group resumes from the state of exactly its prefix), and every
@@ -203,13 +214,13 @@ def window_liveness(state: CheckState, event: GroupWriteEvent) -> str | None:
             if why is not None:
                 return f"request {rid!r} resumes at {event.start} in group {gid} (mamba): {why}"
     else:
-        first = first_visible_key(spec, event.start)
-        why = missing_context(state.layout, state.shadow, gid, row, req.ids, first, event.start)
-        if why is not None:
-            return (
-                f"request {rid!r} scheduled [{event.start}, {event.end}) reads keys from "
-                f"{first} in group {gid} ({spec.type_name}): {why}"
-            )
+        for first, end in read_ranges(spec, event.start, req.num_prompt_tokens):
+            why = missing_context(state.layout, state.shadow, gid, row, req.ids, first, end)
+            if why is not None:
+                return (
+                    f"request {rid!r} scheduled [{event.start}, {event.end}) reads keys "
+                    f"[{first}, {end}) in group {gid} ({spec.type_name}): {why}"
+                )
     for col in _write_columns(state, event):
         if col >= len(row) or row[col] == 0:
             return (

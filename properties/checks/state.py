@@ -52,6 +52,8 @@ class TrackedRequest:
     #: its multimodal items and prompt embeddings (:mod:`reference.media`)
     mm_items: tuple = ()
     prompt_embeds: tuple[int, ...] | None = None
+    #: its prompt's length (R-SWA keeps the prompt visible)
+    num_prompt_tokens: int = 0
 
     def refresh_ids(self) -> None:
         """Extend ``ids`` over tokens appended since (decodes add one token a step); a

@@ -152,8 +152,9 @@ SYNC = ServingMode()
 #: (a Mamba group coarser than the hash block size: hits may end inside a block, copied on
 #: write; the engine offers :class:`properties.core.engine.CopiesBlocks`) and
 #: ``multimodal`` (requests with multimodal items and prompt embeddings:
-#: :class:`properties.core.engine.RequestInput`) and ``context_parallel``
-#: (``dcp_world_size`` and ``pcp_world_size``: :func:`reference.layout.check_context_parallel`).
+#: :class:`properties.core.engine.RequestInput`), ``context_parallel``
+#: (``dcp_world_size`` and ``pcp_world_size``: :func:`reference.layout.check_context_parallel`)
+#: and ``rswa`` (reference sliding-window attention groups: :class:`reference.specs.RSWASpec`).
 PRODUCTION_SETTINGS: frozenset[str] = frozenset(
     {
         "retention",
@@ -163,6 +164,7 @@ PRODUCTION_SETTINGS: frozenset[str] = frozenset(
         "partial_hits",
         "multimodal",
         "context_parallel",
+        "rswa",
     }
 )
 #: The production setting of the ``external_hits`` serving mode.

@@ -37,6 +37,7 @@ from reference.specs import (
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 
@@ -307,6 +308,7 @@ _SPEC_TYPES: dict[str, type[KVCacheSpec]] = {
     "sliding_window": SlidingWindowSpec,
     "chunked_local": ChunkedLocalAttentionSpec,
     "mamba": MambaSpec,
+    "rswa": RSWASpec,
 }
 _SPEC_NAMES: dict[type[KVCacheSpec], str] = {cls: name for name, cls in _SPEC_TYPES.items()}
 

@@ -35,6 +35,7 @@ from properties.core.engine import (
 from properties.engines.manager_engine import ManagerEngine
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
+from reference.specs import RSWASpec
 
 #: the columns of a batched step's items (read with ``map``: no per-item Python frame)
 _REQUEST_ID = attrgetter("request_id")
@@ -196,14 +197,17 @@ class OptimizedEngine(ManagerEngine):
 
 
 def make_engine(layout: KVCacheLayout) -> OptimizedEngine:
-    """The optimized engine of ``layout``; a layout with partial (sub-block) hits is
-    refused (UnsupportedLayoutError): the optimized engine does not model copy-on-write
-    (it declares no ``partial_hits`` production setting, so none is drawn for it)."""
+    """The optimized engine of ``layout``; a layout with partial (sub-block) hits or an
+    R-SWA group is refused (UnsupportedLayoutError): the optimized engine models neither
+    copy-on-write nor R-SWA's gap (it declares neither production setting, so none is drawn
+    for it)."""
     if layout.partial_hits_enabled:
         raise UnsupportedLayoutError(
             "optimized: partial (sub-block) prefix hits are not implemented (a Mamba group "
             "coarser than the hash block size)"
         )
+    if any(isinstance(s, RSWASpec) for s in layout.specs):
+        raise UnsupportedLayoutError("optimized: R-SWA groups are not implemented")
     return OptimizedEngine(layout)
 
 

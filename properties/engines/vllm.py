@@ -9,7 +9,8 @@ How our layout maps to vLLM objects
 * Each :class:`reference.layout.KVCacheGroup` becomes one ``KVCacheGroupSpec(layer_names,
   spec)`` in the same order, inside ``KVCacheConfig(num_blocks, kv_cache_tensors=[],
   kv_cache_groups)``. ``num_blocks`` counts the null block on both sides.
-* Specs: ``FullAttentionSpec`` / ``SlidingWindowSpec(sliding_window=w)`` /
+* Specs: ``FullAttentionSpec`` / ``RSWASpec(rswa_window=W)`` /
+  ``SlidingWindowSpec(sliding_window=w)`` /
   ``ChunkedLocalAttentionSpec(attention_chunk_size=C)`` with our ``block_size``,
   ``num_kv_heads``, ``head_size``, ``page_size_padded``, and ``dtype`` chosen by
   ``dtype_bytes`` (1: uint8, 2: float16, 4: float32, 8: float64), so vLLM's page size
@@ -106,6 +107,7 @@ from reference.specs import (
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 
@@ -228,6 +230,8 @@ def to_vllm_spec(v: _VLLM, spec: KVCacheSpec, dcp_world_size: int = 1) -> Any:
             dtype=_dtype(v, owner, spec.dtype_bytes),
             page_size_padded=spec.page_size_padded,
         )
+    if isinstance(spec, RSWASpec):
+        return kvi.RSWASpec(rswa_window=spec.rswa_window, **common)
     if isinstance(spec, FullAttentionSpec):
         return kvi.FullAttentionSpec(**common)
     if isinstance(spec, SlidingWindowSpec):

@@ -25,6 +25,7 @@ from reference.managers import (
     ChunkedLocalAttentionManager,
     FullAttentionManager,
     MambaManager,
+    RSWAManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
@@ -38,7 +39,9 @@ REGISTRY = Registry(REFERENCE_CATALOGUE, production_settings=PRODUCTION_SETTINGS
 class SlidingWindowOffByOne(SlidingWindowManager):
     """Frees out-of-window blocks as if one more token had left the window."""
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
         super().remove_skipped_blocks(request_id, num_computed_tokens + 1)  # BUG: + 1
 
 
@@ -116,7 +119,9 @@ class ChunkedLocalEarly(ChunkedLocalAttentionManager):
     before a chunk boundary, the whole current chunk is freed although the chunk's last
     query still reads it. Example, C 4, bs 2: at 7 computed tokens blocks 2, 3 go."""
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
         super().remove_skipped_blocks(request_id, num_computed_tokens + 1)  # BUG: + 1
 
 
@@ -341,3 +346,30 @@ def _mamba_scaled_by_dcp(layout: KVCacheLayout) -> KVCacheLayout:
 def make_dcp_scales_mamba(layout: KVCacheLayout) -> MutantEngine:
     scaled = _mamba_scaled_by_dcp(layout)  # BUG: Mamba state is not sharded
     return MutantEngine(layout, mutated_manager(scaled), "dcp_scales_mamba")
+
+
+class RSWAPromptTailFreed(RSWAManager):
+    """Starts the gap at the block holding the prompt's last token (``P // bs`` instead of
+    ``cdiv(P, bs)``): when the prompt ends inside a block, that block (still visible to
+    every query) is freed with the gap."""
+
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        if num_prompt_tokens is None:
+            return
+        bs = self.block_size
+        start = max(num_prompt_tokens, num_computed_tokens - self.spec.rswa_window)
+        self._remove_blocks_in_range(request_id, num_prompt_tokens // bs, start // bs)  # BUG
+
+
+@REGISTRY.mutant(
+    "universal",
+    ["window_liveness"],
+    "R-SWA frees the block holding the prompt's last tokens with the gap",
+    "production",
+)
+def make_rswa_prompt_tail_freed(layout: KVCacheLayout) -> MutantEngine:
+    return mutant_engine(
+        "rswa_prompt_tail_freed", layout, managers={RSWAManager: RSWAPromptTailFreed}
+    )

@@ -291,7 +291,7 @@ def replay_trace(
 def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
     """The production modes a run exercises, for the counts ``kvconform check`` prints:
     ``retention=dense|sparse|interval``, ``eagle-drop``, ``lookahead-hashes``,
-    ``partial-hits``, ``context-parallel``, ``async``, ``admission-gate``, ``drafts``,
+    ``partial-hits``, ``context-parallel``, ``rswa``, ``async``, ``admission-gate``, ``drafts``,
     ``external-hits``, ``async-loads``, ``load-failures``."""
     r = layout.prefix_cache_retention_interval
     tags = [f"retention={'dense' if r is None else 'sparse' if r == 0 else 'interval'}"]
@@ -303,6 +303,8 @@ def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
         tags.append("partial-hits")
     if layout.dcp_world_size > 1 or layout.pcp_world_size > 1:
         tags.append("context-parallel")
+    if any(s.type_name == "rswa" for s in layout.specs):
+        tags.append("rswa")
     if mode.async_scheduling:
         tags.append("async")
     if mode.admission_gate:

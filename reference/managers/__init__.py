@@ -1,7 +1,7 @@
 """One manager per attention type; all share the block pool.
 
 ``manager_class_for(spec)`` picks the class: full, sliding window, chunked local,
-Mamba (align mode).
+Mamba (align mode), reference sliding window (R-SWA).
 """
 
 from __future__ import annotations
@@ -10,12 +10,14 @@ from reference.managers.base import SingleTypeKVCacheManager
 from reference.managers.chunked_local import ChunkedLocalAttentionManager
 from reference.managers.full import FullAttentionManager
 from reference.managers.mamba import MambaManager
+from reference.managers.rswa import RSWAManager
 from reference.managers.sliding_window import SlidingWindowManager
 from reference.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 
@@ -25,6 +27,7 @@ MANAGER_CLASSES: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     SlidingWindowSpec: SlidingWindowManager,
     ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
     MambaSpec: MambaManager,
+    RSWASpec: RSWAManager,
 }
 
 
@@ -49,6 +52,7 @@ __all__ = [
     "ChunkedLocalAttentionManager",
     "FullAttentionManager",
     "MambaManager",
+    "RSWAManager",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
     "manager_class_for",

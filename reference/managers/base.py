@@ -373,7 +373,11 @@ class SingleTypeKVCacheManager(ManagerBase):
         self.num_cached_block[request.request_id] = num_full
 
     # -- freeing -----------------------------------------------------------------
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Free the blocks before ``num_skipped_tokens`` (module docstring);
+        ``num_prompt_tokens`` is for the managers whose rule needs it (R-SWA)."""
         skipped = self.spec.num_skipped_tokens(num_computed_tokens)
         if skipped <= 0:
             return

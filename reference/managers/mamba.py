@@ -260,7 +260,9 @@ class MambaManager(SingleTypeKVCacheManager):
             self.num_cached_block[request.request_id] = index
         return key
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
         super().remove_skipped_blocks(request_id, num_computed_tokens)
         last = self.last_state_block_index.get(request_id)
         # unreachable while num_skipped_tokens(n) is n - 1: super() already freed every

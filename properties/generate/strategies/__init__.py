@@ -23,8 +23,8 @@ Building blocks, smallest first (each is a ``SearchStrategy``), by module:
 ``scenario_mix``            ``any_layouts()``: generated, preset and targeted layouts.
 ``edges``                   ``edge_layouts()``: layouts at the edges of the hit rules.
 ``production``              the production property's layouts and the settings drawn on
-                            top (EAGLE, partial hits, context parallelism, retention interval,
-                            admission cap).
+                            top (EAGLE, partial hits, context parallelism, R-SWA, retention
+                            interval, admission cap).
 ``modes``                   serving modes: connector modes, ``PRODUCTION_MODE``, swarm
                             modes, ``mode_for_layout``.
 ``media``                   multimodal items and prompt embeddings of arrivals
@@ -131,6 +131,7 @@ from properties.generate.strategies.production import (
     production_base_layouts,
     production_layouts,
     retention_intervals,
+    rswa_layouts,
 )
 from properties.generate.strategies.scenario_mix import any_layouts
 from properties.generate.strategies.swarm import _chunks_aligned, swarm_layouts
@@ -267,6 +268,7 @@ __all__ = [
     "resend_ops",
     "reset_ops",
     "retention_intervals",
+    "rswa_layouts",
     "sliding_window_specs",
     "small_block_hybrids",
     "specs",

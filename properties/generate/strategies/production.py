@@ -19,6 +19,7 @@ from properties.core.constants import SPEC_KINDS
 from properties.core.modes import PRODUCTION_SETTINGS
 from properties.generate.strategies.edges import edge_case_kinds, edge_layouts
 from properties.generate.strategies.generated_layouts import _blocks_one_request_needs
+from properties.generate.strategies.group_specs import windows
 from properties.generate.strategies.scenario_mix import any_layouts
 from properties.generate.strategies.swarm import swarm_layouts
 from properties.generate.strategies.tiers import SMALL, TIERS
@@ -27,6 +28,7 @@ from reference.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     MambaSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 
@@ -126,6 +128,24 @@ def context_parallel_layouts(draw, layout: KVCacheLayout) -> KVCacheLayout:
     return layout
 
 
+@st.composite
+def rswa_layouts(draw, layout: KVCacheLayout) -> KVCacheLayout:
+    """``layout`` with, one time in three when it has a full-attention group, one such
+    group drawn made reference sliding-window attention (R-SWA) with a window drawn
+    around its block size (:func:`windows`): the prompt stays visible, the gap between it
+    and the window is freed. Example: gemma-like full + SWA -> R-SWA (W 5) + SWA."""
+    full = [i for i, g in enumerate(layout.groups) if type(g.spec) is FullAttentionSpec]
+    if not full or not draw(st.sampled_from((False, False, True)), label="R-SWA"):
+        return layout
+    index = draw(st.sampled_from(full), label="R-SWA group")
+    group = layout.groups[index]
+    window = draw(windows(group.spec.block_size), label="R-SWA window")
+    spec = RSWASpec(**dataclasses.asdict(group.spec), rswa_window=window)
+    groups = list(layout.groups)
+    groups[index] = dataclasses.replace(group, spec=spec)
+    return dataclasses.replace(layout, groups=tuple(groups), name="")
+
+
 #: Whether a production layout runs EAGLE, drawn from these: two in three when all its
 #: groups are full or sliding-window attention, one in four when EAGLE would take its
 #: chunked-local or Mamba groups away (:func:`production_layouts`).
@@ -156,6 +176,8 @@ def production_layouts(
       hash block size, two times in three when the layout can have them; not with EAGLE);
     * context parallelism (:func:`context_parallel_layouts`: decode and prefill context
       parallel sizes, on layouts of full-attention and Mamba groups);
+    * R-SWA (:func:`rswa_layouts`: a full-attention group made reference sliding-window
+      attention, one time in three);
     * the retention interval (:func:`retention_intervals`);
     * ``max_in_flight_tokens`` (``None``, or 1 or 2 scheduler blocks): the bound of
       the per-request admission caps of windowed groups (the pool is then redrawn
@@ -175,6 +197,8 @@ def production_layouts(
         layout = draw(partial_hit_layouts(layout))
     if "context_parallel" in settings:
         layout = draw(context_parallel_layouts(layout))
+    if "rswa" in settings:
+        layout = draw(rswa_layouts(layout))
     if "retention" in settings:
         retention = draw(retention_intervals(layout), label="retention interval")
         layout = dataclasses.replace(layout, prefix_cache_retention_interval=retention)
