@@ -292,10 +292,13 @@ class HybridCoordinator(KVCacheCoordinator):
 def spec_groups_of(managers: Sequence) -> list[SpecGroup]:
     """The managers' groups gathered by equal spec and manager class (a spec group drops
     for EAGLE when any member does), full-attention spec groups first, then in group
-    order. Example: groups full, SWA 4, full, SWA 8 -> ``[full: 0, 2], [SWA 4: 1],
-    [SWA 8: 3]``. Managers need ``spec`` and ``use_eagle``."""
+    order; groups outside prefix caching (circular buffers) are left out. Example: groups
+    full, SWA 4, full, SWA 8 -> ``[full: 0, 2], [SWA 4: 1], [SWA 8: 3]``. Managers need
+    ``spec`` and ``use_eagle``."""
     spec_groups: list[SpecGroup] = []
     for gid, m in enumerate(managers):
+        if not m.spec.prefix_cacheable:
+            continue  # never hits: its hit list stays empty
         for sg in spec_groups:
             if sg.spec == m.spec and sg.manager_cls is type(m):
                 sg.group_ids.append(gid)

@@ -129,6 +129,15 @@ class KVCacheLayout:
                 f"{self.num_hash_lookahead_tokens}"
             )
         check_context_parallel(self)
+        if (
+            self.enable_caching
+            and len(self.groups) > 1
+            and not any(s.prefix_cacheable for s in self.specs)
+        ):
+            raise InvalidLayoutError(
+                "KVCacheLayout.groups: with prefix caching, several groups need one in "
+                "prefix caching (every group is a circular buffer)"
+            )
         if self.use_eagle and any(
             isinstance(s, (ChunkedLocalAttentionSpec, MambaSpec)) for s in self.specs
         ):
@@ -164,15 +173,17 @@ class KVCacheLayout:
     def hash_block_size(self) -> int:
         """Token granularity of block hashes.
 
-        One group: its block size. Several groups: ``gcd`` of the block sizes with
-        caching on, else the scheduler block size. Example: full bs 32 + SWA bs 16
-        -> hash 16, scheduler 32.
+        One group: its block size. Several groups: ``gcd`` of the block sizes of the groups
+        in prefix caching (a circular buffer is not) with caching on, else the scheduler
+        block size. Example: full bs 32 + SWA bs 16 -> hash 16, scheduler 32; full bs 8 +
+        a circular buffer of 4 -> hash 8, scheduler 8.
         """
         if len(self.groups) == 1:
             return self.groups[0].spec.block_size
         if not self.enable_caching:
             return self.scheduler_block_size
-        return math.gcd(*self.block_sizes)
+        cacheable = [s.block_size for s in self.specs if s.prefix_cacheable]
+        return math.gcd(*(cacheable or self.block_sizes))
 
     @property
     def partial_hits_enabled(self) -> bool:
@@ -191,7 +202,10 @@ class KVCacheLayout:
         least = h if self.dcp_world_size > 1 else h + 1
         mamba_coarse = any(isinstance(s, MambaSpec) and s.block_size >= least for s in self.specs)
         others_ok = all(
-            s.block_size == h or isinstance(s, (FullAttentionSpec, MambaSpec)) for s in self.specs
+            s.block_size == h
+            or isinstance(s, (FullAttentionSpec, MambaSpec))
+            or not s.prefix_cacheable
+            for s in self.specs
         )
         return mamba_coarse and others_ok
 

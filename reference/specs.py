@@ -68,6 +68,18 @@ class KVCacheSpec:
         recycle blocks, so a request never holds more); ``None``: no cap."""
         return None
 
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Whether the group takes part in prefix caching (hits, caching, the hash block
+        size); a circular buffer does not."""
+        return True
+
+    @property
+    def uses_slot_mapping(self) -> bool:
+        """Whether a position's slot is found through the block table (``row[p // bs]``);
+        a circular buffer's ring is addressed by its own rule."""
+        return True
+
 
 @dataclass(frozen=True)
 class AttentionSpec(KVCacheSpec):
@@ -148,6 +160,30 @@ class RSWASpec(FullAttentionSpec):
         prompt = range(0, min(num_prompt_tokens, pos + 1))
         window = range(max(num_prompt_tokens, pos - self.rswa_window + 1), pos + 1)
         return prompt, window
+
+
+@dataclass(frozen=True)
+class CircularBufferSpec(AttentionSpec):
+    """A ring of ``block_size`` slots per request (vLLM 0.33's ``CircularBufferSpec``: the raw
+    keys of the token group a compressor is still filling, e.g. an indexer's tail): one
+    block per request for its whole life, no slot mapping by position, outside prefix
+    caching (no hits, no caching, not in the hash block size). Example: a request of 100
+    tokens with a ring of 8 holds exactly one block of the group."""
+
+    @property
+    def type_name(self) -> str:
+        return "circular_buffer"
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    @property
+    def uses_slot_mapping(self) -> bool:
+        return False
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_in_flight_tokens: int) -> int:
+        return self.page_size_bytes
 
 
 @dataclass(frozen=True)

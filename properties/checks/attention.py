@@ -147,10 +147,10 @@ class AttentionChecker:
             seed=seed, num_kv_heads=num_kv_heads, head_size=head_size, state_size=state_size
         )
         self.caches: list[PagedKVCache | PagedStateCache] = []
-        if any(isinstance(g.spec, RSWASpec) for g in layout.groups):
+        if any(isinstance(g.spec, RSWASpec) or not g.spec.uses_slot_mapping for g in layout.groups):
             raise AttentionInputError(
-                "AttentionChecker: R-SWA's mask (the prompt and the window) is not modelled "
-                "(R-SWA groups are drawn by the production property only)"
+                "AttentionChecker: R-SWA's mask and circular buffers are not modelled "
+                "(their groups are drawn by the production property only)"
             )
         for g in layout.groups:
             if isinstance(g.spec, MambaSpec):

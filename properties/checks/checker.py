@@ -244,6 +244,8 @@ class Checker:
         (:meth:`on_append`)."""
         spec = self.state.layout.groups[gid].spec
         bs = spec.block_size
+        if not spec.uses_slot_mapping:
+            return  # a circular buffer's ring: no content by position
         if isinstance(spec, MambaSpec):
             if end > 0 and cdiv(end, bs) <= len(row):
                 prefix = req.ids[end - 1] if end - 1 < len(req.ids) else -1
@@ -264,7 +266,10 @@ class Checker:
         the request's blocks: the shadow learns each loaded slot holds the content of
         its prefix (slots in null entries, below a sliding window, are not loaded)."""
         for gid, row in enumerate(table):
-            bs = self.state.layout.groups[gid].spec.block_size
+            spec = self.state.layout.groups[gid].spec
+            if not spec.uses_slot_mapping:
+                continue  # a circular buffer's ring
+            bs = spec.block_size
             for p in range(start, min(end, len(row) * bs)):
                 if row[p // bs] != 0:
                     self.state.shadow.write(gid, row[p // bs], p % bs, req.ids[p])
@@ -281,7 +286,9 @@ class Checker:
         for gid, row in enumerate(table):
             spec = self.state.layout.groups[gid].spec
             bs = spec.block_size
-            if isinstance(spec, MambaSpec):
+            if not spec.uses_slot_mapping:
+                ranges = [(0, 1)]  # the ring
+            elif isinstance(spec, MambaSpec):
                 ranges = [(max(0, cdiv(start, bs) - 1), cdiv(end, bs))]
             elif isinstance(spec, RSWASpec):
                 (p0, p1), (w0, _) = read_ranges(spec, start, num_prompt_tokens)

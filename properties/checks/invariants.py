@@ -110,6 +110,8 @@ def hit_soundness(state: CheckState, event: LookupEvent) -> str | None:
         return None
     for gid, table in enumerate(hit.block_ids):
         spec = state.layout.groups[gid].spec
+        if not spec.prefix_cacheable:
+            continue  # a circular buffer is no part of a hit
         why = missing_context(
             state.layout,
             state.shadow,
@@ -187,6 +189,8 @@ def _write_columns(state: CheckState, event: GroupWriteEvent) -> list[int]:
     bs = spec.block_size
     if isinstance(spec, MambaSpec):
         return [cdiv(event.end, bs) - 1] if event.end > 0 else []
+    if not spec.uses_slot_mapping:
+        return [0]  # the ring (a circular buffer)
     return sorted({p // bs for p in range(event.start, event.end)})
 
 
@@ -213,7 +217,7 @@ def window_liveness(state: CheckState, event: GroupWriteEvent) -> str | None:
             why = missing_context(state.layout, state.shadow, gid, row, req.ids, 0, event.start)
             if why is not None:
                 return f"request {rid!r} resumes at {event.start} in group {gid} (mamba): {why}"
-    else:
+    elif spec.uses_slot_mapping:
         for first, end in read_ranges(spec, event.start, req.num_prompt_tokens):
             why = missing_context(state.layout, state.shadow, gid, row, req.ids, first, end)
             if why is not None:
@@ -440,6 +444,8 @@ def table_covers_slots(state: CheckState, event: AllocateEvent) -> str | None:
         else:
             low, high = min(event.num_slots, event.max_model_len), event.num_slots
         least, most = max(old, cdiv(low, bs)), max(old, cdiv(high, bs))
+        if not spec.uses_slot_mapping:
+            least = most = 1  # a circular buffer: its one ring
         if not least <= len(row) <= most:
             want = f"{least}" if least == most else f"{least} to {most}"
             return (

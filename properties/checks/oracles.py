@@ -260,10 +260,11 @@ def _longest(
     """The longest aligned hit every group serves, each block index's candidate blocks
     given by ``candidates(group, end of the block in tokens)``."""
     partial = layout.partial_hits_enabled
+    cacheable = [gid for gid, g in enumerate(layout.groups) if g.spec.prefix_cacheable]
     for length in range(max_length // alignment * alignment, 0, -alignment):
         if all(
             _group_serves(layout.groups[gid].spec, shadow, candidates, gid, ids, length, partial)
-            for gid in range(len(layout.groups))
+            for gid in cacheable
         ):
             return length
     return 0

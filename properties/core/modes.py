@@ -154,7 +154,9 @@ SYNC = ServingMode()
 #: ``multimodal`` (requests with multimodal items and prompt embeddings:
 #: :class:`properties.core.engine.RequestInput`), ``context_parallel``
 #: (``dcp_world_size`` and ``pcp_world_size``: :func:`reference.layout.check_context_parallel`)
-#: and ``rswa`` (reference sliding-window attention groups: :class:`reference.specs.RSWASpec`).
+#: ``rswa`` (reference sliding-window attention groups: :class:`reference.specs.RSWASpec`) and
+#: ``circular_buffer`` (a group outside prefix caching holding one block per request:
+#: :class:`reference.specs.CircularBufferSpec`).
 PRODUCTION_SETTINGS: frozenset[str] = frozenset(
     {
         "retention",
@@ -165,6 +167,7 @@ PRODUCTION_SETTINGS: frozenset[str] = frozenset(
         "multimodal",
         "context_parallel",
         "rswa",
+        "circular_buffer",
     }
 )
 #: The production setting of the ``external_hits`` serving mode.

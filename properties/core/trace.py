@@ -34,6 +34,7 @@ from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.media import validate_media
 from reference.specs import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
@@ -309,6 +310,7 @@ _SPEC_TYPES: dict[str, type[KVCacheSpec]] = {
     "chunked_local": ChunkedLocalAttentionSpec,
     "mamba": MambaSpec,
     "rswa": RSWASpec,
+    "circular_buffer": CircularBufferSpec,
 }
 _SPEC_NAMES: dict[type[KVCacheSpec], str] = {cls: name for name, cls in _SPEC_TYPES.items()}
 

@@ -35,7 +35,7 @@ from properties.core.engine import (
 from properties.engines.manager_engine import ManagerEngine
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
-from reference.specs import RSWASpec
+from reference.specs import CircularBufferSpec, RSWASpec
 
 #: the columns of a batched step's items (read with ``map``: no per-item Python frame)
 _REQUEST_ID = attrgetter("request_id")
@@ -206,8 +206,10 @@ def make_engine(layout: KVCacheLayout) -> OptimizedEngine:
             "optimized: partial (sub-block) prefix hits are not implemented (a Mamba group "
             "coarser than the hash block size)"
         )
-    if any(isinstance(s, RSWASpec) for s in layout.specs):
-        raise UnsupportedLayoutError("optimized: R-SWA groups are not implemented")
+    if any(isinstance(s, (RSWASpec, CircularBufferSpec)) for s in layout.specs):
+        raise UnsupportedLayoutError(
+            "optimized: R-SWA and circular buffer groups are not implemented"
+        )
     return OptimizedEngine(layout)
 
 

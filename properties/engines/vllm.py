@@ -9,7 +9,7 @@ How our layout maps to vLLM objects
 * Each :class:`reference.layout.KVCacheGroup` becomes one ``KVCacheGroupSpec(layer_names,
   spec)`` in the same order, inside ``KVCacheConfig(num_blocks, kv_cache_tensors=[],
   kv_cache_groups)``. ``num_blocks`` counts the null block on both sides.
-* Specs: ``FullAttentionSpec`` / ``RSWASpec(rswa_window=W)`` /
+* Specs: ``FullAttentionSpec`` / ``RSWASpec(rswa_window=W)`` / ``CircularBufferSpec`` /
   ``SlidingWindowSpec(sliding_window=w)`` /
   ``ChunkedLocalAttentionSpec(attention_chunk_size=C)`` with our ``block_size``,
   ``num_kv_heads``, ``head_size``, ``page_size_padded``, and ``dtype`` chosen by
@@ -103,7 +103,9 @@ from properties.core.engine import (
 from properties.core.modes import PRODUCTION_SETTINGS
 from reference.layout import KVCacheLayout
 from reference.specs import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
@@ -222,7 +224,7 @@ def to_vllm_spec(v: _VLLM, spec: KVCacheSpec, dcp_world_size: int = 1) -> Any:
             mamba_cache_mode="align",
         )
     common: dict[str, Any] = {}
-    if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+    if isinstance(spec, AttentionSpec):
         common = dict(
             block_size=spec.block_size // dcp_world_size,
             num_kv_heads=spec.num_kv_heads,
@@ -232,6 +234,8 @@ def to_vllm_spec(v: _VLLM, spec: KVCacheSpec, dcp_world_size: int = 1) -> Any:
         )
     if isinstance(spec, RSWASpec):
         return kvi.RSWASpec(rswa_window=spec.rswa_window, **common)
+    if isinstance(spec, CircularBufferSpec):
+        return kvi.CircularBufferSpec(**common)
     if isinstance(spec, FullAttentionSpec):
         return kvi.FullAttentionSpec(**common)
     if isinstance(spec, SlidingWindowSpec):

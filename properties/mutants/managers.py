@@ -23,6 +23,7 @@ from reference.coordinator import HybridCoordinator
 from reference.layout import KVCacheLayout
 from reference.managers import (
     ChunkedLocalAttentionManager,
+    CircularBufferManager,
     FullAttentionManager,
     MambaManager,
     RSWAManager,
@@ -372,4 +373,28 @@ class RSWAPromptTailFreed(RSWAManager):
 def make_rswa_prompt_tail_freed(layout: KVCacheLayout) -> MutantEngine:
     return mutant_engine(
         "rswa_prompt_tail_freed", layout, managers={RSWAManager: RSWAPromptTailFreed}
+    )
+
+
+class CircularRingFreed(CircularBufferManager):
+    """Treats the ring as a sliding window of one block: once the request has processed a
+    ring's worth of tokens the ring goes back to the pool (a null entry stays), though
+    every later step still writes into it."""
+
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        if num_computed_tokens >= self.block_size:  # BUG: the ring lives as long as the request
+            self._remove_blocks_in_range(request_id, 0, 1)
+
+
+@REGISTRY.mutant(
+    "universal",
+    ["window_liveness"],
+    "a circular buffer's ring is freed once the request has processed a ring's worth of tokens",
+    "production",
+)
+def make_circular_ring_freed(layout: KVCacheLayout) -> MutantEngine:
+    return mutant_engine(
+        "circular_ring_freed", layout, managers={CircularBufferManager: CircularRingFreed}
     )

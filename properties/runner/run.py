@@ -291,8 +291,8 @@ def replay_trace(
 def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
     """The production modes a run exercises, for the counts ``kvconform check`` prints:
     ``retention=dense|sparse|interval``, ``eagle-drop``, ``lookahead-hashes``,
-    ``partial-hits``, ``context-parallel``, ``rswa``, ``async``, ``admission-gate``, ``drafts``,
-    ``external-hits``, ``async-loads``, ``load-failures``."""
+    ``partial-hits``, ``context-parallel``, ``rswa``, ``circular-buffer``, ``async``,
+    ``admission-gate``, ``drafts``, ``external-hits``, ``async-loads``, ``load-failures``."""
     r = layout.prefix_cache_retention_interval
     tags = [f"retention={'dense' if r is None else 'sparse' if r == 0 else 'interval'}"]
     if layout.drop_eagle_group_ids:
@@ -305,6 +305,8 @@ def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
         tags.append("context-parallel")
     if any(s.type_name == "rswa" for s in layout.specs):
         tags.append("rswa")
+    if any(not s.prefix_cacheable for s in layout.specs):
+        tags.append("circular-buffer")
     if mode.async_scheduling:
         tags.append("async")
     if mode.admission_gate:

@@ -14,7 +14,7 @@ from reference.specs import KVCacheSpec
 
 #: Reference managers the optimized engine does not implement: its factory refuses layouts
 #: with their spec types (``properties.engines.optimized.make_engine``).
-UNIMPLEMENTED = frozenset({"RSWAManager"})
+UNIMPLEMENTED = frozenset({"RSWAManager", "CircularBufferManager"})
 
 
 def registry_like(

@@ -23,8 +23,8 @@ Building blocks, smallest first (each is a ``SearchStrategy``), by module:
 ``scenario_mix``            ``any_layouts()``: generated, preset and targeted layouts.
 ``edges``                   ``edge_layouts()``: layouts at the edges of the hit rules.
 ``production``              the production property's layouts and the settings drawn on
-                            top (EAGLE, partial hits, context parallelism, R-SWA, retention
-                            interval, admission cap).
+                            top (EAGLE, partial hits, context parallelism, R-SWA, circular
+                            buffers, retention interval, admission cap).
 ``modes``                   serving modes: connector modes, ``PRODUCTION_MODE``, swarm
                             modes, ``mode_for_layout``.
 ``media``                   multimodal items and prompt embeddings of arrivals
@@ -125,6 +125,7 @@ from properties.generate.strategies.modes import (
     swarm_modes,
 )
 from properties.generate.strategies.production import (
+    circular_buffer_layouts,
     context_parallel_layouts,
     partial_hit_block_sizes,
     partial_hit_layouts,
@@ -233,6 +234,7 @@ __all__ = [
     "chunk_sizes",
     "chunked_layouts",
     "chunked_local_specs",
+    "circular_buffer_layouts",
     "connector_modes",
     "context_parallel_layouts",
     "edge_case_kinds",

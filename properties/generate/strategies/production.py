@@ -26,6 +26,7 @@ from properties.generate.strategies.tiers import SMALL, TIERS
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
     MambaSpec,
     RSWASpec,
@@ -146,6 +147,27 @@ def rswa_layouts(draw, layout: KVCacheLayout) -> KVCacheLayout:
     return dataclasses.replace(layout, groups=tuple(groups), name="")
 
 
+@st.composite
+def circular_buffer_layouts(draw, layout: KVCacheLayout) -> KVCacheLayout:
+    """``layout``, or, one time in four when prefix caching is on and context parallelism
+    off (vLLM shards a circular buffer's positions, which its DCP and PCP checks refuse),
+    the same with a circular buffer group appended (a ring of one block per request,
+    outside prefix caching), its ring as large as one of the layout's block sizes (the
+    scheduler block size does not change). Example: full bs 4 + SWA bs 8 -> and a ring
+    of 8."""
+    parallel = layout.dcp_world_size > 1 or layout.pcp_world_size > 1
+    if (
+        not layout.enable_caching
+        or parallel
+        or not draw(st.sampled_from((False, False, False, True)), label="circular buffer")
+    ):
+        return layout
+    size = draw(st.sampled_from(sorted(set(layout.block_sizes))), label="ring size")
+    ring = CircularBufferSpec(block_size=size)
+    group = KVCacheGroup((f"layer.{len(layout.groups)}",), ring)
+    return dataclasses.replace(layout, groups=(*layout.groups, group), name="")
+
+
 #: Whether a production layout runs EAGLE, drawn from these: two in three when all its
 #: groups are full or sliding-window attention, one in four when EAGLE would take its
 #: chunked-local or Mamba groups away (:func:`production_layouts`).
@@ -178,6 +200,7 @@ def production_layouts(
       parallel sizes, on layouts of full-attention and Mamba groups);
     * R-SWA (:func:`rswa_layouts`: a full-attention group made reference sliding-window
       attention, one time in three);
+    * a circular buffer group (:func:`circular_buffer_layouts`, one time in four);
     * the retention interval (:func:`retention_intervals`);
     * ``max_in_flight_tokens`` (``None``, or 1 or 2 scheduler blocks): the bound of
       the per-request admission caps of windowed groups (the pool is then redrawn
@@ -199,6 +222,8 @@ def production_layouts(
         layout = draw(context_parallel_layouts(layout))
     if "rswa" in settings:
         layout = draw(rswa_layouts(layout))
+    if "circular_buffer" in settings:
+        layout = draw(circular_buffer_layouts(layout))
     if "retention" in settings:
         retention = draw(retention_intervals(layout), label="retention interval")
         layout = dataclasses.replace(layout, prefix_cache_retention_interval=retention)
