@@ -23,9 +23,12 @@ Building blocks, smallest first (each is a ``SearchStrategy``), by module:
 ``scenario_mix``            ``any_layouts()``: generated, preset and targeted layouts.
 ``edges``                   ``edge_layouts()``: layouts at the edges of the hit rules.
 ``production``              the production property's layouts and the settings drawn on
-                            top (EAGLE, retention interval, admission cap).
+                            top (EAGLE, partial hits, context parallelism, R-SWA, circular
+                            buffers, retention interval, admission cap).
 ``modes``                   serving modes: connector modes, ``PRODUCTION_MODE``, swarm
                             modes, ``mode_for_layout``.
+``media``                   multimodal items and prompt embeddings of arrivals
+                            (``media_of``, ``carry_media``, ``bulk_media``).
 ``arrivals``                ``prefix_pools(layout)``, ``prompts(layout, pool)``,
                             ``request_inputs(...)``: prompts made of a shared prefix
                             (possibly cut short) plus a random suffix; resends, bursts and
@@ -59,6 +62,7 @@ from properties.generate.presets import PRESETS
 from properties.generate.strategies.arrivals import (
     boundaries,
     burst_ops,
+    media_request_inputs,
     outputs,
     prefix_pools,
     prompt_lengths,
@@ -102,6 +106,14 @@ from properties.generate.strategies.group_specs import (
     window_category,
     windows,
 )
+from properties.generate.strategies.media import (
+    IMAGES,
+    bulk_media,
+    carry_media,
+    image_length,
+    media_of,
+    with_embeds,
+)
 from properties.generate.strategies.modes import (
     CONNECTOR_LEVELS,
     PRODUCTION_MODE,
@@ -113,9 +125,14 @@ from properties.generate.strategies.modes import (
     swarm_modes,
 )
 from properties.generate.strategies.production import (
+    circular_buffer_layouts,
+    context_parallel_layouts,
+    partial_hit_block_sizes,
+    partial_hit_layouts,
     production_base_layouts,
     production_layouts,
     retention_intervals,
+    rswa_layouts,
 )
 from properties.generate.strategies.scenario_mix import any_layouts
 from properties.generate.strategies.swarm import _chunks_aligned, swarm_layouts
@@ -173,6 +190,7 @@ __all__ = [
     "BULK_OUTPUT",
     "BULK_SHORT",
     "CONNECTOR_LEVELS",
+    "IMAGES",
     "LARGE_TIERS",
     "MAX_BLOCK_SIZE",
     "MAX_LCM",
@@ -209,25 +227,34 @@ __all__ = [
     "block_size_lists",
     "boundaries",
     "bulk_arrivals",
+    "bulk_media",
     "burst_ops",
     "cache_salts",
+    "carry_media",
     "chunk_sizes",
     "chunked_layouts",
     "chunked_local_specs",
+    "circular_buffer_layouts",
     "connector_modes",
+    "context_parallel_layouts",
     "edge_case_kinds",
     "edge_layouts",
     "full_specs",
+    "image_length",
     "layouts",
     "lookaheads",
     "lora_names",
     "mamba_specs",
+    "media_of",
+    "media_request_inputs",
     "mode_for_layout",
     "offline_batch",
     "offline_layouts",
     "offline_operations",
     "operations",
     "outputs",
+    "partial_hit_block_sizes",
+    "partial_hit_layouts",
     "pool_sizes",
     "preempt_ops",
     "prefix_pools",
@@ -243,6 +270,7 @@ __all__ = [
     "resend_ops",
     "reset_ops",
     "retention_intervals",
+    "rswa_layouts",
     "sliding_window_specs",
     "small_block_hybrids",
     "specs",
@@ -259,5 +287,6 @@ __all__ = [
     "uncached_layouts",
     "window_category",
     "windows",
+    "with_embeds",
     "workload_layouts",
 ]

@@ -84,7 +84,7 @@ def test_ci_profile_reaches_every_gated_branch(tmp_path) -> None:
 
 
 def test_report_names_each_unreached_branch() -> None:
-    """A pool that only hands out blocks leaves free_blocks and cache_block unreached;
+    """A pool that only hands out blocks leaves free_blocks and cache_full_block unreached;
     the rows say where, in which function, and quote the source line."""
     cov = new_coverage()
     cov.start()
@@ -99,7 +99,7 @@ def test_report_names_each_unreached_branch() -> None:
     source = Path("reference/block_pool.py").read_text().splitlines()
     rows = [u for u in result.unreached if u.path == "reference/block_pool.py"]
     functions = {u.function for u in rows}
-    assert "BlockPool.free_blocks" in functions and "BlockPool.cache_block" in functions
+    assert "BlockPool.free_blocks" in functions and "BlockPool.cache_full_block" in functions
     for u in rows:
         assert u.source.strip() == source[u.line - 1].strip()
         assert u.where.startswith(f"reference/block_pool.py:{u.line}")
