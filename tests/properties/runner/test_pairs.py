@@ -140,7 +140,7 @@ def test_pairs_a_known_divergence_removes_are_excluded_by_it() -> None:
     assert pair_status(("async", "mamba"), {}, declared) == why + "mamba-leak"
     assert pair_status(("admission-gate", "mamba"), {}, declared) == "MISSED"
     assert pair_status(("async", "mamba"), {("async", "mamba"): 3}, declared) == "reached 3"
-    assert pair_status(("lookahead-hashes", "mamba"), {}, declared) == (
-        "excluded: EAGLE is modelled without Mamba groups"
+    assert pair_status(("lookahead-hashes", "chunked_local"), {}, declared) == (
+        "excluded: vLLM runs EAGLE without chunked groups"
     )
     assert declared.removed_by(("full", "async")) is None

@@ -126,7 +126,9 @@ def test_a_run_names_the_requests_holding_blocks_and_the_free_count() -> None:
 def _diverging(applies: bool, checks: tuple[str, ...]) -> EngineUnderTest:
     from properties.core.engine import KnownDivergence
 
-    divergence = KnownDivergence("d", "summary", "findings/d.md", lambda layout: applies, checks)
+    divergence = KnownDivergence(
+        "d", "summary", "findings/d.md", lambda layout: applies, checks=checks
+    )
     return EngineUnderTest(name="x", factory=ReferenceEngine, known_divergences=(divergence,))
 
 
@@ -164,6 +166,6 @@ def test_a_divergences_checks_must_be_a_tuple_of_names() -> None:
     from properties.core.declarations import DeclarationError
     from properties.core.engine import KnownDivergence
 
-    bad = KnownDivergence("d", "s", "f", lambda layout: True, ["exclusive_write"])
+    bad = KnownDivergence("d", "s", "f", lambda layout: True, checks=["exclusive_write"])
     with pytest.raises(DeclarationError, match=r"checks must be a tuple of invariant names"):
         EngineUnderTest(name="x", factory=ReferenceEngine, known_divergences=(bad,))
