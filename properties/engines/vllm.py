@@ -1020,8 +1020,24 @@ def _reused_block_events_at_rank_block_size(layout: KVCacheLayout) -> bool:
     return layout.dcp_world_size > 1 and reports_reused_blocks(layout)
 
 
+def _mamba_prefill_checkpoints(layout: KVCacheLayout) -> bool:
+    """A Mamba group with prefill checkpoint blocks, with prefix caching on."""
+    return layout.enable_caching and any(
+        isinstance(s, MambaSpec) and s.has_prefill_checkpoints for s in layout.specs
+    )
+
+
 #: vLLM 0.33 behaviours that break a property; see findings/vllm/.
 KNOWN_DIVERGENCES = (
+    KnownDivergence(
+        name="vllm-mamba-checkpoint-inside-drafts",
+        summary="with Mamba prefill checkpoint blocks, a decode chunk whose drafts cross a "
+        "hash block boundary reserves a checkpoint past the request's hashed tokens, and "
+        "cache_blocks asserts in BlockPool.cache_partial_block (allocate_slots raises)",
+        finding="findings/vllm/mamba-checkpoint-inside-drafts.md",
+        applies=_mamba_prefill_checkpoints,
+        modes=lambda mode: mode.num_draft_tokens > 0,
+    ),
     KnownDivergence(
         name=NEGATIVE_MAMBA_ESTIMATE,
         summary="an align-mode Mamba group with speculative blocks estimates fewer than 0 "

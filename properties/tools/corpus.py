@@ -63,13 +63,22 @@ CORPUS_FORMAT = "kvconform-corpus/1"
 _FORMAT_PREFIX = "kvconform-corpus/"
 MANIFEST = "manifest.json"
 
-#: Mode name -> what its layouts are: ``kind:K`` (generated layouts of spec type K only),
-#: ``hybrid`` (any mix), ``no-caching`` (prefix caching off), ``preset:NAME``.
+#: The spec types an engine may support alone, each with modes of its own in the corpus.
+_KINDS: tuple[str, ...] = ("full", "sliding_window", "chunked_local", "mamba")
+
+#: Mode name -> what its layouts are: ``kind:K`` (generated layouts of spec type K only;
+#: ``kind:K+L``: of these two types, both present or not), ``pressure:K`` (type K in a
+#: pool of 5 to 12 blocks, where requests wait, are preempted and evict hits),
+#: ``no-caching:K`` (type K, prefix caching off), ``hybrid`` (any mix), ``no-caching``
+#: (any mix, prefix caching off), ``preset:NAME``. Every engine kind gets cases it can
+#: run: of the default 88, a full-attention-only engine runs 12 (``kind``, ``pressure``
+#: and ``no-caching`` of ``full``; 4 of 52 before these modes), a full + sliding-window
+#: one (SGLang, LMDeploy) 47, a Mamba-only one 13, full + Mamba 33.
 MODES: tuple[str, ...] = (
-    "kind:full",
-    "kind:sliding_window",
-    "kind:chunked_local",
-    "kind:mamba",
+    *(f"kind:{k}" for k in _KINDS),
+    "kind:full+sliding_window",
+    *(f"pressure:{k}" for k in _KINDS),
+    *(f"no-caching:{k}" for k in _KINDS),
     "hybrid",
     "no-caching",
     "preset:mistral-7b",
@@ -317,12 +326,15 @@ def mode_strategy(mode: str, max_len: int):
     from properties.generate import strategies as kvst
 
     kind, _, name = mode.partition(":")
+    kinds = tuple(name.split("+")) if name else tuple(_KINDS)
     if kind == "kind":
-        return kvst.layouts(kinds=(name,), max_len=max_len)
+        return kvst.layouts(kinds=kinds, max_len=max_len)
+    if kind == "pressure":
+        return kvst.layouts(kinds=kinds, max_len=max_len, max_groups=2, max_blocks=12)
     if kind == "hybrid":
         return kvst.layouts(max_len=max_len)
     if kind == "no-caching":
-        return kvst.layouts(max_len=max_len, enable_caching=False)
+        return kvst.layouts(kinds=kinds, max_len=max_len, enable_caching=False)
     if kind == "preset":
         return kvst.preset_layouts(names=[name], max_len=max_len)
     raise ValueError(f"unknown corpus mode {mode!r}; known: {', '.join(MODES)}")

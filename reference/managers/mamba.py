@@ -394,8 +394,14 @@ class MambaManager(SingleTypeKVCacheManager):
     def _cache_checkpoint(self, request: Request) -> bytes | None:
         """Key the block reserved for the request's last checkpoint at the checkpoint
         (the chained hash of its prefix, any earlier key dropped), or drop its keys when
-        :func:`reference.managers.mamba_checkpoints.checkpoint_kept` says no; the new key,
-        None when nothing was keyed (no checkpoint, dropped, already keyed there)."""
+        :func:`reference.managers.mamba_checkpoints.checkpoint_kept` says no, or when the
+        checkpoint lies past the request's hashed tokens; the new key, None when nothing
+        was keyed (no checkpoint, dropped, already keyed there).
+
+        Example: bs 2, hash block 2, a 2-token prompt decoding one token and 2 drafts
+        (tokens ``[2, 5)``): the checkpoint at 4 is reserved, but only 3 tokens are
+        known (one hash): the block is not keyed. (vLLM 0.33 asserts there:
+        ``findings/vllm/mamba-checkpoint-inside-drafts.md``.)"""
         checkpoint = self.checkpoints.get(request.request_id)
         if checkpoint is None:
             return None
@@ -419,9 +425,12 @@ class MambaManager(SingleTypeKVCacheManager):
                 [],
             )
             retained = mask is None or mask[0]
-        if not checkpoint_kept(
+        hashed = len(request.block_hashes) * self.block_pool.hash_block_size
+        if position > hashed or not checkpoint_kept(
             position, prompt_checkpoint, retained, request.shared_prefix_boundary
         ):
+            # a checkpoint inside the drafts (a decode chunk of drafts crossing a hash
+            # boundary) has no hash yet: its state is transient, like one not kept
             self.block_pool.evict_blocks([block.block_id])
             return None
         if block.cache_key is not None and block.num_cached_tokens == position:

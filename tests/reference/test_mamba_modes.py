@@ -329,3 +329,25 @@ def test_describe_names_the_mamba_settings_other_than_the_defaults() -> None:
     none = MambaSpec(block_size=64, mamba_cache_mode="none")
     assert "g0:mamba(bs=64 mode=none)" in _layout(none, enable_caching=False).describe()
     assert "g0:mamba(bs=4) " in _layout(MambaSpec(block_size=4)).describe()
+
+
+def test_a_checkpoint_inside_the_drafts_is_not_keyed() -> None:
+    """``findings/vllm/mamba-checkpoint-inside-drafts.json``: Mamba bs 2 (hash block 2),
+    4 speculative blocks, one prefill checkpoint block; a 2-token prompt, then a decode
+    of one token and 2 drafts (the chunk [2, 5)) reserves the checkpoint at 4 with 3
+    tokens known (one hash). vLLM 0.33 asserts there; the reference keys nothing past
+    the hashed tokens (it raised IndexError reading the missing hash) and every check
+    passes."""
+    from pathlib import Path
+
+    from properties.core.trace import load_trace
+    from properties.engines.under_test import resolve_engine
+    from properties.runner.config import CheckConfig
+    from properties.runner.run import replay_trace
+
+    root = Path(__file__).resolve().parents[2]
+    trace = load_trace(root / "findings" / "vllm" / "mamba-checkpoint-inside-drafts.json")
+    assert trace.mode.num_draft_tokens > 0
+    run, failure = replay_trace(trace, CheckConfig(level="exact"), resolve_engine("reference"))
+    assert failure is None, failure
+    assert run is not None and len(run.operations) == len(trace.operations)
