@@ -65,9 +65,11 @@ NEEDS: Mapping[str, tuple[str, ...]] = {
 }
 
 #: What an engine must declare for a pair beyond its two features' needs: drafts on a
-#: Mamba group need its speculative blocks (the ``mamba_modes`` production setting).
+#: Mamba group need its speculative blocks (the ``mamba_modes`` production setting), and
+#: partial hits have a Mamba group.
 PAIR_NEEDS: Mapping[frozenset[str], tuple[str, ...]] = {
     frozenset({"drafts", "mamba"}): ("setting:mamba_modes",),
+    frozenset({"drafts", "partial-hits"}): ("setting:mamba_modes",),
 }
 
 #: Pairs the model of kvconform leaves out, with the reason (``docs`` of each mode).
@@ -84,9 +86,8 @@ MODEL_EXCLUSIONS: Mapping[frozenset[str], str] = {
         "partial hits need every group but full attention and Mamba at the hash block "
         "size; a chunked-local group's is the scheduler block size"
     ),
-    frozenset({"partial-hits", "drafts"}): "no speculative Mamba blocks are modelled",
-    frozenset({"partial-hits", "eagle-drop"}): "EAGLE is modelled without Mamba groups",
-    frozenset({"partial-hits", "lookahead-hashes"}): "EAGLE is modelled without Mamba groups",
+    frozenset({"partial-hits", "eagle-drop"}): "partial hits are drawn without EAGLE",
+    frozenset({"partial-hits", "lookahead-hashes"}): "partial hits are drawn without EAGLE",
     frozenset({"partial-hits", "external-hits"}): "loaded Mamba states are not modelled",
     frozenset({"partial-hits", "async-loads"}): "loaded Mamba states are not modelled",
     frozenset({"partial-hits", "load-failures"}): "loaded Mamba states are not modelled",
