@@ -59,6 +59,8 @@ from reference.specs import FullAttentionSpec
 
 #: The fast path of the validators: every value is exactly an ``int``.
 _PLAIN_INT = frozenset({int})
+#: Sequences taken without the abstract-class checks.
+_PLAIN_SEQUENCES = (tuple, list)
 
 
 class AnswerError(EngineError):
@@ -111,9 +113,17 @@ def _ids(
     return tuple(_block_id(b, what, where, layout, lowest) for b in row)
 
 
+def _sequence(value: Any) -> bool:
+    """A sequence of values, not a string or a mapping (a plain tuple or list is one
+    without the abstract-class checks: this runs on every answer)."""
+    if type(value) in _PLAIN_SEQUENCES:
+        return True
+    return not isinstance(value, (str, bytes, Mapping)) and isinstance(value, Sequence)
+
+
 def _rows(value: Any, what: str, layout: KVCacheLayout) -> Sequence:
     groups = len(layout.groups)
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+    if not _sequence(value):
         raise AnswerError(
             f"{what} returned {_short(value)}, not a sequence of {groups} block id lists "
             "(one per group)"
@@ -126,7 +136,7 @@ def _rows(value: Any, what: str, layout: KVCacheLayout) -> Sequence:
 
 
 def _row(row: Any, what: str, gid: int) -> Sequence:
-    if isinstance(row, (str, bytes, Mapping)) or not isinstance(row, Sequence):
+    if not _sequence(row):
         raise AnswerError(
             f"{what} returned {_short(row)} for group {gid}, not a sequence of block ids"
         )
@@ -289,7 +299,7 @@ def check_ref_counts(what: str, value: Any, layout: KVCacheLayout) -> dict[int, 
 
 def check_free_queue(what: str, value: Any, layout: KVCacheLayout) -> list[int]:
     """Free block ids, front first, each in ``[1, num_blocks)``."""
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+    if not _sequence(value):
         raise AnswerError(f"{what} returned {_short(value)}, not a sequence of block ids")
     if set(map(type, value)) <= _PLAIN_INT and (
         not value or (min(value) >= 1 and max(value) < layout.num_blocks)
@@ -300,8 +310,10 @@ def check_free_queue(what: str, value: Any, layout: KVCacheLayout) -> list[int]:
 
 def check_cached_blocks(what: str, value: Any, layout: KVCacheLayout) -> list[CachedBlock]:
     """Every cached block: a :class:`CachedBlock` naming a real block and a group."""
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+    if not _sequence(value):
         raise AnswerError(f"{what} returned {_short(value)}, not a sequence of CachedBlock")
+    if _plain_cached_blocks(value, layout):
+        return list(value)  # already normalised (the entries are frozen)
     out = []
     for i, c in enumerate(value):
         if not isinstance(c, CachedBlock):
@@ -316,6 +328,31 @@ def check_cached_blocks(what: str, value: Any, layout: KVCacheLayout) -> list[Ca
             )
         out.append(CachedBlock(block, gid, tokens))
     return out
+
+
+def _plain_cached_blocks(value: Sequence, layout: KVCacheLayout) -> bool:
+    """The fast path of :func:`check_cached_blocks` (it runs on every lookup and commit
+    at the small tier): every entry is exactly a :class:`CachedBlock` of plain ints with
+    a block id in ``[1, num_blocks)``, a group of the layout and ``num_tokens >= 1``, so
+    the entries are returned as they are. Anything else (a subclass, a numpy integer, a
+    value out of range) takes the entry-by-entry path, which normalises or names it."""
+    if not value:
+        return True
+    if not all(type(c) is CachedBlock for c in value):
+        return False
+    blocks = [c.block_id for c in value]
+    groups = [c.group_id for c in value]
+    tokens = [c.num_tokens for c in value]
+    return (
+        set(map(type, blocks)) <= _PLAIN_INT
+        and set(map(type, groups)) <= _PLAIN_INT
+        and set(map(type, tokens)) <= _PLAIN_INT
+        and min(blocks) >= 1
+        and max(blocks) < layout.num_blocks
+        and min(groups) >= 0
+        and max(groups) < len(layout.groups)
+        and min(tokens) >= 1
+    )
 
 
 def check_pool_usage(what: str, value: Any, layout: KVCacheLayout) -> tuple[PoolUsage, ...]:

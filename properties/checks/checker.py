@@ -73,6 +73,8 @@ class Checker:
         validate_disabled(disabled)
         self.state = CheckState(engine, layout, host_tier)
         self._pool_stale = False
+        #: the commits whose checks wait for the step boundary (large tiers)
+        self._commits: list[CommitEvent] = []
         self.disabled = frozenset(disabled)
         #: request id -> slots written before their token was known (group, block,
         #: offset or -1 for a Mamba state, position)
@@ -97,8 +99,8 @@ class Checker:
     @property
     def check_every_call(self) -> bool:
         """Run the O(pool) checks and reads after every call (True: the small tier, as
-        always). Off at the large tiers: the pool checks run at step boundaries
-        (:meth:`on_step_boundary`), a call's snapshot holds the free counts only
+        always). Off at the large tiers: the pool checks and the commit checks run at
+        step boundaries (:meth:`on_step_boundary`), a call's snapshot holds the free counts only
         (:meth:`snapshot`) and only the tables a call names are read again
         (:meth:`properties.checks.state.CheckState.invalidate`)."""
         return self.state.per_call_reads
@@ -220,9 +222,8 @@ class Checker:
             if self._shadowed:
                 self._record_writes(req, gid, row, start, end)
         if self._shadowed:
-            self.state.last_reads[request_id] = self._reads(
-                table, start, end, req.num_prompt_tokens
-            )
+            # what the tokens read, worked out only if a step of them goes in flight
+            self.state.last_reads[request_id] = (table, start, end, req.num_prompt_tokens)
         self._run("allocate", allocated)
         self.check_pool()
 
@@ -281,13 +282,18 @@ class Checker:
                 req.draft_rows.pop(gid, None)
                 req.mamba_running.pop(gid, None)
             return
-        for p in range(start, min(end, len(row) * bs)):
-            if p < len(req.ids):
-                self.state.shadow.write(gid, row[p // bs], p % bs, req.ids[p])
-            else:
-                self.deferred_writes.setdefault(req.request_id, []).append(
-                    (gid, row[p // bs], p % bs, p)
-                )
+        stop = min(end, len(row) * bs)
+        known = min(stop, len(req.ids))
+        p = start
+        while p < known:  # block by block
+            idx = p // bs
+            run_end = min(known, (idx + 1) * bs)
+            self.state.shadow.write_run(gid, row[idx], p % bs, req.ids[p:run_end])
+            p = run_end
+        for p in range(max(start, known), stop):
+            self.deferred_writes.setdefault(req.request_id, []).append(
+                (gid, row[p // bs], p % bs, p)
+            )
 
     def _record_load(self, req: TrackedRequest, table: BlockIds, start: int, end: int) -> None:
         """A KV connector loads positions ``[start, end)`` (external computed tokens) into
@@ -298,9 +304,14 @@ class Checker:
             if not spec.uses_slot_mapping:
                 continue  # a circular buffer's ring
             bs = spec.block_size
-            for p in range(start, min(end, len(row) * bs)):
-                if row[p // bs] != 0:
-                    self.state.shadow.write(gid, row[p // bs], p % bs, req.ids[p])
+            stop = min(end, len(row) * bs)
+            p = start
+            while p < stop:  # block by block
+                idx = p // bs
+                run_end = min(stop, (idx + 1) * bs)
+                if row[idx] != 0:
+                    self.state.shadow.write_run(gid, row[idx], p % bs, req.ids[p:run_end])
+                p = run_end
 
     def on_host_transfers(self, transfers: Sequence[HostTransfer]) -> None:
         """An engine with its own host tier made these copies in its last call, in
@@ -374,7 +385,8 @@ class Checker:
         chunks = self.state.in_flight_reads.setdefault(request_id, [])
         total = sum(n for n, _ in chunks)
         if num_in_flight_tokens > total:
-            reads = self.state.last_reads.get(request_id, frozenset())
+            last = self.state.last_reads.get(request_id)
+            reads = self._reads(*last) if last is not None else frozenset()
             chunks.append((num_in_flight_tokens - total, reads))
         while chunks and total > num_in_flight_tokens:
             total -= chunks.pop(0)[0]
@@ -445,9 +457,18 @@ class Checker:
             self.deferred_writes[request_id] = [w for w in deferred if w[3] >= len(req.ids)]
 
     def on_commit(self, request_id: str, num_tokens: int) -> None:
-        """``cache_blocks(request_id, num_tokens)`` returned."""
-        if self._by_event["commit"]:
-            self._run("commit", CommitEvent(self.state.requests[request_id], num_tokens))
+        """``cache_blocks(request_id, num_tokens)`` returned. The commit checks read every
+        cached block (O(pool)): at the large tiers (``check_every_call`` off) they run at
+        the step boundary, once for all of the step's commits, each on the table and
+        token count its request had at its commit."""
+        if not self._by_event["commit"]:
+            return
+        req = self.state.requests[request_id]
+        if self.check_every_call:
+            self._run("commit", CommitEvent(req, num_tokens))
+        elif req.holds_blocks:
+            table = self.state.table_of(request_id)
+            self._commits.append(CommitEvent(req, num_tokens, table, len(req.token_ids)))
 
     def on_free(self, request_id: str) -> None:
         self.deferred_writes.pop(request_id, None)
@@ -479,8 +500,12 @@ class Checker:
         self._run("pool", PoolEvent(self.state.tables(), self.state.num_free()))
 
     def on_step_boundary(self) -> None:
-        """A step starts (or a trace ends): the pool checks deferred since the last
-        boundary run once, on the state now."""
+        """A step starts (or a trace ends): the commit checks deferred since the last
+        boundary run (in the order of the commits), then the pool checks once, on the
+        state now."""
+        commits, self._commits = self._commits, []
+        for event in commits:
+            self._run("commit", event)
         if not self._pool_stale:
             return
         self._pool_stale = False

@@ -586,12 +586,21 @@ def committed_blocks_verified(state: CheckState, event: CommitEvent) -> str | No
     may register blocks 0 and 1 (positions 0..7), not block 2 (positions 8..11):
     registering it for 12 tokens would serve the rejected draft's KV at position 11 to
     every later hit (``tests/properties/checks/test_allocation_estimate.py``).
+
+    At the large tiers it runs at the step boundary (one O(pool) read of the cached blocks
+    for every commit of the step, :meth:`properties.checks.checker.Checker.on_commit`),
+    on the table and token count the request had at its commit: until the next step
+    starts, no allocation runs, so no block is evicted (the cached blocks only grow) and
+    no block the request holds is written.
     """
     req = event.request
     rid = req.request_id
-    if not req.holds_blocks:
-        return None
-    table = state.table_of(rid)
+    if event.table is None:
+        if not req.holds_blocks:
+            return None
+        table = state.table_of(rid)
+    else:
+        table = event.table
     where: dict[tuple[int, int], int] = {}
     for gid, row in enumerate(table):
         if isinstance(state.layout.groups[gid].spec, MambaSpec):
@@ -602,16 +611,17 @@ def committed_blocks_verified(state: CheckState, event: CommitEvent) -> str | No
     if not where:
         return None
     req.refresh_ids()
+    known = len(req.ids) if event.num_request_tokens is None else event.num_request_tokens
     for cb in state.cached_blocks():
         index = where.get((cb.group_id, cb.block_id))
         if index is None:
             continue
         bs = state.layout.groups[cb.group_id].spec.block_size
         first, end = index * bs, min(cb.num_tokens, (index + 1) * bs)
-        if end > len(req.ids):
+        if end > known:
             return (
                 f"request {rid!r}: block {cb.block_id} (group {cb.group_id}, index {index}) is "
-                f"cached for {cb.num_tokens} tokens, but the request has {len(req.ids)} "
+                f"cached for {cb.num_tokens} tokens, but the request has {known} "
                 f"tokens (after cache_blocks({rid!r}, {event.num_tokens}))"
             )
         why = missing_context(

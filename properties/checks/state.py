@@ -116,8 +116,10 @@ class CheckState:
         #: request id -> its steps still in flight (asynchronous scheduling), oldest
         #: first: (tokens, the (group, index, block) entries of its table they read).
         self.in_flight_reads: dict[str, list[tuple[int, frozenset[tuple[int, int, int]]]]] = {}
-        #: request id -> what its last successful allocation's tokens read.
-        self.last_reads: dict[str, frozenset[tuple[int, int, int]]] = {}
+        #: request id -> its last successful allocation: its table, the positions
+        #: ``[start, end)`` it scheduled and its prompt's length (what they read:
+        #: ``Checker._reads``; R-SWA reads the prompt).
+        self.last_reads: dict[str, tuple[BlockIds, int, int, int]] = {}
         self.has_ref_counts = isinstance(engine, ExposesRefCounts)
         self.has_free_queue = isinstance(engine, ExposesFreeQueue)
         self.has_cached = isinstance(engine, ExposesCachedBlocks)
@@ -416,10 +418,16 @@ class FailedAllocationEvent:
 
 @dataclass(frozen=True)
 class CommitEvent:
-    """``cache_blocks(request, num_tokens)``: the scheduler committed processed tokens."""
+    """``cache_blocks(request, num_tokens)``: the scheduler committed processed tokens.
+
+    Checked at the step boundary (the large tiers), it carries what the check reads of
+    the moment of the call: the request's ``table`` then and its ``num_request_tokens``
+    (None: checked at once, reading both now)."""
 
     request: TrackedRequest
     num_tokens: int
+    table: BlockIds | None = None
+    num_request_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -607,7 +607,9 @@ def quiet_loggers(*names: str, level: int = logging.ERROR) -> None:
     warnings (vLLM logs "Failed to reset prefix cache" on every refused reset) do not
     flood a check's output. Adapters call it once their engine is imported."""
     for name in names:
-        logging.getLogger(name).setLevel(level)
+        logger = logging.getLogger(name)
+        if logger.level != level:  # setLevel clears every logger's cache, even unchanged
+            logger.setLevel(level)
 
 
 #: Engines named ``scheme:ARGUMENT``: scheme -> "module:function" building the factory

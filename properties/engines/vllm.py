@@ -396,6 +396,8 @@ class VLLMEngine:
         self._admissions: list[tuple[int, int, bool]] = []
         #: whether reset_prefix_cache succeeded since the last step
         self._reset_since_stats = False
+        #: (block id, group, tokens) -> the CachedBlock handed out for it
+        self._cached_entries: dict[tuple[int, int, int], CachedBlock] = {}
 
     def _lookahead_option(self) -> dict[str, int]:
         """``num_hash_lookahead_tokens`` for the manager and the hasher, where the package
@@ -949,14 +951,19 @@ class VLLMEngine:
         ``cached_block_hashes_by_block`` without a token count) are not reported.
         """
         out: list[CachedBlock] = []
+        # the checks read the cached blocks after every lookup and commit: an entry seen
+        # before is handed out again (CachedBlock is frozen) instead of built anew
+        seen = self._cached_entries
         for key, entry in self._pool.cached_block_hash_to_block._cache.items():
             group_id = int.from_bytes(key[-4:], "big")
             entries = entry.values() if isinstance(entry, dict) else (entry,)
             for block in entries:
                 if block.block_hash == key and block.block_hash_num_tokens is not None:
-                    out.append(
-                        CachedBlock(block.block_id, group_id, int(block.block_hash_num_tokens))
-                    )
+                    fields = (block.block_id, group_id, int(block.block_hash_num_tokens))
+                    cached = seen.get(fields)
+                    if cached is None:
+                        cached = seen[fields] = CachedBlock(*fields)
+                    out.append(cached)
         return out
 
 

@@ -79,6 +79,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     config: CheckConfig = CheckConfig()
     engine: EngineUnderTest | None = None
     stats: RunStats = RunStats()
+    #: the layouts this machine class draws from (:meth:`layouts`), built on first use
+    layout_draws: st.SearchStrategy[KVCacheLayout] | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -111,10 +113,19 @@ class KVCacheMachine(RuleBasedStateMachine):
                 raise RunStopped(exc) from exc
             raise
 
+    @classmethod
+    def layouts(cls) -> st.SearchStrategy[KVCacheLayout]:
+        """The layout strategy of this class's configuration and engine, built once (a
+        strategy built per example was validated per example: its lambdas' labels come
+        from their source); the same draws as one built anew."""
+        draws = cls.__dict__.get("layout_draws")  # this class's own, never a base's
+        if draws is None:
+            draws = cls.layout_draws = layout_strategy(cls.config, cls.engine)
+        return draws
+
     @initialize(data=st.data())
     def build(self, data: st.DataObject) -> None:
-        strategy = layout_strategy(self.config, self.engine)
-        layout = data.draw(strategy, label="layout")
+        layout = data.draw(self.layouts(), label="layout")
         note(f"layout: {layout.describe()}")
         self.run = start_run(
             self.config,

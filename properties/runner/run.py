@@ -47,8 +47,10 @@ from properties.core.engine import (
     SupportsServingModes,
     UnsupportedLayoutError,
 )
+from properties.core.heap import tune_collector
 from properties.core.modes import SYNC, ServingMode
 from properties.core.outcome import Outcome
+from properties.core.torch_threads import torch_on_one_thread
 from properties.core.trace import Operation, Trace
 from properties.core.versions import versions
 from properties.engines.under_test import EngineUnderTest, resolve_engine
@@ -127,6 +129,7 @@ class TraceRun:
         # an engine in a child process has its own deadline, which kills the child
         timeout = engine.call_timeout(config.call_timeout)
         built = build_engine(engine.factory, layout, timeout)
+        tune_collector()  # the engine is imported: the collector set for a check's heap
         self.versions = versions(built, engine)
         reference = None
         if config.level == "exact":
@@ -156,6 +159,7 @@ class TraceRun:
                 f"serving mode {mode.describe()} (properties.core.engine.SupportsServingModes)"
             )
         self.mode = mode
+        torch_on_one_thread()  # the engine's and the attention oracle's tensors are small
         host_tier = connector_host_tier(layout, mode, built)
         # the engine's batched calls (commit_step, free_requests) are driven and compared,
         # except against a corpus case: it recorded the per-request calls, in their order

@@ -236,6 +236,7 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine
     """The properties, in ``--workers`` processes (default: the cores), with the rule
     coverage report (``--coverage``) as one more row that fails on a gated gap
     (``--coverage-gate``)."""
+    from properties.tools.engine_coverage import engine_runs_here
     from properties.tools.guard import needs_guard
     from properties.tools.parallel import (
         PropertyTask,
@@ -285,8 +286,11 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine
     import tempfile
 
     # an engine in this process that is not kvconform's own runs in a forked worker: one
-    # that ends the process (os._exit(0)) is then an engine error, never a silent pass
-    start_method = "fork" if guarded and not args.coverage else "spawn"
+    # that ends the process (os._exit(0)) is then an engine error, never a silent pass;
+    # any engine that runs in this process is forked too: the worker starts with what this
+    # process imported (vLLM's import is 7 s of CPU a worker); rule coverage measures a
+    # worker from its start, so it spawns
+    start_method = "fork" if engine_runs_here(config) and not args.coverage else "spawn"
     with tempfile.TemporaryDirectory(prefix="kvconform-cov-") as tmp:
         try:
             results = run_tasks(

@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -201,9 +202,14 @@ def _worker(
 
 
 def _end_worker(signum, frame) -> None:
-    from properties.engines.exec_engine import kill_engine_children
-
-    kill_engine_children()
+    """SIGTERM in a worker: its engine children killed, then every process below it, then
+    the exit. No import here: the signal may land while the worker imports (an import
+    from a handler then meets partly initialised modules); engine children exist only
+    once the module that starts them is loaded."""
+    exec_engine = sys.modules.get("properties.engines.exec_engine")
+    kill = getattr(exec_engine, "kill_engine_children", None)
+    if kill is not None:
+        kill()
     reap_descendants(keep=frozenset(p for p in (watchdog_pid(),) if p is not None))
     os._exit(128 + signum)
 

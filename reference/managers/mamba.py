@@ -325,7 +325,9 @@ class MambaManager(SingleTypeKVCacheManager):
         """Move the speculative block at ``column`` to the end of the row (its column
         becomes null). It must be the request's own unhashed block."""
         block = blocks[column]
-        if block.is_null or block.ref_cnt != 1 or block.cache_key is not None:
+        if block.is_null or block.ref_cnt != 1 or block.cache_key is not None:  # pragma: no cover
+            # an internal consistency guard: a speculative column holds the request's own
+            # fresh block (allocate_new_blocks appends them; nothing hashes or shares one)
             raise KVConformError(
                 f"Mamba group {self.group_id}: speculative block {block.block_id} at column "
                 f"{column} is shared, hashed or null and cannot be relocated"
@@ -396,16 +398,13 @@ class MambaManager(SingleTypeKVCacheManager):
         (the chained hash of its prefix, any earlier key dropped), or drop its keys when
         :func:`reference.managers.mamba_checkpoints.checkpoint_kept` says no, or when the
         checkpoint lies past the request's hashed tokens; the new key, None when nothing
-        was keyed (no checkpoint, dropped, already keyed there).
+        was keyed (dropped, or already keyed there). Called for a request with a checkpoint.
 
         Example: bs 2, hash block 2, a 2-token prompt decoding one token and 2 drafts
         (tokens ``[2, 5)``): the checkpoint at 4 is reserved, but only 3 tokens are
         known (one hash): the block is not keyed. (vLLM 0.33 asserts there:
         ``findings/vllm/mamba-checkpoint-inside-drafts.md``.)"""
-        checkpoint = self.checkpoints.get(request.request_id)
-        if checkpoint is None:
-            return None
-        position, column = checkpoint
+        position, column = self.checkpoints[request.request_id]  # the caller checked
         block = self.blocks_of(request.request_id)[column]
         prompt_checkpoint = checkpoint_position(
             request.num_prompt_tokens,

@@ -71,8 +71,8 @@ def checkpoint_exportable(
     % alignment == 0``. Examples (H 4, bs 4, alignment 1): ``[0, 10)`` at 8 -> True;
     ``[8, 10)`` at 8 -> False (not inside); ``[2, 10)`` at 8 -> False (the chunk does
     not start on a hash boundary)."""
-    if alignment is None:
-        return False
+    if alignment is None:  # pragma: no cover - callers ask only with checkpoint blocks on
+        return False  # (MambaSpec.has_prefill_checkpoints: an alignment is set)
     initial_state_column = (query_start - 1) // block_size
     column = cdiv(query_end, block_size) - 2
     return (

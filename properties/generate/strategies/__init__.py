@@ -25,6 +25,9 @@ Building blocks, smallest first (each is a ``SearchStrategy``), by module:
 ``production``              the production property's layouts and the settings drawn on
                             top (EAGLE, partial hits, context parallelism, R-SWA, circular
                             buffers, retention interval, admission cap).
+``mamba_modes``             ``mamba_settings(layout)``: a Mamba layout's caching mode
+                            (``CACHE_MODES``), speculative blocks (``SPECULATIVE_BLOCKS``)
+                            and prefill checkpoint blocks, drawn on top of a layout.
 ``modes``                   serving modes: connector modes, ``PRODUCTION_MODE``, swarm
                             modes, ``mode_for_layout``.
 ``media``                   multimodal items and prompt embeddings of arrivals
@@ -44,6 +47,8 @@ Building blocks, smallest first (each is a ``SearchStrategy``), by module:
                             independently, at any tier.
 ``bulk``                    the large tiers' bulk arrivals and batches of requests alike.
 ``workloads``               the large tiers' layouts and trace bodies, online or offline.
+``reuse``                   ``_reused(factory)``: one strategy object per distinct arguments
+                            (validated once, drawn thousands of times; same draws).
 ==========================  ================================================================
 
 Worked example of the block-size rule: sizes ``(16, 4)`` give ``lcm = 16`` and
@@ -105,6 +110,11 @@ from properties.generate.strategies.group_specs import (
     specs,
     window_category,
     windows,
+)
+from properties.generate.strategies.mamba_modes import (
+    CACHE_MODES,
+    SPECULATIVE_BLOCKS,
+    mamba_settings,
 )
 from properties.generate.strategies.media import (
     IMAGES,
@@ -189,6 +199,7 @@ __all__ = [
     "BULK_LONG_ONE_IN",
     "BULK_OUTPUT",
     "BULK_SHORT",
+    "CACHE_MODES",
     "CONNECTOR_LEVELS",
     "IMAGES",
     "LARGE_TIERS",
@@ -207,6 +218,7 @@ __all__ = [
     "PRODUCTION_MODE",
     "SCHEDULING",
     "SMALL",
+    "SPECULATIVE_BLOCKS",
     "SPEC_KINDS",
     "TIERS",
     "TIER_NAMES",
@@ -244,6 +256,7 @@ __all__ = [
     "layouts",
     "lookaheads",
     "lora_names",
+    "mamba_settings",
     "mamba_specs",
     "media_of",
     "media_request_inputs",

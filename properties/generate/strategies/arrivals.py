@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from properties.core.trace import Arrive
 from properties.generate.strategies.media import carry_media, media_of, with_embeds
+from properties.generate.strategies.reuse import _reused, _sampled_list
 from properties.generate.strategies.vocabulary import _seeds, cache_salts, lora_names, random_tokens
 from reference.layout import KVCacheLayout
 
@@ -45,6 +46,7 @@ def _prompt_lengths(unit: int, max_len: int) -> st.SearchStrategy[int]:
     )
 
 
+@_reused
 @st.composite
 def prefix_pools(draw, layout: KVCacheLayout, max_prefixes: int = 3) -> tuple[tuple[int, ...], ...]:
     """1..``max_prefixes`` shared prefixes; later ones may fork an earlier one.
@@ -59,7 +61,7 @@ def prefix_pools(draw, layout: KVCacheLayout, max_prefixes: int = 3) -> tuple[tu
         length = draw(prompt_lengths(layout, limit))
         head: tuple[int, ...] = ()
         if pool and draw(st.booleans()):
-            base = draw(st.sampled_from(pool))
+            base = draw(_sampled_list(tuple(pool)))
             if layout.num_hash_lookahead_tokens:
                 unit, lookahead = layout.hash_block_size, layout.num_hash_lookahead_tokens
                 cut = draw(_cuts(min(len(base), length), unit, lookahead))
@@ -70,6 +72,7 @@ def prefix_pools(draw, layout: KVCacheLayout, max_prefixes: int = 3) -> tuple[tu
     return tuple(pool)
 
 
+@_reused
 @st.composite
 def prompts(
     draw,
@@ -114,6 +117,7 @@ def _output_lengths(longest: int, long_cap: int) -> st.SearchStrategy[int]:
     return st.one_of(short, short, short, st.integers(0, long_cap))
 
 
+@_reused
 @st.composite
 def outputs(draw, layout: KVCacheLayout, max_len: int) -> tuple[int, ...]:
     """The tokens a request will decode: ``0..min(max_len, 2 * lcm + 4)`` tokens, or a

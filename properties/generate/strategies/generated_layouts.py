@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from properties.core.constants import SPEC_KINDS
 from properties.generate.presets import PRESETS
 from properties.generate.strategies.group_specs import _kind_specs
+from properties.generate.strategies.reuse import _integers_either, _reused, _sampled_list
 from reference.layout import KVCacheGroup, KVCacheLayout
 
 #: Largest block size of one group.
@@ -35,6 +36,7 @@ MAX_LCM = 64
 PRESET_ORDER = ("mistral-7b", "gpt-oss", "gemma2", "gemma3", "llama4-scout", "qwen3-next", "jamba")
 
 
+@_reused
 @st.composite
 def block_size_lists(draw, num_groups: int) -> list[int]:
     """``num_groups`` block sizes in ``1..MAX_BLOCK_SIZE`` with ``lcm <= MAX_LCM``.
@@ -51,7 +53,7 @@ def block_size_lists(draw, num_groups: int) -> list[int]:
     running = first
     for _ in range(num_groups - 1):
         fits = [d for d in range(1, MAX_BLOCK_SIZE + 1) if math.lcm(running, d) <= MAX_LCM]
-        size = draw(st.sampled_from(fits))
+        size = draw(_sampled_list(tuple(fits)))
         running = math.lcm(running, size)
         sizes.append(size)
     return sizes
@@ -61,6 +63,7 @@ def _blocks_one_request_needs(layout: KVCacheLayout) -> int:
     return layout.blocks_per_request()
 
 
+@_reused
 @st.composite
 def pool_sizes(
     draw, layout: KVCacheLayout, min_blocks: int = 5, max_blocks: int | None = None
@@ -84,7 +87,7 @@ def pool_sizes(
     hi_roomy = max(hi_tiny, 8 * need)
     if max_blocks is not None:
         lo, hi_tiny, hi_roomy = (min(v, max_blocks) for v in (lo, hi_tiny, hi_roomy))
-    return draw(st.one_of(st.integers(lo, hi_tiny), st.integers(hi_tiny, hi_roomy)))
+    return draw(_integers_either((lo, hi_tiny), (hi_tiny, hi_roomy)))
 
 
 @st.composite
@@ -126,9 +129,7 @@ def layouts(
     # still shrinks toward 1 group
     if group_kinds is None:
         num_groups = draw(
-            st.one_of(
-                st.integers(1, max_groups), st.integers(min(2, max_groups), min(4, max_groups))
-            )
+            _integers_either((1, max_groups), (min(2, max_groups), min(4, max_groups)))
         )
         group_kinds = draw(
             st.lists(st.sampled_from(tuple(kinds)), min_size=num_groups, max_size=num_groups)

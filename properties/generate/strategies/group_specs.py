@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from hypothesis import strategies as st
 
 from properties.core.constants import SPEC_KINDS
+from properties.generate.strategies.reuse import _reused
 from reference.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -100,6 +101,7 @@ def mamba_specs(block_size: int, page_size: int | None = None) -> st.SearchStrat
     return st.just(spec)
 
 
+@_reused
 def _kind_specs(
     kind: str, block_size: int, page_size: int, window_sizes: Sequence[int] | None = None
 ) -> st.SearchStrategy[KVCacheSpec]:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from properties.generate.strategies.generated_layouts import _layout_of, _sized, layouts
 from properties.generate.strategies.group_specs import _attention_fields
+from properties.generate.strategies.reuse import _integers_either
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
@@ -47,7 +48,7 @@ def small_block_hybrids(draw, max_len: int = 256) -> KVCacheLayout:
     # The fine window is either wider than the alignment (every block of a segment is
     # cached, so a hit search can meet a cached block that ends off the alignment) or
     # at most one block past it (only each segment's last block is cached: the mask).
-    width = draw(st.one_of(st.integers(coarse + 1, 3 * coarse), st.integers(1, fine + 1)))
+    width = draw(_integers_either((coarse + 1, 3 * coarse), (1, fine + 1)))
     groups = tuple(
         dataclasses.replace(g, spec=dataclasses.replace(g.spec, sliding_window=width))
         if isinstance(g.spec, SlidingWindowSpec) and g.spec.block_size == fine

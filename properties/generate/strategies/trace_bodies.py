@@ -21,11 +21,13 @@ from properties.core.trace import (
     Trace,
 )
 from properties.generate.strategies.arrivals import prefix_pools, request_inputs
+from properties.generate.strategies.reuse import _reused
 from properties.generate.strategies.scenario_mix import any_layouts
 from reference.layout import KVCacheLayout
 from reference.specs import MambaSpec
 
 
+@_reused
 def token_budgets(layout: KVCacheLayout) -> st.SearchStrategy[int]:
     """A step's token budget: ``max_model_len`` (the shrink target), 1 to a few
     scheduler blocks (chunked prefill, drawn twice as often), or anything up to
@@ -39,6 +41,7 @@ def token_budgets(layout: KVCacheLayout) -> st.SearchStrategy[int]:
     )
 
 
+@_reused
 def lookaheads(layout: KVCacheLayout) -> st.SearchStrategy[int]:
     """Speculative lookahead slots: 0 mostly, 1..4 sometimes; always 0 with a Mamba
     group (its spec has no speculative blocks)."""
@@ -47,6 +50,7 @@ def lookaheads(layout: KVCacheLayout) -> st.SearchStrategy[int]:
     return st.sampled_from((0, 0, 0, 0, 1, 2, 3, 4))
 
 
+@_reused
 def step_ops(layout: KVCacheLayout) -> st.SearchStrategy[Step]:
     return st.builds(Step, token_budgets(layout), lookaheads(layout))
 

@@ -140,7 +140,7 @@ def test_pairs_a_known_divergence_removes_are_excluded_by_it() -> None:
     assert pair_status(("async", "mamba"), {}, declared) == why + "mamba-leak"
     assert pair_status(("admission-gate", "mamba"), {}, declared) == "MISSED"
     assert pair_status(("async", "mamba"), {("async", "mamba"): 3}, declared) == "reached 3"
-    assert pair_status(("lookahead-hashes", "chunked_local"), {}, declared) == (
-        "excluded: vLLM runs EAGLE without chunked groups"
+    assert pair_status(("eagle-drop", "lookahead-hashes"), {}, declared) == (
+        "excluded: lookahead hashes turn the EAGLE drop off"
     )
     assert declared.removed_by(("full", "async")) is None
