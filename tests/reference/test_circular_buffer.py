@@ -86,3 +86,20 @@ def test_layout_rules() -> None:
         max_model_len=32,
     )
     assert layout.hash_block_size == 4 and layout.partial_hits_enabled
+
+
+def test_a_layout_of_one_ring_alone_never_hits() -> None:
+    """The unitary coordinator asks the ring's own scan (``no_hit``): a resend of the same
+    prompt gets an empty hit and its own ring. (The production property draws rings beside
+    other groups only, so this hand test is the one that reaches the scan.)"""
+    layout = KVCacheLayout(
+        (KVCacheGroup(("l0",), CircularBufferSpec(block_size=4)),), num_blocks=6, max_model_len=64
+    )
+    eng = ReferenceEngine(layout)
+    eng.add_request(RequestInput("a", tuple(range(10))))
+    assert eng.allocate_slots("a", 10) == ((1,),)
+    eng.set_num_computed_tokens("a", 10)
+    eng.add_request(RequestInput("b", tuple(range(10))))
+    hit = eng.get_computed_blocks("b")
+    assert (hit.block_ids, hit.num_tokens) == (((),), 0)
+    assert eng.allocate_slots("b", 10, 0, hit) == ((2,),)

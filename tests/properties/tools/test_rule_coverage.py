@@ -29,7 +29,13 @@ ROOT = Path(__file__).resolve().parents[3]
 #: Gated branches the ci stream misses today -> why, and the hand test that reaches them.
 #: Strict like the mutants' escapes: the gate fails when a listed branch is reached (the
 #: entry must go) or an unlisted one is not.
-REACH_GAPS: dict[str, str] = {}
+REACH_GAPS: dict[str, str] = {
+    "reference/managers/circular_buffer.py:31": (
+        "the ring's own hit scan runs only for a layout of one ring alone (the coordinators "
+        "leave rings out of a hybrid search; production draws rings beside other groups): "
+        "tests/reference/test_circular_buffer.py::test_a_layout_of_one_ring_alone_never_hits"
+    ),
+}
 # (empty since the large tiers' batches of documents longer than the widest window: they
 # reach the last one, a Mamba hit meeting a cached state that ends off the hit alignment;
 # its hand test stays: tests/reference/test_shared_rules.py::
