@@ -253,7 +253,7 @@ class BlockPool:
         ``b`` keyed ``h16`` (16 tokens), ``cache_partial_block(b, h12, 0, 12)`` -> ``b``
         found by both ``h16`` and ``h12``, its primary key still ``h16``.
         """
-        if block.is_null:
+        if block.is_null:  # pragma: no cover - callers pass the table's real blocks
             return None
         key = cache_key(block_hash, group_id)
         already = block.cache_key == key or block.block_id in self.cached.get(key, {})
