@@ -197,9 +197,9 @@ def run_property(
     config = config_for(name, config)
     hyp_settings = settings_for(name, hyp_settings)
     engine = engine_of(config, engine)
-    reached = 0
+    reached, reach_pairs = 0, {}
     if config.reach_corpus and config.tier == kvst.SMALL:  # what must never be lost, first
-        failed, reached = _replay_reach_corpus(name, config, seed, engine)
+        failed, reached, reach_pairs = _replay_reach_corpus(name, config, seed, engine)
         if failed is not None:
             return failed
     with bounded_shrinking(shrink_seconds):
@@ -212,6 +212,9 @@ def run_property(
                 name, config, hyp_settings, seed, engine, on_first_failure, shrink_seconds
             )
         result.reach = reached
+        if reach_pairs and result.pairs is not None:  # the cases ran those pairs too
+            for pair, count in reach_pairs.items():
+                result.pairs[pair] = result.pairs.get(pair, 0) + count
         if tiers is not None and result.passed:
             run_tiers(
                 result,
@@ -227,9 +230,10 @@ def run_property(
 
 def _replay_reach_corpus(
     name: str, config: CheckConfig, seed: int | None, engine: EngineUnderTest
-) -> tuple[PropertyResult | None, int]:
+) -> tuple[PropertyResult | None, int, dict[tuple[str, str], int]]:
     """Replay the reach corpus for property ``name`` (:mod:`properties.runner.reach`):
-    ``(the failed result, cases replayed)``; the result is None when every case passed.
+    ``(the failed result, cases replayed, the pairs they ran)``; the result is None when
+    every case passed.
     A failing case is saved and reported like a failure of the property's own draws,
     its message naming the case."""
     from properties.runner.reach import load_reach_corpus, replay_reach
@@ -237,7 +241,7 @@ def _replay_reach_corpus(
     started = time.perf_counter()
     replay = replay_reach(name, config, engine, load_reach_corpus())
     if replay.failed is None:
-        return None, replay.replayed
+        return None, replay.replayed, replay.pairs
     kind, text = _classify(replay.error, 0)
     path, note = _save(replay.trace, config, seed, engine)
     result = PropertyResult(
@@ -252,7 +256,7 @@ def _replay_reach_corpus(
         check=failed_check(replay.error),
     )
     result.reach = replay.replayed
-    return result, replay.replayed
+    return result, replay.replayed, replay.pairs
 
 
 def tiers_for(name: str, counts: Mapping[str, int]) -> dict[str, int]:

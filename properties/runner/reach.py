@@ -20,7 +20,9 @@ among the engine's, every production setting and serving mode it uses declared
 (:class:`properties.runner.pairs.Declared`, as the pair table decides). The invariants
 and production properties replay every case with their checks, the attention property
 with the attention check, the determinism property none (it compares two runs of the
-same draws). ``--no-reach-corpus`` turns the replay off.
+same draws). The pairs of features a replayed case runs count in the run's pair table
+like a drawn example's (a pair the stream stopped drawing stays reached while a case
+runs it). ``--no-reach-corpus`` turns the replay off.
 
 Worked example: the mutant ``delay_cache_ignored`` (an asynchronous load's blocks cached
 before the load completes) escapes the ``ci`` stream, whose attention examples draw no
@@ -35,14 +37,14 @@ traces that reach a pair or a reference branch no case reaches, minimised) and w
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from properties.core.json_input import InputError, read_json
 from properties.core.trace import Trace, TraceFormatError, trace_from_json, trace_to_json
 from properties.engines.under_test import EngineUnderTest
 from properties.runner.config import CheckConfig
-from properties.runner.pairs import Declared, features
+from properties.runner.pairs import Declared, count_pairs, features
 from properties.runner.run import replay_trace
 from reference.errors import KVConformError
 
@@ -142,6 +144,9 @@ class ReachReplay:
     failed: ReachCase | None = None
     error: BaseException | None = None
     trace: Trace | None = None
+    #: the pairs of features the replayed cases ran (pair -> cases), which count in the
+    #: run's pair table like drawn examples
+    pairs: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 def replay_reach(
@@ -158,8 +163,10 @@ def replay_reach(
     except KVConformError:  # the engine cannot be built: the property reports it
         return ReachReplay(0)
     replayed = 0
+    pairs: dict[tuple[str, str], int] = {}
     for case in runnable_cases(cases, engine, serving):
         replayed += 1
+        count_pairs(pairs, features(case.trace.layout, case.trace.mode))
         # as a drawn example of its layout runs: without the checks a divergence excuses
         run, error = replay_trace(
             case.trace, excused_config(config, engine, case.trace.layout), engine
@@ -168,4 +175,4 @@ def replay_reach(
             return ReachReplay(
                 replayed, case, error, replayed_trace(case.trace, run, error, config)
             )
-    return ReachReplay(replayed)
+    return ReachReplay(replayed, pairs=pairs)

@@ -59,6 +59,22 @@ def test_the_corpus_catches_a_mutant_the_ci_stream_misses(tmp_path) -> None:
     assert result.trace_path is not None and result.trace_path.is_file()
 
 
+def test_the_pairs_a_case_runs_count_in_the_pair_table() -> None:
+    """The case ``lookahead-sparse-retention`` (a window group with lookahead hashes and
+    sparse retention) counts the pair ``lookahead-hashes x retention=sparse`` in the
+    invariants property's pairs with a single drawn example, which is drawn without
+    production settings (so the pair is the case's alone)."""
+    engine = resolve_engine("reference")
+    config = CheckConfig(engine="reference")
+    one = settings(settings.get_profile("ci"), max_examples=1)
+    with_corpus = run_property("invariants", config, one, None, engine)
+    assert with_corpus.reach >= 1
+    assert with_corpus.pairs.get(("lookahead-hashes", "retention=sparse"), 0) >= 1
+    off = CheckConfig(engine="reference", reach_corpus=False)
+    without = run_property("invariants", off, one, None, engine)
+    assert ("lookahead-hashes", "retention=sparse") not in without.pairs
+
+
 def test_reach_add_takes_a_good_trace_and_refuses_a_broken_one(tmp_path) -> None:
     layout = KVCacheLayout(
         (KVCacheGroup(("l0",), FullAttentionSpec(block_size=4)),), num_blocks=3, max_model_len=64
