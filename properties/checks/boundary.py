@@ -39,7 +39,6 @@ from properties.core.engine import (
     CacheHit,
     CallTimeoutError,
     CommitsSteps,
-    CopiesBlocks,
     EngineError,
     ExposesCachedBlocks,
     ExposesFreeQueue,
@@ -318,16 +317,6 @@ class _HostTier:
         return answers.check_host_transfers(f"{self.name}: {what}", raw, self.layout)
 
 
-class _BlockCopies:
-    def pending_block_copies(self) -> list[tuple[int, int]]:
-        raw = self._call("pending_block_copies()", self.inner.pending_block_copies)
-        return answers.check_block_copies(f"{self.name}: pending_block_copies()", raw, self.layout)
-
-    def take_block_copies(self) -> list[tuple[int, int]]:
-        raw = self._call("take_block_copies()", self.inner.take_block_copies)
-        return answers.check_block_copies(f"{self.name}: take_block_copies()", raw, self.layout)
-
-
 #: The capabilities the boundary passes on, each call validated; the data plane is not
 #: offered through it.
 EngineBoundary.CAPABILITIES = (
@@ -341,7 +330,6 @@ EngineBoundary.CAPABILITIES = (
     (ReportsAllocationEstimate, _AllocationEstimate),
     (ReportsPools, _Pools),
     (OwnsHostTier, _HostTier),
-    (CopiesBlocks, _BlockCopies),
 )
 
 

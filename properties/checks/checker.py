@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from properties.checks.invariants import read_ranges
 from properties.checks.mamba_states import settle_copy, step_state_writes
 from properties.checks.oracles import OVERWRITTEN, SlotContent
 from properties.checks.registry import (
@@ -52,7 +51,7 @@ from properties.core.engine import (
 )
 from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
-from reference.specs import MambaSpec, RSWASpec, cdiv
+from reference.specs import MambaSpec, cdiv
 
 #: The checks that compare the ref counts or free queue before a call with after it
 #: (H5, A1): the only readers of a full snapshot.
@@ -133,23 +132,9 @@ class Checker:
 
     # -- events ---------------------------------------------------------------------
     def on_add(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        salt: str | None,
-        lora: str | None,
-        mm_items: tuple = (),
-        prompt_embeds: tuple[int, ...] | None = None,
+        self, request_id: str, token_ids: Sequence[int], salt: str | None, lora: str | None
     ) -> None:
-        self.state.requests[request_id] = TrackedRequest(
-            request_id,
-            list(token_ids),
-            salt,
-            lora,
-            mm_items=tuple(mm_items),
-            prompt_embeds=prompt_embeds,
-            num_prompt_tokens=len(token_ids),
-        )
+        self.state.requests[request_id] = TrackedRequest(request_id, list(token_ids), salt, lora)
 
     def on_lookup(self, request_id: str, hit: CacheHit, before: Snapshot) -> None:
         req = self.state.requests[request_id]
@@ -194,20 +179,10 @@ class Checker:
         if self._shadowed:
             req.refresh_ids()
         table = self.state.table_of(request_id)
-        copies, held = self._learn_copies()
         mml = self.state.layout.max_model_len
         main = min(start, mml) + num_new_tokens
         allocated = AllocateEvent(
-            req,
-            table,
-            tables_before,
-            main + num_lookahead_tokens,
-            main,
-            estimate,
-            mml,
-            start,
-            copies,
-            held,
+            req, table, tables_before, main + num_lookahead_tokens, main, estimate, mml, start
         )
         self._run("table", allocated)
         others = OtherTables(self.state, request_id)
@@ -223,30 +198,8 @@ class Checker:
                 self._record_writes(req, gid, row, start, end)
         if self._shadowed:
             # what the tokens read, worked out only if a step of them goes in flight
-            self.state.last_reads[request_id] = (table, start, end, req.num_prompt_tokens)
+            self.state.last_reads[request_id] = (table, start, end)
         self._run("allocate", allocated)
-        self.check_pool()
-
-    def _learn_copies(self) -> tuple[tuple[tuple[int, int], ...], frozenset[int]]:
-        """The block copies the allocation just made queued (an engine with
-        :class:`properties.core.engine.CopiesBlocks`): the pending ones the checks did not
-        know, and the blocks the earlier ones held. The shadow copies each block now,
-        before the step's writes (the engine's copy runs before the step does)."""
-        if not self.state.has_copies:
-            return (), frozenset()
-        held = frozenset(self.state.copy_holds())
-        known = set(self.state.pending_block_copies)
-        new = tuple(p for p in self.state.engine.pending_block_copies() if p not in known)
-        for source, destination in new:
-            self.state.pending_block_copies.append((source, destination))
-            if self._shadowed:
-                self.state.shadow.copy(source, destination)
-        return new, held
-
-    def on_copies_taken(self, copies: Sequence[tuple[int, int]]) -> None:
-        """``take_block_copies`` returned: the copies ran (the shadow made them when they
-        were queued) and the engine released what it held for them."""
-        self.state.pending_block_copies.clear()
         self.check_pool()
 
     def _record_writes(
@@ -259,8 +212,6 @@ class Checker:
         (:meth:`on_append`)."""
         spec = self.state.layout.groups[gid].spec
         bs = spec.block_size
-        if not spec.uses_slot_mapping:
-            return  # a circular buffer's ring: no content by position
         if isinstance(spec, MambaSpec):
             drafts = req.num_drafts
             layout = self.state.layout
@@ -300,10 +251,7 @@ class Checker:
         the request's blocks: the shadow learns each loaded slot holds the content of
         its prefix (slots in null entries, below a sliding window, are not loaded)."""
         for gid, row in enumerate(table):
-            spec = self.state.layout.groups[gid].spec
-            if not spec.uses_slot_mapping:
-                continue  # a circular buffer's ring
-            bs = spec.block_size
+            bs = self.state.layout.groups[gid].spec.block_size
             stop = min(end, len(row) * bs)
             p = start
             while p < stop:  # block by block
@@ -345,31 +293,21 @@ class Checker:
                 content = copy.get(offset, SlotContent(t.group_id, OVERWRITTEN))
                 state.shadow.write(t.group_id, t.device_block, offset, content.prefix_id)
 
-    def _reads(
-        self, table: BlockIds, start: int, end: int, num_prompt_tokens: int
-    ) -> frozenset[tuple[int, int, int]]:
+    def _reads(self, table: BlockIds, start: int, end: int) -> frozenset[tuple[int, int, int]]:
         """The ``(group, index, block)`` entries the tokens ``[start, end)`` read: from
         the first key of ``start``'s window (Mamba: the state before ``start``) to the
-        block of ``end - 1`` (R-SWA: the prompt's blocks and the window's from ``start``'s
-        first key, :func:`properties.checks.invariants.read_ranges`); null entries
-        excluded."""
+        block of ``end - 1``; null entries excluded."""
         out = set()
         for gid, row in enumerate(table):
             spec = self.state.layout.groups[gid].spec
             bs = spec.block_size
-            if not spec.uses_slot_mapping:
-                ranges = [(0, 1)]  # the ring
-            elif isinstance(spec, MambaSpec):
-                ranges = [(max(0, cdiv(start, bs) - 1), cdiv(end, bs))]
-            elif isinstance(spec, RSWASpec):
-                (p0, p1), (w0, _) = read_ranges(spec, start, num_prompt_tokens)
-                ranges = [(p0 // bs, cdiv(p1, bs)), (w0 // bs, cdiv(end, bs))]
+            if isinstance(spec, MambaSpec):
+                first = max(0, cdiv(start, bs) - 1)
             else:
-                ranges = [(spec.hit_context_start(start) // bs, cdiv(end, bs))]
-            for first, last in ranges:
-                for i in range(first, min(last, len(row))):
-                    if row[i] != 0:
-                        out.add((gid, i, row[i]))
+                first = spec.hit_context_start(start) // bs
+            for i in range(first, min(cdiv(end, bs), len(row))):
+                if row[i] != 0:
+                    out.add((gid, i, row[i]))
         return frozenset(out)
 
     def on_in_flight(
