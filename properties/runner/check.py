@@ -657,7 +657,9 @@ def _run_determinism(
     except BaseException as exc:  # noqa: BLE001 - every failure is reported
         error = exc
         trace = failing.get("trace")
-        kind, failure, path, note = _report(exc, counts["examples"], trace, trace, config, seed)
+        kind, failure, path, note = _report(
+            exc, counts["examples"], trace, trace, config, seed, engine
+        )
     return PropertyResult(
         "determinism",
         counts["examples"],

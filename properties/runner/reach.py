@@ -40,6 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from properties.core.engine import UnsupportedLayoutError
 from properties.core.json_input import InputError, read_json
 from properties.core.trace import Trace, TraceFormatError, trace_from_json, trace_to_json
 from properties.engines.under_test import EngineUnderTest
@@ -47,6 +48,7 @@ from properties.runner.config import CheckConfig
 from properties.runner.pairs import Declared, count_pairs, features
 from properties.runner.run import replay_trace
 from reference.errors import KVConformError
+from reference.specs import MambaSpec
 
 REACH_FORMAT = "kvconform-reach/1"
 #: The corpus shipped with the package.
@@ -126,6 +128,8 @@ def runnable_cases(
     for case in cases:
         if any(declared.supports(f) is not None for f in case.features()):
             continue
+        if _uses_mamba_modes(case.trace.layout) and "mamba_modes" not in declared.settings:
+            continue  # a Mamba mode, speculative or checkpoint blocks: a production setting
         if any(
             not d.checks and d.applies_to(case.trace.layout, case.trace.mode)
             for d in engine.known_divergences
@@ -133,6 +137,16 @@ def runnable_cases(
             continue  # a documented behaviour of the engine (its finding), never a failure
         kept.append(case)
     return kept
+
+
+def _uses_mamba_modes(layout) -> bool:
+    """Whether a Mamba group of ``layout`` leaves the default settings (align mode, no
+    speculative or prefill checkpoint blocks): the ``mamba_modes`` production setting."""
+    return any(
+        isinstance(s, MambaSpec)
+        and (not s.is_align or s.num_speculative_blocks or s.num_prefill_checkpoint_blocks)
+        for s in layout.specs
+    )
 
 
 @dataclass
@@ -165,12 +179,14 @@ def replay_reach(
     replayed = 0
     pairs: dict[tuple[str, str], int] = {}
     for case in runnable_cases(cases, engine, serving):
-        replayed += 1
-        count_pairs(pairs, features(case.trace.layout, case.trace.mode))
         # as a drawn example of its layout runs: without the checks a divergence excuses
         run, error = replay_trace(
             case.trace, excused_config(config, engine, case.trace.layout), engine
         )
+        if run is None and isinstance(error, UnsupportedLayoutError):
+            continue  # a layout the engine refuses is not a case for it (as in a draw)
+        replayed += 1
+        count_pairs(pairs, features(case.trace.layout, case.trace.mode))
         if error is not None:
             return ReachReplay(
                 replayed, case, error, replayed_trace(case.trace, run, error, config)

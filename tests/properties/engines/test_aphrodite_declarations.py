@@ -85,10 +85,4 @@ def test_the_factory_declares_aphrodite_s_modules_and_every_setting() -> None:
             "kv_cache_utils",
         )
     )
-    assert make_engine.production_settings == {
-        "retention",
-        "eagle",
-        "admission_cap",
-        "external",
-        "mamba_modes",
-    }
+    assert make_engine.production_settings == {"retention", "eagle", "admission_cap", "external"}
