@@ -177,22 +177,6 @@ class ShadowCache:
         ``write(0, 7, 3, h)`` in a bs-4 group, ``blocks_ending(0, h) == {7}``."""
         return self._ends.get((group_id, prefix_id), set())
 
-    def block(self, group_id: int, block_id: int) -> dict[int, SlotContent]:
-        """A copy of every written slot of a block (offset -> content; Mamba: -1).
-        Example: after ``write(0, 7, 1, h)``, ``block(0, 7) == {1: SlotContent(0, h)}``."""
-        key = self._key(group_id, block_id)
-        out: dict[int, SlotContent] = {}
-        groups = self._groups.get(key)
-        if groups is not None:
-            prefixes = self._prefixes[key]
-            for offset, gid in enumerate(groups):
-                if gid is not None:
-                    out[offset] = SlotContent(gid, prefixes[offset])
-        state = self._states.get(key)
-        if state is not None:
-            out[-1] = state
-        return out
-
     def read(self, group_id: int, block_id: int, offset: int) -> SlotContent | None:
         key = self._key(group_id, block_id)
         if offset < 0:

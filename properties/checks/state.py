@@ -12,13 +12,7 @@ never change it. One event dataclass per moment a check can run:
 * :class:`FailedAllocationEvent`: after ``allocate_slots`` returned ``None``;
 * :class:`CommitEvent`: after ``cache_blocks`` (the scheduler commits processed tokens);
 * :class:`FreeEvent`, :class:`ResetEvent`: after ``free`` and ``reset_prefix_cache``;
-* :class:`PoolEvent`: after every allocation and free, the pool as a whole;
-* :class:`HostTransferEvent`: after any call of an engine with its own host tier
-  (``OwnsHostTier``), each copy it made between the tiers, before the shadow follows it.
-
-The shadow follows the content of every block through an engine's own host tier:
-:attr:`CheckState.host_shadow` holds, per ``(group, host block)``, what a ``write`` copied
-there (the device block's slots then); a ``load`` copies it back into the device block.
+* :class:`PoolEvent`: after every allocation and free, the pool as a whole.
 """
 
 from __future__ import annotations
@@ -26,17 +20,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from properties.checks.oracles import ShadowCache, SlotContent, extend_prefix_ids
+from properties.checks.oracles import ShadowCache, extend_prefix_ids
 from properties.core.engine import (
     BlockIds,
     CacheHit,
     ExposesCachedBlocks,
     ExposesFreeQueue,
     ExposesRefCounts,
-    HostPoolUsage,
-    HostTransfer,
     KVCacheEngine,
-    OwnsHostTier,
     PoolUsage,
     ReportsAllocationEstimate,
     ReportsPools,
@@ -111,14 +102,6 @@ class CheckState:
         self.has_cached = isinstance(engine, ExposesCachedBlocks)
         self.has_estimate = isinstance(engine, ReportsAllocationEstimate)
         self.has_pools = isinstance(engine, ReportsPools)
-        self.has_host_tier = isinstance(engine, OwnsHostTier)
-        #: an engine's own host tier: ``(group, host block)`` -> the slots a ``write`` copied
-        #: there (offset -> content), as the device block held them then
-        self.host_shadow: dict[tuple[int, int], dict[int, SlotContent]] = {}
-        #: its storage tier (L3): ``(group, storage key)`` -> what a ``store`` copied there
-        self.storage_shadow: dict[tuple[int, str], dict[int, SlotContent]] = {}
-        #: ``(group, device block)`` of every ``load`` the engine's last call made
-        self.loaded_now: set[tuple[int, int]] = set()
         self.alignment = layout.cache_hit_alignment
         #: the free count of the fresh engine: every block free or reclaimable
         self.initial_free = engine.num_free_blocks()
@@ -149,7 +132,6 @@ class CheckState:
             ("allocation_estimate", self.has_estimate),
             ("shared_pool", self.shared_pool),
             ("pools", self.has_pools),
-            ("host_tier", self.has_host_tier),
         )
         return frozenset(name for name, present in names if present)
 
@@ -197,9 +179,6 @@ class CheckState:
 
     def pools(self) -> tuple[PoolUsage, ...]:
         return self._read("pools", lambda: tuple(self.engine.pool_usage()))
-
-    def host_pools(self) -> tuple[HostPoolUsage, ...]:
-        return self._read("host_pools", lambda: tuple(self.engine.host_pools()))
 
     def table_of(self, request_id: str) -> BlockIds:
         table = self._tables.get(request_id)
@@ -361,9 +340,6 @@ class AllocateEvent:
     num_main: int = 0
     estimate: int | None = None
     max_model_len: int = 0
-    #: the first position the step computes (``computed + hit + external``): the table's
-    #: entries before its block are the request's computed or adopted blocks
-    start: int = 0
 
 
 @dataclass(frozen=True)
@@ -403,14 +379,6 @@ class FreeEvent:
 @dataclass(frozen=True)
 class ResetEvent:
     ok: bool
-
-
-@dataclass(frozen=True)
-class HostTransferEvent:
-    """One copy an engine made between a device block and its own host tier
-    (``OwnsHostTier``), seen before the shadow follows it."""
-
-    transfer: HostTransfer
 
 
 @dataclass(frozen=True)

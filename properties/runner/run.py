@@ -40,9 +40,7 @@ from properties.core.engine import (
     CallTimeoutError,
     EngineError,
     ExposesDataPlane,
-    HostTransfer,
     KVCacheEngine,
-    OwnsHostTier,
     SupportsServingModes,
     UnsupportedLayoutError,
 )
@@ -154,7 +152,7 @@ class TraceRun:
             )
         self.mode = mode
         torch_on_one_thread()  # the engine's and the attention oracle's tensors are small
-        host_tier = connector_host_tier(layout, mode, built)
+        host_tier = connector_host_tier(layout, mode)
         # the engine's batched calls (commit_step, free_requests) are driven and compared,
         # except against a corpus case: it recorded the per-request calls, in their order
         make_lockstep = LockstepEngine if expected is not None else LockstepEngine.around
@@ -171,8 +169,6 @@ class TraceRun:
             host_tier=host_tier,
         )
         self.lockstep.checker.check_every_call = not at_boundaries
-        if self.attention is not None and isinstance(built, OwnsHostTier):
-            self.lockstep.on_host_transfers = self._on_host_transfers
         self.operations: list[Operation] = []
 
     def finish(self) -> None:
@@ -229,16 +225,6 @@ class TraceRun:
         table = self.lockstep.get_block_ids(state.request_id)
         try:
             self.attention.load(state.input, state.token_ids, table, start, end)
-        except AttentionMismatch as exc:
-            raise PropertyViolation("attention", str(exc)) from exc
-
-    def _on_host_transfers(self, transfers: list[HostTransfer]) -> None:
-        """The engine's own host tier copied blocks: the attention check's caches follow."""
-        from properties.checks.attention import AttentionMismatch
-
-        assert self.attention is not None
-        try:
-            self.attention.host_transfers(transfers)
         except AttentionMismatch as exc:
             raise PropertyViolation("attention", str(exc)) from exc
 
