@@ -31,6 +31,7 @@ from typing import Any
 from properties.checks import answers
 from properties.core import current_call
 from properties.core.allocation import Allocation, allocate
+from properties.core.coverage_probe import engine_call_ended, engine_call_started
 from properties.core.deadline import DeadlinePassed, call_deadline, timeout_message
 from properties.core.engine import (
     BlockIds,
@@ -68,6 +69,7 @@ def call_engine(name: str, what: str, timeout: float, fn: Callable, *args: Any) 
     ``what`` (the call as text) and the engine; so does ``sys.exit()`` inside the engine
     (a ``SystemExit`` must never end kvconform with the engine's exit status)."""
     current_call.entered(f"{name}: {what}")
+    engine_call_started()  # --engine-coverage traces engine calls only
     try:
         with call_deadline(timeout, f"{name}: {what}"):
             return fn(*args)
@@ -78,6 +80,7 @@ def call_engine(name: str, what: str, timeout: float, fn: Callable, *args: Any) 
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any engine failure is reported
         raise EngineError(f"{name}: {what} raised {type(exc).__name__}: {exc}") from exc
     finally:
+        engine_call_ended()
         current_call.left()
 
 
@@ -92,6 +95,7 @@ def build_engine(factory: Callable, layout: KVCacheLayout, timeout: float) -> An
     if timeout > 0:
         timeout = max(timeout, MIN_FACTORY_TIMEOUT_S)
     current_call.entered(f"factory {name}(layout)")
+    engine_call_started()
     try:
         with call_deadline(timeout, f"factory {name}(layout)"):
             engine = factory(layout)
@@ -103,6 +107,7 @@ def build_engine(factory: Callable, layout: KVCacheLayout, timeout: float) -> An
             f"(layout {layout.describe()})"
         ) from exc
     finally:
+        engine_call_ended()
         current_call.left()
     missing = [m for m in _REQUIRED if not callable(getattr(engine, m, None))]
     if missing:
