@@ -289,13 +289,8 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine
     # that ends the process (os._exit(0)) is then an engine error, never a silent pass;
     # any engine that runs in this process is forked too: the worker starts with what this
     # process imported (vLLM's import is 7 s of CPU a worker); rule coverage measures a
-    # worker from its start, so it spawns; so does a process running threads (an engine
-    # built here started them, e.g. SGLang's HiCache workers): a forked child would
-    # inherit their locks without them and wait forever
-    import threading
-
-    forkable = engine_runs_here(config) and not args.coverage
-    start_method = "fork" if forkable and threading.active_count() == 1 else "spawn"
+    # worker from its start, so it spawns
+    start_method = "fork" if engine_runs_here(config) and not args.coverage else "spawn"
     with tempfile.TemporaryDirectory(prefix="kvconform-cov-") as tmp:
         try:
             results = run_tasks(
