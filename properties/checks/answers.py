@@ -182,18 +182,34 @@ def check_batch(what: str, value: Any, num_items: int, layout: KVCacheLayout) ->
     return [check_new_blocks(f"{what} (item {i})", r, layout) for i, r in enumerate(value)]
 
 
-def check_new_blocks_are_tail(what: str, new: BlockIds, table: BlockIds) -> None:
-    """The ids ``allocate_slots`` returned end the request's table, group by group.
+def check_new_blocks_are_tail(
+    what: str, new: BlockIds, table: BlockIds, before: BlockIds | None = None
+) -> None:
+    """The ids ``allocate_slots`` returned end the request's table, group by group, after
+    the ids that fill a column the table held as the null block before the call (``before``;
+    the Mamba running state after a draft rollback,
+    :meth:`reference.managers.mamba.MambaManager.allocate_new_blocks`).
 
     Example: new ``((7,),)`` and table ``((3, 7),)`` is fine; table ``((7, 3),)`` raises.
+    Before ``((0, 3),)``, new ``((5, 7),)`` and table ``((5, 3, 7),)`` is fine.
     """
     for gid, (ids, row) in enumerate(zip(new, table)):
-        if ids and tuple(row[len(row) - len(ids) :]) != tuple(ids):
-            raise AnswerError(
-                f"{what} returned new blocks {list(ids)} for group {gid}, but the engine's "
-                f"table of that group then ends with {list(row[-len(ids) :])} "
-                f"(get_block_ids: {list(row)})"
-            )
+        old = before[gid] if before is not None and gid < len(before) else ()
+        filled = tuple(
+            row[i] for i in range(min(len(old), len(row))) if old[i] == 0 and row[i] != 0
+        )
+        tail = tuple(ids[len(filled) :])
+        if not ids or (tuple(ids[: len(filled)]) == filled and _ends_with(row, tail)):
+            continue
+        raise AnswerError(
+            f"{what} returned new blocks {list(ids)} for group {gid}, but the engine's "
+            f"table of that group then ends with {list(row[-len(ids) :])} "
+            f"(get_block_ids: {list(row)})"
+        )
+
+
+def _ends_with(row: tuple[int, ...] | list[int], tail: tuple[int, ...]) -> bool:
+    return not tail or tuple(row[len(row) - len(tail) :]) == tail
 
 
 def check_free_count(what: str, value: Any, layout: KVCacheLayout, shared_pool: bool) -> int:

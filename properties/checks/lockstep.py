@@ -221,7 +221,7 @@ class LockstepEngine(EngineProxy):
         estimate = None
         if result is not None:
             table = self.checker.state.table_of(request_id)
-            check_new_blocks_are_tail(f"{self.engine_name}: {what}", result, table)
+            check_new_blocks_are_tail(f"{self.engine_name}: {what}", result, table, tables_before)
             if self._reports_estimate:
                 estimate = self.engine.last_allocation_estimate()
         self._record(
@@ -312,7 +312,9 @@ class LockstepEngine(EngineProxy):
             )
             if result is not None:
                 table = self.checker.state.table_of(item.request_id)
-                check_new_blocks_are_tail(f"{self.engine_name}: {call}", result, table)
+                check_new_blocks_are_tail(
+                    f"{self.engine_name}: {call}", result, table, tables_before.get(item.request_id)
+                )
             self._record(
                 "allocate_slots",
                 {

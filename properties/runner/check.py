@@ -99,8 +99,15 @@ class FirstFailure:
     tier: str | None = None
     #: what its replay needs beyond the engine and level (:meth:`CheckConfig.replay_options`)
     options: str = ""
+    #: the reach corpus case it was found in (None: the draws)
+    case: str | None = None
 
     def describe(self) -> str:
+        if self.case is not None:
+            return (
+                f"{self.prop}: first failure [{self.check}] in reach corpus case "
+                f"{self.case!r} after {self.seconds:.1f}s"
+            )
         where = f" at the {self.tier} tier" if self.tier else ""
         return (
             f"{self.prop}: first failure [{self.check}]{where} after {self.seconds:.1f}s, "
@@ -201,6 +208,8 @@ def run_property(
     if config.reach_corpus and config.tier == kvst.SMALL:  # what must never be lost, first
         failed, reached, reach_pairs = _replay_reach_corpus(name, config, seed, engine)
         if failed is not None:
+            if on_first_failure is not None and failed.first is not None:
+                on_first_failure(failed.first)
             return failed
     with bounded_shrinking(shrink_seconds):
         if config.tier != kvst.SMALL:
@@ -244,18 +253,25 @@ def _replay_reach_corpus(
         return None, replay.replayed, replay.pairs
     kind, text = _classify(replay.error, 0)
     path, note = _save(replay.trace, config, seed, engine)
+    seconds = time.perf_counter() - started
+    check = failed_check(replay.error)
     result = PropertyResult(
         name,
         0,
         0,
-        time.perf_counter() - started,
+        seconds,
         f"{text}\n(reach corpus case {replay.failed.name!r}: {replay.failed.why})",
         path,
         kind,
         note,
-        check=failed_check(replay.error),
+        check=check,
     )
     result.reach = replay.replayed
+    first = FirstFailure(
+        name, check or "?", seconds, 0, 0, path, config.engine, config.level, replay.trace
+    )
+    first.kind, first.case, first.options = kind, replay.failed.name, config.replay_options()
+    result.first = first
     return result, replay.replayed, replay.pairs
 
 

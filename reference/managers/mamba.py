@@ -18,7 +18,8 @@ lie before the running state are **relocated**: each is appended to the row and 
 column becomes null (no block is taken for them); then fresh blocks fill the row up to
 ``required``. The call returns the relocated and fresh blocks. At most ``1 + checkpoint
 (+ k on the first allocation)`` blocks are taken per step; a row already as long as
-``required`` takes nothing (unless a checkpoint is reserved). The previous running
+``required`` takes nothing (unless a checkpoint is reserved, or a draft rollback left
+its running-state column null: then it takes one block there). The previous running
 state column (``len - 1 - k`` before the step, or ``len - 1`` for a hit's state) is
 remembered; ``remove_skipped_blocks(n)`` frees every real block before column
 ``(n - 1) // bs`` (skipping null gaps, never revisiting retired columns) and also that
@@ -203,6 +204,8 @@ class MambaManager(SingleTypeKVCacheManager):
                     self.num_speculative_blocks,
                 ),
             )
+        else:  # a row as long as required: at most the null running column's block
+            num_new = int(position == 0 and self._null_running_column(row, required) is not None)
         evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return max(num_new, 0) + evictable
 
@@ -219,7 +222,12 @@ class MambaManager(SingleTypeKVCacheManager):
         reserved = int(request_id in self.checkpoints)
         if required <= len(blocks) and not reserved:
             self.allocated_requests.add(request_id)
-            return []
+            column = self._null_running_column(blocks, required)
+            if column is None:
+                return []
+            (fresh,) = self.block_pool.get_new_blocks(1)
+            blocks[column] = fresh
+            return [fresh]
         held = len(blocks)
         allocated = request_id in self.allocated_requests
         if allocated:
@@ -238,6 +246,17 @@ class MambaManager(SingleTypeKVCacheManager):
         blocks.extend(new_blocks)
         self.allocated_requests.add(request_id)
         return moved + new_blocks
+
+    def _null_running_column(self, row: Sequence[KVCacheBlock], required: int) -> int | None:
+        """The running-state column ``required - k - 1`` of a row at least as long as
+        ``required`` when it is null, else None. A draft rollback leaves it null: the
+        step writes the state at ``cdiv(main, bs) - 1``, a column the draft step left
+        behind, and takes one fresh block there. Example, bs 1, k 2: a draft step to 25
+        leaves ``[.., 0, s, x, y]`` (columns 23-26); the drafts are rejected and the next
+        step ends at 24 (``required`` 26): column 23 is null and gets a new block ``n``:
+        ``[.., n, s, x, y]``."""
+        column = required - self.num_speculative_blocks - 1
+        return column if 0 <= column < len(row) and row[column].is_null else None
 
     def _relocate(self, blocks: BlockList, column: int) -> None:
         """Move the speculative block at ``column`` to the end of the row (its column

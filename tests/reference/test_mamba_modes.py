@@ -155,6 +155,37 @@ def check_estimate_never_below_zero_after_a_draft_rollback(
     assert eng.get_block_ids("r") == ((0, 1, 2, 3, 4, 5, 6),)
 
 
+def check_rollback_fills_a_null_running_state_column(make: Factory = ReferenceEngine) -> None:
+    # bs 1, k 2, prompt 6: required 6 + 2 = 8: nulls at 0-4, state 1 at 5, spec 2, 3
+    spec = MambaSpec(block_size=1, num_speculative_blocks=2)
+    eng = make(_layout(spec, enable_caching=False))
+    eng.add_request(RequestInput("r", tuple(range(6))))
+    assert eng.allocate_slots("r", 6) == ((1, 2, 3),)
+    eng.set_num_computed_tokens("r", 6)
+    eng.append_output_tokens("r", [100])
+    # a decode at 6 with 2 drafts: main 9, required 11, running column 8: the speculative
+    # blocks 2 and 3 move to columns 8 and 9 (6 and 7 become null), block 4 at 10
+    eng.new_step()
+    eng.set_in_flight("r", 0, 2)
+    assert eng.allocate_slots("r", 3) == ((2, 3, 4),)
+    assert eng.get_block_ids("r") == ((0, 0, 0, 0, 0, 1, 0, 0, 2, 3, 4),)
+    # both drafts rejected: computed 7 (state 1 at column 5 is freed, unhashed: to the
+    # front of the queue); one token, main 8: required 10 < 11 held, but the running
+    # column 7 is null: one fresh block there, block 1 again (vLLM 0.33 takes none and
+    # the worker saves the state into the null block)
+    eng.set_num_computed_tokens("r", 7)
+    eng.set_in_flight("r", 0, 0)
+    eng.append_output_tokens("r", [101])
+    eng.new_step()
+    assert eng.allocate_slots("r", 1) == ((1,),)
+    assert eng.last_allocation_estimate() == 1
+    assert eng.get_block_ids("r") == ((0, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4),)
+
+
+def test_rollback_fills_a_null_running_state_column() -> None:
+    check_rollback_fills_a_null_running_state_column()
+
+
 # -- prefill checkpoints --------------------------------------------------------------
 
 

@@ -252,7 +252,7 @@ BROKEN: dict[str, tuple[str, Callable, str]] = {
     "raises_add": (
         "add_request",
         _raise(KeyError("no room")),
-        "add_request('r0') raised KeyError",
+        "raised KeyError: 'no room'",
     ),
     "raises_allocate": (
         "allocate_slots",

@@ -246,7 +246,9 @@ def test_signal_after_a_failure_keeps_and_reports_it(tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == EXIT_FAILED, seen + out + err
-    assert time.monotonic() - start < 5
+    # a liveness bound: left alone the shrink goes on for 30 s; 20 s leaves room for two
+    # loaded cores
+    assert time.monotonic() - start < 20
     (path,) = saved_traces(tmp_path)
     assert "found before the stop: invariants: first failure [pool_accounting]" in out
     assert f"trace: {path}" in out
@@ -441,11 +443,11 @@ def test_signal_stops_bench_with_a_summary_of_the_rows_finished():
         stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     _read_until(proc, "bench: ")
-    start = time.monotonic()
     os.killpg(proc.pid, signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    # the whole bench runs for minutes; the stop ends it within the timeout (a bound a
+    # loaded machine cannot fail by being slow)
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_TERMINATED, out + err
-    assert time.monotonic() - start < 5
     line = next(x for x in out.splitlines() if x.startswith("stopped by SIGTERM: "))
     finished = int(line.split(": ")[1].split()[0])
     assert finished >= 1 and line.endswith("rows finished before the stop")

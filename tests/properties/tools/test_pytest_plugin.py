@@ -49,7 +49,7 @@ def test_plugin_changes_no_hypothesis_setting_unless_asked(tmp_path) -> None:
 def test_conformance_module_runs_every_property(tmp_path) -> None:
     result = _pytest(
         tmp_path, "--pyargs", "properties.tools.conformance", "--kv-engine", "reference",
-        "--kv-level", "exact", "--kv-profile", "dev",
+        "--kv-level", "exact", "--kv-profile", "dev", "--kv-seed", "1",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     # a test per property and one per check it ran (none failed)
