@@ -267,8 +267,10 @@ def _replay_reach_corpus(
         check=check,
     )
     result.reach = replay.replayed
+    error = _first_error(replay.error)
+    label = getattr(error, "name", type(error).__name__)  # as a drawn example's is named
     first = FirstFailure(
-        name, check or "?", seconds, 0, 0, path, config.engine, config.level, replay.trace
+        name, label, seconds, 0, 0, path, config.engine, config.level, replay.trace
     )
     first.kind, first.case, first.options = kind, replay.failed.name, config.replay_options()
     result.first = first
