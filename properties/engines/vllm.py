@@ -696,17 +696,20 @@ class VLLMEngine:
         )
         if new is None:
             return None
-        adopted = set() if hit is None else {b for row in hit.block_ids for b in row}
+        hit_rows = () if hit is None else hit.block_ids
         after = self.manager.get_block_ids(request_id)
-        # per position: a block freed from the row (a window's skipped block) may come
-        # back at another position in the same call, so a set difference would miss it
+        # per position: a block freed from the row (a window's skipped block, a hit's
+        # block among them) may come back at another position in the same call, so a
+        # set difference would miss it
         added = tuple(
             tuple(
                 b
                 for i, b in enumerate(row)
-                if b and (i >= len(old) or old[i] != b) and b not in adopted
+                if b
+                and (i >= len(old) or old[i] != b)
+                and not (g < len(hit_rows) and i < len(hit_rows[g]) and hit_rows[g][i] == b)
             )
-            for old, row in zip(before, after)
+            for g, (old, row) in enumerate(zip(before, after))
         )
         self._added.append(added)
         self._lifecycles.adopted(b for row in (hit.block_ids if hit else ()) for b in row if b)
