@@ -712,7 +712,7 @@ class VLLMEngine:
             for g, (old, row) in enumerate(zip(before, after))
         )
         self._added.append(added)
-        self._lifecycles.adopted(b for row in (hit.block_ids if hit else ()) for b in row if b)
+        self._lifecycles.adopted(b for row in hit_rows for b in row if b)
         self._lifecycles.handed_out(b for row in added for b in row)
         if hit is not None:
             # vLLM's scheduler records the lookup at admission (allocation succeeded)

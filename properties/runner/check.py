@@ -55,7 +55,7 @@ from properties.engines.under_test import EngineUnderTest
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
 from properties.runner.flaky import not_reproduced
-from properties.runner.machine import RunStats, machine_for
+from properties.runner.machine import RunStats, failure_label, machine_for
 from properties.runner.progress import Ticker
 from properties.runner.run import (
     RunStopped,
@@ -267,8 +267,7 @@ def _replay_reach_corpus(
         check=check,
     )
     result.reach = replay.replayed
-    error = _first_error(replay.error)
-    label = getattr(error, "name", type(error).__name__)  # as a drawn example's is named
+    label = failure_label(_first_error(replay.error))
     first = FirstFailure(
         name, label, seconds, 0, 0, path, config.engine, config.level, replay.trace
     )

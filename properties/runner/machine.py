@@ -51,6 +51,13 @@ from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
 
 
+def failure_label(exc: BaseException) -> str:
+    """How a first failure is named: the check a violation reports, else the error's type.
+    Example: a ``PropertyViolation("hit_bounds", ...)`` is ``hit_bounds``; an
+    ``EngineError`` is ``EngineError``."""
+    return getattr(exc, "name", type(exc).__name__)
+
+
 @dataclass
 class RunStats:
     """Counts of one machine class's runs; its first failure as it happened,
@@ -191,7 +198,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                     stats.steps + 1,
                     stats.examples,
                     time.perf_counter(),
-                    getattr(exc, "name", type(exc).__name__),
+                    failure_label(exc),
                 )
                 stats.first_trace = stats.last_failure
                 if stats.on_first_failure is not None:
