@@ -16,7 +16,17 @@ Rules:
 * ``touch`` revives a cached free block (removes it from the queue) and counts a
   reference. Several blocks may share one key (no de-duplication); a lookup takes
   the earliest inserted.
+* A block has at most one *primary* key (``cache_key``, with the prefix length it ends,
+  ``num_cached_tokens``) and any number of *secondary* keys: partial entries registered
+  on a block that already had a primary key (:meth:`BlockPool.cache_partial_block`).
+  Every key of a block leaves the map with it (eviction, promotion, reset).
 * ``reset_prefix_cache`` succeeds only when no request holds a block.
+
+Worked example of the keys (H 4, one block ``b`` of 8 tokens): ``cache_partial_block(b,
+h12, 0, 12)`` (a sub-block prefix of 12 tokens ends inside ``b``) makes ``h12`` its primary
+key (12 tokens); ``cache_full_block(b, h16, 0, 16)`` promotes it (``h12`` leaves the map,
+``h16`` becomes the primary key of 16 tokens); a later ``cache_partial_block(b, h12, 0,
+12)`` adds ``h12`` back as a secondary key (``b`` keeps ``h16``): both keys find ``b``.
 """
 
 from __future__ import annotations
@@ -42,6 +52,8 @@ class KVCacheBlock:
     cache_key: bytes | None = None
     num_cached_tokens: int = 0
     is_null: bool = False
+    #: keys of partial entries registered after the primary key, in insertion order
+    secondary_keys: list[bytes] = field(default_factory=list, repr=False)
     prev_free: KVCacheBlock | None = field(default=None, repr=False)
     next_free: KVCacheBlock | None = field(default=None, repr=False)
 
@@ -148,18 +160,34 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
-    def _evict(self, block: KVCacheBlock) -> bool:
-        key = block.cache_key
-        if key is None:
-            return False
-        entries = self.cached.get(key)
-        if entries is not None:  # pragma: no branch - a block's key is always in the map
-            entries.pop(block.block_id, None)
-            if not entries:
-                del self.cached[key]
+    def _evict(self, block: KVCacheBlock) -> list[bytes]:
+        """Remove every key of ``block`` (primary first, then the secondary ones in
+        the order they were added) from the map; returns them."""
+        keys = [] if block.cache_key is None else [block.cache_key]
+        keys += block.secondary_keys
+        for key in keys:
+            entries = self.cached.get(key)
+            if entries is not None:  # pragma: no branch - a block's key is always in the map
+                entries.pop(block.block_id, None)
+                if not entries:
+                    del self.cached[key]
         block.cache_key = None
         block.num_cached_tokens = 0
-        return True
+        block.secondary_keys = []
+        return keys
+
+    def _insert(self, key: bytes, block: KVCacheBlock, num_tokens: int) -> None:
+        """Index ``block`` under ``key``: its primary key when it has none (``num_tokens``
+        recorded), else a secondary key; nothing when it already holds ``key``."""
+        entries = self.cached.setdefault(key, {})
+        if block.cache_key == key or block.block_id in entries:
+            return
+        if block.cache_key is None:
+            block.cache_key = key
+            block.num_cached_tokens = num_tokens
+        else:
+            block.secondary_keys.append(key)
+        entries[block.block_id] = block
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Count one more reference; a free (cached) block leaves the free queue."""
@@ -185,27 +213,64 @@ class BlockPool:
         self.free_block_queue.prepend_n(front)
         self.free_block_queue.append_n(back)
 
-    def cache_block(
+    def cache_full_block(
         self, block: KVCacheBlock, block_hash: bytes, group_id: int, num_tokens: int
     ) -> None:
-        """Register ``block`` (prefix of ``num_tokens`` tokens) under ``block_hash``.
-
-        Null blocks are never cached. A block that already carries a key for a
-        shorter prefix (a partial-tail entry) is promoted: the old key is dropped.
-        A block whose key covers at least ``num_tokens`` keeps it.
-        """
+        """Register the full ``block`` (the prefix of ``num_tokens`` tokens ending at its
+        end) under ``block_hash``. Null blocks are never cached. A block that carries
+        the keys of a partial entry (a shorter prefix ending inside it) is promoted:
+        those keys leave the map first. Example: ``b`` keyed ``h12`` (12 tokens) cached
+        in full at 16 -> only ``h16`` finds it."""
         if block.is_null:
             return
         if block.cache_key is not None:
-            # a partial-tail key only lands on a block already registered in full (the
-            # request's hashes cover every cacheable token), so no promotion happens
-            if block.num_cached_tokens >= num_tokens:  # pragma: no branch - see above
-                return
-            self._evict(block)  # pragma: no cover - see above
+            if block.num_cached_tokens >= num_tokens:  # pragma: no cover - see below
+                # a full block is registered once, after at most a partial entry
+                raise KVConformError(
+                    f"block {block.block_id} is cached in full again ({num_tokens} tokens; "
+                    f"its key covers {block.num_cached_tokens})"
+                )
+            self._evict(block)
+        self._insert(cache_key(block_hash, group_id), block, num_tokens)
+
+    def cache_partial_block(
+        self,
+        block: KVCacheBlock,
+        block_hash: bytes,
+        group_id: int,
+        num_tokens: int,
+        replace_existing: bool = False,
+    ) -> bytes | None:
+        """A partial entry: the prefix of ``num_tokens`` tokens (a multiple of the hash
+        block size) ends inside ``block``, which a lookup of that prefix may hit (a
+        sub-block hit, or the partial tail of a prompt). Returns the key, or None for
+        the null block.
+
+        ``replace_existing``: the block's content was replaced, every key it had leaves
+        the map first. Otherwise a block whose primary key is a shorter prefix loses its
+        keys (the new one supersedes them); a block whose primary key is at least as
+        long keeps it and gets ``block_hash`` as a secondary key. Example (H 4):
+        ``b`` keyed ``h16`` (16 tokens), ``cache_partial_block(b, h12, 0, 12)`` -> ``b``
+        found by both ``h16`` and ``h12``, its primary key still ``h16``.
+        """
+        if block.is_null:  # pragma: no cover - callers pass the table's real blocks
+            return None
         key = cache_key(block_hash, group_id)
-        block.cache_key = key
-        block.num_cached_tokens = num_tokens
-        self.cached.setdefault(key, {})[block.block_id] = block
+        already = block.cache_key == key or block.block_id in self.cached.get(key, {})
+        shorter = block.cache_key is not None and block.num_cached_tokens < num_tokens
+        if replace_existing or (shorter and not already):
+            self._evict(block)
+        self._insert(key, block, num_tokens)
+        return key
+
+    def move_keys(self, source: KVCacheBlock, target: KVCacheBlock) -> None:
+        """Every key of ``source`` now finds ``target`` instead (``target`` has none):
+        the first (``source``'s primary key) becomes ``target``'s primary key with
+        ``source``'s prefix length, the others its secondary keys. The copy-on-write of a
+        request that keeps writing ``source`` (:mod:`reference.managers.mamba`)."""
+        num_tokens = source.num_cached_tokens
+        for key in self._evict(source):
+            self._insert(key, target, num_tokens)
 
     def get_cached_block(
         self, block_hash: bytes, group_ids: Sequence[int]
@@ -238,6 +303,7 @@ class BlockPool:
         for block in self.blocks:
             block.cache_key = None
             block.num_cached_tokens = 0
+            block.secondary_keys = []
         return True
 
     def ref_counts(self) -> dict[int, int]:

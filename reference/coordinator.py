@@ -15,11 +15,12 @@
   spec group gave: a shared prefix some group caches but another does not (the
   manager turns it into the request's ``shared_prefix_boundary``).
 
-  EAGLE: a spec group that drops looks ``bs`` tokens beyond the candidate (capped at
-  the hashed tokens) and drops them, proving the block past the boundary exists; it
-  drops at most once per candidate length (``verified``, cleared when a group without
-  the drop shrinks the candidate). A Mamba spec group of the EAGLE groups looks no
-  further than the candidate (its hit never drops) but counts as verified.
+  EAGLE: a spec group that drops looks ``bs`` tokens beyond the candidate (one hash
+  block for a fine-grained group with partial hits; capped at the hashed tokens) and
+  drops them, proving the block past the boundary exists; it drops at most once per
+  candidate length (``verified``, cleared when a group without the drop shrinks the
+  candidate). A Mamba spec group of the EAGLE groups looks no further than the
+  candidate (its hit never drops) but counts as verified.
 
   Worked example: full (bs 4) + SWA (w 5, bs 4), ``max 15``. Full hits 12 (3 blocks).
   SWA, asked for ``<= 12``, needs blocks 1 and 2 (``cdiv(4, 4) = 1``... one block
@@ -102,6 +103,7 @@ class KVCacheCoordinator:
         num_tokens_main: int,
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
+        num_local_computed_tokens: int = 0,
     ) -> int:
         """The blocks every group needs (summed). ``prefill_end``: where the request's
         prefill ends (``max(P, N - 1)``); only sparse retention (interval 0) passes it on
@@ -118,6 +120,7 @@ class KVCacheCoordinator:
                 num_tokens_main,
                 apply_admission_cap,
                 prefill_end=prefill_end,
+                num_local_computed_tokens=num_local_computed_tokens,
             )
             for i, m in enumerate(self.managers)
         )
@@ -162,9 +165,11 @@ class KVCacheCoordinator:
         for gid, m in enumerate(self.managers):
             m.cache_blocks(request, self.num_cacheable_tokens(num_tokens, gid))
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
         for m in self.managers:
-            m.remove_skipped_blocks(request_id, num_computed_tokens)
+            m.remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
 
     def free(self, request_id: str) -> None:
         for m in self.managers:
@@ -173,6 +178,12 @@ class KVCacheCoordinator:
     def new_step_starts(self) -> None:
         for m in self.managers:
             m.new_step_starts()
+
+    def take_block_copies(self) -> list[tuple[Block, Block]]:
+        """Every group's queued ``(source, copy)`` pairs (copy-on-write of partial hits,
+        :mod:`reference.managers.base`), group by group in order; each group's queue is
+        emptied."""
+        return [pair for m in self.managers for pair in m.take_block_copies()]
 
     def get_blocks(self, request_id: str) -> list[BlockList]:
         return [list(m.req_to_blocks.get(request_id, ())) for m in self.managers]
@@ -244,10 +255,25 @@ def hybrid_coordinator_hit(
             block_hashes, limit, sg.group_ids, pool, sg.spec, alignment, drop
         )
 
-    hashed = len(block_hashes) * coordinator.layout.hash_block_size
+    layout = coordinator.layout
+    hashed = len(block_hashes) * layout.hash_block_size
+
+    def margin(sg: SpecGroup) -> int:
+        fine = layout.partial_hits_enabled and sg.manager_cls.fine_grained_lookup
+        return eagle_proof_margin(sg.spec.block_size, layout.hash_block_size, fine)
+
     return hybrid_cache_hit(
-        coordinator.spec_groups, len(coordinator.managers), max_length, hashed, find
+        coordinator.spec_groups, len(coordinator.managers), max_length, hashed, find, margin
     )
+
+
+def eagle_proof_margin(block_size: int, hash_block_size: int, fine_grained: bool) -> int:
+    """How far past the candidate an EAGLE spec group looks before dropping: one hash
+    block for a fine-grained lookup (partial hits) coarser than the hash block size, else
+    one of its blocks. Example: bs 8, H 4 -> 4 fine-grained, 8 otherwise; bs 4, H 4 -> 4."""
+    if fine_grained and block_size > hash_block_size:
+        return hash_block_size
+    return block_size
 
 
 class HybridCoordinator(KVCacheCoordinator):
@@ -259,10 +285,14 @@ class HybridCoordinator(KVCacheCoordinator):
                 self.managers[gid].use_eagle = sg.use_eagle
 
     def num_cacheable_tokens(self, num_tokens: int, group_id: int) -> int:
-        """Rounded down to the scheduler block size; an EAGLE group caches one block
-        more (its hits read one block past the boundary, then drop it): ``min(n,
-        floor(n/S)*S + bs)`` when ``floor(n/S)*S > 0``. Example: S 4, bs 2, n 11 -> 8,
-        EAGLE 10."""
+        """Rounded down to the scheduler block size (no hit can end elsewhere); with
+        partial hits not rounded at all (a hit may end on any hash boundary, and rounding
+        would register a copied Mamba tail again); an EAGLE group caches one block more
+        (its hits read one block past the boundary, then drop it): ``min(n, floor(n/S)*S +
+        bs)`` when ``floor(n/S)*S > 0``. Example: S 4, bs 2, n 11 -> 8, EAGLE 10; with
+        partial hits 11."""
+        if self.layout.partial_hits_enabled:
+            return num_tokens
         s = self.layout.scheduler_block_size
         aligned = num_tokens // s * s
         m = self.managers[group_id]
@@ -276,10 +306,13 @@ class HybridCoordinator(KVCacheCoordinator):
 def spec_groups_of(managers: Sequence) -> list[SpecGroup]:
     """The managers' groups gathered by equal spec and manager class (a spec group drops
     for EAGLE when any member does), full-attention spec groups first, then in group
-    order. Example: groups full, SWA 4, full, SWA 8 -> ``[full: 0, 2], [SWA 4: 1],
-    [SWA 8: 3]``. Managers need ``spec`` and ``use_eagle``."""
+    order; groups outside prefix caching (circular buffers) are left out. Example: groups
+    full, SWA 4, full, SWA 8 -> ``[full: 0, 2], [SWA 4: 1], [SWA 8: 3]``. Managers need
+    ``spec`` and ``use_eagle``."""
     spec_groups: list[SpecGroup] = []
     for gid, m in enumerate(managers):
+        if not m.spec.prefix_cacheable:
+            continue  # never hits: its hit list stays empty
         for sg in spec_groups:
             if sg.spec == m.spec and sg.manager_cls is type(m):
                 sg.group_ids.append(gid)
@@ -297,12 +330,15 @@ def hybrid_cache_hit(
     max_length: int,
     hashed_tokens: int,
     find: Callable[[SpecGroup, int, bool], tuple[list[list[Block]], int]],
+    margin: Callable[[SpecGroup], int] | None = None,
 ) -> tuple[list[list[Block]], int, int]:
     """The hybrid fixed-point search of the module docstring: ``(blocks per group, hit,
     uncached)``. ``find(spec_group, limit, drop)`` is the spec group's own hit
     ``<= limit`` (``drop``: the EAGLE drop), one block list per member group; both
     engines pass their managers' lookups. ``hashed_tokens`` caps an EAGLE group's look
-    beyond the candidate.
+    beyond the candidate, ``margin(spec_group)`` is how far it looks
+    (:func:`eagle_proof_margin`; its block size by default); a Mamba spec group looks
+    no further (its hit rule never drops).
 
     Worked example (full bs 4 + SWA, max 15): full answers 12 (3 blocks); SWA asked for
     ``<= 12`` answers 8; one full and one other spec group need one pass: hit 8, the
@@ -324,7 +360,8 @@ def hybrid_cache_hit(
             drop = sg.use_eagle and idx not in verified
             limit = candidate
             if drop and not isinstance(sg.spec, MambaSpec):  # a Mamba hit never drops
-                limit = min(candidate + sg.spec.block_size, hashed_tokens)
+                look = sg.spec.block_size if margin is None else margin(sg)
+                limit = min(candidate + look, hashed_tokens)
             found, new = find(sg, limit, drop)
             if drop:
                 verified.add(idx)

@@ -158,10 +158,13 @@ class KVCacheManager(ManagerBookkeeping):
         prompt_token_ids,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        mm_items=(),
+        prompt_embeds=None,
     ) -> Request:
-        """A request whose hashes use this layout's hash block size. An id may not be
-        reused while a request holding blocks under it is not freed (the two would share
-        one block table)."""
+        """A request whose hashes use this layout's hash block size (its multimodal items
+        and prompt embeddings: :mod:`reference.media`). An id may not be reused while a
+        request holding blocks under it is not freed (the two would share one block
+        table)."""
         if request_id in self._holders:
             raise InvalidRequestError(
                 f"make_request: request id {request_id!r} is used twice (the request holding "
@@ -177,6 +180,8 @@ class KVCacheManager(ManagerBookkeeping):
             cache_salt,
             lora_name,
             self.layout.num_hash_lookahead_tokens,
+            mm_items,
+            prompt_embeds,
         )
 
     # -- lookup ----------------------------------------------------------------
@@ -285,16 +290,25 @@ class KVCacheManager(ManagerBookkeeping):
         if full_sequence_must_fit:
             whole = min(request.num_tokens, self.max_model_len)
             need = self.coordinator.get_num_blocks_to_allocate(
-                rid, whole, hits, total, whole, apply_admission_cap=True, prefill_end=prefill_end
+                rid,
+                whole,
+                hits,
+                total,
+                whole,
+                apply_admission_cap=True,
+                prefill_end=prefill_end,
+                num_local_computed_tokens=local,
             )
             if need > self.block_pool.get_num_free_blocks():
                 return None
         main = total + num_new_tokens
         slots = min(main + num_lookahead_tokens, self.max_model_len)
 
-        self.coordinator.remove_skipped_blocks(rid, max(0, total - request.num_in_flight_tokens))
+        self.coordinator.remove_skipped_blocks(
+            rid, max(0, total - request.num_in_flight_tokens), request.num_prompt_tokens
+        )
         need = self.coordinator.get_num_blocks_to_allocate(
-            rid, slots, hits, total, main, prefill_end=prefill_end
+            rid, slots, hits, total, main, prefill_end=prefill_end, num_local_computed_tokens=local
         )
         self.last_num_blocks_to_allocate = need
         if need > self.block_pool.get_num_free_blocks():
@@ -317,6 +331,23 @@ class KVCacheManager(ManagerBookkeeping):
         processed under async scheduling or drafts, with ``num_computed -
         num_in_flight`` tokens (rejected drafts already rolled back)."""
         self.coordinator.cache_blocks(request, num_tokens)
+
+    def pending_block_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """The ``(source, copy)`` pairs queued and not taken yet, in the order
+        :meth:`take_block_copies` will give them; nothing changes."""
+        return [pair for m in self.coordinator.managers for pair in m.pending_copies]
+
+    def take_block_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """The step is planned: the ``(source, copy)`` block pairs its allocations queued
+        (copy-on-write of partial hits, :mod:`reference.managers.base`), group by group in
+        order; the references they held are released, ``free_blocks([source, copy, ...])``
+        in that order (the scheduler calls it once per step, after its allocations and
+        before the step runs). Example: a hit of 12 tokens on ``[a, b]`` (bs 8) queued
+        ``(b, c)``: ``b`` goes back to its hit count (to the free queue if nobody else
+        holds it), ``c`` to the one its row holds."""
+        pairs = self.coordinator.take_block_copies()
+        self.block_pool.free_blocks([block for pair in pairs for block in pair])
+        return pairs
 
     # -- freeing ---------------------------------------------------------------
     def free(self, request: Request) -> None:

@@ -71,6 +71,9 @@ class KVCacheLayout:
     group never drops, but its prefill checkpoints move one unit down),
     unless ``num_hash_lookahead_tokens > 0`` (lookahead hashes prove the boundary,
     so nothing is dropped).
+    ``dcp_world_size``: decode context parallelism, :func:`check_context_parallel`;
+    ``pcp_world_size``: prefill context parallelism (every group full attention; it
+    changes no manager rule).
     """
 
     groups: tuple[KVCacheGroup, ...]
@@ -81,6 +84,8 @@ class KVCacheLayout:
     prefix_cache_retention_interval: int | None = None
     use_eagle: bool = False
     num_hash_lookahead_tokens: int = 0
+    dcp_world_size: int = 1
+    pcp_world_size: int = 1
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -124,18 +129,22 @@ class KVCacheLayout:
                 "KVCacheLayout.num_hash_lookahead_tokens must be >= 0, got "
                 f"{self.num_hash_lookahead_tokens}"
             )
+        check_context_parallel(self)
+        if (
+            self.enable_caching
+            and len(self.groups) > 1
+            and not any(s.prefix_cacheable for s in self.specs)
+        ):
+            raise InvalidLayoutError(
+                "KVCacheLayout.groups: with prefix caching, several groups need one in "
+                "prefix caching (every group is a circular buffer)"
+            )
         if self.use_eagle and any(isinstance(s, ChunkedLocalAttentionSpec) for s in self.specs):
             raise InvalidLayoutError(
                 "KVCacheLayout.use_eagle with a chunked-local group is out of scope "
                 "(vLLM turns the hybrid manager off with chunked local attention and EAGLE)"
             )
         _check_mamba_groups(self)
-        if self.enable_caching and self.partial_hits_enabled:
-            raise InvalidLayoutError(
-                "KVCacheLayout.groups enable partial (sub-block) prefix hits: a Mamba group "
-                f"with block_size > hash_block_size {self.hash_block_size}; partial hits are "
-                "out of scope (give the Mamba group the smallest block size)"
-            )
 
     @property
     def drop_eagle_group_ids(self) -> frozenset[int]:
@@ -163,33 +172,49 @@ class KVCacheLayout:
     def hash_block_size(self) -> int:
         """Token granularity of block hashes.
 
-        One group: its block size. Several groups: ``gcd`` of the block sizes with
-        caching on, else the scheduler block size. Example: full bs 32 + SWA bs 16
-        -> hash 16, scheduler 32.
+        One group: its block size. Several groups: ``gcd`` of the block sizes of the groups
+        in prefix caching (a circular buffer is not) with caching on, else the scheduler
+        block size. Example: full bs 32 + SWA bs 16 -> hash 16, scheduler 32; full bs 8 +
+        a circular buffer of 4 -> hash 8, scheduler 8.
         """
         if len(self.groups) == 1:
             return self.groups[0].spec.block_size
         if not self.enable_caching:
             return self.scheduler_block_size
-        return math.gcd(*self.block_sizes)
+        cacheable = [s.block_size for s in self.specs if s.prefix_cacheable]
+        return math.gcd(*(cacheable or self.block_sizes))
 
     @property
     def partial_hits_enabled(self) -> bool:
-        """True iff a Mamba group has ``block_size > hash_block_size`` and every other
-        group either has ``block_size == hash_block_size`` or is full attention."""
-        if len(self.groups) == 1:
+        """Whether hits may end inside a block (partial, sub-block hits; vLLM 0.33's
+        ``enable_partial_hash_hits``): several groups with prefix caching, a Mamba group
+        coarser than the hash block size, and every group either of the hash block size
+        or of a type whose hit rule can end inside a block (full attention, Mamba). Hit
+        lengths are then multiples of the hash block size (:attr:`cache_hit_alignment`).
+        Examples: full bs 4 + Mamba bs 8 (H 4) -> True; full bs 8 + Mamba bs 8 + SWA bs 4
+        (H 4) -> True; Mamba bs 8 + SWA bs 8 + full bs 4 (H 4) -> False (the SWA group's
+        hits stay block aligned); full bs 8 + Mamba bs 4 -> False (Mamba not coarser)."""
+        if len(self.groups) == 1 or not self.enable_caching:
             return False
         h = self.hash_block_size
-        mamba_coarse = any(isinstance(s, MambaSpec) and s.block_size > h for s in self.specs)
+        # with decode context parallelism a Mamba group of the hash block size counts too
+        least = h if self.dcp_world_size > 1 else h + 1
+        mamba_coarse = any(isinstance(s, MambaSpec) and s.block_size >= least for s in self.specs)
         others_ok = all(
-            s.block_size == h or isinstance(s, (FullAttentionSpec, MambaSpec)) for s in self.specs
+            s.block_size == h
+            or isinstance(s, (FullAttentionSpec, MambaSpec))
+            or not s.prefix_cacheable
+            for s in self.specs
         )
         return mamba_coarse and others_ok
 
     @property
     def cache_hit_alignment(self) -> int:
         """Hit lengths are multiples of this: the LCM of the group block sizes (the
-        block size itself with one group). Example: bs 16 and 32 -> 32; bs 16 -> 16."""
+        block size itself with one group), or the hash block size when partial hits are
+        enabled. Example: bs 16 and 32 -> 32; bs 16 -> 16; full bs 4 + Mamba bs 8 -> 4."""
+        if self.partial_hits_enabled:
+            return self.hash_block_size
         return self.scheduler_block_size
 
     def admission_in_flight_tokens(self) -> int:
@@ -220,6 +245,8 @@ class KVCacheLayout:
                 extra = f" C={s.attention_chunk_size}"
             elif isinstance(s, MambaSpec):
                 extra = _mamba_settings(s)
+            elif hasattr(s, "rswa_window"):
+                extra = f" W={s.rswa_window}"
             eagle = "*" if g.is_eagle_group else ""
             parts.append(f"g{gid}{eagle}:{s.type_name}(bs={s.block_size}{extra})")
         retention = ""
@@ -229,6 +256,10 @@ class KVCacheLayout:
             retention += " eagle"
         if self.num_hash_lookahead_tokens:
             retention += f" lookahead_hashes={self.num_hash_lookahead_tokens}"
+        if self.dcp_world_size > 1:
+            retention += f" dcp={self.dcp_world_size}"
+        if self.pcp_world_size > 1:
+            retention += f" pcp={self.pcp_world_size}"
         return (
             f"{' '.join(parts)} num_blocks={self.num_blocks} "
             f"max_model_len={self.max_model_len} caching={self.enable_caching}{retention}"
@@ -303,6 +334,49 @@ def draft_token_limit(layout: KVCacheLayout) -> int | None:
     full attention alone -> None."""
     counts = [s.num_speculative_blocks for s in layout.specs if isinstance(s, MambaSpec)]
     return min(counts) if counts else None
+
+
+def check_context_parallel(layout: KVCacheLayout) -> None:
+    """Context parallelism, as vLLM 0.33 takes it (``dcp_world_size``, ``pcp_world_size``
+    >= 1).
+
+    Decode context parallelism (DCP, size ``d``) shards each attention block's tokens over
+    ``d`` ranks: at the manager level a block of an attention group holds ``d`` times the
+    tokens of one rank's block, and every rule (hits, allocation, caching, the scheduler
+    and hash block sizes) works on that size. The block sizes of this layout are those
+    manager block sizes: an attention group's must be a multiple of ``d`` (vLLM's spec
+    holds ``block_size / d``); a Mamba group keeps its state whole on every rank (not
+    sharded, not scaled). vLLM allows DCP with full-attention and Mamba groups only (a
+    sliding-window or chunked-local hit search asserts ``d == 1``). Prefill context
+    parallelism (``p > 1``) needs every group full attention and changes no manager rule.
+
+    Example: full attention of (manager) block size 8 + Mamba of 8 with ``d = 2``: vLLM's
+    full spec has block size 4, its manager 8; hash block and scheduler block 8; with ``d
+    > 1`` a Mamba group of the hash block size already enables partial hits.
+    """
+    owner, err = "KVCacheLayout", InvalidLayoutError
+    require_int(err, owner, "dcp_world_size", layout.dcp_world_size, lowest=1)
+    require_int(err, owner, "pcp_world_size", layout.pcp_world_size, lowest=1)
+    d = layout.dcp_world_size
+    if d > 1:
+        for gid, s in enumerate(layout.specs):
+            if not isinstance(s, (FullAttentionSpec, MambaSpec)):
+                raise err(
+                    f"{owner}.dcp_world_size {d}: groups[{gid}] is {s.type_name}; decode "
+                    "context parallelism takes full-attention and Mamba groups only"
+                )
+            if isinstance(s, FullAttentionSpec) and s.block_size % d:
+                raise err(
+                    f"{owner}.dcp_world_size {d}: groups[{gid}] block_size {s.block_size} is "
+                    "not a multiple of it (it is the manager's block size: d ranks' blocks)"
+                )
+    if layout.pcp_world_size > 1 and not all(
+        isinstance(s, FullAttentionSpec) for s in layout.specs
+    ):
+        raise err(
+            f"{owner}.pcp_world_size {layout.pcp_world_size}: prefill context parallelism "
+            "takes full-attention groups only"
+        )
 
 
 def merge_key(spec: KVCacheSpec) -> KVCacheSpec:

@@ -1,5 +1,7 @@
 """The request as the KV cache manager sees it: tokens, progress and block hashes.
 
+Its multimodal items and prompt embeddings (:mod:`reference.media`) enter its hashes.
+
 ``num_tokens = len(prompt) + len(outputs)``; ``num_computed_tokens`` is set by the
 caller after each step (0 again after a preemption). ``block_hashes`` holds the
 chained hash of every full ``hash_block_size`` block of all tokens and grows as
@@ -25,6 +27,7 @@ from enum import Enum
 
 from reference.errors import InvalidRequestError
 from reference.hashing import extend_block_hashes
+from reference.media import validate_media
 from reference.validation import require_int, require_str, require_token_ids
 
 
@@ -46,6 +49,8 @@ class Request:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         num_hash_lookahead_tokens: int = 0,
+        mm_items: Sequence[Sequence] = (),
+        prompt_embeds: Sequence[int] | None = None,
     ) -> None:
         err = InvalidRequestError
         require_str(err, "Request", "request_id", request_id)
@@ -57,6 +62,9 @@ class Request:
             raise InvalidRequestError(
                 f"Request.prompt_token_ids of {request_id!r} must not be empty, got []"
             )
+        self.mm_items, self.prompt_embeds = validate_media(
+            err, "Request", len(prompt_token_ids), mm_items, prompt_embeds
+        )
         self.request_id = request_id
         self.prompt_token_ids: tuple[int, ...] = tuple(map(int, prompt_token_ids))
         self.output_token_ids: list[int] = []
@@ -78,6 +86,8 @@ class Request:
             cache_salt,
             lora_name,
             num_hash_lookahead_tokens,
+            self.mm_items,
+            self.prompt_embeds,
         )
 
     @property
@@ -112,6 +122,8 @@ class Request:
             self.cache_salt,
             self.lora_name,
             self.num_hash_lookahead_tokens,
+            self.mm_items,
+            self.prompt_embeds,
         )
 
     def __repr__(self) -> str:

@@ -68,6 +68,18 @@ class KVCacheSpec:
         recycle blocks, so a request never holds more); ``None``: no cap."""
         return None
 
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Whether the group takes part in prefix caching (hits, caching, the hash block
+        size); a circular buffer does not."""
+        return True
+
+    @property
+    def uses_slot_mapping(self) -> bool:
+        """Whether a position's slot is found through the block table (``row[p // bs]``);
+        a circular buffer's ring is addressed by its own rule."""
+        return True
+
 
 @dataclass(frozen=True)
 class AttentionSpec(KVCacheSpec):
@@ -117,6 +129,61 @@ class FullAttentionSpec(AttentionSpec):
     @property
     def type_name(self) -> str:
         return "full"
+
+
+@dataclass(frozen=True)
+class RSWASpec(FullAttentionSpec):
+    """Reference sliding-window attention (R-SWA, ``rswa_window = W``): the prompt of ``P``
+    tokens stays visible, then only the last ``W`` positions: query ``p`` sees ``[0,
+    min(P, p + 1))`` and ``[max(P, p - W + 1), p]``.
+
+    At the manager level it is full attention (hits, caching, memory), except that the
+    *gap* between the prompt and the window is freed (:mod:`reference.managers.rswa`).
+    Example: ``W = 8``, ``P = 16``: query 30 sees ``[0, 16)`` and ``[23, 30]``.
+    """
+
+    rswa_window: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_given("RSWASpec", "rswa_window", self.rswa_window)
+        require_positive("RSWASpec", "rswa_window", self.rswa_window)
+
+    @property
+    def type_name(self) -> str:
+        return "rswa"
+
+    def visible_ranges(self, pos: int, num_prompt_tokens: int) -> tuple[range, range]:
+        """The keys the query at ``pos`` sees: the prompt's (``[0, min(P, pos + 1))``) and
+        the window's (``[max(P, pos - W + 1), pos]``, empty inside the prompt). Example:
+        W 8, P 16, pos 30 -> ``range(0, 16), range(23, 31)``."""
+        prompt = range(0, min(num_prompt_tokens, pos + 1))
+        window = range(max(num_prompt_tokens, pos - self.rswa_window + 1), pos + 1)
+        return prompt, window
+
+
+@dataclass(frozen=True)
+class CircularBufferSpec(AttentionSpec):
+    """A ring of ``block_size`` slots per request (vLLM 0.33's ``CircularBufferSpec``: the raw
+    keys of the token group a compressor is still filling, e.g. an indexer's tail): one
+    block per request for its whole life, no slot mapping by position, outside prefix
+    caching (no hits, no caching, not in the hash block size). Example: a request of 100
+    tokens with a ring of 8 holds exactly one block of the group."""
+
+    @property
+    def type_name(self) -> str:
+        return "circular_buffer"
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    @property
+    def uses_slot_mapping(self) -> bool:
+        return False
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_in_flight_tokens: int) -> int:
+        return self.page_size_bytes
 
 
 @dataclass(frozen=True)

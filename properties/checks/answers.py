@@ -22,7 +22,8 @@ nor pass. What is checked:
   integers ``>= 0``; ``free_queue`` lists ids in ``[1, num_blocks)``;
   ``cached_blocks`` lists :class:`CachedBlock` with an id in ``[1, num_blocks)``, a group
   of the layout and ``num_tokens >= 1``; ``last_allocation_estimate`` is ``None`` or an
-  integer ``>= 0``.
+  integer ``>= 0``; ``pending_block_copies`` and ``take_block_copies`` list pairs of
+  distinct ids in ``[1, num_blocks)``.
 
 Integers may be any ``int`` (numpy integers too), never ``bool``. Valid answers are
 returned normalised (tuples of Python ints).
@@ -131,11 +132,12 @@ def _row(row: Any, what: str, gid: int) -> Sequence:
 
 def check_table(what: str, value: Any, layout: KVCacheLayout) -> BlockIds:
     """A request's block table: one row per group, ids in ``[0, num_blocks)``, no null in
-    a full-attention group."""
+    a full-attention group (R-SWA frees the gap behind its window: nulls there)."""
     out = []
     for gid, row in enumerate(_rows(value, what, layout)):
         ids = _ids(_row(row, what, gid), what, f" for group {gid}", layout, 0)
-        if isinstance(layout.groups[gid].spec, FullAttentionSpec) and 0 in ids:
+        spec = layout.groups[gid].spec
+        if type(spec) is FullAttentionSpec and 0 in ids:
             raise AnswerError(
                 f"{what} returned the null block 0 at position {ids.index(0)} of group {gid} "
                 f"(full attention keeps a real block for every position): {_short(ids)}"
@@ -185,31 +187,60 @@ def check_batch(what: str, value: Any, num_items: int, layout: KVCacheLayout) ->
 def check_new_blocks_are_tail(
     what: str, new: BlockIds, table: BlockIds, before: BlockIds | None = None
 ) -> None:
-    """The ids ``allocate_slots`` returned end the request's table, group by group, after
-    the ids that fill a column the table held as the null block before the call (``before``;
-    the Mamba running state after a draft rollback,
-    :meth:`reference.managers.mamba.MambaManager.allocate_new_blocks`).
+    """The ids ``allocate_slots`` returned are, group by group and in order, first the ids
+    that fill a column the table held as the null block before the call (``before``; the
+    Mamba running state after a draft rollback,
+    :meth:`reference.managers.mamba.MambaManager.allocate_new_blocks`), then the last real
+    (non-null) entries of the request's table (a Mamba row may hold null padding between
+    them: a copy-on-write block stands at a partial hit's last column, the new state block
+    at the last column).
 
-    Example: new ``((7,),)`` and table ``((3, 7),)`` is fine; table ``((7, 3),)`` raises.
-    Before ``((0, 3),)``, new ``((5, 7),)`` and table ``((5, 3, 7),)`` is fine.
+    Example: new ``((7,),)`` and table ``((3, 7),)`` is fine; table ``((7, 3),)`` raises;
+    new ``((5, 8),)`` and table ``((0, 5, 0, 8),)`` is fine. Before ``((0, 3),)``, new
+    ``((5, 7),)`` and table ``((5, 3, 7),)`` is fine.
     """
     for gid, (ids, row) in enumerate(zip(new, table)):
+        if not ids:
+            continue
         old = before[gid] if before is not None and gid < len(before) else ()
         filled = tuple(
             row[i] for i in range(min(len(old), len(row))) if old[i] == 0 and row[i] != 0
         )
         tail = tuple(ids[len(filled) :])
-        if not ids or (tuple(ids[: len(filled)]) == filled and _ends_with(row, tail)):
+        real = [b for b in row if b != 0]
+        if tuple(ids[: len(filled)]) == filled and _ends_with(real, tail):
             continue
         raise AnswerError(
             f"{what} returned new blocks {list(ids)} for group {gid}, but the engine's "
-            f"table of that group then ends with {list(row[-len(ids) :])} "
-            f"(get_block_ids: {list(row)})"
+            f"table of that group then ends with {real[-len(ids) :]} (null entries "
+            f"left out; get_block_ids: {list(row)})"
         )
 
 
 def _ends_with(row: tuple[int, ...] | list[int], tail: tuple[int, ...]) -> bool:
     return not tail or tuple(row[len(row) - len(tail) :]) == tail
+
+
+def check_block_copies(what: str, value: Any, layout: KVCacheLayout) -> list[tuple[int, int]]:
+    """``pending_block_copies`` / ``take_block_copies``: a list of ``(source, destination)``
+    pairs of distinct block ids in ``[1, num_blocks)``. Example: ``[(4, 9)]`` is kept;
+    ``[(4, 4)]`` and ``[(0, 9)]`` raise."""
+    if not isinstance(value, (list, tuple)):
+        raise AnswerError(f"{what} returned {_short(value)}, not a list of (source, copy) pairs")
+    out = []
+    for pair in value:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise AnswerError(f"{what} returned {_short(value)}: {pair!r} is not a pair")
+        source, copy = (as_int(b, what) for b in pair)
+        if not (0 < source < layout.num_blocks and 0 < copy < layout.num_blocks) or (
+            source == copy
+        ):
+            raise AnswerError(
+                f"{what} returned the copy {source} -> {copy}: two distinct block ids in "
+                f"[1, {layout.num_blocks}) expected"
+            )
+        out.append((source, copy))
+    return out
 
 
 def check_free_count(what: str, value: Any, layout: KVCacheLayout, shared_pool: bool) -> int:

@@ -63,7 +63,8 @@ from reference.block_table import NULL_BLOCK_ID, BlockTable
 from reference.content import ContentModel
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
-from reference.specs import AttentionSpec, MambaSpec, cdiv
+from reference.media import MultimodalItem, input_identities
+from reference.specs import AttentionSpec, MambaSpec, RSWASpec, cdiv
 
 
 class AttentionMismatch(KVConformError):
@@ -146,6 +147,11 @@ class AttentionChecker:
             seed=seed, num_kv_heads=num_kv_heads, head_size=head_size, state_size=state_size
         )
         self.caches: list[PagedKVCache | PagedStateCache] = []
+        if any(isinstance(g.spec, RSWASpec) or not g.spec.uses_slot_mapping for g in layout.groups):
+            raise AttentionInputError(
+                "AttentionChecker: R-SWA's mask and circular buffers are not modelled "
+                "(their groups are drawn by the production property only)"
+            )
         for g in layout.groups:
             if isinstance(g.spec, MambaSpec):
                 self.caches.append(
@@ -163,8 +169,13 @@ class AttentionChecker:
         self._host: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- public -------------------------------------------------------------------------
-    def check_step(self, chunks: Sequence[ScheduledChunk]) -> None:
-        """Write the step's K/V (or states) and check every scheduled query of every group."""
+    def check_step(
+        self, chunks: Sequence[ScheduledChunk], copies: Sequence[tuple[int, int]] = ()
+    ) -> None:
+        """Run the step's block ``copies`` (copy-on-write of partial hits: ``(source,
+        destination)``, before anything else), write the step's K/V (or states) and
+        check every scheduled query of every group."""
+        self.copy_blocks(copies)
         chunks = [c for c in chunks if self._validate(c)]
         for gid, group in enumerate(self.layout.groups):
             if isinstance(group.spec, MambaSpec):
@@ -176,6 +187,24 @@ class AttentionChecker:
                     observed = self.run_group(gid, self.prepare_group(gid, chunks))
                 expected = self.dense_outputs(gid, chunks)
                 self.compare(gid, chunks, expected, observed)
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy every page of ``source`` onto ``destination`` (each group's cache: a block
+        id belongs to one group at a time, the other groups' pages at that id are unused),
+        as a worker runs a step's copy-on-write copies before its forward pass. Example:
+        ``copy_blocks([(4, 9)])`` makes block 9's K/V (or state) block 4's."""
+        if copies and self.data_plane is not None:
+            raise AttentionInputError(
+                "AttentionChecker.copy_blocks: block copies through an engine's data plane "
+                "are not supported"
+            )
+        for source, destination in copies:
+            for cache in self.caches:
+                if isinstance(cache, PagedKVCache):
+                    cache.key[destination] = cache.key[source]
+                    cache.value[destination] = cache.value[source]
+                else:
+                    cache.state[destination] = cache.state[source]
 
     def _host_key(self, gid: int, request: RequestInput, token_ids: Sequence[int], p: int) -> tuple:
         return (gid, request.cache_salt, request.lora_name, tuple(token_ids[: p + 1]))
@@ -246,6 +275,9 @@ class AttentionChecker:
         extra = (req.cache_salt, req.lora_name)
         memo = self._hash_memo.get(req.request_id)
         tokens = chunk.token_ids
+        if req.has_media:  # what each position feeds the model (reference.media)
+            items = [MultimodalItem(*item) for item in req.mm_items]
+            tokens = tuple(input_identities(tokens, items, req.prompt_embeds))
         if memo is not None and memo[0] == extra and tokens[: len(memo[1])] == memo[1]:
             hashes = self.content.extend_hashes(memo[2], tokens[len(memo[1]) :])
         else:

@@ -39,6 +39,7 @@ from properties.core.engine import (
     CacheHit,
     CallTimeoutError,
     CommitsSteps,
+    CopiesBlocks,
     EngineError,
     ExposesCachedBlocks,
     ExposesFreeQueue,
@@ -298,6 +299,16 @@ class _Pools:
         return answers.check_pool_usage(f"{self.name}: pool_usage()", raw, self.layout)
 
 
+class _BlockCopies:
+    def pending_block_copies(self) -> list[tuple[int, int]]:
+        raw = self._call("pending_block_copies()", self.inner.pending_block_copies)
+        return answers.check_block_copies(f"{self.name}: pending_block_copies()", raw, self.layout)
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        raw = self._call("take_block_copies()", self.inner.take_block_copies)
+        return answers.check_block_copies(f"{self.name}: take_block_copies()", raw, self.layout)
+
+
 #: The capabilities the boundary passes on, each call validated; the data plane is not
 #: offered through it.
 EngineBoundary.CAPABILITIES = (
@@ -310,6 +321,7 @@ EngineBoundary.CAPABILITIES = (
     (SupportsServingModes, _ServingModes),
     (ReportsAllocationEstimate, _AllocationEstimate),
     (ReportsPools, _Pools),
+    (CopiesBlocks, _BlockCopies),
 )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from properties.checks.invariants import read_ranges
 from properties.checks.mamba_states import settle_copy, step_state_writes
 from properties.checks.oracles import OVERWRITTEN
 from properties.checks.registry import (
@@ -41,7 +42,7 @@ from properties.checks.state import (
 from properties.core.engine import BlockIds, CacheHit, KVCacheEngine
 from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
-from reference.specs import MambaSpec, cdiv
+from reference.specs import MambaSpec, RSWASpec, cdiv
 
 #: The checks that compare the ref counts or free queue before a call with after it
 #: (H5, A1): the only readers of a full snapshot.
@@ -122,9 +123,23 @@ class Checker:
 
     # -- events ---------------------------------------------------------------------
     def on_add(
-        self, request_id: str, token_ids: Sequence[int], salt: str | None, lora: str | None
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        salt: str | None,
+        lora: str | None,
+        mm_items: tuple = (),
+        prompt_embeds: tuple[int, ...] | None = None,
     ) -> None:
-        self.state.requests[request_id] = TrackedRequest(request_id, list(token_ids), salt, lora)
+        self.state.requests[request_id] = TrackedRequest(
+            request_id,
+            list(token_ids),
+            salt,
+            lora,
+            mm_items=tuple(mm_items),
+            prompt_embeds=prompt_embeds,
+            num_prompt_tokens=len(token_ids),
+        )
 
     def on_lookup(self, request_id: str, hit: CacheHit, before: Snapshot) -> None:
         req = self.state.requests[request_id]
@@ -169,10 +184,19 @@ class Checker:
         if self._shadowed:
             req.refresh_ids()
         table = self.state.table_of(request_id)
+        copies, held = self._learn_copies()
         mml = self.state.layout.max_model_len
         main = min(start, mml) + num_new_tokens
         allocated = AllocateEvent(
-            req, table, tables_before, main + num_lookahead_tokens, main, estimate, mml
+            req,
+            table,
+            tables_before,
+            main + num_lookahead_tokens,
+            main,
+            estimate,
+            mml,
+            copies,
+            held,
         )
         self._run("table", allocated)
         others = OtherTables(self.state, request_id)
@@ -186,8 +210,30 @@ class Checker:
                 self._record_writes(req, gid, row, start, end)
         if self._shadowed:
             # what the tokens read, worked out only if a step of them goes in flight
-            self.state.last_reads[request_id] = (table, start, end)
+            self.state.last_reads[request_id] = (table, start, end, req.num_prompt_tokens)
         self._run("allocate", allocated)
+        self.check_pool()
+
+    def _learn_copies(self) -> tuple[tuple[tuple[int, int], ...], frozenset[int]]:
+        """The block copies the allocation just made queued (an engine with
+        :class:`properties.core.engine.CopiesBlocks`): the pending ones the checks did not
+        know, and the blocks the earlier ones held. The shadow copies each block now,
+        before the step's writes (the engine's copy runs before the step does)."""
+        if not self.state.has_copies:
+            return (), frozenset()
+        held = frozenset(self.state.copy_holds())
+        known = set(self.state.pending_block_copies)
+        new = tuple(p for p in self.state.engine.pending_block_copies() if p not in known)
+        for source, destination in new:
+            self.state.pending_block_copies.append((source, destination))
+            if self._shadowed:
+                self.state.shadow.copy(source, destination)
+        return new, held
+
+    def on_copies_taken(self, copies: Sequence[tuple[int, int]]) -> None:
+        """``take_block_copies`` returned: the copies ran (the shadow made them when they
+        were queued) and the engine released what it held for them."""
+        self.state.pending_block_copies.clear()
         self.check_pool()
 
     def _record_writes(
@@ -200,6 +246,8 @@ class Checker:
         (:meth:`on_append`)."""
         spec = self.state.layout.groups[gid].spec
         bs = spec.block_size
+        if not spec.uses_slot_mapping:
+            return  # a circular buffer's ring: no content by position
         if isinstance(spec, MambaSpec):
             drafts = req.num_drafts
             layout = self.state.layout
@@ -239,7 +287,10 @@ class Checker:
         the request's blocks: the shadow learns each loaded slot holds the content of
         its prefix (slots in null entries, below a sliding window, are not loaded)."""
         for gid, row in enumerate(table):
-            bs = self.state.layout.groups[gid].spec.block_size
+            spec = self.state.layout.groups[gid].spec
+            if not spec.uses_slot_mapping:
+                continue  # a circular buffer's ring
+            bs = spec.block_size
             stop = min(end, len(row) * bs)
             p = start
             while p < stop:  # block by block
@@ -249,21 +300,31 @@ class Checker:
                     self.state.shadow.write_run(gid, row[idx], p % bs, req.ids[p:run_end])
                 p = run_end
 
-    def _reads(self, table: BlockIds, start: int, end: int) -> frozenset[tuple[int, int, int]]:
+    def _reads(
+        self, table: BlockIds, start: int, end: int, num_prompt_tokens: int
+    ) -> frozenset[tuple[int, int, int]]:
         """The ``(group, index, block)`` entries the tokens ``[start, end)`` read: from
         the first key of ``start``'s window (Mamba: the state before ``start``) to the
-        block of ``end - 1``; null entries excluded."""
+        block of ``end - 1`` (R-SWA: the prompt's blocks and the window's from ``start``'s
+        first key, :func:`properties.checks.invariants.read_ranges`); null entries
+        excluded."""
         out = set()
         for gid, row in enumerate(table):
             spec = self.state.layout.groups[gid].spec
             bs = spec.block_size
-            if isinstance(spec, MambaSpec):
-                first = max(0, cdiv(start, bs) - 1)
+            if not spec.uses_slot_mapping:
+                ranges = [(0, 1)]  # the ring
+            elif isinstance(spec, MambaSpec):
+                ranges = [(max(0, cdiv(start, bs) - 1), cdiv(end, bs))]
+            elif isinstance(spec, RSWASpec):
+                (p0, p1), (w0, _) = read_ranges(spec, start, num_prompt_tokens)
+                ranges = [(p0 // bs, cdiv(p1, bs)), (w0 // bs, cdiv(end, bs))]
             else:
-                first = spec.hit_context_start(start) // bs
-            for i in range(first, min(cdiv(end, bs), len(row))):
-                if row[i] != 0:
-                    out.add((gid, i, row[i]))
+                ranges = [(spec.hit_context_start(start) // bs, cdiv(end, bs))]
+            for first, last in ranges:
+                for i in range(first, min(last, len(row))):
+                    if row[i] != 0:
+                        out.add((gid, i, row[i]))
         return frozenset(out)
 
     def on_in_flight(

@@ -34,8 +34,9 @@ from properties.checks.state import (
     ResetEvent,
 )
 from properties.core.diff import short
+from properties.core.engine import BlockIds
 from reference.attention import first_visible_key
-from reference.specs import KVCacheSpec, MambaSpec, cdiv
+from reference.specs import KVCacheSpec, MambaSpec, RSWASpec, cdiv
 
 # ---------------------------------------------------------------------------
 # Lookups (H1-H5)
@@ -108,6 +109,8 @@ def hit_soundness(state: CheckState, event: LookupEvent) -> str | None:
         return None
     for gid, table in enumerate(hit.block_ids):
         spec = state.layout.groups[gid].spec
+        if not spec.prefix_cacheable:
+            continue  # a circular buffer is no part of a hit
         why = missing_context(
             state.layout,
             state.shadow,
@@ -150,7 +153,9 @@ def hit_maximality(state: CheckState, event: LookupEvent) -> str | None:
         return None
     req = event.request
     max_length = len(req.token_ids) - 1
-    if not state.per_call_reads and event.hit.num_tokens >= content_bound_longest_hit(
+    # the content bound counts whole blocks only: not used with partial hits
+    shortcut = not state.per_call_reads and not state.layout.partial_hits_enabled
+    if shortcut and event.hit.num_tokens >= content_bound_longest_hit(
         state.layout, state.shadow, req.ids, max_length, state.alignment
     ):
         return None  # large tiers: no longer hit could be served, cached or not
@@ -183,6 +188,8 @@ def _write_columns(state: CheckState, event: GroupWriteEvent) -> list[int]:
     bs = spec.block_size
     if isinstance(spec, MambaSpec):
         return [cdiv(event.end, bs) - 1] if event.end > 0 else []
+    if not spec.uses_slot_mapping:
+        return [0]  # the ring (a circular buffer)
     return sorted({p // bs for p in range(event.start, event.end)})
 
 
@@ -202,6 +209,17 @@ def _mamba_resume(state: CheckState, req, gid: int, row, start: int) -> str | No
     return None
 
 
+def read_ranges(spec, start: int, num_prompt_tokens: int) -> list[tuple[int, int]]:
+    """The earlier keys a step starting at ``start`` reads in an attention group, as
+    ``[first, end)`` ranges: ``[first_visible_key(start), start)``; R-SWA: the prompt's
+    keys and the window of ``start`` (:meth:`reference.specs.RSWASpec.visible_ranges`).
+    Example: R-SWA ``W`` 8, ``P`` 16, start 30 -> ``[(0, 16), (23, 30)]``."""
+    if isinstance(spec, RSWASpec):
+        prompt, window = spec.visible_ranges(start, num_prompt_tokens)
+        return [(prompt.start, min(prompt.stop, start)), (window.start, start)]
+    return [(first_visible_key(spec, start), start)]
+
+
 def window_liveness(state: CheckState, event: GroupWriteEvent) -> str | None:
     """W3: every key a scheduled token reads sits in a real block holding that very
     token (a Mamba group resumes from the state of exactly its prefix), and every
@@ -214,14 +232,14 @@ def window_liveness(state: CheckState, event: GroupWriteEvent) -> str | None:
             why = _mamba_resume(state, req, gid, row, event.start)
             if why is not None:
                 return f"request {rid!r} resumes at {event.start} in group {gid} (mamba): {why}"
-    else:
-        first = first_visible_key(spec, event.start)
-        why = missing_context(state.layout, state.shadow, gid, row, req.ids, first, event.start)
-        if why is not None:
-            return (
-                f"request {rid!r} scheduled [{event.start}, {event.end}) reads keys from "
-                f"{first} in group {gid} ({spec.type_name}): {why}"
-            )
+    elif spec.uses_slot_mapping:
+        for first, end in read_ranges(spec, event.start, req.num_prompt_tokens):
+            why = missing_context(state.layout, state.shadow, gid, row, req.ids, first, end)
+            if why is not None:
+                return (
+                    f"request {rid!r} scheduled [{event.start}, {event.end}) reads keys "
+                    f"[{first}, {end}) in group {gid} ({spec.type_name}): {why}"
+                )
     for col in _write_columns(state, event):
         if col >= len(row) or row[col] == 0:
             return (
@@ -351,10 +369,28 @@ def pulled_blocks(state: CheckState, event: AllocateEvent) -> list[tuple[int, in
         for i, b in enumerate(row):
             if b != 0 and (i >= len(old) or old[i] != b) and b not in relocated:
                 candidates.append((gid, i, b))
+    candidates += _copy_pulls(event, before)
     if not candidates:
         return []
     rid = event.request.request_id
     return [c for c in candidates if state.holder(c[0], c[2], rid) is None]
+
+
+def _copy_pulls(event: AllocateEvent, before: BlockIds) -> list[tuple[int, int, int]]:
+    """The ends of the block copies the call queued that left the free pool without
+    entering the request's table at a new place: the shared block of a hit ending inside
+    it (adopted, then replaced by its copy; unless an earlier pending copy held it), and
+    the copy a Mamba request makes of the state block its partial tail is keyed on (held
+    by no table until the copy is handed over). Index ``-1``: not in the table."""
+    table_blocks = {b for row in event.table for b in row}
+    before_blocks = {b for row in before for b in row}
+    out = []
+    for source, destination in event.copies:
+        if destination not in table_blocks:
+            out.append((0, -1, destination))
+        if source not in before_blocks and source not in event.held_by_copies:
+            out.append((0, -1, source))
+    return out
 
 
 def estimate_matches_pulls(state: CheckState, event: AllocateEvent) -> str | None:
@@ -445,6 +481,8 @@ def table_covers_slots(state: CheckState, event: AllocateEvent) -> str | None:
             ):
                 low = min(event.num_main, event.max_model_len)
         least, most = max(old, cdiv(low, bs) + extra), max(old, cdiv(high, bs) + extra)
+        if not spec.uses_slot_mapping:
+            least = most = 1  # a circular buffer: its one ring
         if not least <= len(row) <= most:
             want = f"{least}" if least == most else f"{least} to {most}"
             return (
@@ -489,10 +527,18 @@ def most_row_blocks(spec: KVCacheSpec, slots: int) -> int:
     return cdiv(slots, spec.block_size) + extra
 
 
+def _may_copy_a_tail(state: CheckState, spec) -> bool:
+    """Whether an allocation of this group may need one block more than its slots: a
+    Mamba group with partial hits copies the state block its prompt's partial tail is
+    keyed on (:mod:`reference.managers.mamba`)."""
+    return state.layout.partial_hits_enabled and isinstance(spec, MambaSpec)
+
+
 def allocation_fits(state: CheckState, event: FailedAllocationEvent) -> str | None:
     """A2: an allocation without a prefix hit whose blocks fit in the free count does
     not fail. A group needs at most ``cdiv(slots, bs) - len(row)`` new blocks for
-    ``slots`` slots (fewer when a window frees blocks first); with one shared pool the
+    ``slots`` slots (fewer when a window frees blocks first), plus one for a Mamba group
+    with partial hits (the copy of its prompt's partial tail); with one shared pool the
     sum over groups must not exceed ``num_free_blocks()`` before the call.
 
     Example: one full group, bs 4, a row of 2 blocks, 3 free: 12 slots need at most
@@ -504,6 +550,7 @@ def allocation_fits(state: CheckState, event: FailedAllocationEvent) -> str | No
     rows = event.tables_before or tuple(() for _ in state.layout.groups)
     need = sum(
         max(0, most_row_blocks(g.spec, event.num_slots) - len(row))
+        + (1 if _may_copy_a_tail(state, g.spec) else 0)
         for g, row in zip(state.layout.groups, rows)
     )
     free = event.before[0]
@@ -644,8 +691,8 @@ def idle_pool_free(state: CheckState, event: PoolEvent) -> str | None:
 
     Example: 15 blocks, every request freed, ``num_free_blocks() == 13``: a block leaked.
     """
-    if event.tables or event.num_free == state.initial_free:
-        return None
+    if event.tables or state.pending_block_copies or event.num_free == state.initial_free:
+        return None  # pending block copies hold their blocks until they are handed over
     return (
         f"no request holds blocks, but {event.num_free} blocks are free or reclaimable; "
         f"the fresh engine had {state.initial_free}"
@@ -653,8 +700,10 @@ def idle_pool_free(state: CheckState, event: PoolEvent) -> str | None:
 
 
 def ref_counts_match_owners(state: CheckState, event: PoolEvent) -> str | None:
-    """I3: a block's ref count equals the number of (request, group) rows holding it."""
-    owners: dict[int, int] = {}
+    """I3: a block's ref count equals the number of (request, group) rows holding it,
+    plus one per pending block copy it is an end of (copy-on-write of a partial hit:
+    :class:`properties.core.engine.CopiesBlocks`, until the copy is handed over)."""
+    owners: dict[int, int] = state.copy_holds()
     for table in event.tables.values():
         for row in table:
             for b in row:
@@ -665,7 +714,9 @@ def ref_counts_match_owners(state: CheckState, event: PoolEvent) -> str | None:
             holders = [
                 (rid, g) for rid, t in event.tables.items() for g, row in enumerate(t) if b in row
             ]
-            return f"block {b} has ref count {c} but is held by {holders}"
+            copies = [pair for pair in state.pending_block_copies if b in pair]
+            extra = f" and pending copies {copies}" if copies else ""
+            return f"block {b} has ref count {c} but is held by {holders}{extra}"
     return None
 
 

@@ -26,6 +26,7 @@ from properties.core.engine import (
     BlockIds,
     CacheHit,
     CommitsSteps,
+    CopiesBlocks,
     ExposesFreeQueue,
     FreesInBatch,
     KVCacheEngine,
@@ -156,7 +157,12 @@ class LockstepEngine(EngineProxy):
         if self.reference is not None:
             self.reference.add_request(request)
         self.checker.on_add(
-            request.request_id, request.prompt_token_ids, request.cache_salt, request.lora_name
+            request.request_id,
+            request.prompt_token_ids,
+            request.cache_salt,
+            request.lora_name,
+            request.mm_items,
+            request.prompt_embeds,
         )
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
@@ -417,10 +423,34 @@ class LockstepFrees:
             self.checker.on_remove(rid)
 
 
+class LockstepCopies:
+    """The block copies of an engine that has them (:class:`CopiesBlocks`): the scheduler
+    takes them once a step is planned; the reference's must be the same, in the same
+    order, and the checks learn that they ran and that their blocks were released."""
+
+    def pending_block_copies(self: LockstepEngine) -> list[tuple[int, int]]:
+        return self.engine.pending_block_copies()
+
+    def take_block_copies(self: LockstepEngine) -> list[tuple[int, int]]:
+        copies = list(self._call(self.engine.take_block_copies))
+        self._record("take_block_copies", {}, [list(pair) for pair in copies])
+        if self.reference is not None:
+            expected = [tuple(pair) for pair in self.reference.take_block_copies()]
+            if expected != copies:
+                self._diverge("block copies of the step (source, destination)", expected, copies)
+        self.checker.on_copies_taken(copies)
+        self._compare_state("take_block_copies()", None)
+        return copies
+
+
 #: The batched calls the lockstep offers when the engine under test has them
 #: (:meth:`LockstepEngine.around`); schedule_step it offers always (per-request calls for
-#: an engine without it).
-LockstepEngine.CAPABILITIES = ((CommitsSteps, LockstepCommits), (FreesInBatch, LockstepFrees))
+#: an engine without it); the block copies of an engine that has them.
+LockstepEngine.CAPABILITIES = (
+    (CommitsSteps, LockstepCommits),
+    (FreesInBatch, LockstepFrees),
+    (CopiesBlocks, LockstepCopies),
+)
 
 
 def _item_allocation(item: SlotRequest) -> Allocation:

@@ -28,6 +28,7 @@ from properties.core.diff import token_range
 from properties.core.engine import CachedBlock
 from reference.layout import KVCacheLayout
 from reference.specs import (
+    FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
@@ -170,6 +171,19 @@ class ShadowCache:
             prefixes.extend(grow)
             groups.extend(grow)
         return prefixes, groups
+
+    def copy(self, source: int, destination: int) -> None:
+        """A block copy (copy-on-write, one shared pool: a block id is the key):
+        ``destination`` now holds exactly what ``source`` holds, slot by slot (a Mamba state
+        too). Example: after ``write(0, 4, 1, h)`` and ``copy(4, 9)``, ``holds(0, 9, 1, h)``;
+        slots 9 had that 4 has not are forgotten."""
+        for offset, old in self.block(0, destination).items():
+            if offset == self._last[old.group_id]:
+                self._ends.get((old.group_id, old.prefix_id), set()).discard(destination)
+        for slots in (self._prefixes, self._groups, self._states):
+            slots.pop(destination, None)
+        for offset, content in self.block(0, source).items():
+            self.write(content.group_id, destination, offset, content.prefix_id)
 
     def blocks_ending(self, group_id: int, prefix_id: int) -> set[int]:
         """The blocks whose last slot holds group ``group_id``'s KV of the prefix
@@ -315,7 +329,9 @@ def brute_force_longest_hit(
 
     A group serves ``L`` when each index of :func:`blocks_needed_for_hit` has a cached
     block of that group, registered for the prefix ending at the block's end, whose
-    slots hold this request's prefix (Mamba: the state of ``tokens[0:L)``).
+    slots hold this request's prefix (Mamba: the state of ``tokens[0:L)``). With partial
+    hits a full-attention or Mamba group also serves an ``L`` inside a block through a
+    partial entry (:func:`_serves_inside_a_block`).
     """
     by_group: dict[tuple[int, int], list[int]] = {}
     for cb in cached:
@@ -351,10 +367,12 @@ def _longest(
 ) -> int:
     """The longest aligned hit every group serves, each block index's candidate blocks
     given by ``candidates(group, end of the block in tokens)``."""
+    partial = layout.partial_hits_enabled
+    cacheable = [gid for gid, g in enumerate(layout.groups) if g.spec.prefix_cacheable]
     for length in range(max_length // alignment * alignment, 0, -alignment):
         if all(
-            _group_serves(layout.groups[gid].spec, shadow, candidates, gid, ids, length)
-            for gid in range(len(layout.groups))
+            _group_serves(layout.groups[gid].spec, shadow, candidates, gid, ids, length, partial)
+            for gid in cacheable
         ):
             return length
     return 0
@@ -367,10 +385,13 @@ def _group_serves(
     gid: int,
     ids: Sequence[int],
     length: int,
+    partial: bool = False,
 ) -> bool:
     bs = spec.block_size
     if length % bs:
-        return False
+        if not partial or not isinstance(spec, (FullAttentionSpec, MambaSpec)):
+            return False
+        return _serves_inside_a_block(spec, shadow, candidates_of, gid, ids, length)
     for i in blocks_needed_for_hit(spec, length):
         candidates = candidates_of(gid, (i + 1) * bs)
         if isinstance(spec, MambaSpec):
@@ -380,3 +401,36 @@ def _group_serves(
         if not ok:
             return False
     return True
+
+
+def _serves_inside_a_block(
+    spec: KVCacheSpec,
+    shadow: ShadowCache,
+    candidates_of: Callable[[int, int], Iterable[int]],
+    gid: int,
+    ids: Sequence[int],
+    length: int,
+) -> bool:
+    """A full-attention or Mamba group serving a hit that ends inside a block (partial
+    hits): the block holding ``length`` must be cached for exactly ``length`` tokens (a
+    partial entry) and hold the request's prefix there (Mamba: the state of ``length``
+    tokens; full attention: its slots before ``length``, every earlier block cached in
+    full as usual). Example: full bs 8, L 12: block 0 cached for 8 tokens, a block cached
+    for 12 tokens whose slots 0..3 hold positions 8..11."""
+    bs = spec.block_size
+    last = length // bs
+    candidates = candidates_of(gid, length)
+    if isinstance(spec, MambaSpec):
+        return any(shadow.holds(gid, b, -1, ids[length - 1]) for b in candidates)
+    if not any(
+        all(shadow.holds(gid, b, p % bs, ids[p]) for p in range(last * bs, length))
+        for b in candidates
+    ):
+        return False
+    return all(
+        any(
+            all(shadow.holds(gid, b, p % bs, ids[p]) for p in range(i * bs, (i + 1) * bs))
+            for b in candidates_of(gid, (i + 1) * bs)
+        )
+        for i in range(last)
+    )

@@ -24,6 +24,7 @@ from properties.checks.oracles import ShadowCache, extend_prefix_ids
 from properties.core.engine import (
     BlockIds,
     CacheHit,
+    CopiesBlocks,
     ExposesCachedBlocks,
     ExposesFreeQueue,
     ExposesRefCounts,
@@ -34,6 +35,7 @@ from properties.core.engine import (
 )
 from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
+from reference.media import MultimodalItem, input_identities
 
 
 @dataclass
@@ -56,11 +58,22 @@ class TrackedRequest:
     #: Mamba group -> the block holding the request's state after a draft step (an
     #: accepted draft's column), until its next step without drafts
     mamba_running: dict[int, int] = field(default_factory=dict)
+    #: its multimodal items and prompt embeddings (:mod:`reference.media`)
+    mm_items: tuple = ()
+    prompt_embeds: tuple[int, ...] | None = None
+    #: its prompt's length (R-SWA keeps the prompt visible)
+    num_prompt_tokens: int = 0
 
     def refresh_ids(self) -> None:
-        """Extend ``ids`` over tokens appended since (decodes add one token a step)."""
+        """Extend ``ids`` over tokens appended since (decodes add one token a step); a
+        request with media hashes what each position feeds the model
+        (:func:`reference.media.input_identities`)."""
         if len(self.ids) < len(self.token_ids):
-            self.ids = extend_prefix_ids(self.ids, self.token_ids, self.cache_salt, self.lora_name)
+            inputs = self.token_ids
+            if self.mm_items or self.prompt_embeds is not None:
+                items = [MultimodalItem(*item) for item in self.mm_items]
+                inputs = input_identities(self.token_ids, items, self.prompt_embeds)
+            self.ids = extend_prefix_ids(self.ids, inputs, self.cache_salt, self.lora_name)
 
 
 #: ``(num_free_blocks, ref counts or None, free queue or None, free count per pool or
@@ -94,14 +107,20 @@ class CheckState:
         #: request id -> its steps still in flight (asynchronous scheduling), oldest
         #: first: (tokens, the (group, index, block) entries of its table they read).
         self.in_flight_reads: dict[str, list[tuple[int, frozenset[tuple[int, int, int]]]]] = {}
-        #: request id -> its last successful allocation: its table and the positions
-        #: ``[start, end)`` it scheduled (what they read: ``Checker._reads``).
-        self.last_reads: dict[str, tuple[BlockIds, int, int]] = {}
+        #: request id -> its last successful allocation: its table, the positions
+        #: ``[start, end)`` it scheduled and its prompt's length (what they read:
+        #: ``Checker._reads``; R-SWA reads the prompt).
+        self.last_reads: dict[str, tuple[BlockIds, int, int, int]] = {}
         self.has_ref_counts = isinstance(engine, ExposesRefCounts)
         self.has_free_queue = isinstance(engine, ExposesFreeQueue)
         self.has_cached = isinstance(engine, ExposesCachedBlocks)
         self.has_estimate = isinstance(engine, ReportsAllocationEstimate)
         self.has_pools = isinstance(engine, ReportsPools)
+        self.has_copies = isinstance(engine, CopiesBlocks)
+        #: the block copies queued in this step and not handed over yet, as the checks
+        #: learnt them after each allocation (:meth:`Checker.on_allocate`), in that order
+        #: (not :attr:`pending_copies`, the Mamba state writes of a draft step's copies)
+        self.pending_block_copies: list[tuple[int, int]] = []
         self.alignment = layout.cache_hit_alignment
         #: the free count of the fresh engine: every block free or reclaimable
         self.initial_free = engine.num_free_blocks()
@@ -132,6 +151,7 @@ class CheckState:
             ("allocation_estimate", self.has_estimate),
             ("shared_pool", self.shared_pool),
             ("pools", self.has_pools),
+            ("block_copies", self.has_copies),
         )
         return frozenset(name for name, present in names if present)
 
@@ -229,6 +249,17 @@ class CheckState:
         for pending in (self.pending_states, self.pending_copies):
             for writes in pending.values():
                 yield from writes
+
+    def copy_holds(self) -> dict[int, int]:
+        """Block id -> the references the pending block copies hold on it (one per pair it
+        is the source or the destination of): vLLM keeps both ends of a copy-on-write
+        referenced until the copy is handed over. Example: pending ``[(4, 9)]`` ->
+        ``{4: 1, 9: 1}``."""
+        holds: dict[int, int] = {}
+        for pair in self.pending_block_copies:
+            for block in pair:
+                holds[block] = holds.get(block, 0) + 1
+        return holds
 
     def forget(self, request_id: str) -> None:
         """The request is gone: out of the table reads and the index."""
@@ -331,7 +362,9 @@ class AllocateEvent:
     lookahead``; ``max_model_len``: the layout's (vLLM caps the slots there);
     ``num_main``: the slots without lookahead (what a Mamba group allocates for);
     ``estimate``: the engine's ``last_allocation_estimate()`` (None: not reported, or a
-    batched ``schedule_step`` item)."""
+    batched ``schedule_step`` item); ``copies``: the block copies the call queued
+    (:class:`properties.core.engine.CopiesBlocks`); ``held_by_copies``: the blocks the
+    copies queued before the call kept referenced."""
 
     request: TrackedRequest
     table: BlockIds
@@ -340,6 +373,8 @@ class AllocateEvent:
     num_main: int = 0
     estimate: int | None = None
     max_model_len: int = 0
+    copies: tuple[tuple[int, int], ...] = ()
+    held_by_copies: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,9 @@ in one call, and forgets them with one ``remove_requests``), ``ExposesDataPlane`
 it needed: A4 compares it with the blocks the call pulled from the free pool),
 ``ReportsPools`` (engines whose groups live in separate block pools, such as SGLang's full
 and SWA pools or TensorRT-LLM's pool per window size: each pool's groups, capacity and
-free count, so that S1-S3 check accounting, idle pools and failed allocations per pool).
+free count, so that S1-S3 check accounting, idle pools and failed allocations per pool),
+``CopiesBlocks`` (copy-on-write of partial prefix hits: the block copies a step's
+allocations queued, handed over once the step is planned).
 
 Serving modes (:mod:`properties.core.modes`) need ``SupportsServingModes``:
 ``set_in_flight(id, num_in_flight_tokens, num_pending_tokens)`` (asynchronous
@@ -70,12 +72,25 @@ BlockIds = tuple[tuple[int, ...], ...]
 
 @dataclass(frozen=True)
 class RequestInput:
-    """What a request brings: its prompt and the extra keys of its hashes."""
+    """What a request brings: its prompt and the extra keys of its hashes.
+
+    ``mm_items``: its multimodal items, ``(identifier, offset, length)`` each (an image whose
+    placeholder tokens are the prompt positions ``[offset, offset + length)``);
+    ``prompt_embeds``: None, or the embedding id the model reads at each prompt position
+    instead of the token's own (:mod:`reference.media`). Engines given requests with either
+    declare the ``multimodal`` production setting (:mod:`properties.core.modes`)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     cache_salt: str | None = None
     lora_name: str | None = None
+    mm_items: tuple[tuple[str, int, int], ...] = ()
+    prompt_embeds: tuple[int, ...] | None = None
+
+    @property
+    def has_media(self) -> bool:
+        """Whether the request carries multimodal items or prompt embeddings."""
+        return bool(self.mm_items) or self.prompt_embeds is not None
 
 
 @dataclass(frozen=True)
@@ -219,6 +234,39 @@ class ReportsAllocationEstimate(Protocol):
         3, and the call then pulls those 3 blocks from the free pool.
         """
         ...
+
+
+@runtime_checkable
+class CopiesBlocks(Protocol):
+    """Copy-on-write of partial (sub-block) prefix hits (vLLM 0.33's CoW copies).
+
+    A hit that ends inside a block gives the request a fresh block in place of the shared
+    one, and the content of the shared block must be copied into it before the step runs
+    (:mod:`reference.managers.base`); a Mamba request whose prompt's partial tail is keyed
+    on the block it keeps writing copies that block out the same way
+    (:mod:`reference.managers.mamba`). The engine queues each copy as ``(source,
+    destination)`` block ids and keeps both blocks from being reused until it hands the
+    copy over.
+
+    ``pending_block_copies`` lists the copies queued since the last hand-over, in the
+    order queued, and changes nothing (the checks read it after each allocation: the
+    copy happens before the step's writes). ``take_block_copies`` hands them over: the
+    scheduler calls it once per step, after the step's allocations and before the step
+    runs; the engine then releases what it held for them (vLLM's scheduler:
+    ``take_kv_cache_block_copies`` and ``free_blocks`` of their endpoints). Engines that
+    offer it may be given layouts with partial hits (the ``partial_hits`` production
+    setting, :mod:`properties.core.modes`).
+
+    Worked example (full attention bs 8, Mamba bs 16, sliding window bs 4: hash block 4,
+    partial hits): a request hits 12 tokens on full blocks ``[a, b]``; its allocation
+    returns ``c`` first in that group, the group's row becomes ``[a, c]``,
+    ``pending_block_copies() == [(b, c)]``; at the end of the step's scheduling
+    ``take_block_copies() == [(b, c)]`` and ``pending_block_copies() == []``.
+    """
+
+    def pending_block_copies(self) -> list[tuple[int, int]]: ...
+
+    def take_block_copies(self) -> list[tuple[int, int]]: ...
 
 
 @dataclass(frozen=True)

@@ -170,14 +170,36 @@ SYNC = ServingMode()
 #: (``prefix_cache_retention_interval``), ``eagle`` (``use_eagle``, ``is_eagle_group``,
 #: ``num_hash_lookahead_tokens``) and ``admission_cap`` (``max_in_flight_tokens`` and a
 #: pool sized with the admission caps) and ``external`` (the ``external_hits`` serving
-#: mode: ``allocate_slots(..., num_external_computed_tokens=...)``) and ``mamba_modes``
+#: mode: ``allocate_slots(..., num_external_computed_tokens=...)``), ``mamba_modes``
 #: (a Mamba group's ``mamba_cache_mode``, ``num_speculative_blocks`` and prefill
-#: checkpoint blocks; drafts on a Mamba layout need its speculative blocks).
+#: checkpoint blocks; drafts on a Mamba layout need its speculative blocks),
+#: ``partial_hits`` (a Mamba group coarser than the hash block size: hits may end inside a
+#: block, copied on write; the engine offers :class:`properties.core.engine.CopiesBlocks`),
+#: ``multimodal`` (requests with multimodal items and prompt embeddings:
+#: :class:`properties.core.engine.RequestInput`), ``context_parallel``
+#: (``dcp_world_size`` and ``pcp_world_size``: :func:`reference.layout.check_context_parallel`),
+#: ``rswa`` (reference sliding-window attention groups: :class:`reference.specs.RSWASpec`) and
+#: ``circular_buffer`` (a group outside prefix caching holding one block per request:
+#: :class:`reference.specs.CircularBufferSpec`).
 PRODUCTION_SETTINGS: frozenset[str] = frozenset(
-    {"retention", "eagle", "admission_cap", "external", "mamba_modes"}
+    {
+        "retention",
+        "eagle",
+        "admission_cap",
+        "external",
+        "mamba_modes",
+        "partial_hits",
+        "multimodal",
+        "context_parallel",
+        "rswa",
+        "circular_buffer",
+    }
 )
 #: The production setting of the ``external_hits`` serving mode.
 EXTERNAL_SETTING = "external"
+#: The production setting of requests with multimodal items and prompt embeddings: the
+#: ``production`` property's arrivals carry them (every tier).
+MULTIMODAL = "multimodal"
 
 
 def production_settings(factory: object) -> frozenset[str]:

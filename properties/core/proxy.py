@@ -29,6 +29,7 @@ from properties.core.engine import (
     CachedBlock,
     CacheHit,
     CommitsSteps,
+    CopiesBlocks,
     ExposesCachedBlocks,
     ExposesDataPlane,
     ExposesFreeQueue,
@@ -91,6 +92,14 @@ class ForwardPools:
         return self.inner.pool_usage()  # type: ignore[attr-defined]
 
 
+class ForwardBlockCopies:
+    def pending_block_copies(self) -> list[tuple[int, int]]:
+        return self.inner.pending_block_copies()  # type: ignore[attr-defined]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        return self.inner.take_block_copies()  # type: ignore[attr-defined]
+
+
 class ForwardDataPlane:
     def attach_data_plane(self, **kwargs: Any) -> None:
         self.inner.attach_data_plane(**kwargs)  # type: ignore[attr-defined]
@@ -115,6 +124,7 @@ FORWARDED_CAPABILITIES: tuple[tuple[type, type], ...] = (
     (SupportsServingModes, ForwardServingModes),
     (ReportsAllocationEstimate, ForwardAllocationEstimate),
     (ReportsPools, ForwardPools),
+    (CopiesBlocks, ForwardBlockCopies),
     (ExposesDataPlane, ForwardDataPlane),
 )
 

@@ -31,11 +31,14 @@ from properties.core.modes import ServingMode
 from properties.core.output_files import OutputWriteError, write_text_atomic
 from reference.errors import KVConformError
 from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.media import validate_media
 from reference.specs import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 
@@ -101,6 +104,10 @@ class Arrive:
     output: tuple[int, ...] = ()
     cache_salt: str | None = None
     lora_name: str | None = None
+    #: multimodal items ``(identifier, offset, length)`` and prompt embedding ids
+    #: (:class:`properties.core.engine.RequestInput`, :mod:`reference.media`)
+    mm_items: tuple[tuple[str, int, int], ...] = ()
+    prompt_embeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_request_id("Arrive", self.request_id)
@@ -108,6 +115,9 @@ class Arrive:
         _check_tokens("Arrive", "output", self.output, min_len=0)
         _check_optional_str("Arrive", "cache_salt", self.cache_salt)
         _check_optional_str("Arrive", "lora_name", self.lora_name)
+        validate_media(
+            TraceFormatError, "Arrive", len(self.prompt), self.mm_items, self.prompt_embeds
+        )
 
 
 @dataclass(frozen=True)
@@ -299,6 +309,8 @@ _SPEC_TYPES: dict[str, type[KVCacheSpec]] = {
     "sliding_window": SlidingWindowSpec,
     "chunked_local": ChunkedLocalAttentionSpec,
     "mamba": MambaSpec,
+    "rswa": RSWASpec,
+    "circular_buffer": CircularBufferSpec,
 }
 _SPEC_NAMES: dict[type[KVCacheSpec], str] = {cls: name for name, cls in _SPEC_TYPES.items()}
 
@@ -381,6 +393,8 @@ def layout_to_json(layout: KVCacheLayout) -> dict:
         "prefix_cache_retention_interval": layout.prefix_cache_retention_interval,
         "use_eagle": layout.use_eagle,
         "num_hash_lookahead_tokens": layout.num_hash_lookahead_tokens,
+        "dcp_world_size": layout.dcp_world_size,
+        "pcp_world_size": layout.pcp_world_size,
         "groups": [
             {
                 "layer_names": list(g.layer_names),
@@ -405,6 +419,12 @@ def _require_int(data: Mapping, key: str, where: str, optional: bool = False) ->
     if not _is_int(value):
         raise TraceFormatError(f"{where}.{key} must be an integer, got {value!r}")
     return value
+
+
+def _optional_int(data: Mapping, key: str, where: str, default: int) -> int:
+    """``data[key]`` when present (an integer), else ``default``."""
+    value = _require_int(data, key, where, optional=True)
+    return default if value is None else value
 
 
 def layout_from_json(data: Any, where: str = "layout") -> KVCacheLayout:
@@ -453,6 +473,8 @@ def layout_from_json(data: Any, where: str = "layout") -> KVCacheLayout:
                 data, "num_hash_lookahead_tokens", where, optional=True
             )
             or 0,
+            dcp_world_size=_optional_int(data, "dcp_world_size", where, 1),
+            pcp_world_size=_optional_int(data, "pcp_world_size", where, 1),
             name=name,
         )
     except KVConformError as exc:

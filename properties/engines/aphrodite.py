@@ -16,6 +16,8 @@ Where Aphrodite's API differs from vLLM 0.33's (``docs/aphrodite-behaviour.md``)
   ``num_hash_lookahead_tokens`` (vLLM added them after the fork). A layout with
   lookahead hashes raises :class:`UnsupportedLayoutError`, and the factory's divergence
   ``aphrodite-no-lookahead-hashes`` keeps such layouts from being drawn.
+* No ``resolve_cache_hit_alignment_tokens``: the adapter checks the scheduler and hash
+  block sizes against ``resolve_kv_cache_block_sizes`` only.
 * ``get_computed_blocks(request)`` takes no hit bound (vLLM's optional
   ``max_cache_hit_length``); the adapter's "full" report-mode requests look up with
   Aphrodite's fixed bound ``num_tokens - 1``, the value vLLM's adapter passes.
@@ -46,6 +48,7 @@ APHRODITE_API = V1CoreAPI(
     release="Aphrodite 0.24.1",
     lookahead_hashes=False,
     lookup_bound=False,
+    hit_alignment=False,
 )
 # Aphrodite logs at INFO while it imports (Triton missing on CPU); anything may import it
 # first (``--engine-coverage`` finds its modules before the adapter builds an engine).
@@ -139,12 +142,22 @@ KNOWN_DIVERGENCES = (
     ),
 )
 make_engine.known_divergences = KNOWN_DIVERGENCES  # type: ignore[attr-defined]
+#: Production settings verified on vLLM 0.33 only (partial hits, multimodal items and
+#: prompt embeddings, context parallelism, R-SWA, circular buffers): the fork ships
+#: their classes, but its behaviour under them has not been compared with vLLM's, so
+#: they are not declared and none of their layouts or inputs is drawn for Aphrodite.
+UNVERIFIED_SETTINGS = frozenset(
+    {"partial_hits", "multimodal", "context_parallel", "rswa", "circular_buffer"}
+)
+
 #: The adapter bridges the production layout settings of retention, EAGLE, caps and
 #: external hits; lookahead hashes are left out by a divergence. Not ``mamba_modes``:
 #: the fork's allocate_slots asserts on a Mamba group with a prefill checkpoint block
 #: (reach case grown-7-5: align mode, one checkpoint block, beside full and chunked
 #: groups), not yet written up as a finding, so those settings are not drawn for it.
-make_engine.production_settings = PRODUCTION_SETTINGS - {"mamba_modes"}  # type: ignore[attr-defined]
+make_engine.production_settings = (  # type: ignore[attr-defined]
+    PRODUCTION_SETTINGS - UNVERIFIED_SETTINGS - {"mamba_modes"}
+)
 #: Aphrodite's cache-manager modules the adapter drives (``--engine-coverage``).
 make_engine.coverage_modules = (  # type: ignore[attr-defined]
     "aphrodite.v1.core.kv_cache_manager",

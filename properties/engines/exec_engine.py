@@ -86,6 +86,7 @@ CAPABILITIES = (
     "serving_modes",
     "allocation_estimate",
     "pools",
+    "block_copies",
 )
 
 _STDERR_TAIL_BYTES = 4000
@@ -558,15 +559,20 @@ class ExecEngine(TakesAllocations):
         return self.process.call(call, args)
 
     def add_request(self, request: RequestInput) -> None:
-        self._call(
-            "add_request",
-            {
-                "request_id": request.request_id,
-                "prompt_token_ids": list(request.prompt_token_ids),
-                "cache_salt": request.cache_salt,
-                "lora_name": request.lora_name,
-            },
-        )
+        """``add_request``; a request's multimodal items and prompt embeddings travel only
+        when it has them (an engine is given them only if it declares the ``multimodal``
+        production setting)."""
+        args: dict[str, Any] = {
+            "request_id": request.request_id,
+            "prompt_token_ids": list(request.prompt_token_ids),
+            "cache_salt": request.cache_salt,
+            "lora_name": request.lora_name,
+        }
+        if request.mm_items:
+            args["mm_items"] = [list(item) for item in request.mm_items]
+        if request.prompt_embeds is not None:
+            args["prompt_embeds"] = list(request.prompt_embeds)
+        self._call("add_request", args)
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         self._call(
@@ -765,8 +771,34 @@ class _Pools:
         ]
 
 
+class _BlockCopies:
+    """:class:`properties.core.engine.CopiesBlocks` over the protocol: the
+    ``block_copies`` capability; each answer is a list of ``[source, destination]`` pairs
+    (the boundary then checks the ids)."""
+
+    def pending_block_copies(self) -> list[tuple[int, int]]:
+        return self._pairs("pending_block_copies")
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        return self._pairs("take_block_copies")
+
+    def _pairs(self, call: str) -> list[tuple[int, int]]:
+        result = self._call(call)
+        what = f"{call}()"
+        if not isinstance(result, list) or not all(
+            isinstance(p, list) and len(p) == 2 for p in result
+        ):
+            self.process._fail(
+                ExecProtocolError,
+                f"{what} returned {_clip(json.dumps(result))}, not a list of "
+                "[source, destination] pairs",
+            )
+        return [(_int(a, what, self.process), _int(b, what, self.process)) for a, b in result]
+
+
 _MIXINS = {
     "allocation_estimate": _AllocationEstimate,
+    "block_copies": _BlockCopies,
     "ref_counts": _RefCounts,
     "free_queue": _FreeQueue,
     "cached_blocks": _CachedBlocks,

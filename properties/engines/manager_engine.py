@@ -51,8 +51,15 @@ class ManagerEngine(TakesAllocations):
     def add_request(self, request: RequestInput) -> None:
         if request.request_id in self.requests:
             raise EngineError(f"{self.name}: request {request.request_id!r} added twice")
+        media = {}
+        if request.has_media:  # only an engine declaring the multimodal setting gets them
+            media = {"mm_items": request.mm_items, "prompt_embeds": request.prompt_embeds}
         self.requests[request.request_id] = self.manager.make_request(
-            request.request_id, request.prompt_token_ids, request.cache_salt, request.lora_name
+            request.request_id,
+            request.prompt_token_ids,
+            request.cache_salt,
+            request.lora_name,
+            **media,
         )
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:

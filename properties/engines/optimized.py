@@ -35,7 +35,7 @@ from properties.core.engine import (
 from properties.engines.manager_engine import ManagerEngine
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
-from reference.specs import MambaSpec
+from reference.specs import CircularBufferSpec, MambaSpec, RSWASpec
 
 #: the columns of a batched step's items (read with ``map``: no per-item Python frame)
 _REQUEST_ID = attrgetter("request_id")
@@ -197,10 +197,12 @@ class OptimizedEngine(ManagerEngine):
 
 
 def make_engine(layout: KVCacheLayout) -> OptimizedEngine:
-    """The optimized engine of ``layout``; a Mamba group in another mode than plain
-    ``"align"`` (mode ``"none"``, speculative or prefill checkpoint blocks: the
-    ``mamba_modes`` setting it does not declare) is refused with
-    :class:`UnsupportedLayoutError`."""
+    """The optimized engine of ``layout``; refused with :class:`UnsupportedLayoutError`: a
+    Mamba group in another mode than plain ``"align"`` (mode ``"none"``, speculative or
+    prefill checkpoint blocks: the ``mamba_modes`` setting it does not declare), a layout
+    with partial (sub-block) hits, an R-SWA or a circular buffer group (the optimized
+    engine models neither copy-on-write, R-SWA's gap nor rings; it declares none of those
+    production settings, so none is drawn for it)."""
     for spec in layout.specs:
         if isinstance(spec, MambaSpec) and (
             not spec.is_align or spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks
@@ -209,6 +211,15 @@ def make_engine(layout: KVCacheLayout) -> OptimizedEngine:
                 "optimized: Mamba groups run in plain 'align' mode only (no mode 'none', "
                 f"speculative or prefill checkpoint blocks), got layout {layout.describe()}"
             )
+    if layout.partial_hits_enabled:
+        raise UnsupportedLayoutError(
+            "optimized: partial (sub-block) prefix hits are not implemented (a Mamba group "
+            "coarser than the hash block size)"
+        )
+    if any(isinstance(s, (RSWASpec, CircularBufferSpec)) for s in layout.specs):
+        raise UnsupportedLayoutError(
+            "optimized: R-SWA and circular buffer groups are not implemented"
+        )
     return OptimizedEngine(layout)
 
 

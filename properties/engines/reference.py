@@ -62,13 +62,23 @@ class ReferenceEngine(ManagerEngine):
     def cache_blocks(self, request_id: str, num_tokens: int) -> None:
         self.manager.cache_blocks(self._request(request_id), num_tokens)
 
+    # copy-on-write of partial hits (properties.core.engine.CopiesBlocks)
+    def pending_block_copies(self) -> list[tuple[int, int]]:
+        return [(s.block_id, c.block_id) for s, c in self.manager.pending_block_copies()]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        return [(s.block_id, c.block_id) for s, c in self.manager.take_block_copies()]
+
     # optional capabilities
     def cached_blocks(self) -> list[CachedBlock]:
+        """Every block under its primary key (a secondary key, a partial entry on a block
+        cached in full, is not reported: it has no prefix length of its own)."""
         out = []
         for key, entries in self.manager.block_pool.cached.items():
             gid = int.from_bytes(key[-4:], "big")
             for block in entries.values():
-                out.append(CachedBlock(block.block_id, gid, block.num_cached_tokens))
+                if block.cache_key == key:
+                    out.append(CachedBlock(block.block_id, gid, block.num_cached_tokens))
         return out
 
 

@@ -39,6 +39,7 @@ from properties.core.declarations import read_declaration
 from properties.core.engine import (
     CachedBlock,
     CacheHit,
+    CopiesBlocks,
     EngineFactory,
     ExposesCachedBlocks,
     ExposesFreeQueue,
@@ -154,6 +155,7 @@ class EngineServer:
                 ("serving_modes", SupportsServingModes),
                 ("allocation_estimate", ReportsAllocationEstimate),
                 ("pools", ReportsPools),
+                ("block_copies", CopiesBlocks),
             )
             if isinstance(engine, proto)
         ]
@@ -180,6 +182,8 @@ class EngineServer:
                     _tokens(args, "prompt_token_ids"),
                     args.get("cache_salt"),
                     args.get("lora_name"),
+                    tuple(tuple(item) for item in _optional(args, "mm_items", list, [])),
+                    None if args.get("prompt_embeds") is None else _tokens(args, "prompt_embeds"),
                 )
             )
             return None
@@ -249,6 +253,10 @@ class EngineServer:
                 }
                 for p in pools
             ]
+        if call in ("pending_block_copies", "take_block_copies") and isinstance(
+            engine, CopiesBlocks
+        ):
+            return [[_plain(a), _plain(b)] for a, b in getattr(engine, call)()]
         if call == "free_queue" and isinstance(engine, ExposesFreeQueue):
             return _plain(engine.free_queue())
         if call == "cached_blocks" and isinstance(engine, ExposesCachedBlocks):

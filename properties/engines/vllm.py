@@ -11,17 +11,22 @@ How our layout maps to vLLM objects
 * Each :class:`reference.layout.KVCacheGroup` becomes one ``KVCacheGroupSpec(layer_names,
   spec)`` in the same order, inside ``KVCacheConfig(num_blocks, kv_cache_tensors=[],
   kv_cache_groups)``. ``num_blocks`` counts the null block on both sides.
-* Specs: ``FullAttentionSpec`` / ``SlidingWindowSpec(sliding_window=w)`` /
+* Specs: ``FullAttentionSpec`` / ``RSWASpec(rswa_window=W)`` / ``CircularBufferSpec`` /
+  ``SlidingWindowSpec(sliding_window=w)`` /
   ``ChunkedLocalAttentionSpec(attention_chunk_size=C)`` with our ``block_size``,
   ``num_kv_heads``, ``head_size``, ``page_size_padded``, and ``dtype`` chosen by
   ``dtype_bytes`` (1: uint8, 2: float16, 4: float32, 8: float64), so vLLM's page size
   equals ours. ``MambaSpec(shapes, dtypes=(dtype,) * len(shapes), page_size_padded,
   mamba_cache_mode, num_speculative_blocks, num_prefill_checkpoint_blocks,
   prefill_checkpoint_alignment)`` (our fields, same names).
-* ``KVCacheManager(config, max_model_len, scheduler_block_size=layout.scheduler_block_size,
-  hash_block_size=layout.hash_block_size, max_in_flight_tokens=layout.max_in_flight_tokens,
+* ``KVCacheManager(config, max_model_len, scheduler_block_size, hash_block_size,
+  max_in_flight_tokens=layout.max_in_flight_tokens,
   enable_caching=layout.enable_caching, log_stats=on, enable_kv_cache_events=on)`` with
-  ``on = observes_stats_and_events(layout)`` (off for one layout in four);
+  ``on = observes_stats_and_events(layout)`` (off for one layout in four),
+  ``dcp_world_size``, ``pcp_world_size`` (context parallelism: an attention spec's block
+  size is the layout's divided by the DCP size); the scheduler and hash block sizes are
+  vLLM's own (``resolve_kv_cache_block_sizes`` and ``resolve_cache_hit_alignment_tokens``
+  from a config carrying what they read), which must equal the layout's;
   watermark 0, no EAGLE, no connector. Every other request asks for the ``full`` KV event
   report mode (events for its reused blocks too) and passes the lookup bound explicitly.
   KV events are drained at every ``new_step`` and
@@ -71,6 +76,14 @@ Not bridged / differences
   vLLM's ``update_from_output`` calls for requests with placeholders), and
   ``allocate_slots(full_sequence_must_fit=True)`` is the admission gate with the
   per-group caps from ``max_in_flight_tokens``.
+* Partial hits (a Mamba group coarser than the hash block size: vLLM's
+  ``enable_partial_hash_hits``): the layout goes to vLLM as it is; ``pending_block_copies``
+  reads each manager's queued copy-on-write copies and ``take_block_copies`` does what
+  vLLM's scheduler does once a step is scheduled (``take_kv_cache_block_copies``, then
+  ``free_blocks`` of their retained endpoints, nothing deferred). Such a layout asks for the
+  ``full`` KV event report mode on one layout in four only (:func:`reports_reused_blocks`;
+  those are the known divergence ``vllm-partial-hit-reused-block-events``), and so does a
+  layout with decode context parallelism (``vllm-dcp-reused-block-events``).
 * ``last_allocation_estimate`` (A4): the adapter wraps the ``get_num_blocks_to_allocate``
   of its manager's coordinator (that instance only) and keeps what the per-step call of
   ``allocate_slots`` returned (step 9 of vLLM's ``allocate_slots``; the gate's call with
@@ -103,10 +116,13 @@ from reference.block_metrics import BlockLifecycles
 from reference.connector_blocks import blocks_covering
 from reference.layout import KVCacheLayout
 from reference.specs import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 from reference.zeroing import blocks_to_zero, needs_zeroing
@@ -154,8 +170,10 @@ class V1CoreAPI:
     ``ROOT.v1.request``, ...), and its logging level is ``ROOT_LOGGING_LEVEL``.
     ``lookahead_hashes``: ``KVCacheManager`` and ``get_request_block_hasher`` take
     ``num_hash_lookahead_tokens``. ``lookup_bound``: ``get_computed_blocks`` takes the
-    hit bound (``max_cache_hit_length``). Example: vLLM 0.33 has both; a fork made
-    before they were added has neither.
+    hit bound (``max_cache_hit_length``). ``hit_alignment``: ``kv_cache_utils`` has
+    ``resolve_cache_hit_alignment_tokens`` (the adapter checks the layout's hit alignment
+    against it). Example: vLLM 0.33 has all three; a fork made before they were added has
+    none.
     """
 
     root: str
@@ -163,6 +181,7 @@ class V1CoreAPI:
     release: str
     lookahead_hashes: bool = True
     lookup_bound: bool = True
+    hit_alignment: bool = True
 
 
 #: vLLM 0.33.0 itself.
@@ -192,9 +211,17 @@ class _VLLM:
         self.RequestStatus = request.RequestStatus
         self.SamplingParams = module("sampling_params").SamplingParams
         self.LoRARequest = module("lora.request").LoRARequest
+        inputs = module("multimodal.inputs")
+        self.MultiModalFeatureSpec = inputs.MultiModalFeatureSpec
+        self.PlaceholderRange = inputs.PlaceholderRange
         self.sha256 = module("utils.hashing").sha256
         self.get_request_block_hasher = utils.get_request_block_hasher
         self.init_none_hash = utils.init_none_hash
+        self.resolve_block_sizes = utils.resolve_kv_cache_block_sizes
+        #: None where the package has no hit-alignment resolver (V1CoreAPI.hit_alignment)
+        self.resolve_alignment = (
+            utils.resolve_cache_hit_alignment_tokens if api.hit_alignment else None
+        )
         self.events = (kv_events.AllBlocksCleared, kv_events.BlockRemoved, kv_events.BlockStored)
         self.pool_key = (utils.get_group_id, utils.get_block_hash, utils.maybe_convert_block_hash)
         quiet_loggers(root)
@@ -229,12 +256,14 @@ def _dtype(v: _VLLM, owner: str, dtype_bytes: int) -> Any:
     return getattr(v.torch, name)
 
 
-def to_vllm_spec(v: _VLLM, spec: KVCacheSpec) -> Any:
+def to_vllm_spec(v: _VLLM, spec: KVCacheSpec, dcp_world_size: int = 1) -> Any:
     """Our spec -> vLLM's spec of the same type, block size and page size.
 
     Example: ``SlidingWindowSpec(block_size=2, sliding_window=4)`` ->
     ``vllm SlidingWindowSpec(block_size=2, num_kv_heads=1, head_size=8,
-    dtype=torch.float16, sliding_window=4)``.
+    dtype=torch.float16, sliding_window=4)``. With decode context parallelism of size
+    ``d`` an attention spec's block size is ours divided by ``d`` (ours is the manager's,
+    :func:`reference.layout.check_context_parallel`); a Mamba spec's stays.
     """
     kvi = v.kvi
     owner = type(spec).__name__
@@ -251,14 +280,18 @@ def to_vllm_spec(v: _VLLM, spec: KVCacheSpec) -> Any:
             prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment,
         )
     common: dict[str, Any] = {}
-    if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+    if isinstance(spec, AttentionSpec):
         common = dict(
-            block_size=spec.block_size,
+            block_size=spec.block_size // dcp_world_size,
             num_kv_heads=spec.num_kv_heads,
             head_size=spec.head_size,
             dtype=_dtype(v, owner, spec.dtype_bytes),
             page_size_padded=spec.page_size_padded,
         )
+    if isinstance(spec, RSWASpec):
+        return kvi.RSWASpec(rswa_window=spec.rswa_window, **common)
+    if isinstance(spec, CircularBufferSpec):
+        return kvi.CircularBufferSpec(**common)
     if isinstance(spec, FullAttentionSpec):
         return kvi.FullAttentionSpec(**common)
     if isinstance(spec, SlidingWindowSpec):
@@ -296,6 +329,24 @@ def observes_block_metrics(layout: KVCacheLayout) -> bool:
     return zlib.crc32(("metrics:" + layout.describe()).encode()) % 2 == 0
 
 
+def reports_reused_blocks(layout: KVCacheLayout) -> bool:
+    """Whether every other request asks vLLM for the ``full`` KV event report mode (events
+    of its reused blocks too: ``emit_cached_block_events`` at each lookup with a hit).
+
+    Rule: with events on (:func:`observes_stats_and_events`), always, except on a layout
+    with partial hits or decode context parallelism, where only one in four does
+    (``crc32(layout.describe()) % 4 == 1``): there vLLM 0.33's reused-block events crash
+    (the known divergences ``vllm-partial-hit-reused-block-events`` and
+    ``vllm-dcp-reused-block-events``, whose layouts are not drawn). Example: a full +
+    Mamba layout with partial hits whose description hashes to 6 keeps events on in the
+    ``incremental`` mode only."""
+    if not observes_stats_and_events(layout):
+        return False
+    if not layout.partial_hits_enabled and layout.dcp_world_size == 1:
+        return True
+    return zlib.crc32(layout.describe().encode()) % 4 == 1
+
+
 class VLLMEngine:
     """vLLM's ``KVCacheManager`` driven through the engine protocol."""
 
@@ -304,9 +355,10 @@ class VLLMEngine:
     def __init__(self, layout: KVCacheLayout, v: _VLLM) -> None:
         self.layout = layout
         self._v = v
+        dcp = layout.dcp_world_size
         groups = [
             v.kvi.KVCacheGroupSpec(
-                list(g.layer_names), to_vllm_spec(v, g.spec), is_eagle_group=g.is_eagle_group
+                list(g.layer_names), to_vllm_spec(v, g.spec, dcp), is_eagle_group=g.is_eagle_group
             )
             for g in layout.groups
         ]
@@ -316,6 +368,7 @@ class VLLMEngine:
             kv_cache_groups=groups,
             prefix_cache_retention_interval=layout.prefix_cache_retention_interval,
         )
+        self._block_sizes = self._resolve_block_sizes(groups)
         #: whether vLLM's manager keeps prefix cache stats, and emits KV cache events
         self._stats_on = self._events_on = observes_stats_and_events(layout)
         #: vLLM's KV block metrics collector (every block sampled; one layout in two) and
@@ -366,6 +419,51 @@ class VLLMEngine:
             )
         return {}
 
+    def _resolve_block_sizes(self, groups: list[Any]) -> tuple[int, int]:
+        """vLLM's own scheduler and hash block sizes of the layout
+        (``resolve_kv_cache_block_sizes``, as the engine core derives them, and
+        ``resolve_cache_hit_alignment_tokens``, where the package has it:
+        :attr:`V1CoreAPI.hit_alignment`), from a config carrying what they read: the
+        block size of a one-group layout (vLLM's, per rank), no prefix match unit, prefix
+        caching as the layout has it, the DCP size, no KV connector. They must be the
+        layout's (``scheduler_block_size``, ``hash_block_size``, ``cache_hit_alignment``);
+        a difference is an :class:`EngineError` naming both."""
+        layout, v = self.layout, self._v
+        from types import SimpleNamespace
+
+        one = groups[0].kv_cache_spec.block_size
+        config = SimpleNamespace(
+            cache_config=SimpleNamespace(
+                block_size=one, prefix_match_unit=None, enable_prefix_caching=layout.enable_caching
+            ),
+            parallel_config=SimpleNamespace(decode_context_parallel_size=layout.dcp_world_size),
+            kv_transfer_config=None,
+        )
+        scheduler, hashed = v.call(
+            "resolve_kv_cache_block_sizes", (), v.resolve_block_sizes, self._config, config
+        )
+        alignment = layout.cache_hit_alignment
+        if v.resolve_alignment is not None:
+            alignment = v.call(
+                "resolve_cache_hit_alignment_tokens",
+                (),
+                v.resolve_alignment,
+                self._config,
+                config,
+                scheduler,
+                hashed,
+            )
+        ours = (layout.scheduler_block_size, layout.hash_block_size)
+        if (scheduler, hashed) != ours or (
+            layout.enable_caching and alignment != layout.cache_hit_alignment
+        ):
+            raise EngineError(
+                f"{v.api.label}: block sizes of {layout.describe()}: vLLM resolves (scheduler "
+                f"{scheduler}, hash {hashed}, hit alignment {alignment}), the layout has "
+                f"({ours[0]}, {ours[1]}, {layout.cache_hit_alignment})"
+            )
+        return scheduler, hashed
+
     def _build_manager(self) -> None:
         """vLLM's ``KVCacheManager`` of the layout, with stats and events as set."""
         layout, v = self.layout, self._v
@@ -377,8 +475,8 @@ class VLLMEngine:
             v.KVCacheManager,
             self._config,
             max_model_len=layout.max_model_len,
-            scheduler_block_size=layout.scheduler_block_size,
-            hash_block_size=layout.hash_block_size,
+            scheduler_block_size=self._block_sizes[0],
+            hash_block_size=self._block_sizes[1],
             max_in_flight_tokens=layout.max_in_flight_tokens,
             enable_caching=layout.enable_caching,
             use_eagle=drop_eagle,
@@ -386,6 +484,8 @@ class VLLMEngine:
             enable_kv_cache_events=self._events_on,
             **self._lookahead_option(),
             metrics_collector=self._metrics,
+            dcp_world_size=layout.dcp_world_size,
+            pcp_world_size=layout.pcp_world_size,
         )
         self._record_estimates(self.manager.coordinator)
 
@@ -444,7 +544,8 @@ class VLLMEngine:
         v = self._v
         # every other request asks for events of its reused blocks too (vLLM's "full"
         # report mode), the others for newly cached blocks only ("incremental")
-        mode = "full" if len(self.requests) % 2 else "incremental"
+        full = reports_reused_blocks(self.layout) and len(self.requests) % 2
+        mode = "full" if full else "incremental"
         self._used = True
         params = v.SamplingParams(
             max_tokens=max(1, self.layout.max_model_len),
@@ -461,7 +562,32 @@ class VLLMEngine:
             lora_request=self._lora(request.lora_name),
             cache_salt=request.cache_salt,
             block_hasher=self._hasher,
+            **self._media(request),
         )
+
+    def _media(self, request: RequestInput) -> dict[str, Any]:
+        """A request's multimodal items as vLLM's ``MultiModalFeatureSpec`` (an image
+        whose content hash is the identifier, at ``PlaceholderRange(offset, length)``;
+        no processed data, as for a cached item) and its prompt embeddings as a float32
+        tensor with one row per prompt position (every entry of row ``p`` the embedding id
+        of ``p``: equal ids give equal bytes, the key vLLM hashes); the token ids stay
+        (both given: every position has its token and an embedding)."""
+        v = self._v
+        out: dict[str, Any] = {}
+        if request.mm_items:
+            out["mm_features"] = [
+                v.MultiModalFeatureSpec(
+                    data=None,
+                    modality="image",
+                    identifier=identifier,
+                    mm_position=v.PlaceholderRange(offset=offset, length=length),
+                )
+                for identifier, offset, length in request.mm_items
+            ]
+        if request.prompt_embeds is not None:
+            ids = v.torch.tensor(request.prompt_embeds, dtype=v.torch.float32)
+            out["prompt_embeds"] = ids.unsqueeze(1).repeat(1, 4)
+        return out
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         req = self._request(request_id)
@@ -770,6 +896,27 @@ class VLLMEngine:
     def num_free_blocks(self) -> int:
         return int(self._pool.get_num_free_blocks())
 
+    # -- copy-on-write of partial hits (CopiesBlocks) ------------------------------
+    def pending_block_copies(self) -> list[tuple[int, int]]:
+        """The copies vLLM's managers queued and nobody took yet (each manager's
+        ``_pending_cow_copies``, group by group: the order ``take_kv_cache_block_copies``
+        gives them)."""
+        return [
+            (source.block_id, copy.block_id)
+            for manager in self.manager.coordinator.single_type_managers
+            for source, copy in manager._pending_cow_copies
+        ]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """What vLLM's scheduler does once a step is scheduled: take the copies
+        (``take_kv_cache_block_copies``) and free their retained endpoints at once
+        (``_free_cow_retained_blocks`` without deferred frees)."""
+        copies, retained = self._v.call(
+            "take_kv_cache_block_copies", (), self.manager.take_kv_cache_block_copies
+        )
+        self._v.call("free_blocks", ("retained copy endpoints",), self._pool.free_blocks, retained)
+        return [(int(c.src_block_id), int(c.dst_block_id)) for c in copies]
+
     # -- optional capabilities (read from vLLM's BlockPool) ---------------------
     def last_allocation_estimate(self) -> int | None:
         """What vLLM's ``coordinator.get_num_blocks_to_allocate`` returned for the step in
@@ -877,6 +1024,18 @@ def _lookahead_past_the_hashes(layout: KVCacheLayout) -> bool:
     )
 
 
+def _reused_block_events_past_the_hashes(layout: KVCacheLayout) -> bool:
+    """Partial hits with the ``full`` KV event report mode (:func:`reports_reused_blocks`):
+    a lookup that reuses a block ending inside a coarser group's block raises."""
+    return layout.partial_hits_enabled and reports_reused_blocks(layout)
+
+
+def _reused_block_events_at_rank_block_size(layout: KVCacheLayout) -> bool:
+    """Decode context parallelism with the ``full`` KV event report mode
+    (:func:`reports_reused_blocks`): a lookup with a hit asserts."""
+    return layout.dcp_world_size > 1 and reports_reused_blocks(layout)
+
+
 def _mamba_prefill_checkpoints(layout: KVCacheLayout) -> bool:
     """A Mamba group with prefill checkpoint blocks, with prefix caching on."""
     return layout.enable_caching and any(
@@ -918,6 +1077,24 @@ KNOWN_DIVERGENCES = (
         "when attention_chunk_size % block_size != 0",
         finding="findings/vllm/chunked-hit-in-previous-chunk.md",
         applies=_chunk_not_multiple_of_block,
+    ),
+    KnownDivergence(
+        name="vllm-partial-hit-reused-block-events",
+        summary="get_computed_blocks raises IndexError for a request in the 'full' KV "
+        "event report mode whose hit ends inside a block of a coarser group (partial "
+        "hits): emit_cached_block_events indexes the group's block-aligned hashes past "
+        "their end",
+        finding="findings/vllm/partial-hit-reused-block-events.md",
+        applies=_reused_block_events_past_the_hashes,
+    ),
+    KnownDivergence(
+        name="vllm-dcp-reused-block-events",
+        summary="get_computed_blocks raises AssertionError for a request in the 'full' KV "
+        "event report mode with decode context parallelism: emit_cached_block_events reads "
+        "the hashes at the spec's per-rank block size, which the hash block size does not "
+        "divide",
+        finding="findings/vllm/dcp-reused-block-events.md",
+        applies=_reused_block_events_at_rank_block_size,
     ),
 )
 make_engine.known_divergences = KNOWN_DIVERGENCES  # type: ignore[attr-defined]

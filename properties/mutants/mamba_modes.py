@@ -40,6 +40,7 @@ class MambaNegativeEstimate(MambaManager):
         num_tokens_main: int,
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
+        num_local_computed_tokens: int = 0,
     ) -> int:
         need = super().get_num_blocks_to_allocate(
             request_id,
@@ -49,6 +50,7 @@ class MambaNegativeEstimate(MambaManager):
             num_tokens_main,
             apply_admission_cap,
             prefill_end,
+            num_local_computed_tokens,
         )
         if self.align and not new_computed_blocks:
             required = cdiv(num_tokens_main, self.block_size) + self.num_speculative_blocks

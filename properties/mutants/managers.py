@@ -11,24 +11,28 @@ that starts at 6 computed tokens the reference frees the blocks before token
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 
 from properties.core.modes import PRODUCTION_SETTINGS
-from properties.mutants.assembly import MutantEngine, mutant_engine
+from properties.mutants.assembly import MutantEngine, mutant_engine, mutated_manager
 from properties.mutants.registry import REFERENCE_CATALOGUE, Registry, per_manager
 from reference.block_pool import BlockPool, KVCacheBlock
 from reference.coordinator import HybridCoordinator
 from reference.layout import KVCacheLayout
 from reference.managers import (
     ChunkedLocalAttentionManager,
+    CircularBufferManager,
     FullAttentionManager,
     MambaManager,
+    RSWAManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
 from reference.managers.base import BlockList
 from reference.request import Request
-from reference.specs import KVCacheSpec
+from reference.specs import KVCacheSpec, MambaSpec
 
 REGISTRY = Registry(REFERENCE_CATALOGUE, production_settings=PRODUCTION_SETTINGS)
 
@@ -36,7 +40,9 @@ REGISTRY = Registry(REFERENCE_CATALOGUE, production_settings=PRODUCTION_SETTINGS
 class SlidingWindowOffByOne(SlidingWindowManager):
     """Frees out-of-window blocks as if one more token had left the window."""
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
         super().remove_skipped_blocks(request_id, num_computed_tokens + 1)  # BUG: + 1
 
 
@@ -114,7 +120,9 @@ class ChunkedLocalEarly(ChunkedLocalAttentionManager):
     before a chunk boundary, the whole current chunk is freed although the chunk's last
     query still reads it. Example, C 4, bs 2: at 7 computed tokens blocks 2, 3 go."""
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
         super().remove_skipped_blocks(request_id, num_computed_tokens + 1)  # BUG: + 1
 
 
@@ -253,6 +261,7 @@ class _EvictableHitsForgotten:
         num_tokens_main: int,
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
+        num_local_computed_tokens: int = 0,
     ) -> int:
         held = [self.null_block] * len(new_computed_blocks)  # type: ignore[attr-defined]
         return super().get_num_blocks_to_allocate(  # type: ignore[misc]
@@ -263,6 +272,7 @@ class _EvictableHitsForgotten:
             num_tokens_main,
             apply_admission_cap,
             prefill_end,
+            num_local_computed_tokens,
         )
 
 
@@ -282,4 +292,113 @@ def make_estimate_without_evictable_hits(layout: KVCacheLayout) -> MutantEngine:
             SlidingWindowManager,
             ChunkedLocalAttentionManager,
         ),
+    )
+
+
+class _SharedPartialHit:
+    """Adopts a hit that ends inside a block without copy-on-write: the request keeps the
+    shared block (no block reserved, no copy queued) and writes its next tokens into the
+    block the request that cached it still holds or serves from the cache."""
+
+    def add_local_computed_blocks(self, request_id: str, *args, **kwargs) -> None:
+        super().add_local_computed_blocks(request_id, *args, **kwargs)  # type: ignore[misc]
+        partial = self.partial_hits.pop(request_id, None)  # type: ignore[attr-defined]
+        if partial is not None:  # BUG: the shared block is not copied
+            self.num_cached_block[request_id] = partial[0] + 1  # type: ignore[attr-defined]
+
+    def get_num_blocks_to_allocate(self, *args, **kwargs) -> int:
+        kwargs["num_local_computed_tokens"] = 0  # BUG: no block reserved for the copy
+        return super().get_num_blocks_to_allocate(*args, **kwargs)  # type: ignore[misc]
+
+
+@REGISTRY.mutant(
+    "universal",
+    ["exclusive_write", "window_liveness", "hit_soundness"],
+    "a hit ending inside a block shares that block instead of copying it on write "
+    "(partial hits): two requests write the same block",
+    "production",
+)
+def make_partial_hit_shared(layout: KVCacheLayout) -> MutantEngine:
+    return mutant_engine(
+        "partial_hit_shared",
+        layout,
+        managers=per_manager(_SharedPartialHit, FullAttentionManager, MambaManager),
+    )
+
+
+def _mamba_scaled_by_dcp(layout: KVCacheLayout) -> KVCacheLayout:
+    """``layout`` with every Mamba group's block size multiplied by the DCP size too (kept
+    as it is when that would exceed ``max_model_len``)."""
+    d = layout.dcp_world_size
+    groups = tuple(
+        dataclasses.replace(g, spec=g.spec.with_block_size(g.spec.block_size * d))
+        if isinstance(g.spec, MambaSpec)
+        else g
+        for g in layout.groups
+    )
+    if d == 1 or math.lcm(*(g.spec.block_size for g in groups)) > layout.max_model_len:
+        return layout
+    return dataclasses.replace(layout, groups=groups)
+
+
+@REGISTRY.mutant(
+    "universal",
+    ["window_liveness", "hit_soundness", "table_covers_slots", "hit_bounds"],
+    "decode context parallelism scales the replicated Mamba state's block size too (its "
+    "state columns, the scheduler and hash block sizes all move)",
+    "production",
+)
+def make_dcp_scales_mamba(layout: KVCacheLayout) -> MutantEngine:
+    scaled = _mamba_scaled_by_dcp(layout)  # BUG: Mamba state is not sharded
+    return MutantEngine(layout, mutated_manager(scaled), "dcp_scales_mamba")
+
+
+class RSWAPromptTailFreed(RSWAManager):
+    """Starts the gap at the block holding the prompt's last token (``P // bs`` instead of
+    ``cdiv(P, bs)``): when the prompt ends inside a block, that block (still visible to
+    every query) is freed with the gap."""
+
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        if num_prompt_tokens is None:
+            return
+        bs = self.block_size
+        start = max(num_prompt_tokens, num_computed_tokens - self.spec.rswa_window)
+        self._remove_blocks_in_range(request_id, num_prompt_tokens // bs, start // bs)  # BUG
+
+
+@REGISTRY.mutant(
+    "universal",
+    ["window_liveness"],
+    "R-SWA frees the block holding the prompt's last tokens with the gap",
+    "production",
+)
+def make_rswa_prompt_tail_freed(layout: KVCacheLayout) -> MutantEngine:
+    return mutant_engine(
+        "rswa_prompt_tail_freed", layout, managers={RSWAManager: RSWAPromptTailFreed}
+    )
+
+
+class CircularRingFreed(CircularBufferManager):
+    """Treats the ring as a sliding window of one block: once the request has processed a
+    ring's worth of tokens the ring goes back to the pool (a null entry stays), though
+    every later step still writes into it."""
+
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        if num_computed_tokens >= self.block_size:  # BUG: the ring lives as long as the request
+            self._remove_blocks_in_range(request_id, 0, 1)
+
+
+@REGISTRY.mutant(
+    "universal",
+    ["window_liveness"],
+    "a circular buffer's ring is freed once the request has processed a ring's worth of tokens",
+    "production",
+)
+def make_circular_ring_freed(layout: KVCacheLayout) -> MutantEngine:
+    return mutant_engine(
+        "circular_ring_freed", layout, managers={CircularBufferManager: CircularRingFreed}
     )

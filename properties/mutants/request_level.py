@@ -73,19 +73,16 @@ def extend_hashes_without_parent(
     hash_block_size: int,
     cache_salt: str | None,
     lora_name: str | None,
+    mm_items: Sequence = (),
+    prompt_embeds: Sequence[int] | None = None,
 ) -> None:
     """Like :func:`reference.hashing.extend_block_hashes` but every link hashes only its
     own tokens: equal blocks behind different prefixes get equal hashes."""
     h = hash_block_size
     while (len(hashes) + 1) * h <= len(token_ids):
         j = len(hashes)
-        hashes.append(
-            hash_block_tokens(
-                None,
-                token_ids[j * h : (j + 1) * h],  # BUG: None
-                block_extra_keys(j, cache_salt, lora_name),
-            )
-        )
+        extra = block_extra_keys(j * h, (j + 1) * h, cache_salt, lora_name, mm_items, prompt_embeds)
+        hashes.append(hash_block_tokens(None, token_ids[j * h : (j + 1) * h], extra))  # BUG: None
 
 
 class ParentlessHashRequest(Request):
@@ -98,8 +95,11 @@ class ParentlessHashRequest(Request):
         hash_block_size: int,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        **media,
     ) -> None:
-        super().__init__(request_id, prompt_token_ids, hash_block_size, cache_salt, lora_name)
+        super().__init__(
+            request_id, prompt_token_ids, hash_block_size, cache_salt, lora_name, **media
+        )
         self.block_hashes = []
         self._extend_hashes()
 
@@ -114,6 +114,8 @@ class ParentlessHashRequest(Request):
             self.hash_block_size,
             self.cache_salt,
             self.lora_name,
+            self.mm_items,
+            self.prompt_embeds,
         )
 
 
@@ -124,10 +126,16 @@ class ParentlessHashManager(KVCacheManager):
         prompt_token_ids,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        **media,
     ) -> Request:
-        super().make_request(request_id, prompt_token_ids, cache_salt, lora_name)  # validation
+        super().make_request(request_id, prompt_token_ids, cache_salt, lora_name, **media)
         return ParentlessHashRequest(
-            request_id, prompt_token_ids, self.layout.hash_block_size, cache_salt, lora_name
+            request_id,
+            prompt_token_ids,
+            self.layout.hash_block_size,
+            cache_salt,
+            lora_name,
+            **media,
         )
 
 
@@ -186,8 +194,9 @@ class SaltIgnoredManager(KVCacheManager):
         prompt_token_ids,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        **media,
     ) -> Request:
-        return super().make_request(request_id, prompt_token_ids, None, lora_name)  # BUG
+        return super().make_request(request_id, prompt_token_ids, None, lora_name, **media)  # BUG
 
 
 @REGISTRY.mutant(
@@ -212,12 +221,14 @@ class LookaheadIgnoredRequest(Request):
             self.hash_block_size,
             self.cache_salt,
             self.lora_name,
+            mm_items=self.mm_items,
+            prompt_embeds=self.prompt_embeds,
         )
 
 
 class LookaheadIgnoredManager(KVCacheManager):
-    def make_request(self, request_id, prompt_token_ids, cache_salt=None, lora_name=None):
-        base = super().make_request(request_id, prompt_token_ids, cache_salt, lora_name)
+    def make_request(self, request_id, prompt_token_ids, cache_salt=None, lora_name=None, **media):
+        base = super().make_request(request_id, prompt_token_ids, cache_salt, lora_name, **media)
         return LookaheadIgnoredRequest(
             request_id,
             prompt_token_ids,
@@ -225,6 +236,7 @@ class LookaheadIgnoredManager(KVCacheManager):
             cache_salt,
             lora_name,
             base.num_hash_lookahead_tokens,
+            **media,
         )
 
 
@@ -258,3 +270,23 @@ def make_ignores_enable_caching(layout: KVCacheLayout) -> MutantEngine:
 # (a full-attention-only engine: the blind spot was engines whose declarations left the
 # targeted layouts, which alone turned caching off, out of their draws)
 make_ignores_enable_caching.spec_types = ("full",)  # type: ignore[attr-defined]
+
+
+class MediaIgnoredManager(KVCacheManager):
+    """Builds every request's hashes from its tokens alone: its multimodal items and
+    prompt embeddings are left out, so prompts whose placeholder tokens are equal share
+    blocks whatever images or embeddings they carry."""
+
+    def make_request(self, request_id, prompt_token_ids, cache_salt=None, lora_name=None, **media):
+        return super().make_request(request_id, prompt_token_ids, cache_salt, lora_name)  # BUG
+
+
+@REGISTRY.mutant(
+    "universal",
+    ["hit_soundness", "hit_maximality"],
+    "multimodal items and prompt embeddings are left out of block hashes (another image "
+    "behind equal placeholder tokens hits)",
+    "production",
+)
+def make_media_ignored(layout: KVCacheLayout) -> MutantEngine:
+    return mutant_engine("media_ignored", layout, manager_cls=MediaIgnoredManager)

@@ -31,7 +31,7 @@ from hypothesis.control import current_build_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from properties.core.engine import CallTimeoutError, KnownDivergenceMet
-from properties.core.modes import SYNC, ServingMode
+from properties.core.modes import MULTIMODAL, SYNC, ServingMode
 from properties.core.trace import (
     Abort,
     Arrive,
@@ -139,6 +139,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         )
         self.pool = data.draw(kvst.prefix_pools(layout), label="prefix pool")
         self.arrivals = kvst.request_inputs(layout, self.pool, "r")
+        if self.config.production and MULTIMODAL in self.engine.production_settings:
+            self.arrivals = kvst.media_request_inputs(layout, self.pool, "r")
         self.steps = kvst.step_ops(layout)
         stats = type(self).stats
         stats.examples += 1

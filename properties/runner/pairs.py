@@ -4,12 +4,12 @@ group types and pool pressure, counted in pairs (swarm-testing reach).
 A *feature* is one thing an example can switch on: a serving mode (``async``,
 ``admission-gate``, ``drafts``, ``external-hits``, ``async-loads``, ``load-failures``), a
 production setting (``eagle-drop``, ``lookahead-hashes``, ``retention=sparse``,
-``retention=interval``, ``admission-cap``), ``pool-pressure`` (the pool holds fewer than
-two requests of ``max_model_len``), or a group type (``full``, ``sliding_window``,
-``chunked_local``, ``mamba``). A *pair* is two features of which at least one is not a
-group type (mode x mode, mode x group type). Every example adds one to each pair of
-features it has; :func:`pair_table` then lists every pair as reached, excluded (by the
-model, or by what the engine declares) or missed.
+``retention=interval``, ``admission-cap``, ``partial-hits``), ``pool-pressure`` (the pool
+holds fewer than two requests of ``max_model_len``), or a group type (``full``,
+``sliding_window``, ``chunked_local``, ``mamba``). A *pair* is two features of which at
+least one is not a group type (mode x mode, mode x group type). Every example adds one to
+each pair of features it has; :func:`pair_table` then lists every pair as reached,
+excluded (by the model, or by what the engine declares) or missed.
 
 Worked example: a gemma3-like layout (full + sliding window) run with asynchronous
 scheduling and the admission gate on a pool of 3 requests has the features ``async``,
@@ -41,6 +41,7 @@ MODE_FEATURES: tuple[str, ...] = (
     "retention=interval",
     "admission-cap",
     "pool-pressure",
+    "partial-hits",
 )
 GROUP_TYPES: tuple[str, ...] = ("full", "sliding_window", "chunked_local", "mamba")
 
@@ -59,13 +60,16 @@ NEEDS: Mapping[str, tuple[str, ...]] = {
     "retention=interval": ("setting:retention",),
     "admission-cap": ("setting:admission_cap",),
     "pool-pressure": (),
+    "partial-hits": ("setting:partial_hits",),
     **{kind: (f"spec:{kind}",) for kind in GROUP_TYPES},
 }
 
 #: What an engine must declare for a pair beyond its two features' needs: drafts on a
-#: Mamba group need its speculative blocks (the ``mamba_modes`` production setting).
+#: Mamba group need its speculative blocks (the ``mamba_modes`` production setting), and
+#: partial hits have a Mamba group.
 PAIR_NEEDS: Mapping[frozenset[str], tuple[str, ...]] = {
     frozenset({"drafts", "mamba"}): ("setting:mamba_modes",),
+    frozenset({"drafts", "partial-hits"}): ("setting:mamba_modes",),
 }
 
 #: Pairs the model of kvconform leaves out, with the reason (``docs`` of each mode).
@@ -78,6 +82,15 @@ MODEL_EXCLUSIONS: Mapping[frozenset[str], str] = {
     frozenset({"lookahead-hashes", "chunked_local"}): "vLLM runs EAGLE without chunked groups",
     frozenset({"eagle-drop", "lookahead-hashes"}): "lookahead hashes turn the EAGLE drop off",
     frozenset({"retention=sparse", "retention=interval"}): "a layout has one retention interval",
+    frozenset({"partial-hits", "chunked_local"}): (
+        "partial hits need every group but full attention and Mamba at the hash block "
+        "size; a chunked-local group's is the scheduler block size"
+    ),
+    frozenset({"partial-hits", "eagle-drop"}): "partial hits are drawn without EAGLE",
+    frozenset({"partial-hits", "lookahead-hashes"}): "partial hits are drawn without EAGLE",
+    frozenset({"partial-hits", "external-hits"}): "loaded Mamba states are not modelled",
+    frozenset({"partial-hits", "async-loads"}): "loaded Mamba states are not modelled",
+    frozenset({"partial-hits", "load-failures"}): "loaded Mamba states are not modelled",
 }
 
 
@@ -100,6 +113,8 @@ def features(layout: KVCacheLayout, mode: ServingMode | None) -> frozenset[str]:
         out.add("admission-cap")
     if layout.num_blocks - 1 < 2 * layout.blocks_per_request():
         out.add("pool-pressure")
+    if layout.partial_hits_enabled:
+        out.add("partial-hits")
     if mode is not None:
         # what a Mamba layout does not model is not run: no connector, drafts only up to
         # its speculative blocks

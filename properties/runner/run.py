@@ -38,6 +38,7 @@ from properties.checks.lockstep import LockstepEngine
 from properties.checks.registry import PropertyViolation
 from properties.core.engine import (
     CallTimeoutError,
+    CopiesBlocks,
     EngineError,
     ExposesDataPlane,
     KVCacheEngine,
@@ -142,6 +143,11 @@ class TraceRun:
 
             plane = built if isinstance(built, ExposesDataPlane) else None
             self.attention = AttentionChecker(layout, data_plane=plane)
+        if layout.partial_hits_enabled and not isinstance(built, CopiesBlocks):
+            raise UnsupportedLayoutError(
+                f"{engine_name(built)} does not hand over the block copies of partial hits "
+                "(properties.core.engine.CopiesBlocks), which this layout has"
+            )
         supports = isinstance(built, SupportsServingModes)
         if choose_mode is not None:
             mode = choose_mode(supports)
@@ -193,7 +199,7 @@ class TraceRun:
         return self.lockstep.checker.state.num_free()
 
     def _on_scheduled(self, scheduler: Scheduler, record: StepRecord) -> None:
-        if self.attention is None or not record.scheduled:
+        if self.attention is None or not (record.scheduled or record.copies):
             return
         from properties.checks.attention import AttentionMismatch, ScheduledChunk
 
@@ -210,7 +216,7 @@ class TraceRun:
                 )
             )
         try:
-            self.attention.check_step(chunks)
+            self.attention.check_step(chunks, record.copies)
         except AttentionMismatch as exc:
             raise PropertyViolation("attention", str(exc)) from exc
 
@@ -313,14 +319,22 @@ def replay_trace(
 def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
     """The production modes a run exercises, for the counts ``kvconform check`` prints:
     ``retention=dense|sparse|interval``, ``eagle-drop``, ``lookahead-hashes``,
-    ``async``, ``admission-gate``, ``drafts``, ``external-hits``, ``async-loads``,
-    ``load-failures``."""
+    ``partial-hits``, ``context-parallel``, ``rswa``, ``circular-buffer``, ``async``,
+    ``admission-gate``, ``drafts``, ``external-hits``, ``async-loads``, ``load-failures``."""
     r = layout.prefix_cache_retention_interval
     tags = [f"retention={'dense' if r is None else 'sparse' if r == 0 else 'interval'}"]
     if layout.drop_eagle_group_ids:
         tags.append("eagle-drop")
     if layout.num_hash_lookahead_tokens:
         tags.append("lookahead-hashes")
+    if layout.partial_hits_enabled:
+        tags.append("partial-hits")
+    if layout.dcp_world_size > 1 or layout.pcp_world_size > 1:
+        tags.append("context-parallel")
+    if any(s.type_name == "rswa" for s in layout.specs):
+        tags.append("rswa")
+    if any(not s.prefix_cacheable for s in layout.specs):
+        tags.append("circular-buffer")
     if mode.async_scheduling:
         tags.append("async")
     if mode.admission_gate:

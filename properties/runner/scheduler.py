@@ -14,6 +14,8 @@ Rules of one ``Step(token_budget, num_lookahead_tokens)``:
    order: ``get_computed_blocks``, then ``allocate_slots(n, hit, hit blocks)`` for
    ``n = min(num_tokens - hit, budget left)``. The first that does not fit stops
    admission.
+   Then, for an engine that copies blocks (``CopiesBlocks``: copy-on-write of partial
+   hits), ``take_block_copies()``: the step is planned, its copies run first.
 4. The step runs: every scheduled request's computed tokens advance by ``n``. A
    request whose tokens are all computed decodes its next output token (appended);
    after its last output token it finishes and is freed. A request with no output
@@ -57,6 +59,7 @@ from properties.core.engine import (
     BlockIds,
     CacheHit,
     CommitsSteps,
+    CopiesBlocks,
     FreesInBatch,
     KVCacheEngine,
     PlansSteps,
@@ -70,6 +73,7 @@ from properties.runner.connector import Connector
 from reference.errors import KVConformError
 from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout, draft_token_limit
+from reference.managers.mamba_checkpoints import checkpoint_position
 from reference.specs import MambaSpec
 
 
@@ -122,6 +126,10 @@ class StepRecord:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    #: the block copies the step's allocations queued, handed over once it was planned
+    #: (``(source, destination)``, :class:`properties.core.engine.CopiesBlocks`): they run
+    #: before the step's writes
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 #: Called after scheduling and before the step runs: (scheduler, record).
@@ -249,7 +257,14 @@ class RequestQueues:
                 f"Arrive {op.request_id!r}: prompt {len(op.prompt)} + output {len(op.output)} "
                 f"tokens exceed max_model_len {self.layout.max_model_len}"
             )
-        req = RequestInput(op.request_id, tuple(op.prompt), op.cache_salt, op.lora_name)
+        req = RequestInput(
+            op.request_id,
+            tuple(op.prompt),
+            op.cache_salt,
+            op.lora_name,
+            op.mm_items,
+            op.prompt_embeds,
+        )
         self.requests[op.request_id] = self.state_type(req, tuple(op.output))
         self.engine.add_request(req)
         self.waiting.append(op.request_id)
@@ -422,6 +437,8 @@ class Scheduler(RequestQueues):
             else None
         )
         self.num_steps = 0
+        #: the token budget of the step being scheduled
+        self.step_budget = 0
         #: Running requests are allocated in batches when the engine plans steps.
         self.batched = isinstance(engine, PlansSteps)
         #: The end of a step goes to the engine in one call when it commits steps.
@@ -469,12 +486,15 @@ class Scheduler(RequestQueues):
         if token_budget < 1:
             raise TraceError(f"Step.token_budget must be >= 1, got {token_budget}")
         self.num_steps += 1
+        self.step_budget = token_budget
         self.engine.new_step()
         record = StepRecord()
         self._complete_loads()
         budget = self._schedule_running(record, token_budget, num_lookahead_tokens)
         if not record.preempted:
             self._admit_waiting(record, budget, num_lookahead_tokens)
+        if isinstance(self.engine, CopiesBlocks):
+            record.copies = list(self.engine.take_block_copies())
         if self.on_scheduled is not None:
             self.on_scheduled(self, record)
         return self._end_step(record)
@@ -651,15 +671,52 @@ class Scheduler(RequestQueues):
         multiple of the Mamba block size (possibly to 0: the request waits for a larger
         budget), so
         that every state the manager caches at a block boundary is really written
-        there. Example: Mamba bs 4, prefill from 0 with budget 6 -> 4 tokens."""
+        there. Example: Mamba bs 4, prefill from 0 with budget 6 -> 4 tokens. With
+        partial hits, vLLM's stops instead (:meth:`_partial_hit_chunk`)."""
         n = min(self._end(state) - start, budget)
         if self.chunk_block_size is None:
             return n
         prefill_end = max(len(state.input.prompt_token_ids), state.num_tokens - 1)
-        if start >= prefill_end or start + n >= prefill_end:
+        if start >= prefill_end:
+            return n
+        if self.layout.partial_hits_enabled:
+            return self._partial_hit_chunk(state, start, n, prefill_end)
+        if start + n >= prefill_end:
             return n
         bs = self.chunk_block_size
         return (start + n) // bs * bs - start
+
+    def _partial_hit_chunk(self, state: RequestState, start: int, n: int, prefill_end: int) -> int:
+        """vLLM 0.33's prefill split with partial hits (``_mamba_block_aligned_split``), a
+        prefill chunk ``[start, start + n)`` before ``prefill_end``: a chunk ending before
+        ``prefill_end`` ends on a Mamba block boundary (unless that leaves nothing and the
+        block is wider than the step's budget: then it advances inside the block); then it
+        stops at the first of these strictly inside it: the next block boundary (a chunk
+        starting inside a block: after a partial hit), the last block boundary whose state
+        the prompt can leave (:func:`reference.managers.mamba_checkpoints.checkpoint_position`
+        of ``N`` at the Mamba block size) and, when it lies past that one, the prompt's
+        partial tail (the same at the hash block size, below ``P``), so that the state
+        there is written and keyed. Example: Mamba bs 8, H 4, a 14-token prompt, budget
+        64: ``[0, 8)``, ``[8, 12)``, ``[12, 14)``; after a hit of 4: ``[4, 8)``, ..."""
+        bs = self.mamba_block_size
+        assert bs is not None
+        layout = self.layout
+        drop, lookahead = bool(layout.drop_eagle_group_ids), layout.num_hash_lookahead_tokens
+        end = start + n
+        if end < prefill_end:
+            aligned = end // bs * bs
+            if aligned > start or bs <= self.step_budget:
+                end = aligned
+        last = checkpoint_position(state.num_tokens, bs, drop, lookahead)
+        prompt = len(state.input.prompt_token_ids)
+        tail = checkpoint_position(prompt, layout.hash_block_size, drop, lookahead)
+        stops = (
+            (start // bs + 1) * bs if start % bs else 0,
+            last,
+            tail if last < tail < prompt else 0,
+        )
+        end = min((s for s in stops if start < s < end), default=end)
+        return max(end - start, 0)
 
     def _run(self, record: StepRecord) -> None:
         """Rule 4. The engine sees, per scheduled request in order,

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from properties.checks.registry import PropertyViolation
 from properties.core.constants import PROPERTIES
 from properties.core.engine import KnownDivergenceMet, UnsupportedLayoutError
-from properties.core.modes import SYNC, ServingMode
+from properties.core.modes import MULTIMODAL, SYNC, ServingMode
 from properties.core.trace import Operation, Trace
 from properties.engines.under_test import EngineUnderTest
 from properties.generate import strategies as kvst
@@ -141,6 +141,20 @@ def drawn_run(
         raise  # unreachable: reject() raises
 
 
+def media_ops(
+    config: CheckConfig,
+    layout: KVCacheLayout,
+    ops: tuple[Operation, ...],
+    engine: EngineUnderTest,
+) -> tuple[Operation, ...]:
+    """The drawn ``ops`` a run applies: for the production property and an engine
+    declaring the ``multimodal`` setting, its arrivals carry media (:func:`kvst.bulk_media`,
+    nothing drawn); otherwise ``ops`` unchanged."""
+    if config.production and MULTIMODAL in engine.production_settings:
+        return kvst.bulk_media(layout, ops)
+    return ops
+
+
 def _run_trace(
     config: CheckConfig,
     layout: KVCacheLayout,
@@ -150,8 +164,10 @@ def _run_trace(
     outcome: TierOutcome,
 ) -> TraceRun:
     """Run ``ops`` with the O(pool) checks at step boundaries; a layout the engine
-    refuses is not an example. Raises the first violation or engine error, its trace
-    kept as ``outcome.trace``."""
+    refuses is not an example. The production property gives an engine declaring the
+    ``multimodal`` setting arrivals with media (:func:`media_ops`). Raises the first
+    violation or engine error, its trace kept as ``outcome.trace``."""
+    ops = media_ops(config, layout, ops, engine)
     run = drawn_run(config, layout, mode, engine, at_boundaries=True)
     try:
         for op in ops:

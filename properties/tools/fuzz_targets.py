@@ -39,7 +39,7 @@ from properties.generate import strategies as kvst
 from properties.runner.check import config_for
 from properties.runner.config import CheckConfig
 from properties.runner.run import layout_strategy
-from properties.runner.tiers import drawn_run
+from properties.runner.tiers import drawn_run, media_ops
 
 #: What every target relaxes: a trace is slow and large by Hypothesis' standards.
 _RELAXED = settings(
@@ -60,6 +60,7 @@ def check_trace(data: st.DataObject, prop: str, engine, level: str) -> None:
     layout = data.draw(layout_strategy(config, engine), label="layout")
     mode = data.draw(kvst.swarm_modes(), label="serving mode") if prop == "production" else SYNC
     operations = data.draw(kvst.operations(layout), label="operations")
+    operations = media_ops(config, layout, operations, engine)
     run = drawn_run(config, layout, mode, engine)  # every check after every call
     for op in operations:
         run.apply(op)

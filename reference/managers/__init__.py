@@ -1,21 +1,25 @@
 """One manager per attention type; all share the block pool.
 
 ``manager_class_for(spec)`` picks the class: full, sliding window, chunked local,
-Mamba (align mode).
+Mamba (align mode), reference sliding window (R-SWA), circular buffer.
 """
 
 from __future__ import annotations
 
 from reference.managers.base import SingleTypeKVCacheManager
 from reference.managers.chunked_local import ChunkedLocalAttentionManager
+from reference.managers.circular_buffer import CircularBufferManager
 from reference.managers.full import FullAttentionManager
 from reference.managers.mamba import MambaManager
+from reference.managers.rswa import RSWAManager
 from reference.managers.sliding_window import SlidingWindowManager
 from reference.specs import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 
@@ -25,6 +29,8 @@ MANAGER_CLASSES: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     SlidingWindowSpec: SlidingWindowManager,
     ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
     MambaSpec: MambaManager,
+    RSWASpec: RSWAManager,
+    CircularBufferSpec: CircularBufferManager,
 }
 
 
@@ -47,8 +53,10 @@ def class_for_spec(spec: KVCacheSpec, classes: dict[type[KVCacheSpec], type]) ->
 
 __all__ = [
     "ChunkedLocalAttentionManager",
+    "CircularBufferManager",
     "FullAttentionManager",
     "MambaManager",
+    "RSWAManager",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
     "manager_class_for",

@@ -15,6 +15,26 @@ cache; its presence marks a request that has been allocated, the "running" path)
   and hit blocks that sit evictable in the free queue count as taken (touching them
   removes them from the queue).
 * ``free(r)``: leading nulls dropped, the rest freed in reverse order.
+
+Partial (sub-block) hits (:attr:`reference.layout.KVCacheLayout.partial_hits_enabled`:
+hit lengths are multiples of the hash block size ``H``, which may end inside a block of
+a full-attention or Mamba group). A *fine-grained* manager (full attention, Mamba: the
+class attribute ``fine_grained_lookup``) looks a hit up in the hash chain itself when
+the hit alignment is below its block size and divides it; every other manager sees the
+chain at its block size (:meth:`ManagerBase.find_longest_cache_hit`). A new request's
+local hit that ends inside a block (``hit % bs != 0``) shares that block with its owner,
+who may still be writing past the boundary: the request gets a private copy instead
+(*copy-on-write*). Counting reserves one more block for it; adopting the hit remembers
+``(index, shared block)`` and counts the blocks before it as cached (the copy is cached
+again once full); the next ``allocate_new_blocks`` takes one fresh block first, puts it
+at that index in place of the shared block and queues the copy ``shared -> fresh``.
+Until the copy is handed over (:meth:`SingleTypeKVCacheManager.take_block_copies`, when
+the scheduler's step is planned), the shared block keeps the reference the hit gave it
+and the fresh block holds one reference more than its row: neither can be reused by an
+allocation of the same step. Example: full bs 8, H 4, a hit of 12 tokens on blocks ``[a,
+b]``: 2 new tokens need ``cdiv(14, 8) - 2 = 0`` blocks plus the copy: 1; the table
+becomes ``[a, c]``, the copy ``b -> c`` is queued, ``b`` keeps its hit reference and
+``c`` has 2 until the copy is handed over.
 """
 
 from __future__ import annotations
@@ -51,12 +71,14 @@ def blocks_to_allocate(
     total_computed_tokens: int,
     evictable: Callable[[Block], bool],
     cap: int | None = None,
+    partial_hit: bool = False,
 ) -> int:
     """The blocks one group needs for ``num_tokens`` slots (module docstring): ``required
     = cdiv(num_tokens, bs)`` (at most ``cap``); a ``running`` request (already allocated)
     needs ``required - held``; a new one needs ``required - max(skipped, hit + held)``
     plus its hit blocks past the skipped ones that sit evictable in the free queue
-    (``evictable(block)``: ref count 0 and not null). Shared by both engines.
+    (``evictable(block)``: ref count 0 and not null), plus one when its local hit ends
+    inside a block (``partial_hit``: the copy-on-write block). Shared by both engines.
 
     Example: SWA w 4, bs 2, a new request with 3 hit blocks (the first free and cached),
     computed 6, 10 slots: required 5, skipped ``3 // 2 = 1`` block, so 2 new blocks; the
@@ -71,7 +93,26 @@ def blocks_to_allocate(
     local_blocks = len(hit_blocks) + held
     num_new = max(required - max(skipped_blocks, local_blocks), 0)
     skip_in_hits = max(0, skipped_blocks - held)
-    return num_new + sum(1 for b in hit_blocks[skip_in_hits:] if evictable(b))
+    copy = 1 if partial_hit else 0
+    return num_new + copy + sum(1 for b in hit_blocks[skip_in_hits:] if evictable(b))
+
+
+def has_partial_local_hit(
+    hit_blocks: Sequence[Block], num_local_computed_tokens: int, block_size: int
+) -> bool:
+    """A local hit that ends inside a block: some hit blocks, and ``num_local_computed_tokens
+    % bs != 0`` (its last block is shared only up to the boundary: copy-on-write). Example:
+    bs 8, hit ``[a, b]`` of 12 tokens -> True; of 16 tokens -> False; no block -> False."""
+    return len(hit_blocks) > 0 and num_local_computed_tokens % block_size != 0
+
+
+def is_fine_grained(block_size: int, alignment: int) -> bool:
+    """Whether a fine-grained manager's scan reads the hash chain itself (at the hit
+    alignment, the hash block size) rather than the chain at its block size: ``alignment <
+    bs`` and ``bs % alignment == 0`` (hits may end inside a block). Example: bs 8, A 4 ->
+    True (fine hashes ``A B C D`` are read as they are, not as ``B D``); bs 8, A 8 or 16
+    -> False."""
+    return alignment < block_size and block_size % alignment == 0
 
 
 def cacheable_full_blocks(request, num_tokens: int, block_size: int) -> int:
@@ -95,6 +136,8 @@ class ManagerBase:
 
     #: The attention type's hit rule (a :data:`HitScan`), set by each subclass.
     scan: HitScan
+    #: Whether the hit rule can end inside a block (partial hits: full attention, Mamba).
+    fine_grained_lookup: bool = False
 
     def __init__(
         self,
@@ -131,8 +174,13 @@ class ManagerBase:
     ) -> tuple[list[list], int]:
         """Longest hit ``<= max_length`` (a multiple of ``alignment``) in every group of
         ``group_ids``; returns one block list per group (nulls where not needed).
-        ``drop_eagle``: the last matched block is dropped (EAGLE recomputes it)."""
-        hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
+        ``drop_eagle``: the last matched block is dropped (EAGLE recomputes it). A
+        fine-grained manager reads the chain itself when hits may end inside its blocks
+        (:func:`is_fine_grained`); every other one the chain at its block size."""
+        if cls.fine_grained_lookup and is_fine_grained(spec.block_size, alignment):
+            hashes = block_hashes
+        else:
+            hashes = cls.coarse_hashes(block_hashes, pool.hash_block_size, spec)
         return cls.scan(
             hashes,
             max_length,
@@ -170,6 +218,11 @@ class SingleTypeKVCacheManager(ManagerBase):
         super().__init__(*args, **kwargs)
         self.req_to_blocks: dict[str, BlockList] = {}
         self.num_cached_block: dict[str, int] = {}
+        #: request id -> (index, shared block) of a hit ending inside that block, whose
+        #: copy-on-write the next ``allocate_new_blocks`` makes (module docstring)
+        self.partial_hits: dict[str, tuple[int, KVCacheBlock]] = {}
+        #: (source, copy) block pairs queued since the last ``take_block_copies``
+        self.pending_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
 
     @property
     def null_block(self) -> KVCacheBlock:
@@ -188,9 +241,12 @@ class SingleTypeKVCacheManager(ManagerBase):
         num_tokens_main: int,
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
+        num_local_computed_tokens: int = 0,
     ) -> int:
         """:func:`blocks_to_allocate` for this group (``prefill_end``: only Mamba's
-        prefill checkpoints read it)."""
+        prefill checkpoints read it; ``num_local_computed_tokens``: the request's computed
+        tokens plus its local hit, for the copy-on-write of a hit ending inside a
+        block)."""
         cap = self.max_admission_blocks if apply_admission_cap else None
         return blocks_to_allocate(
             self.spec,
@@ -201,6 +257,7 @@ class SingleTypeKVCacheManager(ManagerBase):
             total_computed_tokens,
             _evictable,
             cap,
+            has_partial_local_hit(new_computed_blocks, num_local_computed_tokens, self.block_size),
         )
 
     def add_local_computed_blocks(
@@ -212,7 +269,8 @@ class SingleTypeKVCacheManager(ManagerBase):
     ) -> None:
         """Adopt a prefix hit (first allocation only): the blocks skipped at
         ``local + external`` tokens become nulls, the other hit blocks are touched and
-        appended."""
+        appended. A hit ending inside its last block is remembered for copy-on-write
+        (module docstring): that block's index counts as the cached ones' end."""
         blocks = self.blocks_of(request_id)
         assert not blocks, f"request {request_id} already has blocks in group {self.group_id}"
         total = num_local_computed_tokens + num_external_computed_tokens
@@ -223,6 +281,10 @@ class SingleTypeKVCacheManager(ManagerBase):
         blocks.extend([self.null_block] * skipped)
         blocks.extend(kept)
         self.num_cached_block[request_id] = len(blocks)
+        if has_partial_local_hit(kept, num_local_computed_tokens, self.block_size):
+            index = num_local_computed_tokens // self.block_size
+            self.partial_hits[request_id] = (index, kept[-1])
+            self.num_cached_block[request_id] = index
 
     def allocate_external_computed_blocks(
         self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
@@ -253,14 +315,39 @@ class SingleTypeKVCacheManager(ManagerBase):
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main: int
     ) -> BlockList:
-        """Append fresh blocks until the table covers ``num_tokens`` slots."""
+        """Append fresh blocks until the table covers ``num_tokens`` slots; a pending
+        copy-on-write (module docstring) takes its block first, returned first."""
+        copies: BlockList = []
+        partial = self.partial_hits.pop(request_id, None)
+        if partial is not None:
+            index, source = partial
+            (copy,) = self.block_pool.get_new_blocks(1)
+            self.copy_on_write(request_id, index, source, copy)
+            copies.append(copy)
         blocks = self.blocks_of(request_id)
         num_new = cdiv(num_tokens, self.block_size) - len(blocks)
         if num_new <= 0:
-            return []
+            return copies
         new_blocks = self.block_pool.get_new_blocks(num_new)
         blocks.extend(new_blocks)
-        return new_blocks
+        return copies + new_blocks
+
+    def copy_on_write(
+        self, request_id: str, index: int, source: KVCacheBlock, copy: KVCacheBlock
+    ) -> None:
+        """The request's entry ``index`` becomes ``copy`` in place of the shared ``source``,
+        and the copy ``source -> copy`` is queued; ``source`` keeps the reference the hit
+        gave it and ``copy`` takes one more than its row's, both released when the copy
+        is handed over (:meth:`take_block_copies`)."""
+        self.blocks_of(request_id)[index] = copy
+        self.pending_copies.append((source, copy))
+        copy.ref_cnt += 1
+
+    def take_block_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """The ``(source, copy)`` pairs queued since the last call, in order; the queue is
+        emptied (the caller releases the references they hold)."""
+        pairs, self.pending_copies = self.pending_copies, []
+        return pairs
 
     # -- caching -----------------------------------------------------------------
     def cacheable_block_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
@@ -282,13 +369,17 @@ class SingleTypeKVCacheManager(ManagerBase):
         for i in range(num_cached, num_full):
             if mask is not None and not mask[i - num_cached]:
                 continue
-            self.block_pool.cache_block(
+            self.block_pool.cache_full_block(
                 blocks[i], hashes[i], self.group_id, (i + 1) * self.block_size
             )
         self.num_cached_block[request.request_id] = num_full
 
     # -- freeing -----------------------------------------------------------------
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Free the blocks before ``num_skipped_tokens`` (module docstring);
+        ``num_prompt_tokens`` is for the managers whose rule needs it (R-SWA)."""
         skipped = self.spec.num_skipped_tokens(num_computed_tokens)
         if skipped <= 0:
             return
@@ -311,6 +402,7 @@ class SingleTypeKVCacheManager(ManagerBase):
     def pop_blocks_for_free(self, request_id: str) -> BlockList:
         blocks = self.req_to_blocks.pop(request_id, [])
         self.num_cached_block.pop(request_id, None)
+        self.partial_hits.pop(request_id, None)
         start = 0
         while start < len(blocks) and blocks[start].is_null:
             start += 1

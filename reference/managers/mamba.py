@@ -51,6 +51,36 @@ up to it (with lookahead hashes or the EAGLE drop it may lie below the replay bo
 
 EAGLE: a Mamba hit never drops its last state (the coordinator does not look past the
 candidate for it); the drop moves its checkpoints one unit down.
+
+Partial (sub-block) hits (the layout's Mamba group is coarser than the hash block size
+``H``: :attr:`reference.layout.KVCacheLayout.partial_hits_enabled`; hits are multiples of
+``H``):
+
+* the prompt's *partial tail*: the prompt's own checkpoint on the hash grid ``T =``
+  :func:`reference.managers.mamba_checkpoints.checkpoint_position` ``(P, H)`` (the last
+  hash boundary before the prompt's last token: the scheduler ends a prefill chunk
+  there) may end inside the state block of column ``cdiv(T, bs) - 1``; that block gets
+  the key of the ``T``-token prefix
+  (:meth:`reference.block_pool.BlockPool.cache_partial_block`), and the request keeps
+  writing it: its next allocation takes one more block, moves every key of the state
+  block to it (:meth:`reference.block_pool.BlockPool.move_keys`) and queues the copy
+  ``state -> new block`` (the new block, held by no row, is released to the free queue
+  when the copy is handed over; the state block keeps one reference more until then). A
+  key registered or moved in a step is refused to hits until the next step, as any
+  state cached in the step;
+* the hit rule at ``H``: the rightmost hash ``j < min(max // H, hashed)`` whose prefix a
+  state block holds: ``[null] * (j // (bs / H)) + [state]``, hit ``(j + 1) * H``;
+* a hit ending inside a block is copied on write (:mod:`reference.managers.base`): the
+  new request's row gets a fresh block at that column, the copy ``state -> fresh`` is
+  queued. A step with a copy may take one block more than :func:`align_step_cap` says
+  otherwise.
+
+Example, bs 8, H 4, P 14 (``checkpoint_position(14, 4) = 12``): chunks ``[0, 8)``,
+``[8, 12)``, ``[12, 14)``; at 12 the state block ``s1`` (column 1) is keyed by the
+12-token prefix; the step ``[12, 14)`` takes ``c``, moves the key to ``c`` and queues
+``s1 -> c``; ``c`` goes to the free queue once the copy is handed over. A resend of the
+prompt hits ``[null, c]`` (12 tokens), gets a fresh ``d`` in place of ``c`` and the copy
+``c -> d``.
 """
 
 from __future__ import annotations
@@ -59,7 +89,14 @@ from collections.abc import Sequence
 
 from reference.block_pool import KVCacheBlock
 from reference.errors import KVConformError
-from reference.managers.base import Block, BlockList, Lookup, SingleTypeKVCacheManager
+from reference.managers.base import (
+    Block,
+    BlockList,
+    Lookup,
+    SingleTypeKVCacheManager,
+    has_partial_local_hit,
+    is_fine_grained,
+)
 from reference.managers.mamba_checkpoints import (
     checkpoint_kept,
     checkpoint_position,
@@ -86,10 +123,20 @@ def mamba_hit(
     unused (a Mamba group never drops).
 
     Example: bs 4, A 8, states 1 and 2 cached, max 15 -> state 2 ends at 12, not
-    aligned -> state 1: ``[null, s1]`` per group, hit 8.
+    aligned -> state 1: ``[null, s1]`` per group, hit 8. Fine-grained
+    (:func:`reference.managers.base.is_fine_grained`: ``hashes`` is the chain at ``A =
+    H``): bs 8, H 4, the 12-token prefix cached on ``c``, max 13 -> ``[null, c]``, 12.
     """
     assert isinstance(spec, MambaSpec)
     bs = spec.block_size
+    if is_fine_grained(bs, alignment):
+        per_block = bs // alignment
+        for j in range(min(max_length // alignment, len(hashes)) - 1, -1, -1):
+            cached = lookup(hashes[j])
+            if cached is not None:
+                i = j // per_block
+                return [[null_block] * i + [block] for block in cached], (j + 1) * alignment
+        return [[] for _ in range(num_groups)], 0
     for i in range(min(max_length // bs, len(hashes)) - 1, -1, -1):
         cached = lookup(hashes[i])
         if cached is None:
@@ -116,15 +163,19 @@ def mamba_cache_mask(manager, request, start: int, end: int) -> list[bool] | Non
     )
 
 
-def align_step_cap(allocated: bool, checkpoint: bool, num_speculative_blocks: int) -> int:
+def align_step_cap(
+    allocated: bool, checkpoint: bool, num_speculative_blocks: int, copies: bool = False
+) -> int:
     """The most blocks one align-mode step takes: the running state, a checkpoint block,
-    and on a request's first allocation its ``k`` speculative blocks. Example: a new
-    request, a checkpoint, k 2 -> 4; a running one without checkpoint -> 1."""
-    return 1 + int(checkpoint) + (0 if allocated else num_speculative_blocks)
+    the copy of a partial hit or of the prompt's partial tail (``copies``), and on a
+    request's first allocation its ``k`` speculative blocks. Example: a new request, a
+    checkpoint, k 2 -> 4; a running one without checkpoint -> 1; with a copy -> 2."""
+    return 1 + int(checkpoint) + int(copies) + (0 if allocated else num_speculative_blocks)
 
 
 class MambaManager(SingleTypeKVCacheManager):
     scan = staticmethod(mamba_hit)
+    fine_grained_lookup = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -157,6 +208,7 @@ class MambaManager(SingleTypeKVCacheManager):
         num_tokens_main: int,
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
+        num_local_computed_tokens: int = 0,
     ) -> int:
         if new_computed_blocks and new_computed_blocks[-1].cache_key in self.cached_keys_this_step:
             return self.block_pool.num_blocks + 1
@@ -168,10 +220,17 @@ class MambaManager(SingleTypeKVCacheManager):
                 total_computed_tokens,
                 num_tokens_main,
                 apply_admission_cap,
+                num_local_computed_tokens=num_local_computed_tokens,
             )
         row = self.req_to_blocks.get(request_id, [])
         required = cdiv(num_tokens_main, self.block_size) + self.num_speculative_blocks
         num_new = required - len(new_computed_blocks) - len(row)
+        copies = (
+            has_partial_local_hit(new_computed_blocks, num_local_computed_tokens, self.block_size)
+            or request_id in self.partial_hits
+        )
+        if copies:
+            num_new = max(num_new, 0) + 1
         position = checkpoint_position(
             num_tokens_main,
             self.cache_hit_alignment,
@@ -202,6 +261,7 @@ class MambaManager(SingleTypeKVCacheManager):
                     request_id in self.allocated_requests,
                     position > 0,
                     self.num_speculative_blocks,
+                    copies,
                 ),
             )
         else:  # a row as long as required: at most the null running column's block
@@ -220,7 +280,8 @@ class MambaManager(SingleTypeKVCacheManager):
         blocks = self.blocks_of(request_id)
         required = cdiv(num_tokens_main, self.block_size) + k
         reserved = int(request_id in self.checkpoints)
-        if required <= len(blocks) and not reserved:
+        partial = self.partial_hits.pop(request_id, None)
+        if required <= len(blocks) and not reserved and partial is None:
             self.allocated_requests.add(request_id)
             column = self._null_running_column(blocks, required)
             if column is None:
@@ -242,10 +303,31 @@ class MambaManager(SingleTypeKVCacheManager):
                     break
                 self._relocate(blocks, column)
         moved = [b for b in blocks[held:] if not b.is_null]
-        new_blocks = self.block_pool.get_new_blocks(max(required - len(blocks), 0))
+        num_new = max(required - len(blocks), 0) + (0 if partial is None else 1)
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        copies: BlockList = []
+        if partial is not None:
+            index, source = partial
+            copy, new_blocks = new_blocks[0], new_blocks[1:]
+            if allocated:
+                self.keep_partial_tail(source, copy)
+            else:
+                self.copy_on_write(request_id, index, source, copy)
+                copies.append(copy)
         blocks.extend(new_blocks)
         self.allocated_requests.add(request_id)
-        return moved + new_blocks
+        return copies + moved + new_blocks
+
+    def keep_partial_tail(self, source: KVCacheBlock, copy: KVCacheBlock) -> None:
+        """A running request keeps writing ``source``, the state block its partial tail
+        is keyed on (module docstring): every key moves to ``copy``, the copy ``source ->
+        copy`` is queued, ``source`` takes one reference more until it is handed over, and
+        the moved key is refused to hits in this step."""
+        self.block_pool.move_keys(source, copy)
+        self.pending_copies.append((source, copy))
+        source.ref_cnt += 1
+        if copy.cache_key is not None:  # pragma: no branch - the tail's key moved to it
+            self.cached_keys_this_step.add(copy.cache_key)
 
     def _null_running_column(self, row: Sequence[KVCacheBlock], required: int) -> int | None:
         """The running-state column ``required - k - 1`` of a row at least as long as
@@ -291,39 +373,44 @@ class MambaManager(SingleTypeKVCacheManager):
                 self.cached_keys_this_step.add(block.cache_key)
 
     def _cache_prompt_tail(self, request: Request, num_tokens: int) -> bytes | None:
-        """A call caching exactly up to the prompt's own checkpoint at the hash grid
-        (:func:`reference.managers.mamba_checkpoints.checkpoint_position` of the prompt
-        over the hash block size) keys the state block of that boundary there, when the
-        retention mask left it out (a block keyed for fewer tokens is re-keyed); the new
-        key, else None. Example: lookahead hashes ``L = 2``, bs 4, sparse retention, a
-        9-token prompt: its replay boundary keeps the state at 8, but a chunk ending at
-        ``(9 - 2) // 4 * 4 = 4`` keys the state at 4 too."""
+        """The prompt's own checkpoint on the hash grid, ``T =``
+        :func:`reference.managers.mamba_checkpoints.checkpoint_position` of the prompt over
+        the hash block size ``H``: a call caching exactly ``T`` tokens keys the state block
+        of column ``cdiv(T, bs) - 1`` (real, not already keyed at exactly ``T``) by the
+        ``T``-token prefix (:meth:`reference.block_pool.BlockPool.cache_partial_block`: a
+        block keyed for fewer tokens loses those keys, one keyed for more keeps its key).
+        A ``T`` inside the block (partial hits) also makes the next allocation copy it
+        (:meth:`keep_partial_tail`) and counts the blocks before it as the cached ones.
+        Returns the key registered (None: nothing). Examples: lookahead hashes ``L = 2``,
+        bs 4, sparse retention, a 9-token prompt: its replay boundary keeps the state at 8,
+        but a chunk ending at ``(9 - 2) // 4 * 4 = 4`` keys the state at 4 too; bs 8, H 4,
+        P 14, 12 tokens cached -> column 1 keyed by the 12-token prefix, copied next step."""
         pool = self.block_pool
-        if num_tokens <= 0 or num_tokens % pool.hash_block_size:
+        h = pool.hash_block_size
+        if num_tokens <= 0 or num_tokens % h:
             return None
         tail = checkpoint_position(
             request.num_prompt_tokens,
-            pool.hash_block_size,
+            h,
             self.drop_eagle_checkpoint,
             self.num_hash_lookahead_tokens,
         )
+        if num_tokens != tail:
+            return None
         blocks = self.blocks_of(request.request_id)
-        column = cdiv(num_tokens, self.block_size) - 1
-        if num_tokens != tail or column >= len(blocks) or blocks[column].is_null:
+        index = cdiv(num_tokens, self.block_size) - 1
+        if index >= len(blocks) or blocks[index].is_null:
             return None
-        block = blocks[column]
-        if block.cache_key is not None and block.num_cached_tokens >= num_tokens:
+        source = blocks[index]
+        if source.cache_key is not None and source.num_cached_tokens == num_tokens:
             return None
-        if num_tokens % self.block_size:  # pragma: no cover - partial hits are refused
-            raise KVConformError(
-                f"Mamba group {self.group_id}: a prompt tail at {num_tokens} tokens inside "
-                "a block (partial hits) is not modelled"
-            )
-        pool.evict_blocks([block.block_id])
-        pool.cache_block(
-            block, request.block_hashes[tail // pool.hash_block_size - 1], self.group_id, num_tokens
+        key = pool.cache_partial_block(
+            source, request.block_hashes[num_tokens // h - 1], self.group_id, num_tokens
         )
-        return block.cache_key
+        if num_tokens % self.block_size:
+            self.partial_hits[request.request_id] = (index, source)
+            self.num_cached_block[request.request_id] = index
+        return key
 
     def _cache_checkpoint(self, request: Request) -> bytes | None:
         """Key the block reserved for the request's last checkpoint at the checkpoint
@@ -369,13 +456,15 @@ class MambaManager(SingleTypeKVCacheManager):
         if block.cache_key is not None and block.num_cached_tokens == position:
             return None
         pool = self.block_pool
-        pool.evict_blocks([block.block_id])
         block_hash = request.block_hashes[position // pool.hash_block_size - 1]
-        pool.cache_block(block, block_hash, self.group_id, position)
-        return block.cache_key
+        return pool.cache_partial_block(
+            block, block_hash, self.group_id, position, replace_existing=True
+        )
 
     # -- freeing -----------------------------------------------------------------
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
         super().remove_skipped_blocks(request_id, num_computed_tokens)
         if not self.align:
             return

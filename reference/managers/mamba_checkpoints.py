@@ -41,7 +41,7 @@ from reference.specs import MambaSpec, cdiv
 
 
 def checkpoint_position(
-    num_tokens: int, unit: int, drop_eagle: bool, num_hash_lookahead_tokens: int = 0
+    num_tokens: int, unit: int, drop_eagle: bool = False, num_hash_lookahead_tokens: int = 0
 ) -> int:
     """The reusable Mamba boundary of a prefix of ``num_tokens`` tokens on a grid of
     ``unit`` tokens: ``floor((n - max(1, L)) / unit) * unit`` (the logits token, or

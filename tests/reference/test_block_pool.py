@@ -60,8 +60,8 @@ def test_allocation_pops_front_and_sets_ref_one() -> None:
 def test_free_unhashed_front_hashed_back() -> None:
     pool = _pool(8)
     a, b, c, d = pool.get_new_blocks(4)
-    pool.cache_block(b, H0, 0, 4)
-    pool.cache_block(d, H1, 0, 8)
+    pool.cache_full_block(b, H0, 0, 4)
+    pool.cache_full_block(d, H1, 0, 8)
     # freed tail first: d (hashed), c, b (hashed), a
     pool.free_blocks([d, c, b, a])
     assert pool.free_block_queue.block_ids() == [3, 1, 5, 6, 7, 4, 2]
@@ -74,7 +74,7 @@ def test_null_block_is_skipped_by_free_and_touch() -> None:
     pool.free_blocks([pool.null_block])
     assert pool.null_block.ref_cnt == 0
     assert pool.free_block_queue.block_ids() == [1, 2, 3]
-    pool.cache_block(pool.null_block, H0, 0, 4)
+    pool.cache_full_block(pool.null_block, H0, 0, 4)
     assert pool.null_block.cache_key is None
     assert pool.cached == {}
 
@@ -90,7 +90,7 @@ def test_free_below_zero_raises() -> None:
 def test_touch_revives_a_cached_free_block() -> None:
     pool = _pool(6)
     a, b = pool.get_new_blocks(2)
-    pool.cache_block(a, H0, 0, 4)
+    pool.cache_full_block(a, H0, 0, 4)
     pool.free_blocks([b, a])
     assert pool.free_block_queue.block_ids() == [2, 3, 4, 5, 1]
     pool.touch([a])
@@ -104,8 +104,8 @@ def test_touch_revives_a_cached_free_block() -> None:
 def test_lazy_eviction_on_reallocation() -> None:
     pool = _pool(3)  # free: 1, 2
     a, b = pool.get_new_blocks(2)
-    pool.cache_block(a, H0, 0, 4)
-    pool.cache_block(b, H1, 0, 8)
+    pool.cache_full_block(a, H0, 0, 4)
+    pool.cache_full_block(b, H1, 0, 8)
     pool.free_blocks([b, a])  # both hashed: appended b, a
     assert pool.free_block_queue.block_ids() == [2, 1]
     assert pool.get_cached_block(H1, [0]) == [b]  # still cached while free
@@ -128,7 +128,7 @@ def test_shared_key_map_check_values() -> None:
     pool = _pool(6)
     b1, b2, b3, b4 = pool.get_new_blocks(4)
     for block, h in zip((b1, b2, b3, b4), (H0, H1, H2, H0)):
-        pool.cache_block(block, h, 0, 4)
+        pool.cache_full_block(block, h, 0, 4)
     k0, k1, k2 = (cache_key(h, 0) for h in (H0, H1, H2))
     assert {k: sorted(v) for k, v in pool.cached.items()} == {k0: [1, 4], k1: [2], k2: [3]}
     assert pool.get_cached_block(H0, [0]) == [b1]  # the earliest inserted
@@ -147,29 +147,88 @@ def test_shared_key_map_check_values() -> None:
 def test_get_cached_block_needs_every_group() -> None:
     pool = _pool(6)
     a, b = pool.get_new_blocks(2)
-    pool.cache_block(a, H0, 0, 4)
-    pool.cache_block(b, H0, 2, 4)
+    pool.cache_full_block(a, H0, 0, 4)
+    pool.cache_full_block(b, H0, 2, 4)
     assert pool.get_cached_block(H0, [0, 2]) == [a, b]
     assert pool.get_cached_block(H0, [0, 1]) is None
     assert pool.get_cached_block(H0, [1]) is None
 
 
-def test_cache_block_promotes_shorter_prefix_only() -> None:
+def test_cache_full_block_promotes_a_partial_entry() -> None:
     pool = _pool(4)
     (a,) = pool.get_new_blocks(1)
-    pool.cache_block(a, H0, 0, 4)  # partial entry for 4 tokens
-    pool.cache_block(a, H1, 0, 8)  # promoted to the 8-token key
+    assert pool.cache_partial_block(a, H0, 0, 4) == cache_key(H0, 0)  # 4 of its 8 tokens
+    assert (a.cache_key, a.num_cached_tokens) == (cache_key(H0, 0), 4)
+    pool.cache_full_block(a, H1, 0, 8)  # promoted to the 8-token key
     assert a.cache_key == cache_key(H1, 0)
     assert a.num_cached_tokens == 8
     assert pool.get_cached_block(H0, [0]) is None
-    pool.cache_block(a, H2, 0, 8)  # not longer: keeps its key
-    assert a.cache_key == cache_key(H1, 0)
+    assert pool.get_cached_block(H1, [0]) == [a]
+
+
+def test_partial_entry_on_a_block_cached_in_full_is_a_secondary_key() -> None:
+    # vLLM 0.33 BlockPool.cache_partial_block: the primary key (8 tokens) is not shorter
+    pool = _pool(4)
+    (a,) = pool.get_new_blocks(1)
+    pool.cache_full_block(a, H1, 0, 8)
+    assert pool.cache_partial_block(a, H0, 0, 4) == cache_key(H0, 0)
+    assert (a.cache_key, a.num_cached_tokens) == (cache_key(H1, 0), 8)
+    assert a.secondary_keys == [cache_key(H0, 0)]
+    assert pool.get_cached_block(H0, [0]) == [a] == pool.get_cached_block(H1, [0])
+    # registering it again changes nothing
+    pool.cache_partial_block(a, H0, 0, 4)
+    assert a.secondary_keys == [cache_key(H0, 0)]
+    # eviction on reuse drops every key
+    pool.free_blocks([a])
+    (again,) = pool.get_new_blocks(3)[-1:]
+    assert again is a and pool.cached == {} and a.secondary_keys == []
+
+
+def test_partial_entry_replacing_the_content_drops_every_key() -> None:
+    pool = _pool(4)
+    (a,) = pool.get_new_blocks(1)
+    pool.cache_full_block(a, H1, 0, 8)
+    pool.cache_partial_block(a, H0, 0, 4, replace_existing=True)
+    assert (a.cache_key, a.num_cached_tokens, a.secondary_keys) == (cache_key(H0, 0), 4, [])
+    assert pool.get_cached_block(H1, [0]) is None
+
+
+def test_a_longer_partial_entry_supersedes_a_shorter_one() -> None:
+    pool = _pool(4)
+    (a,) = pool.get_new_blocks(1)
+    pool.cache_partial_block(a, H0, 0, 4)
+    pool.cache_partial_block(a, H2, 0, 12)
+    assert (a.cache_key, a.num_cached_tokens) == (cache_key(H2, 0), 12)
+    assert pool.get_cached_block(H0, [0]) is None
+
+
+def test_move_keys_repoints_every_key() -> None:
+    pool = _pool(6)
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache_full_block(a, H1, 0, 8)
+    pool.cache_partial_block(a, H0, 0, 4)
+    pool.cache_full_block(c, H0, 0, 4)  # another block under H0, inserted later
+    pool.move_keys(a, b)
+    assert (a.cache_key, a.secondary_keys) == (None, [])
+    assert (b.cache_key, b.num_cached_tokens, b.secondary_keys) == (
+        cache_key(H1, 0),
+        8,
+        [cache_key(H0, 0)],
+    )
+    assert pool.get_cached_block(H1, [0]) == [b]
+    assert pool.get_cached_block(H0, [0]) == [c]  # c was indexed before b
+
+
+def test_null_block_takes_no_partial_entry() -> None:
+    pool = _pool(4)
+    assert pool.cache_partial_block(pool.null_block, H0, 0, 4) is None
+    assert pool.cached == {}
 
 
 def test_reset_prefix_cache_only_when_nothing_held() -> None:
     pool = _pool(4)
     a, b = pool.get_new_blocks(2)
-    pool.cache_block(a, H0, 0, 4)
+    pool.cache_full_block(a, H0, 0, 4)
     pool.free_blocks([a])
     assert pool.reset_prefix_cache() is False
     assert pool.get_cached_block(H0, [0]) == [a]

@@ -99,17 +99,6 @@ def test_invalid_layout_fields(kwargs, field: str, value: str) -> None:
     assert field in str(info.value) and value in str(info.value)
 
 
-def test_partial_hit_layout_is_rejected() -> None:
-    # Mamba bs 8 > hash block size gcd(8, 4) = 4, full bs 4: partial hits (out of scope)
-    groups = (
-        KVCacheGroup(("a",), FullAttentionSpec(block_size=4)),
-        KVCacheGroup(("b",), MambaSpec(block_size=8)),
-    )
-    with pytest.raises(InvalidLayoutError) as info:
-        KVCacheLayout(groups, num_blocks=10, max_model_len=64)
-    assert "hash_block_size 4" in str(info.value)
-
-
 @dataclass(frozen=True)
 class _OpaqueSpec(KVCacheSpec):
     """A user spec that is neither attention nor Mamba: its page cannot be changed."""

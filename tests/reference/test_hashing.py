@@ -55,11 +55,12 @@ def test_missing_parent_is_none_hash() -> None:
 
 
 def test_extra_keys() -> None:
-    assert block_extra_keys(0, None, None) is None
-    assert block_extra_keys(0, "s", None) == (("cache_salt", "s"),)
-    assert block_extra_keys(1, "s", None) is None
-    assert block_extra_keys(0, "s", "ad") == (("lora", "ad", "ad"), ("cache_salt", "s"))
-    assert block_extra_keys(3, None, "ad") == (("lora", "ad", "ad"),)
+    # (start, end) of the block's token window: H 4 -> block 1 is (4, 8)
+    assert block_extra_keys(0, 4, None, None) is None
+    assert block_extra_keys(0, 4, "s", None) == (("cache_salt", "s"),)
+    assert block_extra_keys(4, 8, "s", None) is None
+    assert block_extra_keys(0, 4, "s", "ad") == (("lora", "ad", "ad"), ("cache_salt", "s"))
+    assert block_extra_keys(12, 16, None, "ad") == (("lora", "ad", "ad"),)
 
 
 def test_lora_changes_every_block() -> None:

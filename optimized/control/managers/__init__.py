@@ -12,18 +12,25 @@ from optimized.control.managers.sliding_window import SlidingWindowManager
 from reference.managers import MANAGER_CLASSES, class_for_spec
 from reference.specs import KVCacheSpec
 
+#: Reference managers the optimized engine does not implement: its factory refuses layouts
+#: with their spec types (``properties.engines.optimized.make_engine``).
+UNIMPLEMENTED = frozenset({"RSWAManager", "CircularBufferManager"})
 
-def registry_like(classes: Iterable[type]) -> dict[type[KVCacheSpec], type]:
+
+def registry_like(
+    classes: Iterable[type], unimplemented: frozenset[str] = UNIMPLEMENTED
+) -> dict[type[KVCacheSpec], type]:
     """The reference's spec -> manager registry (:data:`reference.managers.MANAGER_CLASSES`)
     with each manager replaced by the class of ``classes`` of the same name (another
-    engine's managers). Example: the optimized
+    engine's managers), leaving out the ``unimplemented`` ones. Example: the optimized
     managers give ``{FullAttentionSpec: optimized FullAttentionManager, ...}``; a missing
-    name raises TypeError."""
+    name (not in ``unimplemented``) raises TypeError."""
     by_name = {cls.__name__: cls for cls in classes}
-    missing = sorted(c.__name__ for c in MANAGER_CLASSES.values() if c.__name__ not in by_name)
+    names = {spec: cls.__name__ for spec, cls in MANAGER_CLASSES.items()}
+    missing = sorted(n for n in names.values() if n not in by_name and n not in unimplemented)
     if missing:
         raise TypeError(f"registry_like: no class named {', '.join(missing)}")
-    return {spec: by_name[cls.__name__] for spec, cls in MANAGER_CLASSES.items()}
+    return {spec: by_name[name] for spec, name in names.items() if name in by_name}
 
 
 #: the reference's registry (:func:`registry_like`), optimized classes

@@ -23,12 +23,15 @@ Building blocks, smallest first (each is a ``SearchStrategy``), by module:
 ``scenario_mix``            ``any_layouts()``: generated, preset and targeted layouts.
 ``edges``                   ``edge_layouts()``: layouts at the edges of the hit rules.
 ``production``              the production property's layouts and the settings drawn on
-                            top (EAGLE, retention interval, admission cap).
+                            top (EAGLE, partial hits, context parallelism, R-SWA, circular
+                            buffers, retention interval, admission cap).
 ``mamba_modes``             ``mamba_settings(layout)``: a Mamba layout's caching mode
                             (``CACHE_MODES``), speculative blocks (``SPECULATIVE_BLOCKS``)
                             and prefill checkpoint blocks, drawn on top of a layout.
 ``modes``                   serving modes: connector modes, ``PRODUCTION_MODE``, swarm
                             modes, ``mode_for_layout``.
+``media``                   multimodal items and prompt embeddings of arrivals
+                            (``media_of``, ``carry_media``, ``bulk_media``).
 ``arrivals``                ``prefix_pools(layout)``, ``prompts(layout, pool)``,
                             ``request_inputs(...)``: prompts made of a shared prefix
                             (possibly cut short) plus a random suffix; resends, bursts and
@@ -64,6 +67,7 @@ from properties.generate.presets import PRESETS
 from properties.generate.strategies.arrivals import (
     boundaries,
     burst_ops,
+    media_request_inputs,
     outputs,
     prefix_pools,
     prompt_lengths,
@@ -112,6 +116,14 @@ from properties.generate.strategies.mamba_modes import (
     SPECULATIVE_BLOCKS,
     mamba_settings,
 )
+from properties.generate.strategies.media import (
+    IMAGES,
+    bulk_media,
+    carry_media,
+    image_length,
+    media_of,
+    with_embeds,
+)
 from properties.generate.strategies.modes import (
     CONNECTOR_LEVELS,
     PRODUCTION_MODE,
@@ -123,9 +135,14 @@ from properties.generate.strategies.modes import (
     swarm_modes,
 )
 from properties.generate.strategies.production import (
+    circular_buffer_layouts,
+    context_parallel_layouts,
+    partial_hit_block_sizes,
+    partial_hit_layouts,
     production_base_layouts,
     production_layouts,
     retention_intervals,
+    rswa_layouts,
 )
 from properties.generate.strategies.scenario_mix import any_layouts
 from properties.generate.strategies.swarm import _chunks_aligned, swarm_layouts
@@ -184,6 +201,7 @@ __all__ = [
     "BULK_SHORT",
     "CACHE_MODES",
     "CONNECTOR_LEVELS",
+    "IMAGES",
     "LARGE_TIERS",
     "MAX_BLOCK_SIZE",
     "MAX_LCM",
@@ -221,26 +239,35 @@ __all__ = [
     "block_size_lists",
     "boundaries",
     "bulk_arrivals",
+    "bulk_media",
     "burst_ops",
     "cache_salts",
+    "carry_media",
     "chunk_sizes",
     "chunked_layouts",
     "chunked_local_specs",
+    "circular_buffer_layouts",
     "connector_modes",
+    "context_parallel_layouts",
     "edge_case_kinds",
     "edge_layouts",
     "full_specs",
+    "image_length",
     "layouts",
     "lookaheads",
     "lora_names",
     "mamba_settings",
     "mamba_specs",
+    "media_of",
+    "media_request_inputs",
     "mode_for_layout",
     "offline_batch",
     "offline_layouts",
     "offline_operations",
     "operations",
     "outputs",
+    "partial_hit_block_sizes",
+    "partial_hit_layouts",
     "pool_sizes",
     "preempt_ops",
     "prefix_pools",
@@ -256,6 +283,7 @@ __all__ = [
     "resend_ops",
     "reset_ops",
     "retention_intervals",
+    "rswa_layouts",
     "sliding_window_specs",
     "small_block_hybrids",
     "specs",
@@ -272,5 +300,6 @@ __all__ = [
     "uncached_layouts",
     "window_category",
     "windows",
+    "with_embeds",
     "workload_layouts",
 ]

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from hypothesis import strategies as st
 
 from properties.core.trace import Arrive
+from properties.generate.strategies.media import carry_media, media_of, with_embeds
 from properties.generate.strategies.reuse import _reused, _sampled_list
 from properties.generate.strategies.vocabulary import _seeds, cache_salts, lora_names, random_tokens
 from reference.layout import KVCacheLayout
@@ -143,6 +144,22 @@ def request_inputs(
     )
 
 
+@st.composite
+def media_request_inputs(
+    draw, layout: KVCacheLayout, prefix_pool: Sequence[tuple[int, ...]], request_id: str
+) -> Arrive:
+    """:func:`request_inputs`, then its media
+    (:mod:`properties.generate.strategies.media`):
+    images two times in five (:func:`media_of`), prompt embeddings one time in five (variant
+    0 or 1), nothing otherwise."""
+    op = draw(request_inputs(layout, prefix_pool, request_id))
+    kind = draw(st.sampled_from(("none", "none", "images", "images", "embeds")), label="media")
+    if kind == "embeds":
+        return with_embeds(op, draw(st.integers(0, 1), label="embedding variant"))
+    media = media_of(layout, len(op.prompt), draw(st.integers(0, 2**16 - 1)), kind)
+    return Arrive(op.request_id, op.prompt, op.output, op.cache_salt, op.lora_name, **media)
+
+
 _RESEND_KINDS = st.sampled_from(("same", "turn", "turn+", "cut"))
 
 
@@ -165,7 +182,8 @@ def boundaries(layout: KVCacheLayout, length: int) -> tuple[int, ...]:
 def resend_ops(draw, layout: KVCacheLayout, old: Arrive, request_id: str) -> Arrive:
     """An earlier prompt again: a retry (the same prompt), the next turn of a chat (the
     prompt, its output and a few new tokens), or the prompt cut at or next to a block
-    boundary (:func:`boundaries`), with the same or another salt."""
+    boundary (:func:`boundaries`), with the same or another salt, and the media that still
+    fit (:func:`properties.generate.strategies.media.carry_media`)."""
     room = layout.max_model_len - len(old.prompt)
     kind = draw(_RESEND_KINDS)
     if kind == "cut" and len(old.prompt) > 1:
@@ -181,6 +199,7 @@ def resend_ops(draw, layout: KVCacheLayout, old: Arrive, request_id: str) -> Arr
         old.output[: max(0, min(room, 4))],
         (old.cache_salt, None, "s2")[draw(st.integers(0, 2))],
         old.lora_name,
+        **carry_media(old, prompt),
     )
 
 
@@ -193,9 +212,17 @@ def burst_ops(layout: KVCacheLayout, old: Arrive, first_id: int) -> tuple[Arrive
     cut = (len(old.prompt) - 1) // unit * unit
     if cut < unit or cut + 3 > layout.max_model_len:
         return ()
-    first = Arrive(f"r{first_id}", old.prompt[:cut], (), old.cache_salt, old.lora_name)
-    turn = old.prompt[:cut] + (1, 2, 3)
-    return (first, Arrive(f"r{first_id + 1}", turn, (), old.cache_salt, old.lora_name))
+    head = old.prompt[:cut]
+    first = Arrive(
+        f"r{first_id}", head, (), old.cache_salt, old.lora_name, **carry_media(old, head)
+    )
+    turn = head + (1, 2, 3)
+    return (
+        first,
+        Arrive(
+            f"r{first_id + 1}", turn, (), old.cache_salt, old.lora_name, **carry_media(old, turn)
+        ),
+    )
 
 
 def reload_ops(layout: KVCacheLayout, old: Arrive, first_id: int) -> tuple[Arrive, ...]:
@@ -211,6 +238,8 @@ def reload_ops(layout: KVCacheLayout, old: Arrive, first_id: int) -> tuple[Arriv
     blocks = (len(seen) - 1) // unit
     if blocks < 2 or len(seen) + 3 > layout.max_model_len:
         return ()
-    head = Arrive(f"r{first_id}", seen[: blocks // 2 * unit], (), old.cache_salt, old.lora_name)
+    cut = seen[: blocks // 2 * unit]
+    head = Arrive(f"r{first_id}", cut, (), old.cache_salt, old.lora_name, **carry_media(old, cut))
     turn = seen + (1, 2, 3)
-    return (head, Arrive(f"r{first_id + 1}", turn, (), old.cache_salt, old.lora_name))
+    extras = carry_media(old, turn)
+    return (head, Arrive(f"r{first_id + 1}", turn, (), old.cache_salt, old.lora_name, **extras))

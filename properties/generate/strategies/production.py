@@ -1,7 +1,7 @@
 """Production layouts: the production property's base layouts
 (:func:`production_base_layouts`) and the settings drawn on top of them
-(:func:`production_layouts`: EAGLE, the retention interval, the Mamba settings, the
-admission cap).
+(:func:`production_layouts`: EAGLE, partial hits, context parallelism, R-SWA, circular
+buffers, the retention interval, the Mamba settings, the admission cap).
 
 Example: gpt-oss (SWA + full) may come out sparse, EAGLE on the full group only,
 ``L = 0``.
@@ -10,6 +10,7 @@ Example: gpt-oss (SWA + full) may come out sparse, EAGLE on the full group only,
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ from properties.core.constants import SPEC_KINDS
 from properties.core.modes import PRODUCTION_SETTINGS
 from properties.generate.strategies.edges import edge_case_kinds, edge_layouts
 from properties.generate.strategies.generated_layouts import _blocks_one_request_needs
+from properties.generate.strategies.group_specs import windows
 from properties.generate.strategies.mamba_modes import mamba_settings
 from properties.generate.strategies.scenario_mix import any_layouts
 from properties.generate.strategies.swarm import swarm_layouts
@@ -25,8 +27,10 @@ from properties.generate.strategies.tiers import SMALL, TIERS
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
     MambaSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 
@@ -55,6 +59,114 @@ def _without_chunked(layout: KVCacheLayout) -> KVCacheLayout:
     return dataclasses.replace(layout, groups=kept, name="")
 
 
+def partial_hit_block_sizes(layout: KVCacheLayout) -> list[int]:
+    """The block sizes a layout's Mamba groups may take so that hits can end inside a
+    block (partial hits, :attr:`KVCacheLayout.partial_hits_enabled`): ``k * G`` for ``k``
+    in 2..4, ``G`` the gcd of the other groups' block sizes (the hash block size then),
+    keeping the scheduler block size within ``max_model_len``. None when the layout cannot
+    have them: prefix caching off, no Mamba group or nothing else, a chunked-local group
+    (its block size must be the scheduler block size) or a sliding-window group whose
+    block size is not ``G`` (its hits stay block aligned). Example: full bs 4 + Mamba,
+    ``max_model_len`` 64 -> ``[8, 12, 16]``; with a sliding window of bs 8: ``[]``."""
+    specs = layout.specs
+    others = [s.block_size for s in specs if not isinstance(s, MambaSpec)]
+    if (
+        not layout.enable_caching
+        or len(others) == len(specs)
+        or not others
+        or any(isinstance(s, ChunkedLocalAttentionSpec) for s in specs)
+    ):
+        return []
+    unit = math.gcd(*others)
+    if any(isinstance(s, SlidingWindowSpec) and s.block_size != unit for s in specs):
+        return []
+    return [k * unit for k in (2, 3, 4) if math.lcm(*others, k * unit) <= layout.max_model_len]
+
+
+@st.composite
+def partial_hit_layouts(draw, layout: KVCacheLayout) -> KVCacheLayout:
+    """``layout``, or, three times in four when it can have them
+    (:func:`partial_hit_block_sizes`), the same with every Mamba group's block size
+    drawn from those that give partial hits. Example: full bs 4 + Mamba bs 4 -> full bs
+    4 + Mamba bs 8: hash block 4, hits at multiples of 4 that may end inside a Mamba
+    block."""
+    sizes = partial_hit_block_sizes(layout)
+    if not sizes or not draw(st.sampled_from((True, True, True, False)), label="partial hits"):
+        return layout
+    size = draw(st.sampled_from(sizes), label="Mamba block size")
+    groups = tuple(
+        dataclasses.replace(g, spec=g.spec.with_block_size(size))
+        if isinstance(g.spec, MambaSpec)
+        else g
+        for g in layout.groups
+    )
+    return dataclasses.replace(layout, groups=groups, name="")
+
+
+@st.composite
+def context_parallel_layouts(draw, layout: KVCacheLayout) -> KVCacheLayout:
+    """``layout`` with context parallelism drawn when it can have it (every group full
+    attention or Mamba: :func:`reference.layout.check_context_parallel`): decode context
+    parallelism of size 2 or 4 one time in two (every full-attention group's block size
+    multiplied by it, when the scheduler block size stays within ``max_model_len``), then,
+    when every group is full attention, prefill context parallelism of size 2 one time in
+    three. Example: full bs 4 + Mamba bs 8, DCP 2 -> full bs 8 (vLLM's spec 4 per rank)."""
+    specs = layout.specs
+    if not all(isinstance(s, (FullAttentionSpec, MambaSpec)) for s in specs):
+        return layout
+    dcp = draw(st.sampled_from((1, 1, 2, 4)), label="decode context parallel size")
+    sizes = [s.block_size * (dcp if isinstance(s, FullAttentionSpec) else 1) for s in specs]
+    if dcp > 1 and math.lcm(*sizes) <= layout.max_model_len:
+        groups = tuple(
+            dataclasses.replace(g, spec=g.spec.with_block_size(size))
+            for g, size in zip(layout.groups, sizes)
+        )
+        layout = dataclasses.replace(layout, groups=groups, dcp_world_size=dcp, name="")
+    if all(isinstance(s, FullAttentionSpec) for s in specs):
+        pcp = draw(st.sampled_from((1, 1, 2)), label="prefill context parallel size")
+        layout = dataclasses.replace(layout, pcp_world_size=pcp)
+    return layout
+
+
+@st.composite
+def rswa_layouts(draw, layout: KVCacheLayout) -> KVCacheLayout:
+    """``layout`` with, one time in three when it has a full-attention group, one such
+    group drawn made reference sliding-window attention (R-SWA) with a window drawn
+    around its block size (:func:`windows`): the prompt stays visible, the gap between it
+    and the window is freed. Example: gemma-like full + SWA -> R-SWA (W 5) + SWA."""
+    full = [i for i, g in enumerate(layout.groups) if type(g.spec) is FullAttentionSpec]
+    if not full or not draw(st.sampled_from((False, False, True)), label="R-SWA"):
+        return layout
+    index = draw(st.sampled_from(full), label="R-SWA group")
+    group = layout.groups[index]
+    window = draw(windows(group.spec.block_size), label="R-SWA window")
+    spec = RSWASpec(**dataclasses.asdict(group.spec), rswa_window=window)
+    groups = list(layout.groups)
+    groups[index] = dataclasses.replace(group, spec=spec)
+    return dataclasses.replace(layout, groups=tuple(groups), name="")
+
+
+@st.composite
+def circular_buffer_layouts(draw, layout: KVCacheLayout) -> KVCacheLayout:
+    """``layout``, or, one time in four when prefix caching is on and context parallelism
+    off (vLLM shards a circular buffer's positions, which its DCP and PCP checks refuse),
+    the same with a circular buffer group appended (a ring of one block per request,
+    outside prefix caching), its ring as large as one of the layout's block sizes (the
+    scheduler block size does not change). Example: full bs 4 + SWA bs 8 -> and a ring
+    of 8."""
+    parallel = layout.dcp_world_size > 1 or layout.pcp_world_size > 1
+    if (
+        not layout.enable_caching
+        or parallel
+        or not draw(st.sampled_from((False, False, False, True)), label="circular buffer")
+    ):
+        return layout
+    size = draw(st.sampled_from(sorted(set(layout.block_sizes))), label="ring size")
+    ring = CircularBufferSpec(block_size=size)
+    group = KVCacheGroup((f"layer.{len(layout.groups)}",), ring)
+    return dataclasses.replace(layout, groups=(*layout.groups, group), name="")
+
+
 #: Whether a production layout runs EAGLE, drawn from these: two in three when it has no
 #: chunked-local group, one in four when EAGLE would take its chunked-local groups away
 #: (:func:`production_layouts`).
@@ -81,6 +193,13 @@ def production_layouts(
       is drawn two times in three on a layout without them, one time in four on a
       layout with them (three in four keep them, so they meet the other settings:
       swarm testing counts pairs);
+    * partial hits (:func:`partial_hit_layouts`: the Mamba groups made coarser than the
+      hash block size, three times in four when the layout can have them; not with EAGLE);
+    * context parallelism (:func:`context_parallel_layouts`: decode and prefill context
+      parallel sizes, on layouts of full-attention and Mamba groups);
+    * R-SWA (:func:`rswa_layouts`: a full-attention group made reference sliding-window
+      attention, one time in three);
+    * a circular buffer group (:func:`circular_buffer_layouts`, one time in four);
     * the retention interval (:func:`retention_intervals`);
     * a Mamba group's caching mode, speculative blocks and prefill checkpoint blocks
       (:func:`properties.generate.strategies.mamba_modes.mamba_settings`; nothing is
@@ -99,6 +218,14 @@ def production_layouts(
     eagle = "eagle" in settings and draw(st.sampled_from(odds), label="eagle")
     if eagle:
         layout = _without_chunked(layout)
+    elif "partial_hits" in settings:
+        layout = draw(partial_hit_layouts(layout))
+    if "context_parallel" in settings:
+        layout = draw(context_parallel_layouts(layout))
+    if "rswa" in settings:
+        layout = draw(rswa_layouts(layout))
+    if "circular_buffer" in settings:
+        layout = draw(circular_buffer_layouts(layout))
     if "retention" in settings:
         retention = draw(retention_intervals(layout), label="retention interval")
         layout = dataclasses.replace(layout, prefix_cache_retention_interval=retention)

@@ -69,7 +69,7 @@ class UnchainedHashEngine(ReferenceEngine):
             hash_block_tokens(
                 None,
                 tokens[j * h : (j + 1) * h],
-                block_extra_keys(j, req.cache_salt, req.lora_name),
+                block_extra_keys(j * h, (j + 1) * h, req.cache_salt, req.lora_name),
             )
             for j in range(len(tokens) // h)
         ]

@@ -108,6 +108,8 @@ def test_small_trace_json_is_the_documented_encoding():
             "prefix_cache_retention_interval": None,
             "use_eagle": False,
             "num_hash_lookahead_tokens": 0,
+            "dcp_world_size": 1,
+            "pcp_world_size": 1,
             "groups": [
                 {
                     "layer_names": ["layer.0"],
@@ -140,6 +142,8 @@ def test_small_trace_json_is_the_documented_encoding():
                 "output": [7, 0],
                 "cache_salt": None,
                 "lora_name": None,
+                "mm_items": [],
+                "prompt_embeds": None,
             },
             {"op": "step", "token_budget": 4, "num_lookahead_tokens": 0},
             {"op": "step", "token_budget": 4, "num_lookahead_tokens": 0},

@@ -29,7 +29,13 @@ ROOT = Path(__file__).resolve().parents[3]
 #: Gated branches the ci stream misses today -> why, and the hand test that reaches them.
 #: Strict like the mutants' escapes: the gate fails when a listed branch is reached (the
 #: entry must go) or an unlisted one is not.
-REACH_GAPS: dict[str, str] = {}
+REACH_GAPS: dict[str, str] = {
+    "reference/managers/circular_buffer.py:31": (
+        "the ring's own hit scan runs only for a layout of one ring alone (the coordinators "
+        "leave rings out of a hybrid search; production draws rings beside other groups): "
+        "tests/reference/test_circular_buffer.py::test_a_layout_of_one_ring_alone_never_hits"
+    ),
+}
 # (empty since the large tiers' batches of documents longer than the widest window: they
 # reach the last one, a Mamba hit meeting a cached state that ends off the hit alignment;
 # its hand test stays: tests/reference/test_shared_rules.py::
@@ -84,7 +90,7 @@ def test_ci_profile_reaches_every_gated_branch(tmp_path) -> None:
 
 
 def test_report_names_each_unreached_branch() -> None:
-    """A pool that only hands out blocks leaves free_blocks and cache_block unreached;
+    """A pool that only hands out blocks leaves free_blocks and cache_full_block unreached;
     the rows say where, in which function, and quote the source line."""
     cov = new_coverage()
     cov.start()
@@ -99,7 +105,7 @@ def test_report_names_each_unreached_branch() -> None:
     source = Path("reference/block_pool.py").read_text().splitlines()
     rows = [u for u in result.unreached if u.path == "reference/block_pool.py"]
     functions = {u.function for u in rows}
-    assert "BlockPool.free_blocks" in functions and "BlockPool.cache_block" in functions
+    assert "BlockPool.free_blocks" in functions and "BlockPool.cache_full_block" in functions
     for u in rows:
         assert u.source.strip() == source[u.line - 1].strip()
         assert u.where.startswith(f"reference/block_pool.py:{u.line}")
