@@ -432,9 +432,8 @@ class MambaManager(SingleTypeKVCacheManager):
             self.num_hash_lookahead_tokens,
         )
         retained = False
-        # always true here: a checkpoint lies on the hit alignment, a multiple of every
-        # group's block size (vLLM's test, kept for exactness; partial hits break that)
-        if position % self.block_size == 0:  # pragma: no branch
+        # false only with partial hits: a checkpoint off the Mamba block grid
+        if position % self.block_size == 0:
             state = position // self.block_size - 1
             mask = mamba_block_mask(
                 state,
