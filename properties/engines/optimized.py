@@ -21,6 +21,7 @@ from operator import attrgetter
 from optimized.control import jit
 from optimized.control.kv_cache_manager import ComputedBlocks, KVCacheManager
 from optimized.control.request import Request, commit_updates, hash_completed_blocks
+from optimized.control.support import unsupported_reason
 from optimized.device.data_plane import DataPlane
 from properties.core.allocation import Allocation
 from properties.core.engine import (
@@ -35,7 +36,6 @@ from properties.core.engine import (
 from properties.engines.manager_engine import ManagerEngine
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
-from reference.specs import CircularBufferSpec, MambaSpec, RSWASpec
 
 #: the columns of a batched step's items (read with ``map``: no per-item Python frame)
 _REQUEST_ID = attrgetter("request_id")
@@ -203,23 +203,9 @@ def make_engine(layout: KVCacheLayout) -> OptimizedEngine:
     with partial (sub-block) hits, an R-SWA or a circular buffer group (the optimized
     engine models neither copy-on-write, R-SWA's gap nor rings; it declares none of those
     production settings, so none is drawn for it)."""
-    for spec in layout.specs:
-        if isinstance(spec, MambaSpec) and (
-            not spec.is_align or spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks
-        ):
-            raise UnsupportedLayoutError(
-                "optimized: Mamba groups run in plain 'align' mode only (no mode 'none', "
-                f"speculative or prefill checkpoint blocks), got layout {layout.describe()}"
-            )
-    if layout.partial_hits_enabled:
-        raise UnsupportedLayoutError(
-            "optimized: partial (sub-block) prefix hits are not implemented (a Mamba group "
-            "coarser than the hash block size)"
-        )
-    if any(isinstance(s, (RSWASpec, CircularBufferSpec)) for s in layout.specs):
-        raise UnsupportedLayoutError(
-            "optimized: R-SWA and circular buffer groups are not implemented"
-        )
+    reason = unsupported_reason(layout)
+    if reason is not None:
+        raise UnsupportedLayoutError(f"optimized: {reason}")
     return OptimizedEngine(layout)
 
 
