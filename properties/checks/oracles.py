@@ -185,6 +185,22 @@ class ShadowCache:
         for offset, content in self.block(0, source).items():
             self.write(content.group_id, destination, offset, content.prefix_id)
 
+    def block(self, group_id: int, block_id: int) -> dict[int, SlotContent]:
+        """A copy of every written slot of a block (offset -> content; Mamba: -1).
+        Example: after ``write(0, 7, 1, h)``, ``block(0, 7) == {1: SlotContent(0, h)}``."""
+        key = self._key(group_id, block_id)
+        out: dict[int, SlotContent] = {}
+        groups = self._groups.get(key)
+        if groups is not None:
+            prefixes = self._prefixes[key]
+            for offset, gid in enumerate(groups):
+                if gid is not None:
+                    out[offset] = SlotContent(gid, prefixes[offset])
+        state = self._states.get(key)
+        if state is not None:
+            out[-1] = state
+        return out
+
     def blocks_ending(self, group_id: int, prefix_id: int) -> set[int]:
         """The blocks whose last slot holds group ``group_id``'s KV of the prefix
         ``prefix_id`` (Mamba: whose state is that prefix's). Example: after

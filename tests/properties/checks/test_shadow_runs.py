@@ -119,6 +119,9 @@ def test_runs_agree_with_the_slot_by_slot_rules(shared_pool, ops, seed) -> None:
                 assert shadow.read(gid, block, offset) == model.read(gid, block, offset)
         for prefix in PREFIXES:
             assert shadow.blocks_ending(gid, prefix) == model.ending(gid, prefix)
+        for block in BLOCKS:  # a block's copy (what a copy-on-write copies)
+            key = block if shared_pool else (gid, block)
+            assert shadow.block(gid, block) == model.slots.get(key, {})
     rng = random.Random(seed)
     for _ in range(40):
         gid = rng.choice((0, 1, 2))
