@@ -48,14 +48,18 @@ EVERY_MODE = (
     "admission-gate",
     "async",
     "async-loads",
+    "circular-buffer",
+    "context-parallel",
     "drafts",
     "eagle-drop",
     "external-hits",
     "load-failures",
     "lookahead-hashes",
+    "partial-hits",
     "retention=dense",
     "retention=interval",
     "retention=sparse",
+    "rswa",
 )
 #: The arguments of an ``allocate_slots`` message for an engine without serving modes.
 TEXTBOOK_ALLOCATE = {
