@@ -5,16 +5,18 @@ state is read before it is fully written) or when its attention groups do not al
 one precision (a block freed by one group and reused by another would be read under
 the other precision, stale bytes decoding to NaN or infinity). Then the manager records
 every block it adds to a request's table in an attention group (full, sliding window,
-chunked local: never a Mamba group), whether for new tokens or for tokens a connector
-loads synchronously (an asynchronous load writes its blocks itself: not recorded), and
-the scheduler hands the blocks recorded since the last step to the workers, every step.
+chunked local, R-SWA: never a Mamba group, nor a circular buffer's ring), whether for
+new tokens or for tokens a connector loads synchronously (an asynchronous load writes
+its blocks itself: not recorded), and the scheduler hands the blocks recorded since the
+last step to the workers, every step.
 
 Order (:func:`blocks_to_zero`): group by group in layout order; within a group, the
 blocks of each allocation in allocation order, each allocation's blocks in table
 order. Blocks a hit adopts were written already: they are not added.
 
 Worked example: groups full (bs 2) and Mamba; a step allocates ``r0``: full (1, 2),
-Mamba (3), then ``r1``: full (4), Mamba (5): the blocks to zero are ``[1, 2, 4]``; a
+Mamba (3), then ``r1``: full (4), Mamba (5): the blocks to zero are ``[1, 2, 4]``; with
+Mamba and a circular buffer, ``r0``'s Mamba (1) and ring (2) give none; a
 layout of one full group of 2-byte elements and a sliding window of 1-byte elements
 needs zeroing too, one of two full groups with the same element size does not.
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from reference.layout import KVCacheLayout
-from reference.specs import MambaSpec
+from reference.specs import CircularBufferSpec, MambaSpec
 
 
 def needs_zeroing(layout: KVCacheLayout) -> bool:
@@ -44,7 +46,7 @@ def blocks_to_zero(
         return []
     out: list[int] = []
     for gid, group in enumerate(layout.groups):
-        if isinstance(group.spec, MambaSpec):
+        if isinstance(group.spec, (MambaSpec, CircularBufferSpec)):
             continue
         for added in allocations:
             out.extend(b for b in added[gid] if b != 0)

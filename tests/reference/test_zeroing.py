@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from reference.layout import KVCacheGroup, KVCacheLayout
-from reference.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from reference.specs import CircularBufferSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from reference.zeroing import blocks_to_zero, needs_zeroing
 
 
@@ -31,3 +31,12 @@ def test_mixed_precision_needs_zeroing_uniform_does_not() -> None:
     uniform = _layout(FULL, FullAttentionSpec(block_size=2))
     assert not needs_zeroing(uniform)
     assert blocks_to_zero(uniform, [((1,), (2,))]) == []
+
+
+def test_a_circular_buffer_ring_is_never_zeroed() -> None:
+    """vLLM 0.33 records no ring block for zeroing (its manager's spec is excluded), even
+    where the layout needs zeroing (a Mamba group): Mamba (1) and ring (2) give none,
+    full (3) beside them is zeroed."""
+    ring = CircularBufferSpec(block_size=2)
+    assert blocks_to_zero(_layout(MAMBA, ring), [((1,), (2,))]) == []
+    assert blocks_to_zero(_layout(MAMBA, ring, FULL), [((1,), (2,), (3,))]) == [3]
