@@ -108,6 +108,15 @@ class GroupStep:
     requests: tuple[RequestQueries, ...]
 
 
+def models_layout(layout: KVCacheLayout) -> bool:
+    """Whether the attention check models every group of ``layout``: not R-SWA (its mask
+    reads the prompt and a window) nor a circular buffer (a ring without slot mapping).
+    Example: full + SWA is modelled; full + a ring of 8 is not."""
+    return not any(
+        isinstance(g.spec, RSWASpec) or not g.spec.uses_slot_mapping for g in layout.groups
+    )
+
+
 class AttentionChecker:
     """Paged caches for every group of ``layout`` plus the dense reference to compare with."""
 
@@ -147,7 +156,7 @@ class AttentionChecker:
             seed=seed, num_kv_heads=num_kv_heads, head_size=head_size, state_size=state_size
         )
         self.caches: list[PagedKVCache | PagedStateCache] = []
-        if any(isinstance(g.spec, RSWASpec) or not g.spec.uses_slot_mapping for g in layout.groups):
+        if not models_layout(layout):
             raise AttentionInputError(
                 "AttentionChecker: R-SWA's mask and circular buffers are not modelled "
                 "(their groups are drawn by the production property only)"

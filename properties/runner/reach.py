@@ -166,9 +166,13 @@ class ReachReplay:
 def attention_models(trace: Trace) -> bool:
     """Whether the attention check can replay ``trace``: not with draft tokens (the
     attention property draws none; a draft's K/V and a Mamba state after a rollback are
-    not in its content model). Example: a trace of mode ``num_draft_tokens = 2`` is
-    replayed by the invariants and production properties only."""
-    return not (trace.mode is not None and trace.mode.num_draft_tokens)
+    not in its content model), nor on a layout it does not model (R-SWA, circular buffers:
+    :func:`properties.checks.attention.models_layout`). Example: a trace of mode
+    ``num_draft_tokens = 2`` is replayed by the invariants and production properties only."""
+    from properties.checks.attention import models_layout
+
+    drafts = trace.mode is not None and trace.mode.num_draft_tokens
+    return not drafts and models_layout(trace.layout)
 
 
 def replay_reach(

@@ -88,7 +88,8 @@ def sliding_window_hit(
             break
     if not found_run:
         out = [lst[:run] for lst in out]
-        # a run starts only on an aligned block end (above), so [0, run) is aligned
+        # a run starts only where the block end its hit would keep is aligned (above):
+        # [0, run) is aligned without the EAGLE drop; with it, trim back to the alignment
         while bs != alignment and (len(out[0]) * bs) % alignment != 0:
             out = [lst[:-1] for lst in out]
     if drop_eagle and out[0]:
