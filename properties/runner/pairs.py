@@ -62,6 +62,9 @@ NEEDS: Mapping[str, tuple[str, ...]] = {
     "pool-pressure": (),
     "partial-hits": ("setting:partial_hits",),
     **{kind: (f"spec:{kind}",) for kind in GROUP_TYPES},
+    # group types outside the pair table, drawn where their production setting is declared
+    "rswa": ("setting:rswa",),
+    "circular_buffer": ("setting:circular_buffer",),
 }
 
 #: What an engine must declare for a pair beyond its two features' needs: drafts on a

@@ -49,6 +49,22 @@ def test_a_case_runs_only_where_the_engine_can_run_it() -> None:
     assert load_failure not in runnable_cases(cases, reference, serving_calls=False)
 
 
+def test_a_ring_case_runs_only_where_circular_buffers_are_declared() -> None:
+    """A case with a circular buffer group needs the ``circular_buffer`` production
+    setting: the reference declares it, the optimized engine does not (and refuses such
+    layouts), so the case is skipped there instead of breaking the replay."""
+    cases = load_reach_corpus()
+    rings = [
+        c for c in cases if any(s.type_name == "circular_buffer" for s in c.trace.layout.specs)
+    ]
+    assert rings
+    reference = resolve_engine("reference")
+    optimized = resolve_engine("optimized")
+    for case in rings:
+        assert case in runnable_cases(cases, reference, serving_calls=True)
+        assert case not in runnable_cases(cases, optimized, serving_calls=True)
+
+
 def test_the_corpus_catches_a_mutant_the_ci_stream_misses(tmp_path) -> None:
     config = CheckConfig(engine=DELAY_CACHE_IGNORED, failure_dir=str(tmp_path))
     engine = resolve_engine(DELAY_CACHE_IGNORED, isolation="none")
