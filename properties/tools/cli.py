@@ -480,11 +480,18 @@ def _replay(args: argparse.Namespace, trace, config, engine) -> int:
             f"recorded failure: [{trace.failure.get('property')}] on "
             f"{trace.failure.get('engine')} ({trace.failure.get('level')})"
         )
-    unsupported = [s.type_name for s in trace.layout.specs if s.type_name not in engine.spec_types]
+    from properties.runner.pairs import Declared
+
+    # a group type the engine does not declare (R-SWA and rings: their production setting)
+    declared = Declared(frozenset(engine.production_settings), True, engine.spec_types)
+    types = {s.type_name for s in trace.layout.specs}
+    unsupported = sorted(t for t in types if declared.supports(t) is not None)
     if unsupported:
         raise usage_error(
             f"{args.engine} does not support this trace's layout: it declares spec types "
-            f"{', '.join(engine.spec_types)}, the trace has {', '.join(sorted(set(unsupported)))}"
+            f"{', '.join(engine.spec_types)} and production settings "
+            f"{', '.join(sorted(engine.production_settings)) or 'none'}, the trace has "
+            f"{', '.join(unsupported)}"
         )
     run, exc = replay_trace(trace, config, engine)
     if isinstance(exc, UnsupportedLayoutError):  # the factory refused the layout

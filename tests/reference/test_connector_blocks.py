@@ -28,3 +28,18 @@ def test_a_window_keeps_its_null_entries() -> None:
         max_model_len=32,
     )
     assert blocks_covering(layout, ((0, 0, 7, 8),), 6) == ((0, 0, 7),)
+
+
+def test_decode_context_parallelism_cuts_at_one_rank_s_block_size() -> None:
+    """vLLM 0.33 cuts at its spec's block size, one rank's (4 / 2 = 2 tokens), though a
+    manager block of 4 tokens holds them: 3 computed tokens -> cdiv(3, 2) = 2 blocks of
+    the row (1, 2, 3), where one block holds them; 1 token -> 1 block."""
+    layout = KVCacheLayout(
+        (KVCacheGroup(("f",), FullAttentionSpec(block_size=4)),),
+        num_blocks=16,
+        max_model_len=32,
+        dcp_world_size=2,
+    )
+    assert blocks_covering(layout, ((1, 2, 3),), 3) == ((1, 2),)
+    assert blocks_covering(layout, ((1, 2, 3),), 1) == ((1,),)
+    assert blocks_covering(layout, ((1, 2, 3),), 12) == ((1, 2, 3),)  # never lengthened
