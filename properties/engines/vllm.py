@@ -320,11 +320,18 @@ def observes_block_metrics(layout: KVCacheLayout) -> bool:
     """Whether the adapter gives vLLM's manager a KV block metrics collector: for one
     layout in two, ``crc32("metrics:" + layout.describe()) % 2 == 0`` (so vLLM's paths
     without a collector run too; a replay builds the same manager), and never for a
-    Mamba group with speculative blocks: kvconform's block lifecycles
-    (:class:`BlockLifecycles`) do not model the relocation of those blocks (full bs 1 +
-    Mamba bs 1 with 4 speculative blocks: vLLM emits no eviction event where the
-    lifecycles expect one with 0 reuse gaps; an open gap, not a finding yet)."""
-    if any(isinstance(s, MambaSpec) and s.num_speculative_blocks for s in layout.specs):
+    Mamba group with speculative or prefill checkpoint blocks: kvconform's block
+    lifecycles (:class:`BlockLifecycles`) model neither the relocation of speculative
+    blocks (full bs 1 + Mamba bs 1 with 4 speculative blocks: vLLM emits no eviction event
+    where the lifecycles expect one with 0 reuse gaps) nor the eviction of a checkpoint
+    block the step does not keep (vLLM's Mamba manager evicts it explicitly, and its
+    collector ends the block's life with an event, a life the adapter's lifecycles still
+    hold: full bs 16 + Mamba bs 4 with one checkpoint block, DCP 4). Open gaps, not
+    findings."""
+    if any(
+        isinstance(s, MambaSpec) and (s.num_speculative_blocks or s.num_prefill_checkpoint_blocks)
+        for s in layout.specs
+    ):
         return False
     return zlib.crc32(("metrics:" + layout.describe()).encode()) % 2 == 0
 
