@@ -45,7 +45,12 @@ Rules:
    holds that group's key of ``t0..t7`` only, 8 is still servable.
 
 Mamba groups are not modelled (a loaded recurrent state is not a block of tokens):
-:class:`HostTier` refuses layouts with one.
+:class:`HostTier` refuses layouts with one. A group outside prefix caching (a circular
+buffer's ring: no tokens by position) takes no part: nothing of it is stored (rule 2)
+and no hit needs it (rule 4), as the coordinator leaves it out of a device hit; the
+engine claims the ring for the loaded tokens. Example: full bs 4 + a ring of 4, the full
+group's keys of ``t0..t3`` and ``t0..t7`` held: a 12-token request with no device hit
+gets 8 external tokens.
 """
 
 from __future__ import annotations
@@ -121,7 +126,10 @@ class HostTier:
         token_ids: Sequence[int],
         block_index: int,
     ) -> None:
-        """Rules 2 and 3: store one block (most recently used), evicting the oldest."""
+        """Rules 2 and 3: store one block (most recently used), evicting the oldest; a
+        group outside prefix caching stores nothing."""
+        if not self.layout.groups[group_id].spec.prefix_cacheable:
+            return
         key = self.key(group_id, salt, lora, token_ids, block_index)
         self._keys.pop(key, None)
         self._keys[key] = None
@@ -142,8 +150,10 @@ class HostTier:
     def needed_blocks(self, group_id: int, device_tokens: int, end: int) -> range:
         """Rule 4: the blocks of group ``group_id`` a combined hit of ``end`` tokens needs
         from the tier beyond a device hit of ``device_tokens``. Example: sliding window
-        ``w = 4``, bs 4, device 0, end 8 -> skip ``5`` -> block 1 only."""
+        ``w = 4``, bs 4, device 0, end 8 -> skip ``5`` -> block 1 only; a ring: none."""
         spec = self.layout.groups[group_id].spec
+        if not spec.prefix_cacheable:
+            return range(0)
         first = max(device_tokens, spec.num_skipped_tokens(end))
         return range(first // spec.block_size, cdiv(end, spec.block_size))
 

@@ -304,9 +304,13 @@ def external_hit_bounds(state: CheckState, event: ExternalLoadEvent) -> str | No
 def _loaded_blocks(state: CheckState, event: ExternalLoadEvent) -> Iterator[tuple[int, int, int]]:
     """``(group, index, block)`` of every block a connector loads external tokens into:
     the non-null entries of the table over ``[start, end)`` (null ones, below a sliding
-    window, are not loaded)."""
+    window, are not loaded; nor is a circular buffer's ring, which has no slots by
+    position)."""
     for gid, row in enumerate(event.table):
-        bs = state.layout.groups[gid].spec.block_size
+        spec = state.layout.groups[gid].spec
+        if not spec.uses_slot_mapping:
+            continue
+        bs = spec.block_size
         for col in range(event.start // bs, min(cdiv(event.end, bs), len(row))):
             if row[col] != 0:
                 yield gid, col, row[col]

@@ -206,7 +206,9 @@ def run_property(
     engine = engine_of(config, engine)
     reached, reach_pairs = 0, {}
     if config.reach_corpus and config.tier == kvst.SMALL:  # what must never be lost, first
-        failed, reached, reach_pairs = _replay_reach_corpus(name, config, seed, engine)
+        failed, reached, reach_pairs = _replay_reach_corpus(
+            name, config, seed, engine, shrink_seconds
+        )
         if failed is not None:
             if on_first_failure is not None and failed.first is not None:
                 on_first_failure(failed.first)
@@ -238,23 +240,32 @@ def run_property(
 
 
 def _replay_reach_corpus(
-    name: str, config: CheckConfig, seed: int | None, engine: EngineUnderTest
+    name: str,
+    config: CheckConfig,
+    seed: int | None,
+    engine: EngineUnderTest,
+    reduce_seconds: float | None = None,
 ) -> tuple[PropertyResult | None, int, dict[tuple[str, str], int]]:
     """Replay the reach corpus for property ``name`` (:mod:`properties.runner.reach`):
     ``(the failed result, cases replayed, the pairs they ran)``; the result is None when
     every case passed.
-    A failing case is saved and reported like a failure of the property's own draws,
-    its message naming the case."""
+    A failing case is reduced (within ``reduce_seconds``, as a drawn failure is: a case
+    is minimal for what it reaches, not for the bug it meets), saved and reported like a
+    failure of the property's own draws, its message naming the case."""
     from properties.runner.reach import load_reach_corpus, replay_reach
+    from properties.runner.reduce import reduce_failure
 
     started = time.perf_counter()
     replay = replay_reach(name, config, engine, load_reach_corpus())
     if replay.failed is None:
         return None, replay.replayed, replay.pairs
     kind, text = _classify(replay.error, 0)
-    path, note = _save(replay.trace, config, seed, engine)
-    seconds = time.perf_counter() - started
     check = failed_check(replay.error)
+    trace, reduced = replay.trace, None
+    if trace is not None and reduce_seconds is not None:
+        trace, reduced = reduce_failure([trace], check, config, engine, reduce_seconds)
+    path, note = _save(trace, config, seed, engine)
+    seconds = time.perf_counter() - started
     result = PropertyResult(
         name,
         0,
@@ -265,13 +276,13 @@ def _replay_reach_corpus(
         kind,
         note,
         check=check,
+        reduced=reduced,
     )
     result.reach = replay.replayed
     label = failure_label(_first_error(replay.error))
-    first = FirstFailure(
-        name, label, seconds, 0, 0, path, config.engine, config.level, replay.trace
-    )
+    first = FirstFailure(name, label, seconds, 0, 0, path, config.engine, config.level, trace)
     first.kind, first.case, first.options = kind, replay.failed.name, config.replay_options()
+    first.reduced = reduced
     result.first = first
     return result, replay.replayed, replay.pairs
 

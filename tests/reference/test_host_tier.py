@@ -9,6 +9,7 @@ from reference.host_tier import HostTier, num_detached_blocks
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
     MambaSpec,
     SlidingWindowSpec,
@@ -53,6 +54,16 @@ def test_full_attention_needs_every_block_from_the_device_hit() -> None:
     _store(tier, 0, T, [1, 2])  # block 0 missing
     assert tier.num_external_tokens(None, None, T[:13], 0) == 0
     assert tier.num_external_tokens(None, None, T[:13], 4) == 8  # the device serves block 0
+
+
+def test_a_ring_is_never_stored_nor_needed() -> None:
+    """A circular buffer's ring (outside prefix caching) takes no part in the tier: its
+    block is not stored, and the full group's keys alone serve a hit."""
+    tier = HostTier(_layout(FULL, CircularBufferSpec(block_size=4)), capacity_blocks=8)
+    _store(tier, 0, T, [0, 1])  # the full group's t0..t3 and t0..t7
+    _store(tier, 1, T, [0])  # the ring: nothing stored
+    assert len(tier) == 2 and not tier.holds(1, None, None, T, 0)
+    assert tier.num_external_tokens(None, None, T[:12], 0) == 8
 
 
 def test_a_window_needs_only_its_last_blocks() -> None:
