@@ -39,8 +39,6 @@ The groups of names:
   defaults the CLI and the pytest plugin share) and :data:`__version__`.
 """
 
-from __future__ import annotations
-
 from importlib import metadata as _metadata
 
 from properties.core.constants import DEFAULTS, LEVELS, PROFILES, PROPERTIES, Defaults
@@ -144,3 +142,8 @@ __all__ = [
     "Defaults",
     "__version__",
 ]
+
+
+def __dir__() -> list[str]:
+    """The public names only (``dir(kvconform)``): what :data:`__all__` promises."""
+    return sorted(__all__)

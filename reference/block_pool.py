@@ -223,10 +223,10 @@ class BlockPool:
         """:meth:`get_cached_block` bound to ``group_ids`` (a hit scan's ``lookup``)."""
         return lambda block_hash: self.get_cached_block(block_hash, group_ids)
 
-    def evict_blocks(  # pragma: no cover - not an engine protocol call
-        self, block_ids: Iterable[int]
-    ) -> None:
-        """Drop the cache keys of these blocks; ref counts and the free queue stay."""
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the cache keys of these blocks; ref counts and the free queue stay (a
+        Mamba checkpoint block whose state no key promises,
+        :mod:`reference.managers.mamba_checkpoints`)."""
         for bid in block_ids:
             self._evict(self.blocks[bid])
 

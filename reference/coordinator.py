@@ -18,7 +18,8 @@
   EAGLE: a spec group that drops looks ``bs`` tokens beyond the candidate (capped at
   the hashed tokens) and drops them, proving the block past the boundary exists; it
   drops at most once per candidate length (``verified``, cleared when a group without
-  the drop shrinks the candidate).
+  the drop shrinks the candidate). A Mamba spec group of the EAGLE groups looks no
+  further than the candidate (its hit never drops) but counts as verified.
 
   Worked example: full (bs 4) + SWA (w 5, bs 4), ``max 15``. Full hits 12 (3 blocks).
   SWA, asked for ``<= 12``, needs blocks 1 and 2 (``cdiv(4, 4) = 1``... one block
@@ -38,8 +39,9 @@ from reference.block_pool import BlockPool
 from reference.layout import KVCacheLayout
 from reference.managers import SingleTypeKVCacheManager, manager_class_for
 from reference.managers.base import Block, BlockList
+from reference.managers.mamba import MambaManager
 from reference.request import Request
-from reference.specs import FullAttentionSpec, KVCacheSpec, cdiv
+from reference.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, cdiv
 
 
 @dataclass
@@ -72,6 +74,10 @@ class KVCacheCoordinator:
             )
             m.use_eagle = gid in drop
             m.eagle_replay = bool(drop)
+        for m in self.managers:
+            if isinstance(m, MambaManager):
+                m.drop_eagle_checkpoint = bool(layout.drop_eagle_group_ids)
+                m.num_hash_lookahead_tokens = layout.num_hash_lookahead_tokens
 
     def cache_hit_alignment(self) -> int:
         """Hit lengths are multiples of this (:attr:`KVCacheLayout.cache_hit_alignment`)."""
@@ -95,7 +101,14 @@ class KVCacheCoordinator:
         total_computed: int,
         num_tokens_main: int,
         apply_admission_cap: bool = False,
+        prefill_end: int = 0,
     ) -> int:
+        """The blocks every group needs (summed). ``prefill_end``: where the request's
+        prefill ends (``max(P, N - 1)``); only sparse retention (interval 0) passes it on
+        (a Mamba group then reserves a prefill checkpoint only on the chunk reaching it),
+        otherwise every group gets 0."""
+        if self.layout.prefix_cache_retention_interval != 0:
+            prefill_end = 0
         return sum(
             m.get_num_blocks_to_allocate(
                 request_id,
@@ -104,6 +117,7 @@ class KVCacheCoordinator:
                 total_computed,
                 num_tokens_main,
                 apply_admission_cap,
+                prefill_end=prefill_end,
             )
             for i, m in enumerate(self.managers)
         )
@@ -309,7 +323,7 @@ def hybrid_cache_hit(
                 continue
             drop = sg.use_eagle and idx not in verified
             limit = candidate
-            if drop:
+            if drop and not isinstance(sg.spec, MambaSpec):  # a Mamba hit never drops
                 limit = min(candidate + sg.spec.block_size, hashed_tokens)
             found, new = find(sg, limit, drop)
             if drop:

@@ -89,6 +89,13 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def clear(self) -> None:
+        """Forget every stored block (a connector's cache reset: vLLM's
+        ``reset_prefix_cache(reset_connector=True)``). Example: 3 blocks stored ->
+        ``len(tier) == 0``, every later lookup finds nothing until blocks are offloaded
+        again."""
+        self._keys.clear()
+
     def key(
         self,
         group_id: int,

@@ -36,7 +36,7 @@ from reference.coordinator import make_coordinator
 from reference.errors import InvalidLayoutError, InvalidRequestError
 from reference.layout import KVCacheLayout
 from reference.request import Request, RequestStatus
-from reference.validation import require_bool, require_instance, require_int
+from reference.validation import require_bool, require_instance, require_int, require_token_ids
 
 BlockIdLists = tuple[tuple[int, ...], ...]
 
@@ -167,6 +167,8 @@ class KVCacheManager(ManagerBookkeeping):
                 f"make_request: request id {request_id!r} is used twice (the request holding "
                 "blocks under it has not been freed)"
             )
+        # (checked before its length is read: None is a clear error, never a TypeError)
+        require_token_ids(InvalidRequestError, "make_request", "prompt_token_ids", prompt_token_ids)
         check_prompt_length(request_id, len(prompt_token_ids), self.max_model_len)
         return Request(
             request_id,
@@ -277,10 +279,13 @@ class KVCacheManager(ManagerBookkeeping):
         self._known.add(rid)
         self._holders[rid] = request
         total = min(local + num_external_computed_tokens, self.max_model_len)
+        # where the prefill ends (a resumed request replays its outputs): Mamba's
+        # prefill checkpoints under sparse retention are taken on the chunk reaching it
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if full_sequence_must_fit:
             whole = min(request.num_tokens, self.max_model_len)
             need = self.coordinator.get_num_blocks_to_allocate(
-                rid, whole, hits, total, whole, apply_admission_cap=True
+                rid, whole, hits, total, whole, apply_admission_cap=True, prefill_end=prefill_end
             )
             if need > self.block_pool.get_num_free_blocks():
                 return None
@@ -288,7 +293,9 @@ class KVCacheManager(ManagerBookkeeping):
         slots = min(main + num_lookahead_tokens, self.max_model_len)
 
         self.coordinator.remove_skipped_blocks(rid, max(0, total - request.num_in_flight_tokens))
-        need = self.coordinator.get_num_blocks_to_allocate(rid, slots, hits, total, main)
+        need = self.coordinator.get_num_blocks_to_allocate(
+            rid, slots, hits, total, main, prefill_end=prefill_end
+        )
         self.last_num_blocks_to_allocate = need
         if need > self.block_pool.get_num_free_blocks():
             return None
@@ -319,6 +326,41 @@ class KVCacheManager(ManagerBookkeeping):
         self._forget(request.request_id)
         self._holders.pop(request.request_id, None)
         self.coordinator.free(request.request_id)
+
+    def pop_blocks_for_free(  # pragma: no cover - the scheduler level's deferred frees
+        self, request: Request
+    ) -> list[KVCacheBlock]:
+        """A *deferred* free, first half: ``request`` gives up its blocks without
+        returning them to the pool, as vLLM 0.33's scheduler does with a consumer KV
+        connector under asynchronous scheduling while a step in flight may still write
+        them. The result is every group's table in group order, each without its leading
+        nulls (a window's skipped prefix), in one list; :meth:`free_popped_blocks`
+        returns them later. The request is forgotten at once (as by :meth:`free`)."""
+        if not isinstance(request, Request):
+            raise InvalidRequestError(
+                f"pop_blocks_for_free: request must be a Request, got {request!r}"
+            )
+        self._forget(request.request_id)
+        self._holders.pop(request.request_id, None)
+        blocks: list[KVCacheBlock] = []
+        for manager in self.coordinator.managers:
+            blocks.extend(manager.pop_blocks_for_free(request.request_id))
+        return blocks
+
+    def free_popped_blocks(  # pragma: no cover - the scheduler level's deferred frees
+        self, blocks: list[KVCacheBlock]
+    ) -> None:
+        """A deferred free, second half: the blocks :meth:`pop_blocks_for_free` took go
+        back to the pool in one ``free_blocks`` call, tail first over the *whole* list
+        (the last group's tail first), not group by group as :meth:`free` does, so
+        cached blocks reach the back of the free queue in another order.
+
+        Worked example: group 0 holds (1, 2), group 1 holds (3, 4), all cached, free
+        queue (5,). ``free``: group 0 appends 2, 1, then group 1 appends 4, 3: queue
+        (5, 2, 1, 4, 3). Popped then freed: one call with 4, 3, 2, 1: queue
+        (5, 4, 3, 2, 1). Uncached blocks go to the front in the same order both ways:
+        (4, 3, 2, 1, 5)."""
+        self.block_pool.free_blocks(reversed(blocks))
 
     # -- views -----------------------------------------------------------------
     def get_blocks(self, request_id: str) -> list[list[KVCacheBlock]]:

@@ -67,7 +67,8 @@ class KVCacheLayout:
     hand-built vLLM config), ``0`` sparse (vLLM's production default), ``k > 0`` one
     tail per ``k`` tokens plus the sparse ones.
     ``use_eagle``: EAGLE speculative decoding; a hit drops its last block in the
-    EAGLE groups (those flagged ``is_eagle_group``, or all when none is flagged),
+    EAGLE groups (those flagged ``is_eagle_group``, or all when none is flagged; a Mamba
+    group never drops, but its prefill checkpoints move one unit down),
     unless ``num_hash_lookahead_tokens > 0`` (lookahead hashes prove the boundary,
     so nothing is dropped).
     """
@@ -123,14 +124,12 @@ class KVCacheLayout:
                 "KVCacheLayout.num_hash_lookahead_tokens must be >= 0, got "
                 f"{self.num_hash_lookahead_tokens}"
             )
-        if self.use_eagle and any(
-            isinstance(s, (ChunkedLocalAttentionSpec, MambaSpec)) for s in self.specs
-        ):
+        if self.use_eagle and any(isinstance(s, ChunkedLocalAttentionSpec) for s in self.specs):
             raise InvalidLayoutError(
-                "KVCacheLayout.use_eagle with a chunked-local or Mamba group is out of scope "
-                "(vLLM turns the hybrid manager off with chunked local attention and EAGLE; "
-                "Mamba's EAGLE checkpoints are not modelled)"
+                "KVCacheLayout.use_eagle with a chunked-local group is out of scope "
+                "(vLLM turns the hybrid manager off with chunked local attention and EAGLE)"
             )
+        _check_mamba_groups(self)
         if self.enable_caching and self.partial_hits_enabled:
             raise InvalidLayoutError(
                 "KVCacheLayout.groups enable partial (sub-block) prefix hits: a Mamba group "
@@ -219,6 +218,8 @@ class KVCacheLayout:
                 extra = f" w={s.sliding_window}"
             elif hasattr(s, "attention_chunk_size"):
                 extra = f" C={s.attention_chunk_size}"
+            elif isinstance(s, MambaSpec):
+                extra = _mamba_settings(s)
             eagle = "*" if g.is_eagle_group else ""
             parts.append(f"g{gid}{eagle}:{s.type_name}(bs={s.block_size}{extra})")
         retention = ""
@@ -232,6 +233,20 @@ class KVCacheLayout:
             f"{' '.join(parts)} num_blocks={self.num_blocks} "
             f"max_model_len={self.max_model_len} caching={self.enable_caching}{retention}"
         )
+
+
+def _mamba_settings(spec: MambaSpec) -> str:
+    """A Mamba group's settings other than the defaults, for :meth:`KVCacheLayout.describe`.
+    Example: mode "none" with 2 speculative blocks -> ``" mode=none spec=2"``; a
+    checkpoint block of alignment 1 -> ``" ckpt=1/1"``; the defaults -> ``""``."""
+    out = ""
+    if not spec.is_align:
+        out += f" mode={spec.mamba_cache_mode}"
+    if spec.num_speculative_blocks:
+        out += f" spec={spec.num_speculative_blocks}"
+    if spec.num_prefill_checkpoint_blocks or spec.prefill_checkpoint_alignment is not None:
+        out += f" ckpt={spec.num_prefill_checkpoint_blocks}/{spec.prefill_checkpoint_alignment}"
+    return out
 
 
 def _check_layout_fields(layout: KVCacheLayout) -> None:
@@ -248,6 +263,46 @@ def _check_layout_fields(layout: KVCacheLayout) -> None:
         require_int(err, owner, "max_in_flight_tokens", layout.max_in_flight_tokens, lowest=1)
     if not isinstance(layout.name, str):
         raise err(f"{owner}.name must be a string, got {layout.name!r}")
+
+
+def _check_mamba_groups(layout: KVCacheLayout) -> None:
+    """vLLM 0.33 builds every Mamba group from one cache config: one caching mode and one
+    speculative block count for all of them, and mode ``"none"`` only with prefix caching
+    off (its Mamba manager asserts it) and a block of at least ``max_model_len`` tokens
+    (the state lives in the row's first block). Example: a Mamba group in mode
+    ``"none"`` in a layout with ``enable_caching=True`` is refused."""
+    mambas = [s for s in layout.specs if isinstance(s, MambaSpec)]
+    if not mambas:
+        return
+    modes = {s.mamba_cache_mode for s in mambas}
+    counts = {s.num_speculative_blocks for s in mambas}
+    if len(modes) > 1 or len(counts) > 1:
+        raise InvalidLayoutError(
+            "KVCacheLayout.groups: every Mamba group must have the same mamba_cache_mode and "
+            f"num_speculative_blocks (one cache config), got modes {sorted(modes)} and "
+            f"speculative blocks {sorted(counts)}"
+        )
+    if modes == {"none"} and layout.enable_caching:
+        raise InvalidLayoutError(
+            "KVCacheLayout.groups: a Mamba group in mamba_cache_mode 'none' needs "
+            "enable_caching=False (Mamba prefix caching requires 'align')"
+        )
+    if modes == {"none"} and any(s.block_size < layout.max_model_len for s in mambas):
+        raise InvalidLayoutError(
+            "KVCacheLayout.groups: a Mamba group in mamba_cache_mode 'none' keeps its state "
+            "in one block: its block_size must be >= max_model_len "
+            f"{layout.max_model_len} (vLLM sets it to max_model_len), got "
+            f"{sorted(s.block_size for s in mambas)}"
+        )
+
+
+def draft_token_limit(layout: KVCacheLayout) -> int | None:
+    """The most draft tokens a step of ``layout`` may schedule: the speculative block
+    count of its Mamba groups (vLLM sizes them by the speculative token count), None (no
+    limit) without a Mamba group. Example: full + Mamba with 2 speculative blocks -> 2;
+    full attention alone -> None."""
+    counts = [s.num_speculative_blocks for s in layout.specs if isinstance(s, MambaSpec)]
+    return min(counts) if counts else None
 
 
 def merge_key(spec: KVCacheSpec) -> KVCacheSpec:

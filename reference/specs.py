@@ -197,21 +197,43 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         return blocks * self.page_size_bytes
 
 
+#: Mamba caching modes of vLLM 0.33: ``"align"`` (prefix caching on or off: one state per
+#: block boundary, the row position indexed) and ``"none"`` (prefix caching off: the state
+#: lives in the request's first block, every block is a plain slot).
+MAMBA_CACHE_MODES: tuple[str, ...] = ("align", "none")
+
+
 @dataclass(frozen=True)
 class MambaSpec(KVCacheSpec):
-    """Mamba / linear-attention state in "align" caching mode.
+    """Mamba / linear-attention state.
 
     Block ``i`` holds the recurrent state after token ``(i+1)*bs - 1``, i.e. the
     state at boundary ``(i+1)*bs``. Only the newest state is needed:
     ``num_skipped_tokens(n) = n - 1``. A hit at ``L`` needs the state at exactly
     ``L`` (``hit_context_start(L) == L`` and a cached state block ending at ``L``).
-    The page is ``sum(prod(shape)) * dtype_bytes`` (or ``page_size_padded``);
-    ``max_memory_usage_bytes = 2 * page`` (align mode, no speculative blocks).
+    The page is ``sum(prod(shape)) * dtype_bytes`` (or ``page_size_padded``).
+
+    * ``mamba_cache_mode``: ``"align"`` (:mod:`reference.managers.mamba`) or ``"none"``
+      (prefix caching must be off; the plain rules of
+      :class:`reference.managers.base.SingleTypeKVCacheManager`).
+    * ``num_speculative_blocks`` ``k``: extra state blocks for draft tokens (vLLM sets
+      it to the speculative token count of MTP / EAGLE); a request holds ``k`` blocks
+      past its running state.
+    * ``num_prefill_checkpoint_blocks`` (align only) with
+      ``prefill_checkpoint_alignment``: the backend can export one state from inside a
+      prefill chunk into a reserved block (both needed: no alignment, no checkpoint).
+
+    ``max_memory_usage_bytes``: align ``(2 + k + checkpoint blocks) * page``, none
+    ``(1 + k) * page``. Example: align, k 2, one checkpoint block, page 64 -> 320.
     """
 
     shapes: tuple[tuple[int, ...], ...] = ((4, 8),)
     dtype_bytes: int = 2
     page_size_padded: int | None = None
+    mamba_cache_mode: str = "align"
+    num_speculative_blocks: int = 0
+    num_prefill_checkpoint_blocks: int = 0
+    prefill_checkpoint_alignment: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -225,10 +247,38 @@ class MambaSpec(KVCacheSpec):
                 f"MambaSpec.page_size_padded must be >= {self.unpadded_page_bytes}, "
                 f"got {self.page_size_padded}"
             )
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise InvalidSpecError(
+                f"MambaSpec.mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, "
+                f"got {self.mamba_cache_mode!r}"
+            )
+        for name in ("num_speculative_blocks", "num_prefill_checkpoint_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidSpecError(f"MambaSpec.{name} must be an integer >= 0, got {value!r}")
+        if self.prefill_checkpoint_alignment is not None:
+            require_positive(
+                "MambaSpec", "prefill_checkpoint_alignment", self.prefill_checkpoint_alignment
+            )
 
     @property
     def type_name(self) -> str:
         return "mamba"
+
+    @property
+    def is_align(self) -> bool:
+        """Whether the group runs in ``"align"`` mode."""
+        return self.mamba_cache_mode == "align"
+
+    @property
+    def has_prefill_checkpoints(self) -> bool:
+        """Align mode with checkpoint blocks and an alignment: a prefill chunk may export
+        an internal checkpoint (:func:`reference.managers.mamba_checkpoints.checkpoint_for`)."""
+        return (
+            self.is_align
+            and self.num_prefill_checkpoint_blocks > 0
+            and self.prefill_checkpoint_alignment is not None
+        )
 
     @property
     def unpadded_page_bytes(self) -> int:
@@ -253,7 +303,11 @@ class MambaSpec(KVCacheSpec):
         return hit_length
 
     def max_memory_usage_bytes(self, max_model_len: int, max_in_flight_tokens: int) -> int:
-        return 2 * self.page_size_bytes
+        if self.is_align:
+            resident = 2 + self.num_speculative_blocks + self.num_prefill_checkpoint_blocks
+        else:
+            resident = 1 + self.num_speculative_blocks
+        return resident * self.page_size_bytes
 
 
 def _replace(spec, **changes):

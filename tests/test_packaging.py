@@ -69,7 +69,10 @@ def test_entry_points_name_real_objects() -> None:
 
 def test_extras_and_the_report_schema_ship() -> None:
     extras = PYPROJECT["project"]["optional-dependencies"]
-    assert extras["pytest"] == ["pytest", "pytest-xdist"]
+    # the plugin's route runs Hypothesis as the CLI does: the same pinned version, so a
+    # seed gives the same examples under pytest and under kvconform check
+    assert extras["pytest"] == ["pytest>=7", "pytest-xdist", "hypothesis==6.155.2"]
+    assert "torch==2.13.0" in extras["cpu"]
     assert {"redis", "gpu", "engines", "test"} <= set(extras)
     assert "jsonschema" in extras["test"]
     package_data = PYPROJECT["tool"]["setuptools"]["package-data"]["properties.tools"]

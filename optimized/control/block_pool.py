@@ -11,7 +11,8 @@ Implements the rules of :mod:`reference.block_pool` (vLLM 0.33 order) on block i
   shared by several runs moves at its last occurrence, later runs' unhashed blocks go
   before earlier runs';
 * ``touch`` takes a cached free block out of the queue and counts a reference;
-* several blocks may share a key; a lookup returns the earliest registered one.
+* several blocks may share a key; a lookup returns the earliest registered one (the key
+  index, :mod:`optimized.control.key_index`: arrays and compiled loops, or dicts).
 
 The free queue is a doubly linked list over ``prev_free`` / ``next_free`` intp arrays
 with two sentinels (ids ``num_blocks`` = head, ``num_blocks + 1`` = tail); ``-1`` marks a
@@ -21,10 +22,10 @@ chains are linked with vectorised writes. Example: queue ``[1, 2, 3]``; ``free([
 
 Bulk forms for admission and prefill (each gives what the block-by-block rule gives):
 ``popleft_array`` / ``get_new_block_array`` pop a request's blocks for every group at
-once (runs of consecutive ids by one array test, the rest walked in C); keys are an
-object array (read and cleared for many blocks at once); ``cache_full_blocks`` registers
-fresh blocks with one dict update (duplicates by one ``map``); ``cached_prefix`` and
-``cached_columns`` run a hit's lookups as one C-level ``map`` per group.
+once (runs of consecutive ids by one array test, the rest walked in C) and evict the
+popped blocks' keys in one call; ``cache_full_blocks`` registers fresh blocks in one call
+of the key index; ``cached_prefix`` and ``cached_columns`` run a hit's lookups in one
+call per group.
 """
 
 from __future__ import annotations
@@ -32,20 +33,17 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from functools import partial
-from itertools import accumulate, compress, islice, repeat, takewhile
-from operator import is_not
+from itertools import accumulate, compress, repeat
 
 import numpy as np
 
 from optimized.control.compiled_pool import compiled_pop_front
+from optimized.control.key_index import ArrayKeyIndex, DictKeyIndex, make_key_index
 from reference.block_pool import PoolExhaustedError
 from reference.errors import KVConformError
 
 NULL_BLOCK_ID = 0
 NOT_QUEUED = -1
-#: ``takewhile`` test of :meth:`BlockPool.cached_prefix`: a lookup found a block
-_IS_BLOCK = partial(is_not, None)
 #: ``free_blocks`` of at most this many blocks takes the scalar path (numpy's per-call
 #: overhead is larger than the work).
 SMALL_FREE = 8
@@ -365,9 +363,11 @@ class FreeBlockQueue:
 class BlockPool:
     """Ref counts, free queue and prefix-cache map of ``num_blocks`` blocks (null included).
 
-    Cache map: per group, ``cached[g][hash]`` is the earliest registered block of that key,
-    and ``duplicates[g][hash]`` the later ones in registration order. A block's own key is
-    ``block_hash[b]`` in group ``block_group[b]`` over ``num_cached_tokens[b]`` tokens.
+    Cache map (``index``, :mod:`optimized.control.key_index`): per group, the earliest
+    registered block of each key, and the later ones in registration order. A block
+    carries a key (``index.key_of(b)``) exactly when ``block_group[b] >= 0``: in that
+    group, over ``num_cached_tokens[b]`` tokens. ``compiled``: the index in arrays with
+    compiled loops where numba is on, else in dicts (as the queue's walk).
     """
 
     def __init__(
@@ -384,13 +384,15 @@ class BlockPool:
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
         self.num_cached_tokens = np.zeros(num_blocks, dtype=np.int64)
         self.block_group = np.full(num_blocks, -1, dtype=np.int32)
-        #: each block's key (None: not cached), an object array: keys are read and cleared
-        #: for many blocks at once
-        self.block_hash: np.ndarray = np.full(num_blocks, None, dtype=object)
+        self.num_groups = num_groups
         self.free_block_queue = FreeBlockQueue(num_blocks, compiled)
         self.null_block = self.free_block_queue.popleft()
-        self.cached: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
-        self.duplicates: list[dict[bytes, list[int]]] = [{} for _ in range(num_groups)]
+        self.index: ArrayKeyIndex | DictKeyIndex = make_key_index(
+            num_blocks, num_groups, self.block_group, compiled
+        )
+        #: are keys kept as int64 words (:class:`ArrayKeyIndex`)? Then callers holding
+        #: them (a request's :class:`~optimized.control.hashing.HashChain`) pass them
+        self.keys_as_words = isinstance(self.index, ArrayKeyIndex)
         #: scratch of :meth:`has_repeats` (one slot per block, allocated on first use)
         self._mark: np.ndarray | None = None
         #: a ref count of 1 for every block, as bytes (:meth:`all_held_once`)
@@ -458,76 +460,33 @@ class BlockPool:
         self.ref_cnt[ids] = 1
         return ids
 
-    def _evict_many(self, hashed: np.ndarray) -> None:
-        """:meth:`_evict` of several hashed blocks: map updates per block, arrays at once.
-        The result does not depend on the order of the blocks (each key's blocks stay in
-        registration order, the earliest left is its head).
+    @property
+    def cached(self) -> list[dict[bytes, int]]:
+        """Per group, ``{key: earliest registered block}`` (the index's view)."""
+        return [self.index.head_map(g) for g in range(self.num_groups)]
 
-        When no group holds duplicate keys every registered block is its key's head
-        (``cached[g][key] == b``): its eviction is one ``del``, run as one ``map`` over
-        the blocks; otherwise each block takes :meth:`_evict_key`'s rule inline (a key
-        with no duplicate: ``del``; a head: the next duplicate takes over; a duplicate:
-        it leaves the list).
-        """
-        ids = hashed.tolist()
-        keys = self.block_hash[hashed].tolist()
-        groups = self.block_group[hashed].tolist()
-        if any(self.duplicates):
-            cached = self.cached
-            duplicates = self.duplicates
-            for b, g, key in zip(ids, groups, keys):
-                dupes = duplicates[g]
-                later = dupes.get(key) if dupes else None
-                if later is None:  # the key's only block: its head
-                    if cached[g].get(key) == b:
-                        del cached[g][key]
-                elif cached[g].get(key) == b:  # the head: the next duplicate takes over
-                    cached[g][key] = later.pop(0)
-                    if not later:
-                        del dupes[key]
-                elif b in later:
-                    later.remove(b)
-                    if not later:
-                        del dupes[key]
-        else:
-            cached = self.cached
-            deque(
-                map(
-                    dict.__delitem__,
-                    map(cached.__getitem__, groups),
-                    keys,
-                ),
-                maxlen=0,
-            )
-        self.block_hash[hashed] = None
-        self.block_group[hashed] = -1
-        self.num_cached_tokens[hashed] = 0
+    @property
+    def duplicates(self) -> list[dict[bytes, list[int]]]:
+        """Per group, ``{key: later blocks in registration order}`` for keys registered on
+        several blocks (the index's view)."""
+        return [self.index.duplicate_map(g) for g in range(self.num_groups)]
+
+    def _evict_many(self, hashed: np.ndarray) -> None:
+        """:meth:`_evict` of several hashed blocks (int64) in one call of the index. The
+        result does not depend on the order of the blocks (each key's blocks stay in
+        registration order, the earliest left is its head)."""
+        self.index.remove_many(hashed, self.num_cached_tokens)
 
     def _evict_key(self, block_id: int, g: int) -> None:
         """Take ``block_id`` off its key in group ``g``: the head is replaced by the next
         duplicate in registration order (:meth:`reference.block_pool.BlockPool._evict`)."""
-        key = self.block_hash[block_id]
-        cached, dupes = self.cached[g], self.duplicates[g]
-        if cached.get(key) == block_id:
-            later = dupes.get(key)
-            if later:
-                cached[key] = later.pop(0)
-                if not later:
-                    del dupes[key]
-            else:
-                del cached[key]
-        else:
-            later = dupes.get(key)
-            if later is not None and block_id in later:
-                later.remove(block_id)
-                if not later:
-                    del dupes[key]
+        self.index.remove(block_id, g)
 
     def _evict(self, block_id: int) -> bool:
-        if self.block_hash[block_id] is None:
+        g = self.block_group.item(block_id)
+        if g < 0:
             return False
-        self._evict_key(block_id, int(self.block_group[block_id]))
-        self.block_hash[block_id] = None
+        self.index.remove(block_id, g)
         self.block_group[block_id] = -1
         self.num_cached_tokens[block_id] = 0
         return True
@@ -578,20 +537,19 @@ class BlockPool:
         else:
             np.add.at(ref, ids, ref.dtype.type(1))
 
-    def cached_prefix(self, hashes: Sequence[bytes], group_ids: Sequence[int]) -> list[list[int]]:
+    def cached_prefix(
+        self,
+        hashes: Sequence[bytes],
+        group_ids: Sequence[int],
+        words: np.ndarray | None = None,
+    ) -> list[list[int]]:
         """The blocks of the longest prefix of ``hashes`` cached in every group of
         ``group_ids`` (each group's earliest block of each key), one list per group: what
         a scan calling :meth:`get_cached_block` from the first hash until a miss collects.
-        Each group is one C-level pass (``map`` of the dict's ``get``, cut at the first
-        ``None``) over the prefix the groups before it matched. Example: group 0 caches
-        ``a, b``, group 1 ``a`` only: ``cached_prefix([a, b], [0, 1])`` -> ``[[b0a], [b1a]]``."""
-        found: list[list[int]] = []
-        n = len(hashes)
-        for g in group_ids:
-            blocks = list(takewhile(_IS_BLOCK, map(self.cached[g].get, islice(hashes, n))))
-            n = len(blocks)
-            found.append(blocks)
-        return [blocks[:n] for blocks in found] if len(found) > 1 else found
+        Each group is one call of the index over the prefix the groups before it matched.
+        Example: group 0 caches ``a, b``, group 1 ``a`` only: ``cached_prefix([a, b], [0,
+        1])`` -> ``[[b0a], [b1a]]``. ``words``: the hashes as words, or None."""
+        return self.index.prefix(hashes, group_ids, words)
 
     def free_blocks(self, ordered_blocks: Sequence[int]) -> None:
         """Drop one reference each (distinct ids); at 0: unhashed to the front, hashed back.
@@ -782,26 +740,13 @@ class BlockPool:
         key is promoted, a key covering ``num_tokens`` or more is kept)."""
         if block_id == NULL_BLOCK_ID:
             return
-        if self.block_hash[block_id] is not None:
+        if self.block_group.item(block_id) >= 0:
             if self.num_cached_tokens[block_id] >= num_tokens:
                 return
             self._evict(block_id)
-        self.block_hash[block_id] = block_hash
         self.block_group[block_id] = group_id
         self.num_cached_tokens[block_id] = num_tokens
-        self._index_key(self.cached[group_id], group_id, block_hash, block_id)
-
-    def _index_key(
-        self, cached: dict[bytes, int], group_id: int, block_hash: bytes, block_id: int
-    ) -> None:
-        """Enter ``block_id`` under ``block_hash`` in the maps of ``group_id``: the key's
-        head when the key is new to the group, else its latest duplicate (the head stays
-        the earliest block, the one lookups return). Example: ``a`` cached on 3, then
-        ``_index_key(.., a, 5)`` -> ``a: 3`` and duplicates ``a: [5]``."""
-        if block_hash in cached:
-            self.duplicates[group_id].setdefault(block_hash, []).append(block_id)
-        else:
-            cached[block_hash] = block_id
+        self.index.add(block_id, block_hash, group_id)
 
     def cache_full_blocks(
         self,
@@ -817,11 +762,11 @@ class BlockPool:
         blocks skipped), with the array writes done at once. ``blocks`` may be a list or an
         int array (a table slice: no conversion on the bulk path).
 
-        Bulk path: when the kept blocks are all unhashed and their keys distinct, each
-        becomes its key's head (a key new to the group) or its latest duplicate
-        (:meth:`_register_fresh`), keys and arrays written at once: what the block-by-block
-        rule gives then. A mask keeping a few blocks (a window's tail) takes
-        :meth:`cache_block` per block; other calls take that rule block by block. Example:
+        Bulk path: when the kept blocks are all unhashed, each becomes its key's head (a
+        key new to the group) or its latest duplicate, in one call of the index, and the
+        arrays are written at once: what the block-by-block rule gives then. A mask
+        keeping a few blocks (a window's tail) takes :meth:`cache_block` per block; other
+        calls take that rule block by block. Example:
         blocks ``[7, 0, 9]``, mask ``[1, 1, 0]``, first index 2, bs 4 -> only ``7`` is
         registered, over 12 tokens.
         """
@@ -845,11 +790,9 @@ class BlockPool:
         if ids.size == 0:
             return
         block_list = ids.tolist()
-        cached = self.cached[group_id]
         if not np.count_nonzero(self.block_group[ids] >= 0):
-            self._register_fresh(cached, group_id, keys, block_list)
-            self.block_hash[ids] = keys
-            self.block_group[ids] = group_id
+            self.block_group[ids] = group_id  # (set before indexing: the index reads it)
+            self.index.add_fresh(block_list, keys, group_id, ids)
             if index is None:
                 self.num_cached_tokens[ids] = np.arange(
                     (first_index + 1) * block_size,
@@ -860,25 +803,18 @@ class BlockPool:
                 self.num_cached_tokens[ids] = (first_index + 1 + index) * block_size
             return
         positions = range(ids.size) if index is None else index.tolist()
-        block_hash = self.block_hash
+        block_group = self.block_group
         nct = self.num_cached_tokens
-        index_key = self._index_key
-        fresh: list[int] = []
-        fresh_tokens: list[int] = []
+        add = self.index.add
         for b, h, k in zip(block_list, keys, positions):
             tokens = (first_index + k + 1) * block_size
-            if block_hash[b] is not None:
+            if block_group.item(b) >= 0:
                 if nct[b] >= tokens:
                     continue
                 self._evict(b)
-            block_hash[b] = h
-            fresh.append(b)
-            fresh_tokens.append(tokens)
-            index_key(cached, group_id, h, b)
-        if fresh:
-            at = np.asarray(fresh, dtype=np.int64)
-            self.block_group[at] = group_id
-            nct[at] = fresh_tokens
+            block_group[b] = group_id
+            nct[b] = tokens
+            add(b, h, group_id)
 
     def cache_fresh_blocks(
         self,
@@ -889,6 +825,7 @@ class BlockPool:
         block_size: int,
         positions: Sequence[int] | None = None,
         block_array: np.ndarray | None = None,
+        words: np.ndarray | None = None,
     ) -> None:
         """:meth:`cache_full_blocks` of blocks just popped (unhashed, not null): ``blocks[j]``
         under ``hashes[j]`` over ``(first_index + positions[j] + 1) * block_size`` tokens
@@ -896,19 +833,19 @@ class BlockPool:
         array, or None. Their keys are entered by :meth:`_register_fresh` (no null or key
         test); a few blocks' arrays are written one block at a time, more with one write
         per array. Example: fresh ``[7, 9]`` under ``[a, b]`` at positions ``[0, 3]``,
-        first index 2, bs 4 -> ``7`` over 12 tokens, ``9`` over 24."""
-        self._register_fresh(self.cached[group_id], group_id, hashes, blocks)
+        first index 2, bs 4 -> ``7`` over 12 tokens, ``9`` over 24. ``words``: the hashes
+        as int64 words (:class:`ArrayKeyIndex`; None: converted when needed)."""
         if len(blocks) <= SMALL_FREE:
-            block_hash, block_group, nct = self.block_hash, self.block_group, self.num_cached_tokens
+            block_group, nct = self.block_group, self.num_cached_tokens
             at = range(len(blocks)) if positions is None else positions
-            for b, h, k in zip(blocks, hashes, at):
-                block_hash[b] = h
+            for b, k in zip(blocks, at):
                 block_group[b] = group_id
                 nct[b] = (first_index + k + 1) * block_size
+            self.index.add_fresh(blocks, hashes, group_id, block_array, words)
             return
         ids = np.array(blocks, dtype=np.intp) if block_array is None else block_array
-        self.block_hash[ids] = hashes
         self.block_group[ids] = group_id
+        self.index.add_fresh(blocks, hashes, group_id, ids, words)
         if positions is None:
             self.num_cached_tokens[ids] = np.arange(
                 (first_index + 1) * block_size,
@@ -933,50 +870,32 @@ class BlockPool:
         new to the group or its latest duplicate); a null or hashed block takes
         :meth:`cache_block` itself. Example: blocks ``[7, 8]``, kept ``[1]``, first index
         2, bs 4 -> 8 registered over 16 tokens."""
-        block_hash = self.block_hash
         block_group = self.block_group
         nct = self.num_cached_tokens
-        cached = self.cached[group_id]
-        index_key = self._index_key
+        add = self.index.add
         for k in kept:
             b = int(blocks[k])
             h = hashes[k]
             tokens = (first_index + k + 1) * block_size
-            if b == NULL_BLOCK_ID or block_hash[b] is not None:
+            if b == NULL_BLOCK_ID or block_group.item(b) >= 0:
                 self.cache_block(b, h, group_id, tokens)
                 continue
-            block_hash[b] = h
             block_group[b] = group_id
             nct[b] = tokens
-            index_key(cached, group_id, h, b)
-
-    def _register_fresh(
-        self, cached: dict[bytes, int], group_id: int, keys: Sequence[bytes], blocks: list[int]
-    ) -> None:
-        """Register unhashed ``blocks`` under ``keys`` in the maps of ``group_id`` in order,
-        as the block-by-block rule (:meth:`_index_key`) does: a key not in the group yet
-        makes its block the head, a key already there (before the call or from an earlier
-        block of it) queues the block as its latest duplicate. One ``setdefault`` per key
-        (a C-level ``map``) enters the new heads and reads back each key's head; a head
-        other than the block itself marks a duplicate (an unhashed block heads no key).
-        Example: ``a`` cached on 3, keys ``[a, b, b]`` on ``[5, 6, 7]`` -> ``b: 6``, 5 a
-        duplicate of ``a``, 7 one of ``b``."""
-        heads = list(map(cached.setdefault, keys, blocks))
-        if heads != blocks:
-            dupes = self.duplicates[group_id]
-            for key, block, head in zip(keys, blocks, heads):
-                if head != block:
-                    dupes.setdefault(key, []).append(block)
+            add(b, h, group_id)
 
     def cached_columns(
-        self, hashes: Sequence[bytes], group_ids: Sequence[int]
+        self,
+        hashes: Sequence[bytes],
+        group_ids: Sequence[int],
+        words: np.ndarray | None = None,
     ) -> tuple[list[list[int | None]], list[int | None]]:
         """Every lookup of ``hashes`` at once: per group of ``group_ids``, the earliest
-        block of each key or None (one C-level ``map`` per group), and per hash a marker
-        that is None when some group misses it. Example: group 0 caches ``a`` on 3, group
-        1 caches ``a`` on 4 and ``b`` on 5: ``cached_columns([a, b], [0, 1])`` ->
-        ``([[3, None], [4, 5]], [3, None])``."""
-        columns = [list(map(self.cached[g].get, hashes)) for g in group_ids]
+        block of each key or None (one call of the index per group), and per hash a
+        marker that is None when some group misses it. Example: group 0 caches ``a`` on
+        3, group 1 caches ``a`` on 4 and ``b`` on 5: ``cached_columns([a, b], [0, 1])`` ->
+        ``([[3, None], [4, 5]], [3, None])``. ``words``: the hashes as words, or None."""
+        columns = [self.index.get_many(hashes, g, words) for g in group_ids]
         if len(columns) == 1:
             return columns, columns[0]
         present = [None if None in found else found[0] for found in zip(*columns)]
@@ -985,8 +904,9 @@ class BlockPool:
     def get_cached_block(self, block_hash: bytes, group_ids: Sequence[int]) -> list[int] | None:
         """The earliest cached block of ``block_hash`` in each group, or None if any misses."""
         found = []
+        get = self.index.get
         for g in group_ids:
-            b = self.cached[g].get(block_hash)
+            b = get(block_hash, g)
             if b is None:
                 return None
             found.append(b)
@@ -998,10 +918,11 @@ class BlockPool:
         ``b`` is the earliest block cached under ``h`` in group 1, else None."""
         if len(group_ids) != 1:
             return lambda block_hash: self.get_cached_block(block_hash, group_ids)
-        get = self.cached[group_ids[0]].get
+        get = self.index.get
+        group = group_ids[0]
 
         def one(block_hash: bytes) -> list[int] | None:
-            block = get(block_hash)
+            block = get(block_hash, group)
             return None if block is None else [block]
 
         return one
@@ -1014,10 +935,7 @@ class BlockPool:
         """Forget every key; only when no request holds a block."""
         if self.num_blocks - self.get_num_free_blocks() != 1:
             return False
-        for g in range(len(self.cached)):
-            self.cached[g].clear()
-            self.duplicates[g].clear()
-        self.block_hash[:] = None
+        self.index.clear()
         self.block_group[:] = -1
         self.num_cached_tokens[:] = 0
         return True
@@ -1028,7 +946,7 @@ class BlockPool:
 
     def cached_block_entries(self) -> list[tuple[int, int, int]]:
         """``(block_id, group_id, num_tokens)`` of every registered block."""
-        cached = np.flatnonzero(np.not_equal(self.block_hash, None))
+        cached = np.flatnonzero(self.block_group >= 0)
         return list(
             zip(
                 cached.tolist(),

@@ -93,17 +93,21 @@ def free_span(
     return freed, -1
 
 
-#: :func:`free_span` as the other loops call it: compiled where numba is on
+#: :func:`free_span` and :func:`pop_front` as the other loops call them: compiled where
+#: numba is on
 span_free = compiled(free_span) or free_span
+front_pop = compiled(pop_front) or pop_front
 
 
 def free_rows(
     rows: np.ndarray,
-    tables: tuple,
-    row_lens: tuple,
-    leading: tuple,
-    cached: tuple,
-    dirty: tuple,
+    tables: np.ndarray,
+    row_lens: np.ndarray,
+    leading: np.ndarray,
+    cached: np.ndarray,
+    dirty: np.ndarray,
+    retired: np.ndarray,
+    last_state: np.ndarray,
     ref_cnt: np.ndarray,
     block_group: np.ndarray,
     prev_free: np.ndarray,
@@ -111,19 +115,23 @@ def free_rows(
     queue: np.ndarray,
 ) -> int:
     """Free and release ``rows`` in order (module docstring): per group one
-    :func:`free_span` of the whole row. ``queue``: head, tail and number of free blocks
-    (updated). Returns -1, or the first block whose ref count would go below 0 (the rows
-    before it are freed, its row partly)."""
+    :func:`free_span` of the whole row. The row arrays are a
+    :class:`~optimized.control.row_store.RowStore`'s stacks (``tables[g]``, ``row_lens[g]``
+    group ``g``'s; ``retired`` and ``last_state`` read by Mamba groups only, reset in
+    every group). ``queue``: head, tail and number of free blocks (updated). Returns -1,
+    or the first block whose ref count would go below 0 (the rows before it are freed,
+    its row partly)."""
     head = queue[0]
     tail = queue[1]
+    num_groups = tables.shape[0]
     for r in range(rows.shape[0]):
         row = rows[r]
-        for g in range(len(tables)):
+        for g in range(num_groups):
             freed, bad = span_free(
                 tables[g],
                 row,
                 0,
-                row_lens[g][row],
+                row_lens[g, row],
                 ref_cnt,
                 block_group,
                 prev_free,
@@ -134,23 +142,30 @@ def free_rows(
             queue[2] += freed
             if bad >= 0:
                 return bad
-        for g in range(len(tables)):  # (the entries were nulled as they were freed)
-            row_lens[g][row] = 0
-            cached[g][row] = -1
-            leading[g][row] = 0
-            dirty[g][row] = True
+        for g in range(num_groups):  # (the entries were nulled as they were freed)
+            row_lens[g, row] = 0
+            cached[g, row] = -1
+            leading[g, row] = 0
+            dirty[g, row] = True
+            retired[g, row] = 0
+            last_state[g, row] = -1
     return -1
 
 
-def group_row_arrays(managers) -> tuple[tuple, ...]:
-    """The groups' row arrays as the loops take them, one tuple per kind: tables, row
-    lengths, leading nulls, cached counts, dirty rows (``managers`` in group order)."""
+def group_row_arrays(coordinator) -> tuple[np.ndarray, ...]:
+    """The groups' row arrays as the loops take them, stacked
+    (:meth:`~optimized.control.coordinator.KVCacheCoordinator.row_store`): tables, row
+    lengths, leading nulls, cached counts, dirty rows, retired columns, previous
+    states."""
+    rows = coordinator.row_store()
     return (
-        tuple(m.table for m in managers),
-        tuple(m.row_len for m in managers),
-        tuple(m.num_leading_null for m in managers),
-        tuple(m.num_cached_block for m in managers),
-        tuple(m.dirty_rows for m in managers),
+        rows.tables,
+        rows.row_len,
+        rows.num_leading_null,
+        rows.num_cached_block,
+        rows.dirty_rows,
+        rows.num_retired_blocks,
+        rows.last_state_block_index,
     )
 
 

@@ -31,10 +31,12 @@ from optimized.control.block_pool import (
     BlockPool,
     RunEnds,
 )
+from optimized.control.hashing import chain_words
 from optimized.control.managers import SingleTypeKVCacheManager, manager_class_for
 from optimized.control.managers.base import BlockList, HitAdmission, HitAdoption
 from optimized.control.request import Request
 from optimized.control.row_freeing import RowFreeing
+from optimized.control.row_store import RowStore
 from optimized.control.uniformity import row_index
 from reference.coordinator import hybrid_coordinator_hit, make_managers, spec_groups_of
 from reference.layout import KVCacheLayout
@@ -105,6 +107,8 @@ class KVCacheCoordinator:
             max_num_reqs=max_num_reqs,
         )
         self.max_num_reqs = max_num_reqs
+        #: every group's row arrays stacked (the managers' arrays are views of them)
+        self._rows = RowStore(self.managers, max_num_reqs)
         self.row_of: dict[str, int] = {}
         self._free_rows: list[int] = list(range(max_num_reqs))
         #: no Mamba group: a new request's block count follows
@@ -144,9 +148,15 @@ class KVCacheCoordinator:
             self.row_of[request_id] = row
         return row
 
+    def row_store(self) -> RowStore:
+        """The stacked row arrays of the current managers (bound again when the managers
+        were replaced after the coordinator was built, as a mutant does)."""
+        if not self._rows.bound_to(self.managers):
+            self._rows = RowStore(self.managers, self.max_num_reqs)
+        return self._rows
+
     def _grow(self, max_num_reqs: int) -> None:
-        for m in self.managers:
-            m.grow(max_num_reqs)
+        self.row_store().grow(max_num_reqs)
         for r in range(self.max_num_reqs, max_num_reqs):
             heapq.heappush(self._free_rows, r)
         self.max_num_reqs = max_num_reqs
@@ -162,8 +172,13 @@ class KVCacheCoordinator:
         KVCacheCoordinator.find_longest_cache_hit`)."""
         raise NotImplementedError
 
+    #: the tokens caching registers are rounded down to a multiple of this (a hybrid
+    #: coordinator's scheduler block size, the LCM of its groups' block sizes)
+    cache_unit: int = 1
+
     def num_cacheable_tokens(self, num_tokens: int) -> int:
-        return num_tokens
+        """``num_tokens`` rounded down to :attr:`cache_unit`. Example: unit 32, 70 -> 64."""
+        return num_tokens // self.cache_unit * self.cache_unit
 
     # -- allocation --------------------------------------------------------------
     def get_num_blocks_to_allocate(
@@ -474,6 +489,7 @@ class HybridCoordinator(KVCacheCoordinator):
         super().__init__(layout, max_num_reqs, compiled)
         self.spec_groups = spec_groups_of(self.managers)
         self.scheduler_block_size = layout.scheduler_block_size
+        self.cache_unit = layout.scheduler_block_size
         #: the first full-attention spec group's ids and its block size in hash blocks
         #: (None: no full-attention group), for the miss test of ``find_longest_cache_hit``
         self._first_full: tuple[list[int], int] | None = next(
@@ -492,10 +508,6 @@ class HybridCoordinator(KVCacheCoordinator):
             and not any(sg.use_eagle for sg in self.spec_groups)
         )
 
-    def num_cacheable_tokens(self, num_tokens: int) -> int:
-        s = self.scheduler_block_size
-        return num_tokens // s * s
-
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
     ) -> tuple[list[BlockList], int, int]:
@@ -505,17 +517,24 @@ class HybridCoordinator(KVCacheCoordinator):
         ``max_length`` or the hashes do not reach one block) its hit is 0, every later
         group is asked for at most 0 tokens, and the answer is no block, hit 0, uncached
         0. Example: full bs 16 + windows, a 2048-token prompt whose first 16 tokens are
-        not cached -> ``([[], ...], 0, 0)`` after one dict lookup."""
+        not cached -> ``([[], ...], 0, 0)`` after one lookup."""
         first = self._first_full
         if first is not None:
             group_ids, ratio = first
             if max_length < ratio * self.block_pool.hash_block_size or len(block_hashes) < ratio:
                 return [[] for _ in self.managers], 0, 0
-            key = block_hashes[ratio - 1]
-            cached = self.block_pool.cached
-            for g in group_ids:
-                if key not in cached[g]:
+            pool = self.block_pool
+            if pool.keys_as_words:  # the key's row of the chain's words: no conversion
+                words = chain_words(block_hashes)
+                get_row = pool.index.get_row
+                if any(get_row(words, ratio - 1, g) is None for g in group_ids):
                     return [[] for _ in self.managers], 0, 0
+            else:
+                key = block_hashes[ratio - 1]
+                get = pool.index.get
+                for g in group_ids:
+                    if get(key, g) is None:
+                        return [[] for _ in self.managers], 0, 0
         if self._two_specs:
             return self._two_spec_hit(block_hashes, max_length)
         return hybrid_coordinator_hit(self, block_hashes, max_length)

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from reference.errors import KVConformError
+
 #: The parent of block 0.
 ROOT_HASH: bytes = hashlib.sha256(b"kvconform-optimized-root").digest()
 
@@ -64,10 +66,12 @@ def extend_block_hashes(
     width = h * TOKEN_DTYPE.itemsize
     parent = hashes[-1] if hashes else ROOT_HASH
     lora = extra_key_bytes(1, None, lora_name)
+    new = []
     for k in range(end - j):
         extra = extra_key_bytes(0, cache_salt, lora_name) if j + k == 0 else lora
         parent = chain_link(parent, raw[k * width : (k + 1) * width], extra)
-        hashes.append(parent)
+        new.append(parent)
+    hashes.extend(new)  # (one write of a HashChain's buffer)
 
 
 def hashes_at_block_size(
@@ -94,3 +98,98 @@ def chain_link(parent: bytes, block: bytes, extra: bytes) -> bytes:
     digest = hashlib.sha256(parent + block + extra).digest()
     hash(digest)
     return digest
+
+
+#: bytes of a block hash, and the int64 words the key index keeps of one
+KEY_BYTES = 32
+KEY_WORDS = KEY_BYTES // 8
+
+
+def key_words(keys: Sequence[bytes]) -> np.ndarray:
+    """``keys`` as an ``(n, 4)`` int64 array: each 32-byte hash as four little-endian
+    words (the form :mod:`optimized.control.key_index` keeps). Keys whose lengths do not
+    add up to 32 each raise :class:`KVConformError` (lengths are not checked one by one:
+    the engine's keys are its own SHA-256 digests). Example: ``key_words([bytes(32)])``
+    is ``[[0, 0, 0, 0]]``."""
+    raw = b"".join(keys)
+    if len(raw) != KEY_BYTES * len(keys):
+        bad = next(k for k in keys if len(k) != KEY_BYTES)
+        raise KVConformError(
+            f"key index: a block hash must be {KEY_BYTES} bytes, got {len(bad)}: {bad[:40]!r}"
+        )
+    return np.frombuffer(raw, dtype=np.int64).reshape(-1, KEY_WORDS).copy()
+
+
+#: the hashes a :class:`HashChain` has room for past those it is grown for (16 blocks of
+#: decoded tokens)
+HASH_HEADROOM = 16
+
+
+class HashChain(list):
+    """A request's block hashes: a list of 32-byte digests, appended to as blocks complete
+    (never changed otherwise), each also written end to end into a buffer (:attr:`raw`,
+    grown by doubling) that :meth:`words` reads as int64 words with no conversion (the
+    form :mod:`optimized.control.key_index` keeps). Example: a chain of 3 hashes ->
+    ``words()`` has shape ``(3, 4)``; an append writes the new hash's 32 bytes, and
+    ``words()`` then has 4 rows."""
+
+    __slots__ = ("raw", "_all_words")
+
+    def __init__(self, hashes: Sequence[bytes] = ()) -> None:
+        super().__init__(hashes)
+        #: the hashes end to end (its capacity may exceed them: read ``len(self)`` rows)
+        self.raw = bytearray()
+        self._all_words = np.zeros((0, KEY_WORDS), dtype=np.int64)
+        self._room(len(self))
+        if len(self):
+            self._write(0, self)
+
+    def _room(self, n: int) -> None:
+        """Capacity for ``n`` hashes at least, and :data:`HASH_HEADROOM` more (a new
+        buffer, the old content copied: a buffer read by an array cannot be resized in
+        place), so that a prompt's chain takes the hashes of its first decoded blocks
+        with no copy."""
+        if len(self.raw) >= KEY_BYTES * n:
+            return
+        raw = bytearray(KEY_BYTES * max(n + HASH_HEADROOM, 2 * (len(self.raw) // KEY_BYTES)))
+        raw[: len(self.raw)] = self.raw
+        self.raw = raw
+        self._all_words = np.frombuffer(raw, dtype=np.int64).reshape(-1, KEY_WORDS)
+
+    def _write(self, at: int, hashes: Sequence[bytes]) -> None:
+        data = b"".join(hashes)
+        if len(data) != KEY_BYTES * len(hashes):
+            raise KVConformError(f"HashChain: block hashes must be {KEY_BYTES} bytes each")
+        self.raw[KEY_BYTES * at : KEY_BYTES * at + len(data)] = data
+
+    def append(self, block_hash: bytes) -> None:
+        n = len(self)
+        self._room(n + 1)
+        self._write(n, (block_hash,))
+        super().append(block_hash)
+
+    def extend(self, hashes) -> None:
+        hashes = list(hashes)
+        n = len(self)
+        self._room(n + len(hashes))
+        self._write(n, hashes)
+        super().extend(hashes)
+
+    def words(self) -> np.ndarray:
+        """Every hash as four little-endian int64 words (:func:`key_words`' form), a view
+        of :attr:`raw`."""
+        return self._all_words[: len(self)]
+
+
+def chain_words(
+    hashes: Sequence[bytes], block_size: int = 1, hash_block_size: int = 1
+) -> np.ndarray:
+    """The words of :func:`hashes_at_block_size` of ``hashes`` (the chain at
+    ``block_size``): a :class:`HashChain`'s kept words (every ``k``-th row, as a copy,
+    when ``k = block_size // hash_block_size`` is above 1), else converted. Example: a
+    chain of 4 hashes at ``k = 2`` -> rows 1 and 3."""
+    k = block_size // hash_block_size
+    if isinstance(hashes, HashChain):
+        words = hashes.words()
+        return words if k == 1 else np.ascontiguousarray(words[k - 1 :: k])
+    return key_words(hashes_at_block_size(hashes, hash_block_size, block_size))

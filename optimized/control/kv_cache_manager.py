@@ -60,6 +60,8 @@ _REQUEST_INTS = tuple(
 _REQUEST_HASHES = attrgetter("block_hashes")
 _REQUEST_COMPUTED = attrgetter("num_computed_tokens")
 _REQUEST_TOKENS = attrgetter("num_tokens")
+#: :meth:`KVCacheManager._admit_compiled`'s answer when the Python paths must decide
+_NOT_ADMITTED = object()
 #: the methods whose rules the compiled pass applies in their place
 _LOUD_RULES = ("_apply_loud", "_apply_loud_batch", "_refresh_thresholds", "_least_thresholds")
 
@@ -135,11 +137,15 @@ class KVCacheManager(ManagerBookkeeping):
     Example: 30 decode items on 6 groups, bs 16: about 2 cross a block boundary in a
     step, so two ``allocate_slots`` calls beat one vectorised pass.
 
-    ``compiled``: where numba is installed, the loud items of a plain decode step go
-    through the compiled pass of :mod:`optimized.control.compiled_decode` when every group
-    is of a kind it knows (then ``min_batched_apply`` only matters for other steps), and
-    the pool pops and frees rows through :mod:`optimized.control.compiled_pool`; False
-    keeps the numpy paths (tests of those paths).
+    ``compiled``: where numba is installed, the loud items of a decode step (and a
+    running request's chunk among them) go through the compiled pass of
+    :mod:`optimized.control.compiled_decode` when every group is of a kind it knows
+    (Mamba included; then ``min_batched_apply`` only matters for other steps), a new
+    request's admission (no Mamba group) through :mod:`optimized.control.
+    compiled_admission`, the pool keeps its keys in arrays
+    (:mod:`optimized.control.key_index`), pops and frees rows through
+    :mod:`optimized.control.compiled_pool`; False keeps the numpy paths and dicts (tests
+    of those paths).
     """
 
     #: Fewer working items than this go through ``allocate_slots`` (see the class docstring).
@@ -193,10 +199,7 @@ class KVCacheManager(ManagerBookkeeping):
         #: compiles (the Python paths apply them)
         self._compiled = (
             LoudPass(self)
-            if compiled
-            and compiled_pass is not None
-            and self._per_group_apply
-            and not _overrides_loud_rules(type(self))
+            if compiled and compiled_pass is not None and not _overrides_loud_rules(type(self))
             else None
         )
         #: the rows of the step :meth:`_loud_items` last looked at
@@ -295,6 +298,13 @@ class KVCacheManager(ManagerBookkeeping):
         slots = min(main + num_lookahead_tokens, self.max_model_len)
 
         row = coordinator.row_of.get(rid)
+        took_row = row is None  # (a row taken here gets its decode threshold at the end)
+        if took_row and self._compiled is not None and self._compiled.admits():
+            admitted = self._admit_compiled(
+                request, new_computed_blocks, hits, local, total, slots, num_new_tokens
+            )
+            if admitted is not _NOT_ADMITTED:
+                return admitted
         # a fresh row, empty or holding an adopted hit: its new blocks are cached from a list
         fresh = False
         if row is None and coordinator.plain_counts and not any(hits):
@@ -337,8 +347,57 @@ class KVCacheManager(ManagerBookkeeping):
                 new_blocks,
                 new_arrays,
             )
+        elif self._compiled is not None and self._compiled.caches():  # one compiled call
+            self._compiled.cache(request, row, min(total + num_new_tokens, request.num_tokens))
         else:
             coordinator.cache_blocks(request, row, min(total + num_new_tokens, request.num_tokens))
+        if request.status is not RequestStatus.FINISHED:
+            request.status = RequestStatus.RUNNING
+        if took_row:  # its first decode item is then tested against the row's counts
+            self._next_work[row] = self._row_threshold(row)
+        return new_blocks
+
+    def _admit_compiled(
+        self,
+        request: Request,
+        new_computed_blocks: ComputedBlocks | None,
+        hits: BlockIdLists,
+        local: int,
+        total: int,
+        slots: int,
+        num_new_tokens: int,
+    ):
+        """``allocate_slots`` of a request with no row through the compiled admission
+        (:meth:`~optimized.control.compiled_decode.LoudPass.admit`): a new request with
+        nothing computed and no hit (counted before a row is taken: a refusal takes none,
+        as below), or one adopting a hit (the row taken first); else
+        :data:`_NOT_ADMITTED` (the Python paths below). The same counts, queue, rows,
+        keys and answer as those paths."""
+        coordinator = self.coordinator
+        adopt = new_computed_blocks is not None and any(hits)
+        if adopt:
+            if not coordinator.plain_hits:
+                return _NOT_ADMITTED
+            row = self._take_row(request.request_id)
+        elif local == 0 and coordinator.plain_counts:
+            need = coordinator.num_blocks_for_new_request(slots, local)
+            self.last_num_blocks_to_allocate = need
+            if need > self.block_pool.get_num_free_blocks():
+                return None
+            row = self._take_row(request.request_id)
+        else:
+            return _NOT_ADMITTED
+        limit = -1
+        if self.enable_caching:
+            cacheable = coordinator.num_cacheable_tokens(
+                min(total + num_new_tokens, request.num_tokens)
+            )
+            limit = min(cacheable, len(request.block_hashes) * request.hash_block_size)
+        assert self._compiled is not None
+        need, new_blocks = self._compiled.admit(request, row, hits, total, slots, limit, adopt)
+        self.last_num_blocks_to_allocate = need
+        if new_blocks is None:
+            return None
         if request.status is not RequestStatus.FINISHED:
             request.status = RequestStatus.RUNNING
         return new_blocks
@@ -347,9 +406,19 @@ class KVCacheManager(ManagerBookkeeping):
         """The coordinator's new row for the request, its decode threshold zeroed (the row
         may have changed hands: its items are tested until a step refreshes it)."""
         row = self.coordinator.row(request_id)
-        if row < len(self._next_work):
-            self._next_work[row] = 0
+        next_work = self._next_work
+        if row >= len(next_work):
+            next_work.extend([0] * (self.coordinator.max_num_reqs - len(next_work)))
+        next_work[row] = 0
         return row
+
+    def _row_threshold(self, row: int) -> int:
+        """The row's decode threshold: the least over the classes of twins of
+        :meth:`~optimized.control.managers.base.SingleTypeKVCacheManager.
+        decode_work_threshold_of`. Example: full group 48 (its next block), window group
+        40 (its next drop) -> 40."""
+        managers = self.coordinator.managers
+        return min([managers[g].decode_work_threshold_of(row) for g in self._class_reps])
 
     def schedule_columns(
         self,
@@ -369,14 +438,25 @@ class KVCacheManager(ManagerBookkeeping):
         row's decode threshold (:meth:`_refresh_thresholds`) has nothing to free,
         allocate or cache, so it is settled without any per-group test; the loud ones are
         applied one by one (:meth:`_apply_loud`) or, when many, vectorised
-        (:meth:`_apply_loud_batch`), and their rows' thresholds are refreshed. Any other
-        step goes through :meth:`_schedule_items`. Example: 27 decode items on gemma3 of
-        which 3 reach a block boundary: the 24 others are settled in one pass.
+        (:meth:`_apply_loud_batch`), and their rows' thresholds are refreshed. With the
+        compiled pass, a step mixing one-token decode items with others (a prefill chunk,
+        lookahead) goes through :meth:`_schedule_mixed`. Any other step goes through
+        :meth:`_schedule_items`. Example: 27 decode items on gemma3 of which 3 reach a
+        block boundary: the 24 others are settled in one pass.
         """
         self.last_num_blocks_to_allocate = None  # batched items report none
         loud = self._loud_items(items) if isinstance(items, StepBatch) else None
         if loud is None:
-            return self._schedule_items(items)
+            mixed = (
+                self._mixed_items(items)
+                if isinstance(items, StepBatch)
+                and self._compiled is not None
+                and self._compiled.usable()
+                else None
+            )
+            if mixed is None:
+                return self._schedule_items(items)
+            return self._schedule_mixed(items, *mixed)
         n = len(items)
         step_ids, rows = self._step_ids, self._step_rows
         if not loud:
@@ -415,8 +495,10 @@ class KVCacheManager(ManagerBookkeeping):
         over the items (no array is built). Sets ``_step_ids`` and ``_step_rows``.
         Example: computed ``[30, 47]``, thresholds ``[47, 47]`` -> ``[1]``.
         """
-        if not self._per_group_apply:
-            return None  # Mamba: every row is tested every step
+        if not self._per_group_apply and not (
+            self._compiled is not None and self._compiled.usable()
+        ):
+            return None  # Mamba: only the compiled pass applies its loud items
         requests = items.requests
         n = len(requests)
         new, ahead = items.num_new_tokens, items.num_lookahead_tokens
@@ -445,31 +527,134 @@ class KVCacheManager(ManagerBookkeeping):
         self._step_ids, self._step_rows = rids, rows
         return loud
 
+    def _mixed_items(self, items: StepBatch) -> tuple[list[int], list[int]] | None:
+        """A step's items as ``(loud, other)``: the items of running requests holding rows
+        that the compiled pass applies (a one-token decode item that reaches its row's
+        threshold, as :meth:`_loud_items`: the rest of those are quiet; a prefill chunk or
+        an item with lookahead, always), and every other item (a request with no row or
+        not running), in order; or None when some item is invalid or a request repeats
+        (:meth:`_schedule_items` then raises the first error before anything changes).
+        Sets ``_step_ids`` and ``_step_rows``. Example: a new request's chunk, a running
+        request's chunk of 512 tokens, then decode items at computed ``[30, 47]`` with
+        thresholds ``[47, 47]`` -> ``([1, 3], [0])``."""
+        requests = items.requests
+        n = len(requests)
+        new, ahead = items.num_new_tokens, items.num_lookahead_tokens
+        if not (n and isinstance(new, list) and isinstance(ahead, list)):
+            return None
+        rids = list(map(_REQUEST_ID, requests))
+        if len(set(rids)) != n:
+            return None
+        rows = list(map(self.coordinator.row_of.get, rids))
+        next_work = self._next_work
+        if len(next_work) < self.coordinator.max_num_reqs:
+            next_work.extend([0] * (self.coordinator.max_num_reqs - len(next_work)))
+        mml = self.max_model_len
+        running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
+        loud: list[int] = []
+        other: list[int] = []
+        for i, request, k, la, row in zip(range(n), requests, new, ahead, rows):
+            status = request.status
+            computed = request.num_computed_tokens
+            num_tokens = request.num_tokens
+            if (
+                status is finished
+                or k < 1
+                or la < 0
+                or computed + k > num_tokens
+                or num_tokens > mml
+            ):
+                return None  # an invalid item: the general path raises its error
+            if row is None or status is not running:
+                other.append(i)
+            elif k != 1 or la != 0 or computed >= next_work[row]:
+                loud.append(i)
+        self._step_ids, self._step_rows = rids, rows
+        return loud, other
+
+    def _schedule_mixed(
+        self, items: StepBatch, loud: list[int], other: list[int]
+    ) -> list[list[list[int]] | None]:
+        """:meth:`schedule_step` of a step that :meth:`_mixed_items` split: the items in
+        order, each run of loud items between two others through the compiled pass in
+        one call (a chunk among them: the pass applies any running request's item), each
+        other item through ``allocate_slots``, the quiet ones settled; stops after the
+        first None. Exact: a quiet item changes nothing wherever it stands, and the
+        others keep their places among the loud ones. Example: loud ``[1, 2]``, other
+        ``[0, 3]`` -> ``allocate_slots`` of 0, the pass on 1 and 2, ``allocate_slots``
+        of 3."""
+        n = len(items)
+        requests, new, ahead = items.requests, items.num_new_tokens, items.num_lookahead_tokens
+        rows = self._step_rows
+        step_ids = self._step_ids
+        assert self._compiled is not None
+        pass_apply = self._compiled.apply
+
+        def apply(requests, batch, batch_rows):
+            return pass_apply(requests, batch, batch_rows, new, ahead)
+
+        results: list[list[list[int]] | None] = [self.no_new_blocks] * n
+        stop = n
+        batch: list[int] = []
+        others = iter(other)
+        after = next(others, n)  # the next other item
+        for i in [*loud, n]:
+            while after < i:  # the loud items before it, then it
+                if batch:
+                    sub = apply(requests, batch, [rows[k] for k in batch])
+                    for k, new_blocks in zip(batch, sub):
+                        results[k] = new_blocks
+                    if sub and sub[-1] is None:
+                        stop = batch[len(sub) - 1] + 1
+                        break
+                    batch = []
+                new_blocks = self.allocate_slots(requests[after], new[after], 0, None, ahead[after])
+                results[after] = new_blocks
+                if new_blocks is None:
+                    stop = after + 1
+                    break
+                after = next(others, n)
+            if stop < n:
+                break
+            if i < n:
+                batch.append(i)
+        if stop == n and batch:
+            sub = apply(requests, batch, [rows[k] for k in batch])
+            for k, new_blocks in zip(batch, sub):
+                results[k] = new_blocks
+            if sub and sub[-1] is None:
+                stop = batch[len(sub) - 1] + 1
+        self.last_num_blocks_to_allocate = None
+        self._known.update(step_ids[:stop])
+        return results if stop == n else results[:stop]
+
     def _apply_loud(
         self, requests: Sequence[Request], picked: list[int], rows: list[int]
     ) -> list[list[list[int]] | None]:
         """A few loud items (validated by :meth:`_loud_items`: one new token, no hit, a
         row) applied one by one in order through :func:`apply_decode_item` on every group
-        (a group with nothing to do frees, allocates and caches nothing there), stopping
-        after the first None; each row's threshold is refreshed after its item, one int per
-        class of twins. Example: 2 loud items, the first crossing a block boundary in a
-        full pool -> ``[None]``."""
+        (a group with nothing to do frees, allocates and caches nothing there), or, with a
+        Mamba group (its own rules), through ``allocate_slots``, stopping after the first
+        None; each row's threshold is refreshed after its item, one int per class of
+        twins. Example: 2 loud items, the first crossing a block boundary in a full pool
+        -> ``[None]``."""
         groups = self._all_groups
-        managers = self.coordinator.managers
-        reps = [managers[g] for g in self._class_reps]
         next_work = self._next_work
         mml = self.max_model_len
         cacheable = self.coordinator.num_cacheable_tokens
         out: list[list[list[int]] | None] = []
         for i, row in zip(picked, rows):
             request = requests[i]
-            total = request.num_computed_tokens
-            main = total + 1
-            cache_tokens = cacheable(min(main, request.num_tokens))
-            new_blocks = apply_decode_item(
-                self, request, row, total, main, min(main, mml), cache_tokens, groups
-            )
-            next_work[row] = min([m.decode_work_threshold_of(row) for m in reps])
+            if self._per_group_apply:
+                total = request.num_computed_tokens
+                main = total + 1
+                cache_tokens = cacheable(min(main, request.num_tokens))
+                new_blocks = apply_decode_item(
+                    self, request, row, total, main, min(main, mml), cache_tokens, groups
+                )
+            else:  # a Mamba group (its own rules): allocate_slots itself
+                new_blocks = self.allocate_slots(request, 1)
+            next_work[row] = self._row_threshold(row)
             out.append(new_blocks)
             if new_blocks is None:
                 break

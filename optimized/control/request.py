@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from optimized.control.hashing import (
+    KEY_BYTES,
     ROOT_HASH,
     TOKEN_DTYPE,
+    HashChain,
     chain_link,
     extend_block_hashes,
     extra_key_bytes,
@@ -61,7 +63,7 @@ def _reserve(items: list, extra: int) -> None:
     still 128 hashes.
     """
     n = len(items)
-    items.extend([None] * extra)
+    list.extend(items, [None] * extra)  # (a HashChain's own extend writes hashes)
     del items[n:]
 
 
@@ -112,7 +114,8 @@ class Request:
         self.lora_name = lora_name
         self.hash_block_size = hash_block_size
         self.status = RequestStatus.WAITING
-        self.block_hashes: list[bytes] = []
+        #: the chain of block hashes (its int64 words for the key index kept alongside)
+        self.block_hashes = HashChain()
         #: the junction the last prefix lookup found (:mod:`reference.retention`; 0: none)
         self.shared_prefix_boundary = 0
         #: extra keys of every block but block 0 (the LoRA name)
@@ -232,7 +235,10 @@ def hash_completed_blocks(requests: Sequence[Request]) -> None:
     prompt tokens, block 0, several blocks) hashes its own blocks
     (:meth:`Request._hash_new_blocks`), which leaves one already up to date as it is.
     Example: ``H = 4``, prompt ``[1, 2, 3, 4]`` (1 hash) and outputs ``[5, 6, 7, 8]``:
-    block 1 is ``[5, 6, 7, 8]`` chained on hash 0 (the common case).
+    block 1 is ``[5, 6, 7, 8]`` chained on hash 0 (the common case). The new hash's bytes
+    go straight into the chain's buffer when it has room (no Python call of
+    :meth:`~optimized.control.hashing.HashChain.append`: thousands of requests complete
+    a block in the same step).
     """
     for req in requests:
         hashes = req.block_hashes
@@ -241,5 +247,12 @@ def hash_completed_blocks(requests: Sequence[Request]) -> None:
         a = j * h - req.num_prompt_tokens
         if a < 0 or not j or req.num_tokens // h != j + 1:
             req._hash_new_blocks()
+            continue
+        digest = chain_link(hashes[-1], _pack(req._outputs[a : a + h]), req._extra)
+        raw = hashes.raw
+        end = KEY_BYTES * (j + 1)
+        if len(raw) >= end:  # (a digest is KEY_BYTES long: the buffer keeps its size)
+            raw[end - KEY_BYTES : end] = digest
+            list.append(hashes, digest)
         else:
-            hashes.append(chain_link(hashes[-1], _pack(req._outputs[a : a + h]), req._extra))
+            hashes.append(digest)

@@ -1,5 +1,7 @@
 """Freeing whole rows through the compiled :func:`optimized.control.compiled_pool.free_rows`
-for a coordinator whose groups keep their rows by the base rules.
+for a coordinator whose groups keep their rows by the base rules, or are Mamba groups
+(whose rows also hold a previous state and a retired count, reset by the loop as
+:meth:`~optimized.control.managers.mamba.MambaManager.release_row` resets them).
 
 Example: a decode-heavy request finishing on gemma3 frees 456 blocks (the full group's
 131, each window's 65) in one compiled call instead of some dozens of numpy calls.
@@ -14,15 +16,16 @@ import numpy as np
 from optimized.control.block_pool import BlockPool, FreeBlockQueue
 from optimized.control.compiled_pool import compiled_free_rows, group_row_arrays
 from optimized.control.managers.base import SingleTypeKVCacheManager
+from optimized.control.managers.mamba import MambaManager
 from reference.errors import KVConformError
 
 
 class RowFreeing:
     """A coordinator's compiled :func:`free_rows`, used while every group keeps its rows
-    by the base rules (no Mamba state, no subclass releasing rows its own way) and the
-    pool and queue are the plain ones; checked again whenever the coordinator's managers,
-    pool or queue are replaced. ``run``: the loop (the compiled one; a test gives the
-    Python :func:`~optimized.control.compiled_pool.free_rows`)."""
+    by the base rules or is a plain Mamba group (no subclass releasing rows its own way)
+    and the pool and queue are the plain ones; checked again whenever the coordinator's
+    managers, pool or queue are replaced. ``run``: the loop (the compiled one; a test
+    gives the Python :func:`~optimized.control.compiled_pool.free_rows`)."""
 
     def __init__(self, coordinator, run: Callable | None = None) -> None:
         self.coordinator = coordinator
@@ -47,7 +50,7 @@ class RowFreeing:
         if self._rows != coord.max_num_reqs:
             queue = pool.free_block_queue
             self._arrays = (
-                *group_row_arrays(coord.managers),
+                *group_row_arrays(coord),
                 pool.ref_cnt,
                 pool.block_group,
                 queue.prev_free,
@@ -72,13 +75,17 @@ class RowFreeing:
 
 
 def _plain_rows(managers: Sequence, pool) -> bool:
-    """Do the groups, pool and queue keep rows and links by the base rules?"""
+    """Do the groups, pool and queue keep rows and links by the base rules (a plain Mamba
+    group's rows by the base rules and its two arrays of its own)?"""
     if type(pool) is not BlockPool or type(pool.free_block_queue) is not FreeBlockQueue:
         return False
     base = SingleTypeKVCacheManager
     return all(
-        type(m).release_row is base.release_row
-        and type(m).release_rows is base.release_rows
-        and type(m)._row_arrays is base._row_arrays
+        type(m) is MambaManager
+        or (
+            type(m).release_row is base.release_row
+            and type(m).release_rows is base.release_rows
+            and type(m)._row_arrays is base._row_arrays
+        )
         for m in managers
     )

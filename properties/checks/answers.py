@@ -14,7 +14,9 @@ nor pass. What is checked:
 * ``allocate_slots`` returns ``None`` or one sequence per group of ids in
   ``[1, num_blocks)`` (a new block is never the null block), and those ids are the tail
   of the table the engine then reports (:func:`check_new_blocks_are_tail`);
-* ``num_free_blocks`` is an integer in ``[0, num_blocks - 1]`` (one shared pool);
+* ``num_free_blocks`` is an integer; one outside ``[0, num_blocks - 1]`` (one shared
+  pool) is a well-formed answer no pool can give: a failure of ``pool_accounting`` (exit
+  1: the engine is wrong), not a protocol error (exit 3: the engine broke the protocol);
 * ``reset_prefix_cache`` is a bool;
 * the optional capabilities: ``ref_counts`` maps block ids in ``[1, num_blocks)`` to
   integers ``>= 0``; ``free_queue`` lists ids in ``[1, num_blocks)``;
@@ -55,6 +57,8 @@ from reference.specs import FullAttentionSpec
 
 #: The fast path of the validators: every value is exactly an ``int``.
 _PLAIN_INT = frozenset({int})
+#: Sequences taken without the abstract-class checks.
+_PLAIN_SEQUENCES = (tuple, list)
 
 
 class AnswerError(EngineError):
@@ -107,9 +111,17 @@ def _ids(
     return tuple(_block_id(b, what, where, layout, lowest) for b in row)
 
 
+def _sequence(value: Any) -> bool:
+    """A sequence of values, not a string or a mapping (a plain tuple or list is one
+    without the abstract-class checks: this runs on every answer)."""
+    if type(value) in _PLAIN_SEQUENCES:
+        return True
+    return not isinstance(value, (str, bytes, Mapping)) and isinstance(value, Sequence)
+
+
 def _rows(value: Any, what: str, layout: KVCacheLayout) -> Sequence:
     groups = len(layout.groups)
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+    if not _sequence(value):
         raise AnswerError(
             f"{what} returned {_short(value)}, not a sequence of {groups} block id lists "
             "(one per group)"
@@ -122,7 +134,7 @@ def _rows(value: Any, what: str, layout: KVCacheLayout) -> Sequence:
 
 
 def _row(row: Any, what: str, gid: int) -> Sequence:
-    if isinstance(row, (str, bytes, Mapping)) or not isinstance(row, Sequence):
+    if not _sequence(row):
         raise AnswerError(
             f"{what} returned {_short(row)} for group {gid}, not a sequence of block ids"
         )
@@ -182,27 +194,52 @@ def check_batch(what: str, value: Any, num_items: int, layout: KVCacheLayout) ->
     return [check_new_blocks(f"{what} (item {i})", r, layout) for i, r in enumerate(value)]
 
 
-def check_new_blocks_are_tail(what: str, new: BlockIds, table: BlockIds) -> None:
-    """The ids ``allocate_slots`` returned end the request's table, group by group.
+def check_new_blocks_are_tail(
+    what: str, new: BlockIds, table: BlockIds, before: BlockIds | None = None
+) -> None:
+    """The ids ``allocate_slots`` returned end the request's table, group by group, after
+    the ids that fill a column the table held as the null block before the call (``before``;
+    the Mamba running state after a draft rollback,
+    :meth:`reference.managers.mamba.MambaManager.allocate_new_blocks`).
 
     Example: new ``((7,),)`` and table ``((3, 7),)`` is fine; table ``((7, 3),)`` raises.
+    Before ``((0, 3),)``, new ``((5, 7),)`` and table ``((5, 3, 7),)`` is fine.
     """
     for gid, (ids, row) in enumerate(zip(new, table)):
-        if ids and tuple(row[len(row) - len(ids) :]) != tuple(ids):
-            raise AnswerError(
-                f"{what} returned new blocks {list(ids)} for group {gid}, but the engine's "
-                f"table of that group then ends with {list(row[-len(ids) :])} "
-                f"(get_block_ids: {list(row)})"
-            )
+        old = before[gid] if before is not None and gid < len(before) else ()
+        filled = tuple(
+            row[i] for i in range(min(len(old), len(row))) if old[i] == 0 and row[i] != 0
+        )
+        tail = tuple(ids[len(filled) :])
+        if not ids or (tuple(ids[: len(filled)]) == filled and _ends_with(row, tail)):
+            continue
+        raise AnswerError(
+            f"{what} returned new blocks {list(ids)} for group {gid}, but the engine's "
+            f"table of that group then ends with {list(row[-len(ids) :])} "
+            f"(get_block_ids: {list(row)})"
+        )
+
+
+def _ends_with(row: tuple[int, ...] | list[int], tail: tuple[int, ...]) -> bool:
+    return not tail or tuple(row[len(row) - len(tail) :]) == tail
 
 
 def check_free_count(what: str, value: Any, layout: KVCacheLayout, shared_pool: bool) -> int:
-    """``num_free_blocks``: an int in ``[0, num_blocks - 1]`` (the null block is never free;
-    engines with one pool per group may count up to ``groups * (num_blocks - 1)``)."""
+    """``num_free_blocks``: an int (else :class:`AnswerError`) in ``[0, num_blocks - 1]``
+    (the null block is never free; engines with one pool per group may count up to
+    ``groups * (num_blocks - 1)``), else a ``pool_accounting`` violation. Example: 17 on a
+    pool of 16 blocks fails ``pool_accounting``; ``"17"`` is an :class:`AnswerError`."""
     count = as_int(value, what)
     most = (layout.num_blocks - 1) * (1 if shared_pool else len(layout.groups))
     if not 0 <= count <= most:
-        raise AnswerError(f"{what} returned {count}, outside [0, {most}]")
+        # a well-formed count no pool can have: the engine is wrong, not off the protocol
+        from properties.checks.registry import PropertyViolation
+
+        raise PropertyViolation(
+            "pool_accounting",
+            f"{what} returned {count} free blocks, outside [0, {most}]: the pool has "
+            f"{layout.num_blocks - 1} blocks besides the null block",
+        )
     return count
 
 
@@ -246,7 +283,7 @@ def check_ref_counts(what: str, value: Any, layout: KVCacheLayout) -> dict[int, 
 
 def check_free_queue(what: str, value: Any, layout: KVCacheLayout) -> list[int]:
     """Free block ids, front first, each in ``[1, num_blocks)``."""
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+    if not _sequence(value):
         raise AnswerError(f"{what} returned {_short(value)}, not a sequence of block ids")
     if set(map(type, value)) <= _PLAIN_INT and (
         not value or (min(value) >= 1 and max(value) < layout.num_blocks)
@@ -257,8 +294,10 @@ def check_free_queue(what: str, value: Any, layout: KVCacheLayout) -> list[int]:
 
 def check_cached_blocks(what: str, value: Any, layout: KVCacheLayout) -> list[CachedBlock]:
     """Every cached block: a :class:`CachedBlock` naming a real block and a group."""
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+    if not _sequence(value):
         raise AnswerError(f"{what} returned {_short(value)}, not a sequence of CachedBlock")
+    if _plain_cached_blocks(value, layout):
+        return list(value)  # already normalised (the entries are frozen)
     out = []
     for i, c in enumerate(value):
         if not isinstance(c, CachedBlock):
@@ -273,6 +312,31 @@ def check_cached_blocks(what: str, value: Any, layout: KVCacheLayout) -> list[Ca
             )
         out.append(CachedBlock(block, gid, tokens))
     return out
+
+
+def _plain_cached_blocks(value: Sequence, layout: KVCacheLayout) -> bool:
+    """The fast path of :func:`check_cached_blocks` (it runs on every lookup and commit
+    at the small tier): every entry is exactly a :class:`CachedBlock` of plain ints with
+    a block id in ``[1, num_blocks)``, a group of the layout and ``num_tokens >= 1``, so
+    the entries are returned as they are. Anything else (a subclass, a numpy integer, a
+    value out of range) takes the entry-by-entry path, which normalises or names it."""
+    if not value:
+        return True
+    if not all(type(c) is CachedBlock for c in value):
+        return False
+    blocks = [c.block_id for c in value]
+    groups = [c.group_id for c in value]
+    tokens = [c.num_tokens for c in value]
+    return (
+        set(map(type, blocks)) <= _PLAIN_INT
+        and set(map(type, groups)) <= _PLAIN_INT
+        and set(map(type, tokens)) <= _PLAIN_INT
+        and min(blocks) >= 1
+        and max(blocks) < layout.num_blocks
+        and min(groups) >= 0
+        and max(groups) < len(layout.groups)
+        and min(tokens) >= 1
+    )
 
 
 def check_pool_usage(what: str, value: Any, layout: KVCacheLayout) -> tuple[PoolUsage, ...]:

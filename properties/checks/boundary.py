@@ -31,7 +31,8 @@ from typing import Any
 from properties.checks import answers
 from properties.core import current_call
 from properties.core.allocation import Allocation, allocate
-from properties.core.deadline import DeadlinePassed, call_deadline
+from properties.core.coverage_probe import engine_call_ended, engine_call_started
+from properties.core.deadline import DeadlinePassed, call_deadline, timeout_message
 from properties.core.engine import (
     BlockIds,
     CachedBlock,
@@ -71,16 +72,18 @@ def call_engine(name: str, what: str, timeout: float, fn: Callable, *args: Any) 
     ``what`` (the call as text) and the engine; so does ``sys.exit()`` inside the engine
     (a ``SystemExit`` must never end kvconform with the engine's exit status)."""
     current_call.entered(f"{name}: {what}")
+    engine_call_started()  # --engine-coverage traces engine calls only
     try:
         with call_deadline(timeout, f"{name}: {what}"):
             return fn(*args)
     except DeadlinePassed:  # the deadline passed just as the call returned
-        raise CallTimeoutError(f"{name}: {what} did not return within {timeout:g} s") from None
+        raise CallTimeoutError(timeout_message(f"{name}: {what}", timeout)) from None
     except EngineError:
         raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any engine failure is reported
         raise EngineError(f"{name}: {what} raised {type(exc).__name__}: {exc}") from exc
     finally:
+        engine_call_ended()
         current_call.left()
 
 
@@ -95,6 +98,7 @@ def build_engine(factory: Callable, layout: KVCacheLayout, timeout: float) -> An
     if timeout > 0:
         timeout = max(timeout, MIN_FACTORY_TIMEOUT_S)
     current_call.entered(f"factory {name}(layout)")
+    engine_call_started()
     try:
         with call_deadline(timeout, f"factory {name}(layout)"):
             engine = factory(layout)
@@ -106,6 +110,7 @@ def build_engine(factory: Callable, layout: KVCacheLayout, timeout: float) -> An
             f"(layout {layout.describe()})"
         ) from exc
     finally:
+        engine_call_ended()
         current_call.left()
     missing = [m for m in _REQUIRED if not callable(getattr(engine, m, None))]
     if missing:
@@ -140,6 +145,9 @@ class EngineBoundary(EngineProxy):
         self.timeout = timeout
         self.name = engine_name(engine)
         self.separate_group_pools = bool(getattr(engine, "separate_group_pools", False))
+        self.lookahead_on_prefill_chunks = bool(
+            getattr(engine, "lookahead_on_prefill_chunks", True)
+        )
         #: request id -> (the validated hit, the engine's own hit object)
         self._hits: dict[str, tuple[CacheHit, Any]] = {}
 

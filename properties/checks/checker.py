@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from properties.checks.mamba_states import settle_copy, step_state_writes
 from properties.checks.oracles import OVERWRITTEN, SlotContent
 from properties.checks.registry import (
     CHECKS,
@@ -71,6 +72,8 @@ class Checker:
         validate_disabled(disabled)
         self.state = CheckState(engine, layout, host_tier)
         self._pool_stale = False
+        #: the commits whose checks wait for the step boundary (large tiers)
+        self._commits: list[CommitEvent] = []
         self.disabled = frozenset(disabled)
         #: request id -> slots written before their token was known (group, block,
         #: offset or -1 for a Mamba state, position)
@@ -95,8 +98,8 @@ class Checker:
     @property
     def check_every_call(self) -> bool:
         """Run the O(pool) checks and reads after every call (True: the small tier, as
-        always). Off at the large tiers: the pool checks run at step boundaries
-        (:meth:`on_step_boundary`), a call's snapshot holds the free counts only
+        always). Off at the large tiers: the pool checks and the commit checks run at
+        step boundaries (:meth:`on_step_boundary`), a call's snapshot holds the free counts only
         (:meth:`snapshot`) and only the tables a call names are read again
         (:meth:`properties.checks.state.CheckState.invalidate`)."""
         return self.state.per_call_reads
@@ -194,7 +197,8 @@ class Checker:
             if self._shadowed:
                 self._record_writes(req, gid, row, start, end)
         if self._shadowed:
-            self.state.last_reads[request_id] = self._reads(table, start, end)
+            # what the tokens read, worked out only if a step of them goes in flight
+            self.state.last_reads[request_id] = (table, start, end)
         self._run("allocate", allocated)
         self.check_pool()
 
@@ -209,19 +213,38 @@ class Checker:
         spec = self.state.layout.groups[gid].spec
         bs = spec.block_size
         if isinstance(spec, MambaSpec):
-            if end > 0 and cdiv(end, bs) <= len(row):
-                prefix = req.ids[end - 1] if end - 1 < len(req.ids) else -1
+            drafts = req.num_drafts
+            layout = self.state.layout
+            for w in step_state_writes(layout, spec, row, start, end, drafts):
+                prefix = req.ids[w.position - 1] if w.position - 1 < len(req.ids) else -1
                 self.state.pending_states.setdefault(req.request_id, []).append(
-                    (gid, row[cdiv(end, bs) - 1], prefix, end)
+                    (gid, w.block, prefix, w.position)
                 )
-            return
-        for p in range(start, min(end, len(row) * bs)):
-            if p < len(req.ids):
-                self.state.shadow.write(gid, row[p // bs], p % bs, req.ids[p])
+            if drafts:
+                req.draft_rows[gid] = (tuple(row), end - drafts, cdiv(end, bs) - 1)
+                copies = self.state.pending_copies.setdefault(req.request_id, [])
+                for accepted in range(drafts + 1):
+                    copy = settle_copy(spec, row, end - drafts, end - drafts + accepted)
+                    if copy is not None:
+                        p = copy.position
+                        prefix = req.ids[p - 1] if p - 1 < len(req.ids) else -1
+                        copies.append((gid, copy.block, prefix, p))
             else:
-                self.deferred_writes.setdefault(req.request_id, []).append(
-                    (gid, row[p // bs], p % bs, p)
-                )
+                req.draft_rows.pop(gid, None)
+                req.mamba_running.pop(gid, None)
+            return
+        stop = min(end, len(row) * bs)
+        known = min(stop, len(req.ids))
+        p = start
+        while p < known:  # block by block
+            idx = p // bs
+            run_end = min(known, (idx + 1) * bs)
+            self.state.shadow.write_run(gid, row[idx], p % bs, req.ids[p:run_end])
+            p = run_end
+        for p in range(max(start, known), stop):
+            self.deferred_writes.setdefault(req.request_id, []).append(
+                (gid, row[p // bs], p % bs, p)
+            )
 
     def _record_load(self, req: TrackedRequest, table: BlockIds, start: int, end: int) -> None:
         """A KV connector loads positions ``[start, end)`` (external computed tokens) into
@@ -229,9 +252,14 @@ class Checker:
         its prefix (slots in null entries, below a sliding window, are not loaded)."""
         for gid, row in enumerate(table):
             bs = self.state.layout.groups[gid].spec.block_size
-            for p in range(start, min(end, len(row) * bs)):
-                if row[p // bs] != 0:
-                    self.state.shadow.write(gid, row[p // bs], p % bs, req.ids[p])
+            stop = min(end, len(row) * bs)
+            p = start
+            while p < stop:  # block by block
+                idx = p // bs
+                run_end = min(stop, (idx + 1) * bs)
+                if row[idx] != 0:
+                    self.state.shadow.write_run(gid, row[idx], p % bs, req.ids[p:run_end])
+                p = run_end
 
     def on_host_transfers(self, transfers: Sequence[HostTransfer]) -> None:
         """An engine with its own host tier made these copies in its last call, in
@@ -282,14 +310,21 @@ class Checker:
                     out.add((gid, i, row[i]))
         return frozenset(out)
 
-    def on_in_flight(self, request_id: str, num_in_flight_tokens: int) -> None:
+    def on_in_flight(
+        self, request_id: str, num_in_flight_tokens: int, num_pending_tokens: int = 0
+    ) -> None:
         """Asynchronous scheduling: a planned step's tokens join the flight (they read
         what the request's last allocation gave them), processed steps leave it
-        (oldest first)."""
+        (oldest first). Pending tokens with none in flight are a synchronous step's
+        drafts (the Mamba states they write, :mod:`properties.checks.mamba_states`)."""
+        req = self.state.requests.get(request_id)
+        if req is not None:
+            req.num_drafts = num_pending_tokens if num_in_flight_tokens == 0 else 0
         chunks = self.state.in_flight_reads.setdefault(request_id, [])
         total = sum(n for n, _ in chunks)
         if num_in_flight_tokens > total:
-            reads = self.state.last_reads.get(request_id, frozenset())
+            last = self.state.last_reads.get(request_id)
+            reads = self._reads(*last) if last is not None else frozenset()
             chunks.append((num_in_flight_tokens - total, reads))
         while chunks and total > num_in_flight_tokens:
             total -= chunks.pop(0)[0]
@@ -311,14 +346,43 @@ class Checker:
                 else:
                     self.state.shadow.write(w[0], w[1], w[2], OVERWRITTEN)
             self.deferred_writes[request_id] = kept
+        self.state.pending_copies.pop(request_id, None)
         for gid, block, _, end in self.state.pending_states.pop(request_id, ()):
             if num_computed_tokens > 0:
-                if end - 1 < len(req.ids):
-                    self.state.shadow.write(gid, block, -1, req.ids[end - 1])
+                if end > num_computed_tokens:  # a rejected draft's state
+                    self.state.shadow.write(gid, block, -1, OVERWRITTEN)
                 else:
-                    self.deferred_writes.setdefault(request_id, []).append(
-                        (gid, block, -1, end - 1)
-                    )
+                    self._write_state(req, gid, block, end)
+        self._settle_drafts(req, num_computed_tokens)
+
+    def _write_state(self, req: TrackedRequest, gid: int, block: int, position: int) -> None:
+        """``block`` of group ``gid`` holds the request's state at ``position`` tokens (a
+        token not appended yet: once it is, :meth:`on_append`)."""
+        if position - 1 < len(req.ids):
+            self.state.shadow.write(gid, block, -1, req.ids[position - 1])
+        else:
+            self.deferred_writes.setdefault(req.request_id, []).append(
+                (gid, block, -1, position - 1)
+            )
+
+    def _settle_drafts(self, req: TrackedRequest, num_computed_tokens: int) -> None:
+        """A Mamba group's draft step settled: the accepted draft's column holds the
+        running state, and the boundary passed gets its state copied
+        (:func:`properties.checks.mamba_states.settle_copy`); a preemption forgets both."""
+        if num_computed_tokens == 0:
+            req.draft_rows.clear()
+            req.mamba_running.clear()
+            return
+        for gid, (row, running_end, column) in req.draft_rows.items():
+            spec = self.state.layout.groups[gid].spec
+            assert isinstance(spec, MambaSpec)
+            at = column + num_computed_tokens - running_end
+            if running_end <= num_computed_tokens and at < len(row) and row[at] != 0:
+                req.mamba_running[gid] = row[at]
+            copy = settle_copy(spec, row, running_end, num_computed_tokens)
+            if copy is not None and self._shadowed:
+                self._write_state(req, gid, copy.block, copy.position)
+        req.draft_rows.clear()
 
     def on_append(self, request_id: str, token_ids: Sequence[int]) -> None:
         req = self.state.requests[request_id]
@@ -331,12 +395,25 @@ class Checker:
             self.deferred_writes[request_id] = [w for w in deferred if w[3] >= len(req.ids)]
 
     def on_commit(self, request_id: str, num_tokens: int) -> None:
-        """``cache_blocks(request_id, num_tokens)`` returned."""
-        if self._by_event["commit"]:
-            self._run("commit", CommitEvent(self.state.requests[request_id], num_tokens))
+        """``cache_blocks(request_id, num_tokens)`` returned. The commit checks read every
+        cached block (O(pool)): at the large tiers (``check_every_call`` off) they run at
+        the step boundary, once for all of the step's commits, each on the table and
+        token count its request had at its commit."""
+        if not self._by_event["commit"]:
+            return
+        req = self.state.requests[request_id]
+        if self.check_every_call:
+            self._run("commit", CommitEvent(req, num_tokens))
+        elif req.holds_blocks:
+            table = self.state.table_of(request_id)
+            self._commits.append(CommitEvent(req, num_tokens, table, len(req.token_ids)))
 
     def on_free(self, request_id: str) -> None:
         self.deferred_writes.pop(request_id, None)
+        req = self.state.requests.get(request_id)
+        if req is not None:
+            req.draft_rows.clear()
+            req.mamba_running.clear()
         self._run("free", FreeEvent(request_id))
         self.state.requests[request_id].holds_blocks = False
         self.check_pool()
@@ -361,8 +438,12 @@ class Checker:
         self._run("pool", PoolEvent(self.state.tables(), self.state.num_free()))
 
     def on_step_boundary(self) -> None:
-        """A step starts (or a trace ends): the pool checks deferred since the last
-        boundary run once, on the state now."""
+        """A step starts (or a trace ends): the commit checks deferred since the last
+        boundary run (in the order of the commits), then the pool checks once, on the
+        state now."""
+        commits, self._commits = self._commits, []
+        for event in commits:
+            self._run("commit", event)
         if not self._pool_stale:
             return
         self._pool_stale = False

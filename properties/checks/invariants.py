@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from properties.checks.oracles import (
     brute_force_longest_hit,
     content_bound_longest_hit,
+    describe_content,
     missing_context,
 )
 from properties.checks.state import (
@@ -34,7 +35,7 @@ from properties.checks.state import (
 )
 from properties.core.diff import short
 from reference.attention import first_visible_key
-from reference.specs import MambaSpec, cdiv
+from reference.specs import KVCacheSpec, MambaSpec, cdiv
 
 # ---------------------------------------------------------------------------
 # Lookups (H1-H5)
@@ -79,14 +80,13 @@ def _state_pending(state: CheckState, gid: int, table, ids, length: int) -> bool
         return False
     return any(
         g == gid and b == table[col] and prefix == ids[length - 1]
-        for writes in state.pending_states.values()
-        for g, b, prefix, _ in writes
+        for g, b, prefix, _ in state.pending_writes()
     )
 
 
 def _states_being_replaced(state: CheckState) -> set[tuple[int, int]]:
     """The ``(group, block)`` of the Mamba blocks that this step's run overwrites with
-    another state than the one the shadow shows (:attr:`CheckState.pending_states`: a
+    another state than the one the shadow shows (:meth:`CheckState.pending_writes`: a
     state is written when the step runs, not at allocation). Until then the shadow still
     holds the old state, but the engine has already taken the block for its new owner
     (evicting the old key, registering the new one), so the old state is not servable.
@@ -95,8 +95,7 @@ def _states_being_replaced(state: CheckState) -> set[tuple[int, int]]:
     ``[3]``, and it is in this set."""
     return {
         (gid, block)
-        for writes in state.pending_states.values()
-        for gid, block, prefix, _ in writes
+        for gid, block, prefix, _ in state.pending_writes()
         if not state.shadow.holds(gid, block, -1, prefix)
     }
 
@@ -187,6 +186,22 @@ def _write_columns(state: CheckState, event: GroupWriteEvent) -> list[int]:
     return sorted({p // bs for p in range(event.start, event.end)})
 
 
+def _mamba_resume(state: CheckState, req, gid: int, row, start: int) -> str | None:
+    """Why a Mamba group cannot resume ``req`` at ``start``: after a draft step its state
+    is in the accepted draft's block (``req.mamba_running``), which must still be in the
+    row and hold that state; otherwise the state column ``cdiv(start, bs) - 1``
+    (:func:`properties.checks.oracles.missing_context`)."""
+    block = req.mamba_running.get(gid)
+    if block is None:
+        return missing_context(state.layout, state.shadow, gid, row, req.ids, 0, start)
+    if block not in row:
+        return f"its state block {block} (after a draft step) left the row {short(list(row))}"
+    if not state.shadow.holds(gid, block, -1, req.ids[start - 1]):
+        got = describe_content(state.shadow.read(gid, block, -1), gid, req.ids)
+        return f"its state block {block} (after a draft step) holds {got}"
+    return None
+
+
 def window_liveness(state: CheckState, event: GroupWriteEvent) -> str | None:
     """W3: every key a scheduled token reads sits in a real block holding that very
     token (a Mamba group resumes from the state of exactly its prefix), and every
@@ -196,7 +211,7 @@ def window_liveness(state: CheckState, event: GroupWriteEvent) -> str | None:
     rid = req.request_id
     if isinstance(spec, MambaSpec):
         if event.start > 0:
-            why = missing_context(state.layout, state.shadow, gid, row, req.ids, 0, event.start)
+            why = _mamba_resume(state, req, gid, row, event.start)
             if why is not None:
                 return f"request {rid!r} resumes at {event.start} in group {gid} (mamba): {why}"
     else:
@@ -324,16 +339,23 @@ def pulled_blocks(state: CheckState, event: AllocateEvent) -> list[tuple[int, in
     request holds that block (then the hit is shared and leaves no free-queue slot).
 
     A block the call freed below a window and took again at a later index counts: it
-    went through the free pool. Example (full attention, bs 4, fresh request): hit
-    ``(7,)`` on block 7 that nobody holds, table after ``(7, 3, 9)``: pulled ``[(0, 0,
-    7), (0, 1, 3), (0, 2, 9)]``; if request ``b`` holds block 7, ``(0, 0, 7)`` is not.
+    went through the free pool. A Mamba group's speculative blocks (the last ``k`` of its
+    row before) that the call relocates to the end of the row do not: they never leave
+    the request (the call frees no speculative column). Example (full attention, bs 4,
+    fresh request): hit ``(7,)`` on block 7 that nobody holds, table after ``(7, 3, 9)``:
+    pulled ``[(0, 0, 7), (0, 1, 3), (0, 2, 9)]``; if request ``b`` holds block 7, ``(0,
+    0, 7)`` is not. Mamba with ``k = 2``, row ``[0, s, x, y]`` -> ``[0, s, 0, 0, x, y,
+    n]``: only ``n`` is pulled.
     """
     before = event.tables_before or ()
     candidates = []
     for gid, row in enumerate(event.table):
         old = before[gid] if gid < len(before) else ()
+        spec = state.layout.groups[gid].spec
+        k = spec.num_speculative_blocks if isinstance(spec, MambaSpec) else 0
+        relocated = set(old[len(old) - k :]) if k else set()
         for i, b in enumerate(row):
-            if b != 0 and (i >= len(old) or old[i] != b):
+            if b != 0 and (i >= len(old) or old[i] != b) and b not in relocated:
                 candidates.append((gid, i, b))
     if not candidates:
         return []
@@ -390,8 +412,9 @@ def _lists(table) -> object:
 
 def table_covers_slots(state: CheckState, event: AllocateEvent) -> str | None:
     """A5, no stray blocks: after a successful ``allocate_slots`` every group's row has
-    exactly ``max(len(row before), cdiv(slots, bs))`` entries (Mamba: ``cdiv(main, bs)``,
-    lookahead excluded), where ``slots = computed + hit + external + new + lookahead``,
+    exactly ``max(len(row before), cdiv(slots, bs))`` entries (an ``"align"`` Mamba group:
+    ``cdiv(main, bs)``, lookahead excluded; a Mamba group's ``k`` speculative blocks are
+    added in either mode), where ``slots = computed + hit + external + new + lookahead``,
     capped at ``max_model_len`` or not: vLLM caps the slots there, an engine may also give
     lookahead slots past it (SGLang does); nothing beyond the uncapped count. So a request
     never holds blocks past the highest slot it ever asked for, and the slots of rejected
@@ -402,6 +425,12 @@ def table_covers_slots(state: CheckState, event: AllocateEvent) -> str | None:
     asks for 13 slots: 4 blocks. Two drafts are rejected (computed 11); the next step
     asks for ``11 + 1 + 3 = 15`` slots: still 4 blocks, nothing new. A row of 5 blocks
     (the rejected slots' block taken again) is reported.
+
+    An engine with ``lookahead_on_prefill_chunks = False`` (LMDeploy: no
+    ``prealloc_size`` for a chunk that does not finish the prompt) may leave the
+    lookahead slots of a non-final prefill chunk (``main`` slots short of the request's
+    tokens) unallocated: the least is then ``cdiv(main, bs)``. Example: bs 4, a 20-token
+    prompt, a first chunk of 8 with 2 lookahead slots: 2 or 3 blocks.
     """
     rid = event.request.request_id
     before = event.tables_before or ()
@@ -409,11 +438,19 @@ def table_covers_slots(state: CheckState, event: AllocateEvent) -> str | None:
         spec = state.layout.groups[gid].spec
         bs = spec.block_size
         old = len(before[gid]) if gid < len(before) else 0
-        if isinstance(spec, MambaSpec):
+        extra = 0
+        if isinstance(spec, MambaSpec) and spec.is_align:
             low = high = event.num_main
+            extra = spec.num_speculative_blocks
         else:
             low, high = min(event.num_slots, event.max_model_len), event.num_slots
-        least, most = max(old, cdiv(low, bs)), max(old, cdiv(high, bs))
+            if isinstance(spec, MambaSpec):
+                extra = spec.num_speculative_blocks
+            if not state.lookahead_on_prefill_chunks and event.num_main < len(
+                event.request.token_ids
+            ):
+                low = min(event.num_main, event.max_model_len)
+        least, most = max(old, cdiv(low, bs) + extra), max(old, cdiv(high, bs) + extra)
         if not least <= len(row) <= most:
             want = f"{least}" if least == most else f"{least} to {most}"
             return (
@@ -450,6 +487,14 @@ def failed_allocation(state: CheckState, event: FailedAllocationEvent) -> str | 
     return None
 
 
+def most_row_blocks(spec: KVCacheSpec, slots: int) -> int:
+    """The longest row a group may need for ``slots`` slots: ``cdiv(slots, bs)``, plus a
+    Mamba group's ``k`` speculative blocks. Example: Mamba bs 4 with 2 speculative
+    blocks, 9 slots -> 5."""
+    extra = spec.num_speculative_blocks if isinstance(spec, MambaSpec) else 0
+    return cdiv(slots, spec.block_size) + extra
+
+
 def allocation_fits(state: CheckState, event: FailedAllocationEvent) -> str | None:
     """A2: an allocation without a prefix hit whose blocks fit in the free count does
     not fail. A group needs at most ``cdiv(slots, bs) - len(row)`` new blocks for
@@ -464,7 +509,7 @@ def allocation_fits(state: CheckState, event: FailedAllocationEvent) -> str | No
         return None  # adopting a hit may cost more (evictable blocks; Mamba same step)
     rows = event.tables_before or tuple(() for _ in state.layout.groups)
     need = sum(
-        max(0, cdiv(event.num_slots, g.spec.block_size) - len(row))
+        max(0, most_row_blocks(g.spec, event.num_slots) - len(row))
         for g, row in zip(state.layout.groups, rows)
     )
     free = event.before[0]
@@ -494,12 +539,21 @@ def committed_blocks_verified(state: CheckState, event: CommitEvent) -> str | No
     may register blocks 0 and 1 (positions 0..7), not block 2 (positions 8..11):
     registering it for 12 tokens would serve the rejected draft's KV at position 11 to
     every later hit (``tests/properties/checks/test_allocation_estimate.py``).
+
+    At the large tiers it runs at the step boundary (one O(pool) read of the cached blocks
+    for every commit of the step, :meth:`properties.checks.checker.Checker.on_commit`),
+    on the table and token count the request had at its commit: until the next step
+    starts, no allocation runs, so no block is evicted (the cached blocks only grow) and
+    no block the request holds is written.
     """
     req = event.request
     rid = req.request_id
-    if not req.holds_blocks:
-        return None
-    table = state.table_of(rid)
+    if event.table is None:
+        if not req.holds_blocks:
+            return None
+        table = state.table_of(rid)
+    else:
+        table = event.table
     where: dict[tuple[int, int], int] = {}
     for gid, row in enumerate(table):
         if isinstance(state.layout.groups[gid].spec, MambaSpec):
@@ -510,16 +564,17 @@ def committed_blocks_verified(state: CheckState, event: CommitEvent) -> str | No
     if not where:
         return None
     req.refresh_ids()
+    known = len(req.ids) if event.num_request_tokens is None else event.num_request_tokens
     for cb in state.cached_blocks():
         index = where.get((cb.group_id, cb.block_id))
         if index is None:
             continue
         bs = state.layout.groups[cb.group_id].spec.block_size
         first, end = index * bs, min(cb.num_tokens, (index + 1) * bs)
-        if end > len(req.ids):
+        if end > known:
             return (
                 f"request {rid!r}: block {cb.block_id} (group {cb.group_id}, index {index}) is "
-                f"cached for {cb.num_tokens} tokens, but the request has {len(req.ids)} "
+                f"cached for {cb.num_tokens} tokens, but the request has {known} "
                 f"tokens (after cache_blocks({rid!r}, {event.num_tokens}))"
             )
         why = missing_context(
@@ -769,7 +824,7 @@ def allocation_fits_per_pool(state: CheckState, event: FailedAllocationEvent) ->
     needs = []
     for pool in state.pools():
         need = sum(
-            max(0, cdiv(slots, state.layout.groups[g].spec.block_size) - len(rows[g]))
+            max(0, most_row_blocks(state.layout.groups[g].spec, slots) - len(rows[g]))
             for g in pool.group_ids
         )
         if need > free.get(pool.name, 0):

@@ -84,30 +84,92 @@ class ShadowCache:
 
     With one shared pool a block id names one physical block whatever its group;
     with separate pools (``shared_pool=False``) blocks are keyed by (group, id).
+
+    A block's slots are kept as two lists indexed by offset, the prefix id and the group
+    of each slot (``None``: never written), so that a run of slots is compared with a
+    request's prefix ids in one list comparison (:meth:`holds_run`); a Mamba state
+    (offset -1) is kept apart. Example: after ``write(0, 7, 0, h0)`` and ``write(0, 7, 1,
+    h1)``, ``holds_run(0, 7, 0, [h0, h1], 0, 2)`` is True, ``holds_run(1, 7, 0, [h0, h1],
+    0, 2)`` False (group 1 never wrote block 7).
     """
 
     def __init__(self, layout: KVCacheLayout, shared_pool: bool) -> None:
         self.layout = layout
         self.shared_pool = shared_pool
-        self.slots: dict[object, dict[int, SlotContent]] = {}
+        #: block key -> the prefix id of each slot, by offset (None: never written)
+        self._prefixes: dict[object, list[int | None]] = {}
+        #: block key -> the group that wrote each slot, by offset (None: never written)
+        self._groups: dict[object, list[int | None]] = {}
+        #: block key -> its Mamba state (slot -1)
+        self._states: dict[object, SlotContent] = {}
         #: ``(group, prefix id)`` -> the blocks whose last slot (a Mamba state: slot -1)
         #: holds that group's KV of that prefix: the blocks that may end a hit there
         self._ends: dict[tuple[int, int], set[int]] = {}
         self._last = [
             -1 if isinstance(g.spec, MambaSpec) else g.spec.block_size - 1 for g in layout.groups
         ]
+        #: the distinct last offsets of attention groups (a run of writes can end a block
+        #: of any of them)
+        self._last_offsets = tuple(sorted({o for o in self._last if o >= 0}))
 
     def _key(self, group_id: int, block_id: int) -> object:
         return block_id if self.shared_pool else (group_id, block_id)
 
     def write(self, group_id: int, block_id: int, offset: int, prefix_id: int) -> None:
-        slots = self.slots.setdefault(self._key(group_id, block_id), {})
-        old = slots.get(offset)
-        if old is not None and offset == self._last[old.group_id]:
-            self._ends.get((old.group_id, old.prefix_id), set()).discard(block_id)
-        slots[offset] = SlotContent(group_id, prefix_id)
+        key = self._key(group_id, block_id)
+        if offset < 0:
+            old = self._states.get(key)
+            if old is not None and offset == self._last[old.group_id]:
+                self._ends.get((old.group_id, old.prefix_id), set()).discard(block_id)
+            self._states[key] = SlotContent(group_id, prefix_id)
+        else:
+            prefixes, groups = self._slots_of(key, offset + 1)
+            old_group = groups[offset]
+            if old_group is not None and offset == self._last[old_group]:
+                self._ends.get((old_group, prefixes[offset]), set()).discard(block_id)
+            prefixes[offset] = prefix_id
+            groups[offset] = group_id
         if offset == self._last[group_id]:
             self._ends.setdefault((group_id, prefix_id), set()).add(block_id)
+
+    def write_run(
+        self, group_id: int, block_id: int, offset: int, prefix_ids: Sequence[int]
+    ) -> None:
+        """``write(group_id, block_id, offset + i, prefix_ids[i])`` for every ``i``, in one
+        pass (attention slots of one block: ``offset >= 0``). Example: ``write_run(0, 7,
+        2, [h2, h3])`` is ``write(0, 7, 2, h2)`` then ``write(0, 7, 3, h3)``."""
+        n = len(prefix_ids)
+        if n == 0:
+            return
+        key = self._key(group_id, block_id)
+        end = offset + n
+        prefixes, groups = self._slots_of(key, end)
+        new_last = self._last[group_id]
+        for last in self._last_offsets:  # the slots that may end a block, in order
+            if not offset <= last < end:
+                continue
+            old_group = groups[last]
+            if old_group is not None and last == self._last[old_group]:
+                self._ends.get((old_group, prefixes[last]), set()).discard(block_id)
+            if last == new_last:
+                new_prefix = prefix_ids[last - offset]
+                self._ends.setdefault((group_id, new_prefix), set()).add(block_id)
+        prefixes[offset:end] = prefix_ids
+        groups[offset:end] = [group_id] * n
+
+    def _slots_of(self, key: object, size: int) -> tuple[list, list]:
+        """The slot lists of block ``key``, grown to at least ``size`` slots."""
+        prefixes = self._prefixes.get(key)
+        if prefixes is None:
+            prefixes = self._prefixes[key] = []
+            groups = self._groups[key] = []
+        else:
+            groups = self._groups[key]
+        if len(prefixes) < size:
+            grow = [None] * (size - len(prefixes))
+            prefixes.extend(grow)
+            groups.extend(grow)
+        return prefixes, groups
 
     def blocks_ending(self, group_id: int, prefix_id: int) -> set[int]:
         """The blocks whose last slot holds group ``group_id``'s KV of the prefix
@@ -116,14 +178,65 @@ class ShadowCache:
         return self._ends.get((group_id, prefix_id), set())
 
     def block(self, group_id: int, block_id: int) -> dict[int, SlotContent]:
-        """A copy of every written slot of a block (offset -> content; Mamba: -1)."""
-        return dict(self.slots.get(self._key(group_id, block_id), {}))
+        """A copy of every written slot of a block (offset -> content; Mamba: -1).
+        Example: after ``write(0, 7, 1, h)``, ``block(0, 7) == {1: SlotContent(0, h)}``."""
+        key = self._key(group_id, block_id)
+        out: dict[int, SlotContent] = {}
+        groups = self._groups.get(key)
+        if groups is not None:
+            prefixes = self._prefixes[key]
+            for offset, gid in enumerate(groups):
+                if gid is not None:
+                    out[offset] = SlotContent(gid, prefixes[offset])
+        state = self._states.get(key)
+        if state is not None:
+            out[-1] = state
+        return out
 
     def read(self, group_id: int, block_id: int, offset: int) -> SlotContent | None:
-        return self.slots.get(self._key(group_id, block_id), {}).get(offset)
+        key = self._key(group_id, block_id)
+        if offset < 0:
+            return self._states.get(key)
+        groups = self._groups.get(key)
+        if groups is None or offset >= len(groups) or groups[offset] is None:
+            return None
+        return SlotContent(groups[offset], self._prefixes[key][offset])
 
     def holds(self, group_id: int, block_id: int, offset: int, prefix_id: int) -> bool:
         return self.read(group_id, block_id, offset) == SlotContent(group_id, prefix_id)
+
+    def holds_run(
+        self,
+        group_id: int,
+        block_id: int,
+        offset: int,
+        ids: Sequence[int],
+        start: int,
+        stop: int,
+    ) -> bool:
+        """Whether slots ``offset ..`` of the block hold group ``group_id``'s KV of
+        ``ids[start:stop]``: ``holds(group_id, block_id, offset + i, ids[start + i])``
+        for every ``i``, as one comparison of lists. Example: after ``write_run(0, 7, 0,
+        ids[4:8])``, ``holds_run(0, 7, 1, ids, 5, 8)`` is True."""
+        if stop > len(ids) or offset < 0:  # the slot by slot form (it reads ids[stop - 1])
+            return all(
+                self.holds(group_id, block_id, offset + i, ids[p])
+                for i, p in enumerate(range(start, stop))
+            )
+        n = stop - start
+        if n <= 0:
+            return True
+        key = self._key(group_id, block_id)
+        prefixes = self._prefixes.get(key)
+        if prefixes is None or len(prefixes) < offset + n:
+            return False
+        wanted = ids[start:stop]
+        if type(wanted) is not list:
+            wanted = list(wanted)
+        return (
+            prefixes[offset : offset + n] == wanted
+            and self._groups[key][offset : offset + n] == [group_id] * n
+        )
 
 
 def missing_context(
@@ -153,16 +266,21 @@ def missing_context(
                 f"{token_range(end)} of this request (it holds {got})"
             )
         return None
-    for p in range(start, end):
+    p = start
+    while p < end:  # block by block: one comparison of lists per block
         idx = p // bs
         if idx >= len(table) or table[idx] == 0:
             return f"position {p} (block index {idx}) is null or missing in the table"
-        if not shadow.holds(group_id, table[idx], p % bs, ids[p]):
-            got = describe_content(shadow.read(group_id, table[idx], p % bs), group_id, ids)
-            return (
-                f"block {table[idx]} slot {p % bs} (position {p}) holds {got}, not the KV "
-                f"of this request's {token_range(p + 1)}"
-            )
+        stop = min(end, (idx + 1) * bs)
+        if not shadow.holds_run(group_id, table[idx], p % bs, ids, p, stop):
+            for q in range(p, stop):  # the first slot that differs
+                if not shadow.holds(group_id, table[idx], q % bs, ids[q]):
+                    got = describe_content(shadow.read(group_id, table[idx], q % bs), group_id, ids)
+                    return (
+                        f"block {table[idx]} slot {q % bs} (position {q}) holds {got}, not "
+                        f"the KV of this request's {token_range(q + 1)}"
+                    )
+        p = stop
     return None
 
 
@@ -274,10 +392,7 @@ def _group_serves(
         if isinstance(spec, MambaSpec):
             ok = any(shadow.holds(gid, b, -1, ids[length - 1]) for b in candidates)
         else:
-            ok = any(
-                all(shadow.holds(gid, b, p % bs, ids[p]) for p in range(i * bs, (i + 1) * bs))
-                for b in candidates
-            )
+            ok = any(shadow.holds_run(gid, b, 0, ids, i * bs, (i + 1) * bs) for b in candidates)
         if not ok:
             return False
     return True

@@ -56,6 +56,15 @@ class TrackedRequest:
     num_computed_tokens: int = 0
     holds_blocks: bool = False
     ids: list[int] = field(default_factory=list)
+    #: draft tokens of the step being scheduled (synchronous drafts: tokens pending with
+    #: none in flight, ``set_in_flight(id, 0, d)``)
+    num_drafts: int = 0
+    #: Mamba group -> (its row, the running state's end, the running column) of a draft
+    #: step not settled yet (:mod:`properties.checks.mamba_states`)
+    draft_rows: dict[int, tuple[tuple[int, ...], int, int]] = field(default_factory=dict)
+    #: Mamba group -> the block holding the request's state after a draft step (an
+    #: accepted draft's column), until its next step without drafts
+    mamba_running: dict[int, int] = field(default_factory=dict)
 
     def refresh_ids(self) -> None:
         """Extend ``ids`` over tokens appended since (decodes add one token a step)."""
@@ -77,16 +86,26 @@ class CheckState:
         self.engine = engine
         self.layout = layout
         self.shared_pool = not getattr(engine, "separate_group_pools", False)
+        #: False: the engine gives lookahead slots only to a step that reaches the
+        #: request's last known token (A5 asks none of a non-final prefill chunk)
+        self.lookahead_on_prefill_chunks = bool(
+            getattr(engine, "lookahead_on_prefill_chunks", True)
+        )
         self.shadow = ShadowCache(layout, self.shared_pool)
         self.requests: dict[str, TrackedRequest] = {}
         #: request id -> Mamba states its step will write: (group, block, prefix id or
         #: -1 while the last token is not known yet, end position).
         self.pending_states: dict[str, list[tuple[int, int, int, int]]] = {}
+        #: request id -> Mamba states a draft step may copy to a block boundary once its
+        #: drafts are judged (one per possible acceptance; same form): written by the
+        #: settle, pending for the checks until then
+        self.pending_copies: dict[str, list[tuple[int, int, int, int]]] = {}
         #: request id -> its steps still in flight (asynchronous scheduling), oldest
         #: first: (tokens, the (group, index, block) entries of its table they read).
         self.in_flight_reads: dict[str, list[tuple[int, frozenset[tuple[int, int, int]]]]] = {}
-        #: request id -> what its last successful allocation's tokens read.
-        self.last_reads: dict[str, frozenset[tuple[int, int, int]]] = {}
+        #: request id -> its last successful allocation: its table and the positions
+        #: ``[start, end)`` it scheduled (what they read: ``Checker._reads``).
+        self.last_reads: dict[str, tuple[BlockIds, int, int]] = {}
         self.has_ref_counts = isinstance(engine, ExposesRefCounts)
         self.has_free_queue = isinstance(engine, ExposesFreeQueue)
         self.has_cached = isinstance(engine, ExposesCachedBlocks)
@@ -225,6 +244,13 @@ class CheckState:
                 return rid
         return None
 
+    def pending_writes(self) -> Iterator[tuple[int, int, int, int]]:
+        """Every Mamba state write not done yet (:attr:`pending_states` and
+        :attr:`pending_copies`), as ``(group, block, prefix id or -1, position)``."""
+        for pending in (self.pending_states, self.pending_copies):
+            for writes in pending.values():
+                yield from writes
+
     def forget(self, request_id: str) -> None:
         """The request is gone: out of the table reads and the index."""
         self._tables.pop(request_id, None)
@@ -357,10 +383,16 @@ class FailedAllocationEvent:
 
 @dataclass(frozen=True)
 class CommitEvent:
-    """``cache_blocks(request, num_tokens)``: the scheduler committed processed tokens."""
+    """``cache_blocks(request, num_tokens)``: the scheduler committed processed tokens.
+
+    Checked at the step boundary (the large tiers), it carries what the check reads of
+    the moment of the call: the request's ``table`` then and its ``num_request_tokens``
+    (None: checked at once, reading both now)."""
 
     request: TrackedRequest
     num_tokens: int
+    table: BlockIds | None = None
+    num_request_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@
   :data:`EXIT_ENGINE` 3 (the engine broke the protocol), :data:`EXIT_COVERAGE` 4 (a branch
   of the engine that ``--engine-coverage-baseline`` does not list is unreached),
   :data:`EXIT_INTERNAL` 70 (a bug of kvconform itself: ``EX_SOFTWARE`` of ``sysexits.h``),
-  :data:`EXIT_INTERRUPTED` 130 (SIGINT) and :data:`EXIT_TERMINATED` 143 (SIGTERM), when
-  nothing failed before the signal. Which code a failure gives:
+  :data:`EXIT_HANGUP` 129 (SIGHUP: a closed terminal, a dropped SSH session, a CI runner
+  cancelling the job), :data:`EXIT_INTERRUPTED` 130 (SIGINT) and :data:`EXIT_TERMINATED`
+  143 (SIGTERM), when nothing failed before the signal. Which code a failure gives:
   :mod:`properties.core.outcome`.
 """
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 PROPERTIES: tuple[str, ...] = ("invariants", "attention", "determinism", "production")
 
 LEVELS: tuple[str, ...] = ("universal", "exact")
-PROFILES: tuple[str, ...] = ("dev", "ci", "nightly", "gpu")
+PROFILES: tuple[str, ...] = ("dev", "pr", "ci", "nightly", "gpu")
 
 #: The spec types (``KVCacheSpec.type_name``) layouts are made of, in shrinking order
 #: (full attention is the simplest); an engine declares a subset (``spec_types``).
@@ -79,5 +80,6 @@ EXIT_USAGE = 2
 EXIT_ENGINE = 3
 EXIT_COVERAGE = 4
 EXIT_INTERNAL = 70
+EXIT_HANGUP = 129
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143

@@ -23,6 +23,18 @@ never measured, and the report counts the branches of function bodies only (cove
 function regions; the module region is left out): a function body runs only when
 something calls it, which is what the gate drives.
 
+**Tracing engine calls only.** A tracer installed for the whole process slows every line
+of it, the suite's own included (Python 3.11 has no ``sys.monitoring``: coverage.py's C
+tracer sees each line of each frame, measured or not, and the interpreter leaves its
+specialised fast paths while a tracer is set): a check ran twice as slow under
+``--engine-coverage``. A process that drives its engine only through the engine
+boundary (:mod:`properties.checks.boundary`: the factory and every call) therefore
+traces only inside those calls (:func:`trace_engine_calls_only`): the boundary brackets
+each with :func:`engine_call_started` and :func:`engine_call_ended`, which resume and
+pause the tracer (the outermost call of nested ones). The branches recorded are the
+same: the measured modules are the engine's, and its code runs only inside its calls.
+An exec server (the whole process is the engine) traces throughout.
+
 Worked example::
 
     os.environ[ENV] = CoverageRequest("/tmp/cov", ("vllm.v1.core.block_pool",)).to_env()
@@ -165,12 +177,64 @@ def save_measurement() -> None:
         _ACTIVE.save()
 
 
+class _CallScope:
+    """The tracer paused between engine calls (:func:`trace_engine_calls_only`): the
+    collector to resume and pause (None: tracing throughout, or not measuring) and how
+    many engine calls are open now."""
+
+    collector = None
+    depth = 0
+
+
+def trace_engine_calls_only() -> bool:
+    """From now on trace this process only inside engine calls (see the module
+    docstring): the tracer pauses now and runs from :func:`engine_call_started` to the
+    matching :func:`engine_call_ended`. Returns whether it applies: this process is
+    measured and coverage.py's collector offers ``pause`` and ``resume`` (else tracing
+    goes on throughout, as before). Idempotent."""
+    if _ACTIVE is None:
+        return False
+    if _CallScope.collector is not None:
+        return True
+    collector = getattr(_ACTIVE, "_collector", None)
+    if not (
+        callable(getattr(collector, "pause", None)) and callable(getattr(collector, "resume", None))
+    ):
+        return False
+    if _CallScope.depth == 0:
+        collector.pause()
+    _CallScope.collector = collector
+    return True
+
+
+def engine_call_started() -> None:
+    """An engine call (or the engine's factory) starts: trace it (calls-only mode)."""
+    scope = _CallScope
+    if scope.collector is not None:
+        if scope.depth == 0:
+            scope.collector.resume()
+        scope.depth += 1
+
+
+def engine_call_ended() -> None:
+    """The engine call returned or raised: stop tracing once the outermost one ends."""
+    scope = _CallScope
+    if scope.collector is not None and scope.depth > 0:
+        scope.depth -= 1
+        if scope.depth == 0:
+            scope.collector.pause()
+
+
 def stop_measuring() -> None:
     """Stop measuring this process and write its last data (the exec server at its end,
     the requesting process before it combines the data files, any process at exit)."""
     global _ACTIVE
     if _ACTIVE is None:
         return
+    if _CallScope.collector is not None:
+        if _CallScope.depth == 0:
+            _CallScope.collector.resume()  # stopped as started: tracing
+        _CallScope.collector, _CallScope.depth = None, 0
     cov, _ACTIVE = _ACTIVE, None
     cov.stop()
     cov.save()

@@ -1,9 +1,12 @@
 """A deadline on one call of an engine that runs in this process.
 
-``with call_deadline(seconds, what): ...`` marks a call as running until
-``time.monotonic() + seconds``. A ``SIGALRM`` interval timer, started at the first
-deadline and then left running, ticks every :data:`TICK_S` seconds; a tick that finds
-the running call past its deadline raises :class:`DeadlinePassed` inside it, which
+``with call_deadline(seconds, what): ...`` marks a call as running with a limit of
+``seconds`` of its own time: wall time less the time the machine made it wait for a CPU
+(:mod:`properties.core.charged_time`; a loaded CI machine does not fail a correct
+engine), capped at :data:`properties.core.charged_time.WALL_CAP` times the limit in wall
+time. A ``SIGALRM`` interval timer, started at the first deadline and then left running,
+ticks every :data:`TICK_S` seconds; a tick that finds the running call past its
+deadline raises :class:`DeadlinePassed` inside it, which
 :class:`call_deadline` turns into a :class:`properties.core.engine.CallTimeoutError`
 naming the call. Entering and leaving a call only stores two values (a timer per call
 cost about 10 us, a tenth of a step of the reference); a timeout fires between
@@ -40,6 +43,11 @@ import signal
 import threading
 import time
 
+from properties.core.charged_time import (
+    WALL_CAP,
+    overrun_text,
+    run_queue_seconds,
+)
 from properties.core.engine import CallTimeoutError
 
 #: Seconds between two ticks of the timer that enforces deadlines.
@@ -51,32 +59,67 @@ class DeadlinePassed(BaseException):
 
 
 class _Running:
-    """The call running now: its description and deadline (``what`` None: none)."""
+    """The call running now: its description, start and limit (``what`` None: none)."""
 
     what: str | None = None
-    deadline: float = 0.0
+    started: float = 0.0
+    seconds: float = 0.0
     ticking: bool = False
     #: when the collection running now began (None: none), and the seconds the call's
-    #: finished collections took, which push its deadline back
+    #: finished collections took, which are not charged to it
     collecting_since: float | None = None
     collected_seconds: float = 0.0
+    #: the main thread's run-queue seconds at the call's first tick (None: not read yet)
+    waited_base: float | None = None
+    #: run-queue seconds of the call when it was stopped, for the message
+    waited: float = 0.0
+
+
+#: The schedstat file of the thread reading it: ticks run in the main thread, the one
+#: calls run in (a path fixed at import would name the parent's thread in a forked worker).
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def _now() -> float:
+    """The clock deadlines read (a test replaces it and :func:`_run_queue`)."""
+    return time.monotonic()
+
+
+def _run_queue() -> float | None:
+    """The main thread's run-queue seconds (:mod:`properties.core.charged_time`)."""
+    return run_queue_seconds(_SCHEDSTAT)
+
+
+def charged_seconds(now: float) -> float:
+    """The seconds the running call is charged now: wall time since it began, less the
+    collections it sat through and the time its thread waited for a CPU since its first
+    tick (:mod:`properties.core.charged_time`; the wait before that first tick, at most
+    :data:`TICK_S`, is charged)."""
+    charged = now - _Running.started - _Running.collected_seconds
+    waited = _run_queue()
+    if waited is None:
+        return charged
+    if _Running.waited_base is None:
+        _Running.waited_base = waited
+    _Running.waited = waited - _Running.waited_base
+    return charged - _Running.waited
 
 
 def _on_tick(signum, frame) -> None:
-    if (
-        _Running.what is not None
-        and _Running.collecting_since is None
-        and time.monotonic() - _Running.collected_seconds >= _Running.deadline
-    ):
+    if _Running.what is None or _Running.collecting_since is not None:
+        return
+    now = _now()
+    charged = charged_seconds(now)
+    if charged >= _Running.seconds or now - _Running.started >= WALL_CAP * _Running.seconds:
         raise DeadlinePassed()
 
 
 def _on_collection(phase: str, info: dict) -> None:
     """``gc.callbacks`` entry: time each collection that runs during a call."""
     if phase == "start":
-        _Running.collecting_since = time.monotonic() if _Running.what is not None else None
+        _Running.collecting_since = _now() if _Running.what is not None else None
     elif _Running.collecting_since is not None:
-        _Running.collected_seconds += time.monotonic() - _Running.collecting_since
+        _Running.collected_seconds += _now() - _Running.collecting_since
         _Running.collecting_since = None
 
 
@@ -119,8 +162,11 @@ class call_deadline:  # noqa: N801 - used as a function: ``with call_deadline(..
         if self.seconds > 0 and deadline_available():
             if not _Running.ticking:
                 _start_ticking()
-            _Running.deadline = time.monotonic() + self.seconds
+            _Running.started = _now()
+            _Running.seconds = self.seconds
             _Running.collected_seconds = 0.0
+            _Running.waited_base = None
+            _Running.waited = 0.0
             _Running.what = self.what
             self.armed = True
 
@@ -130,7 +176,14 @@ class call_deadline:  # noqa: N801 - used as a function: ``with call_deadline(..
         _Running.what = None
         self.armed = False
         if exc_type is DeadlinePassed:
-            raise CallTimeoutError(
-                f"{self.what} did not return within {self.seconds:g} s (--call-timeout; an "
-                "engine that holds the GIL in C code needs --isolation process)"
-            ) from None
+            raise CallTimeoutError(timeout_message(self.what, self.seconds)) from None
+
+
+def timeout_message(what: str, seconds: float) -> str:
+    """The one line of a call stopped at its deadline: the call, the limit, the wall
+    time and the load (:func:`properties.core.charged_time.overrun_text`)."""
+    wall = _now() - _Running.started
+    return (
+        f"{what} did not return within {overrun_text(seconds, wall, _Running.waited)} "
+        "(--call-timeout; an engine that holds the GIL in C code needs --isolation process)"
+    )

@@ -72,6 +72,18 @@ class StepDecisions:
     proposed_drafts: tuple[tuple[str, int], ...] = ()
     #: the admission phase's KV connector events, in order (none without a connector)
     connector_events: tuple[ConnectorEvent, ...] = ()
+    #: running requests whose allocation failed with no victim taken for them (the
+    #: engine stopped instead: a victim with tokens in flight under deferred frees, a
+    #: connector's pending frees), neither scheduled nor preempted, in order
+    failed_allocations: tuple[str, ...] = ()
+    #: requests the engine ended with an error when this step's output (asynchronous:
+    #: the previous step's) was processed, in order: a grammar rejected a sampled token
+    #: (a request that ran) or failed to compile (a waiting one)
+    grammar_errors: tuple[str, ...] = ()
+    #: the requests the engine reported ended with this step's output processing (since
+    #: its previous report), sorted; None when it reports none (no output processed, or
+    #: not asked to)
+    finished_reported: tuple[str, ...] | None = None
 
     def of(self, request_id: str) -> ScheduledDecision | None:
         """The decision for ``request_id`` (None: not scheduled in this step)."""
@@ -100,4 +112,27 @@ class StepDecisions:
         return text
 
 
-__all__ = ["ALLOCATED", "PROMOTE", "ConnectorEvent", "ScheduledDecision", "StepDecisions"]
+@dataclass(frozen=True)
+class Accounting:
+    """A scheduler's request accounting between steps, as vLLM's engine core reads it
+    (``get_request_counts``, ``has_finished_requests``): running requests; waiting ones
+    (loading from a KV connector included); and whether a request ended (finished or
+    aborted) since the last step was scheduled, or ended and is still kept by a
+    connector (a save or a load not reported yet).
+
+    Example: ``r0`` running, ``r1`` waiting for its asynchronous load, ``r2`` aborted
+    since the last step: ``Accounting(1, 1, True)``."""
+
+    num_running: int
+    num_waiting: int
+    has_finished: bool
+
+
+__all__ = [
+    "ALLOCATED",
+    "PROMOTE",
+    "Accounting",
+    "ConnectorEvent",
+    "ScheduledDecision",
+    "StepDecisions",
+]

@@ -21,10 +21,27 @@ from collections.abc import Callable
 
 from properties.core.constants import SPEC_KINDS
 from properties.core.engine import EngineLoadError, KnownDivergence
+from reference.errors import KVConformError
 
 
 class DeclarationError(EngineLoadError):
     """An adapter's declaration is not of the type its field expects (exit 2)."""
+
+
+def read_declaration(factory: object, attribute: str, where: str) -> object:
+    """``factory.attribute``, or None when it has none; a factory whose attribute lookup
+    raises something else (a ``__getattr__`` that raises) is a :class:`DeclarationError`
+    naming the attribute. Example: a factory class whose ``__getattr__`` raises
+    ``RuntimeError("no")`` gives ``DeclarationError("--engine 'm:f': factory attribute
+    spec_types: reading it raised RuntimeError: no")``."""
+    try:
+        return getattr(factory, attribute, None)
+    except KVConformError:  # kvconform's own error (an exec: engine that cannot start)
+        raise
+    except Exception as exc:  # noqa: BLE001 - any adapter failure is reported as its own
+        raise DeclarationError(
+            f"{where} {attribute}: reading it raised {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def check_spec_types(declared: object, where: str) -> tuple[str, ...]:
@@ -52,10 +69,14 @@ def check_spec_types(declared: object, where: str) -> tuple[str, ...]:
     return tuple(declared)
 
 
-def check_known_divergences(declared: object, where: str) -> tuple[KnownDivergence, ...]:
+def check_known_divergences(
+    declared: object, where: str, default_mode: object = None
+) -> tuple[KnownDivergence, ...]:
     """``None`` (none) or a list or tuple of :class:`KnownDivergence`, each with a
-    callable ``applies``. Example: ``(KnownDivergence("x", "...", "findings/x.md",
-    lambda layout: False),)`` is kept; ``["x"]`` is refused."""
+    callable ``applies``, at most two ``features`` and ``modes`` (if given) false for
+    ``default_mode`` (the caller's :data:`properties.core.modes.SYNC`). Example:
+    ``(KnownDivergence("x", "...", "findings/x.md", lambda layout: False),)`` is kept;
+    ``["x"]`` is refused."""
     if declared is None:
         return ()
     expected = f"{where} must be a list of properties.core.engine.KnownDivergence"
@@ -68,6 +89,27 @@ def check_known_divergences(declared: object, where: str) -> tuple[KnownDivergen
             raise DeclarationError(
                 f"{where}[{index}].applies must be a callable (layout -> bool), "
                 f"got {item.applies!r}"
+            )
+        if item.modes is not None and (
+            not callable(item.modes) or (default_mode is not None and item.modes(default_mode))
+        ):
+            raise DeclarationError(
+                f"{where}[{index}].modes must be a callable (serving mode -> bool) that is "
+                f"false for the default synchronous mode, got {item.modes!r}"
+            )
+        features = item.features
+        if (
+            not isinstance(features, tuple)
+            or len(features) > 2
+            or not all(isinstance(f, str) for f in features)
+        ):
+            raise DeclarationError(
+                f"{where}[{index}].features must be a tuple of at most two pair-table "
+                f"feature names, got {features!r}"
+            )
+        if not isinstance(item.checks, tuple) or not all(isinstance(c, str) for c in item.checks):
+            raise DeclarationError(
+                f"{where}[{index}].checks must be a tuple of invariant names, got {item.checks!r}"
             )
     return tuple(declared)
 

@@ -127,6 +127,17 @@ class UnsupportedLayoutError(EngineError):
     """
 
 
+class KnownDivergenceMet(EngineError):
+    """An adapter met one of its engine's known divergences in a call (one declared
+    with ``at_run_time``: it depends on the calls, not on the layout). The example stops
+    there and is not counted (as a layout the engine refuses); ``divergence`` is the
+    divergence's name. Example: vLLM's Mamba estimate below zero after a draft rollback."""
+
+    def __init__(self, divergence: str, message: str) -> None:
+        super().__init__(f"known divergence {divergence}: {message}")
+        self.divergence = divergence
+
+
 @runtime_checkable
 class KVCacheEngine(Protocol):
     """The calls every engine under test implements (see the module docstring)."""
@@ -482,13 +493,54 @@ class KnownDivergence:
 
     An adapter lists them on its factory (``factory.known_divergences``); the suite
     does not draw layouts for which ``applies(layout)`` is true, and ``kvconform
-    check`` prints each one with its finding so nothing is hidden.
+    check`` prints each one with its finding so nothing is hidden. ``features``: one or
+    two features of the pair table (:mod:`properties.runner.pairs`) such that the
+    divergence removes every layout that has them all, so the pairs they make are
+    listed as excluded by it, not missed. Example: an engine without lookahead hashes
+    declares ``applies=lambda layout: layout.num_hash_lookahead_tokens > 0,
+    features=("lookahead-hashes",)`` (every pair with ``lookahead-hashes`` excluded);
+    ``features=("eagle-drop", "retention=sparse")`` excludes that one pair.
+
+    ``modes``: for a behaviour that shows only under some serving modes
+    (:class:`properties.core.modes.ServingMode`), a predicate on the mode. The layouts
+    are then drawn; a run whose layout and mode the divergence applies to gets the
+    default synchronous mode instead (the predicate must be false for it). Example: a
+    leak under asynchronous scheduling with Mamba groups: ``applies=has_mamba,
+    modes=lambda mode: mode.async_scheduling, features=("async", "mamba")``.
+
+    One that depends on the calls rather than the layout is declared ``at_run_time``
+    (its ``applies`` is false for every layout): the adapter detects it in the call
+    where it happens and raises :class:`KnownDivergenceMet`, which stops that example
+    uncounted.
+
+    ``checks`` (invariant names) is for a behaviour that only some traces of a layout
+    show, where leaving the layouts out would leave the engine untested there: the
+    layouts are drawn and those checks do not run on them (``kvconform replay`` still
+    runs every check, so the finding's trace fails). Example: LMDeploy writes a block
+    its prefix trie shares (``exclusive_write``) whenever two requests compute one
+    block, so caching layouts are drawn without that check.
     """
 
     name: str
     summary: str
     finding: str
     applies: Callable[[KVCacheLayout], bool]
+    features: tuple[str, ...] = ()
+    modes: Callable[[Any], bool] | None = None
+    at_run_time: bool = False
+    checks: tuple[str, ...] = ()
+
+    def applies_to(self, layout: KVCacheLayout, mode: Any = None) -> bool:
+        """Whether the divergence applies to a run of ``layout`` in serving ``mode``
+        (``None``: whatever the mode; then only a divergence without ``modes``, one
+        that applies to every mode of its layouts, does). Example: the Mamba leak
+        above applies to ``(mamba layout, async mode)``, not to ``(mamba layout,
+        None)``."""
+        if not self.applies(layout):
+            return False
+        if self.modes is None:
+            return True
+        return mode is not None and bool(self.modes(mode))
 
 
 #: Adapters shipped with kvconform: name -> "module:factory".
@@ -497,6 +549,8 @@ BUILTIN_ENGINES: dict[str, str] = {
     "optimized": "properties.engines.optimized:make_engine",
     "vllm": "properties.engines.vllm:make_engine",
     "sglang": "properties.engines.sglang:make_engine",
+    "aphrodite": "properties.engines.aphrodite:make_engine",
+    "lmdeploy": "properties.engines.lmdeploy:make_engine",
 }
 
 
@@ -505,7 +559,9 @@ def quiet_loggers(*names: str, level: int = logging.ERROR) -> None:
     warnings (vLLM logs "Failed to reset prefix cache" on every refused reset) do not
     flood a check's output. Adapters call it once their engine is imported."""
     for name in names:
-        logging.getLogger(name).setLevel(level)
+        logger = logging.getLogger(name)
+        if logger.level != level:  # setLevel clears every logger's cache, even unchanged
+            logger.setLevel(level)
 
 
 #: Engines named ``scheme:ARGUMENT``: scheme -> "module:function" building the factory
@@ -544,7 +600,13 @@ def load_engine_factory(name: str) -> EngineFactory:
         raise EngineLoadError(
             f"--engine {name!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
         ) from exc
-    factory = getattr(module, attr, None)
+    try:
+        factory = getattr(module, attr, None)
+    except Exception as exc:  # noqa: BLE001 - a module __getattr__ that raises
+        raise EngineLoadError(
+            f"--engine {name!r}: reading {attr!r} from module {module_name!r} raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     if factory is None:
         raise EngineLoadError(f"--engine {name!r}: module {module_name!r} has no {attr!r}")
     if not callable(factory):

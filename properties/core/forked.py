@@ -16,14 +16,11 @@ does not hangs (``tests/properties/core/test_forked.py``).
 
 from __future__ import annotations
 
-import sys
-
 from properties.core.deadline import stop_ticking
+from properties.core.torch_threads import torch_on_one_thread
 
 
 def settle_forked_child() -> None:
     """Stop the inherited deadline timer; torch (if the parent imported it) on one thread."""
     stop_ticking()
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_num_threads(1)
+    torch_on_one_thread()

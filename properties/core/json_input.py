@@ -38,9 +38,10 @@ class _IntTooLong(ValueError):
         self.digits = digits
 
 
-def read_json(path: str | Path, what: str, max_bytes: int) -> Any:
-    """The JSON value of the file at ``path`` (``what`` names it in errors, e.g. "trace
-    file"), read and parsed within the bounds of the module docstring."""
+def read_text(path: str | Path, what: str, max_bytes: int) -> str:
+    """The UTF-8 text of the file at ``path``, read within ``max_bytes`` (a device or FIFO
+    that never ends is refused after that many bytes; a symbolic link loop, a directory
+    or binary content give one line naming the file); ``what`` names it in errors."""
     where = f"{what} {str(path)!r}"
     try:
         with open(path, "rb") as handle:
@@ -57,9 +58,18 @@ def read_json(path: str | Path, what: str, max_bytes: int) -> Any:
     if len(raw) > max_bytes:
         raise InputError(f"{where} gives over {max_bytes} bytes, more than the limit {max_bytes}")
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InputError(f"{where} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+        raise InputError(
+            f"{where} is not UTF-8 text (a binary file?): {exc.reason} at byte {exc.start}"
+        ) from None
+
+
+def read_json(path: str | Path, what: str, max_bytes: int) -> Any:
+    """The JSON value of the file at ``path`` (``what`` names it in errors, e.g. "trace
+    file"), read and parsed within the bounds of the module docstring."""
+    where = f"{what} {str(path)!r}"
+    text = read_text(path, what, max_bytes)
     try:
         return json.loads(text, parse_int=_bounded_int)
     except json.JSONDecodeError as exc:

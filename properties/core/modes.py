@@ -22,8 +22,14 @@ does:
   ``a`` of them are accepted (a deterministic function of the request and position,
   so traces replay), ``num_computed_tokens`` goes *down* to ``start + 1 + a`` (the
   rejected drafts roll back), the ``a`` accepted tokens and one bonus token are
-  appended, and the processed tokens are committed (``cache_blocks``). Not drawn
-  with Mamba groups (no speculative Mamba blocks are modelled).
+  appended, and the processed tokens are committed (``cache_blocks``). With Mamba
+  groups a step drafts at most their ``num_speculative_blocks`` tokens (vLLM sizes
+  the speculative state blocks by the speculative token count; none without them).
+* ``varying_drafts`` (with ``num_draft_tokens``): the proposer offers a different number
+  of drafts at each step, as vLLM's suffix and n-gram decoding do (:func:`proposed_drafts`:
+  a deterministic function of the request and position, ``0..k``), instead of always
+  ``k`` (MTP, EAGLE). A step then may schedule fewer tokens than the last one did: a
+  Mamba group's row is longer than the step needs (vLLM issue 39271).
 
 * ``external_hits`` (a KV connector over a host tier, :mod:`reference.host_tier`):
   the scheduler owns a host tier that receives the blocks leaving the primary pool
@@ -81,6 +87,7 @@ class ServingMode:
     external_hits: bool = False
     async_loads: bool = False
     load_failures: bool = False
+    varying_drafts: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -89,6 +96,7 @@ class ServingMode:
             "external_hits",
             "async_loads",
             "load_failures",
+            "varying_drafts",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -106,6 +114,10 @@ class ServingMode:
                 "ServingMode.load_failures needs async_loads=True (only asynchronous loads "
                 "can fail in this model)"
             )
+        if self.varying_drafts and not k:
+            raise KVConformError(
+                "ServingMode.varying_drafts needs num_draft_tokens > 0 (the drafts that vary)"
+            )
         if k and self.async_scheduling:
             raise KVConformError(
                 "ServingMode: drafts with asynchronous scheduling are not modelled; set "
@@ -120,6 +132,8 @@ class ServingMode:
         parts = [name for name in ("async_scheduling", "admission_gate") if getattr(self, name)]
         if self.num_draft_tokens:
             parts.append(f"drafts={self.num_draft_tokens}")
+        if self.varying_drafts:
+            parts.append("varying")
         if self.external_hits:
             parts.append("external_hits")
         if self.async_loads:
@@ -127,6 +141,14 @@ class ServingMode:
         if self.load_failures:
             parts.append("load_failures")
         return " ".join(parts) or "sync"
+
+
+def proposed_drafts(request_id: str, position: int, num_draft_tokens: int) -> int:
+    """How many drafts a ``varying_drafts`` proposer offers for ``request_id``'s decode at
+    ``position``: a ``sha256`` of the two (so traces replay), uniform over
+    ``0..num_draft_tokens``. Example: ``proposed_drafts("r0", 9, 0) == 0``."""
+    digest = hashlib.sha256(f"propose:{request_id}:{position}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") % (num_draft_tokens + 1)
 
 
 def load_fails(request_id: str, attempt: int) -> bool:
@@ -148,8 +170,12 @@ SYNC = ServingMode()
 #: (``prefix_cache_retention_interval``), ``eagle`` (``use_eagle``, ``is_eagle_group``,
 #: ``num_hash_lookahead_tokens``) and ``admission_cap`` (``max_in_flight_tokens`` and a
 #: pool sized with the admission caps) and ``external`` (the ``external_hits`` serving
-#: mode: ``allocate_slots(..., num_external_computed_tokens=...)``).
-PRODUCTION_SETTINGS: frozenset[str] = frozenset({"retention", "eagle", "admission_cap", "external"})
+#: mode: ``allocate_slots(..., num_external_computed_tokens=...)``) and ``mamba_modes``
+#: (a Mamba group's ``mamba_cache_mode``, ``num_speculative_blocks`` and prefill
+#: checkpoint blocks; drafts on a Mamba layout need its speculative blocks).
+PRODUCTION_SETTINGS: frozenset[str] = frozenset(
+    {"retention", "eagle", "admission_cap", "external", "mamba_modes"}
+)
 #: The production setting of the ``external_hits`` serving mode.
 EXTERNAL_SETTING = "external"
 
@@ -157,9 +183,10 @@ EXTERNAL_SETTING = "external"
 def production_settings(factory: object) -> frozenset[str]:
     """The production layout settings ``factory`` declares (``factory.production_settings``),
     checked by :func:`check_production_settings`; empty when it declares none."""
-    return check_production_settings(
-        getattr(factory, "production_settings", None), "production_settings"
-    )
+    from properties.core.declarations import read_declaration
+
+    declared = read_declaration(factory, "production_settings", "factory attribute")
+    return check_production_settings(declared, "production_settings")
 
 
 def check_production_settings(declared: object, where: str) -> frozenset[str]:

@@ -17,6 +17,7 @@ kind                  exit  title                                            res
 ``engine``            3     ENGINE ERROR (the engine broke the protocol)     ENGINE ERROR
 ``coverage``          4     ENGINE COVERAGE REGRESSION                       COVERAGE
 ``internal``          70    INTERNAL ERROR (please report it)                INTERNAL
+``hangup``            129   HANGUP                                           HANGUP
 ``interrupted``       130   INTERRUPTED                                      INTERRUPTED
 ``terminated``        143   TERMINATED                                       TERMINATED
 ====================  ====  ==============================================  =============
@@ -36,6 +37,7 @@ from properties.core.constants import (
     EXIT_COVERAGE,
     EXIT_ENGINE,
     EXIT_FAILED,
+    EXIT_HANGUP,
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
     EXIT_PASSED,
@@ -61,6 +63,7 @@ class Outcome(enum.Enum):
     ENGINE = ("engine", EXIT_ENGINE, "ENGINE ERROR (the engine broke the protocol)", "ENGINE ERROR")
     COVERAGE = ("coverage", EXIT_COVERAGE, "ENGINE COVERAGE REGRESSION", "COVERAGE")
     INTERNAL = ("internal", EXIT_INTERNAL, "INTERNAL ERROR (please report it)", "INTERNAL")
+    HANGUP = ("hangup", EXIT_HANGUP, "HANGUP", "HANGUP")
     INTERRUPTED = ("interrupted", EXIT_INTERRUPTED, "INTERRUPTED", "INTERRUPTED")
     TERMINATED = ("terminated", EXIT_TERMINATED, "TERMINATED", "TERMINATED")
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -29,6 +28,7 @@ from typing import Any
 from properties.core.constants import DEFAULT_FAILURE_DIR
 from properties.core.json_input import InputError, read_json
 from properties.core.modes import ServingMode
+from properties.core.output_files import OutputWriteError, write_text_atomic
 from reference.errors import KVConformError
 from reference.layout import KVCacheGroup, KVCacheLayout
 from reference.specs import (
@@ -244,6 +244,9 @@ class Trace:
     observed: tuple[dict, ...] = ()
     failure: dict | None = None
     mode: ServingMode = ServingMode()
+    #: what the engine under test showed after each operation, recorded by the run that
+    #: saved the failure (:mod:`properties.runner.engine_view`); JSON data, or None
+    engine_view: dict | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVCacheLayout):
@@ -278,6 +281,14 @@ class Trace:
                     f"Trace.failure must be a dict or None, got {self.failure!r}"
                 )
             object.__setattr__(self, "failure", _json_native(self.failure, "Trace.failure"))
+        if self.engine_view is not None:
+            if not isinstance(self.engine_view, Mapping):
+                raise TraceFormatError(
+                    "Trace.engine_view must be a dict or None, got "
+                    f"{type(self.engine_view).__name__}"
+                )
+            view = _json_native(self.engine_view, "Trace.engine_view")
+            object.__setattr__(self, "engine_view", view)
 
 
 # ---------------------------------------------------------------------------
@@ -496,6 +507,7 @@ def trace_to_json(trace: Trace) -> dict:
         "operations": [operation_to_json(op) for op in trace.operations],
         "observed": [dict(r) for r in trace.observed],
         "failure": trace.failure,
+        **({"engine_view": trace.engine_view} if trace.engine_view is not None else {}),
     }
 
 
@@ -597,6 +609,7 @@ def trace_from_json(data: Any, where: str = "trace") -> Trace:
             seed=seed,
             observed=tuple(observed),
             failure=failure,
+            engine_view=data.get("engine_view"),
         )
     except TraceFormatError as exc:
         raise TraceFormatError(f"{where}: {exc}") from exc
@@ -614,24 +627,23 @@ def trace_to_text(trace: Trace, compact: bool = False) -> str:
 def write_trace(trace: Trace, path: str | Path, compact: bool = False) -> Path:
     """Write ``trace`` to ``path`` atomically (a temporary file, then a rename), creating
     the parent directory. The one writer of trace files; returns ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(trace_to_text(trace, compact), encoding="utf-8")
-    tmp.replace(path)
-    return path
+    try:
+        return write_text_atomic(path, trace_to_text(trace, compact), "the trace file")
+    except OutputWriteError as exc:
+        raise OSError(str(exc)) from None
 
 
 def save_trace(trace: Trace, directory: str | Path = DEFAULT_FAILURE_DIR) -> Path:
     """Write ``<directory>/<UTC time>-<8 hex of the content's sha256>.json``, once.
 
-    Example name: ``20250101T120000Z-1a2b3c4d.json``. The digest leaves the seed out, so
-    the same failure found again (by another seed of a fuzz campaign, or a second run) is
-    not written again: the path already there is returned. The directory is created.
+    Example name: ``20250101T120000Z-1a2b3c4d.json``. The digest leaves the seed and the
+    engine view out, so the same failure found again (by another seed of a fuzz campaign,
+    or a second run) is not written again: the path already there is returned. The
+    directory is created.
     Returns the path of the trace.
     """
     digest = hashlib.sha256(
-        trace_to_text(dataclasses.replace(trace, seed=None)).encode("utf-8")
+        trace_to_text(dataclasses.replace(trace, seed=None, engine_view=None)).encode("utf-8")
     ).hexdigest()[:8]
     directory = Path(directory)
     if directory.is_dir():

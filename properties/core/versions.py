@@ -4,14 +4,18 @@
 installed distributions' metadata: nothing is imported) plus ``"engine"`` when the
 adapter exposes one (a ``version`` attribute on the engine or its factory). A package
 that is not installed reads ``None``. Example: ``versions()["python"] == "3.11.7"``.
+Each distribution's metadata is read once per process (every run of a check records the
+versions: reading them from disk per run cost more than the run's engine calls).
 """
 
 from __future__ import annotations
 
+import functools
 import platform
 from importlib import metadata
 
 
+@functools.cache
 def _dist_version(name: str) -> str | None:
     try:
         return metadata.version(name)

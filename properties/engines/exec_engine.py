@@ -38,12 +38,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from properties.core.allocation import Allocation, TakesAllocations
+from properties.core.charged_time import ChildClock
 from properties.core.constants import MAX_CALL_TIMEOUT_S
 from properties.core.declarations import check_spec_types
 from properties.core.engine import (
@@ -58,6 +58,7 @@ from properties.core.engine import (
     UnsupportedLayoutError,
 )
 from properties.core.modes import EXTERNAL_KEYWORDS, check_production_settings
+from properties.core.processes import kill_group, unwatch_group, watch_group
 from properties.core.trace import layout_to_json
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
@@ -72,6 +73,9 @@ MIN_STARTUP_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "KVCONFORM_EXEC_TIMEOUT"
 #: Seconds a closing child gets to exit after its stdin is closed.
 EXIT_GRACE_S = 5.0
+#: The longest answer line the client reads (a production-tier table of 10^5 blocks is a
+#: few megabytes); past it the engine broke the protocol.
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
 #: The optional calls an engine may announce in ``create``'s ``capabilities``
 #: (``serving_modes``: ``set_in_flight``, ``cache_blocks`` and the keywords of
 #: ``allocate_slots``; the external-hit keywords also need the ``external`` setting).
@@ -191,10 +195,11 @@ class ExecProcess:
         self._cwd = cwd
         self._proc: subprocess.Popen | None = None
         self._stderr = None
-        self._buffer = b""
+        self._buffer = bytearray()
         self._next_id = 0
         self._broken: str | None = None
         self._finalizer = None
+        self._clock = ChildClock(0)  # the child's, once started
         #: one selector per pipe for the child's life (readable stdout, writable stdin):
         #: a call then waits with one ``select``, building nothing
         self._readable: selectors.BaseSelector | None = None
@@ -227,6 +232,7 @@ class ExecProcess:
             raise EngineLoadError(
                 f"exec engine {self.label!r}: cannot start {self.argv[0]!r}: {exc}"
             ) from None
+        self._clock = ChildClock(self._proc.pid)
         os.set_blocking(self._proc.stdin.fileno(), False)
         os.set_blocking(self._proc.stdout.fileno(), False)
         self._readable = selectors.DefaultSelector()
@@ -235,6 +241,7 @@ class ExecProcess:
         self._writable.register(self._proc.stdin.fileno(), selectors.EVENT_WRITE)
         self._finalizer = weakref.finalize(self, _stop, self._proc)
         _LIVE.add(self._proc)
+        watch_group(self._proc.pid)  # its group dies with kvconform, even on kill -9
         hello = self.call(
             "hello",
             {"protocol": PROTOCOL_VERSION, "client": "kvconform"},
@@ -273,6 +280,7 @@ class ExecProcess:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        _end_group(proc)  # what the engine forked (a helper, a server) ends with it
         proc.stdout.close()
         for selector in (self._readable, self._writable):
             if selector is not None:
@@ -307,9 +315,9 @@ class ExecProcess:
         self._next_id += 1
         message_id = self._next_id
         line = json.dumps({"id": message_id, "call": call, "args": args}, separators=(",", ":"))
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        self._write(line.encode() + b"\n", what, deadline)
-        raw = self._read_line(what, deadline)
+        self._clock.start(self.timeout if timeout is None else timeout)
+        self._write(line.encode() + b"\n", what)
+        raw = self._read_line(what)
         try:
             response = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -341,7 +349,7 @@ class ExecProcess:
         return response["result"]
 
     # -- the wire ---------------------------------------------------------------------
-    def _write(self, data: bytes, what: Described, deadline: float) -> None:
+    def _write(self, data: bytes, what: Described) -> None:
         """Write ``data`` to the child's stdin, waiting for room only when the pipe is
         full (a request line nearly always fits at once)."""
         fd = self._proc.stdin.fileno()
@@ -355,29 +363,42 @@ class ExecProcess:
                 self._crashed(what)
             view = view[written:]
             if view:
-                self._wait(self._writable, what, deadline, "did not read its request")
+                self._wait(self._writable, what, "did not read its request")
 
-    def _read_line(self, what: Described, deadline: float) -> bytes:
+    def _read_line(self, what: Described) -> bytes:
+        """The next line of the child's stdout (each byte read and searched once: an
+        answer of many megabytes costs its size, not its square)."""
         fd = self._proc.stdout.fileno()
-        while b"\n" not in self._buffer:
-            self._wait(self._readable, what, deadline, "got no answer")
+        buffer = self._buffer
+        scanned = 0
+        while (end := buffer.find(b"\n", scanned)) < 0:
+            if len(buffer) > MAX_ANSWER_BYTES:  # never read an endless line whole
+                self._buffer = bytearray()
+                self._fail(
+                    ExecProtocolError,
+                    f"{what} answered a line of more than {MAX_ANSWER_BYTES} bytes "
+                    f"(the protocol's limit): {_clip(bytes(buffer[:300]))}",
+                )
+            scanned = len(buffer)
+            self._wait(self._readable, what, "got no answer")
             try:
-                chunk = os.read(fd, 1 << 16)
+                chunk = os.read(fd, 1 << 20)
             except BlockingIOError:
                 continue
             if not chunk:
                 self._crashed(what)
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
+            buffer += chunk
+        line = bytes(buffer[:end])
+        del buffer[: end + 1]
         return line
 
-    def _wait(
-        self, selector: selectors.BaseSelector | None, what: Described, deadline: float, how: str
-    ) -> None:
-        """Until ``selector``'s pipe is ready; past ``deadline`` the call timed out."""
+    def _wait(self, selector: selectors.BaseSelector | None, what: Described, how: str) -> None:
+        """Until ``selector``'s pipe is ready; once the call has been charged its limit
+        (the child's own time: :class:`properties.core.charged_time.ChildClock`), it
+        timed out."""
         assert selector is not None  # (started: the call checked)
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = self._clock.remaining()
             if remaining <= 0:
                 self._timed_out(what, how)
             if selector.select(remaining):
@@ -416,12 +437,12 @@ class ExecProcess:
         raise error(self._with_stderr(f"exec engine {self.label!r}: {message}"))
 
     def _timed_out(self, what: Described, how: str) -> NoReturn:
-        seconds = f"{self.timeout:g}"
         self._broken = f"{what} timed out"
+        overrun = self._clock.overrun()
         _kill_quietly(self._proc)
         raise ExecTimeoutError(
             self._with_stderr(
-                f"exec engine {self.label!r}: {what} {how} within {seconds} s "
+                f"exec engine {self.label!r}: {what} {how} within {overrun} "
                 f"(the engine was killed; {TIMEOUT_ENV} sets the limit)"
             )
         )
@@ -439,13 +460,21 @@ class ExecProcess:
 
 def _stop(proc: subprocess.Popen) -> None:
     """At garbage collection or exit: close the child's stdin (it exits), then kill it
-    if it has not exited within a second."""
+    if it has not exited within a second; its process group ends with it."""
     with contextlib.suppress(OSError):
         proc.stdin.close()
     try:
         proc.wait(timeout=1.0)
     except subprocess.TimeoutExpired:
         _kill_quietly(proc)
+    _end_group(proc)
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """Kill the child's process group (it runs in its own session: the group is the
+    child and whatever it forked) and tell the watchdog it is gone."""
+    kill_group(proc.pid)
+    unwatch_group(proc.pid)
 
 
 #: Every engine child this process started and has not seen end (weakly held).
@@ -456,22 +485,21 @@ def kill_engine_children() -> None:
     """Kill every engine child still running, at once (a stopped command: its children
     live in their own session, so nothing else ends them)."""
     for proc in list(_LIVE):
-        if proc.poll() is None:
-            with contextlib.suppress(OSError):
-                proc.kill()
+        kill_group(proc.pid)  # the child and everything it forked
     for proc in list(_LIVE):
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             proc.wait(timeout=1.0)
+        unwatch_group(proc.pid)
 
 
 def _kill_quietly(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
+    """Kill the child and its process group at once (a broken or hung engine)."""
+    if proc is None:
         return
-    try:
-        proc.kill()
+    kill_group(proc.pid)
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
         proc.wait(timeout=EXIT_GRACE_S)
-    except (OSError, subprocess.TimeoutExpired):
-        pass
+    unwatch_group(proc.pid)
 
 
 def _clip(raw: bytes | str, limit: int = 300) -> str:
@@ -517,6 +545,7 @@ class ExecEngine(TakesAllocations):
         self.name = process.label
         created = created if isinstance(created, dict) else {}
         self.separate_group_pools = bool(created.get("separate_group_pools", False))
+        self.lookahead_on_prefill_chunks = bool(created.get("lookahead_on_prefill_chunks", True))
         #: what ``hello`` declared: the external-hit keywords need ``external``
         self.production_settings = production_settings
 

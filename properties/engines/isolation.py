@@ -20,7 +20,7 @@ drive it in process.
 When isolation applies (:func:`wants_isolation`): ``--isolation process`` always;
 ``none`` never; ``auto`` (the default) for adapters named ``module:factory`` (code
 kvconform does not know) when a call timeout is set, never for the built-in engines
-(``reference``, ``vllm``, ``sglang``: their calls are Python, which the in-process
+(``reference``, ``vllm``, ``sglang``, ``lmdeploy``: their calls are Python, which the in-process
 deadline of :mod:`properties.core.deadline` interrupts, and they run faster in
 process), nor for ``exec:`` engines (already a child process).
 

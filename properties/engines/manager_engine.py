@@ -72,6 +72,18 @@ class ManagerEngine(TakesAllocations):
         self.manager.free(self._request(request_id))
         self._hits.pop(request_id, None)
 
+    def pop_blocks_for_free(self, request_id: str) -> list[Any]:
+        """A deferred free's first half (the manager's ``pop_blocks_for_free``: the
+        request gives up its blocks, the pool does not get them yet); not an engine
+        protocol call: the scheduler level's replay of vLLM's deferred frees."""
+        blocks = self.manager.pop_blocks_for_free(self._request(request_id))
+        self._hits.pop(request_id, None)
+        return blocks
+
+    def free_popped_blocks(self, blocks: list[Any]) -> None:
+        """A deferred free's second half (the manager's ``free_popped_blocks``)."""
+        self.manager.free_popped_blocks(blocks)
+
     def remove_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self._hits.pop(request_id, None)

@@ -30,10 +30,12 @@ from properties.core.engine import (
     EngineError,
     SlotRequest,
     StepUpdate,
+    UnsupportedLayoutError,
 )
 from properties.engines.manager_engine import ManagerEngine
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
+from reference.specs import MambaSpec
 
 #: the columns of a batched step's items (read with ``map``: no per-item Python frame)
 _REQUEST_ID = attrgetter("request_id")
@@ -195,12 +197,24 @@ class OptimizedEngine(ManagerEngine):
 
 
 def make_engine(layout: KVCacheLayout) -> OptimizedEngine:
+    """The optimized engine of ``layout``; a Mamba group in another mode than plain
+    ``"align"`` (mode ``"none"``, speculative or prefill checkpoint blocks: the
+    ``mamba_modes`` setting it does not declare) is refused with
+    :class:`UnsupportedLayoutError`."""
+    for spec in layout.specs:
+        if isinstance(spec, MambaSpec) and (
+            not spec.is_align or spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks
+        ):
+            raise UnsupportedLayoutError(
+                "optimized: Mamba groups run in plain 'align' mode only (no mode 'none', "
+                f"speculative or prefill checkpoint blocks), got layout {layout.describe()}"
+            )
     return OptimizedEngine(layout)
 
 
 #: The production settings the optimized engine serves: the retention interval (dense,
-#: sparse, every ``k``; :mod:`reference.retention`). No EAGLE groups, admission caps or
-#: external loads.
+#: sparse, every ``k``; :mod:`reference.retention`). No EAGLE groups, admission caps,
+#: external loads or Mamba modes (``mamba_modes``).
 make_engine.production_settings = frozenset({"retention"})  # type: ignore[attr-defined]
 
 
@@ -213,7 +227,7 @@ def compiled_loops_note() -> str:
         return f"optimized: compiled loops on (numba {jit.numba.__version__})"
     return (
         "optimized: numpy paths (numba missing or KVCONFORM_JIT=0; the jit extra gives the "
-        "compiled loops, as CI and the README's figures run it)"
+        "compiled loops, as CI and the bench figures of docs/optimized.md run it)"
     )
 
 

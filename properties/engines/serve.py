@@ -35,6 +35,7 @@ from typing import Any, BinaryIO
 
 from properties.core.allocation import Allocation, allocate
 from properties.core.coverage_probe import start_measuring, stop_measuring
+from properties.core.declarations import read_declaration
 from properties.core.engine import (
     CachedBlock,
     CacheHit,
@@ -126,7 +127,7 @@ class EngineServer:
                 f"this server speaks protocol {PROTOCOL_VERSION}, the client asked for {version!r}"
             )
         result: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "name": self.name}
-        spec_types = getattr(self.factory, "spec_types", None)
+        spec_types = read_declaration(self.factory, "spec_types", "factory attribute")
         if spec_types is not None:
             result["spec_types"] = list(spec_types)
         settings = production_settings(self.factory)
@@ -139,6 +140,10 @@ class EngineServer:
         self.engine = None
         self.hits.clear()
         engine = self.factory(layout)
+        if engine is None:  # a factory that forgot its return: named, not "no engine yet"
+            raise ProtocolViolation(
+                f"the factory {self.name} returned None instead of an engine for the layout"
+            )
         self.engine = engine
         capabilities = [
             name
@@ -155,6 +160,9 @@ class EngineServer:
         return {
             "capabilities": capabilities,
             "separate_group_pools": bool(getattr(engine, "separate_group_pools", False)),
+            "lookahead_on_prefill_chunks": bool(
+                getattr(engine, "lookahead_on_prefill_chunks", True)
+            ),
         }
 
     def dispatch(self, call: str, args: dict) -> Any:

@@ -42,6 +42,7 @@ from properties.core.declarations import (
     check_layout_strategy,
     check_spec_types,
     check_version,
+    read_declaration,
 )
 from properties.core.engine import (
     EngineFactory,
@@ -100,7 +101,7 @@ class EngineUnderTest:
         fields = {
             "spec_types": check_spec_types(self.spec_types, f"{where}.spec_types"),
             "known_divergences": check_known_divergences(
-                self.known_divergences, f"{where}.known_divergences"
+                self.known_divergences, f"{where}.known_divergences", SYNC
             ),
             "production_settings": check_production_settings(
                 self.production_settings, f"{where}.production_settings"
@@ -121,20 +122,30 @@ class EngineUnderTest:
         -> 0.0 here (the child is killed after 5 s instead)."""
         return 0.0 if self.enforces_call_timeout else requested
 
-    def serving_mode(self, drawn: ServingMode, supports_serving_modes: bool) -> ServingMode:
+    def serving_mode(
+        self,
+        drawn: ServingMode,
+        supports_serving_modes: bool,
+        layout: KVCacheLayout | None = None,
+    ) -> ServingMode:
         """What the engine gets of a drawn serving mode: the default one when its engines
         lack the serving calls (:class:`properties.core.engine.SupportsServingModes`), no
         external hits (nor their asynchronous or failed loads) unless it declares the
-        ``external`` production setting. Example: ``ServingMode(async_scheduling=True,
+        ``external`` production setting, and the default one for a run of ``layout``
+        that a known divergence of a serving mode applies to
+        (:meth:`KnownDivergence.applies_to`). Example: ``ServingMode(async_scheduling=True,
         external_hits=True)`` for an engine declaring only ``retention`` ->
         ``ServingMode(async_scheduling=True)``."""
         if not supports_serving_modes:
             return SYNC
+        mode = drawn
         if "external" not in self.production_settings:
-            return dataclasses.replace(
-                drawn, external_hits=False, async_loads=False, load_failures=False
+            mode = dataclasses.replace(
+                mode, external_hits=False, async_loads=False, load_failures=False
             )
-        return drawn
+        if layout is not None and any(d.applies_to(layout, mode) for d in self.known_divergences):
+            return SYNC
+        return mode
 
     def close(self) -> None:
         """Stop the factory's child process, if it has one (exec and isolated engines)."""
@@ -154,13 +165,13 @@ def from_factory(name: str, factory: object) -> EngineUnderTest:
             f"--engine {name!r}: {type(factory).__name__} is not a callable factory"
         )
     where = f"--engine {name!r}: factory attribute"
-    declared = {a: getattr(factory, a, None) for a in DECLARED_ATTRIBUTES}
+    declared = {a: read_declaration(factory, a, where) for a in DECLARED_ATTRIBUTES}
     return EngineUnderTest(
         name=name,
         factory=factory,
         spec_types=check_spec_types(declared["spec_types"], f"{where} spec_types"),
         known_divergences=check_known_divergences(
-            declared["known_divergences"], f"{where} known_divergences"
+            declared["known_divergences"], f"{where} known_divergences", SYNC
         ),
         production_settings=check_production_settings(
             declared["production_settings"], f"{where} production_settings"

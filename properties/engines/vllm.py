@@ -2,7 +2,9 @@
 
 Run it with the interpreter of ``.engines/vllm`` (``bash ci/engines/vllm`` builds it);
 vLLM is imported lazily inside :func:`make_engine`, so importing this module never
-needs vLLM.
+needs vLLM. The package it imports is a parameter (:class:`V1CoreAPI`: the top-level
+package and the API differences of a fork), so a fork that ships vLLM's v1 core is
+driven by this same adapter (:mod:`properties.engines.aphrodite`).
 
 How our layout maps to vLLM objects
 -----------------------------------
@@ -14,7 +16,8 @@ How our layout maps to vLLM objects
   ``num_kv_heads``, ``head_size``, ``page_size_padded``, and ``dtype`` chosen by
   ``dtype_bytes`` (1: uint8, 2: float16, 4: float32, 8: float64), so vLLM's page size
   equals ours. ``MambaSpec(shapes, dtypes=(dtype,) * len(shapes), page_size_padded,
-  mamba_cache_mode="align")`` (no speculative or prefill-checkpoint blocks).
+  mamba_cache_mode, num_speculative_blocks, num_prefill_checkpoint_blocks,
+  prefill_checkpoint_alignment)`` (our fields, same names).
 * ``KVCacheManager(config, max_model_len, scheduler_block_size=layout.scheduler_block_size,
   hash_block_size=layout.hash_block_size, max_in_flight_tokens=layout.max_in_flight_tokens,
   enable_caching=layout.enable_caching, log_stats=on, enable_kv_cache_events=on)`` with
@@ -28,7 +31,11 @@ How our layout maps to vLLM objects
   does) and the prefix cache stats taken at every step must match the admissions;
   ``usage`` is checked at every step; ``free_queue`` compares ``get_all_free_blocks`` with
   the cursor walk ``iter_blocks_after``. With stats and events off, the stats must be
-  ``None`` and no event may come.
+  ``None`` and no event may come. Every step the blocks vLLM would zero
+  (``take_new_block_ids``) are checked against ``reference.zeroing.blocks_to_zero`` of
+  the blocks each allocation added; one layout in two (``observes_block_metrics``) gets
+  a KV block metrics collector sampling every block, whose eviction events and tracked
+  blocks are checked against ``reference.block_metrics.BlockLifecycles``.
 * Requests are vLLM ``Request`` objects (``SamplingParams(max_tokens=max_model_len)``),
   hashed by ``get_request_block_hasher(hash_block_size, sha256)`` when caching is on.
   ``cache_salt`` goes to ``Request(cache_salt=...)``; a LoRA name becomes
@@ -73,9 +80,11 @@ Not bridged / differences
 
 from __future__ import annotations
 
+import importlib
 import os
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from properties.core.engine import (
@@ -84,10 +93,14 @@ from properties.core.engine import (
     CacheHit,
     EngineError,
     KnownDivergence,
+    KnownDivergenceMet,
     RequestInput,
+    UnsupportedLayoutError,
     quiet_loggers,
 )
 from properties.core.modes import PRODUCTION_SETTINGS
+from reference.block_metrics import BlockLifecycles
+from reference.connector_blocks import blocks_covering
 from reference.layout import KVCacheLayout
 from reference.specs import (
     ChunkedLocalAttentionSpec,
@@ -96,78 +109,113 @@ from reference.specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from reference.zeroing import blocks_to_zero, needs_zeroing
 
 #: ``dtype_bytes`` -> name of the torch dtype that gives vLLM the same page size.
 DTYPE_BY_BYTES: dict[int, str] = {1: "uint8", 2: "float16", 4: "float32", 8: "float64"}
 
-_NONE_HASH_READY = False
+#: the packages whose ``init_none_hash`` ran in this process
+_NONE_HASH_READY: set[str] = set()
 
 
 def _fmt_args(args: Sequence[Any]) -> str:
     return ", ".join(repr(a) for a in args)
 
 
-def _call(name: str, args: Sequence[Any], fn: Any, *call_args: Any, **kwargs: Any) -> Any:
-    """Run one vLLM call; any exception becomes an :class:`EngineError` naming it.
+def call_engine(
+    label: str, name: str, args: Sequence[Any], fn: Any, *call_args: Any, **kwargs: Any
+) -> Any:
+    """Run one call of engine ``label``; any exception becomes an :class:`EngineError`
+    naming it.
 
     Example message: ``vllm: allocate_slots('r1', 4, 0) raised AssertionError: ...``.
     """
     try:
         return fn(*call_args, **kwargs)
+    except KnownDivergenceMet:
+        raise
     except Exception as exc:  # every engine failure is reported, never swallowed
         raise EngineError(
-            f"vllm: {name}({_fmt_args(args)}) raised {type(exc).__name__}: {exc}"
+            f"{label}: {name}({_fmt_args(args)}) raised {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def _call(name: str, args: Sequence[Any], fn: Any, *call_args: Any, **kwargs: Any) -> Any:
+    """:func:`call_engine` for vLLM (``vllm: ...`` messages)."""
+    return call_engine("vllm", name, args, fn, *call_args, **kwargs)
+
+
+@dataclass(frozen=True)
+class V1CoreAPI:
+    """A package that ships vLLM's v1 KV cache manager, and where its API differs.
+
+    ``root`` is the top-level package (``vllm``, or a fork's: ``aphrodite``): every name
+    the adapter imports lives at the same path under it (``ROOT.v1.core.kv_cache_manager``,
+    ``ROOT.v1.request``, ...), and its logging level is ``ROOT_LOGGING_LEVEL``.
+    ``lookahead_hashes``: ``KVCacheManager`` and ``get_request_block_hasher`` take
+    ``num_hash_lookahead_tokens``. ``lookup_bound``: ``get_computed_blocks`` takes the
+    hit bound (``max_cache_hit_length``). Example: vLLM 0.33 has both; a fork made
+    before they were added has neither.
+    """
+
+    root: str
+    label: str
+    release: str
+    lookahead_hashes: bool = True
+    lookup_bound: bool = True
+
+
+#: vLLM 0.33.0 itself.
+VLLM_API = V1CoreAPI(root="vllm", label="vllm", release="vLLM 0.33.0")
 
 
 class _VLLM:
-    """The vLLM names the adapter uses, imported once by :func:`_import_vllm`."""
+    """The names of a v1 core (:class:`V1CoreAPI`) the adapter uses, imported once by
+    :func:`_import_vllm`."""
 
-    def __init__(self) -> None:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    def __init__(self, api: V1CoreAPI = VLLM_API) -> None:
+        root = api.root
+        os.environ.setdefault(f"{root.upper()}_LOGGING_LEVEL", "ERROR")
         import torch
-        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-        from vllm.lora.request import LoRARequest
-        from vllm.sampling_params import SamplingParams
-        from vllm.utils.hashing import sha256
-        from vllm.v1 import kv_cache_interface as kvi
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.core.kv_cache_utils import (
-            get_block_hash,
-            get_group_id,
-            get_request_block_hasher,
-            init_none_hash,
-            maybe_convert_block_hash,
-        )
-        from vllm.v1.request import Request, RequestStatus
 
+        def module(path: str) -> Any:
+            return importlib.import_module(f"{root}.{path}")
+
+        kv_events = module("distributed.kv_events")
+        utils = module("v1.core.kv_cache_utils")
+        request = module("v1.request")
+        self.api = api
         self.torch = torch
-        self.kvi = kvi
-        self.KVCacheManager = KVCacheManager
-        self.Request = Request
-        self.RequestStatus = RequestStatus
-        self.SamplingParams = SamplingParams
-        self.LoRARequest = LoRARequest
-        self.sha256 = sha256
-        self.get_request_block_hasher = get_request_block_hasher
-        self.init_none_hash = init_none_hash
-        self.events = (AllBlocksCleared, BlockRemoved, BlockStored)
-        self.pool_key = (get_group_id, get_block_hash, maybe_convert_block_hash)
-        quiet_loggers("vllm")
+        self.kvi = module("v1.kv_cache_interface")
+        self.KVCacheManager = module("v1.core.kv_cache_manager").KVCacheManager
+        self.Request = request.Request
+        self.RequestStatus = request.RequestStatus
+        self.SamplingParams = module("sampling_params").SamplingParams
+        self.LoRARequest = module("lora.request").LoRARequest
+        self.sha256 = module("utils.hashing").sha256
+        self.get_request_block_hasher = utils.get_request_block_hasher
+        self.init_none_hash = utils.init_none_hash
+        self.events = (kv_events.AllBlocksCleared, kv_events.BlockRemoved, kv_events.BlockStored)
+        self.pool_key = (utils.get_group_id, utils.get_block_hash, utils.maybe_convert_block_hash)
+        quiet_loggers(root)
+
+    def call(self, name: str, args: Sequence[Any], fn: Any, *call_args: Any, **kwargs: Any) -> Any:
+        """:func:`call_engine` under this package's label."""
+        return call_engine(self.api.label, name, args, fn, *call_args, **kwargs)
 
 
-def _import_vllm() -> _VLLM:
-    global _NONE_HASH_READY
+def _import_vllm(api: V1CoreAPI = VLLM_API) -> _VLLM:
+    """The names of ``api``'s package, imported (its none hash set once per process)."""
     try:
-        v = _VLLM()
+        v = _VLLM(api)
     except ImportError as exc:
         raise EngineError(
-            f"vllm: cannot import vLLM 0.33.0 ({exc}); run ci/engines/vllm and use "
-            ".engines/vllm/bin/python"
+            f"{api.label}: cannot import {api.release} ({exc}); run ci/engines/{api.label} "
+            f"and use .engines/{api.label}/bin/python"
         ) from exc
-    if not _NONE_HASH_READY:
+    if api.root not in _NONE_HASH_READY:
         v.init_none_hash(v.sha256)
-        _NONE_HASH_READY = True
+        _NONE_HASH_READY.add(api.root)
     return v
 
 
@@ -175,7 +223,8 @@ def _dtype(v: _VLLM, owner: str, dtype_bytes: int) -> Any:
     name = DTYPE_BY_BYTES.get(dtype_bytes)
     if name is None:
         raise EngineError(
-            f"vllm: {owner}.dtype_bytes must be one of {sorted(DTYPE_BY_BYTES)}, got {dtype_bytes}"
+            f"{v.api.label}: {owner}.dtype_bytes must be one of {sorted(DTYPE_BY_BYTES)}, "
+            f"got {dtype_bytes}"
         )
     return getattr(v.torch, name)
 
@@ -196,7 +245,10 @@ def to_vllm_spec(v: _VLLM, spec: KVCacheSpec) -> Any:
             shapes=tuple(spec.shapes),
             dtypes=(dtype,) * len(spec.shapes),
             page_size_padded=spec.page_size_padded,
-            mamba_cache_mode="align",
+            mamba_cache_mode=spec.mamba_cache_mode,
+            num_speculative_blocks=spec.num_speculative_blocks,
+            num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
+            prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment,
         )
     common: dict[str, Any] = {}
     if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)):
@@ -215,7 +267,7 @@ def to_vllm_spec(v: _VLLM, spec: KVCacheSpec) -> Any:
         return kvi.ChunkedLocalAttentionSpec(
             attention_chunk_size=spec.attention_chunk_size, **common
         )
-    raise EngineError(f"vllm: no vLLM spec for {owner} {spec!r}")
+    raise EngineError(f"{v.api.label}: no {v.api.release} spec for {owner} {spec!r}")
 
 
 def observes_stats_and_events(layout: KVCacheLayout) -> bool:
@@ -229,6 +281,19 @@ def observes_stats_and_events(layout: KVCacheLayout) -> bool:
     event.
     """
     return zlib.crc32(layout.describe().encode()) % 4 != 0
+
+
+def observes_block_metrics(layout: KVCacheLayout) -> bool:
+    """Whether the adapter gives vLLM's manager a KV block metrics collector: for one
+    layout in two, ``crc32("metrics:" + layout.describe()) % 2 == 0`` (so vLLM's paths
+    without a collector run too; a replay builds the same manager), and never for a
+    Mamba group with speculative blocks: kvconform's block lifecycles
+    (:class:`BlockLifecycles`) do not model the relocation of those blocks (full bs 1 +
+    Mamba bs 1 with 4 speculative blocks: vLLM emits no eviction event where the
+    lifecycles expect one with 0 reuse gaps; an open gap, not a finding yet)."""
+    if any(isinstance(s, MambaSpec) and s.num_speculative_blocks for s in layout.specs):
+        return False
+    return zlib.crc32(("metrics:" + layout.describe()).encode()) % 2 == 0
 
 
 class VLLMEngine:
@@ -253,10 +318,17 @@ class VLLMEngine:
         )
         #: whether vLLM's manager keeps prefix cache stats, and emits KV cache events
         self._stats_on = self._events_on = observes_stats_and_events(layout)
+        #: vLLM's KV block metrics collector (every block sampled; one layout in two) and
+        #: the lifecycles kvconform expects it to record
+        self._metrics: Any = None
+        if observes_block_metrics(layout):
+            metrics = importlib.import_module(f"{v.api.root}.v1.core.kv_cache_metrics")
+            self._metrics = metrics.KVCacheMetricsCollector(sample_rate=1.0)
+        self._lifecycles = BlockLifecycles(layout.enable_caching)
         self._build_manager()
         self._hasher = (
             v.get_request_block_hasher(
-                layout.hash_block_size, v.sha256, layout.num_hash_lookahead_tokens
+                layout.hash_block_size, v.sha256, *self._lookahead_option().values()
             )
             if layout.enable_caching
             else None
@@ -271,17 +343,35 @@ class VLLMEngine:
         self._announced: set[tuple[int, Any]] = set()
         #: whether _drain_events checks the events against the pool (HasSelfChecks)
         self._self_checks = True
+        #: per allocation since the last step, the blocks it added to the request's table
+        self._added: list[tuple[tuple[int, ...], ...]] = []
         #: (tokens, hit tokens, preempted) of each admission recorded since the last step
         self._admissions: list[tuple[int, int, bool]] = []
         #: whether reset_prefix_cache succeeded since the last step
         self._reset_since_stats = False
+        #: (block id, group, tokens) -> the CachedBlock handed out for it
+        self._cached_entries: dict[tuple[int, int, int], CachedBlock] = {}
+
+    def _lookahead_option(self) -> dict[str, int]:
+        """``num_hash_lookahead_tokens`` for the manager and the hasher, where the package
+        takes it (:attr:`V1CoreAPI.lookahead_hashes`; the factory's divergences keep
+        layouts with lookahead hashes away from one that does not)."""
+        lookahead = self.layout.num_hash_lookahead_tokens
+        if self._v.api.lookahead_hashes:
+            return {"num_hash_lookahead_tokens": lookahead}
+        if lookahead:
+            raise UnsupportedLayoutError(
+                f"{self.name}: {self._v.api.release} has no lookahead hashes "
+                f"(num_hash_lookahead_tokens={lookahead})"
+            )
+        return {}
 
     def _build_manager(self) -> None:
         """vLLM's ``KVCacheManager`` of the layout, with stats and events as set."""
         layout, v = self.layout, self._v
         # vLLM's scheduler turns the block drop off when lookahead hashes are on
         drop_eagle = layout.use_eagle and layout.num_hash_lookahead_tokens == 0
-        self.manager = _call(
+        self.manager = self._v.call(
             "KVCacheManager",
             (layout.describe(),),
             v.KVCacheManager,
@@ -292,9 +382,10 @@ class VLLMEngine:
             max_in_flight_tokens=layout.max_in_flight_tokens,
             enable_caching=layout.enable_caching,
             use_eagle=drop_eagle,
-            num_hash_lookahead_tokens=layout.num_hash_lookahead_tokens,
             log_stats=self._stats_on,
             enable_kv_cache_events=self._events_on,
+            **self._lookahead_option(),
+            metrics_collector=self._metrics,
         )
         self._record_estimates(self.manager.coordinator)
 
@@ -303,7 +394,7 @@ class VLLMEngine:
         default: prefix cache stats on (unless ``--disable-log-stats``), KV cache events
         off (unless a KV events config is given). Only before the first request."""
         if self._used:
-            raise EngineError("vllm: build_as_deployed() after requests were added")
+            raise EngineError(f"{self.name}: build_as_deployed() after requests were added")
         if (self._stats_on, self._events_on) != (True, False):
             self._stats_on, self._events_on = True, False
             self._build_manager()
@@ -321,13 +412,17 @@ class VLLMEngine:
             return need
 
         coordinator.get_num_blocks_to_allocate = recording
+        for gid, manager in enumerate(coordinator.single_type_managers):
+            spec = self.layout.groups[gid].spec
+            if isinstance(spec, MambaSpec) and spec.is_align and spec.num_speculative_blocks:
+                _stop_at_negative_estimate(manager, gid)
 
     # -- helpers -------------------------------------------------------------
     def _request(self, request_id: str) -> Any:
         try:
             return self.requests[request_id]
         except KeyError:
-            raise EngineError(f"vllm: unknown request {request_id!r}") from None
+            raise EngineError(f"{self.name}: unknown request {request_id!r}") from None
 
     def _lora(self, name: str | None) -> Any:
         if name is None:
@@ -345,7 +440,7 @@ class VLLMEngine:
     def add_request(self, request: RequestInput) -> None:
         rid = request.request_id
         if rid in self.requests:
-            raise EngineError(f"vllm: request {rid!r} added twice")
+            raise EngineError(f"{self.name}: request {rid!r} added twice")
         v = self._v
         # every other request asks for events of its reused blocks too (vLLM's "full"
         # report mode), the others for newly cached blocks only ("incremental")
@@ -355,7 +450,7 @@ class VLLMEngine:
             max_tokens=max(1, self.layout.max_model_len),
             extra_args={"kv_cache_report_mode": mode},
         )
-        self.requests[rid] = _call(
+        self.requests[rid] = self._v.call(
             "Request",
             (rid, len(request.prompt_token_ids)),
             v.Request,
@@ -370,7 +465,7 @@ class VLLMEngine:
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         req = self._request(request_id)
-        _call(
+        self._v.call(
             "append_output_token_ids",
             (request_id, list(token_ids)),
             req.append_output_token_ids,
@@ -382,7 +477,7 @@ class VLLMEngine:
         limit = req.num_tokens + req.num_output_placeholders
         if num_computed_tokens < 0 or num_computed_tokens > limit:
             raise EngineError(
-                f"vllm: set_num_computed_tokens({request_id!r}, {num_computed_tokens}): "
+                f"{self.name}: set_num_computed_tokens({request_id!r}, {num_computed_tokens}): "
                 f"num_computed_tokens must be in [0, {limit}] (tokens + placeholders)"
             )
         req.num_computed_tokens = num_computed_tokens
@@ -391,13 +486,77 @@ class VLLMEngine:
 
     def new_step(self) -> None:
         self._drain_events()
-        stats = _call("make_prefix_cache_stats", (), self.manager.make_prefix_cache_stats)
+        self._check_zeroing()
+        self._check_block_metrics()
+        self._check_connector_blocks()
+        stats = self._v.call("make_prefix_cache_stats", (), self.manager.make_prefix_cache_stats)
         if self._self_checks:
             self._check_stats(stats)
             self._check_usage()
         self._admissions.clear()
         self._reset_since_stats = False
-        _call("new_step_starts", (), self.manager.new_step_starts)
+        self._v.call("new_step_starts", (), self.manager.new_step_starts)
+
+    def _check_zeroing(self) -> None:
+        """vLLM's blocks to zero since the last step (``take_new_block_ids``, drained every
+        step as its scheduler does) against :func:`reference.zeroing.blocks_to_zero` of
+        the blocks each allocation added (the tables before and after, hits excluded).
+        Example: full + Mamba, ``r0`` allocated full (1, 2) and Mamba (3): ``[1, 2]``."""
+        got = list(self._v.call("take_new_block_ids", (), self.manager.take_new_block_ids))
+        added, self._added = self._added, []
+        if not self._self_checks:
+            return
+        want = blocks_to_zero(self.layout, added)
+        if got != want:
+            raise EngineError(
+                f"vllm: take_new_block_ids gave {got}; the blocks the step's allocations "
+                f"added to attention groups are {want} (zeroing "
+                f"{'on' if needs_zeroing(self.layout) else 'off'})"
+            )
+
+    def _check_connector_blocks(self) -> None:
+        """What vLLM would tell a KV connector covers each live request's computed tokens
+        (``get_block_ids_for_computed_tokens``) against
+        :func:`reference.connector_blocks.blocks_covering` of its rows."""
+        if not self._self_checks:
+            return
+        for rid, req in self.requests.items():
+            n = req.num_computed_tokens
+            got = self._v.call(
+                "get_block_ids_for_computed_tokens",
+                (rid, n),
+                self.manager.get_block_ids_for_computed_tokens,
+                rid,
+                n,
+            )
+            got = tuple(tuple(row) for row in got)
+            want = blocks_covering(self.layout, self.manager.get_block_ids(rid), n)
+            if got != want:
+                raise EngineError(
+                    f"vllm: get_block_ids_for_computed_tokens({rid!r}, {n}) gave {got}; the "
+                    f"rows cut to {n} computed tokens are {want}"
+                )
+
+    def _check_block_metrics(self) -> None:
+        """With a metrics collector: the eviction events vLLM's collector emitted since
+        the last step (their numbers of reuse gaps) and the blocks it tracks against
+        :class:`reference.block_metrics.BlockLifecycles` fed with the blocks the
+        adapter's allocations handed out and its hits adopted. Example: a block cached,
+        hit twice, then reused: one event with one gap."""
+        if self._metrics is None:
+            return
+        events = self._metrics.drain_events()
+        want = self._lifecycles.take_events()
+        if not self._self_checks:
+            return
+        got = [len(e.reuse_gaps_seconds) for e in events]
+        tracked = set(self._metrics.block_metrics)
+        if got != want or tracked != set(self._lifecycles.accesses):
+            raise EngineError(
+                f"vllm: the block metrics collector emitted events with {got} reuse gaps "
+                f"and tracks {sorted(tracked)}; kvconform's lifecycles give {want} and "
+                f"{sorted(self._lifecycles.accesses)}"
+            )
 
     def _check_stats(self, stats: Any) -> None:
         """vLLM's prefix cache stats of a step against the admissions the adapter recorded.
@@ -410,7 +569,9 @@ class VLLMEngine:
         """
         if not self._stats_on:
             if stats is not None:
-                raise EngineError(f"vllm: make_prefix_cache_stats gave {stats!r} with stats off")
+                raise EngineError(
+                    f"{self.name}: make_prefix_cache_stats gave {stats!r} with stats off"
+                )
             return
         got = (
             stats.requests + stats.preempted_requests,
@@ -426,7 +587,7 @@ class VLLMEngine:
         )
         if got != want:
             raise EngineError(
-                f"vllm: prefix cache stats (requests, queries, hits, reset) = {got}, "
+                f"{self.name}: prefix cache stats (requests, queries, hits, reset) = {got}, "
                 f"the step's admissions give {want}"
             )
 
@@ -435,11 +596,11 @@ class VLLMEngine:
 
         Example: 7 blocks (6 usable), 3 free: usage 0.5.
         """
-        usage = _call("usage", (), lambda: self.manager.usage)
+        usage = self._v.call("usage", (), lambda: self.manager.usage)
         usable = self.layout.num_blocks - 1
         want = 1.0 - self.num_free_blocks() / usable if usable else 0
         if abs(usage - want) > 1e-9:
-            raise EngineError(f"vllm: usage {usage} != 1 - free / usable blocks = {want}")
+            raise EngineError(f"{self.name}: usage {usage} != 1 - free / usable blocks = {want}")
 
     def disable_self_checks(self) -> None:
         """Stop the adapter's own checks of vLLM (KV events against the pool, prefix cache
@@ -451,9 +612,9 @@ class VLLMEngine:
         names a hash a BlockStored announced (since the last AllBlocksCleared), and every
         hash the pool holds was announced. Example: a block cached and evicted in one step
         gives BlockStored([h]) then BlockRemoved([h]), and ``h`` leaves the pool."""
-        events = _call("take_events", (), self.manager.take_events)
+        events = self._v.call("take_events", (), self.manager.take_events)
         if not self._events_on and events:
-            raise EngineError(f"vllm: take_events gave {events!r} with events off")
+            raise EngineError(f"{self.name}: take_events gave {events!r} with events off")
         if not self._self_checks or not self._events_on:
             return
         cleared, removed, stored = self._v.events
@@ -465,12 +626,12 @@ class VLLMEngine:
             if isinstance(event, stored):
                 self._announced.update(keys)
             elif isinstance(event, removed) and not self._announced.issuperset(keys):
-                raise EngineError(f"vllm: KV event {event!r} removes a hash never stored")
+                raise EngineError(f"{self.name}: KV event {event!r} removes a hash never stored")
         group_of, hash_of, external = self._v.pool_key
         for key in self._pool.cached_block_hash_to_block._cache:
             if (group_of(key), external(hash_of(key))) not in self._announced:
                 raise EngineError(
-                    f"vllm: the pool caches hash {hash_of(key).hex()} of group "
+                    f"{self.name}: the pool caches hash {hash_of(key).hex()} of group "
                     f"{group_of(key)} that no BlockStored event announced"
                 )
 
@@ -479,8 +640,8 @@ class VLLMEngine:
         # the "full" report-mode requests pass vLLM's default bound (tokens - 1)
         # explicitly, as vLLM's scheduler does when it bounds the lookup itself
         explicit = req.sampling_params.extra_args["kv_cache_report_mode"] == "full"
-        bound = (req.num_tokens - 1,) if explicit else ()
-        blocks, num_tokens, junction = _call(
+        bound = (req.num_tokens - 1,) if explicit and self._v.api.lookup_bound else ()
+        blocks, num_tokens, junction = self._v.call(
             "get_computed_blocks",
             (request_id, *bound),
             self.manager.get_computed_blocks,
@@ -511,7 +672,7 @@ class VLLMEngine:
             kept = self._hits.pop(request_id, None)
             if kept is None or kept[0] != hit:
                 raise EngineError(
-                    f"vllm: allocate_slots({request_id!r}) got a hit this adapter did not "
+                    f"{self.name}: allocate_slots({request_id!r}) got a hit this adapter did not "
                     f"return from its last get_computed_blocks({request_id!r})"
                 )
             blocks = kept[1]
@@ -519,7 +680,8 @@ class VLLMEngine:
         if num_external_computed_tokens or delay_cache_blocks:
             args += (num_external_computed_tokens, delay_cache_blocks)
         self._estimate = None
-        new = _call(
+        before = self.manager.get_block_ids(request_id)
+        new = self._v.call(
             "allocate_slots",
             args,
             self.manager.allocate_slots,
@@ -534,9 +696,27 @@ class VLLMEngine:
         )
         if new is None:
             return None
+        hit_rows = () if hit is None else hit.block_ids
+        after = self.manager.get_block_ids(request_id)
+        # per position: a block freed from the row (a window's skipped block, a hit's
+        # block among them) may come back at another position in the same call, so a
+        # set difference would miss it
+        added = tuple(
+            tuple(
+                b
+                for i, b in enumerate(row)
+                if b
+                and (i >= len(old) or old[i] != b)
+                and not (g < len(hit_rows) and i < len(hit_rows[g]) and hit_rows[g][i] == b)
+            )
+            for g, (old, row) in enumerate(zip(before, after))
+        )
+        self._added.append(added)
+        self._lifecycles.adopted(b for row in hit_rows for b in row if b)
+        self._lifecycles.handed_out(b for row in added for b in row)
         if hit is not None:
             # vLLM's scheduler records the lookup at admission (allocation succeeded)
-            _call(
+            self._v.call(
                 "record_prefix_cache_stats",
                 (request_id, hit.num_tokens),
                 self.manager.record_prefix_cache_stats,
@@ -563,11 +743,12 @@ class VLLMEngine:
 
     def cache_blocks(self, request_id: str, num_tokens: int) -> None:
         req = self._request(request_id)
-        _call("cache_blocks", (request_id, num_tokens), self.manager.cache_blocks, req, num_tokens)
+        args = (request_id, num_tokens)
+        self._v.call("cache_blocks", args, self.manager.cache_blocks, req, num_tokens)
 
     def free(self, request_id: str) -> None:
         req = self._request(request_id)
-        _call("free", (request_id,), self.manager.free, req)
+        self._v.call("free", (request_id,), self.manager.free, req)
         self._hits.pop(request_id, None)
 
     def remove_request(self, request_id: str) -> None:
@@ -575,13 +756,15 @@ class VLLMEngine:
         self._hits.pop(request_id, None)
 
     def reset_prefix_cache(self) -> bool:
-        done = bool(_call("reset_prefix_cache", (), self.manager.reset_prefix_cache))
+        done = bool(self._v.call("reset_prefix_cache", (), self.manager.reset_prefix_cache))
+        if done:
+            self._lifecycles.reset()
         self._reset_since_stats = self._reset_since_stats or done
         self._drain_events()
         return done
 
     def get_block_ids(self, request_id: str) -> BlockIds:
-        ids = _call("get_block_ids", (request_id,), self.manager.get_block_ids, request_id)
+        ids = self._v.call("get_block_ids", (request_id,), self.manager.get_block_ids, request_id)
         return tuple(tuple(group) for group in ids)
 
     def num_free_blocks(self) -> int:
@@ -601,12 +784,13 @@ class VLLMEngine:
         """The free list from the front (next to allocate) to the back (vLLM's own walk,
         ``FreeKVCacheBlockQueue.get_all_free_blocks``)."""
         queue = self._pool.free_block_queue
-        ids = [b.block_id for b in _call("get_all_free_blocks", (), queue.get_all_free_blocks)]
+        free = self._v.call("get_all_free_blocks", (), queue.get_all_free_blocks)
+        ids = [b.block_id for b in free]
         if self._self_checks:
             # vLLM's cursor walk (what its offloading connector uses) gives the same order,
             # from the head (cursor None) and from after the first block
             def walk(cursor: Any) -> list[int]:
-                blocks = _call(
+                blocks = self._v.call(
                     "iter_blocks_after", (cursor,), list, queue.iter_blocks_after(cursor)
                 )
                 return [b.block_id for b in blocks]
@@ -615,7 +799,7 @@ class VLLMEngine:
             after_first = walk(queue.fake_free_list_head.next_free_block) if ids else []
             if walked != ids or after_first != ids[1:]:
                 raise EngineError(
-                    f"vllm: free queue walks differ: get_all_free_blocks {ids}, "
+                    f"{self.name}: free queue walks differ: get_all_free_blocks {ids}, "
                     f"iter_blocks_after(None) {walked}, after the first {after_first}"
                 )
         return ids
@@ -629,15 +813,45 @@ class VLLMEngine:
         ``cached_block_hashes_by_block`` without a token count) are not reported.
         """
         out: list[CachedBlock] = []
+        # the checks read the cached blocks after every lookup and commit: an entry seen
+        # before is handed out again (CachedBlock is frozen) instead of built anew
+        seen = self._cached_entries
         for key, entry in self._pool.cached_block_hash_to_block._cache.items():
             group_id = int.from_bytes(key[-4:], "big")
             entries = entry.values() if isinstance(entry, dict) else (entry,)
             for block in entries:
                 if block.block_hash == key and block.block_hash_num_tokens is not None:
-                    out.append(
-                        CachedBlock(block.block_id, group_id, int(block.block_hash_num_tokens))
-                    )
+                    fields = (block.block_id, group_id, int(block.block_hash_num_tokens))
+                    cached = seen.get(fields)
+                    if cached is None:
+                        cached = seen[fields] = CachedBlock(*fields)
+                    out.append(cached)
         return out
+
+
+#: The known divergence of a Mamba group's estimate below zero (met at run time).
+NEGATIVE_MAMBA_ESTIMATE = "vllm-mamba-negative-estimate-after-rollback"
+
+
+def _stop_at_negative_estimate(manager: Any, group_id: int) -> None:
+    """Wrap this Mamba manager's ``get_num_blocks_to_allocate`` (on the instance only) to
+    raise :class:`KnownDivergenceMet` when it returns fewer than 0 blocks: vLLM 0.33's
+    align-mode estimate after a step scheduled fewer tokens than the last one (a rejected
+    draft's columns are still held), which the coordinator adds to the other groups' needs
+    (``findings/vllm/mamba-negative-estimate-after-rollback.md``). Example: k 4, bs 4, a
+    draft step to 11 tokens then a step to 8 -> -1: the example stops."""
+    estimate = manager.get_num_blocks_to_allocate
+
+    def checked(request_id: str, *args: Any, **kwargs: Any) -> Any:
+        need = estimate(request_id, *args, **kwargs)
+        if need < 0:
+            raise KnownDivergenceMet(
+                NEGATIVE_MAMBA_ESTIMATE,
+                f"Mamba group {group_id} estimated {need} blocks for request {request_id!r}",
+            )
+        return need
+
+    manager.get_num_blocks_to_allocate = checked
 
 
 def make_engine(layout: KVCacheLayout) -> VLLMEngine:
@@ -663,8 +877,33 @@ def _lookahead_past_the_hashes(layout: KVCacheLayout) -> bool:
     )
 
 
+def _mamba_prefill_checkpoints(layout: KVCacheLayout) -> bool:
+    """A Mamba group with prefill checkpoint blocks, with prefix caching on."""
+    return layout.enable_caching and any(
+        isinstance(s, MambaSpec) and s.has_prefill_checkpoints for s in layout.specs
+    )
+
+
 #: vLLM 0.33 behaviours that break a property; see findings/vllm/.
 KNOWN_DIVERGENCES = (
+    KnownDivergence(
+        name="vllm-mamba-checkpoint-inside-drafts",
+        summary="with Mamba prefill checkpoint blocks, a decode chunk whose drafts cross a "
+        "hash block boundary reserves a checkpoint past the request's hashed tokens, and "
+        "cache_blocks asserts in BlockPool.cache_partial_block (allocate_slots raises)",
+        finding="findings/vllm/mamba-checkpoint-inside-drafts.md",
+        applies=_mamba_prefill_checkpoints,
+        modes=lambda mode: mode.num_draft_tokens > 0,
+    ),
+    KnownDivergence(
+        name=NEGATIVE_MAMBA_ESTIMATE,
+        summary="an align-mode Mamba group with speculative blocks estimates fewer than 0 "
+        "blocks when a step schedules fewer tokens than the last (rejected or fewer drafts), "
+        "hiding another group's need from the pool check (vLLM issue 39271's scenario)",
+        finding="findings/vllm/mamba-negative-estimate-after-rollback.md",
+        applies=lambda layout: False,
+        at_run_time=True,
+    ),
     KnownDivergence(
         name="vllm-lookahead-hash-index-error",
         summary="get_computed_blocks raises IndexError with num_hash_lookahead_tokens >= 2 "

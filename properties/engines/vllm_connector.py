@@ -18,7 +18,11 @@ Rules:
   ids per group and ``e``); an asynchronous load with ``e > 0`` is queued for the worker
   (:meth:`take_loads`);
 * ``request_finished_all_groups(request, block_ids)`` records the block ids told at the
-  end and never delays the free (a best-effort cache: ``requires_kv_delivery`` False).
+  end and delays the free when ``saves(request_id)`` (then the blocks wait for the
+  worker's ``finished_sending``: :meth:`take_saves`; a best-effort cache:
+  ``requires_kv_delivery`` False); while saves are pending,
+  ``has_pending_block_frees`` is True (the scheduler waits instead of preempting);
+* ``reset_cache()`` calls ``reset`` (the harness empties the store).
 
 Worked example: the store holds 8 tokens of ``r1``'s prompt; vLLM admits ``r1`` with no
 device hit: ``get_num_new_matched_tokens(r1, 0) == (8, False)``, then
@@ -60,6 +64,14 @@ def _no_store(request_id: str, token_ids: tuple[int, ...], num_computed_tokens: 
     return 0
 
 
+def _never(request_id: str) -> bool:
+    return False
+
+
+def _nothing() -> None:
+    return None
+
+
 class KVConformConnector(KVConnectorBase_V1, SupportsHMA):
     """The stub (module docstring); ``lookup`` and ``asynchronous`` are set by the
     harness after vLLM builds it."""
@@ -68,6 +80,16 @@ class KVConformConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.lookup: Lookup = _no_store
         self.asynchronous = False
+        #: whether a request's blocks are saved (kept) at its end
+        self.saves: Callable[[str], bool] = _never
+        #: empties the store (``reset_cache``)
+        self.reset: Callable[[], None] = _nothing
+        #: saves started and not handed to a step yet (:meth:`take_saves`)
+        self._saves: list[str] = []
+        #: saves not reported done by the worker yet
+        self._pending_saves: set[str] = set()
+        #: asynchronous loads not reported done by the worker yet
+        self._unreported: set[str] = set()
         #: every admission's and end's blocks, in call order (the harness drains it)
         self.told: list[Told] = []
         #: asynchronous loads started and not reported by the worker yet
@@ -91,19 +113,43 @@ class KVConformConnector(KVConnectorBase_V1, SupportsHMA):
         self.told.append(Told(request.request_id, ids, num_external_tokens))
         if self.asynchronous and num_external_tokens > 0:
             self._loads.append(request.request_id)
+            self._unreported.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return KVConnectorMetadata()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
-        self.told.append(Told(request.request_id, (tuple(block_ids),), None))
-        return False, None
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, None]:
         self.told.append(Told(request.request_id, tuple(tuple(g) for g in block_ids), None))
-        return False, None
+        # a request whose asynchronous load is not reported yet has nothing to save
+        # (vLLM frees such a request's blocks when its load is reported, save or not)
+        saves = self.saves(request.request_id) and request.request_id not in self._unreported
+        if saves:
+            self._saves.append(request.request_id)
+            self._pending_saves.add(request.request_id)
+        return saves, None
+
+    def has_pending_block_frees(self) -> bool:
+        return bool(self._pending_saves)
+
+    def reset_cache(self) -> bool:
+        self.reset()
+        return True
+
+    def take_saves(self) -> list[str]:
+        """The saves started since the last call (the worker reports them with the
+        output of the step scheduled now)."""
+        saves, self._saves = self._saves, []
+        return saves
+
+    def saved(self, loads: list[str], saves: list[str]) -> None:
+        """The worker reported these loads and saves done."""
+        self._unreported.difference_update(loads)
+        self._pending_saves.difference_update(saves)
 
     def take_loads(self) -> list[str]:
         """The asynchronous loads started since the last call (the worker reports them)."""

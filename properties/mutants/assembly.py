@@ -17,7 +17,7 @@ from reference.block_pool import BlockPool
 from reference.coordinator import HybridCoordinator
 from reference.kv_cache_manager import KVCacheManager
 from reference.layout import KVCacheLayout
-from reference.managers import SingleTypeKVCacheManager
+from reference.managers import MambaManager, SingleTypeKVCacheManager
 
 ManagerClass = type[SingleTypeKVCacheManager]
 
@@ -68,6 +68,9 @@ def mutated_manager(
             )
             r.max_admission_blocks = m.max_admission_blocks
             r.use_eagle, r.eagle_replay = m.use_eagle, m.eagle_replay
+            if isinstance(m, MambaManager):  # the settings the coordinator gave it
+                r.drop_eagle_checkpoint = m.drop_eagle_checkpoint
+                r.num_hash_lookahead_tokens = m.num_hash_lookahead_tokens
             replaced.append(r)
         coord.managers = replaced
         if isinstance(coord, HybridCoordinator):

@@ -252,6 +252,7 @@ class _EvictableHitsForgotten:
         total_computed_tokens: int,
         num_tokens_main: int,
         apply_admission_cap: bool = False,
+        prefill_end: int = 0,
     ) -> int:
         held = [self.null_block] * len(new_computed_blocks)  # type: ignore[attr-defined]
         return super().get_num_blocks_to_allocate(  # type: ignore[misc]
@@ -261,6 +262,7 @@ class _EvictableHitsForgotten:
             total_computed_tokens,
             num_tokens_main,
             apply_admission_cap,
+            prefill_end,
         )
 
 

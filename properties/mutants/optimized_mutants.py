@@ -24,9 +24,12 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from optimized.control import key_index
 from optimized.control.block_pool import NOT_QUEUED, FreeBlockQueue
-from optimized.control.compiled_decode import LoudPass, compiled_pass, loud_pass
+from optimized.control.compiled_decode import THRESHOLD, LoudPass, compiled_pass, loud_pass
 from optimized.control.coordinator import HybridCoordinator
+from optimized.control.jit import compiled
+from optimized.control.key_index import ArrayKeyIndex
 from optimized.control.kv_cache_manager import KVCacheManager
 from optimized.control.managers import (
     ChunkedLocalAttentionManager,
@@ -206,6 +209,64 @@ def make_slot_mapping_off_by_one_block(layout: KVCacheLayout) -> OptimizedMutant
     return _OffByOneSlotEngine(layout, "slot_mapping_off_by_one_block")
 
 
+def remove_leaving_a_hole(heads, words, links, block_group, block, group) -> None:
+    """:func:`optimized.control.key_index.remove_block` with a deletion that empties the
+    slot of a key's last block without shifting the later entries of its probe run back:
+    a key placed past the hole (its home taken when it was added) is no longer found."""
+    s = key_index._find(heads, words, block_group, words, block, group)
+    if s < 0:
+        return
+    head = heads[s]
+    after = links[block, key_index.NEXT]
+    if head == block:
+        if after < 0:
+            heads[s] = key_index.EMPTY  # BUG: no backward shift of the run after the slot
+        else:
+            heads[s] = after
+            links[after, key_index.PREV] = links[block, key_index.PREV]
+        return
+    before = links[block, key_index.PREV]
+    links[before, key_index.NEXT] = after
+    if after < 0:
+        links[head, key_index.PREV] = before
+    else:
+        links[after, key_index.PREV] = before
+
+
+_remove_leaving_a_hole = compiled(remove_leaving_a_hole) or remove_leaving_a_hole
+
+
+class HoleOnDeleteKeyIndex(ArrayKeyIndex):
+    """The key index whose evictions (one block, or a prefill's popped blocks) leave holes
+    in the table's probe runs (:func:`remove_leaving_a_hole`)."""
+
+    def remove(self, block: int, group: int) -> None:
+        _remove_leaving_a_hole(self.heads, self.words, self.links, self.block_group, block, group)
+
+    def remove_many(self, blocks: np.ndarray, num_cached_tokens: np.ndarray) -> None:
+        for block in blocks.tolist():
+            group = int(self.block_group[block])
+            _remove_leaving_a_hole(
+                self.heads, self.words, self.links, self.block_group, block, group
+            )
+            self.block_group[block] = -1
+            num_cached_tokens[block] = 0
+
+
+@REGISTRY.mutant(
+    "exact",
+    ["exact_match"],
+    "evicting a key from the prefix cache's hash table empties its slot without moving "
+    "the later entries of its probe run back: a cached prefix past the hole is missed",
+)
+def make_key_index_hole_on_delete(layout: KVCacheLayout) -> OptimizedMutantEngine:
+    engine = OptimizedMutantEngine(layout, "key_index_hole_on_delete")
+    pool = engine.manager.block_pool
+    pool.index = HoleOnDeleteKeyIndex(pool.num_blocks, pool.block_group)
+    pool.keys_as_words = True
+    return engine
+
+
 class BatchedThresholdMaxManager(KVCacheManager):
     """After a step of many loud items, each row's decode threshold is refreshed to the
     *largest* of its classes' thresholds: a group whose work comes first (a window drop
@@ -239,10 +300,10 @@ def late_threshold_pass(first, items, *args):
     """The compiled decode pass (its Python form without numba), each applied row's
     decode threshold then set one token later than the pass computed."""
     run = loud_pass if compiled_pass is None else compiled_pass
-    status, stop = run(first, items, *args)
-    thresholds = args[-3]  # (the pass's outputs: ..., thresholds, to_cache, counters)
-    thresholds[first:stop] += 1  # BUG: the row's work at its threshold count is skipped
-    return status, stop
+    result = run(first, items, *args)
+    report = args[-1]  # (the pass's last argument: a row of results per item)
+    report[first : result[1], THRESHOLD] += 1  # BUG: the row's work at its threshold waits
+    return result
 
 
 @REGISTRY.mutant(
@@ -254,8 +315,7 @@ def late_threshold_pass(first, items, *args):
 def make_compiled_threshold_late(layout: KVCacheLayout) -> OptimizedMutantEngine:
     engine = OptimizedMutantEngine(layout, "compiled_threshold_late")
     manager = engine.manager
-    if manager._per_group_apply:  # (Mamba layouts take the Python paths)
-        manager._compiled = LoudPass(manager, run=late_threshold_pass)
+    manager._compiled = LoudPass(manager, run=late_threshold_pass)
     return engine
 
 

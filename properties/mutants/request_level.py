@@ -10,6 +10,7 @@ so one token is left to compute the logits; the mutant hits all 8: ``hit_bounds`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from properties.core.modes import PRODUCTION_SETTINGS
 from properties.mutants.assembly import MutantEngine, mutant_engine
@@ -235,3 +236,25 @@ class LookaheadIgnoredManager(KVCacheManager):
 )
 def make_lookahead_hashes_ignored(layout: KVCacheLayout) -> MutantEngine:
     return mutant_engine("lookahead_hashes_ignored", layout, manager_cls=LookaheadIgnoredManager)
+
+
+class CachingAlwaysManager(KVCacheManager):
+    """Ignores ``enable_caching``: builds its pool and managers as if prefix caching were
+    on, so a layout that turns caching off still registers blocks and answers hits."""
+
+    def __init__(self, layout: KVCacheLayout) -> None:
+        super().__init__(replace(layout, enable_caching=True))  # BUG: the flag is dropped
+
+
+@REGISTRY.mutant(
+    "universal",
+    ["hit_bounds"],
+    "prefix caching stays on when the layout turns it off (an engine of full attention only)",
+)
+def make_ignores_enable_caching(layout: KVCacheLayout) -> MutantEngine:
+    return mutant_engine("ignores_enable_caching", layout, manager_cls=CachingAlwaysManager)
+
+
+# (a full-attention-only engine: the blind spot was engines whose declarations left the
+# targeted layouts, which alone turned caching off, out of their draws)
+make_ignores_enable_caching.spec_types = ("full",)  # type: ignore[attr-defined]

@@ -77,6 +77,9 @@ class AsyncRequestState(RequestState):
     release: str | None = None
     #: in-flight tokens of a preemption (their output is appended, nothing committed)
     num_stale: int = 0
+    #: the stale output is dropped instead (a preemption that resets the prefix cache):
+    #: nothing of it is appended, and the request may run again before it drains
+    drop_stale: bool = False
 
 
 class AsyncScheduler(Scheduler):
@@ -117,18 +120,34 @@ class AsyncScheduler(Scheduler):
         super().preempt(request_id)
 
     def _preempt(self, request_id: str) -> None:
-        """Preempted at once; tokens in flight become stale (module docstring)."""
+        """Preempted at once; tokens in flight become stale (module docstring); an earlier
+        dropped stale output not drained yet stays dropped."""
         state = self._async_state(request_id)
         super()._preempt(request_id)
+        state.drop_stale = state.drop_stale and state.num_stale > 0
         state.num_stale = state.num_in_flight
         state.num_pending = 0
         if state.num_stale:
             self.engine.set_in_flight(request_id, state.num_in_flight, 0)
 
+    def preempt_dropping(self, request_id: str) -> None:
+        """Preempt a running request at once, its in-flight output to be dropped (a
+        reset of the prefix cache that preempts every running request: vLLM's
+        ``drop_stale_output``). Example: ``r0`` with position 9 in flight: freed now;
+        when that step is processed no token is appended, and ``r0`` may be admitted
+        again before."""
+        state = self._async_state(request_id)
+        self._preempt(request_id)
+        state.drop_stale = True
+
     def _admit_waiting(self, record: StepRecord, budget: int, lookahead: int) -> None:
         """Rule 3 without the requests whose stale tokens are still in flight (they keep
-        their places at the head of the queue)."""
-        held = [r for r in self.waiting if self._async_state(r).num_stale > 0]
+        their places at the head of the queue), unless their stale output is dropped."""
+        held = [
+            r
+            for r in self.waiting
+            if self._async_state(r).num_stale > 0 and not self._async_state(r).drop_stale
+        ]
         if not held:
             super()._admit_waiting(record, budget, lookahead)
             return
@@ -227,13 +246,18 @@ class AsyncScheduler(Scheduler):
                 and state.num_computed_tokens >= len(state.input.prompt_token_ids)
             ):
                 state.release = "finish"
-            if state.release is not None and state.num_in_flight == 0:
+            if state.release is not None and self._releasable(state):
                 if state.holds_blocks:
                     self._free(state)
                 self._forget(rid)
                 if state.release == "finish":
                     self.finished.append(rid)
                     record.finished.append(rid)
+
+    def _releasable(self, state: AsyncRequestState) -> bool:
+        """Whether a request with a release is freed now: once nothing of it is in
+        flight (a subclass may free some at once: an engine's error end)."""
+        return state.num_in_flight == 0
 
     def _process_stale(
         self, item: ScheduledRequest, state: AsyncRequestState, record: StepRecord
@@ -243,6 +267,8 @@ class AsyncScheduler(Scheduler):
         rid = item.request_id
         state.num_stale -= item.num_tokens
         self.engine.set_in_flight(rid, state.num_in_flight, state.num_pending)
+        if state.drop_stale:  # dropped: nothing appended, nothing ends
+            return
         if item.samples:
             state.num_generated += 1
             self.engine.append_output_tokens(rid, [state.output[state.num_generated - 1]])

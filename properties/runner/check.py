@@ -33,6 +33,7 @@ Worked example::
 
 from __future__ import annotations
 
+import shlex
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -54,7 +55,7 @@ from properties.engines.under_test import EngineUnderTest
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
 from properties.runner.flaky import not_reproduced
-from properties.runner.machine import RunStats, machine_for
+from properties.runner.machine import RunStats, failure_label, machine_for
 from properties.runner.progress import Ticker
 from properties.runner.run import (
     RunStopped,
@@ -94,17 +95,31 @@ class FirstFailure:
     #: the failure's kind (:class:`properties.core.outcome.Outcome`): its exit code if
     #: the run is stopped before it ends
     kind: str = "property"
+    #: the scale tier it was found in (None: the small tier)
+    tier: str | None = None
+    #: what its replay needs beyond the engine and level (:meth:`CheckConfig.replay_options`)
+    options: str = ""
+    #: the reach corpus case it was found in (None: the draws)
+    case: str | None = None
 
     def describe(self) -> str:
+        if self.case is not None:
+            return (
+                f"{self.prop}: first failure [{self.check}] in reach corpus case "
+                f"{self.case!r} after {self.seconds:.1f}s"
+            )
+        where = f" at the {self.tier} tier" if self.tier else ""
         return (
-            f"{self.prop}: first failure [{self.check}] after {self.seconds:.1f}s, "
+            f"{self.prop}: first failure [{self.check}]{where} after {self.seconds:.1f}s, "
             f"example {self.examples}, step {self.steps}"
         )
 
     def replay(self) -> str | None:
         if self.trace_path is None:
             return None
-        return replay_command(self.trace_path, self.engine, self.level, self.prop == "attention")
+        return replay_command(
+            self.trace_path, self.engine, self.level, self.prop == "attention", self.options
+        )
 
 
 @dataclass
@@ -135,6 +150,8 @@ class PropertyResult:
     reduced: str | None = None
     #: scale tier -> (examples, steps, seconds), the small tier first (:func:`run_tiers`)
     tiers: dict[str, tuple[int, int, float]] | None = None
+    #: reach corpus cases replayed before the draws (:mod:`properties.runner.reach`)
+    reach: int = 0
 
     @property
     def passed(self) -> bool:
@@ -187,6 +204,13 @@ def run_property(
     config = config_for(name, config)
     hyp_settings = settings_for(name, hyp_settings)
     engine = engine_of(config, engine)
+    reached, reach_pairs = 0, {}
+    if config.reach_corpus and config.tier == kvst.SMALL:  # what must never be lost, first
+        failed, reached, reach_pairs = _replay_reach_corpus(name, config, seed, engine)
+        if failed is not None:
+            if on_first_failure is not None and failed.first is not None:
+                on_first_failure(failed.first)
+            return failed
     with bounded_shrinking(shrink_seconds):
         if config.tier != kvst.SMALL:
             result = PropertyResult(name, 0, 0, 0, tiers={})
@@ -196,9 +220,60 @@ def run_property(
             result = _run_machine(
                 name, config, hyp_settings, seed, engine, on_first_failure, shrink_seconds
             )
+        result.reach = reached
+        if reach_pairs and result.pairs is not None:  # the cases ran those pairs too
+            for pair, count in reach_pairs.items():
+                result.pairs[pair] = result.pairs.get(pair, 0) + count
         if tiers is not None and result.passed:
-            run_tiers(result, config, hyp_settings, seed, engine, tiers_for(name, tiers))
+            run_tiers(
+                result,
+                config,
+                hyp_settings,
+                seed,
+                engine,
+                tiers_for(name, tiers),
+                on_first_failure,
+            )
     return result
+
+
+def _replay_reach_corpus(
+    name: str, config: CheckConfig, seed: int | None, engine: EngineUnderTest
+) -> tuple[PropertyResult | None, int, dict[tuple[str, str], int]]:
+    """Replay the reach corpus for property ``name`` (:mod:`properties.runner.reach`):
+    ``(the failed result, cases replayed, the pairs they ran)``; the result is None when
+    every case passed.
+    A failing case is saved and reported like a failure of the property's own draws,
+    its message naming the case."""
+    from properties.runner.reach import load_reach_corpus, replay_reach
+
+    started = time.perf_counter()
+    replay = replay_reach(name, config, engine, load_reach_corpus())
+    if replay.failed is None:
+        return None, replay.replayed, replay.pairs
+    kind, text = _classify(replay.error, 0)
+    path, note = _save(replay.trace, config, seed, engine)
+    seconds = time.perf_counter() - started
+    check = failed_check(replay.error)
+    result = PropertyResult(
+        name,
+        0,
+        0,
+        seconds,
+        f"{text}\n(reach corpus case {replay.failed.name!r}: {replay.failed.why})",
+        path,
+        kind,
+        note,
+        check=check,
+    )
+    result.reach = replay.replayed
+    label = failure_label(_first_error(replay.error))
+    first = FirstFailure(
+        name, label, seconds, 0, 0, path, config.engine, config.level, replay.trace
+    )
+    first.kind, first.case, first.options = kind, replay.failed.name, config.replay_options()
+    result.first = first
+    return result, replay.replayed, replay.pairs
 
 
 def tiers_for(name: str, counts: Mapping[str, int]) -> dict[str, int]:
@@ -224,11 +299,16 @@ def run_tiers(
     seed: int | None,
     engine: EngineUnderTest,
     counts: Mapping[str, int],
+    on_first_failure: Callable[[FirstFailure], None] | None = None,
 ) -> None:
     """Run the large tiers ``counts`` names (only ``config.tier`` when it is one) after
     the small one and add them to ``result``: its per-tier counts, its totals, and the
-    first tier failure with its saved trace (the later tiers then do not run)."""
+    first tier failure with its saved trace (the later tiers then do not run). A tier's
+    first failing trace is saved and handed to ``on_first_failure`` as it is found, as
+    the small tier's is."""
     from properties.runner.tiers import run_tier
+
+    started = time.perf_counter() - result.seconds
 
     result.tiers = result.tiers if result.tiers is not None else {}
     if config.tier == kvst.SMALL:
@@ -237,7 +317,15 @@ def run_tiers(
         if count < 1 or config.tier not in (kvst.SMALL, tier):
             continue
         tier_settings = settings(hyp_settings, max_examples=count)
-        outcome = run_tier(result.name, config, tier, tier_settings, seed, engine)
+        announce = None
+        if on_first_failure is not None:
+
+            def announce(trace: Trace, tier: str = tier) -> None:
+                on_first_failure(
+                    tier_first_failure(result, tier, trace, started, config, seed, engine)
+                )
+
+        outcome = run_tier(result.name, config, tier, tier_settings, seed, engine, announce)
         result.tiers[tier] = (outcome.examples, outcome.steps, outcome.seconds)
         result.examples += outcome.examples
         result.steps += outcome.steps
@@ -250,8 +338,40 @@ def run_tiers(
         if outcome.failure is not None:
             result.kind, text = _classify(outcome.failure, outcome.examples)
             result.failure = f"[{tier} tier] {text}"
-            result.trace_path, result.note = _save(outcome.trace, config, seed)
+            result.trace_path, result.note = _save(outcome.trace, config, seed, engine)
             return
+
+
+def tier_first_failure(
+    result: PropertyResult,
+    tier: str,
+    trace: Trace,
+    started: float,
+    config: CheckConfig,
+    seed: int | None,
+    engine: EngineUnderTest,
+) -> FirstFailure:
+    """The first failure of a large tier, its trace saved as found (a large trace is not
+    reduced before it is announced). Example: a medium-tier pool-accounting failure
+    describes itself as ``invariants: first failure [pool_accounting] at the medium tier
+    after 12.0s, example 30, step 812``."""
+    failure = trace.failure or {}
+    path, _note = _save(trace, config, seed, engine)
+    first = FirstFailure(
+        result.name,
+        str(failure.get("property", "?")),
+        time.perf_counter() - started,
+        result.examples,
+        result.steps,
+        path,
+        config.engine,
+        config.level,
+        trace,
+    )
+    first.kind = str(failure.get("kind", "property"))
+    first.tier = tier
+    first.options = config.replay_options()
+    return first
 
 
 @contextmanager
@@ -296,13 +416,14 @@ def save_first_failure(
             trace = None
         elif reduce_seconds is not None:
             trace, reduced = reduce_failure([trace], check, config, engine, reduce_seconds)
-        path, _note = _save(trace, config, seed)
+        path, _note = _save(trace, config, seed, engine)
     kind = (trace.failure or {}).get("kind", "property") if trace is not None else "property"
     first = FirstFailure(
         prop, check, when - started, examples, step, path, config.engine, config.level, trace
     )
     first.reduced = reduced
     first.kind = kind
+    first.options = config.replay_options()
     return first
 
 
@@ -350,6 +471,7 @@ def _report(
     last: Trace | None,
     config: CheckConfig,
     seed: int | None,
+    engine: EngineUnderTest,
 ) -> tuple[str, str, Path | None, str | None]:
     """``(kind, text, saved trace, note)`` of a run's exception: a failure that did not
     repeat (:mod:`properties.runner.flaky`) is the ``first`` failure recorded, its trace
@@ -357,8 +479,8 @@ def _report(
     unrepeated = not_reproduced(exc, first)
     if unrepeated is None:
         kind, failure = _classify(exc, examples)
-        return (kind, failure, *_save(last, config, seed))
-    path, moved = _save(unrepeated.trace, config, seed)
+        return (kind, failure, *_save(last, config, seed, engine))
+    path, moved = _save(unrepeated.trace, config, seed, engine)
     note = unrepeated.note + (f"; {moved}" if moved else "")
     return unrepeated.kind, unrepeated.failure, path, note
 
@@ -378,11 +500,17 @@ def save_failure(trace: Trace, directory: str) -> tuple[Path, str | None]:
 
 
 def _save(
-    trace: Trace | None, config: CheckConfig, seed: int | None
+    trace: Trace | None, config: CheckConfig, seed: int | None, engine: EngineUnderTest
 ) -> tuple[Path | None, str | None]:
+    """Save a failing trace with the engine's view of it (what the engine showed after
+    each operation: :mod:`properties.runner.engine_view`), so that its report is drawn
+    from the file alone."""
     if trace is None:
         return None, None
-    return save_failure(replace(trace, seed=seed), config.failure_dir)
+    from properties.runner.engine_view import record_engine_view
+
+    view = record_engine_view(trace, config, engine)
+    return save_failure(replace(trace, seed=seed, engine_view=view), config.failure_dir)
 
 
 def _run_machine(
@@ -419,7 +547,7 @@ def _run_machine(
         first = stats.first_trace or stats.last_failure
         if not_reproduced(exc, first) is not None:  # a failure that did not repeat
             kind, failure, path, note = _report(
-                exc, stats.examples, first, stats.last_failure, config, seed
+                exc, stats.examples, first, stats.last_failure, config, seed, engine
             )
         else:
             kind, failure = _classify(exc, stats.examples)
@@ -428,7 +556,7 @@ def _run_machine(
                 trace, kind, failure, reduced = reduced_failure(
                     stats, found[0], config, engine, reduce_seconds, kind, failure
                 )
-            path, note = _save(trace, config, seed)
+            path, note = _save(trace, config, seed, engine)
     modes = {tag: (e, n) for tag, (e, n) in sorted(stats.modes.items())} or None
     return PropertyResult(
         name,
@@ -546,7 +674,9 @@ def _run_determinism(
     except BaseException as exc:  # noqa: BLE001 - every failure is reported
         error = exc
         trace = failing.get("trace")
-        kind, failure, path, note = _report(exc, counts["examples"], trace, trace, config, seed)
+        kind, failure, path, note = _report(
+            exc, counts["examples"], trace, trace, config, seed, engine
+        )
     return PropertyResult(
         "determinism",
         counts["examples"],
@@ -573,21 +703,37 @@ def _determinism_run(
     return start_run(config, trace.layout, engine, lambda t: failing.update(trace=t))
 
 
-def replay_command(path: Path | str, engine: str, level: str, attention: bool) -> str:
-    """The command that replays a saved failure (``--attention`` for that property)."""
-    return (
-        f"kvconform replay {path} --engine {engine} --level {level}"
-        f"{' --attention' if attention else ''}"
-    )
+def replay_command(
+    path: Path | str, engine: str, level: str, attention: bool, options: str = ""
+) -> str:
+    """The command that replays a saved failure and reproduces it: ``--attention`` for
+    that property and the run's ``options`` (:meth:`CheckConfig.replay_options`), every
+    part quoted for a shell."""
+    parts = ["kvconform", "replay", str(path), "--engine", engine, "--level", level]
+    command = " ".join(shlex.quote(p) for p in parts)
+    return command + (" --attention" if attention else "") + (f" {options}" if options else "")
 
 
-def failure_report(result: PropertyResult, engine: str, level: str) -> str:
-    """What a failed property reports under pytest: the failure, where its trace was
-    saved (and why elsewhere) and the command that replays it."""
+def failure_report(
+    result: PropertyResult,
+    engine: str,
+    level: str,
+    seed: int | None = None,
+    options: str = "",
+    page: str | None = None,
+) -> str:
+    """What a failed property reports under pytest: the failure, the seed, where its
+    trace was saved (and why elsewhere), its page and the command that replays it."""
     lines = [f"[{result.name}] ({result.kind}) {(result.failure or '')[:4000]}"]
     if result.note:
         lines.append(f"note: {result.note}")
+    lines.append(f"seed: {seed if seed is not None else 'derandomized (the ci profile)'}")
     if result.trace_path is not None:
-        command = replay_command(result.trace_path, engine, level, result.name == "attention")
-        lines += [f"trace: {result.trace_path}", f"replay: {command}"]
+        command = replay_command(
+            result.trace_path, engine, level, result.name == "attention", options
+        )
+        lines += [f"trace: {result.trace_path}"]
+        if page:
+            lines.append(page)
+        lines.append(f"replay: {command}")
     return "\n".join(lines)

@@ -48,6 +48,8 @@ class CheckConfig:
     #: stateful machine (then the profile's medium, offline and production examples), a larger
     #: one only that tier's examples
     tier: str = SMALL
+    #: replay the reach corpus before drawing (:mod:`properties.runner.reach`)
+    reach_corpus: bool = True
 
     def __post_init__(self) -> None:
         timeout = self.call_timeout
@@ -78,6 +80,22 @@ class CheckConfig:
             validate_disabled(self.disabled)
         except ValueError as exc:
             raise KVConformError(str(exc)) from exc
+
+    def replay_options(self) -> str:
+        """The options a replay of this run's failure needs to reproduce it, beyond the
+        engine and level: skipped invariants (a skipped check would fire first and name
+        another failure), a call timeout and an isolation other than the defaults. The
+        attention property replays with ``--attention``, which skips the invariants itself.
+        Example: ``CheckConfig(disabled=frozenset({"hit_bounds"}),
+        call_timeout=1).replay_options() == "--skip-checks hit_bounds --call-timeout 1"``."""
+        parts = []
+        if self.disabled and not self.attention:
+            parts.append("--skip-checks " + " ".join(sorted(self.disabled)))
+        if self.call_timeout != DEFAULT_CALL_TIMEOUT_S:
+            parts.append(f"--call-timeout {self.call_timeout:g}")
+        if self.isolation != DEFAULT_ISOLATION:
+            parts.append(f"--isolation {self.isolation}")
+        return " ".join(parts)
 
     def resolve_engine(self) -> EngineUnderTest:
         """The engine under test ``engine`` names, loaded, checked and isolated as

@@ -116,24 +116,36 @@ def format_summary(
     level: str,
     reports: dict[str, Path | str] | None = None,
     tiers: dict[str, tuple[int, int]] | None = None,
+    wall_seconds: float | None = None,
+    options: str = "",
 ) -> str:
-    """The closing summary of ``kvconform check``: properties, examples, steps (per tier
-    when tiers exist: ``{tier: (examples, steps)}``), time and the result; for each
-    failed property its trace, HTML report (``reports``: property -> page, or the line
-    saying why none was written) and replay command. Example (one passing property)::
+    """The closing summary of ``kvconform check``: the properties that ran (by name),
+    their examples and steps (per tier when tiers exist: ``{tier: (examples, steps)}``),
+    the run's wall time and the result; the gates (rows that are not properties: pair
+    reach, engine coverage, xfails, rule coverage) by name; for each failed row its
+    trace, HTML report (``reports``: property -> page, or the line saying why none was
+    written) and replay command. Example (one passing property, 2.5 s from start to
+    end)::
 
-        summary: 1 properties, 20 examples, 310 steps, 2.5s: PASSED
+        summary: 1 properties (invariants), 20 examples, 310 steps, 2.5s wall: PASSED
     """
+    from properties.core.constants import PROPERTIES
     from properties.runner.check import replay_command
 
-    examples = sum(getattr(r, "examples", 0) for r in results)
-    steps = sum(getattr(r, "steps", 0) for r in results)
-    seconds = sum(getattr(r, "seconds", 0.0) for r in results)
+    props = [r for r in results if getattr(r, "name", None) in PROPERTIES]
+    gates = [r for r in results if getattr(r, "name", None) not in PROPERTIES]
+    examples = sum(getattr(r, "examples", 0) for r in props)
+    steps = sum(getattr(r, "steps", 0) for r in props)
+    seconds = (
+        wall_seconds if wall_seconds is not None else sum(getattr(r, "seconds", 0.0) for r in props)
+    )
     failed = [r for r in results if not getattr(r, "passed", True)]
     result = "PASSED" if not failed else f"FAILED ({', '.join(r.name for r in failed)})"
+    names = ", ".join(r.name for r in props) or "none"
+    gate_text = f", gates ({', '.join(r.name for r in gates)})" if gates else ""
     lines = [
-        f"summary: {len(results)} properties, {examples} examples, {steps} steps, "
-        f"{seconds:.1f}s: {result}"
+        f"summary: {len(props)} properties ({names}){gate_text}, {examples} examples, "
+        f"{steps} steps, {seconds:.1f}s{' wall' if wall_seconds is not None else ''}: {result}"
     ]
     if tiers:
         per_tier = ", ".join(f"{t} {e} examples/{n} steps" for t, (e, n) in tiers.items())
@@ -147,5 +159,6 @@ def format_summary(
         report = (reports or {}).get(r.name)
         if report is not None:
             lines.append(f"    report: {report}" if isinstance(report, Path) else f"    {report}")
-        lines.append(f"    replay: {replay_command(path, engine, level, r.name == 'attention')}")
+        command = replay_command(path, engine, level, r.name == "attention", options)
+        lines.append(f"    replay: {command}")
     return "\n".join(lines)

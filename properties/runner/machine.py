@@ -25,12 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hypothesis import note, target
+from hypothesis import note, reject, target
 from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from properties.core.engine import CallTimeoutError
+from properties.core.engine import CallTimeoutError, KnownDivergenceMet
 from properties.core.modes import SYNC, ServingMode
 from properties.core.trace import (
     Abort,
@@ -49,6 +49,13 @@ from properties.runner.run import RunStopped, TraceRun, layout_strategy, mode_ta
 from properties.runner.scheduler import StepRecord
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
+
+
+def failure_label(exc: BaseException) -> str:
+    """How a first failure is named: the check a violation reports, else the error's type.
+    Example: a ``PropertyViolation("hit_bounds", ...)`` is ``hit_bounds``; an
+    ``EngineError`` is ``EngineError``."""
+    return getattr(exc, "name", type(exc).__name__)
 
 
 @dataclass
@@ -79,6 +86,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     config: CheckConfig = CheckConfig()
     engine: EngineUnderTest | None = None
     stats: RunStats = RunStats()
+    #: the layouts this machine class draws from (:meth:`layouts`), built on first use
+    layout_draws: st.SearchStrategy[KVCacheLayout] | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -103,23 +112,34 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.run is not None
         try:
             return fn()
+        except KnownDivergenceMet:
+            raise
         except (AssertionError, KVConformError) as exc:  # violations and engine errors
             type(self).stats.last_failure = self.run.to_trace(exc)
             if isinstance(exc, CallTimeoutError):
                 raise RunStopped(exc) from exc
             raise
 
+    @classmethod
+    def layouts(cls) -> st.SearchStrategy[KVCacheLayout]:
+        """The layout strategy of this class's configuration and engine, built once (a
+        strategy built per example was validated per example: its lambdas' labels come
+        from their source); the same draws as one built anew."""
+        draws = cls.__dict__.get("layout_draws")  # this class's own, never a base's
+        if draws is None:
+            draws = cls.layout_draws = layout_strategy(cls.config, cls.engine)
+        return draws
+
     @initialize(data=st.data())
     def build(self, data: st.DataObject) -> None:
-        strategy = layout_strategy(self.config, self.engine)
-        layout = data.draw(strategy, label="layout")
+        layout = data.draw(self.layouts(), label="layout")
         note(f"layout: {layout.describe()}")
         self.run = start_run(
             self.config,
             layout,
             self.engine,
             on_failure=self._record_failure,
-            choose_mode=lambda supports: self._choose_mode(data, supports),
+            choose_mode=lambda supports: self._choose_mode(data, supports, layout),
         )
         self.pool = data.draw(kvst.prefix_pools(layout), label="prefix pool")
         self.arrivals = kvst.request_inputs(layout, self.pool, "r")
@@ -135,15 +155,17 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _record_failure(self, trace: Trace) -> None:
         type(self).stats.last_failure = trace
 
-    def _choose_mode(self, data: st.DataObject, supports: bool) -> ServingMode:
+    def _choose_mode(
+        self, data: st.DataObject, supports: bool, layout: KVCacheLayout
+    ) -> ServingMode:
         """The serving mode of this run, once its engine is built: the one drawn
-        (:meth:`_draw_mode`) as the engine gets it
-        (:meth:`properties.engines.under_test.EngineUnderTest.serving_mode`)."""
+        (:meth:`_draw_mode`) as the layout runs it (:func:`kvst.mode_for_layout`) and the
+        engine gets it (:meth:`properties.engines.under_test.EngineUnderTest.serving_mode`)."""
         type(self).stats.serving_calls |= supports
         drawn = self._draw_mode(data, supports)
         if drawn is None:
             return SYNC
-        mode = self.engine.serving_mode(drawn, supports)
+        mode = self.engine.serving_mode(kvst.mode_for_layout(drawn, layout), supports, layout)
         note(f"serving mode: {mode.describe()}")
         return mode
 
@@ -168,6 +190,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         stats = type(self).stats
         try:
             record = self._guard(lambda: self.run.apply(op))
+        except KnownDivergenceMet as met:
+            # a documented engine behaviour met at run time: not an example
+            self.failed = True
+            stats.modes.setdefault(f"met {met.divergence}", [0, 0])[0] += 1
+            reject()
         except BaseException as exc:
             self.failed = True
             if isinstance(exc, Exception) and stats.first_failure is None:
@@ -175,7 +202,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                     stats.steps + 1,
                     stats.examples,
                     time.perf_counter(),
-                    getattr(exc, "name", type(exc).__name__),
+                    failure_label(exc),
                 )
                 stats.first_trace = stats.last_failure
                 if stats.on_first_failure is not None:

@@ -21,11 +21,11 @@ scheduling and the admission gate on a pool of 3 requests has the features ``asy
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import combinations
 
 from properties.core.modes import ServingMode
-from reference.layout import KVCacheLayout
+from reference.layout import KVCacheLayout, draft_token_limit
 
 #: The features that are not group types, in the order tables list them.
 MODE_FEATURES: tuple[str, ...] = (
@@ -62,17 +62,20 @@ NEEDS: Mapping[str, tuple[str, ...]] = {
     **{kind: (f"spec:{kind}",) for kind in GROUP_TYPES},
 }
 
+#: What an engine must declare for a pair beyond its two features' needs: drafts on a
+#: Mamba group need its speculative blocks (the ``mamba_modes`` production setting).
+PAIR_NEEDS: Mapping[frozenset[str], tuple[str, ...]] = {
+    frozenset({"drafts", "mamba"}): ("setting:mamba_modes",),
+}
+
 #: Pairs the model of kvconform leaves out, with the reason (``docs`` of each mode).
 MODEL_EXCLUSIONS: Mapping[frozenset[str], str] = {
     frozenset({"drafts", "async"}): "drafts with asynchronous scheduling are not modelled",
-    frozenset({"drafts", "mamba"}): "no speculative Mamba blocks are modelled",
     frozenset({"external-hits", "mamba"}): "loaded Mamba states are not modelled",
     frozenset({"async-loads", "mamba"}): "loaded Mamba states are not modelled",
     frozenset({"load-failures", "mamba"}): "loaded Mamba states are not modelled",
     frozenset({"eagle-drop", "chunked_local"}): "vLLM runs EAGLE without chunked groups",
-    frozenset({"eagle-drop", "mamba"}): "EAGLE is modelled without Mamba groups",
     frozenset({"lookahead-hashes", "chunked_local"}): "vLLM runs EAGLE without chunked groups",
-    frozenset({"lookahead-hashes", "mamba"}): "EAGLE is modelled without Mamba groups",
     frozenset({"eagle-drop", "lookahead-hashes"}): "lookahead hashes turn the EAGLE drop off",
     frozenset({"retention=sparse", "retention=interval"}): "a layout has one retention interval",
 }
@@ -98,12 +101,14 @@ def features(layout: KVCacheLayout, mode: ServingMode | None) -> frozenset[str]:
     if layout.num_blocks - 1 < 2 * layout.blocks_per_request():
         out.add("pool-pressure")
     if mode is not None:
-        # what a Mamba layout does not model is not run: no drafts, no connector
+        # what a Mamba layout does not model is not run: no connector, drafts only up to
+        # its speculative blocks
         has_mamba = "mamba" in out
+        limit = draft_token_limit(layout)
         for name, on in (
             ("async", mode.async_scheduling),
             ("admission-gate", mode.admission_gate),
-            ("drafts", mode.num_draft_tokens > 0 and not has_mamba),
+            ("drafts", mode.num_draft_tokens > 0 and limit != 0),
             ("external-hits", mode.external_hits and not has_mamba),
             ("async-loads", mode.async_loads and not has_mamba),
             ("load-failures", mode.load_failures and not has_mamba),
@@ -130,15 +135,43 @@ def count_pairs(counts: dict[tuple[str, str], int], example: Iterable[str]) -> N
 @dataclass(frozen=True)
 class Declared:
     """What the engine under test declares: its production settings, whether it takes
-    the serving-mode calls, its spec types (None: all)."""
+    the serving-mode calls, its spec types (None: all), and the features its known
+    divergences remove from every draw: a set of one or two features -> the divergence's
+    name (``KnownDivergence.features``)."""
 
     settings: frozenset[str]
     serving_modes: bool
     spec_types: tuple[str, ...] | None
+    removed: Mapping[frozenset[str], str] = field(default_factory=dict)
+
+    def removed_by(self, pair: tuple[str, str]) -> str | None:
+        """The known divergence that removes every layout of ``pair`` (one of its features,
+        or both together), else None. Example: with ``removed = {frozenset({"a"}): "d"}``
+        the pairs ``("a", "full")`` and ``("async", "a")`` are removed by ``d``."""
+        for key in (frozenset(pair), frozenset(pair[:1]), frozenset(pair[1:])):
+            if key in self.removed:
+                return self.removed[key]
+        return None
 
     def supports(self, feature: str) -> str | None:
         """None when the engine can be driven with ``feature``, else why not."""
-        for need in NEEDS[feature]:
+        return self.meets(NEEDS[feature])
+
+    def supports_pair(self, pair: tuple[str, str]) -> str | None:
+        """None when the engine can be driven with both features of ``pair`` together
+        (each one's needs, then :data:`PAIR_NEEDS`), else why not. Example: an engine
+        declaring only ``retention`` cannot run drafts on a Mamba group: "no
+        'mamba_modes' production setting"."""
+        return (
+            self.supports(pair[0])
+            or self.supports(pair[1])
+            or self.meets(PAIR_NEEDS.get(frozenset(pair), ()))
+        )
+
+    def meets(self, needs: Iterable[str]) -> str | None:
+        """None when the engine declares every one of ``needs`` (``serving_modes``,
+        ``setting:NAME``, ``spec:TYPE``), else why not."""
+        for need in needs:
             kind, _, name = need.partition(":")
             if kind == "serving_modes" and not self.serving_modes:
                 return "no serving-mode calls"
@@ -158,15 +191,19 @@ def pair_status(
         return f"reached {n}"
     why = MODEL_EXCLUSIONS.get(frozenset(pair))
     if why is None:
-        why = declared.supports(pair[0]) or declared.supports(pair[1])
+        why = declared.supports_pair(pair)
+    if why is None and (divergence := declared.removed_by(pair)) is not None:
+        why = f"known divergence {divergence}"
     return f"excluded: {why}" if why else "MISSED"
 
 
 def pair_table(counts: Mapping[tuple[str, str], int], declared: Declared) -> list[str]:
     """The lines ``kvconform check`` prints: a summary line, then the missed pairs (one
     line per first feature: ``missed: drafts x {mamba, pool-pressure}``), then the
-    excluded pairs counted by reason. Reached pairs are counted, not
-    listed (their counts go in the JSON result)."""
+    excluded pairs, one line for the model's exclusions and one for the engine's
+    declarations, each counted by reason. Reached pairs are counted, not listed (their
+    counts go in the JSON result). Example: ``excluded by the engine's declarations: 70
+    pairs (no serving-mode calls: 70)``."""
     statuses = {pair: pair_status(pair, counts, declared) for pair in all_pairs()}
     reached = [p for p, s in statuses.items() if s.startswith("reached")]
     missed = [p for p, s in statuses.items() if s == "MISSED"]
@@ -184,6 +221,11 @@ def pair_table(counts: Mapping[tuple[str, str], int], declared: Declared) -> lis
         by_first.setdefault(a, []).append(b)
     for a, others in by_first.items():
         lines.append(f"  missed: {a} x {{{', '.join(others)}}}")
-    for why, pairs in sorted(excluded.items()):
-        lines.append(f"  excluded ({why}): {len(pairs)} pairs")
+    model_reasons = set(MODEL_EXCLUSIONS.values())
+    for label, of_model in (("the model", True), ("the engine's declarations", False)):
+        reasons = {w: p for w, p in excluded.items() if (w in model_reasons) == of_model}
+        if reasons:  # one line per source, reasons counted: never a wall of lines
+            counted = "; ".join(f"{why}: {len(p)}" for why, p in sorted(reasons.items()))
+            total = sum(len(p) for p in reasons.values())
+            lines.append(f"  excluded by {label}: {total} pairs ({counted})")
     return lines

@@ -1,17 +1,20 @@
 """Hypothesis profiles of kvconform, registered and loaded explicitly.
 
-``dev`` (quick local runs), ``ci`` (CI: bounded and derandomized, so a CI run is
-reproducible), ``nightly`` (long campaigns), ``gpu`` (GPU CI: few, heavier
-examples). ``ci`` and ``gpu`` skip Hypothesis' target phase: with a few hundred examples
-the hill-climbing on ``hypothesis.target`` scores (pool pressure, hit length, churn)
-spends half of them on variants of one example; campaigns keep it. ``CI=true`` makes
-Hypothesis load its own ``ci`` profile unless one is
-loaded explicitly; :func:`load_profile` always loads ours.
+``dev`` (quick local runs), ``pr`` (a pull request's gate: derandomized like ``ci``, a
+minute on two cores, saying what it leaves to ``ci``: :func:`profile_note`), ``ci`` (CI:
+bounded and derandomized, so a CI run is reproducible; the gate), ``nightly`` (long
+campaigns), ``gpu`` (GPU CI: few, heavier examples). ``pr``, ``ci`` and ``gpu`` skip
+Hypothesis' target phase: with a few hundred examples the hill-climbing on
+``hypothesis.target`` scores (pool pressure, hit length, churn) spends half of them on
+variants of one example; campaigns keep it. ``CI=true`` makes Hypothesis load its own
+``ci`` profile unless one is loaded explicitly; :func:`load_profile` always loads ours.
 """
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.configuration import storage_directory
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 from properties.core.constants import PROFILES
 from properties.generate.strategies import MEDIUM, OFFLINE, PRODUCTION
@@ -57,36 +60,41 @@ settings.register_profile(
     suppress_health_check=_SUPPRESS,
     print_blob=True,
 )
-settings.register_profile(
-    "ci",
-    max_examples=200,
-    stateful_step_count=40,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    phases=_NO_TARGET,
-    suppress_health_check=_SUPPRESS,
-    print_blob=True,
-)
+
+
+def _register_gate(name: str, max_examples: int, stateful_step_count: int) -> None:
+    """A gate's profile: derandomized (the same examples on every run), no database, no
+    target phase."""
+    settings.register_profile(
+        name,
+        max_examples=max_examples,
+        stateful_step_count=stateful_step_count,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=_NO_TARGET,
+        suppress_health_check=_SUPPRESS,
+        print_blob=True,
+    )
+
+
+_register_gate("pr", max_examples=40, stateful_step_count=30)
+_register_gate("ci", max_examples=200, stateful_step_count=40)
 settings.register_profile(
     "nightly",
     max_examples=5000,
     stateful_step_count=80,
     deadline=None,
+    # a campaign draws fresh examples and keeps them, CI=true or not (there Hypothesis'
+    # own defaults are derandomized with no database, which HypoFuzz refuses to fuzz)
+    derandomize=False,
+    database=DirectoryBasedExampleDatabase(
+        storage_directory("examples", intent_to_write=False).path
+    ),
     suppress_health_check=_SUPPRESS,
     print_blob=True,
 )
-settings.register_profile(
-    "gpu",
-    max_examples=30,
-    stateful_step_count=40,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    phases=_NO_TARGET,
-    suppress_health_check=_SUPPRESS,
-    print_blob=True,
-)
+_register_gate("gpu", max_examples=30, stateful_step_count=40)
 
 
 #: Examples of the large scale tiers a property runs after its small ones, per profile
@@ -95,6 +103,7 @@ settings.register_profile(
 #: one of thousands of requests; such an example costs 30-200 s (2 loaded cores).
 TIER_EXAMPLES: dict[str, dict[str, int]] = {
     "dev": {MEDIUM: 2, OFFLINE: 2, PRODUCTION: 1},
+    "pr": {MEDIUM: 1, OFFLINE: 1, PRODUCTION: 0},
     "ci": {MEDIUM: 5, OFFLINE: 4, PRODUCTION: 2},
     "nightly": {MEDIUM: 200, OFFLINE: 100, PRODUCTION: 40},
     "gpu": {MEDIUM: 5, OFFLINE: 4, PRODUCTION: 2},
@@ -117,6 +126,36 @@ def tier_examples(name: str, only: tuple[str, ...] | None = None) -> dict[str, i
             )
         counts = {tier: n for tier, n in counts.items() if tier in only}
     return counts
+
+
+def profile_note(name: str) -> str | None:
+    """What a reduced profile leaves out, against ``ci`` (the gate), as ``check`` prints
+    it at the start; None for the others. Example: ``profile_note("pr")`` starts with
+    ``"profile pr (a pull request's quick gate; ci stays the gate): 40 examples per
+    property (ci 200)"``."""
+    if name != "pr":
+        return None
+    mine, gate = settings.get_profile(name), settings.get_profile("ci")
+    tiers = ", ".join(
+        f"{tier} {TIER_EXAMPLES[name][tier]} (ci {n})"
+        if TIER_EXAMPLES[name][tier]
+        else f"{tier} skipped (ci {n})"
+        for tier, n in TIER_EXAMPLES["ci"].items()
+    )
+    return (
+        f"profile {name} (a pull request's quick gate; ci stays the gate): "
+        f"{mine.max_examples} examples per property (ci {gate.max_examples}), "
+        f"{mine.stateful_step_count} steps per example (ci {gate.stateful_step_count}); "
+        f"large tiers: {tiers}"
+    )
+
+
+def get_profile(name: str) -> settings:
+    """Profile ``name`` (one of :data:`PROFILES`), without loading it globally: a run passes
+    its settings explicitly, so a pytest session's other Hypothesis tests keep theirs."""
+    if name not in PROFILES:
+        raise KVConformError(f"--profile must be one of {', '.join(PROFILES)}, got {name!r}")
+    return settings.get_profile(name)
 
 
 def load_profile(name: str) -> settings:

@@ -56,16 +56,18 @@ def shrink_stopped_line(seconds: float | None) -> str:
 @contextmanager
 def honest_shrink_reporter(seconds: float | None) -> Iterator[None]:
     """Within the block, Hypothesis' slow-shrink warning becomes
-    :func:`shrink_stopped_line`; every other Hypothesis report passes through."""
+    :func:`shrink_stopped_line`, on a line of its own; every other Hypothesis report (the
+    falsifying example, a state machine's "Steps leading up to this error", its notes) is
+    dropped: kvconform reports a failure itself, as a saved trace with its replay command
+    and page, and Hypothesis' text would describe its internals, not the engine."""
     from hypothesis.reporting import current_reporter, with_reporter
 
     outer = current_reporter()
 
     def reporter(text: object) -> None:
         if isinstance(text, str) and text.startswith(HYPOTHESIS_SLOW_SHRINK):
-            outer(shrink_stopped_line(seconds))
-        else:
-            outer(text)
+            sys.stdout.flush()
+            outer("\n" + shrink_stopped_line(seconds))
 
     with with_reporter(reporter):
         yield

@@ -109,8 +109,8 @@ class _Oracle:
             run, exc = replay_trace(candidate, self.config, self.engine)
         except Exception:  # noqa: BLE001 - a layout the engine refuses, a failing build
             return None
-        if exc is None or failure_name(exc) != self.check:
-            return None
+        if exc is None or run is None or failure_name(exc) != self.check:
+            return None  # a build that fails is not a smaller trace of this failure
         return dataclasses.replace(run.to_trace(exc), seed=candidate.seed)
 
     def accept(self, candidate: Trace) -> bool:

@@ -46,8 +46,10 @@ from properties.core.engine import (
     SupportsServingModes,
     UnsupportedLayoutError,
 )
+from properties.core.heap import tune_collector
 from properties.core.modes import SYNC, ServingMode
 from properties.core.outcome import Outcome
+from properties.core.torch_threads import torch_on_one_thread
 from properties.core.trace import Operation, Trace
 from properties.core.versions import versions
 from properties.engines.under_test import EngineUnderTest, resolve_engine
@@ -56,7 +58,7 @@ from properties.runner.config import CheckConfig
 from properties.runner.scheduler import RequestState, Scheduler, StepRecord
 from properties.runner.serving import connector_host_tier, make_scheduler
 from reference.errors import KVConformError
-from reference.layout import KVCacheLayout
+from reference.layout import KVCacheLayout, draft_token_limit
 from reference.specs import MambaSpec
 
 
@@ -82,7 +84,7 @@ def failure_info(
 ) -> dict:
     """The ``failure`` record of a trace: the check, the message, whether the engine broke
     the protocol (``kind``), the engine, level and the versions."""
-    return {
+    info = {
         "property": getattr(failure, "name", type(failure).__name__),
         "kind": failure_kind(failure),
         "message": str(failure),
@@ -90,6 +92,10 @@ def failure_info(
         "level": config.level,
         "versions": found_versions if found_versions is not None else versions(),
     }
+    options = config.replay_options()
+    if options:  # what a replay needs to reproduce this very failure
+        info["replay_options"] = options
+    return info
 
 
 #: Picks the serving mode of a run once its engine is built, from whether the engine
@@ -122,6 +128,7 @@ class TraceRun:
         # an engine in a child process has its own deadline, which kills the child
         timeout = engine.call_timeout(config.call_timeout)
         built = build_engine(engine.factory, layout, timeout)
+        tune_collector()  # the engine is imported: the collector set for a check's heap
         self.versions = versions(built, engine)
         reference = None
         if config.level == "exact":
@@ -146,6 +153,7 @@ class TraceRun:
                 f"serving mode {mode.describe()} (properties.core.engine.SupportsServingModes)"
             )
         self.mode = mode
+        torch_on_one_thread()  # the engine's and the attention oracle's tensors are small
         host_tier = connector_host_tier(layout, mode, built)
         # the engine's batched calls (commit_step, free_requests) are driven and compared,
         # except against a corpus case: it recorded the per-request calls, in their order
@@ -246,6 +254,17 @@ class TraceRun:
         )
 
 
+def replayed_trace(
+    trace: Trace, run: TraceRun | None, failure: BaseException, config: CheckConfig
+) -> Trace:
+    """The trace a failing replay of ``trace`` leaves (:func:`replay_trace`): the run's
+    operations up to the failure, or, when the build failed (``run`` is None), the layout
+    alone in the trace's mode, as :func:`start_run` records a failed build."""
+    if run is not None:
+        return run.to_trace(failure)
+    return Trace(trace.layout, (), failure=failure_info(failure, config), mode=trace.mode)
+
+
 def start_run(
     config: CheckConfig,
     layout: KVCacheLayout,
@@ -259,11 +278,14 @@ def start_run(
     :class:`RunStopped` for a deadline). Example: a factory raising ``EngineError("boom")``
     gives ``on_failure(Trace(layout, (), failure={"property": "EngineError", ...}))``."""
     try:
-        return TraceRun(config, layout, engine, choose_mode=choose_mode)
+        return TraceRun(
+            excused_config(config, engine, layout), layout, engine, choose_mode=choose_mode
+        )
     except UnsupportedLayoutError:
         reject()
         raise  # unreachable: reject() raises
-    except EngineError as exc:  # the factory failed: the trace is the layout alone
+    except (EngineError, PropertyViolation) as exc:  # the build failed (or a first read
+        # of the fresh pool was impossible): the trace is the layout alone
         on_failure(Trace(layout, (), failure=failure_info(exc, config)))
         if isinstance(exc, CallTimeoutError):
             raise RunStopped(exc) from exc
@@ -282,11 +304,17 @@ def engine_of(config: CheckConfig, engine: EngineUnderTest | Callable | None) ->
 
 def replay_trace(
     trace: Trace, config: CheckConfig, engine: EngineUnderTest, at_boundaries: bool = False
-) -> tuple[TraceRun, BaseException | None]:
+) -> tuple[TraceRun | None, BaseException | None]:
     """Replay ``trace`` (in its serving mode) with every check; returns the run and the
-    first failure (or None). ``at_boundaries``: the O(pool) checks at step boundaries
-    (:class:`TraceRun`), as for a bench trace of 10^5 blocks."""
-    run = TraceRun(config, trace.layout, engine, trace.mode, at_boundaries=at_boundaries)
+    first failure (or None). The run is None when the build itself failed (an engine
+    error, or an impossible first read of the fresh pool such as more free blocks than
+    the pool has): nothing ran, the failure is the build's. ``at_boundaries``: the
+    O(pool) checks at step boundaries (:class:`TraceRun`), as for a bench trace of 10^5
+    blocks. An :class:`UnsupportedLayoutError` is returned as the failure too."""
+    try:
+        run = TraceRun(config, trace.layout, engine, trace.mode, at_boundaries=at_boundaries)
+    except (EngineError, PropertyViolation) as exc:
+        return None, exc
     try:
         for op in trace.operations:
             run.apply(op)
@@ -311,7 +339,7 @@ def mode_tags(layout: KVCacheLayout, mode: ServingMode) -> list[str]:
         tags.append("async")
     if mode.admission_gate:
         tags.append("admission-gate")
-    if mode.num_draft_tokens:
+    if mode.num_draft_tokens and draft_token_limit(layout) != 0:
         tags.append("drafts")
     if mode.external_hits and not any(isinstance(s, MambaSpec) for s in layout.specs):
         tags.append("external-hits")
@@ -328,7 +356,10 @@ def layout_strategy(config: CheckConfig, engine: EngineUnderTest):
     supports (``engine.spec_types``, e.g. an exec engine's ``hello``)."""
     kinds = engine.spec_types
     if engine.layout_strategy is not None:
-        strategy = engine.layout_strategy()
+        own = engine.layout_strategy()
+        # prefix caching off is drawn for every engine: one that keeps caching when told
+        # not to must be caught whatever layouts it draws (one example in four)
+        strategy = st.one_of(own, own, own, own.map(caching_off))
     elif config.preset is not None:
         if config.preset not in kvst.presets_of_kinds(kinds):
             raise KVConformError(
@@ -350,6 +381,11 @@ def layout_strategy(config: CheckConfig, engine: EngineUnderTest):
     return declared_layouts(strategy, engine, config.max_len, production)
 
 
+def caching_off(layout: KVCacheLayout) -> KVCacheLayout:
+    """``layout`` with prefix caching off (no hits, nothing registered)."""
+    return dataclasses.replace(layout, enable_caching=False)
+
+
 def declared_layouts(
     strategy: st.SearchStrategy[KVCacheLayout],
     engine: EngineUnderTest,
@@ -364,10 +400,25 @@ def declared_layouts(
         strategy = kvst.production_layouts(
             strategy, max_len=max_len, settings=engine.production_settings
         )
-    known = engine.known_divergences
+    known = [d for d in engine.known_divergences if not d.checks]
     if known:
-        strategy = strategy.filter(lambda layout: not any(d.applies(layout) for d in known))
+        strategy = strategy.filter(lambda layout: not any(d.applies_to(layout) for d in known))
     return strategy
+
+
+def excused_config(
+    config: CheckConfig, engine: EngineUnderTest, layout: KVCacheLayout
+) -> CheckConfig:
+    """``config`` for a drawn run on ``layout``: the checks of the engine's known
+    divergences that apply to it (:class:`properties.core.engine.KnownDivergence`
+    ``checks``) turned off too. A replay keeps every check. Example: LMDeploy on a layout
+    with prefix caching runs without ``exclusive_write``."""
+    excused = {
+        c for d in engine.known_divergences if d.checks and d.applies(layout) for c in d.checks
+    }
+    if not excused:
+        return config
+    return dataclasses.replace(config, disabled=config.disabled | frozenset(excused))
 
 
 def _probe_layouts() -> tuple[KVCacheLayout, ...]:
@@ -410,6 +461,7 @@ __all__ = [
     "RunStopped",
     "TraceRun",
     "active_checks_for",
+    "excused_config",
     "failure_info",
     "failure_kind",
     "layout_strategy",

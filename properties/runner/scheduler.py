@@ -5,8 +5,8 @@ Rules of one ``Step(token_budget, num_lookahead_tokens)``:
 1. ``new_step()``.
 2. Running requests first, in admission order (an engine with ``schedule_step`` gets
    them in batches, which stop after the first None: the same calls, batched). Each gets
-   ``n = min(tokens left to compute, budget left)`` (layouts with a Mamba group cut a
-   prefill chunk back to a Mamba block boundary, see ``_chunk``). When
+   ``n = min(tokens left to compute, budget left)`` (layouts with an ``"align"`` Mamba
+   group cut a prefill chunk back to a Mamba block boundary, see ``_chunk``). When
    ``allocate_slots`` returns None, the newest running request is preempted
    (freed, back to the front of the waiting queue, its computed tokens reset to 0)
    and the allocation is retried; if the newest is the request itself, it stops.
@@ -64,12 +64,12 @@ from properties.core.engine import (
     SlotRequest,
     StepUpdate,
 )
-from properties.core.modes import SYNC, ServingMode
+from properties.core.modes import SYNC, ServingMode, proposed_drafts
 from properties.core.trace import Abort, Arrive, Operation, Preempt, ResetPrefixCache, Step
 from properties.runner.connector import Connector
 from reference.errors import KVConformError
 from reference.host_tier import HostTier
-from reference.layout import KVCacheLayout
+from reference.layout import KVCacheLayout, draft_token_limit
 from reference.specs import MambaSpec
 
 
@@ -134,33 +134,57 @@ def mamba_block_size(layout: KVCacheLayout) -> int | None:
     return max(sizes) if sizes else None
 
 
+def aligned_mamba_block_size(layout: KVCacheLayout) -> int | None:
+    """The largest block size of the layout's ``"align"`` Mamba groups (whose states are
+    written at chunk ends, so prefill chunks end on their boundaries, as vLLM's scheduler
+    splits them), None without one. Example: full bs 16 + Mamba bs 64 in mode ``"none"``
+    -> None."""
+    sizes = [s.block_size for s in layout.specs if isinstance(s, MambaSpec) and s.is_align]
+    return max(sizes) if sizes else None
+
+
 class Drafts:
     """Speculative decoding (``num_draft_tokens = k``), the scheduler's drafts hook:
     :meth:`propose` when a running request is scheduled, :meth:`settle` after the step.
 
     Example: k 2, a request decoding position 8 of 4 outputs (1 generated) with budget
     64 proposes 2 drafts (3 tokens); if ``accepted_drafts(id, 8, 2)`` is 1, computed
-    tokens become 10 and 2 outputs are appended."""
+    tokens become 10 and 2 outputs are appended. With a Mamba group of one speculative
+    block the same step proposes 1 draft."""
 
-    def __init__(self, engine: KVCacheEngine, layout: KVCacheLayout, num_draft_tokens: int):
+    def __init__(
+        self,
+        engine: KVCacheEngine,
+        layout: KVCacheLayout,
+        num_draft_tokens: int,
+        varying: bool = False,
+    ):
         self.engine = engine
         self.layout = layout
-        self.num_draft_tokens = num_draft_tokens
-        self.has_mamba = mamba_block_size(layout) is not None
+        limit = draft_token_limit(layout)
+        #: ``k``, at most the speculative blocks of the Mamba groups (vLLM sizes them by
+        #: the speculative token count)
+        self.num_draft_tokens = num_draft_tokens if limit is None else min(num_draft_tokens, limit)
+        #: the proposer offers :func:`properties.core.modes.proposed_drafts` drafts, not ``k``
+        self.varying = varying
 
     def propose(self, state: RequestState, n: int, budget: int) -> int:
-        """Draft tokens a decode step of ``n == 1`` token adds: up to ``k``, never past the
-        request's last output, the budget or ``max_model_len``, none with a Mamba group;
-        announced as pending tokens (``set_in_flight(id, 0, drafts)``)."""
+        """Draft tokens a decode step of ``n == 1`` token adds: the proposer's count (``k``,
+        or :func:`properties.core.modes.proposed_drafts` with ``varying``), never past
+        the request's last output, the budget or ``max_model_len``; announced as pending
+        tokens (``set_in_flight(id, 0, drafts)``)."""
         decoding = state.num_computed_tokens == state.num_tokens - 1 and state.num_generated > 0
-        if not decoding or n != 1 or self.has_mamba:
+        if not decoding or n != 1:
             return 0
         room = min(
             len(state.output) - state.num_generated - 1,
             budget - 1,
             self.layout.max_model_len - state.num_tokens,
         )
-        drafts = max(0, min(self.num_draft_tokens, room))
+        offered = self.num_draft_tokens
+        if self.varying:
+            offered = proposed_drafts(state.request_id, state.num_computed_tokens, offered)
+        drafts = max(0, min(offered, room))
         if drafts:
             self.engine.set_in_flight(state.request_id, 0, drafts)
         return drafts
@@ -301,6 +325,11 @@ class RequestQueues:
         every full computed block of its table is offloaded there)."""
         if self.connector is not None:
             self.connector.release(state, self._processed(state))
+        self._free_blocks(state)
+
+    def _free_blocks(self, state: RequestState) -> None:
+        """The engine's ``free`` of the request's blocks (a subclass may defer it:
+        :class:`properties.runner.decided.DecidedAsyncScheduler`)."""
         self.engine.free(state.request_id)
 
     def _processed(self, state: RequestState) -> int:
@@ -383,10 +412,14 @@ class Scheduler(RequestQueues):
         self.mode = mode
         self.on_scheduled = on_scheduled
         self.mamba_block_size = mamba_block_size(layout)
+        #: prefill chunks end on this block size (``"align"`` Mamba groups; see _chunk)
+        self.chunk_block_size = aligned_mamba_block_size(layout)
         self._check_parts(mode, connector)
         #: the drafts hook of speculative decoding (None: no drafts)
         self.drafts = (
-            Drafts(engine, layout, mode.num_draft_tokens) if mode.num_draft_tokens else None
+            Drafts(engine, layout, mode.num_draft_tokens, mode.varying_drafts)
+            if mode.num_draft_tokens
+            else None
         )
         self.num_steps = 0
         #: Running requests are allocated in batches when the engine plans steps.
@@ -459,7 +492,9 @@ class Scheduler(RequestQueues):
                 continue
             drafts = self._propose_drafts(state, n, budget)
             n += drafts
-            new = self._allocate_running(record, i, n, budget, lookahead)
+            new, restored, shift = self._allocate_running(record, i, n, budget, lookahead)
+            budget += restored
+            i -= shift
             if new is None:
                 if rid in self.running:
                     i += 1  # asynchronous scheduling: no victim, the request waits a step
@@ -482,12 +517,18 @@ class Scheduler(RequestQueues):
 
     def _allocate_running(
         self, record: StepRecord, i: int, n: int, budget: int, lookahead: int
-    ) -> BlockIds | None:
+    ) -> tuple[BlockIds | None, int, int]:
         """``n`` slots for running request ``i``, preempting victims until they fit (the
-        first try is read from the batch when the engine plans steps); None when the
-        request itself was preempted or no victim is left."""
+        first try is read from the batch when the engine plans steps); the blocks (None
+        when the request itself was preempted or no victim is left), the budget the
+        victims give back (those scheduled earlier in the step: :meth:`_unschedule`) and
+        how many of them stood before index ``i``. kvconform's own victims come after
+        ``i`` and were not scheduled yet (0 and 0); an engine's priority scheduling can
+        pick any running request (:class:`properties.runner.decided.DecidedScheduler`).
+        """
         rid = self.running[i]
         first_try = True
+        restored = shift = 0
         while True:
             if first_try and self.batched and rid not in self._planned:
                 self._planned = self._plan_running(i, budget, lookahead)
@@ -497,14 +538,30 @@ class Scheduler(RequestQueues):
                 new = allocate(self.engine, Allocation(rid, n, 0, None, lookahead))
             first_try = False
             if new is not None:
-                return new
-            victim = self._victim(i)
+                return new, restored, shift
+            victim = self._victim(i - shift)
             if victim is None:
-                return None
+                return None, restored, shift
+            if self.running.index(victim) < i - shift:
+                shift += 1
+            restored += self._unschedule(record, victim)
             self._preempt(victim)
             record.preempted.append(victim)
             if victim == rid:
-                return None
+                return None, restored, shift
+
+    def _unschedule(self, record: StepRecord, request_id: str) -> int:
+        """A victim scheduled earlier in this step leaves it (vLLM's priority scheduling
+        can preempt one): its share is dropped from ``record``, its drafts are no longer
+        pending, and its tokens go back to the budget (returned; 0 when it was not
+        scheduled). Example: ``r2`` ran 4 tokens, then ``r0`` needs its blocks: 4."""
+        for k, item in enumerate(record.scheduled):
+            if item.request_id == request_id:
+                del record.scheduled[k]
+                if item.num_drafts:
+                    self.engine.set_in_flight(request_id, 0, 0)
+                return item.num_tokens
+        return 0
 
     def _admit_waiting(self, record: StepRecord, budget: int, lookahead: int) -> None:
         """Rule 3 (with a connector: external hits, synchronous or asynchronous loads)."""
@@ -589,18 +646,19 @@ class Scheduler(RequestQueues):
         return state.num_tokens
 
     def _chunk(self, state: RequestState, start: int, budget: int) -> int:
-        """Tokens to schedule from ``start``: ``min(left, budget)``; with a Mamba group, a
-        prefill chunk ending before ``max(P, N - 1)`` is cut back to a multiple of the
-        Mamba block size (possibly to 0: the request waits for a larger budget), so
+        """Tokens to schedule from ``start``: ``min(left, budget)``; with an ``"align"``
+        Mamba group, a prefill chunk ending before ``max(P, N - 1)`` is cut back to a
+        multiple of the Mamba block size (possibly to 0: the request waits for a larger
+        budget), so
         that every state the manager caches at a block boundary is really written
         there. Example: Mamba bs 4, prefill from 0 with budget 6 -> 4 tokens."""
         n = min(self._end(state) - start, budget)
-        if self.mamba_block_size is None:
+        if self.chunk_block_size is None:
             return n
         prefill_end = max(len(state.input.prompt_token_ids), state.num_tokens - 1)
         if start >= prefill_end or start + n >= prefill_end:
             return n
-        bs = self.mamba_block_size
+        bs = self.chunk_block_size
         return (start + n) // bs * bs - start
 
     def _run(self, record: StepRecord) -> None:

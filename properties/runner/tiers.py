@@ -36,13 +36,19 @@ from hypothesis import strategies as st
 
 from properties.checks.registry import PropertyViolation
 from properties.core.constants import PROPERTIES
-from properties.core.engine import UnsupportedLayoutError
+from properties.core.engine import KnownDivergenceMet, UnsupportedLayoutError
 from properties.core.modes import SYNC, ServingMode
 from properties.core.trace import Operation, Trace
 from properties.engines.under_test import EngineUnderTest
 from properties.generate import strategies as kvst
 from properties.runner.config import CheckConfig
-from properties.runner.run import TraceRun, declared_layouts, engine_of, failure_info
+from properties.runner.run import (
+    TraceRun,
+    declared_layouts,
+    engine_of,
+    excused_config,
+    failure_info,
+)
 from reference.errors import KVConformError
 from reference.layout import KVCacheLayout
 
@@ -57,8 +63,24 @@ class TierOutcome:
     steps: int = 0
     seconds: float = 0
     failure: BaseException | None = None
-    trace: Trace | None = None
     timings: list[float] = field(default_factory=list)
+    #: called with the first failing trace the moment it is recorded (before Hypothesis
+    #: shrinks it), so a tier's failure announces itself like the small tier's
+    on_first_failure: Callable[[Trace], None] | None = None
+    _trace: Trace | None = None
+    _announced: bool = False
+
+    @property
+    def trace(self) -> Trace | None:
+        """The failing trace (the last one recorded)."""
+        return self._trace
+
+    @trace.setter
+    def trace(self, trace: Trace | None) -> None:
+        self._trace = trace
+        if trace is not None and not self._announced and self.on_first_failure is not None:
+            self._announced = True
+            self.on_first_failure(trace)
 
 
 def tier_layouts(
@@ -78,10 +100,11 @@ def kept_mode(
     """What the engine gets of a drawn mode: nothing a Mamba group does not model
     (:func:`kvst.mode_for_layout`), then what its declarations take
     (:meth:`properties.engines.under_test.EngineUnderTest.serving_mode`: the default mode
-    without the serving calls, no external hits unless it declares them)."""
+    without the serving calls, no external hits unless it declares them, the default
+    mode where a known divergence of a serving mode applies)."""
     if not supports:
         return SYNC
-    return engine.serving_mode(kvst.mode_for_layout(mode, layout), supports)
+    return engine.serving_mode(kvst.mode_for_layout(mode, layout), supports, layout)
 
 
 _INVARIANTS, _ATTENTION, _DETERMINISM, _PRODUCTION = PROPERTIES
@@ -91,6 +114,31 @@ def _drawn_mode(name: str, data: st.DataObject) -> ServingMode:
     if name == _ATTENTION:
         return data.draw(kvst.connector_modes())
     return data.draw(kvst.swarm_modes())
+
+
+def drawn_run(
+    config: CheckConfig,
+    layout: KVCacheLayout,
+    mode: ServingMode,
+    engine: EngineUnderTest,
+    at_boundaries: bool = False,
+) -> TraceRun:
+    """A run of a drawn example: the engine built for ``layout``, driven in what it takes
+    of ``mode`` (:func:`kept_mode`), without the checks its known divergences excuse on
+    ``layout`` (:func:`properties.runner.run.excused_config`); a layout the engine
+    refuses is not an example (``reject()``). ``at_boundaries``: the O(pool) checks at
+    step boundaries."""
+    try:
+        return TraceRun(
+            excused_config(config, engine, layout),
+            layout,
+            engine,
+            choose_mode=lambda supports: kept_mode(mode, layout, supports, engine),
+            at_boundaries=at_boundaries,
+        )
+    except UnsupportedLayoutError:
+        reject()
+        raise  # unreachable: reject() raises
 
 
 def _run_trace(
@@ -104,20 +152,13 @@ def _run_trace(
     """Run ``ops`` with the O(pool) checks at step boundaries; a layout the engine
     refuses is not an example. Raises the first violation or engine error, its trace
     kept as ``outcome.trace``."""
-    try:
-        run = TraceRun(
-            config,
-            layout,
-            engine,
-            choose_mode=lambda supports: kept_mode(mode, layout, supports, engine),
-            at_boundaries=True,
-        )
-    except UnsupportedLayoutError:
-        reject()
+    run = drawn_run(config, layout, mode, engine, at_boundaries=True)
     try:
         for op in ops:
             run.apply(op)
         run.finish()
+    except KnownDivergenceMet:
+        reject()  # a documented engine behaviour met at run time: not an example
     except (AssertionError, KVConformError) as exc:
         outcome.trace = run.to_trace(exc)
         raise
@@ -131,15 +172,17 @@ def run_tier(
     hyp_settings: settings,
     seed: int | None = None,
     engine: EngineUnderTest | Callable | None = None,
+    on_first_failure: Callable[[Trace], None] | None = None,
 ) -> TierOutcome:
     """Run ``hyp_settings.max_examples`` examples of tier ``tier_name`` for property
     ``name`` (``config`` as :func:`properties.runner.check.config_for` gives it).
     Failures are not shrunk far (a large trace shrinks slowly): the failing trace is
-    the outcome's ``trace``."""
+    the outcome's ``trace``; ``on_first_failure`` hears of the first one as it is
+    recorded."""
     scale = kvst.tier(tier_name)
     engine = engine_of(config, engine)
     layouts = tier_layouts(config, scale, engine)
-    outcome = TierOutcome(tier_name)
+    outcome = TierOutcome(tier_name, on_first_failure=on_first_failure)
 
     def example(data: st.DataObject) -> None:
         layout = data.draw(layouts)

@@ -16,6 +16,7 @@ its ``xfails[0]["status"] == "xfail"``; the exit code is 0.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,16 +82,16 @@ def run_with_selection(
     started = time.perf_counter()
     from properties.core.engine import EngineError
     from properties.runner.check import PropertyResult
-    from properties.runner.run import active_checks_for
     from properties.tools.selection import (
         checks_ran,
+        engine_checks,
         run_selected,
         xfail_outcomes,
         xpass_failure,
     )
 
     try:
-        active = active_checks_for(engine, config)[0]
+        active = list(engine_checks(engine, config).runnable)
     except EngineError:  # the properties report it with a trace
         active = []
 
@@ -110,7 +111,9 @@ def run_with_selection(
     return CheckRun(results, outcomes, ran, started)
 
 
-def write_outputs(args: argparse.Namespace, seed: int | None, run: CheckRun, code: int) -> None:
+def write_outputs(
+    args: argparse.Namespace, seed: int | None, run: CheckRun, code: int, options: str = ""
+) -> None:
     """Write ``--report-json`` and ``--junit-xml`` (when asked for)."""
     if not (args.report_json or args.junit_xml):
         return
@@ -132,7 +135,9 @@ def write_outputs(args: argparse.Namespace, seed: int | None, run: CheckRun, cod
         results=[r for r in run.results if r.name != "xfails"],
         checks=run.ran,
         replays={
-            r.name: replay_command(r.trace_path, args.engine, args.level, r.name == "attention")
+            r.name: replay_command(
+                r.trace_path, args.engine, args.level, r.name == "attention", options
+            )
             for r in run.results
             if r.trace_path is not None
         },
@@ -141,7 +146,33 @@ def write_outputs(args: argparse.Namespace, seed: int | None, run: CheckRun, cod
         seconds=time.perf_counter() - run.started,
         exit_code=code,
     )
-    if args.report_json:
-        print(f"  report: {write_json(report, args.report_json)}")
-    if args.junit_xml:
-        print(f"  junit: {write_junit(report, args.junit_xml)}")
+    from properties.core.output_files import OutputWriteError
+
+    for label, option, write in (
+        ("report", args.report_json, write_json),
+        ("junit", args.junit_xml, write_junit),
+    ):
+        if not option:
+            continue
+        try:  # a write that fails now says so and leaves the run's exit code alone
+            print(f"  {label}: {write(report, option)}")
+        except OutputWriteError as exc:
+            print(f"  {label}: not written: {exc}", file=sys.stderr)
+
+
+def validate_outputs(args: argparse.Namespace) -> None:
+    """The output paths of ``check``, checked before anything runs (a usage error, exit
+    2: :mod:`properties.core.output_files`): the report files writable, not directories,
+    not the same file; the failure directory one that takes new files."""
+    from properties.core.output_files import (
+        check_distinct,
+        check_output_dir,
+        check_output_file,
+    )
+
+    outputs = {"--report-json": args.report_json, "--junit-xml": args.junit_xml}
+    for option, path in outputs.items():
+        if path is not None:
+            check_output_file(path, option)
+    check_distinct(outputs)
+    check_output_dir(args.failure_dir, "--failure-dir")

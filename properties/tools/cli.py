@@ -1,7 +1,7 @@
 """The ``kvconform`` command line.
 
 * ``kvconform check --engine NAME|module:factory [--level universal|exact]
-  [--profile dev|ci|nightly|gpu] [--preset NAME] [--no-attention]``: runs the
+  [--profile dev|pr|ci|nightly|gpu] [--preset NAME] [--no-attention]``: runs the
   properties and prints a table (property, examples, steps, time, result; a row per
   scale tier under each property: small, medium, offline, production); exit 1
   on any failure, after writing the shrunk trace and printing its replay command.
@@ -32,7 +32,9 @@ import argparse
 import json
 import os
 import random
+import shlex
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -51,10 +53,10 @@ from properties.core.constants import (
     PROFILES,
     PROPERTIES,
 )
-from properties.core.engine import EngineError, EngineLoadError
+from properties.core.engine import EngineError, EngineLoadError, UnsupportedLayoutError
 from properties.core.outcome import Outcome, combined_exit_code
 from properties.tools import check_outputs
-from properties.tools.options import check_numbers
+from properties.tools.options import check_numbers, selected_tiers
 from properties.tools.stopping import Stopped, stop_on_signals, stopped_exit_code
 from reference.errors import KVConformError
 
@@ -90,8 +92,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     from properties.runner.profiles import load_profile
     from properties.tools.selection import with_skips
 
+    started = time.monotonic()
+    wanted = wanted_properties(args)  # an empty selection is refused before anything runs
+    check_outputs.validate_outputs(args)  # a bad output path costs seconds, not the run
     selection = check_outputs.selection_of(args)
-    config = with_skips(config_from_args(args, preset=args.preset), selection)
+    config = with_skips(
+        config_from_args(args, preset=args.preset, reach_corpus=not args.no_reach_corpus),
+        selection,
+    )
     profile = load_profile(args.profile)
     seed = args.seed
     if seed is None and not profile.derandomize:
@@ -101,6 +109,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"preset={args.preset or '-'} seed={seed if seed is not None else 'derandomized'}",
         flush=True,
     )
+    from properties.runner.profiles import profile_note
+
+    note = profile_note(args.profile)
+    if note:  # a reduced profile says what it leaves to the gate
+        print(f"  {note}")
     engine = config.resolve_engine()
     if engine.spec_types != SPEC_KINDS:
         print(
@@ -108,13 +121,14 @@ def cmd_check(args: argparse.Namespace) -> int:
             f"{', '.join(engine.spec_types)}"
         )
     for d in engine.known_divergences:
-        print(
-            f"  known divergence {d.name}: {d.summary}\n    layouts where it applies are "
-            f"not drawn; see {d.finding}"
+        where = (
+            "examples that meet it stop there uncounted (the adapter detects it)"
+            if d.at_run_time
+            else f"layouts where it applies run without {', '.join(d.checks)}"
+            if d.checks
+            else "layouts where it applies are not drawn"
         )
-    wanted = [p for p in PROPERTIES if not (p == "attention" and args.no_attention)]
-    if args.only:
-        wanted = [p for p in wanted if p in args.only]
+        print(f"  known divergence {d.name}: {d.summary}\n    {where}; see {d.finding}")
     from properties.runner.explain import format_summary
     from properties.runner.progress import configure_progress
     from properties.tools.engine_coverage import cli_session
@@ -157,12 +171,38 @@ def cmd_check(args: argparse.Namespace) -> int:
         if getattr(r, "first", None) is not None:
             print(f"  {r.first.describe()}")
         if r.trace_path is not None:  # the summary below prints its path and replay
-            report, line = report_beside(r.trace_path, args.engine, args.level, engine)
+            report, line = report_beside(r.trace_path)
             reports[r.name] = report if report is not None else line
-    print("\n" + format_summary(results, args.engine, args.level, reports))
+    wall = time.monotonic() - started
+    options = config.replay_options()
+    print(
+        "\n"
+        + format_summary(
+            results, args.engine, args.level, reports, wall_seconds=wall, options=options
+        )
+    )
     code = exit_code([result_kind(r) for r in results])
-    check_outputs.write_outputs(args, seed, run, code)
+    check_outputs.write_outputs(args, seed, run, code, options)
     return code
+
+
+def wanted_properties(args: argparse.Namespace) -> list[str]:
+    """The properties ``check`` runs: every one, less ``attention`` with
+    ``--no-attention``, only those ``--only`` names. A selection that leaves none is a
+    usage error naming the options that emptied it (a run that checks nothing must never
+    pass). Example: ``--only attention --no-attention`` -> ``KVConformError("no property
+    left to run: --only names attention and --no-attention removes attention")``."""
+    if args.only is not None and not args.only:
+        raise usage_error(f"--only names no property (choose from {', '.join(PROPERTIES)})")
+    wanted = [p for p in PROPERTIES if not (p == "attention" and args.no_attention)]
+    if args.only:
+        wanted = [p for p in wanted if p in args.only]
+    if not wanted:
+        raise usage_error(
+            f"no property left to run: --only names {', '.join(args.only)} and "
+            "--no-attention removes attention"
+        )
+    return wanted
 
 
 def result_kind(result) -> str | None:
@@ -192,25 +232,11 @@ def result_word(result) -> str:
     return Outcome.from_kind(result_kind(result)).word
 
 
-def large_tiers(
-    value: str | None, profile: str, max_examples: int | None = None
-) -> tuple[str, ...] | None:
-    """``--tiers``: None (the profile's), ``()`` for ``none``, else the tiers named,
-    checked against the profile's (a usage error names an unknown one). A run bounded by
-    ``--max-examples`` runs the small tier only unless ``--tiers`` names more."""
-    from properties.runner.profiles import tier_examples
-
-    if value is None:
-        return () if max_examples is not None else None
-    names = () if value.strip() == "none" else tuple(t.strip() for t in value.split(","))
-    tier_examples(profile, names)  # raises on an unknown tier
-    return names
-
-
 def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine) -> list:
     """The properties, in ``--workers`` processes (default: the cores), with the rule
     coverage report (``--coverage``) as one more row that fails on a gated gap
     (``--coverage-gate``)."""
+    from properties.tools.engine_coverage import engine_runs_here
     from properties.tools.guard import needs_guard
     from properties.tools.parallel import (
         PropertyTask,
@@ -218,12 +244,13 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine
         default_workers,
         run_task,
         run_tasks,
+        write_first_failure_page,
     )
 
     workers = args.workers if args.workers is not None else default_workers()
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
-    tiers = large_tiers(getattr(args, "tiers", None), args.profile, args.max_examples)
+    tiers = selected_tiers(getattr(args, "tiers", None), args.profile, args.max_examples)
     tasks = [
         PropertyTask(
             name,
@@ -249,6 +276,8 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine
         try:
             for task in tasks:  # in this process: each line as soon as it is known
                 results.append(run_task(task, engine=engine, on_first_failure=on_first))
+                for first in found:  # pages announced from inside the Hypothesis test
+                    write_first_failure_page(first)
                 print_result_line(results[-1])
         except Stopped as stop:
             stop.results, stop.found = results, found
@@ -257,8 +286,11 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine
     import tempfile
 
     # an engine in this process that is not kvconform's own runs in a forked worker: one
-    # that ends the process (os._exit(0)) is then an engine error, never a silent pass
-    start_method = "fork" if guarded and not args.coverage else "spawn"
+    # that ends the process (os._exit(0)) is then an engine error, never a silent pass;
+    # any engine that runs in this process is forked too: the worker starts with what this
+    # process imported (vLLM's import is 7 s of CPU a worker); rule coverage measures a
+    # worker from its start, so it spawns
+    start_method = "fork" if engine_runs_here(config) and not args.coverage else "spawn"
     with tempfile.TemporaryDirectory(prefix="kvconform-cov-") as tmp:
         try:
             results = run_tasks(
@@ -279,7 +311,10 @@ def run_checks(args: argparse.Namespace, config, wanted: list[str], seed, engine
 
 def report_stopped(stop: Stopped) -> int:
     """What a stopped ``check`` prints (the properties that finished, the failures found
-    so far) and its exit code (:func:`properties.tools.stopping.stopped_exit_code`)."""
+    so far, with their pages) and its exit code
+    (:func:`properties.tools.stopping.stopped_exit_code`)."""
+    from properties.tools.parallel import write_first_failure_page
+
     print(f"\nkvconform check: stopped by {stop.name}; workers and engines ended", flush=True)
     if stop.results:
         print(format_results(stop.results))
@@ -287,6 +322,7 @@ def report_stopped(stop: Stopped) -> int:
         print(f"  found before the stop: {first.describe()}")
         if first.trace_path is not None:
             print(f"  trace: {first.trace_path}\n  replay: {first.replay()}")
+            write_first_failure_page(first)
     kinds = [result_kind(r) for r in stop.results]
     kinds += [getattr(f, "kind", "property") for f in getattr(stop, "found", [])]
     return stopped_exit_code(stop, kinds)
@@ -312,9 +348,12 @@ def coverage_result(data_dir: str, gate: bool):
 def print_result_line(r) -> None:
     """A property's result, printed once, when it ends (marked ``announced``)."""
     r.announced = True
+    reach = getattr(r, "reach", 0)
     print(
         f"  {r.name:<12} {result_word(r)} "
-        f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s)",
+        f"({r.examples} examples, {r.steps} steps, {r.seconds:.1f}s"
+        + (f"; {reach} reach corpus traces first" if reach else "")
+        + ")",
         flush=True,
     )
     if r.tiers and len(r.tiers) > 1:  # the small tier alone is the line above
@@ -362,44 +401,23 @@ def format_pair_reach(results, engine) -> list[str]:
         frozenset(engine.production_settings),
         any(getattr(r, "serving_calls", False) for r in results),
         tuple(engine.spec_types),
+        {frozenset(d.features): d.name for d in engine.known_divergences if d.features},
     )
     return pair_table(counts, declared)
 
 
-#: Invariants that only the serving modes (or one production setting) can trigger: the
-#: event they run on never happens without it. Check -> (what it needs, why).
-DECLARATION_ONLY_CHECKS: dict[str, tuple[str, str]] = {
-    "external_hit_bounds": ("external", "external hits need the 'external' setting"),
-    "external_load_exclusive": ("external", "external hits need the 'external' setting"),
-    "host_hit_content": ("external", "external hits need the 'external' setting"),
-    "in_flight_reads_held": ("serving_modes", "asynchronous steps need the serving calls"),
-    "committed_blocks_verified": ("serving_modes", "cache_blocks is a serving call"),
-}
-
-
 def format_active_checks(engine, config) -> str:
     """Which invariants run for this engine's capabilities, which its capabilities turn
-    off, and which its declarations can never trigger (the serving calls, the
-    ``external`` setting: :data:`DECLARATION_ONLY_CHECKS`)."""
-    from properties.checks.registry import INVARIANTS
-    from properties.runner.run import active_checks_for
+    off, and which its declarations can never trigger
+    (:func:`properties.tools.selection.engine_checks`)."""
+    from properties.tools.selection import engine_checks
 
-    active, capabilities = active_checks_for(engine, config)
-    lost = [n for n in INVARIANTS if n not in active and n not in config.disabled]
-    declared = set(engine.production_settings) | (capabilities & {"serving_modes"})
-    if "serving_modes" not in declared:
-        declared.discard("external")  # external hits travel through the serving calls
-    idle = {
-        n: why
-        for n, (needs, why) in DECLARATION_ONLY_CHECKS.items()
-        if n in active and needs not in declared
-    }
-    shown = [n for n in active if n not in idle]
+    checks = engine_checks(engine, config)
     return (
-        f"  capabilities: {', '.join(sorted(capabilities)) or 'none'}\n"
-        f"  checks: {', '.join(shown)}"
-        + (f"\n  not run (capabilities missing): {', '.join(lost)}" if lost else "")
-        + "".join(f"\n  off ({why}): {n}" for n, why in idle.items())
+        f"  capabilities: {', '.join(sorted(checks.capabilities)) or 'none'}\n"
+        f"  checks: {', '.join(checks.runnable)}"
+        + (f"\n  not run (capabilities missing): {', '.join(checks.lost)}" if checks.lost else "")
+        + "".join(f"\n  off ({why}): {n}" for n, why in checks.idle.items())
     )
 
 
@@ -428,15 +446,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from properties.core.trace import load_trace
     from properties.runner.check import config_for
     from properties.tools.guard import needs_guard, run_guarded
+    from properties.tools.trust import engine_named_in_file
 
     trace = load_trace(Path(args.trace))
     recorded = (trace.failure or {}).get("engine")
-    if args.engine is None:  # the engine the trace was recorded on, said so
-        if not isinstance(recorded, str) or not recorded:
-            raise usage_error(f"{args.trace} records no engine: give --engine")
-        args.engine = recorded
-        print(f"--engine not given: using {recorded}, the engine recorded in the trace")
-    config = config_for("attention" if args.attention else "invariants", config_from_args(args))
+    if args.engine is None:  # the engine the trace was recorded on, if kvconform's own
+        args.engine = engine_named_in_file(
+            recorded,
+            args.trace,
+            f"kvconform replay {shlex.quote(args.trace)}",
+            args.trust_recorded_engine,
+        )
+        print(f"--engine not given: using {args.engine}, the engine recorded in the trace")
+    from properties.tools.selection import load_selection, with_skips
+
+    base = with_skips(config_from_args(args), load_selection(args.skip_checks, None))
+    config = config_for("attention" if args.attention else "invariants", base)
     engine = config.resolve_engine()
     if needs_guard(config):  # an in-process adapter must not end the process with exit 0
         return run_guarded(lambda: _replay(args, trace, config, engine), on_command_error)
@@ -455,10 +480,22 @@ def _replay(args: argparse.Namespace, trace, config, engine) -> int:
             f"recorded failure: [{trace.failure.get('property')}] on "
             f"{trace.failure.get('engine')} ({trace.failure.get('level')})"
         )
+    unsupported = [s.type_name for s in trace.layout.specs if s.type_name not in engine.spec_types]
+    if unsupported:
+        raise usage_error(
+            f"{args.engine} does not support this trace's layout: it declares spec types "
+            f"{', '.join(engine.spec_types)}, the trace has {', '.join(sorted(set(unsupported)))}"
+        )
     run, exc = replay_trace(trace, config, engine)
+    if isinstance(exc, UnsupportedLayoutError):  # the factory refused the layout
+        raise usage_error(f"{args.engine} does not support this trace's layout: {exc}")
     if exc is None:
         print(f"no failure: {args.engine} passes every check on this trace ({args.level})")
         return EXIT_PASSED
+    if run is None:  # the engine's build (or its first read of the fresh pool) failed
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"FAILED before the first operation: {type(exc).__name__}: {first}")
+        return Outcome.of_failure(exc).exit_code
     op_index = len(run.operations) - 1
     print(f"FAILED at operation {op_index}: {run.operations[op_index]!r}")
     print(f"  {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -560,6 +597,34 @@ def _corpus_run(args: argparse.Namespace) -> int:
     return exit_code(failed) if failed else EXIT_FAILED  # none failed: no case ran
 
 
+def cmd_reach(args: argparse.Namespace) -> int:
+    """``kvconform reach list|add|grow`` (:mod:`properties.tools.reach_grow`)."""
+    from properties.runner.reach import load_reach_corpus
+    from properties.tools import reach_grow
+
+    if args.action == "list":
+        cases = load_reach_corpus(args.dir)
+        for case in cases:
+            print(f"{case.name}: {len(case.trace.operations)} operations, {len(case.reached)} keys")
+            print(f"  {case.why}")
+        print(f"{len(cases)} cases")
+        return EXIT_PASSED
+    if args.action == "add":
+        path = reach_grow.add_case(args.trace, args.name, args.why, args.reached, args.dir)
+        print(f"kvconform reach: {path}")
+        return EXIT_PASSED
+    kept, drawn = reach_grow.grow(args.examples, args.seed, args.dir)
+    keys = [k for case in kept for k in case.reached]
+    pairs = sum(k.startswith("pair:") for k in keys)
+    print(
+        f"kvconform reach: kept {len(kept)} of {drawn} traces ({len(keys)} new keys: "
+        f"{pairs} pairs, {len(keys) - pairs} branches)"
+    )
+    for case in kept:
+        print(f"  {case.name}: {len(case.trace.operations)} operations, {len(case.reached)} keys")
+    return EXIT_PASSED
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     finished: list = []  # rows measured so far (a stopped bench summarises them)
     try:
@@ -591,7 +656,10 @@ def _bench(args: argparse.Namespace, finished: list) -> int:
         from properties.tools.bench.progress import suite_line
         from properties.tools.bench.suite import bench_suite, format_suite
 
-        print(format_suite(bench_suite(profile=args.profile, on_row=keeping(suite_line))))
+        rows = bench_suite(
+            profile=args.profile, on_row=keeping(suite_line), engines=tuple(args.engines)
+        )
+        print(format_suite(rows))
     elif args.what == "engines":
         from properties.tools.bench.engines import (
             ALL_RECIPES,
@@ -733,7 +801,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--engine",
             default="reference",
-            help="reference, vllm, sglang, module:factory, or exec:COMMAND (an engine in "
+            help="reference, vllm, sglang, lmdeploy, module:factory, or exec:COMMAND (an engine in "
             "any language speaking docs/exec-protocol.md)",
         )
         p.add_argument("--level", default=DEFAULT_LEVEL, choices=LEVELS, help="property level")
@@ -804,6 +872,11 @@ def build_parser() -> argparse.ArgumentParser:
     shrink_args(p)
     coverage_args(p)
     p.add_argument(
+        "--no-reach-corpus",
+        action="store_true",
+        help="do not replay the reach corpus before drawing (properties/runner/reach.py)",
+    )
+    p.add_argument(
         "--pairs-gate",
         action="store_true",
         help="fail (exit 4) if a pair of features the engine supports was not reached",
@@ -844,8 +917,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="replay one trace and show the first failure")
     p.add_argument("trace")
     engine_args(p)
-    p.set_defaults(engine=None)  # the engine recorded in the trace, said so
+    p.set_defaults(engine=None)  # the engine recorded in the trace, if built in
     p.add_argument("--attention", action="store_true", help="check attention outputs only")
+    p.add_argument(
+        "--skip-checks",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="invariants not to run (as the run that saved the trace skipped them)",
+    )
+    p.add_argument(
+        "--trust-recorded-engine",
+        action="store_true",
+        help="without --engine, run the engine the trace names even when it is not a "
+        "built-in one (exec: commands and module:factory adapters run code: "
+        "docs/threat-model.md)",
+    )
     p.set_defaults(func=cmd_replay)
 
     from properties.tools.report import add_report_parser
@@ -862,6 +949,24 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("directory")
     engine_args(q)
     q.set_defaults(func=cmd_corpus)
+
+    p = sub.add_parser("reach", help="the reach corpus every check replays first")
+    reach = p.add_subparsers(dest="action", required=True)
+    q = reach.add_parser("list", help="the cases and what each reached")
+    q.add_argument("--dir", default=None, help="a corpus folder (default: the shipped one)")
+    q.set_defaults(func=cmd_reach)
+    q = reach.add_parser("add", help="add a trace that passes on the reference")
+    q.add_argument("trace")
+    q.add_argument("--name", required=True)
+    q.add_argument("--why", required=True, help="what the trace reaches that must not be lost")
+    q.add_argument("--reached", nargs="*", default=(), help="keys (default: its pairs)")
+    q.add_argument("--dir", default=None)
+    q.set_defaults(func=cmd_reach)
+    q = reach.add_parser("grow", help="keep drawn traces that reach new pairs or branches")
+    q.add_argument("--examples", type=int, default=200)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--dir", default=None)
+    q.set_defaults(func=cmd_reach)
 
     p = sub.add_parser("bench", help="speed figures")
     p.add_argument("what", choices=("suite", "engines", "attention", "device"))
@@ -907,18 +1012,35 @@ def main(argv: list[str] | None = None) -> int:
     # it starts measuring, and must not have imported the reference yet
 
     args = build_parser().parse_args(argv)  # bad options: argparse exits 2
+    from properties.core.processes import start_resource_tracker
+
+    start_resource_tracker()  # before any worker: a hang-up must not kill it
     try:
         with stop_on_signals():
             check_numbers(args)  # every numeric option finite and in range, or exit 2
             return args.func(args)
     except KeyboardInterrupt as stop:
-        from properties.engines.exec_engine import kill_engine_children
-
-        kill_engine_children()
         print(f"\nkvconform: interrupted ({getattr(stop, 'name', 'SIGINT')})", file=sys.stderr)
         return stopped_exit_code(stop, [])
     except BaseException as exc:  # noqa: BLE001 - every error becomes one line and a code
         return on_command_error(exc, getattr(args, "verbose", False))
+    finally:
+        end_started_processes()
+
+
+def end_started_processes() -> None:
+    """Nothing the command started outlives it: engine children with their process
+    groups, then any process still alive below this one (what an in-process adapter
+    forked), but multiprocessing's resource tracker and the watchdog, which end on
+    their own (:mod:`properties.core.processes`)."""
+    import multiprocessing.resource_tracker as tracker
+
+    from properties.core.processes import reap_descendants, watchdog_pid
+    from properties.engines.exec_engine import kill_engine_children
+
+    kill_engine_children()
+    tracker_pid = getattr(getattr(tracker, "_resource_tracker", None), "_pid", None)
+    reap_descendants(keep=frozenset(p for p in (tracker_pid, watchdog_pid()) if p))
 
 
 def on_command_error(exc: BaseException, verbose: bool = False) -> int:

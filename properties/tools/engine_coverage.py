@@ -57,6 +57,7 @@ from properties.core.coverage_probe import (
     save_measurement,
     start_measuring,
     stop_measuring,
+    trace_engine_calls_only,
 )
 
 #: Above this many unreached branches the table goes to a file (the output names it).
@@ -129,8 +130,15 @@ def engine_runs_here(config) -> bool:
 
 def measure_here(config) -> bool:
     """Measure this process when engine coverage is requested and the engine of
-    ``config`` runs here; whether it is measured."""
-    return CoverageRequest.from_env() is not None and engine_runs_here(config) and start_measuring()
+    ``config`` runs here; whether it is measured. The engine is driven through the
+    engine boundary only (a check's or a fuzz campaign's runs), so only its calls are
+    traced (:func:`properties.core.coverage_probe.trace_engine_calls_only`)."""
+    measured = (
+        CoverageRequest.from_env() is not None and engine_runs_here(config) and start_measuring()
+    )
+    if measured:
+        trace_engine_calls_only()
+    return measured
 
 
 @contextmanager

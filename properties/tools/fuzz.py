@@ -8,12 +8,11 @@ terminal a live line; else one line per ``--progress-seconds``, no carriage retu
 workers send their counts every second, within a round too, and a first failure at once.
 The workers are stopped at most ``STOP_GRACE_SECONDS`` after ``--minutes``. One failure
 is reported once across workers: the key is the check that failed
-(:func:`failure_key`). Then a summary. Ctrl-C (SIGINT) or SIGTERM stops the workers,
-prints the summary and exits 130 (SIGINT) or 143 (SIGTERM), or the failure code when
-something was found (1 a
-property failed, 3 the engine broke the protocol). Every failure is saved as a replayable
-trace, once (the same shrunk trace found again is not saved again), and its replay
-command is printed.
+(:func:`failure_key`). Then a summary. Ctrl-C (SIGINT), SIGTERM or SIGHUP stops the
+workers, prints the summary and exits 130 (SIGINT), 143 (SIGTERM) or 129 (SIGHUP), or the
+failure code when something was found (1 a property failed, 3 the engine broke the
+protocol). Every failure is saved as a replayable trace, once (the same shrunk trace
+found again is not saved again), and its replay command is printed.
 
 The example database (``--database``) is where Hypothesis keeps failing examples and
 its example corpus: by default the directory ``.kvconform/hypothesis``; with
@@ -95,13 +94,17 @@ def example_database(spec: str | None, engine: str, level: str):
 
 
 def check_database(spec: str | None) -> None:
-    """Fail early, with one line, when a Redis database cannot be reached or a database
-    directory is a file."""
-    if spec is not None and not spec.startswith(REDIS_SCHEME) and "://" not in spec:
-        if Path(spec).exists() and not Path(spec).is_dir():
-            raise KVConformError(f"--database {spec}: is a file, not a directory")
-        return
+    """Fail early, in the parent and with one line, when ``--database`` names a scheme
+    other than ``redis://``, a Redis server that cannot be reached, or a directory that
+    cannot take new files (a file, a read-only folder: failures would not be stored)."""
+    if spec is not None and "://" in spec and not spec.startswith(REDIS_SCHEME):
+        raise KVConformError(
+            f"--database {spec!r}: only redis://HOST:PORT[/DB] or a directory is supported"
+        )
     if spec is None or not spec.startswith(REDIS_SCHEME):
+        from properties.core.output_files import check_output_dir
+
+        check_output_dir(spec or DEFAULT_DATABASE_DIR, "--database")
         return
     client = _redis_client(spec)
     try:
@@ -122,6 +125,10 @@ def _worker(
     after_round: Callable[[], None] | None = None,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    from properties.core.processes import die_with_parent
+
+    die_with_parent(signal.SIGTERM)  # the parent killed (kill -9): this worker ends too
     from hypothesis import Phase, settings
 
     from properties.runner.profiles import load_profile
@@ -280,10 +287,14 @@ def run_campaign(
         failure_dir=failure_dir,
         call_timeout=call_timeout,
         isolation=isolation,
+        reach_corpus=False,  # a campaign's rounds draw; the corpus is check's first step
     )
     resolved = config.resolve_engine()  # a bad --engine or declaration fails here, clearly
     try:
         check_database(database)
+        from properties.core.output_files import check_output_dir
+
+        check_output_dir(failure_dir, "--failure-dir")
     except KVConformError as exc:
         print(f"kvconform fuzz: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -408,8 +419,13 @@ def _print_failure(failure: tuple, worker: int, engine: str, level: str, attenti
     )
     from properties.tools.report import report_beside
 
-    command = replay_command(path, engine, level, attention)
-    report = f"\n  {report_beside(path, engine, level)[1]}" if path else ""
+    options = ""
+    if path:
+        from properties.core.trace import load_trace
+
+        options = str((load_trace(path).failure or {}).get("replay_options") or "")
+    command = replay_command(path, engine, level, attention, options)
+    report = f"\n  {report_beside(path)[1]}" if path else ""
     print(
         f"\nFAILURE ({origin}): {message[:300]}\n  trace: {path}{report}\n  replay: {command}",
         flush=True,

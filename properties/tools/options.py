@@ -58,6 +58,7 @@ NUMERIC_OPTIONS: dict[str, NumberRange] = {
     "minutes": NumberRange("--minutes", 0, 366 * 24 * 60, low_inclusive=False),
     "progress_seconds": NumberRange("--progress-seconds", 0, DAY_S, low_inclusive=False),
     "per_mode": NumberRange("--per-mode", 1, 10_000),
+    "examples": NumberRange("--examples", 1, 1_000_000),
     "repeat": NumberRange("--repeat", 1, 10_000),
     "hotspots": NumberRange("--hotspots", 0, 10_000),
     "scale": NumberRange("--scale", 1, 10_000),
@@ -71,3 +72,34 @@ def check_numbers(args: argparse.Namespace) -> None:
         value = getattr(args, dest, None)
         if value is not None:
             allowed.check(value)
+
+
+def selected_tiers(
+    value: str | None, profile: str, max_examples: int | None = None
+) -> tuple[str, ...] | None:
+    """``--tiers`` (``--kv-tiers`` under pytest): None (the profile's), ``()`` for
+    ``none``, else the tiers named, checked against the profile's (a usage error names an
+    unknown one). A run bounded by ``--max-examples`` runs the small tier only unless
+    ``--tiers`` names more. Example: ``selected_tiers("medium", "ci") == ("medium",)``."""
+    from properties.runner.profiles import tier_examples
+
+    if value is None:
+        return () if max_examples is not None else None
+    names = () if value.strip() == "none" else tuple(t.strip() for t in value.split(","))
+    tier_examples(profile, names)  # raises on an unknown tier
+    return names
+
+
+def tier_counts(
+    profile: str, tiers: tuple[str, ...] | None, examples_per_tier: int | None
+) -> dict[str, int]:
+    """The examples of each large tier a run takes: the profile's counts of the tiers
+    ``tiers`` names (None: all of them), each replaced by ``examples_per_tier`` when
+    set (``--tier-examples``). Example: profile ci, tiers ``("medium",)``, 20 per tier ->
+    ``{"medium": 20}``."""
+    from properties.runner.profiles import tier_examples
+
+    counts = tier_examples(profile, tiers)
+    if examples_per_tier is None:
+        return counts
+    return {tier: examples_per_tier for tier in counts}

@@ -30,9 +30,12 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from properties.core.processes import die_with_parent, reap_descendants, watchdog_pid
 
 
 @dataclass(frozen=True)
@@ -113,9 +116,9 @@ def _run(task: PropertyTask, engine, on_first_failure):
     from hypothesis import settings
 
     from properties.runner.check import run_property
-    from properties.runner.profiles import load_profile
+    from properties.runner.profiles import get_profile
 
-    profile = load_profile(task.profile)
+    profile = get_profile(task.profile)
     hyp = settings(profile, max_examples=task.max_examples or profile.max_examples)
     if task.seed is not None:  # a seed reproduces a run exactly: no example database
         hyp = settings(hyp, database=None)
@@ -132,29 +135,37 @@ def _run(task: PropertyTask, engine, on_first_failure):
 
 
 def large_tier_counts(task: PropertyTask) -> dict[str, int]:
-    """The examples of each large tier ``task`` runs: the profile's counts of the tiers
-    it names, each replaced by ``examples_per_tier`` when set (``--tier-examples``; the
-    attention and determinism properties then scale it as they scale the profile's:
-    :func:`properties.runner.check.tiers_for`). Example: profile ci, tiers
-    ``("medium",)``, 20 per tier -> ``{"medium": 20}``."""
-    from properties.runner.profiles import tier_examples
+    """The examples of each large tier ``task`` runs (:func:`properties.tools.options.tier_counts`;
+    the attention and determinism properties then scale them as they scale the profile's:
+    :func:`properties.runner.check.tiers_for`)."""
+    from properties.tools.options import tier_counts
 
-    counts = tier_examples(task.profile, task.tiers)
-    if task.examples_per_tier is None:
-        return counts
-    return {tier: task.examples_per_tier for tier in counts}
+    return tier_counts(task.profile, task.tiers, task.examples_per_tier)
 
 
 def announce_first_failure(first) -> None:
     """Print a first failure (a :class:`properties.runner.check.FirstFailure`) and its
-    replay command the moment it is found, before shrinking."""
-    from properties.tools.report import report_beside
+    replay command the moment it is found, before shrinking. Its HTML page is written
+    here unless a Hypothesis test is running in this process (a property run in the
+    main process announces from inside its test): then :func:`write_first_failure_page`
+    writes it once the property has ended."""
+    from hypothesis.control import currently_in_test_context
 
     print(f"  {first.describe()}", flush=True)
     if first.trace_path is not None:
-        _path, line = report_beside(first.trace_path, first.engine, first.level)
-        print(f"  first failing trace: {first.trace_path}\n  {line}", flush=True)
+        print(f"  first failing trace: {first.trace_path}", flush=True)
+        if not currently_in_test_context():
+            write_first_failure_page(first)
         print(f"  replay: {first.replay()}", flush=True)
+
+
+def write_first_failure_page(first) -> None:
+    """Write (once) and name the HTML page of a first failure's saved trace."""
+    from properties.tools.report import report_beside
+
+    if first.trace_path is not None and not getattr(first, "page_written", False):
+        first.page_written = True
+        print(f"  {report_beside(first.trace_path)[1]}", flush=True)
 
 
 #: Seconds a stopped worker gets to end after SIGTERM before it is killed.
@@ -170,7 +181,9 @@ def _worker(
     engine children and ends the worker. The task comes as plain fields: unpickling a
     ``CheckConfig`` would import the reference before coverage starts."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the parent stops us
     signal.signal(signal.SIGTERM, _end_worker)
+    die_with_parent(signal.SIGTERM)  # the parent killed (kill -9): end our engines too
     if coverage_dir is not None:
         _start_coverage(coverage_dir)
     from properties.core import current_call
@@ -189,9 +202,15 @@ def _worker(
 
 
 def _end_worker(signum, frame) -> None:
-    from properties.engines.exec_engine import kill_engine_children
-
-    kill_engine_children()
+    """SIGTERM in a worker: its engine children killed, then every process below it, then
+    the exit. No import here: the signal may land while the worker imports (an import
+    from a handler then meets partly initialised modules); engine children exist only
+    once the module that starts them is loaded."""
+    exec_engine = sys.modules.get("properties.engines.exec_engine")
+    kill = getattr(exec_engine, "kill_engine_children", None)
+    if kill is not None:
+        kill()
+    reap_descendants(keep=frozenset(p for p in (watchdog_pid(),) if p is not None))
     os._exit(128 + signum)
 
 

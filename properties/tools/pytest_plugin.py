@@ -80,6 +80,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="branch coverage of these modules of the engine under test, printed at the end "
         "(no value: the adapter's coverage_modules; properties.tools.engine_coverage)",
     )
+    group.addoption(
+        "--kv-report-json",
+        default=None,
+        metavar="FILE",
+        help="write kvconform check's JSON report of the conformance tests that ran "
+        "(properties.tools.results)",
+    )
     parser.addini(
         "kv_hypothesis_profile",
         default="",
@@ -102,6 +109,15 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.kv_options.selection.xfail and not hasattr(config, "workerinput"):
         # on the controller only (pytest-xdist): it hears every worker's reports
         config.pluginmanager.register(pytest_options.XpassReporter(config.kv_options.selection))
+    report_json = config.getoption("--kv-report-json")
+    if report_json is not None and not hasattr(config, "workerinput"):
+        from properties.core.output_files import OutputPathError, check_output_file
+
+        try:
+            check_output_file(report_json, "--kv-report-json")
+        except OutputPathError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        config.pluginmanager.register(pytest_options.ReportCollector(report_json))
     if profile:
         from properties.runner.profiles import load_profile
 
@@ -138,6 +154,39 @@ def _start_engine_coverage(config: pytest.Config, engine: str) -> None:
     except Exception as exc:  # noqa: BLE001 - a bad module is a usage error
         raise pytest.UsageError(str(exc)) from None
     config.kv_engine_coverage = finish  # type: ignore[attr-defined]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """The per-check conformance tests (:mod:`properties.tools.conformance`): one
+    ``kv_check_case`` per check each property runs for the engine, one ``kv_xfail_check``
+    per check of ``--kv-xfails-file``."""
+    config = metafunc.config
+    if "kv_check_case" in metafunc.fixturenames:
+        checks = pytest_options.session_checks(config)
+        cases = [(prop, check) for prop, names in checks.items() for check in names]
+        metafunc.parametrize(
+            "kv_check_case", cases, ids=[f"{prop}-{check}" for prop, check in cases]
+        )
+    if "kv_xfail_check" in metafunc.fixturenames:
+        listed = [check for check, _reason in config.kv_options.selection.xfail]  # type: ignore[attr-defined]
+        metafunc.parametrize("kv_xfail_check", listed, ids=listed)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without an xfails file there is no ``test_xfail`` case: its empty parametrization
+    is deselected, not reported as a skipped test."""
+    empty = [
+        item
+        for item in items
+        if item.name.startswith("test_xfail[")
+        and any(
+            "empty parameter set" in str(m.kwargs.get("reason", ""))
+            for m in item.iter_markers("skip")
+        )
+    ]
+    if empty:
+        config.hook.pytest_deselected(items=empty)
+        items[:] = [item for item in items if item not in empty]
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:

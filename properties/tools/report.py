@@ -25,22 +25,15 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from properties.core.output_files import write_text_atomic
 from properties.core.trace import Trace, load_trace, operation_to_json
 from reference.errors import KVConformError
 
 # The runner is imported inside the functions: the CLI builds its parser (this module's
 # add_report_parser) before a --coverage worker starts measuring the reference.
-
-#: Free-queue entries shown per step.
-QUEUE_HEAD = 16
-#: Cached blocks shown per step.
-CACHED_SHOWN = 64
-#: The engine's last calls shown at the failing operation.
-LAST_CALLS = 4
 
 
 def report_path_for(trace_path: Path | str) -> Path:
@@ -48,76 +41,66 @@ def report_path_for(trace_path: Path | str) -> Path:
     return Path(trace_path).with_suffix(".html")
 
 
-def _snapshot(run: Any) -> dict:
-    """Tables, free count, free-queue head and cached blocks of one run, now."""
-    state = run.lockstep.checker.state
-    tables = {}
-    for rid, tracked in sorted(run.lockstep.checker.requests.items()):
-        if not tracked.holds_blocks:
-            continue
-        try:
-            tables[rid] = [[int(b) for b in g] for g in run.lockstep.engine.get_block_ids(rid)]
-        except Exception as exc:  # noqa: BLE001 - an engine that cannot answer is shown so
-            tables[rid] = f"cannot read: {exc}"
-    out: dict[str, Any] = {"tables": tables}
+def _engine_side(
+    trace: Trace, engine: str | None, factory
+) -> tuple[str, list, str | None, str | None]:
+    """``(engine name, snapshots, replay failure, why none)`` of the engine's side: the
+    view recorded in the trace, or, when the user named an engine on the command line
+    (``engine`` or a ``factory``), a replay on that engine. The engine the file names is
+    never loaded (``docs/threat-model.md``)."""
+    from properties.engines.under_test import resolve_engine
+    from properties.runner.check import config_for
+    from properties.runner.config import CheckConfig
+    from properties.runner.engine_view import walk
+
+    failure = trace.failure or {}
+    view = trace.engine_view or {}
+    if engine is None and factory is None:
+        name = str(view.get("engine") or failure.get("engine") or "?")
+        if "steps" in view:
+            return name, list(view["steps"]), view.get("failure"), None
+        why = view.get("omitted") or (
+            "this trace carries no record of the engine's tables (a trace saved before "
+            "kvconform recorded them, or written by hand)"
+        )
+        return (
+            name,
+            [],
+            None,
+            (f"{why}; `kvconform report TRACE --engine NAME` replays it on an engine you name"),
+        )
+    name = engine or getattr(factory, "__name__", "engine")
+    level = failure.get("level") or "universal"
+    prop = "attention" if failure.get("property") == "attention" else "invariants"
+    config = config_for(prop, CheckConfig(engine=name, level=level))
+    under_test = factory if factory is not None else resolve_engine(name, isolation="auto")
     try:
-        out["free"] = int(state.num_free())
-    except Exception:  # noqa: BLE001
-        out["free"] = None
-    out["queue"] = (
-        [int(b) for b in state.free_queue()[:QUEUE_HEAD]] if state.has_free_queue else None
-    )
-    if state.has_cached:
-        cached = sorted((int(c.group_id), int(c.block_id)) for c in state.cached_blocks())
-        out["cached"] = [b for _g, b in cached][:CACHED_SHOWN]
-        out["cached_count"] = len(cached)
-    else:
-        out["cached"] = None
-    return out
-
-
-def _walk(trace: Trace, config: Any, factory: Callable | None) -> tuple[list, str | None]:
-    """Snapshots after every operation of ``trace`` on one engine, and the failure text
-    (None when it passes). The run stops at the first failure (its snapshot included)."""
-    from properties.runner.run import TraceRun, engine_of
-
-    snaps: list[dict] = []
-    try:
-        run = TraceRun(config, trace.layout, engine_of(config, factory), trace.mode)
-    except (AssertionError, KVConformError) as exc:
-        return snaps, f"{type(exc).__name__}: {exc}"
-    for op in trace.operations:
-        try:
-            run.apply(op)
-        except (AssertionError, KVConformError) as exc:
-            snaps.append(_snapshot(run))
-            # the calls that led to the failure (a lookup's hit is in no table yet)
-            snaps[-1]["calls"] = [json.dumps(c)[:400] for c in run.lockstep.log[-LAST_CALLS:]]
-            return snaps, f"{type(exc).__name__}: {exc}"
-        snaps.append(_snapshot(run))
-    return snaps, None
+        steps, replay_failure = walk(trace, config, under_test)
+    except KVConformError as exc:
+        return name, [], None, f"the replay on {name} failed: {exc}"
+    return name, steps, replay_failure, None
 
 
 def report_data(
     trace: Trace, engine: str | None = None, level: str | None = None, factory=None
 ) -> dict:
-    """Everything the page shows, as JSON data (see the module docstring)."""
+    """Everything the page shows, as JSON data (see the module docstring). ``engine``
+    or ``factory``: replay the trace on that engine for its side (the user's choice, on
+    the command line); without either, the side recorded in the trace is shown."""
     from properties.engines.reference import make_engine as make_reference
-    from properties.runner.check import config_for
+    from properties.engines.under_test import resolve_engine
     from properties.runner.config import CheckConfig
-    from properties.runner.explain import explain_failure, rule_line, where_line
+    from properties.runner.engine_view import walk
+    from properties.runner.explain import explain_failure, failing_operation, rule_line, where_line
 
     failure = trace.failure or {}
-    engine = engine or failure.get("engine") or "reference"
+    name, engine_steps, engine_failure, missing = _engine_side(trace, engine, factory)
     level = level or failure.get("level") or "universal"
-    prop = "attention" if failure.get("property") == "attention" else "invariants"
-    config = config_for(prop, CheckConfig(engine=engine, level=level))
     ref_config = CheckConfig(engine="reference", level="universal")
-    engine_steps, engine_failure = _walk(trace, config, factory)
-    ref_steps, _ = _walk(trace, ref_config, make_reference)
+    ref_steps, _ = walk(trace, ref_config, resolve_engine(make_reference))
     ops = [operation_to_json(op) for op in trace.operations]
     return {
-        "engine": engine,
+        "engine": name,
         "level": level,
         "layout": trace.layout.describe(),
         "groups": [
@@ -126,7 +109,9 @@ def report_data(
         "num_blocks": trace.layout.num_blocks,
         "operations": ops,
         "engine_steps": engine_steps,
+        "engine_missing": missing,
         "reference_steps": ref_steps,
+        "failing_operation": failing_operation(trace) if failure else None,
         "check": failure.get("property"),
         "rule": rule_line(str(failure.get("property", "?"))) if failure else None,
         "where": where_line(trace) if failure else None,
@@ -142,33 +127,35 @@ def write_report(
     level: str | None = None,
     factory=None,
 ) -> Path:
-    """Write the page for the trace at ``trace_path`` (default: beside it, ``.html``);
-    returns its path."""
+    """Write the page for the trace at ``trace_path`` (default: beside it, ``.html``),
+    whole or not at all; returns its path. ``engine``/``factory``: see
+    :func:`report_data` (never the engine the file names)."""
     from properties.runner.check import replay_command
 
     trace = load_trace(Path(trace_path))
     data = report_data(trace, engine, level, factory)
     attention = data["check"] == "attention"
-    data["replay"] = replay_command(trace_path, data["engine"], data["level"], attention)
+    options = str((trace.failure or {}).get("replay_options") or "")
+    data["replay"] = replay_command(trace_path, data["engine"], data["level"], attention, options)
     path = Path(out) if out is not None else report_path_for(trace_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_html(data), encoding="utf-8")
-    return path
+    return write_text_atomic(path, render_html(data), "the HTML report")
 
 
 def report_beside(
-    trace_path: Path | str, engine: str | None = None, level: str | None = None, factory=None
+    trace_path: Path | str, engine: str | None = None, factory=None
 ) -> tuple[Path | None, str]:
-    """Write the page beside a saved trace (once: an existing page is kept); returns its
-    path and the line to print (``report: PATH``, or why it could not be written: a
-    report never turns a run's result into an error)."""
+    """Write the page beside a saved trace (once: an existing page is kept), from the
+    trace alone unless ``engine``/``factory`` name the engine to replay it on; returns its
+    path and the line to print (``report: PATH``, or why it could not be written, in one
+    line: a report never turns a run's result into an error)."""
     path = report_path_for(trace_path)
     if path.exists():
         return path, f"report: {path}"
     try:
-        write_report(trace_path, path, engine, level, factory)
+        write_report(trace_path, path, engine, None, factory)
     except Exception as exc:  # noqa: BLE001 - the failure is reported whatever happens here
-        return None, f"report: not written ({type(exc).__name__}: {exc})"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return None, f"report: not written ({type(exc).__name__}: {first[:300]})"
     return path, f"report: {path}"
 
 
@@ -231,24 +218,39 @@ def replay_lines(
             lines += differing[:5]
         else:
             lines.append("  every block table equals the reference's")
-    _path, line = report_beside(trace_path, engine, level, factory)
+    _path, line = report_beside(trace_path, engine, factory)
     lines.append(f"  {line}")
     return lines
 
 
 def cmd_report(args) -> int:
-    """``kvconform report TRACE [--html OUT] [--engine E] [--level L]``."""
-    path = write_report(args.trace, args.html, args.engine, args.level)
+    """``kvconform report TRACE [--html OUT] [--engine E] [--level L]``: the page from the
+    trace alone; ``--engine`` replays it on that engine for the engine's side."""
+    from properties.core.output_files import check_output_file
+
+    out = check_output_file(args.html, "--html") if args.html is not None else None
+    if out is None:
+        check_output_file(report_path_for(args.trace), "the page beside the trace")
+    path = write_report(args.trace, out, args.engine, args.level)
     print(f"report: {path}")
     return 0
 
 
 def add_report_parser(sub) -> None:
     """The ``report`` subcommand of the ``kvconform`` parser."""
-    p = sub.add_parser("report", help="write a self-contained HTML page of a failing trace")
+    p = sub.add_parser(
+        "report",
+        help="write a self-contained HTML page of a failing trace (from the file alone: "
+        "the engine it names is never run)",
+    )
     p.add_argument("trace")
     p.add_argument("--html", default=None, help="where to write it (default: beside the trace)")
-    p.add_argument("--engine", default=None, help="default: the engine the trace names")
+    p.add_argument(
+        "--engine",
+        default=None,
+        help="replay the trace on this engine for the engine's side (default: the side "
+        "recorded in the trace)",
+    )
     p.add_argument("--level", default=None, choices=("universal", "exact"))
     p.add_argument("--verbose", action="store_true", help="tracebacks for errors")
     p.set_defaults(func=cmd_report)
@@ -256,7 +258,9 @@ def add_report_parser(sub) -> None:
 
 def render_html(data: dict) -> str:
     """The page: static header plus the JSON data and the renderer (inline)."""
-    payload = json.dumps(data).replace("</", "<\\/")
+    # every "<" escaped: no request id or message can end the script element or open an
+    # HTML comment inside it (``<!--<script>`` would blank the page)
+    payload = json.dumps(data).replace("<", "\\u003c")
     title = html.escape(f"kvconform report: {data.get('check') or 'trace'} on {data['engine']}")
     return _PAGE.replace("__TITLE__", title).replace("__DATA__", payload)
 
@@ -290,8 +294,10 @@ button{margin-right:.4em}
 <script>
 (function () {
   var D = JSON.parse(document.getElementById("data").textContent);
-  var n = D.engine_steps.length;
-  var cur = Math.max(0, n - 1);
+  // every operation can be shown; a side without a snapshot there says so
+  var n = D.operations.length;
+  var failing = D.failing_operation ? D.failing_operation[0] : -1;
+  var cur = failing >= 0 ? failing : Math.max(0, n - 1);
   function el(tag, attrs, text) {
     var e = document.createElement(tag);
     for (var k in attrs || {}) e.setAttribute(k, attrs[k]);
@@ -306,6 +312,7 @@ button{margin-right:.4em}
     add(f, el("h2", {}, "Failing check"));
     add(f, el("pre", {id: "rule"}, D.explanation));
   }
+  if (D.engine_missing) add(f, el("p", {id: "engine-missing"}, "engine side: " + D.engine_missing));
   add(f, el("p", {}, "layout: " + D.layout));
   add(f, el("h2", {}, "Replay"));
   add(f, el("pre", {id: "replay"}, D.replay || ""));
@@ -353,13 +360,34 @@ button{margin-right:.4em}
       add(d, el("p", {}, "cached blocks (" + s.cached_count + "): " +
                          s.cached.slice(0, 64).join(", ")));
     }
+    if (s.pools && typeof s.pools === "object") {
+      var pl = add(d, el("p", {"class": "pools"}, "free per pool: "));
+      Object.keys(s.pools).forEach(function (name) {
+        var sp = add(pl, el("span", {}, name + " " + s.pools[name] + " "));
+        if (ref && ref.pools && ref.pools[name] !== s.pools[name]) sp.className = "divergent";
+      });
+    }
+    if (s.ref_counts && typeof s.ref_counts === "object") {
+      add(d, el("div", {}, "reference counts (block: holders; blocks with none omitted):"));
+      var rr = add(add(d, el("table", {"class": "blocks refs"})), el("tr"));
+      var keys = {};
+      Object.keys(s.ref_counts).forEach(function (b) { keys[b] = 1; });
+      if (ref && ref.ref_counts) Object.keys(ref.ref_counts).forEach(function (b) { keys[b] = 1; });
+      Object.keys(keys).sort(function (a, b) { return a - b; }).forEach(function (b) {
+        var v = s.ref_counts[b] || 0;
+        var td = add(rr, el("td", {"data-block": b, "data-side": ref ? "engine" : "reference"},
+                               b + ": " + v));
+        if (ref && ref.ref_counts && (ref.ref_counts[b] || 0) !== v) td.className = "divergent";
+      });
+    }
     return d;
   }
   function side(label, tables, rid, other, snap, name) {
     var box = el("div", {"class": "side"});
     add(box, el("div", {}, label));
     var rows = tables && tables[rid];
-    if (Array.isArray(rows)) add(box, table(rows, other, cachedSet(snap), name, rid));
+    if (!tables) add(box, el("p", {}, "(not recorded at this operation)"));
+    else if (Array.isArray(rows)) add(box, table(rows, other, cachedSet(snap), name, rid));
     else add(box, el("p", {}, rows || "(holds no blocks)"));
     return box;
   }
@@ -367,7 +395,8 @@ button{margin-right:.4em}
     var box = document.getElementById("step");
     box.innerHTML = "";
     var e = D.engine_steps[cur], r = D.reference_steps[cur];
-    document.getElementById("position").textContent = "operation " + cur + " of " + (n - 1);
+    document.getElementById("position").textContent =
+      "operation " + cur + " of " + (n - 1) + (cur === failing ? " (the failing operation)" : "");
     add(box, el("h2", {}, "After operation " + cur + ": " + JSON.stringify(D.operations[cur])));
     var rids = {};
     [e, r].forEach(function (s) { if (s) for (var k in s.tables) rids[k] = 1; });
@@ -388,20 +417,21 @@ button{margin-right:.4em}
     add(pw, pool(e, r, D.engine));
     var items = document.getElementById("ops").children;
     for (var i = 0; i < items.length; i++) {
-      var failing = i === n - 1 && D.check ? "failing" : "";
-      items[i].className = (i === cur ? "current " : "") + failing;
+      items[i].className = (i === cur ? "current " : "") + (i === failing ? "failing" : "");
     }
   }
   var ol = document.getElementById("ops");
   D.operations.forEach(function (op, i) {
     var li = add(ol, el("li", {}, JSON.stringify(op)));
-    li.onclick = function () { if (i < n) { cur = i; render(); } };
+    li.onclick = function () { cur = i; render(); };
   });
   function go(to) { return function () { cur = Math.min(Math.max(0, to()), n - 1); render(); }; }
   document.getElementById("first").onclick = go(function () { return 0; });
   document.getElementById("prev").onclick = go(function () { return cur - 1; });
   document.getElementById("next").onclick = go(function () { return cur + 1; });
-  document.getElementById("last").onclick = go(function () { return n - 1; });
+  document.getElementById("last").onclick = go(function () {
+    return failing >= 0 ? failing : n - 1;
+  });
   if (n > 0) render();
   else document.getElementById("step").textContent = "the engine failed before any operation";
 })();

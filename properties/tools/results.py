@@ -29,6 +29,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from properties.core.output_files import write_text_atomic
+
 REPORT_FORMAT = "kvconform-report/1"
 #: The JSON Schema of the report, shipped with the package.
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
@@ -95,6 +97,36 @@ def build_report(
     """The report of one run (see the module docstring). ``run`` holds engine, level,
     profile, preset, seed, skip_checks and xfails_file; ``checks`` and ``replays`` are
     per property name; ``xfails`` are :class:`properties.tools.selection.XfailOutcome`."""
+    return report_of(
+        run,
+        [property_entry(r, checks.get(r.name, ()), replays.get(r.name)) for r in results],
+        [xfail_entry(o) for o in xfails],
+        versions,
+        seconds,
+        exit_code,
+    )
+
+
+def xfail_entry(outcome) -> dict[str, Any]:
+    """One listed check's entry (an :class:`properties.tools.selection.XfailOutcome`)."""
+    return {
+        "check": outcome.check,
+        "reason": outcome.reason,
+        "status": outcome.status,
+        "property": outcome.prop,
+    }
+
+
+def report_of(
+    run: Mapping[str, Any],
+    properties: Sequence[Mapping[str, Any]],
+    xfails: Sequence[Mapping[str, Any]],
+    versions: Mapping[str, str | None],
+    seconds: float,
+    exit_code: int,
+) -> dict[str, Any]:
+    """The report from its entries (:func:`property_entry`, :func:`xfail_entry`): what
+    ``kvconform check --report-json`` and ``pytest --kv-report-json`` both write."""
     return {
         "format": REPORT_FORMAT,
         "run": dict(run),
@@ -102,21 +134,15 @@ def build_report(
         "seconds": round(seconds, 3),
         "result": "passed" if exit_code == 0 else "failed",
         "exit_code": exit_code,
-        "properties": [
-            property_entry(r, checks.get(r.name, ()), replays.get(r.name)) for r in results
-        ],
-        "xfails": [
-            {"check": o.check, "reason": o.reason, "status": o.status, "property": o.prop}
-            for o in xfails
-        ],
+        "properties": [dict(p) for p in properties],
+        "xfails": [dict(x) for x in xfails],
     }
 
 
 def write_json(report: Mapping[str, Any], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    return path
+    """Write the JSON report whole or not at all
+    (:func:`properties.core.output_files.write_text_atomic`)."""
+    return write_text_atomic(path, json.dumps(report, indent=2) + "\n", "the JSON report")
 
 
 def _failure_text(failure: Mapping[str, Any]) -> str:
@@ -183,9 +209,8 @@ def junit_tree(report: Mapping[str, Any]) -> ET.ElementTree:
 
 
 def write_junit(report: Mapping[str, Any], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write the JUnit XML whole or not at all."""
     tree = junit_tree(report)
     ET.indent(tree)
-    tree.write(path, encoding="utf-8", xml_declaration=True)
-    return path
+    text = ET.tostring(tree.getroot(), encoding="unicode", xml_declaration=True)
+    return write_text_atomic(path, text + "\n", "the JUnit XML")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from properties.checks.registry import CHECKS, INVARIANTS
 from reference.errors import KVConformError
@@ -55,6 +54,10 @@ class CheckSelection:
 
     def __bool__(self) -> bool:
         return bool(self.skip or self.xfail)
+
+
+#: The largest xfails file read (a few hundred lines of check names and reasons).
+MAX_XFAILS_BYTES = 1024 * 1024
 
 
 def parse_xfails(text: str, source: str = "xfails file") -> tuple[tuple[str, str], ...]:
@@ -99,12 +102,9 @@ def load_selection(skip: Iterable[str] | None, xfails_file: str | None) -> Check
             )
     xfail: tuple[tuple[str, str], ...] = ()
     if xfails_file is not None:
-        try:
-            text = Path(xfails_file).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise KVConformError(
-                f"--xfails-file: cannot read {xfails_file!r}: {exc.strerror or exc}"
-            ) from None
+        from properties.core.json_input import read_text
+
+        text = read_text(xfails_file, "--xfails-file", MAX_XFAILS_BYTES)
         xfail = parse_xfails(text, xfails_file)
     both = sorted(skipped & {name for name, _ in xfail})
     if both:
@@ -116,6 +116,50 @@ def with_skips(config, selection: CheckSelection):
     """``config`` (a :class:`properties.runner.config.CheckConfig`) with the skipped
     checks disabled."""
     return replace(config, disabled=config.disabled | selection.skip) if selection.skip else config
+
+
+#: Invariants that only the serving modes (or one production setting) can trigger: the
+#: event they run on never happens without it. Check -> (what it needs, why).
+DECLARATION_ONLY_CHECKS: dict[str, tuple[str, str]] = {
+    "external_hit_bounds": ("external", "external hits need the 'external' setting"),
+    "external_load_exclusive": ("external", "external hits need the 'external' setting"),
+    "host_hit_content": ("external", "external hits need the 'external' setting"),
+    "in_flight_reads_held": ("serving_modes", "asynchronous steps need the serving calls"),
+    "committed_blocks_verified": ("serving_modes", "cache_blocks is a serving call"),
+}
+
+
+@dataclass(frozen=True)
+class EngineChecks:
+    """The invariants for one engine, as every report states them: ``runnable`` (they run
+    and can fire), ``idle`` (they run but the engine's declarations never give them an
+    event: check -> why), ``lost`` (its capabilities turn them off) and the
+    ``capabilities`` themselves."""
+
+    runnable: tuple[str, ...]
+    idle: dict[str, str]
+    lost: tuple[str, ...]
+    capabilities: frozenset[str]
+
+
+def engine_checks(engine, config) -> EngineChecks:
+    """The one statement of which invariants an engine is checked by (the CLI's
+    ``checks:`` line, its reports and the pytest route read it). Example: an engine
+    without the serving calls has ``in_flight_reads_held`` idle, not runnable."""
+    from properties.runner.run import active_checks_for
+
+    active, capabilities = active_checks_for(engine, config)
+    lost = tuple(n for n in INVARIANTS if n not in active and n not in config.disabled)
+    declared = set(engine.production_settings) | (set(capabilities) & {"serving_modes"})
+    if "serving_modes" not in declared:
+        declared.discard("external")  # external hits travel through the serving calls
+    idle = {
+        n: why
+        for n, (needs, why) in DECLARATION_ONLY_CHECKS.items()
+        if n in active and needs not in declared
+    }
+    runnable = tuple(n for n in active if n not in idle)
+    return EngineChecks(runnable, idle, lost, frozenset(capabilities))
 
 
 def checks_ran(prop: str, active: Sequence[str], level: str) -> list[str]:

@@ -1,30 +1,47 @@
-"""SIGINT and SIGTERM stop a ``kvconform`` command cleanly, whatever it is running.
+"""SIGINT, SIGTERM and SIGHUP stop a ``kvconform`` command cleanly, whatever it runs.
 
-:func:`stop_on_signals` makes the first SIGINT or SIGTERM raise :class:`Stopped` (a
+:func:`stop_on_signals` makes the first SIGINT, SIGTERM or SIGHUP (a closed terminal, a
+dropped SSH session, a CI runner cancelling the job) raise :class:`Stopped` (a
 ``KeyboardInterrupt`` carrying the signal) in the main thread; later ones are ignored
 while the command winds down (its workers and engine children are ended, a summary is
 printed, what was found is kept). Engine children run in their own session
-(:mod:`properties.engines.exec_engine`), so a terminal's Ctrl-C reaches only
-kvconform, which then ends them; property workers ignore SIGINT and are ended by their
-parent (:mod:`properties.tools.parallel`).
+(:mod:`properties.engines.exec_engine`), so a terminal's Ctrl-C or hang-up reaches only
+kvconform, which then ends them with their process groups; property workers ignore
+SIGINT and SIGHUP and are ended by their parent (:mod:`properties.tools.parallel`).
+
+A signal that arrives while Python runs a garbage-collection callback or a finalizer
+(``__del__``, a weakref callback) cannot stop anything there: Python prints "Exception
+ignored" and drops the exception. The handler sees it (:func:`_in_swallowing_frame`) and
+delivers the signal again a moment later, outside that code, so the stop is never lost.
 
 Exit code of a stopped command (:func:`stopped_exit_code`): the failure found so far
-when there is one (1 a property failed, 3 the engine broke the protocol, ...), else 130
-for SIGINT and 143 for SIGTERM. Worked example: ``stopped_exit_code(Stopped(SIGTERM),
-[None, "property"])`` is 1; ``stopped_exit_code(Stopped(SIGTERM), [])`` is 143.
+when there is one (1 a property failed, 3 the engine broke the protocol, ...), else 129
+for SIGHUP, 130 for SIGINT and 143 for SIGTERM. Worked example:
+``stopped_exit_code(Stopped(SIGTERM), [None, "property"])`` is 1;
+``stopped_exit_code(Stopped(SIGHUP), [])`` is 129.
 """
 
 from __future__ import annotations
 
+import gc
 import signal
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 
 from properties.core.outcome import Outcome, combined_exit_code
 
 #: The signals that stop a command.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Seconds before a signal that landed in a garbage-collection callback or a finalizer is
+#: delivered again.
+REDELIVER_S = 0.02
+_OUTCOMES = {
+    signal.SIGTERM: Outcome.TERMINATED,
+    signal.SIGHUP: Outcome.HANGUP,
+    signal.SIGINT: Outcome.INTERRUPTED,
+}
 
 
 class Stopped(KeyboardInterrupt):
@@ -39,7 +56,7 @@ class Stopped(KeyboardInterrupt):
 
     @property
     def outcome(self) -> Outcome:
-        return Outcome.TERMINATED if self.signum == signal.SIGTERM else Outcome.INTERRUPTED
+        return _OUTCOMES.get(self.signum, Outcome.INTERRUPTED)
 
     @property
     def name(self) -> str:
@@ -54,10 +71,25 @@ def stopped_exit_code(stop: KeyboardInterrupt, kinds: Iterable[str | None]) -> i
     return stop.outcome.exit_code if isinstance(stop, Stopped) else Outcome.INTERRUPTED.exit_code
 
 
+def _in_swallowing_frame(frame: FrameType | None) -> bool:
+    """``frame`` (or a caller of it) is a garbage-collection callback or a finalizer,
+    where Python drops an exception instead of propagating it."""
+    callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+    while frame is not None:
+        code = frame.f_code
+        if code in callbacks or code.co_name == "__del__":
+            return True
+        if code.co_name == "__call__" and code.co_filename.endswith("weakref.py"):
+            return True  # a weakref.finalize callback
+        frame = frame.f_back
+    return False
+
+
 @contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """The first SIGINT/SIGTERM raises :class:`Stopped` here; the handlers are restored
-    afterwards. Outside the main thread it does nothing (Python delivers signals there)."""
+    """The first SIGINT/SIGTERM/SIGHUP raises :class:`Stopped` here; the handlers are
+    restored afterwards. Outside the main thread it does nothing (Python delivers
+    signals there)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -66,6 +98,11 @@ def stop_on_signals() -> Iterator[None]:
     def handler(signum, frame) -> None:
         if fired:
             return  # winding down already
+        if _in_swallowing_frame(frame):  # raised here, the stop would be dropped
+            timer = threading.Timer(REDELIVER_S, signal.raise_signal, (signum,))
+            timer.daemon = True
+            timer.start()
+            return
         fired.append(signum)
         raise Stopped(signum)
 

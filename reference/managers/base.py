@@ -187,7 +187,10 @@ class SingleTypeKVCacheManager(ManagerBase):
         total_computed_tokens: int,
         num_tokens_main: int,
         apply_admission_cap: bool = False,
+        prefill_end: int = 0,
     ) -> int:
+        """:func:`blocks_to_allocate` for this group (``prefill_end``: only Mamba's
+        prefill checkpoints read it)."""
         cap = self.max_admission_blocks if apply_admission_cap else None
         return blocks_to_allocate(
             self.spec,

@@ -190,8 +190,6 @@ class Pair:
         loud item as quiet."""
         opt = self.opt
         managers = opt.coordinator.managers
-        if not opt._per_group_apply:
-            return
         for rid, row in opt.coordinator.row_of.items():
             if row >= len(opt._next_work):
                 continue

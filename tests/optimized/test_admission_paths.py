@@ -76,7 +76,7 @@ def test_popleft_array_of_a_scattered_queue_and_small_pops() -> None:
 
 
 def test_get_new_block_array_evicts_the_keys_of_popped_blocks() -> None:
-    pool = BlockPool(12, enable_caching=True, hash_block_size=4, num_groups=2)
+    pool = BlockPool(12, enable_caching=True, hash_block_size=4, num_groups=2, compiled=False)
     blocks = pool.get_new_blocks(11)  # 1..11
     assert blocks == list(range(1, 12))
     pool.cache_full_blocks([1, 2, 3], [b"a", b"b", b"c"], 0, 0, 4)
@@ -92,7 +92,7 @@ def test_get_new_block_array_evicts_the_keys_of_popped_blocks() -> None:
 
 
 def test_evict_many_promotes_duplicates_in_registration_order() -> None:
-    pool = BlockPool(10, enable_caching=True, hash_block_size=4)
+    pool = BlockPool(10, enable_caching=True, hash_block_size=4, compiled=False)
     pool.get_new_blocks(9)
     for b in (3, 5, 7):  # key k on 3 (head), then 5 and 7
         pool.cache_block(b, b"k", 0, 4)
@@ -100,14 +100,14 @@ def test_evict_many_promotes_duplicates_in_registration_order() -> None:
     pool._evict_many(np.array([8, 3], dtype=np.int64))
     assert pool.cached == [{b"k": 5}]
     assert pool.duplicates == [{b"k": [7]}]
-    assert pool.block_hash[3] is None and pool.block_hash[8] is None
+    assert pool.index.block_hash[3] is None and pool.index.block_hash[8] is None
     pool._evict_many(np.array([7, 5], dtype=np.int64))
     assert pool.cached == [{}] and pool.duplicates == [{}]
     assert pool.cached_block_entries() == []
 
 
 def test_cache_full_blocks_bulk_with_mask_and_nulls() -> None:
-    pool = BlockPool(16, enable_caching=True, hash_block_size=4)
+    pool = BlockPool(16, enable_caching=True, hash_block_size=4, compiled=False)
     pool.get_new_blocks(15)
     # first index 2, bs 4: positions 0..4 cover 12, 16, 20, 24, 28 tokens; the null at
     # position 1 and the masked position 3 are skipped
@@ -124,12 +124,12 @@ def test_cache_full_blocks_bulk_with_mask_and_nulls() -> None:
 
 
 def test_cache_full_blocks_bulk_paths_by_hand() -> None:
-    pool = BlockPool(64, enable_caching=True, hash_block_size=2)
+    pool = BlockPool(64, enable_caching=True, hash_block_size=2, compiled=False)
     pool.get_new_blocks(63)
     keys = [bytes([k]) for k in range(12)]
     # no mask: the keys written at once
     pool.cache_full_blocks(np.arange(10, 22, dtype=np.int32), keys, 0, 0, 2)
-    assert pool.block_hash[10:22].tolist() == keys
+    assert pool.index.block_hash[10:22].tolist() == keys
     assert pool.cached_block_entries()[0] == (10, 0, 2)
     assert pool.cached_block_entries()[-1] == (21, 0, 24)
     # a mask keeping 10 of 12 blocks (more than a few): positions 1 and 6 skipped, the
@@ -149,7 +149,7 @@ def test_cache_full_blocks_bulk_paths_by_hand() -> None:
 
 
 def test_cache_full_blocks_fallbacks_match_the_block_by_block_rule() -> None:
-    pool = BlockPool(16, enable_caching=True, hash_block_size=4)
+    pool = BlockPool(16, enable_caching=True, hash_block_size=4, compiled=False)
     pool.get_new_blocks(15)
     pool.cache_full_blocks([1, 2], [b"a", b"b"], 0, 0, 4)
     # a key already cached: 3 becomes a duplicate of "a", 4 registers "x"
@@ -292,7 +292,9 @@ def _scan_cases(draw):
     num_hashes = draw(st.integers(0, 24))
     hashes = [bytes([i]) for i in range(num_hashes)]
     group_ids = [0] if draw(st.booleans()) else [0, 1]
-    pool = BlockPool(2 * num_hashes + 2, True, hash_block_size=hash_block, num_groups=2)
+    pool = BlockPool(
+        2 * num_hashes + 2, True, hash_block_size=hash_block, num_groups=2, compiled=False
+    )
     pool.get_new_blocks(2 * num_hashes + 1)
     k = bs // hash_block
     for g in group_ids:
@@ -316,7 +318,7 @@ def test_bulk_scans_match_the_reference_scans(case) -> None:
 
 def test_window_scan_by_hand() -> None:
     # bs 2, w 5 -> need 2; alignment 4: a run must end on an even block count
-    pool = BlockPool(20, enable_caching=True, hash_block_size=2)
+    pool = BlockPool(20, enable_caching=True, hash_block_size=2, compiled=False)
     pool.get_new_blocks(19)
     hashes = [bytes([i]) for i in range(8)]
     for i in (0, 1, 2, 4, 5, 6):
@@ -334,7 +336,7 @@ def test_window_scan_by_hand() -> None:
 
 
 def test_touch_in_bulk_takes_free_blocks_out_once() -> None:
-    pool = BlockPool(20, enable_caching=True, hash_block_size=4)
+    pool = BlockPool(20, enable_caching=True, hash_block_size=4, compiled=False)
     pool.get_new_blocks(19)
     pool.cache_full_blocks(list(range(1, 11)), [bytes([k]) for k in range(10)], 0, 0, 4)
     pool.free_blocks(list(range(10, 0, -1)))  # hashed: to the back, 10 first

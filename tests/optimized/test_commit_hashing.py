@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from optimized.control.hashing import ROOT_HASH
+from optimized.control.hashing import ROOT_HASH, key_words
 from optimized.control.request import Request, commit_updates, hash_completed_blocks
 from properties.core.engine import CacheHit, RequestInput, StepUpdate
 from properties.engines.optimized import make_engine
@@ -130,6 +130,8 @@ def test_append_paths_agree_with_commit_and_prompt_hashing() -> None:
     for req in (a, b, c):
         assert req.block_hashes == whole.block_hashes and len(whole.block_hashes) == 2
         assert req.all_token_ids == [1, 2, 3, *tokens] and req.num_tokens == 10
+        # the chain's words (the key index's form) follow every way of appending
+        assert req.block_hashes.words().tolist() == key_words(whole.block_hashes).tolist()
 
 
 def test_a_token_that_is_not_an_int64_is_refused_when_its_block_is_hashed() -> None:
@@ -182,6 +184,10 @@ def test_a_hash_list_takes_sixteen_output_blocks_without_moving() -> None:
     assert commit_updates({"a": req}, ups) is None
     assert len(req.block_hashes) == 144
     assert sys.getsizeof(req.block_hashes) == size
+    # its words buffer had room too: the 16 decoded blocks' words, then one more (grown)
+    assert req.block_hashes.words().tolist() == key_words(req.block_hashes).tolist()
+    assert commit_updates({"a": req}, [("a", 2304 + i, 7) for i in range(16)]) is None
+    assert req.block_hashes.words().tolist() == key_words(req.block_hashes).tolist()
 
 
 def test_commit_updates_can_leave_the_hashing_to_the_caller() -> None:

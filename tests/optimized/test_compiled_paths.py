@@ -71,13 +71,16 @@ def test_free_rows_frees_each_group_tail_first_and_releases_the_row() -> None:
     block 4 is hashed, 8 is held twice. Group 0's call: 5 to the front, 4 to the back;
     group 1's call: 8 drops to one reference (stays), 6 to the front before 5."""
     queue = _queue_holding([1, 2], 12, compiled=False)
-    tables = (np.zeros((2, 4), dtype=np.int32), np.zeros((2, 4), dtype=np.int32))
-    tables[0][0, :2] = [4, 5]
-    tables[1][0, :3] = [6, 0, 8]
-    row_lens = (np.array([2, 0], dtype=np.int32), np.array([3, 0], dtype=np.int32))
-    leading = (np.zeros(2, dtype=np.int32), np.array([1, 0], dtype=np.int32))
-    cached = (np.array([2, -1], dtype=np.int32), np.array([3, -1], dtype=np.int32))
-    dirty = (np.zeros(2, dtype=bool), np.zeros(2, dtype=bool))
+    # two groups' rows stacked (as a RowStore holds them): group g's row r at [g, r]
+    tables = np.zeros((2, 2, 4), dtype=np.int32)
+    tables[0, 0, :2] = [4, 5]
+    tables[1, 0, :3] = [6, 0, 8]
+    row_lens = np.array([[2, 0], [3, 0]], dtype=np.int32)
+    leading = np.array([[0, 0], [1, 0]], dtype=np.int32)
+    cached = np.array([[2, -1], [3, -1]], dtype=np.int32)
+    dirty = np.zeros((2, 2), dtype=bool)
+    retired = np.array([[0, 0], [2, 0]], dtype=np.int32)  # (a Mamba group's, reset too)
+    last_state = np.array([[-1, -1], [1, -1]], dtype=np.int32)
     ref_cnt = np.zeros(12, dtype=np.int32)
     ref_cnt[[4, 5, 6]] = 1
     ref_cnt[8] = 2
@@ -91,6 +94,8 @@ def test_free_rows_frees_each_group_tail_first_and_releases_the_row() -> None:
         leading,
         cached,
         dirty,
+        retired,
+        last_state,
         ref_cnt,
         block_group,
         queue.prev_free,
@@ -102,26 +107,27 @@ def test_free_rows_frees_each_group_tail_first_and_releases_the_row() -> None:
     assert queue.block_ids() == [6, 5, 1, 2, 4]
     assert queue.num_free_blocks == 5
     assert ref_cnt[[4, 5, 6, 8]].tolist() == [0, 0, 0, 1]
-    assert not tables[0][0].any() and not tables[1][0].any()
-    assert [r[0] for r in row_lens] == [0, 0]
-    assert [c[0] for c in cached] == [-1, -1]
-    assert [lead[0] for lead in leading] == [0, 0]
-    assert all(d[0] for d in dirty)
+    assert not tables[:, 0].any()
+    assert row_lens[:, 0].tolist() == [0, 0] and cached[:, 0].tolist() == [-1, -1]
+    assert leading[:, 0].tolist() == [0, 0] and dirty[:, 0].all()
+    assert retired[:, 0].tolist() == [0, 0] and last_state[:, 0].tolist() == [-1, -1]
 
 
 def test_free_rows_names_a_block_freed_more_often_than_allocated() -> None:
     queue = _queue_holding([], 6, compiled=False)
-    table = np.zeros((1, 2), dtype=np.int32)
-    table[0, 0] = 3  # held in the table, ref count 0
+    tables = np.zeros((1, 1, 2), dtype=np.int32)
+    tables[0, 0, 0] = 3  # held in the table, ref count 0
     state = np.array([queue.head, queue.tail, 0], dtype=np.int64)
-    one = (np.ones(1, dtype=np.int32),)
+    zeros = np.zeros((1, 1), dtype=np.int32)
     bad = free_rows(
         np.array([0]),
-        (table,),
-        one,
-        (np.zeros(1, dtype=np.int32),),
-        (np.zeros(1, dtype=np.int32),),
-        (np.zeros(1, dtype=bool),),
+        tables,
+        np.ones((1, 1), dtype=np.int32),
+        zeros,
+        zeros,
+        np.zeros((1, 1), dtype=bool),
+        zeros,
+        zeros,
         np.zeros(6, dtype=np.int32),
         np.full(6, -1, dtype=np.int32),
         queue.prev_free,
@@ -171,12 +177,12 @@ def test_the_python_pass_drops_pops_and_sets_the_threshold_by_hand() -> None:
 @settings(max_examples=40, deadline=None)
 @given(layout=layouts(), seed=st.integers(0, 2**32 - 1))
 def test_the_python_pass_matches_reference(layout, seed) -> None:
-    """The pass as plain Python (no numba needed) on random layouts and plain decode
-    steps: every table, queue, count and cached entry as the reference's."""
+    """The pass as plain Python (no numba needed) on random layouts (Mamba groups
+    included) and plain decode steps: every table, queue, count and cached entry as the
+    reference's."""
     pair = Pair(layout, columns=True)
     opt = pair.opt
-    if opt._per_group_apply:
-        opt._compiled = LoudPass(opt, run=loud_pass)
+    opt._compiled = LoudPass(opt, run=loud_pass)
     counts = run_trace(pair, seed, num_steps=30, batched=True, plain_decode=True)
     assert counts["steps"] == 30
 

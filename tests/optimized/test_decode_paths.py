@@ -31,7 +31,7 @@ class _Rows:
 
 
 def test_has_repeats_finds_a_block_freed_twice() -> None:
-    pool = BlockPool(10, enable_caching=False, hash_block_size=4)
+    pool = BlockPool(10, enable_caching=False, hash_block_size=4, compiled=False)
     assert pool.has_repeats(np.array([4, 7, 4]))
     assert not pool.has_repeats(np.array([4, 7]))
     assert not pool.has_repeats(np.array([], dtype=np.int64))
@@ -132,7 +132,7 @@ def test_own_front_pops_refused_past_the_items_own_blocks() -> None:
 def _pool_with(blocks: list[int], hashed: list[int]) -> BlockPool:
     """A pool of 12 blocks where ``blocks`` are held once (popped in that order) and
     ``hashed`` of them registered in group 0."""
-    pool = BlockPool(12, enable_caching=True, hash_block_size=4)
+    pool = BlockPool(12, enable_caching=True, hash_block_size=4, compiled=False)
     taken = pool.get_new_blocks(11)  # 1..11, all held
     pool.free_blocks([b for b in reversed(taken) if b not in blocks])  # keep ``blocks``
     for k, b in enumerate(hashed):

@@ -116,7 +116,7 @@ def _coordinator(
             m.num_cached_block[row] = 0
             for b in blocks:
                 if b in hashed:
-                    pool.cache_block(b, bytes([g, b]), g, 2)
+                    pool.cache_block(b, bytes([g, b]).ljust(32, b"."), g, 2)  # a 32-byte key
         coord.managers[1].num_leading_null[row] = leading
     return coord
 

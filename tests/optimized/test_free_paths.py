@@ -108,7 +108,7 @@ def test_run_ends_reads_equal_runs_bottom_up() -> None:
 def _pool(held: list[int], hashed: list[int], twice: list[int]) -> BlockPool:
     """A pool of 12 blocks where ``held`` are held once (``twice`` of them twice) and
     ``hashed`` of them registered in group 0; the other blocks are free in order."""
-    pool = BlockPool(12, enable_caching=True, hash_block_size=4)
+    pool = BlockPool(12, enable_caching=True, hash_block_size=4, compiled=False)
     taken = pool.get_new_blocks(11)  # 1..11, all held
     pool.free_blocks([b for b in reversed(taken) if b not in held])
     for k, b in enumerate(hashed):
@@ -164,7 +164,7 @@ def test_many_front_blocks_over_run_ends_match_successive_frees() -> None:
     layout) against ``free_blocks`` run by run: ``[26..50]`` then ``[11..25]`` first."""
     pools = []
     for _ in range(2):
-        pool = BlockPool(60, enable_caching=True, hash_block_size=4)
+        pool = BlockPool(60, enable_caching=True, hash_block_size=4, compiled=False)
         pool.get_new_blocks(59)  # 1..59, all held
         pool.free_blocks(list(range(59, 50, -1)))  # 51..59 back to the queue
         pools.append(pool)
@@ -188,7 +188,7 @@ def test_free_block_each_frees_one_block_at_a_time_in_order() -> None:
     """Windows each dropping one block: blocks 4 and 6 unhashed, 9 hashed, 5 held twice;
     each goes alone, so the unhashed ones end up at the front in reverse order, the
     hashed one at the back, 5 stays held (count 1) and the null is skipped."""
-    pool = BlockPool(12, enable_caching=True, hash_block_size=4)
+    pool = BlockPool(12, enable_caching=True, hash_block_size=4, compiled=False)
     taken = pool.get_new_blocks(11)  # 1..11, all held
     assert taken == list(range(1, 12))
     pool.cache_block(9, b"k9", 0, 4)

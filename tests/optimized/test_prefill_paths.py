@@ -38,6 +38,12 @@ from reference.specs import FullAttentionSpec, SlidingWindowSpec
 from tests.optimized.optimized_differential import Pair
 
 
+def _keys(*names: bytes) -> list[bytes]:
+    """Block hashes named by hand, padded to the 32 bytes of the engine's own (the
+    array key index takes those only)."""
+    return [name.ljust(32, b".") for name in names]
+
+
 def _full_and_window(
     num_blocks: int, window: int = 8, retention: int | None = None
 ) -> KVCacheLayout:
@@ -58,7 +64,7 @@ def _full_and_window(
 
 
 def test_touch_array_by_hand() -> None:
-    pool = BlockPool(12, enable_caching=True, hash_block_size=4)
+    pool = BlockPool(12, enable_caching=True, hash_block_size=4, compiled=False)
     pool.get_new_blocks(11)  # 1..11 held once
     pool.cache_full_blocks([1, 2, 3], [b"a", b"b", b"c"], 0, 0, 4)
     pool.free_blocks([3, 2, 1])  # hashed: to the back, 3 first
@@ -131,8 +137,8 @@ def test_hand_made_hit_with_nulls_and_a_repeated_block() -> None:
     manager = OptimizedManager(layout)
     pool = manager.block_pool
     pool.get_new_blocks(6)  # 1..6
-    pool.cache_full_blocks([1, 2, 3], [b"a", b"b", b"c"], 0, 0, 4)
-    pool.cache_full_blocks([4, 5], [b"d", b"e"], 1, 2, 4)
+    pool.cache_full_blocks([1, 2, 3], _keys(b"a", b"b", b"c"), 0, 0, 4)
+    pool.cache_full_blocks([4, 5], _keys(b"d", b"e"), 1, 2, 4)
     pool.free_blocks([3, 2, 1])
     pool.free_blocks([5, 4])
     free_before = pool.get_num_free_blocks()  # 23 + 5 = 28
@@ -161,7 +167,7 @@ def test_hand_made_hit_sharing_a_free_block_between_groups() -> None:
     manager = OptimizedManager(_full_and_window(30))
     pool = manager.block_pool
     pool.get_new_blocks(3)  # 1..3
-    pool.cache_full_blocks([1, 2, 3], [b"a", b"b", b"c"], 0, 0, 4)
+    pool.cache_full_blocks([1, 2, 3], _keys(b"a", b"b", b"c"), 0, 0, 4)
     pool.free_blocks([3, 2, 1])
     free_before = pool.get_num_free_blocks()  # 29
     request = manager.make_request("r", list(range(30)))
@@ -199,7 +205,7 @@ def test_remove_each_unlinks_in_any_order_and_refuses_a_block_not_queued() -> No
 
 
 def test_cache_few_by_hand() -> None:
-    pool = BlockPool(16, enable_caching=True, hash_block_size=4)
+    pool = BlockPool(16, enable_caching=True, hash_block_size=4, compiled=False)
     pool.get_new_blocks(15)
     pool.cache_block(3, b"x", 0, 4)  # 3 already carries a shorter key
     pool.cache_block(5, b"q", 0, 4)  # q already has a head
@@ -212,7 +218,7 @@ def test_cache_few_by_hand() -> None:
     assert pool.cached == [{b"q": 5, b"s": 3, b"t": 6}]
     assert pool.duplicates == [{b"q": [7]}]
     assert sorted(pool.cached_block_entries()) == [(3, 0, 24), (5, 0, 4), (6, 0, 28), (7, 0, 16)]
-    assert pool.block_hash[9] is None
+    assert pool.index.block_hash[9] is None
 
 
 # -- one full-attention spec group and one other: the one-pass search ------------------
@@ -227,7 +233,7 @@ def _two_spec_cases(draw):
     manager = OptimizedManager(layout)
     pool = manager.block_pool
     num_hashes = draw(st.integers(1, 12))
-    hashes = [bytes([i]) for i in range(num_hashes)]
+    hashes = _keys(*(bytes([i]) for i in range(num_hashes)))
     pool.get_new_blocks(2 * num_hashes)
     for g in (0, 1):
         for i in range(num_hashes):
@@ -250,11 +256,11 @@ def test_two_spec_search_by_hand() -> None:
     manager = OptimizedManager(_full_and_window(30))
     pool = manager.block_pool
     pool.get_new_blocks(8)
-    hashes = [b"a", b"b", b"c", b"d"]
+    hashes = _keys(b"a", b"b", b"c", b"d")
     for i, h in enumerate(hashes):
         pool.cache_block(1 + i, h, 0, 4 * (i + 1))
-    pool.cache_block(6, b"b", 1, 8)
-    pool.cache_block(7, b"c", 1, 12)
+    pool.cache_block(6, hashes[1], 1, 8)
+    pool.cache_block(7, hashes[2], 1, 12)
     # full: 3 blocks fit 15 tokens -> 12; the window asked for <= 12: run 1, 2 ends at 12
     # -> hit 12 with [0, b1, b2]; full cut to 3 blocks; uncached 0
     assert manager.coordinator.find_longest_cache_hit(hashes, 15) == (
@@ -275,7 +281,7 @@ def test_two_spec_search_by_hand() -> None:
 
 
 def test_cache_fresh_blocks_by_hand() -> None:
-    pool = BlockPool(40, enable_caching=True, hash_block_size=4, num_groups=2)
+    pool = BlockPool(40, enable_caching=True, hash_block_size=4, num_groups=2, compiled=False)
     pool.get_new_blocks(39)
     pool.cache_block(1, b"k2", 0, 4)  # k2 already has a head
     keys = [b"k%d" % i for i in range(12)]
@@ -294,7 +300,7 @@ def test_cache_fresh_blocks_by_hand() -> None:
 
 
 def test_cache_fresh_blocks_at_positions_and_with_a_key_twice() -> None:
-    pool = BlockPool(40, enable_caching=True, hash_block_size=4, num_groups=2)
+    pool = BlockPool(40, enable_caching=True, hash_block_size=4, num_groups=2, compiled=False)
     pool.get_new_blocks(39)
     keys = [b"m%d" % i for i in range(20)]
     kept = list(range(1, 20, 2))  # 10 kept: the bulk path at positions
@@ -313,7 +319,7 @@ def test_cache_fresh_blocks_at_positions_and_with_a_key_twice() -> None:
 
 
 def test_cache_fresh_blocks_with_a_key_already_there_and_twice() -> None:
-    pool = BlockPool(40, enable_caching=True, hash_block_size=4)
+    pool = BlockPool(40, enable_caching=True, hash_block_size=4, compiled=False)
     pool.get_new_blocks(39)
     pool.cache_block(1, b"a", 0, 4)  # a's head is 1
     keys = [b"a", b"b", b"b", *(b"c%d" % i for i in range(7))]
@@ -324,7 +330,7 @@ def test_cache_fresh_blocks_with_a_key_already_there_and_twice() -> None:
     assert pool.cached[0][b"a"] == 1 and pool.cached[0][b"b"] == 11
     assert pool.duplicates[0] == {b"a": [10], b"b": [12]}
     assert pool.num_cached_tokens[10:20].tolist() == [4 * (k + 1) for k in range(10)]
-    assert pool.block_hash[12] == b"b" and pool.block_group[19] == 0
+    assert pool.index.block_hash[12] == b"b" and pool.block_group[19] == 0
 
 
 def test_fresh_rows_cache_their_new_blocks_like_the_reference() -> None:
@@ -442,12 +448,12 @@ class _CountingDict(dict):
 
 
 def test_one_group_window_scan_looks_up_from_the_right_only() -> None:
-    pool = BlockPool(40, enable_caching=True, hash_block_size=4)
+    pool = BlockPool(40, enable_caching=True, hash_block_size=4, compiled=False)
     pool.get_new_blocks(39)
     hashes = [bytes([i]) for i in range(16)]
     for i in (3, 4, 14, 15):
         pool.cache_block(20 + i, hashes[i], 0, 4 * (i + 1))
-    pool.cached[0] = _CountingDict(pool.cached[0])
+    pool.index.cached[0] = _CountingDict(pool.index.cached[0])  # (the dict form)
     spec = SlidingWindowSpec(block_size=4, sliding_window=8)  # need 2
     # blocks 14, 15 end the rightmost run: two lookups
     blocks, hit = SlidingWindowManager.find_longest_cache_hit(hashes, 64, [0], pool, spec, 4)

@@ -74,7 +74,7 @@ def test_full_threshold_without_caching_is_the_allocation_boundary() -> None:
 
 def test_rows_that_must_always_be_tested_read_zero() -> None:
     # a full group whose block size differs from the hash block size (a partial tail key
-    # may be promoted) and a Mamba group (a state may retire at any step)
+    # may be promoted)
     groups = (
         KVCacheGroup(("f",), FullAttentionSpec(block_size=8)),
         KVCacheGroup(("s",), SlidingWindowSpec(block_size=4, sliding_window=8)),
@@ -85,10 +85,24 @@ def test_rows_that_must_always_be_tested_read_zero() -> None:
     _set_row(full, 0, held=5, leading=0, cached=2)
     assert full.decode_work_threshold(np.array([0])).tolist() == [0]
     assert full.decode_work_threshold_of(0) == 0
+
+
+def test_a_mamba_rows_threshold_is_its_next_state_retirement_or_cached_block() -> None:
+    """bs 4. Row 0: 5 columns held, 1 retired, 2 cached: a new state block at ``c >= 20``
+    (``cdiv(c + 1, 4) > 5``), the next retirement at ``(1 + 1) * 4 + 1 = 9`` (``(c - 1)
+    // 4 > 1``), the next cached block at ``2 * 4 + 3 = 11`` -> 9. Row 1: 3 held, 3
+    retired, 3 cached: the state block at 12, retirement past 17, caching at 15 -> 12.
+    Without a prefix cache row 0 still reads 9."""
     mamba = _manager(MambaSpec(block_size=4)).coordinator.managers[0]
-    _set_row(mamba, 0, held=5, leading=0, cached=2)
-    assert mamba.decode_work_threshold(np.array([0])).tolist() == [0]
-    assert mamba.decode_work_threshold_of(0) == 0
+    assert not mamba.always_tested()
+    mamba.row_len[:2] = [5, 3]
+    mamba.num_retired_blocks[:2] = [1, 3]
+    mamba.num_cached_block[:2] = [2, 3]
+    assert mamba.decode_work_threshold(np.array([0, 1])).tolist() == [9, 12]
+    assert [mamba.decode_work_threshold_of(0), mamba.decode_work_threshold_of(1)] == [9, 12]
+    plain = _manager(MambaSpec(block_size=4), caching=False).coordinator.managers[0]
+    plain.row_len[0], plain.num_retired_blocks[0] = 5, 1
+    assert plain.decode_work_threshold_of(0) == 9
 
 
 def _ids(out) -> list:
@@ -110,10 +124,10 @@ def test_quiet_items_skip_the_per_group_work_and_thresholds_follow_the_rows(monk
     r0 = _decoding(manager, "r0", 8, 6)
     r1 = _decoding(manager, "r1", 6, 4)
     rows = [manager.coordinator.row_of["r0"], manager.coordinator.row_of["r1"]]
-    # allocate_slots zeroes a row's threshold: both items are tested on the first step
-    assert [manager._next_work[r] for r in rows] == [0, 0]
+    # allocate_slots gives a row it takes its threshold: held 2 * bs 4
+    assert [manager._next_work[r] for r in rows] == [8, 8]
     assert _ids(manager.schedule_columns([r0, r1], [1, 1], [0, 0])) == [[[]], [[]]]
-    assert [manager._next_work[r] for r in rows] == [8, 8]  # held 2 * bs 4
+    assert [manager._next_work[r] for r in rows] == [8, 8]
     applied: list[str] = []
     item = kvm.apply_decode_item
 

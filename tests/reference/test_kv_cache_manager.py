@@ -280,6 +280,28 @@ def test_free_queue_order_after_free_two_groups() -> None:
     assert eng.num_free_blocks() == 19
 
 
+def test_deferred_free_frees_tail_first_over_all_groups() -> None:
+    # the layout and step of the test above; the blocks are popped (a deferred free),
+    # then freed in one call, 14 down to 1: the unhashed 14 and 7 go to the front in
+    # that order; the hashed ones to the back, group 1's (13..8) before group 0's (6..1)
+    eng = _engine(
+        FullAttentionSpec(block_size=2),
+        SlidingWindowSpec(block_size=2, sliding_window=4),
+        num_blocks=20,
+    )
+    eng.add_request(RequestInput("r", tuple(range(13))))
+    eng.allocate_slots("r", 13)
+    popped = eng.pop_blocks_for_free("r")
+    assert [b.block_id for b in popped] == list(range(1, 15))
+    assert eng.num_free_blocks() == 5
+    assert eng.get_block_ids("r") == ((), ())
+    eng.free_popped_blocks(popped)
+    assert eng.free_queue() == (
+        [14, 7, 15, 16, 17, 18, 19] + [13, 12, 11, 10, 9, 8] + [6, 5, 4, 3, 2, 1]
+    )
+    assert eng.num_free_blocks() == 19
+
+
 def test_eviction_reuses_the_tail_of_the_oldest_chain_first() -> None:
     eng = _engine(FullAttentionSpec(block_size=2), num_blocks=5)
     eng.add_request(RequestInput("a", (1, 2, 3, 4)))

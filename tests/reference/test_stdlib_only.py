@@ -19,6 +19,7 @@ THIRD_PARTY = (
     "triton",
     "vllm",
     "sglang",
+    "lmdeploy",
     "cbor2",
     "xxhash",
 )

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
-from optimized.control.hashing import hashes_at_block_size
+from optimized.control.hashing import HashChain, chain_words, hashes_at_block_size
 from optimized.control.request import Request
 from optimized.control.uniformity import same_everywhere
 from reference.managers.base import ManagerBase, blocks_to_allocate, cacheable_full_blocks
@@ -68,6 +68,18 @@ class HitAdmission(NamedTuple):
 CachePlan = tuple[int, int, Sequence[bool] | None, Sequence[bytes]]
 
 
+def lookup_words(block_hashes: Sequence[bytes], pool: BlockPool, block_size: int):
+    """The chain at ``block_size`` as int64 words when the pool keeps its keys so
+    (:attr:`BlockPool.keys_as_words`: a request's
+    :class:`~optimized.control.hashing.HashChain` gives them at no cost once converted),
+    else None (the dict index reads the hashes themselves)."""
+    if not pool.keys_as_words:
+        return None
+    if type(block_hashes) is HashChain and block_size == pool.hash_block_size:
+        return block_hashes.words()  # (the common case, without a call more)
+    return chain_words(block_hashes, block_size, pool.hash_block_size)
+
+
 def _select(condition: bool, if_true: int, if_false: int) -> int:
     """``np.where`` of one value."""
     return if_true if condition else if_false
@@ -83,6 +95,9 @@ class SingleTypeKVCacheManager(ManagerBase):
 
     #: Do blocks leave the group's rows as tokens are computed (a window or a chunk)?
     drops_blocks: bool = False
+    #: the row array counting the leading columns already dropped, which the decode
+    #: threshold reads (:meth:`_threshold`): the leading nulls here, retired columns in Mamba
+    dropped_columns: str = "num_leading_null"
 
     def __init__(
         self,
@@ -116,15 +131,26 @@ class SingleTypeKVCacheManager(ManagerBase):
 
     # -- rows --------------------------------------------------------------------
     def grow(self, max_num_reqs: int) -> None:
-        """Make room for ``max_num_reqs`` rows (existing rows keep their content)."""
+        """Make room for ``max_num_reqs`` rows (existing rows keep their content), for a
+        manager whose arrays are its own (a coordinator's managers have theirs grown by
+        its :class:`~optimized.control.row_store.RowStore`)."""
         old = self.row_len.shape[0]
         if max_num_reqs <= old:
             return
         table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
         table[:old] = self.table
         self.table = table
+        self.grow_own_rows(max_num_reqs, frozenset())
+
+    def grow_own_rows(self, max_num_reqs: int, skip: frozenset[str]) -> None:
+        """Grow each row array of :meth:`_row_arrays` not named in ``skip`` (those a
+        :class:`~optimized.control.row_store.RowStore` holds) to ``max_num_reqs`` rows,
+        new rows absent."""
         for name in self._row_arrays():
             arr = getattr(self, name)
+            old = arr.shape[0]
+            if name in skip or max_num_reqs <= old:
+                continue
             fill = -1 if name in self._absent_minus_one() else 0
             grown = np.full(max_num_reqs, fill, dtype=arr.dtype)
             grown[:old] = arr
@@ -350,13 +376,15 @@ class SingleTypeKVCacheManager(ManagerBase):
         num_full = cacheable_full_blocks(request, num_tokens, self.block_size)
         if num_cached >= num_full:
             return
+        pool = self.block_pool
         hashes = hashes_at_block_size(
             request.block_hashes, request.hash_block_size, self.block_size
         )
+        words = lookup_words(request.block_hashes, pool, self.block_size)
         kept = self.cacheable_block_positions(request, num_cached, num_full)
         if kept is None:
             n = num_full - num_cached
-            self.block_pool.cache_fresh_blocks(
+            pool.cache_fresh_blocks(
                 new_blocks[:n],
                 hashes[num_cached:num_full],
                 self.group_id,
@@ -364,10 +392,11 @@ class SingleTypeKVCacheManager(ManagerBase):
                 self.block_size,
                 None,
                 None if new_array is None else new_array[:n],
+                None if words is None else words[num_cached:num_full],
             )
         elif isinstance(kept, range) and kept:  # one run of new blocks: slices, no lists
             a, b = kept.start, kept.stop
-            self.block_pool.cache_fresh_blocks(
+            pool.cache_fresh_blocks(
                 new_blocks[a:b],
                 hashes[num_cached + a : num_cached + b],
                 self.group_id,
@@ -375,15 +404,18 @@ class SingleTypeKVCacheManager(ManagerBase):
                 self.block_size,
                 None,
                 None if new_array is None else new_array[a:b],
+                None if words is None else words[num_cached + a : num_cached + b],
             )
         elif kept:
-            self.block_pool.cache_fresh_blocks(
+            pool.cache_fresh_blocks(
                 [new_blocks[k] for k in kept],
                 [hashes[num_cached + k] for k in kept],
                 self.group_id,
                 num_cached,
                 self.block_size,
                 kept,
+                None,
+                None if words is None else words[[num_cached + k for k in kept]],
             )
         self.num_cached_block[row] = num_full
 
@@ -513,7 +545,7 @@ class SingleTypeKVCacheManager(ManagerBase):
         0 for every row when :meth:`always_tested`)."""
         if self.always_tested():
             return np.zeros(len(rows), dtype=np.int64)
-        held, leading = self.row_len[rows], self.num_leading_null[rows]
+        held, leading = self.row_len[rows], getattr(self, self.dropped_columns)[rows]
         cached = self.num_cached_block[rows]
         if same_everywhere(held) and same_everywhere(leading) and same_everywhere(cached):
             # rows alike (a batch prefilled together): one row's figure for all
@@ -528,9 +560,8 @@ class SingleTypeKVCacheManager(ManagerBase):
         if self.always_tested():
             return 0
         cached = max(self.num_cached_block.item(row), 0)
-        return self._threshold(
-            self.row_len.item(row), self.num_leading_null.item(row), cached, min, _select
-        )
+        dropped = getattr(self, self.dropped_columns).item(row)
+        return self._threshold(self.row_len.item(row), dropped, cached, min, _select)
 
     def _threshold(self, held, leading, cached, minimum, select):
         """The rule of :meth:`decode_work_threshold` over the counts (ints or arrays, with

@@ -14,7 +14,7 @@ from itertools import islice
 import numpy as np
 
 from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
-from optimized.control.managers.base import SingleTypeKVCacheManager
+from optimized.control.managers.base import SingleTypeKVCacheManager, lookup_words
 from optimized.control.request import Request
 from reference.managers.full import full_attention_hit
 from reference.specs import KVCacheSpec
@@ -55,7 +55,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             hashes = block_hashes[: max_length // bs]
         else:
             hashes = list(islice(block_hashes, k - 1, k * (max_length // bs), k))
-        found = pool.cached_prefix(hashes, group_ids)
+        words = lookup_words(block_hashes, pool, bs)
+        found = pool.cached_prefix(
+            hashes, group_ids, None if words is None else words[: len(hashes)]
+        )
         hit = len(found[0]) * bs
         hit -= hit % alignment
         keep = -(-hit // bs)

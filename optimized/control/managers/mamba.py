@@ -20,7 +20,7 @@ from itertools import islice
 import numpy as np
 
 from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
-from optimized.control.managers.base import SingleTypeKVCacheManager
+from optimized.control.managers.base import SingleTypeKVCacheManager, lookup_words
 from optimized.control.request import Request
 from reference.managers.mamba import mamba_cache_mask, mamba_hit
 from reference.specs import KVCacheSpec, cdiv
@@ -58,22 +58,35 @@ class MambaManager(SingleTypeKVCacheManager):
         alignment: int,
         drop_eagle: bool = False,
     ) -> tuple[list[list[int]], int]:
-        """:func:`reference.managers.mamba.mamba_hit` with direct dict lookups: the
+        """:func:`reference.managers.mamba.mamba_hit` with its lookups in bulk: the
         rightmost state ``i < min(max_length // bs, hashed)`` cached in every group whose
-        end ``(i + 1) * bs`` is aligned -> ``[0] * i + [state]`` per group. Example: bs 4,
-        A 8, states 1 and 2 cached, max 15 -> state 2 ends at 12, not aligned -> state 1:
-        ``[0, s1]``, hit 8."""
+        end ``(i + 1) * bs`` is aligned -> ``[0] * i + [state]`` per group. The first
+        group's lookups are one call (compiled from the right when the pool keeps keys as
+        words, :meth:`~optimized.control.key_index.ArrayKeyIndex.rightmost`; else one
+        C-level ``map``); the other groups are asked only for a state the first caches.
+        Example: bs 4, A 8, states 1 and 2 cached, max 15 -> state 2 ends at 12, not
+        aligned -> state 1: ``[0, s1]``, hit 8."""
         bs = spec.block_size
         k = bs // pool.hash_block_size
         hashes = list(islice(block_hashes, k - 1, k * (max_length // bs), k))
-        first = list(map(pool.cached[group_ids[0]].get, hashes))  # one C-level pass
-        others = [pool.cached[g].get for g in group_ids[1:]]
+        index = pool.index
         free_end = bs == alignment
+        if pool.keys_as_words:
+            words = lookup_words(block_hashes, pool, bs)
+            i = len(hashes)
+            while True:
+                i = index.rightmost(words, group_ids[0], i, bs, alignment)
+                if i < 0:
+                    return [[] for _ in group_ids], 0
+                states = [index.get(hashes[i], g) for g in group_ids]
+                if None not in states:
+                    return [[NULL_BLOCK_ID] * i + [state] for state in states], (i + 1) * bs
+        first = index.get_many(hashes, group_ids[0])  # one C-level pass
         for i in range(len(hashes) - 1, -1, -1):
             state = first[i]
             if state is None or (not free_end and (i + 1) * bs % alignment):
                 continue
-            states = [state, *(get(hashes[i]) for get in others)]
+            states = [state, *(index.get(hashes[i], g) for g in group_ids[1:])]
             if None in states:
                 continue
             return [[NULL_BLOCK_ID] * i + [state] for state in states], (i + 1) * bs
@@ -90,7 +103,7 @@ class MambaManager(SingleTypeKVCacheManager):
         num_tokens_main: int,
     ) -> int:
         if new_computed_blocks:
-            key = self.block_pool.block_hash[new_computed_blocks[-1]]
+            key = self.block_pool.index.key_of(new_computed_blocks[-1])
             if key is not None and key in self.cached_keys_this_step:
                 return self.block_pool.num_blocks + 1
         required = cdiv(num_tokens_main, self.block_size)
@@ -118,10 +131,12 @@ class MambaManager(SingleTypeKVCacheManager):
         before = max(int(self.num_cached_block[row]), 0)
         super().cache_blocks(request, row, num_tokens)
         after = max(int(self.num_cached_block[row]), 0)
-        block_hash = self.block_pool.block_hash
+        key_of = self.block_pool.index.key_of
         for block in self.table[row, before:after].tolist():
-            if block != NULL_BLOCK_ID and block_hash[block] is not None:
-                self.cached_keys_this_step.add(block_hash[block])
+            if block != NULL_BLOCK_ID:
+                key = key_of(block)
+                if key is not None:
+                    self.cached_keys_this_step.add(key)
 
     def remove_skipped_blocks(self, row: int, num_computed_tokens: int) -> None:
         super().remove_skipped_blocks(row, num_computed_tokens)
@@ -147,9 +162,32 @@ class MambaManager(SingleTypeKVCacheManager):
     def new_step_starts(self) -> None:
         self.cached_keys_this_step.clear()
 
+    #: the decode threshold reads the retired columns (:meth:`_threshold`)
+    dropped_columns = "num_retired_blocks"
+
     def always_tested(self) -> bool:
-        """Always: a Mamba row may retire its previous state at any step."""
-        return True
+        """Never: :meth:`_threshold` restates :meth:`pending_work`'s rule for a decode
+        item (its stale-state test never fires there, see :meth:`_threshold`)."""
+        return False
+
+    def _threshold(self, held, retired, cached, minimum, select):
+        """:meth:`SingleTypeKVCacheManager._threshold` of a Mamba row, ``retired`` its
+        retired columns: with ``c`` computed a one-token decode item (``main = c + 1``)
+        takes a new state block once ``cdiv(c + 1, bs) > held``, i.e. ``c >= held * bs``;
+        retires columns once ``min((c - 1) // bs, held) > retired``, at the earliest
+        ``c = (retired + 1) * bs + 1`` (later while ``held <= retired``: the figure stays a
+        lower bound); caches once ``c + 1 >= (cached + 1) * bs``. The previous state
+        (``last_state_block_index``) sits at a column before ``held``: below ``retired``
+        it is null already, else the retirement that passes it frees it just before the
+        stale-state test of :meth:`remove_skipped_blocks` reads it, so that test adds no
+        work. Every term grows with the counts.
+        Example: bs 16, held 3, retired 1, cached 2: allocation at 48, retirement at 33,
+        caching at 47 -> 33."""
+        bs = self.block_size
+        least = minimum(held * bs, (retired + 1) * bs + 1)
+        if self.enable_caching:
+            least = minimum(least, cached * bs + (bs - 1))
+        return least
 
     def pending_work(self, rows, total, main, slots, cache_tokens, num_hashed, boundary):
         """Mamba: a new state column, a retirement, or the previous state to free."""

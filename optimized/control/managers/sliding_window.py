@@ -14,7 +14,7 @@ from itertools import islice
 import numpy as np
 
 from optimized.control.block_pool import NULL_BLOCK_ID, BlockPool
-from optimized.control.managers.base import SingleTypeKVCacheManager
+from optimized.control.managers.base import SingleTypeKVCacheManager, lookup_words
 from optimized.control.request import Request
 from reference.managers.sliding_window import (
     blocks_needed_for_hit,
@@ -72,8 +72,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             return cls._scan_one_group(
                 block_hashes, max_length, group_ids[0], pool, spec, alignment
             )
+        hashes = list(islice(block_hashes, k - 1, k * (max_length // bs), k))
+        words = lookup_words(block_hashes, pool, bs)
         columns, present = pool.cached_columns(
-            list(islice(block_hashes, k - 1, k * (max_length // bs), k)), group_ids
+            hashes, group_ids, None if words is None else words[: len(hashes)]
         )
         need = max(blocks_needed_for_hit(spec), 1)  # w = 1: the scan still takes one block
         free_end = bs == alignment
@@ -109,24 +111,33 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         14 and 15 are cached, max 64 -> two lookups, ``[0] * 14 + [b14, b15]``, hit 64."""
         bs = spec.block_size
         k = bs // pool.hash_block_size
-        get = pool.cached[group_id].get
         need = max(blocks_needed_for_hit(spec), 1)  # w = 1: the scan still takes one block
         free_end = bs == alignment
-        run: list[int] = []  # the current run's blocks, rightmost first
-        for i in range(min(max_length // bs, len(block_hashes) // k) - 1, -1, -1):
-            block = get(block_hashes[(i + 1) * k - 1])
-            if block is None:
-                run = []
-            elif run or free_end or (i + 1) * bs % alignment == 0:
-                run.append(block)
-                if len(run) >= need:  # blocks i..top, nulls before
-                    run.reverse()
-                    return [[NULL_BLOCK_ID] * i + run], (i + len(run)) * bs
+        num_blocks = min(max_length // bs, len(block_hashes) // k)
+        if (
+            pool.keys_as_words
+        ):  # the scan compiled (:func:`~optimized.control.key_index.window_run`)
+            words = lookup_words(block_hashes, pool, bs)[:num_blocks]
+            run, first = pool.index.window(words, group_id, need, bs, alignment)
+            if len(run) >= need:
+                return [[NULL_BLOCK_ID] * first + run], (first + len(run)) * bs
+        else:
+            get = pool.index.cached[group_id].get
+            run = []  # the current run's blocks, rightmost first
+            for i in range(num_blocks - 1, -1, -1):
+                block = get(block_hashes[(i + 1) * k - 1])
+                if block is None:
+                    run = []
+                elif run or free_end or (i + 1) * bs % alignment == 0:
+                    run.append(block)
+                    if len(run) >= need:  # blocks i..top, nulls before
+                        run.reverse()
+                        return [[NULL_BLOCK_ID] * i + run], (i + len(run)) * bs
+            run.reverse()
         # no run long enough: the one reaching block 0 (it ends aligned, as every run)
         length = len(run)
         while length and not free_end and length * bs % alignment:
             length -= 1
-        run.reverse()
         return [run[:length]], length * bs
 
     cacheable_block_mask = window_cache_mask

@@ -20,7 +20,15 @@ def engine_line(row) -> None:
 
 
 def suite_line(row) -> None:
-    """One :class:`properties.tools.bench.suite.SuiteRow`, as measured."""
+    """One :class:`properties.tools.bench.suite.SuiteRow` (or ``SpeedRow``), as
+    measured."""
+    if hasattr(row, "cpu_seconds"):  # the suite's speed on one engine and property
+        print(
+            f"  bench: suite speed of {row.engine} ({row.prop}, {row.level}): {row.status}, "
+            f"{row.steps} steps in {row.cpu_seconds:.2f} CPU s",
+            flush=True,
+        )
+        return
     what = f"caught by {row.check}" if row.caught else "not caught"
     if row.name == "reference":
         what = f"FAILED ({row.check})" if row.caught else "passed"

@@ -1,4 +1,5 @@
-"""The suite's power and speed: time and steps to catch each mutant, reference throughput.
+"""The suite's power and speed: time and steps to catch each mutant, reference throughput,
+and the checked steps per CPU second of each engine and property.
 
 For every mutant engine of ``properties/mutants/`` the stateful machine runs
 under a Hypothesis profile with the shrink phase disabled, so the figures are the
@@ -15,7 +16,18 @@ Worked example of a row: ``swa_off_by_one  universal  window_liveness  0.21 s
 37 steps  2 examples`` means the second generated example failed at the machine's
 37th step overall, 0.21 s after the run began.
 
-Usage: ``kvconform bench suite [--profile ci]``, or
+Last, the suite's own speed (:func:`suite_speed`): each engine (``--engines``, the
+reference and vLLM unless told) runs every property of ``kvconform check`` at the
+exact level on a fixed number of the profile's examples (:data:`SPEED_EXAMPLES`; the ci
+profile is derandomized, so the same examples at every commit and on every engine
+that draws the same layouts), in this process, and its row gives the checked steps
+(the property's steps: machine steps, or trace operations for determinism) per CPU
+second of the process (``time.process_time``: the suite's checks, the lockstep
+reference and the engine together, a loaded machine's waiting left out). A change to
+the suite's hot paths shows as more steps per CPU second on the same steps. Example:
+``reference  invariants  25 examples  1830 steps  4.10 CPU s  446 steps/CPU s``.
+
+Usage: ``kvconform bench suite [--profile ci] [--engines reference vllm]``, or
 ``print(format_suite(bench_suite("ci")))``.
 """
 
@@ -33,6 +45,9 @@ from properties.engines.under_test import EngineUnderTest, resolve_engine
 from properties.runner.config import CheckConfig
 from properties.runner.machine import machine_for
 from properties.runner.profiles import load_profile
+from properties.tools.bench.table import aligned
+from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.specs import FullAttentionSpec
 
 REFERENCE = "reference"
 #: Examples a detection run uses; ``None`` keeps the profile's (``ci``: 60). The
@@ -66,6 +81,26 @@ class SuiteRow:
     @property
     def examples_per_second(self) -> float:
         return self.examples / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SpeedRow:
+    """One engine running one property for :func:`suite_speed`. ``status``: ``ok``,
+    ``FAILED (check)`` (the figures still count what ran) or why nothing ran (``not
+    installed: ...``, ``error: ...``; then the figures are 0)."""
+
+    engine: str
+    prop: str
+    level: str
+    status: str
+    examples: int = 0
+    steps: int = 0
+    cpu_seconds: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def steps_per_cpu_second(self) -> float:
+        return self.steps / self.cpu_seconds if self.cpu_seconds > 0 else 0.0
 
 
 @dataclass
@@ -151,16 +186,89 @@ def run_machine(
     )
 
 
+#: Examples each engine runs per property in :func:`suite_speed` (the attention
+#: property a third of them, as ``kvconform check`` runs it)
+SPEED_EXAMPLES = 25
+#: The level :func:`suite_speed` checks at
+SPEED_LEVEL = "exact"
+
+
+def suite_speed(
+    engines: Sequence[str] = (REFERENCE, "vllm"),
+    profile: str = "ci",
+    examples: int = SPEED_EXAMPLES,
+    properties: Sequence[str] | None = None,
+    level: str = SPEED_LEVEL,
+    on_row: Callable[[SpeedRow], None] | None = None,
+) -> list[SpeedRow]:
+    """Checked steps per CPU second of each engine and property (module docstring):
+    every property of ``kvconform check`` (or those named) at ``level`` on ``examples``
+    of the profile's examples with no shrinking, the engine in this process. An engine
+    that is not installed gets one row saying so."""
+    from properties.core.constants import PROPERTIES
+    from properties.core.engine import EngineError
+    from properties.runner.check import run_property
+
+    wanted = PROPERTIES if properties is None else tuple(properties)
+    hyp = detection_settings(profile, examples)
+    rows: list[SpeedRow] = []
+
+    def add(row: SpeedRow) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
+    with tempfile.TemporaryDirectory(prefix="kvconform-bench-") as tmp:
+        for name in engines:
+            config = CheckConfig(engine=name, level=level, failure_dir=tmp, isolation="none")
+            try:
+                engine = config.resolve_engine()
+                engine.factory(_PROBE_LAYOUT)  # (an engine that is not installed fails here)
+            except (EngineError, ImportError) as exc:
+                add(SpeedRow(name, "-", level, _why_not(exc)))
+                continue
+            for prop in wanted:
+                cpu, wall = time.process_time(), time.perf_counter()
+                result = run_property(prop, config, hyp, None, engine, shrink_seconds=0)
+                cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+                status = "ok" if result.passed else f"FAILED ({result.check or result.kind})"
+                add(SpeedRow(name, prop, level, status, result.examples, result.steps, cpu, wall))
+    return rows
+
+
+#: a layout any engine builds: building one tells whether the engine is installed
+_PROBE_LAYOUT = KVCacheLayout(
+    (KVCacheGroup(("layer",), FullAttentionSpec(block_size=16)),),
+    num_blocks=16,
+    max_model_len=64,
+)
+
+
+def _why_not(exc: BaseException) -> str:
+    """A short reason an engine could not be built: not installed (an import failed
+    somewhere in its causes) or the error's first line."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ImportError):
+            return f"not installed ({seen})"
+        seen = seen.__cause__
+    return f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+
+
 def bench_suite(
     profile: str = "ci",
     levels: Sequence[str] = ("universal", "exact"),
     mutants: Sequence[str] | None = None,
     max_examples: int | None = DETECTION_EXAMPLES,
-    on_row: Callable[[SuiteRow], None] | None = None,
-) -> list[SuiteRow]:
+    on_row: Callable[[SuiteRow | SpeedRow], None] | None = None,
+    engines: Sequence[str] = (REFERENCE, "vllm"),
+    speed_examples: int = SPEED_EXAMPLES,
+) -> list[SuiteRow | SpeedRow]:
     """Every mutant (or those named) at each of ``levels``, then the reference at each,
-    all under :func:`detection_settings` (``profile``, ``max_examples``); ``on_row``
-    hears of each row as soon as it is measured (progress).
+    all under :func:`detection_settings` (``profile``, ``max_examples``), then the
+    suite's speed on ``engines`` (:func:`suite_speed`, ``speed_examples`` per property;
+    no engine: none); ``on_row`` hears of each row as soon as it is measured
+    (progress).
 
     The mutants are those of ``properties/mutants/`` (reference and optimized), each run
     under the property its catalogue names (``invariants``, ``attention`` or
@@ -201,14 +309,18 @@ def bench_suite(
             rows.append(run_machine(config, engine, hyp, REFERENCE, "the reference (throughput)"))
             if on_row is not None:
                 on_row(rows[-1])
+    if engines:
+        rows.extend(suite_speed(engines, profile, speed_examples, on_row=on_row))
     return rows
 
 
-def format_suite(rows: Sequence[SuiteRow]) -> str:
-    """A plain-text table: mutants (caught by what, after how long), then throughput."""
-    lines = [
-        f"{'mutant':<26} {'level':<9} {'caught by':<24} {'time s':>7} {'steps':>6} {'examples':>8}"
-    ]
+def format_suite(rows: Sequence[SuiteRow | SpeedRow]) -> str:
+    """A plain-text table: mutants (caught by what, after how long), then throughput, then
+    the suite's speed per engine and property (:func:`format_speed`)."""
+    speed = [r for r in rows if isinstance(r, SpeedRow)]
+    rows = [r for r in rows if isinstance(r, SuiteRow)]
+    header = f"{'mutant':<26} {'level':<9} {'caught by':<24} {'time s':>7} {'steps':>6}"
+    lines = [f"{header} {'examples':>8}"] if rows else []
     mutant_rows = [r for r in rows if r.name != REFERENCE]
     for r in mutant_rows:
         caught = r.check if r.caught else "NOT CAUGHT"
@@ -230,4 +342,46 @@ def format_suite(rows: Sequence[SuiteRow]) -> str:
             f"{r.seconds:.2f} s = {r.steps_per_second:.0f} steps/s, "
             f"{r.examples_per_second:.1f} examples/s"
         )
+    if speed:
+        lines += ["", format_speed(speed)] if lines else [format_speed(speed)]
     return "\n".join(lines)
+
+
+def format_speed(rows: Sequence[SpeedRow]) -> str:
+    """The suite's speed (:func:`suite_speed`) as a table, each engine's total last.
+    Example row: ``reference  invariants  exact  ok  25  1830  4.10  446``."""
+    header = ["engine", "property", "level", "status", "examples", "steps", "CPU s", "steps/CPU s"]
+    body: list[list[str]] = []
+    for engine in dict.fromkeys(r.engine for r in rows):
+        mine = [r for r in rows if r.engine == engine]
+        for r in mine:
+            body.append(
+                [
+                    r.engine,
+                    r.prop,
+                    r.level,
+                    r.status,
+                    str(r.examples),
+                    str(r.steps),
+                    f"{r.cpu_seconds:.2f}",
+                    f"{r.steps_per_cpu_second:.0f}",
+                ]
+            )
+        ran = [r for r in mine if r.examples]
+        if len(ran) > 1:
+            steps = sum(r.steps for r in ran)
+            cpu = sum(r.cpu_seconds for r in ran)
+            body.append(
+                [
+                    engine,
+                    "all",
+                    ran[0].level,
+                    "",
+                    str(sum(r.examples for r in ran)),
+                    str(steps),
+                    f"{cpu:.2f}",
+                    f"{steps / cpu:.0f}" if cpu > 0 else "-",
+                ]
+            )
+    title = "suite speed: checked steps per CPU second (this process: checks and engine)"
+    return "\n".join([title, aligned([header, *body], left={0, 1, 2, 3})])

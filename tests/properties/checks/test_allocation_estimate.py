@@ -128,6 +128,28 @@ def test_a_table_covers_exactly_the_highest_slot_asked_for() -> None:
     assert "expected max(0 before, cdiv(8, 4)) = 2 to 3" in inv.table_covers_slots(state, capped[2])
 
 
+def test_no_lookahead_for_a_non_final_chunk_when_the_engine_says_so() -> None:
+    """bs 4, a 20-token prompt, a first chunk of 8 with 2 lookahead slots (10 slots,
+    main 8). A strict engine needs 3 blocks; one declaring
+    ``lookahead_on_prefill_chunks = False`` (LMDeploy) may hold 2, never 4; the last
+    chunk (main 20 = every token) still needs its lookahead."""
+    state = _state(FULL, {})
+    state.lookahead_on_prefill_chunks = False
+    prompt = list(range(20))
+
+    def chunk(blocks: int, slots: int, main: int) -> AllocateEvent:
+        req = TrackedRequest("a", prompt, None, None)
+        return AllocateEvent(req, ((1,) * blocks,), None, slots, main, None, 64)
+
+    assert inv.table_covers_slots(state, chunk(2, 10, 8)) is None
+    assert inv.table_covers_slots(state, chunk(3, 10, 8)) is None
+    assert inv.table_covers_slots(state, chunk(4, 10, 8)) is not None
+    assert inv.table_covers_slots(state, chunk(5, 22, 20)) is not None  # 6 needed
+    assert inv.table_covers_slots(state, chunk(6, 22, 20)) is None
+    strict = _state(FULL, {})
+    assert "cdiv(10, 4)) = 3" in inv.table_covers_slots(strict, chunk(2, 10, 8))
+
+
 # -- the answer of the capability -------------------------------------------------------
 
 
@@ -150,8 +172,9 @@ def test_the_reference_reports_its_estimate() -> None:
 # -- the machine on hand traces ---------------------------------------------------------
 
 
-def _run(layout, factory=None, mode=SYNC, level="universal") -> TraceRun:
-    return TraceRun(CheckConfig(level=level), layout, resolve_engine(factory or "reference"), mode)
+def _run(layout, factory=None, mode=SYNC, level="universal", at_boundaries=False) -> TraceRun:
+    engine = resolve_engine(factory or "reference")
+    return TraceRun(CheckConfig(level=level), layout, engine, mode, at_boundaries=at_boundaries)
 
 
 def test_an_estimate_without_evictable_hits_is_reported() -> None:
@@ -206,3 +229,44 @@ def test_a_committed_block_holding_a_rejected_draft_is_reported() -> None:
     message = caught.value.message
     assert "block 3 (group 0) is cached for 12 tokens after cache_blocks('r0', 11)" in message
     assert "(position 11) holds the KV of a rejected draft token (rolled back)" in message
+
+
+def test_at_the_large_tiers_the_commit_is_checked_at_the_step_boundary() -> None:
+    """The same commit, checked when the next step starts (the large tiers read the
+    cached blocks once a step): the same message; nothing before the boundary."""
+    run = _run(FULL, make_rejected_drafts_committed, DRAFTS, at_boundaries=True)
+    for op in DRAFT_TRACE:
+        run.apply(op)  # step 2 committed 12 tokens: not checked yet
+    with pytest.raises(PropertyViolation) as caught:
+        run.finish()  # the trace ends: the deferred checks run
+    assert caught.value.name == "committed_blocks_verified"
+    message = caught.value.message
+    assert "block 3 (group 0) is cached for 12 tokens after cache_blocks('r0', 11)" in message
+    assert "(position 11) holds the KV of a rejected draft token (rolled back)" in message
+    run = _run(FULL, make_rejected_drafts_committed, DRAFTS, at_boundaries=True)
+    with pytest.raises(PropertyViolation, match="committed_blocks_verified"):
+        for op in [*DRAFT_TRACE, Step(16)]:  # or when the next step starts
+            run.apply(op)
+    run = _run(FULL, mode=DRAFTS, at_boundaries=True)  # the reference commits right
+    for op in [*DRAFT_TRACE, Step(16), Step(16)]:
+        run.apply(op)
+    run.finish()
+
+
+def test_the_large_tiers_read_the_cached_blocks_once_for_a_steps_commits() -> None:
+    """Three requests decoding with drafts commit in each step: the small tier reads the
+    cached blocks at each commit, the large tiers once a step."""
+    reads = {}
+    for at_boundaries in (False, True):
+        run = _run(FULL, mode=DRAFTS, at_boundaries=at_boundaries)
+        engine = run.lockstep.engine.inner
+        calls = []
+        original = engine.cached_blocks
+        engine.cached_blocks = lambda calls=calls, original=original: calls.append(1) or original()
+        for i in range(3):
+            run.apply(Arrive(f"r{i}", tuple(range(i, i + 9)), tuple(range(100, 108))))
+        for _ in range(4):
+            run.apply(Step(64))
+        run.finish()
+        reads[at_boundaries] = len(calls)
+    assert reads[True] <= 4 < 3 * 3 <= reads[False]

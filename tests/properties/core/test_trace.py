@@ -130,6 +130,7 @@ def test_small_trace_json_is_the_documented_encoding():
             "external_hits": False,
             "async_loads": False,
             "load_failures": False,
+            "varying_drafts": False,
         },
         "operations": [
             {
@@ -182,6 +183,10 @@ def test_every_spec_field_is_written():
         "shapes": [[4, 8], [2]],
         "dtype_bytes": 2,
         "page_size_padded": 200,
+        "mamba_cache_mode": "align",
+        "num_speculative_blocks": 0,
+        "num_prefill_checkpoint_blocks": 0,
+        "prefill_checkpoint_alignment": None,
     }
     assert data["groups"][3]["spec"]["attention_chunk_size"] == 6
     assert data["groups"][3]["spec"]["page_size_padded"] == 1000
@@ -353,6 +358,7 @@ def test_production_fields_and_mode_round_trip():
         "external_hits": True,
         "async_loads": False,
         "load_failures": False,
+        "varying_drafts": False,
     }
     assert data["layout"]["prefix_cache_retention_interval"] == 0
     back = trace_from_json(json.loads(json.dumps(data)))

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[3]
 RUST_DIR = ROOT / "examples" / "engines" / "rust-block-manager"
 
 #: engine name -> top-level package that must be importable.
-ENGINE_PACKAGES: dict[str, str] = {"vllm": "vllm", "sglang": "sglang"}
+ENGINE_PACKAGES: dict[str, str] = {"vllm": "vllm", "sglang": "sglang", "lmdeploy": "lmdeploy"}
 
 
 def engine_skip_reason(name: str) -> str | None:

@@ -26,6 +26,8 @@ from properties.engines.reference import PRODUCTION_SETTINGS, ReferenceEngine
 from properties.engines.under_test import EngineUnderTest, resolve_engine
 from properties.runner.config import CheckConfig
 from properties.tools.cli import classify_error
+from reference.layout import KVCacheGroup, KVCacheLayout
+from reference.specs import FullAttentionSpec, MambaSpec
 from tests.properties.tools import broken_engines
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -199,3 +201,54 @@ def test_known_divergences_are_kept_as_a_tuple() -> None:
     divergence = KnownDivergence("d", "summary", "findings/d.md", lambda layout: False)
     engine = EngineUnderTest(name="x", factory=ReferenceEngine, known_divergences=[divergence])
     assert engine.known_divergences == (divergence,)
+
+
+def _has_mamba(layout) -> bool:
+    return any(isinstance(g.spec, MambaSpec) for g in layout.groups)
+
+
+def test_a_divergence_of_a_serving_mode_gives_the_default_mode() -> None:
+    """``KnownDivergence.modes``: the layouts stay drawn (``applies_to(layout)`` is false
+    without a mode); a run whose layout and mode it applies to gets ``SYNC``."""
+    from properties.core.modes import SYNC, ServingMode
+
+    leak = KnownDivergence(
+        "leak", "s", "f.md", _has_mamba, ("async", "mamba"), lambda mode: mode.async_scheduling
+    )
+    engine = EngineUnderTest(name="x", factory=ReferenceEngine, known_divergences=(leak,))
+    mamba = KVCacheLayout(
+        groups=(KVCacheGroup(("m",), MambaSpec(block_size=4, shapes=((4, 8),))),),
+        num_blocks=8,
+        max_model_len=16,
+    )
+    full = KVCacheLayout(
+        groups=(KVCacheGroup(("f",), FullAttentionSpec(block_size=4)),),
+        num_blocks=8,
+        max_model_len=16,
+    )
+    asynchronous = ServingMode(async_scheduling=True, admission_gate=True)
+    gated = ServingMode(admission_gate=True)
+    assert not leak.applies_to(mamba) and leak.applies_to(mamba, asynchronous)
+    assert engine.serving_mode(asynchronous, True, mamba) == SYNC
+    assert engine.serving_mode(gated, True, mamba) == gated
+    assert engine.serving_mode(asynchronous, True, full) == asynchronous
+    assert engine.serving_mode(asynchronous, True) == asynchronous
+
+
+@pytest.mark.parametrize(
+    ("divergence", "message"),
+    [
+        (
+            KnownDivergence("d", "s", "f.md", _has_mamba, modes=lambda mode: True),
+            "false for the default synchronous mode",
+        ),
+        (
+            KnownDivergence("d", "s", "f.md", _has_mamba, ("async", "mamba", "full")),
+            "at most two pair-table feature names",
+        ),
+        (KnownDivergence("d", "s", "f.md", _has_mamba, ["async"]), "tuple of at most two"),
+    ],
+)
+def test_a_bad_divergence_declaration_is_refused(divergence, message) -> None:
+    with pytest.raises(DeclarationError, match=message):
+        EngineUnderTest(name="x", factory=ReferenceEngine, known_divergences=(divergence,))

@@ -533,3 +533,148 @@ def test_lookahead_hashes_end_the_full_group_view_before_the_lookup_bound():
     engine.new_step()
     engine.add_request(RequestInput("b", tuple(range(9))))
     assert engine.get_computed_blocks("b") == CacheHit(((1,), (5, 6)), 4)
+
+
+def test_zeroing_lists_the_attention_blocks_each_step_and_a_mutant_is_caught(monkeypatch):
+    """Full (bs 4) + Mamba (bs 4): vLLM zeroes new attention blocks (a Mamba group needs
+    zeroing). Step 1: ``a`` (its 8 prompt tokens) adds full (1, 2) and Mamba (3); ``b``
+    (4 of its 12) adds full (4) and Mamba (5). At the next step vLLM hands over ``[1, 2, 4]``
+    (``reference.zeroing.blocks_to_zero``), which the adapter checks. A vLLM that
+    forgets to drain its list hands them over again: an EngineError."""
+    from properties.core.engine import EngineError
+
+    engine = make((FullAttentionSpec(block_size=4), MambaSpec(block_size=4)), 40)
+    engine.new_step()
+    for rid, prompt in (("a", tuple(range(10, 18))), ("b", tuple(range(20, 32)))):
+        engine.add_request(RequestInput(rid, prompt))
+        hit = engine.get_computed_blocks(rid)
+        assert engine.allocate_slots(rid, 8 if rid == "a" else 4, 0, hit) is not None
+    assert engine._added == [((1, 2), (3,)), ((4,), (5,))]
+    engine.new_step()  # checks [1, 2, 4]
+    manager = engine.manager
+    take = manager.take_new_block_ids
+    kept: list[int] = []
+
+    def not_drained() -> list[int]:
+        kept.extend(take())
+        return list(kept)
+
+    monkeypatch.setattr(manager, "take_new_block_ids", not_drained)
+    engine.set_num_computed_tokens("b", 4)
+    assert engine.allocate_slots("b", 4) is not None  # full (6), Mamba (7)
+    engine.new_step()  # [6]: the first take
+    engine.set_num_computed_tokens("b", 8)
+    assert engine.allocate_slots("b", 4) is not None
+    with pytest.raises(EngineError, match="take_new_block_ids gave"):
+        engine.new_step()
+
+
+def test_block_metrics_lifecycles_by_hand_and_a_mutant_is_caught(monkeypatch):
+    """Full bs 2, 4 usable blocks (a layout the adapter gives a metrics collector).
+    ``a`` (1-4) gets blocks 1, 2 and ends: queue (3, 4, 2, 1). ``b`` (1-5) hits 1, 2 (one
+    access each) and gets 3, ends: 3 (not full) to the front. ``c`` (1-4, 6) hits 1, 2
+    again (two accesses) and gets 3 again: 3's first life ends, one event, no gap. At
+    the step: events [0], tracked 1, 2, 3. ``c`` ends; ``d`` (6 tokens, no hit) gets 3,
+    4, 2: 3 ends another life (0 gaps), 2 ends its life of two accesses (1 gap): events
+    [0, 1]. A collector that never emits events is caught at the next step."""
+    from properties.core.engine import EngineError
+    from properties.engines.vllm import observes_block_metrics
+
+    engine = make((FullAttentionSpec(block_size=2),), 5)
+    assert observes_block_metrics(engine.layout)
+    engine.new_step()
+    run_prompt(engine, "a", (1, 2, 3, 4))
+    engine.free("a")
+    assert engine.free_queue() == [3, 4, 2, 1]
+    run_prompt(engine, "b", (1, 2, 3, 4, 5))
+    engine.free("b")
+    run_prompt(engine, "c", (1, 2, 3, 4, 6))
+    assert engine.get_block_ids("c") == ((1, 2, 3),)
+    assert engine._lifecycles.events == [0]
+    engine.new_step()  # checks events [0], tracked {1, 2, 3}
+    engine.free("c")
+    run_prompt(engine, "d", (9, 9, 9, 9, 9, 9))
+    assert engine.get_block_ids("d") == ((3, 4, 2),)
+    assert engine._lifecycles.events == [0, 1]
+    engine.new_step()
+    monkeypatch.setattr(engine._metrics, "on_block_evicted", lambda block: None)
+    engine.free("d")
+    run_prompt(engine, "e", (8, 8, 8, 8, 8, 8))  # reuses tracked blocks: no event now
+    with pytest.raises(EngineError, match="block metrics collector"):
+        engine.new_step()
+
+
+def test_connector_blocks_are_checked_each_step_and_a_mutant_is_caught(monkeypatch):
+    """vLLM's ``get_block_ids_for_computed_tokens`` must cut each attention row to the
+    computed tokens (``reference.connector_blocks.blocks_covering``): a request of 6
+    prompt tokens with 3 computed is told 2 blocks of bs 2. A manager that tells the
+    whole row is caught at the next step."""
+    from properties.core.engine import EngineError
+
+    engine = make((FullAttentionSpec(block_size=2),), 20)
+    engine.new_step()
+    engine.add_request(RequestInput("a", (1, 2, 3, 4, 5, 6)))
+    hit = engine.get_computed_blocks("a")
+    assert engine.allocate_slots("a", 6, 0, hit) == ((1, 2, 3),)
+    engine.set_num_computed_tokens("a", 3)
+    engine.new_step()
+    manager = engine.manager
+    monkeypatch.setattr(
+        manager,
+        "get_block_ids_for_computed_tokens",
+        lambda request_id, n: manager.get_block_ids(request_id),
+    )
+    with pytest.raises(EngineError, match="get_block_ids_for_computed_tokens"):
+        engine.new_step()
+
+
+# -- Mamba modes (the hand-computed vectors of tests/reference/test_mamba_modes.py) -------
+
+
+def _vllm_factory(layout):
+    from properties.engines.vllm import make_engine
+
+    return make_engine(layout)
+
+
+def test_mamba_none_mode_speculative_relocation_and_checkpoints_as_computed_by_hand():
+    """vLLM gives the hand-computed rows, new blocks, estimates and cached states of
+    tests/reference/test_mamba_modes.py (the reference gives them too)."""
+    from tests.reference import test_mamba_modes as vectors
+
+    vectors.check_none_mode_takes_the_state_and_speculative_blocks_at_once(_vllm_factory)
+    vectors.check_speculative_blocks_are_relocated_when_the_state_passes_them(_vllm_factory)
+    vectors.check_checkpoint_reserves_a_block_keyed_at_its_position(_vllm_factory)
+    vectors.check_without_checkpoint_blocks_the_same_chunk_caches_no_state(_vllm_factory)
+    vectors.check_checkpoint_outside_the_retention_is_not_kept(
+        None, {(1, 0, 4), (2, 0, 8)}, _vllm_factory
+    )
+    vectors.check_checkpoint_outside_the_retention_is_not_kept(8, {(2, 0, 8)}, _vllm_factory)
+    vectors.check_eagle_hit_with_a_mamba_group(_vllm_factory)
+    vectors.check_prompt_tail_keyed_at_the_hash_grid(_vllm_factory)
+
+
+def test_negative_mamba_estimate_after_a_rollback_is_met_at_run_time():
+    """The rollback of tests/reference/test_mamba_modes.py: vLLM estimates -1 for the last
+    step (the reference 0); the adapter raises KnownDivergenceMet naming the divergence."""
+    from properties.core.engine import KnownDivergenceMet
+    from properties.engines.vllm import KNOWN_DIVERGENCES, NEGATIVE_MAMBA_ESTIMATE
+
+    eng = make((MambaSpec(block_size=4, num_speculative_blocks=4),), 16, 64)
+    eng.add_request(RequestInput("r", tuple(range(6))))
+    assert eng.allocate_slots("r", 6, 0, eng.get_computed_blocks("r")) == ((1, 2, 3, 4, 5),)
+    eng.set_num_computed_tokens("r", 6)
+    eng.append_output_tokens("r", [100])
+    eng.new_step()
+    eng.set_in_flight("r", 0, 4)
+    assert eng.allocate_slots("r", 5) == ((6,),)
+    eng.set_num_computed_tokens("r", 7)
+    eng.set_in_flight("r", 0, 0)
+    eng.append_output_tokens("r", [101])
+    eng.new_step()
+    with pytest.raises(KnownDivergenceMet) as met:
+        eng.allocate_slots("r", 1)
+    assert met.value.divergence == NEGATIVE_MAMBA_ESTIMATE
+    assert "estimated -1 blocks" in str(met.value)
+    (declared,) = [d for d in KNOWN_DIVERGENCES if d.name == NEGATIVE_MAMBA_ESTIMATE]
+    assert declared.at_run_time and not declared.applies(eng.layout)

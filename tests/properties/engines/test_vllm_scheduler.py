@@ -124,6 +124,37 @@ def test_generated_traces_catch_each_mutant(mutant: str) -> None:
     assert message is not None and message.startswith(("step ", "operation "))
 
 
+#: issue 38's scheduler mutants and the level mode whose ci draws must catch each
+MODE_OF_MUTANT = {
+    "deferred-free-ignored": "async_scheduling external_hits async_loads load_failures / default",
+    "encoder-cut-after-allocation": (
+        "sync / encoder_budget=10 report_finished=True v1_model_runner=True / images"
+    ),
+    "priority-victim-frees-late": "sync / policy=priority",
+    "connector-delay-ignored": (
+        "external_hits / delayed_frees=True reset_connector=True stats=False"
+    ),
+    "invalid-block-off-by-one": "external_hits / invalid_blocks=True",
+    "grammar-error-keeps-blocks": (
+        "drafts=2 / structured_output=True report_finished=True stats=False"
+    ),
+    "reset-delivers-stale-output": "async_scheduling / max_loras=1 reset_running=True / loras",
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(MODE_OF_MUTANT))
+def test_generated_traces_of_its_mode_catch_each_new_mutant(mutant: str) -> None:
+    """The ci draws of the mutant's mode (as many as the ci profile gives each mode)
+    find it."""
+    from properties.tools.scheduler_level import EXAMPLES, _modes, modes_described, search
+
+    modes = modes_described(MODE_OF_MUTANT[mutant])
+    per_mode = EXAMPLES["ci"] // len(_modes())
+    n, _, trace, message = search(per_mode, mutant=mutant, modes=modes)
+    assert trace is not None, f"{mutant} survived {n} generated traces"
+    assert message is not None and message.startswith(("step ", "operation "))
+
+
 def test_asynchronous_scheduling_agrees_on_a_short_trace() -> None:
     """vLLM's AsyncScheduler: step 1 plans the 3-token prefill (computed 3 at once, blocks
     (1, 2) of size 2); step 2 plans position 3 (block 2 still) before step 1's output is
@@ -440,14 +471,13 @@ def test_connector_trace_agrees_and_the_told_blocks_mutant_is_caught() -> None:
     ) in str(caught.value)
 
 
-def test_connector_with_asynchronous_scheduling_is_refused_in_one_line() -> None:
-    """vLLM defers a consumer connector's frees under asynchronous scheduling, which the
-    reference does not model: the harness says so rather than drive it."""
-    from properties.core.engine import EngineError
+def test_connector_with_asynchronous_scheduling_defers_block_frees() -> None:
+    """vLLM defers a consumer connector's frees under asynchronous scheduling (the
+    reference models it: tests/properties/engines/test_vllm_scheduler_modes.py)."""
     from properties.engines.vllm_scheduler import make_harness
 
-    with pytest.raises(EngineError, match="KV connector with asynchronous scheduling"):
-        make_harness(CONNECTOR_LAYOUT, lookup=_store_of_4, asynchronous=True)
+    h = make_harness(CONNECTOR_LAYOUT, lookup=_store_of_4, asynchronous=True)
+    assert h.scheduler.defer_block_free
 
 
 def test_end_with_a_connector_frees_skipped_blocks_first_and_the_mutant_is_caught() -> None:

@@ -512,12 +512,13 @@ def test_cli_check_prints_the_tiers(tmp_path: Path) -> None:
 
 
 def test_max_examples_alone_runs_the_small_tier_only() -> None:
-    from properties.tools.cli import large_tiers
+    from properties.tools.options import selected_tiers, tier_counts
 
-    assert large_tiers(None, "ci") is None  # the profile's tiers
-    assert large_tiers(None, "ci", 5) == ()
-    assert large_tiers("medium", "ci", 5) == ("medium",)
-    assert large_tiers("none", "ci") == ()
+    assert selected_tiers(None, "ci") is None  # the profile's tiers
+    assert selected_tiers(None, "ci", 5) == ()
+    assert selected_tiers("medium", "ci", 5) == ("medium",)
+    assert selected_tiers("none", "ci") == ()
+    assert tier_counts("ci", ("medium",), 20) == {"medium": 20}
 
 
 def test_chunks_aligned_rounds_each_chunk_up_to_its_block_size() -> None:

@@ -118,3 +118,54 @@ def test_a_run_names_the_requests_holding_blocks_and_the_free_count() -> None:
     run.apply(Step(64))  # the prompt: 6 slots -> 2 blocks of 4
     assert run.requests_holding_blocks() == ["r0"]
     assert run.num_free() == 13
+
+
+# -- known divergences that name the checks they break ----------------------------------
+
+
+def _diverging(applies: bool, checks: tuple[str, ...]) -> EngineUnderTest:
+    from properties.core.engine import KnownDivergence
+
+    divergence = KnownDivergence(
+        "d", "summary", "findings/d.md", lambda layout: applies, checks=checks
+    )
+    return EngineUnderTest(name="x", factory=ReferenceEngine, known_divergences=(divergence,))
+
+
+def test_a_drawn_run_turns_off_the_checks_of_a_divergence_that_applies() -> None:
+    """A divergence naming ``exclusive_write``: a drawn run on a layout it applies to runs
+    without it, one where it does not apply keeps it, and a replay keeps it too."""
+    from properties.core.trace import Trace
+    from properties.runner.run import replay_trace
+
+    config = CheckConfig(level="universal")
+    run = start_run(config, LAYOUT, _diverging(True, ("exclusive_write",)), lambda t: None)
+    assert "exclusive_write" in run.lockstep.checker.disabled
+    run = start_run(config, LAYOUT, _diverging(False, ("exclusive_write",)), lambda t: None)
+    assert "exclusive_write" not in run.lockstep.checker.disabled
+    trace = Trace(layout=LAYOUT, operations=(Arrive("r0", (1, 2, 3)), Step(16)))
+    replayed, failure = replay_trace(trace, config, _diverging(True, ("exclusive_write",)))
+    assert failure is None and "exclusive_write" not in replayed.lockstep.checker.disabled
+
+
+def test_a_divergence_naming_checks_keeps_its_layouts_drawn() -> None:
+    """Without checks, the layouts a divergence applies to are not drawn (Unsatisfiable
+    when it applies to every layout); with checks they are."""
+    from hypothesis import find
+
+    from properties.runner.run import declared_layouts
+
+    drawn = declared_layouts(st.just(LAYOUT), _diverging(True, ("hit_bounds",)), 64, False)
+    assert find(drawn, lambda layout: True) == LAYOUT
+    left_out = declared_layouts(st.just(LAYOUT), _diverging(True, ()), 64, False)
+    with pytest.raises(Unsatisfiable):
+        find(left_out, lambda layout: True)
+
+
+def test_a_divergences_checks_must_be_a_tuple_of_names() -> None:
+    from properties.core.declarations import DeclarationError
+    from properties.core.engine import KnownDivergence
+
+    bad = KnownDivergence("d", "s", "f", lambda layout: True, checks=["exclusive_write"])
+    with pytest.raises(DeclarationError, match=r"checks must be a tuple of invariant names"):
+        EngineUnderTest(name="x", factory=ReferenceEngine, known_divergences=(bad,))

@@ -38,7 +38,7 @@ from properties.core.trace import TraceFormatError, load_trace
 from properties.runner import profiles
 from properties.tools import cli
 from reference.errors import KVConformError
-from tests.properties.tools.broken_engines import BROKEN
+from tests.properties.tools.broken_engines import BROKEN, IMPOSSIBLE
 
 ROOT = Path(__file__).resolve().parents[3]
 BROKEN_MODULE = "tests.properties.tools.broken_engines"
@@ -94,7 +94,7 @@ def no_shrink(monkeypatch):
 # Malformed answers, exceptions and hangs: exit 3, a named call, a saved trace
 
 
-@pytest.mark.parametrize("name", [n for n in BROKEN if n != "hang_c"])
+@pytest.mark.parametrize("name", [n for n in BROKEN if n != "hang_c" and n not in IMPOSSIBLE])
 def test_broken_engine_is_a_named_engine_error(name, tmp_path, capsys, no_shrink):
     method, _rewrite, expected = BROKEN[name]
     code = cli.main(
@@ -115,12 +115,31 @@ def test_broken_engine_is_a_named_engine_error(name, tmp_path, capsys, no_shrink
     assert code == EXIT_ENGINE, out
     line = next(x for x in out.splitlines() if x.startswith("ENGINE ERROR"))
     assert expected in line and f"{method}(" in line, line
+    # the summary's trace, and the first failing trace when it was announced apart
     traces = saved_traces(tmp_path)
-    assert len(traces) == 1
-    saved = load_trace(traces[0])
-    assert saved.failure["kind"] == "engine"
-    assert saved.failure["engine"] == f"{BROKEN_MODULE}:make_{name}"
-    assert saved.seed == 1 and saved.failure["versions"]["python"]
+    summary = out.split("\nsummary:", 1)[1]
+    final = next(x.split("trace: ", 1)[1] for x in summary.splitlines() if "trace: " in x)
+    assert Path(final) in traces and 1 <= len(traces) <= 2, (traces, out)
+    for path in traces:
+        saved = load_trace(path)
+        assert saved.failure["kind"] == "engine"
+        assert saved.failure["engine"] == f"{BROKEN_MODULE}:make_{name}"
+        assert saved.seed == 1 and saved.failure["versions"]["python"]
+
+
+@pytest.mark.parametrize("name", sorted(IMPOSSIBLE))
+def test_an_impossible_answer_is_a_failure_of_its_check(name, tmp_path, capsys, no_shrink):
+    """A free count no pool can have is well formed: the engine is wrong (exit 1, the
+    check that catches it named), as the same bug is everywhere else (issue 42)."""
+    code = cli.main(
+        ["check", "--engine", f"{BROKEN_MODULE}:make_{name}", "--isolation", "none",
+         "--failure-dir", str(tmp_path), *QUICK]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == EXIT_FAILED, out
+    line = next(x for x in out.splitlines() if x.startswith("FAILED in invariants"))
+    assert f"PropertyViolation: [{IMPOSSIBLE[name]}] broken: num_free_blocks() returned" in line
+    assert load_trace(saved_traces(tmp_path)[0]).failure["kind"] == "property"
 
 
 def test_hang_in_c_code_is_killed_in_a_child_process(tmp_path):
@@ -139,7 +158,8 @@ def test_hang_in_c_code_is_killed_in_a_child_process(tmp_path):
         *QUICK,
     )
     assert code == EXIT_ENGINE, out + err
-    assert "new_step() got no answer within 1 s (the engine was killed" in out
+    assert "new_step() got no answer within 1 s of its own time (" in out
+    assert "waiting for a CPU; load average " in out and "(the engine was killed" in out
     assert time.monotonic() - start < 60
     assert len(saved_traces(tmp_path)) == 1
 
@@ -344,17 +364,36 @@ def test_property_failure_exits_1_with_a_replayable_trace(tmp_path, capsys, no_s
     assert "get_block_ids('r" in out and "') returned None, not a sequence" in out
 
 
-def test_unwritable_failure_dir_keeps_the_failure(tmp_path, capsys, no_shrink):
+def test_a_failure_dir_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys):
+    """Checked before anything runs (issue 37): a mistake costs seconds, not the run."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    code, out = check_in_process(
-        capsys, "--engine", WRONG, "--failure-dir", str(blocker / "failures"), *WRONG_ARGS
-    )
-    assert code == EXIT_FAILED, out
-    note = next(line for line in out.splitlines() if "note: cannot write" in line)
-    moved = Path(note.rsplit("trace saved to ", 1)[1].split(" instead")[0])
-    assert moved.is_file() and load_trace(moved).failure["kind"] == "property"
-    assert f"trace: {moved}" in out
+    code = cli.main(["check", "--engine", WRONG, "--failure-dir", str(blocker / "failures")])
+    captured = capsys.readouterr()
+    assert code == EXIT_USAGE, captured.out
+    assert f"'{blocker}' is not a directory" in one_line(captured.err)
+    assert "kvconform check: engine=" not in captured.out
+
+
+def test_a_failure_dir_lost_during_the_run_keeps_the_failure(tmp_path):
+    """A directory that stops taking files after the check began: the trace goes to a new
+    temporary directory and the note says where."""
+    from properties.core.trace import Arrive, Step, Trace
+    from properties.runner.check import save_failure
+    from reference.layout import KVCacheGroup, KVCacheLayout
+    from reference.specs import FullAttentionSpec
+
+    layout = KVCacheLayout(
+        groups=(KVCacheGroup(("l0",), FullAttentionSpec(block_size=4)),), num_blocks=4,
+        max_model_len=16,
+    )  # fmt: skip
+    trace = Trace(layout, (Arrive("r0", (1, 2)), Step(8)), failure={"property": "x"})
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    path, note = save_failure(trace, str(blocker / "failures"))
+    assert path.is_file() and load_trace(path) == trace
+    assert note.startswith(f"cannot write the failure directory '{blocker / 'failures'}'")
+    assert note.endswith(f"trace saved to {path} instead")
 
 
 def test_reference_passes_with_exit_0(tmp_path):

@@ -204,7 +204,8 @@ def _read_until(proc: subprocess.Popen, prefix: str) -> str:
 def test_signal_stops_check_within_seconds(signum, expected, tmp_path):
     """A correct outside adapter (in an isolated child): the signal goes to the whole
     process group, as a terminal's Ctrl-C does; the engine child, in its own session,
-    must not be blamed (no failure trace) and the command stops within 5 s."""
+    must not be blamed (no failure trace) and the command stops at once (within a
+    liveness bound)."""
     proc = _start_check(
         "--engine",
         f"{BROKEN_MODULE}:make_rejects_in_determinism",
@@ -222,10 +223,12 @@ def test_signal_stops_check_within_seconds(signum, expected, tmp_path):
     out, err = proc.communicate(timeout=60)
     elapsed = time.monotonic() - start
     assert proc.returncode == expected, out + err
-    assert elapsed < 5, elapsed
-    assert f"kvconform check: stopped by {signal.Signals(signum).name}" in out
-    assert "Traceback" not in err
-    assert saved_traces(tmp_path) == []
+    # a liveness bound, not a speed: the run left alone goes on for minutes, a stop
+    # takes about a second; 30 s leaves room for two loaded cores
+    assert elapsed < 30, (elapsed, out, err)
+    assert f"kvconform check: stopped by {signal.Signals(signum).name}" in out, out + err
+    assert "Traceback" not in err, err
+    assert saved_traces(tmp_path) == [], out
 
 
 def test_signal_after_a_failure_keeps_and_reports_it(tmp_path):
@@ -243,7 +246,9 @@ def test_signal_after_a_failure_keeps_and_reports_it(tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == EXIT_FAILED, seen + out + err
-    assert time.monotonic() - start < 5
+    # a liveness bound: left alone the shrink goes on for 30 s; 20 s leaves room for two
+    # loaded cores
+    assert time.monotonic() - start < 20
     (path,) = saved_traces(tmp_path)
     assert "found before the stop: invariants: first failure [pool_accounting]" in out
     assert f"trace: {path}" in out
@@ -338,7 +343,7 @@ def test_fuzz_database_on_a_file_is_a_usage_error(tmp_path):
     afile.write_text("x")
     code, out, err = run_cli("fuzz", "--minutes", "0.05", "--database", str(afile))
     assert code == EXIT_USAGE, out + err
-    assert f"--database {afile}: is a file, not a directory" in one_line(err)
+    assert f"--database '{afile}': '{afile}' is not a directory" in one_line(err)
 
 
 def test_replay_without_engine_uses_the_recorded_one_or_asks(tmp_path):
@@ -350,7 +355,11 @@ def test_replay_without_engine_uses_the_recorded_one_or_asks(tmp_path):
     engine = f"{BROKEN_MODULE}:make_table_none"
     failure = {"property": "x", "kind": "engine", "message": "m", "engine": engine}
     path.write_text(json.dumps(_trace_json(failure=failure)))
+    # not a built-in engine: run only when told (issue 37: a trace is data)
     code, out, err = run_cli("replay", str(path), *IN_PROCESS)
+    assert code == EXIT_USAGE, out + err
+    assert "--trust-recorded-engine" in one_line(err)
+    code, out, err = run_cli("replay", str(path), "--trust-recorded-engine", *IN_PROCESS)
     assert code == EXIT_ENGINE, out + err
     assert out.splitlines()[0] == (
         f"--engine not given: using {engine}, the engine recorded in the trace"
@@ -395,6 +404,7 @@ def test_outcome_table():
         ("engine", 3),
         ("coverage", 4),
         ("internal", 70),
+        ("hangup", 129),
         ("interrupted", 130),
         ("terminated", 143),
     ]
@@ -433,11 +443,11 @@ def test_signal_stops_bench_with_a_summary_of_the_rows_finished():
         stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     _read_until(proc, "bench: ")
-    start = time.monotonic()
     os.killpg(proc.pid, signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    # the whole bench runs for minutes; the stop ends it within the timeout (a bound a
+    # loaded machine cannot fail by being slow)
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_TERMINATED, out + err
-    assert time.monotonic() - start < 5
     line = next(x for x in out.splitlines() if x.startswith("stopped by SIGTERM: "))
     finished = int(line.split(": ")[1].split()[0])
     assert finished >= 1 and line.endswith("rows finished before the stop")

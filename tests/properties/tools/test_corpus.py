@@ -35,6 +35,29 @@ def corpus(tmp_path_factory) -> Path:
     return directory
 
 
+def test_every_engine_kind_gets_cases_it_can_run(corpus: Path) -> None:
+    """An engine of one spec type runs only the cases made of it: each gets at least
+    three modes' worth (its kind, tight pools, caching off), with prefix caching on and
+    off and a pool small enough to refuse allocations; a full + sliding-window engine
+    (SGLang, LMDeploy) at least its two kinds' and their mix. Issue 42: a full-attention
+    engine had 4 cases of 52."""
+    cases = load_manifest(corpus)["cases"]
+
+    def runnable(kinds: set[str]) -> list[dict]:
+        return [c for c in cases if set(c["spec_types"]) <= kinds]
+
+    for kind in SPEC_KINDS:
+        mine = runnable({kind})
+        assert len(mine) >= 3 * 2, (kind, len(mine))  # 2 cases a mode in this corpus
+        assert {f"kind:{kind}", f"pressure:{kind}", f"no-caching:{kind}"} <= {
+            c["mode"] for c in mine
+        }
+        caching = {json.loads((corpus / c["file"]).read_text())["trace"]["layout"]
+                   ["enable_caching"] for c in mine}  # fmt: skip
+        assert caching == {True, False}, kind
+    assert len(runnable({"full", "sliding_window"})) >= 3 * len(runnable({"full"}))
+
+
 def test_export_covers_every_mode(corpus: Path) -> None:
     manifest = load_manifest(corpus)
     assert manifest["format"] == CORPUS_FORMAT

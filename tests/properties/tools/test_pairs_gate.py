@@ -18,7 +18,7 @@ def test_no_missed_line_no_row_and_missed_pairs_are_counted() -> None:
             "pairs reached: 100 of 103 the engine supports (11 excluded)",
             "  missed: drafts x {external, load-failures}",
             "  missed: gate x {mamba}",
-            "  excluded (no mamba groups): 4 pairs",
+            "  excluded by the engine's declarations: 4 pairs (no mamba groups: 4)",
         ]
     )
     assert len(rows) == 1 and not rows[0].passed

@@ -34,7 +34,7 @@ def _pytest(folder: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "properties.tools.pytest_plugin",
          "-p", "no:cacheprovider", "-s", *args],
-        cwd=folder, env=env, capture_output=True, text=True, timeout=300,
+        cwd=folder, env=env, capture_output=True, text=True, timeout=3600,
     )  # fmt: skip
 
 
@@ -49,10 +49,12 @@ def test_plugin_changes_no_hypothesis_setting_unless_asked(tmp_path) -> None:
 def test_conformance_module_runs_every_property(tmp_path) -> None:
     result = _pytest(
         tmp_path, "--pyargs", "properties.tools.conformance", "--kv-engine", "reference",
-        "--kv-level", "exact", "--kv-profile", "dev",
+        "--kv-level", "exact", "--kv-profile", "dev", "--kv-seed", "1",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"{len(PROPERTIES)} passed" in result.stdout
+    # a test per property and one per check it ran (none failed)
+    passed = int(result.stdout.rsplit(" passed", 1)[0].rsplit(None, 1)[-1])
+    assert passed > len(PROPERTIES) * 4, result.stdout[-2000:]
     for prop in PROPERTIES:
         assert f"kvconform {prop}:" in result.stdout
 

@@ -130,10 +130,11 @@ def test_hypothesis_slow_shrink_warning_becomes_kvconforms_line() -> None:
     with with_reporter(heard.append), honest_shrink_reporter(30):
         base_report(HYPOTHESIS_SLOW_SHRINK + " five minutes ... PLEASE REPORT THIS")
         base_report("Falsifying example: ...")
+        base_report("Steps leading up to this error:\nstate = InvariantsMachine()")
+    # kvconform's own line, on a line of its own; Hypothesis' internals dropped (issue 37)
     assert heard == [
-        "kvconform: shrinking stopped after 30 s (--shrink-seconds); the smallest failing "
+        "\nkvconform: shrinking stopped after 30 s (--shrink-seconds); the smallest failing "
         "trace found so far is kept",
-        "Falsifying example: ...",
     ]
 
 
@@ -193,8 +194,9 @@ def test_check_against_a_mutant_shows_progress_one_name_a_short_failure_and_the_
         sys.executable, "-m", "properties.tools.cli", "check", "--engine", FREE_HEAD_FIRST,
         "--level", "exact", "--profile", "ci", "--only", "invariants", "--workers", "1",
         "--shrink-seconds", "5", "--failure-dir", str(tmp_path),
+        "--no-reach-corpus",  # the progress of drawn examples (the corpus catches it first)
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     out = done.stdout
     assert done.returncode == 1, out + done.stderr
     # progress off a terminal: plain lines, the first within 5 s of the property's start

@@ -9,6 +9,7 @@ installs Debian's ``chromium``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -18,6 +19,9 @@ from pathlib import Path
 import pytest
 
 from properties.core.trace import Arrive, Step, Trace, save_trace
+from properties.engines.under_test import resolve_engine
+from properties.runner.config import CheckConfig
+from properties.runner.engine_view import record_engine_view
 from properties.tools import cli
 from properties.tools.report import report_path_for, write_report
 from reference.layout import KVCacheGroup, KVCacheLayout
@@ -50,7 +54,11 @@ def _known_failure(directory: Path) -> Path:
         "message": "[exact_match] free queue (front first) after free('r0')",
     }
     trace = Trace(layout, (Arrive("r0", tuple(range(1, 9))), Step(64)), failure=failure)
-    return save_trace(trace, directory)
+    # what check does when it saves a failure: the engine's side recorded in the trace
+    config = CheckConfig(engine=FREE_HEAD_FIRST, level="exact")
+    engine = resolve_engine(FREE_HEAD_FIRST, isolation="none")
+    view = record_engine_view(trace, config, engine)
+    return save_trace(dataclasses.replace(trace, engine_view=view), directory)
 
 
 def test_report_is_self_contained_and_carries_the_failure(tmp_path) -> None:
