@@ -159,8 +159,10 @@ def session_radix_cache(layout: KVCacheLayout) -> bool:
     its description (next to :func:`hicache_deployment`'s). The protocol carries no
     session: a request's cache salt stands for its session id (the requests of one
     conversation share both), and a session closes when its last request leaves
-    (``remove_request``). Example: a layout whose description has CRC 7 -> ``7 // 6 %
-    2 = 1``: on."""
+    (``remove_request``). Only with the Python tree core (:func:`config_for`): SGLang
+    runs a session-aware cache on it whatever core was asked for, so the Rust factory
+    would silently test the Python core. Example: a layout whose description has CRC 7
+    -> ``7 // 6 % 2 = 1``: on."""
     return zlib.crc32(layout.describe().encode()) // len(HICACHE_DEPLOYMENTS) % 2 == 1
 
 
@@ -285,7 +287,9 @@ def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
         hicache=(
             hicache_deployment(layout) if layout.enable_caching and tree_core == "python" else None
         ),
-        session_radix_cache=layout.enable_caching and session_radix_cache(layout),
+        session_radix_cache=(
+            layout.enable_caching and tree_core == "python" and session_radix_cache(layout)
+        ),
     )
 
 

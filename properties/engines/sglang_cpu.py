@@ -4,8 +4,9 @@
 cache controller that copies KV between them. Everything that decides *what* is copied
 (the radix tree, its components, the pools and their allocators, the controller's write
 and load queues, acknowledgements and locks) is Python over torch and runs unchanged on
-CPU tensors. Two calls below it assume CUDA, and the storage tier's workers run on
-threads whose timing would make runs differ; :func:`install` replaces each at SGLang's
+CPU tensors. Two calls below it assume CUDA, the storage tier's workers run on
+threads whose timing would make runs differ, and its page hash is a C++ extension built
+at its first call; :func:`install` replaces each at SGLang's
 own seam (the module attribute SGLang's code calls through) with the smallest CPU,
 deterministic equivalent. ``docs/sglang-on-cpu.md`` lists them with the reasons.
 
@@ -35,6 +36,15 @@ deterministic equivalent. ``docs/sglang-on-cpu.md`` lists them with the reasons.
    poll points until its queue is empty (:class:`DrainableQueue` ends the loop there
    with :class:`QueueDrained`), as if the storage were infinitely fast. The workers'
    code, the queues and the scheduler-side drains are SGLang's.
+
+4. ``sglang.srt.mem_cache.cpp_utils.native_hash._load_native_hash_module``, for the
+   storage tier: it JIT-builds SGLang's C++ page hash (``hicache_hash_cpp``: ninja and a
+   compiler in a subprocess, under a machine-wide file lock) at the first page hashed,
+   which is inside an engine call: about 30 s on a two-core machine while the call's
+   thread sleeps, so the per-call deadline ended it (killing the build, which therefore
+   never finished) and every storage deployment's first arrival or insert timed out.
+   :func:`properties.engines.sglang_hash.load_page_hasher` returns a Python hasher
+   with the same digests instead (:mod:`sglang_hash`): no build, no subprocess, no lock.
 
 Not replaced: SGLang's streams and events. On a CPU-only torch, SGLang's
 ``get_device_module()`` is ``torch.cpu``, whose ``Stream`` and ``Event`` exist for
@@ -198,6 +208,11 @@ def install() -> None:
         host_common._cuda_host_register = register_host_memory
     if not hasattr(host_mha, "transfer_kv_direct"):
         host_mha.transfer_kv_direct = transfer_kv_direct
+    import sglang.srt.mem_cache.cpp_utils.native_hash as native_hash
+
+    from properties.engines import sglang_hash
+
+    native_hash._load_native_hash_module = sglang_hash.load_page_hasher
     import sglang.srt.managers.cache_controller as controller_module
 
     controller_module.threading = _StorageThreading()

@@ -386,8 +386,14 @@ def _check_mutant(name: str, only: str = "invariants") -> str:
 
 
 def test_the_gate_catches_the_decode_mapping_mutant():
-    """A page shared by two requests' SWA rows is written by both: exclusive_write."""
-    assert "first failure [exclusive_write]" in _check_mutant("decode_mapping")
+    """A page shared by two requests' SWA rows is written by both: exclusive_write; or,
+    first, loaded into while the other holds it (X2, external_load_exclusive: the reach
+    case ``sglang-staged-storage-prefetch`` loads a prefix back beside a decoding
+    request)."""
+    out = _check_mutant("decode_mapping")
+    assert any(
+        f"first failure [{c}]" in out for c in ("exclusive_write", "external_load_exclusive")
+    )
 
 
 def test_the_gate_catches_the_swa_released_twice_mutant():
@@ -464,6 +470,9 @@ def test_a_short_swa_pool_evicts_an_unlocked_leaf_whole(monkeypatch, mutant):
         ]
         prefill(engine, "A", a)
         engine.free("A")
+        # B's step begins: a host tier acknowledges A's write-through backup here and
+        # unlocks A's pages (the layout of 20 pages is deployed with one)
+        engine.new_step()
         engine.add_request(RequestInput("B", tuple(range(200, 216))))
         assert engine.get_computed_blocks("B").num_tokens == 0
         new = engine.allocate_slots("B", 16)

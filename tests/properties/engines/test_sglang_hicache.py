@@ -272,3 +272,57 @@ def test_an_admission_before_the_read_takes_nothing_and_the_read_releases_the_pa
 def test_staged_storage_needs_the_best_effort_policy() -> None:
     with pytest.raises(ValueError, match="best_effort"):
         HiCacheConfig("write_through", 2.0, storage="file", staged_storage=True)
+
+
+REACH_CASE = "sglang-staged-storage-prefetch"
+
+
+def test_the_staged_storage_case_runs_its_checks_under_the_call_deadline(monkeypatch) -> None:
+    """The scenario that timed out (CallTimeoutError at add_request / new_step, 0 s of
+    CPU): a storage deployment's first page hash ran SGLang's JIT build of its C++ hash
+    inside the call. With the Python hasher installed the reach case of the staged
+    storage (a prefix stored, then a prefetch the admission terminates before its read
+    and one read over two polls and loaded back) replays with every check and the 5 s
+    call deadline, and torch's extension builder is never called (it fails the test if
+    it is). The scenario itself is asserted: staging pages at an admission, storage
+    fetches, a load-back."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from properties.engines import sglang_hicache
+    from properties.engines.under_test import resolve_engine
+    from properties.runner.config import CheckConfig
+    from properties.runner.reach import load_reach_corpus
+    from properties.runner.run import replay_trace
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("SGLang's native hash was JIT-built inside an engine call")
+
+    monkeypatch.setattr(cpp_extension, "load", no_build)
+    seen: dict[str, int] = {"staging_at_admission": 0, "fetch": 0, "load": 0}
+    prefetch_done, record = sglang_hicache.HostTier.prefetch_done, sglang_hicache.HostTier._record
+
+    def counted_prefetch_done(self, req):
+        seen["staging_at_admission"] += sum(len(p.staging) for p in self.pools(False))
+        return prefetch_done(self, req)
+
+    def counted_record(self, kind, transfers, done):
+        seen["load"] += kind == HOST_LOAD
+        return record(self, kind, transfers, done)
+
+    record_storage = sglang_hicache.HostTier._record_storage
+
+    def counted_storage(self, kind, role, keys, host):
+        seen["fetch"] += len(keys) if kind == HOST_FETCH else 0
+        return record_storage(self, kind, role, keys, host)
+
+    monkeypatch.setattr(sglang_hicache.HostTier, "prefetch_done", counted_prefetch_done)
+    monkeypatch.setattr(sglang_hicache.HostTier, "_record", counted_record)
+    monkeypatch.setattr(sglang_hicache.HostTier, "_record_storage", counted_storage)
+    case = next(c for c in load_reach_corpus() if c.name == REACH_CASE)
+    assert hicache_deployment(case.trace.layout) == HICACHE_DEPLOYMENTS[4]
+    assert HICACHE_DEPLOYMENTS[4].staged_storage
+    config = CheckConfig(engine="sglang", level="universal")
+    assert config.call_timeout == 5
+    run, failure = replay_trace(case.trace, config, resolve_engine("sglang", call_timeout=5))
+    assert failure is None and run is not None
+    assert seen["staging_at_admission"] > 0 and seen["fetch"] > 0 and seen["load"] > 0
