@@ -22,8 +22,10 @@ nor pass. What is checked:
   integers ``>= 0``; ``free_queue`` lists ids in ``[1, num_blocks)``;
   ``cached_blocks`` lists :class:`CachedBlock` with an id in ``[1, num_blocks)``, a group
   of the layout and ``num_tokens >= 1``; ``last_allocation_estimate`` is ``None`` or an
-  integer ``>= 0``; ``pending_block_copies`` and ``take_block_copies`` list pairs of
-  distinct ids in ``[1, num_blocks)``.
+  integer ``>= 0``; ``host_hit`` an integer ``>= 0``, ``host_pools`` and
+  ``take_host_transfers`` host pools and copies naming real groups and blocks;
+  ``pending_block_copies`` and ``take_block_copies`` list pairs of distinct ids in ``[1,
+  num_blocks)``.
 
 Integers may be any ``int`` (numpy integers too), never ``bool``. Valid answers are
 returned normalised (tuples of Python ints).
@@ -40,7 +42,18 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from properties.core.engine import BlockIds, CachedBlock, CacheHit, EngineError, PoolUsage
+from properties.core.engine import (
+    HOST_LOAD,
+    HOST_TRANSFER_KINDS,
+    HOST_WRITE,
+    BlockIds,
+    CachedBlock,
+    CacheHit,
+    EngineError,
+    HostPoolUsage,
+    HostTransfer,
+    PoolUsage,
+)
 from reference.layout import KVCacheLayout
 from reference.specs import FullAttentionSpec
 
@@ -393,3 +406,96 @@ def check_pool_usage(what: str, value: Any, layout: KVCacheLayout) -> tuple[Pool
             f"{len(layout.groups)} groups of the layout"
         )
     return tuple(out)
+
+
+def check_host_hit(what: str, value: Any) -> int:
+    """``host_hit(id)``: an integer ``>= 0``."""
+    tokens = as_int(value, what)
+    if tokens < 0:
+        raise AnswerError(f"{what} returned {tokens}, not a token count >= 0")
+    return tokens
+
+
+def _host_ids(what: str, values: Any, where: str, lowest: int, end: int) -> tuple[int, ...]:
+    """A sequence of integer ids in ``[lowest, end)`` (``where`` names the field)."""
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence):
+        raise AnswerError(f"{what} returned {_short(values)}{where}, not a sequence of ids")
+    out = tuple(as_int(v, what, where) for v in values)
+    bad = [v for v in out if not lowest <= v < end]
+    if bad:
+        raise AnswerError(f"{what} returned id {bad[0]}{where}, outside [{lowest}, {end})")
+    return out
+
+
+def check_host_pools(what: str, value: Any, layout: KVCacheLayout) -> tuple[HostPoolUsage, ...]:
+    """``host_pools()``: a sequence of :class:`HostPoolUsage` with distinct names, each
+    group of the layout in at most one of them, ``0 <= num_free <= num_blocks``, held,
+    in-flight and staging host blocks in ``[1, num_blocks]``, in-flight device blocks in
+    ``[1, layout.num_blocks)``.
+
+    Example: ``HostPoolUsage("full", (0,), 8, 9, ())`` raises (more free than the pool
+    holds); ``HostPoolUsage("full", (0,), 8, 2, (9,))`` raises (host block 9 of 8)."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise AnswerError(f"{what} returned {_short(value)}, not a sequence of HostPoolUsage")
+    out: list[HostPoolUsage] = []
+    seen: list[int] = []
+    for i, p in enumerate(value):
+        if not isinstance(p, HostPoolUsage):
+            raise AnswerError(f"{what} returned {_short(p)} at position {i}, not a HostPoolUsage")
+        if not isinstance(p.name, str) or any(p.name == q.name for q in out):
+            raise AnswerError(f"{what}: host pool {i} has name {p.name!r}, not a new string")
+        name = f" of host pool {p.name!r}"
+        groups = _host_ids(what, p.group_ids, f" in the group_ids{name}", 0, len(layout.groups))
+        if not groups or set(groups) & set(seen):
+            raise AnswerError(f"{what}: host pool {p.name!r} has groups {groups}, none or taken")
+        seen.extend(groups)
+        blocks = as_int(p.num_blocks, what, f" as num_blocks{name}")
+        free = as_int(p.num_free, what, f" as num_free{name}")
+        if not 0 <= free <= blocks:
+            raise AnswerError(
+                f"{what}: host pool {p.name!r} has {free} free of {blocks} blocks "
+                "(needs 0 <= num_free <= num_blocks)"
+            )
+        held = _host_ids(what, p.held, f" in held{name}", 1, blocks + 1)
+        flying = _host_ids(what, p.in_flight, f" in in_flight{name}", 1, blocks + 1)
+        device = _host_ids(
+            what, p.in_flight_device, f" in in_flight_device{name}", 1, layout.num_blocks
+        )
+        pinned = as_int(p.num_pinned_device, what, f" as num_pinned_device{name}")
+        if pinned < 0:
+            raise AnswerError(f"{what}: host pool {p.name!r} pins {pinned} device blocks")
+        staging = _host_ids(what, p.staging, f" in staging{name}", 1, blocks + 1)
+        out.append(
+            HostPoolUsage(p.name, groups, blocks, free, held, flying, device, pinned, staging)
+        )
+    return tuple(out)
+
+
+def check_host_transfers(what: str, value: Any, layout: KVCacheLayout) -> list[HostTransfer]:
+    """``take_host_transfers()``: a sequence of :class:`HostTransfer` whose ``kind`` is
+    one of ``HOST_TRANSFER_KINDS``, ``group_id`` a group of the layout, ``host_block >=
+    1``; a ``write`` or ``load`` names a ``device_block`` in ``[1, num_blocks)``, a
+    ``store`` or ``fetch`` device block 0 and a non-empty string ``storage_key``."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise AnswerError(f"{what} returned {_short(value)}, not a sequence of HostTransfer")
+    out: list[HostTransfer] = []
+    for i, t in enumerate(value):
+        if not isinstance(t, HostTransfer) or t.kind not in HOST_TRANSFER_KINDS:
+            raise AnswerError(f"{what} returned {_short(t)} at position {i}, not a HostTransfer")
+        where = f" in transfer {i}"
+        gid = as_int(t.group_id, what, where)
+        if not 0 <= gid < len(layout.groups):
+            raise AnswerError(f"{what}: transfer {i} names group {gid} of {len(layout.groups)}")
+        host = as_int(t.host_block, what, where)
+        if host < 1:
+            raise AnswerError(f"{what}: transfer {i} names host block {host} (ids start at 1)")
+        if t.kind in (HOST_WRITE, HOST_LOAD):
+            device = _block_id(t.device_block, what, where, layout, 1)
+            out.append(HostTransfer(t.kind, gid, device, host))
+            continue
+        if as_int(t.device_block, what, where) != 0:
+            raise AnswerError(f"{what}: storage transfer {i} names device block {t.device_block}")
+        if not isinstance(t.storage_key, str) or not t.storage_key:
+            raise AnswerError(f"{what}: storage transfer {i} has key {t.storage_key!r}")
+        out.append(HostTransfer(t.kind, gid, 0, host, t.storage_key))
+    return out

@@ -40,6 +40,15 @@ overwritten before it was offloaded, a load into a block another request owns) f
 the comparison with the dense reference. A position to load that was never offloaded
 raises :class:`AttentionMismatch`.
 
+An engine that owns its host tier (``OwnsHostTier``, SGLang's HiCache) reports its own
+copies instead (:meth:`AttentionChecker.host_transfers`): a ``write`` keeps the device
+block's K/V under its host block, a ``load`` copies a host block's K/V into a device
+block, a ``store`` and a ``fetch`` move a host block's K/V to and from its storage
+tier. The queries that later read a loaded block then check that the engine's tiers
+gave back exactly what they took, block for block (a load from the wrong host block, or
+of a host block written before its device block was computed, reads another prefix's
+K/V or NaN).
+
 Example::
 
     checker = AttentionChecker(layout)
@@ -57,7 +66,15 @@ import torch
 
 from paged.paged_attention import RequestQueries, paged_attention
 from paged.paged_cache import CacheShape, PagedKVCache, PagedStateCache
-from properties.core.engine import BlockIds, ExposesDataPlane, RequestInput
+from properties.core.engine import (
+    HOST_FETCH,
+    HOST_STORE,
+    HOST_WRITE,
+    BlockIds,
+    ExposesDataPlane,
+    HostTransfer,
+    RequestInput,
+)
 from reference.attention import dense_attention, visible_keys
 from reference.block_table import NULL_BLOCK_ID, BlockTable
 from reference.content import ContentModel
@@ -176,6 +193,10 @@ class AttentionChecker:
         self._hash_memo: dict[str, tuple[tuple, tuple[int, ...], list[int]]] = {}
         #: host copies (see the module docstring): (group, salt, LoRA, prefix) -> (K, V)
         self._host: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: an engine's own host tier: (group, host block) -> the block's (K, V)
+        self._host_blocks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        #: its storage tier (L3): (group, storage key) -> the stored block's (K, V)
+        self._stored: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- public -------------------------------------------------------------------------
     def check_step(
@@ -276,6 +297,52 @@ class AttentionChecker:
                     )
                 cache.key[row[col], p % bs] = copy[0]
                 cache.value[row[col], p % bs] = copy[1]
+
+    def host_transfers(self, transfers: Sequence[HostTransfer]) -> None:
+        """An engine with its own host tier copied these blocks, in order (module
+        docstring): a ``write`` keeps the device block's K/V, a ``load`` puts a kept
+        block's K/V into a device block (one never written raises)."""
+        for t in transfers:
+            cache = self._attention_cache(t.group_id, "host_transfers")
+            key = (t.group_id, t.host_block)
+            if t.kind in (HOST_STORE, HOST_FETCH):
+                self._storage_copy(t, key)
+                continue
+            if t.kind == HOST_WRITE:
+                self._host_blocks[key] = (
+                    cache.key[t.device_block].clone(),
+                    cache.value[t.device_block].clone(),
+                )
+                continue
+            copy = self._host_blocks.get(key)
+            if copy is None:
+                raise AttentionMismatch(
+                    f"group {t.group_id}: device block {t.device_block} loaded from host "
+                    f"block {t.host_block}, which no write filled"
+                )
+            cache.key[t.device_block] = copy[0]
+            cache.value[t.device_block] = copy[1]
+
+    def _storage_copy(self, t: HostTransfer, host_key: tuple[int, int]) -> None:
+        """A ``store`` keeps a host block's K/V under its storage key; a ``fetch`` puts a
+        stored key's K/V into a host block (one never stored raises)."""
+        stored_key = (t.group_id, t.storage_key)
+        if t.kind == HOST_STORE:
+            copy = self._host_blocks.get(host_key)
+            if copy is None:
+                raise AttentionMismatch(
+                    f"group {t.group_id}: host block {t.host_block} stored under "
+                    f"{t.storage_key!r}, but no write filled it"
+                )
+            self._stored[stored_key] = copy
+            return
+        stored = self._stored.get(stored_key)
+        if stored is None:
+            raise AttentionMismatch(
+                f"group {t.group_id}: host block {t.host_block} fetched from storage key "
+                f"{t.storage_key!r}, which no store wrote"
+            )
+        self._host_blocks[host_key] = stored
 
     # -- pieces (also used by the bench) --------------------------------------------------
     def hashes(self, chunk: ScheduledChunk) -> list[int]:

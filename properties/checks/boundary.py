@@ -45,7 +45,10 @@ from properties.core.engine import (
     ExposesFreeQueue,
     ExposesRefCounts,
     FreesInBatch,
+    HostPoolUsage,
+    HostTransfer,
     KVCacheEngine,
+    OwnsHostTier,
     PlansSteps,
     PoolUsage,
     ReportsAllocationEstimate,
@@ -299,6 +302,22 @@ class _Pools:
         return answers.check_pool_usage(f"{self.name}: pool_usage()", raw, self.layout)
 
 
+class _HostTier:
+    def host_hit(self, request_id: str) -> int:
+        what = f"host_hit({request_id!r})"
+        raw = self._call(what, self.inner.host_hit, request_id)
+        return answers.check_host_hit(f"{self.name}: {what}", raw)
+
+    def host_pools(self) -> tuple[HostPoolUsage, ...]:
+        raw = self._call("host_pools()", self.inner.host_pools)
+        return answers.check_host_pools(f"{self.name}: host_pools()", raw, self.layout)
+
+    def take_host_transfers(self) -> list[HostTransfer]:
+        what = "take_host_transfers()"
+        raw = self._call(what, self.inner.take_host_transfers)
+        return answers.check_host_transfers(f"{self.name}: {what}", raw, self.layout)
+
+
 class _BlockCopies:
     def pending_block_copies(self) -> list[tuple[int, int]]:
         raw = self._call("pending_block_copies()", self.inner.pending_block_copies)
@@ -321,6 +340,7 @@ EngineBoundary.CAPABILITIES = (
     (SupportsServingModes, _ServingModes),
     (ReportsAllocationEstimate, _AllocationEstimate),
     (ReportsPools, _Pools),
+    (OwnsHostTier, _HostTier),
     (CopiesBlocks, _BlockCopies),
 )
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from properties.checks.invariants import read_ranges
 from properties.checks.mamba_states import settle_copy, step_state_writes
-from properties.checks.oracles import OVERWRITTEN
+from properties.checks.oracles import OVERWRITTEN, SlotContent
 from properties.checks.registry import (
     CHECKS,
     EVENTS,
@@ -32,6 +32,7 @@ from properties.checks.state import (
     FailedAllocationEvent,
     FreeEvent,
     GroupWriteEvent,
+    HostTransferEvent,
     LookupEvent,
     OtherTables,
     PoolEvent,
@@ -39,7 +40,16 @@ from properties.checks.state import (
     Snapshot,
     TrackedRequest,
 )
-from properties.core.engine import BlockIds, CacheHit, KVCacheEngine
+from properties.core.engine import (
+    HOST_FETCH,
+    HOST_LOAD,
+    HOST_STORE,
+    HOST_WRITE,
+    BlockIds,
+    CacheHit,
+    HostTransfer,
+    KVCacheEngine,
+)
 from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
 from reference.specs import MambaSpec, RSWASpec, cdiv
@@ -195,6 +205,7 @@ class Checker:
             main,
             estimate,
             mml,
+            start,
             copies,
             held,
         )
@@ -202,7 +213,9 @@ class Checker:
         others = OtherTables(self.state, request_id)
         if external:
             self._run("external_load", ExternalLoadEvent(req, table, local, start, others))
-            if self._shadowed:
+            if self._shadowed and not self.state.has_host_tier:
+                # the scheduler's connector loads the prefix; an engine's own tier
+                # reported its loads as copies (on_host_transfers)
                 self._record_load(req, table, local, start)
         for gid, row in enumerate(table):
             self._run("group_write", GroupWriteEvent(req, gid, row, start, end, others))
@@ -299,6 +312,38 @@ class Checker:
                 if row[idx] != 0:
                     self.state.shadow.write_run(gid, row[idx], p % bs, req.ids[p:run_end])
                 p = run_end
+
+    def on_host_transfers(self, transfers: Sequence[HostTransfer]) -> None:
+        """An engine with its own host tier made these copies in its last call, in
+        order: X6 and X7 run on each, then the shadow follows it (a ``write`` keeps what
+        the device block holds now under its host block; a ``store`` keeps a host
+        block's content under its storage key, a ``fetch`` puts it into a host block; a
+        ``load`` puts a host block's content into the device block, every slot it lacks
+        marked overwritten)."""
+        state = self.state
+        state.loaded_now = {(t.group_id, t.device_block) for t in transfers if t.kind == HOST_LOAD}
+        for t in transfers:
+            self._run("host_transfer", HostTransferEvent(t))
+            if not self._shadowed:
+                continue
+            key = (t.group_id, t.host_block)
+            if t.kind == HOST_WRITE:
+                state.host_shadow[key] = state.shadow.block(t.group_id, t.device_block)
+                continue
+            if t.kind == HOST_STORE:
+                state.storage_shadow[(t.group_id, t.storage_key)] = dict(
+                    state.host_shadow.get(key, {})
+                )
+                continue
+            if t.kind == HOST_FETCH:
+                stored = state.storage_shadow.get((t.group_id, t.storage_key), {})
+                state.host_shadow[key] = dict(stored)
+                continue
+            copy = state.host_shadow.get(key, {})
+            bs = state.layout.groups[t.group_id].spec.block_size
+            for offset in range(bs):
+                content = copy.get(offset, SlotContent(t.group_id, OVERWRITTEN))
+                state.shadow.write(t.group_id, t.device_block, offset, content.prefix_id)
 
     def _reads(
         self, table: BlockIds, start: int, end: int, num_prompt_tokens: int

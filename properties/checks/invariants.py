@@ -305,15 +305,21 @@ def _loaded_blocks(state: CheckState, event: ExternalLoadEvent) -> Iterator[tupl
     """``(group, index, block)`` of every block a connector loads external tokens into:
     the non-null entries of the table over ``[start, end)`` (null ones, below a sliding
     window, are not loaded; nor is a circular buffer's ring, which has no slots by
-    position)."""
+    position). An engine with its own host tier says which it loaded (its ``load``
+    copies of the call): a block it kept on the device, shared with others, is not
+    loaded into (SGLang loads only the window's SWA pages when the full pages are still
+    resident)."""
     for gid, row in enumerate(event.table):
         spec = state.layout.groups[gid].spec
         if not spec.uses_slot_mapping:
             continue
         bs = spec.block_size
         for col in range(event.start // bs, min(cdiv(event.end, bs), len(row))):
-            if row[col] != 0:
-                yield gid, col, row[col]
+            if row[col] == 0:
+                continue
+            if state.has_host_tier and (gid, row[col]) not in state.loaded_now:
+                continue
+            yield gid, col, row[col]
 
 
 def external_load_exclusive(state: CheckState, event: ExternalLoadEvent) -> str | None:
@@ -689,14 +695,35 @@ def pool_accounting(state: CheckState, event: PoolEvent) -> str | None:
     return None
 
 
+def pinned_by_copies(state: CheckState) -> dict[int, int]:
+    """Group -> the device blocks that copies in flight to or from the engine's own host
+    tier keep from being free or reclaimable while no request holds them
+    (``OwnsHostTier``, ``HostPoolUsage.num_pinned_device``, one count for the groups of
+    a host pool, kept under its first group). Empty for an engine without a host tier."""
+    if not state.has_host_tier:
+        return {}
+    return {p.group_ids[0]: p.num_pinned_device for p in state.host_pools() if p.group_ids}
+
+
 def idle_pool_free(state: CheckState, event: PoolEvent) -> str | None:
     """I7: with no request holding blocks, every block is free or reclaimable: the free
-    count is back to the fresh engine's (``num_blocks - 1`` for one shared pool).
+    count is back to the fresh engine's (``num_blocks - 1`` for one shared pool), but for
+    the blocks copies in flight to or from the engine's own host tier pin
+    (:func:`pinned_by_copies`: that many fewer with one shared pool; with separate pools
+    the smallest pool's count lies between the fresh count less them and the fresh
+    count, S2 checks each pool exactly).
 
     Example: 15 blocks, every request freed, ``num_free_blocks() == 13``: a block leaked.
     """
     if event.tables or state.pending_block_copies or event.num_free == state.initial_free:
         return None  # pending block copies hold their blocks until they are handed over
+    pinned = sum(pinned_by_copies(state).values())
+    if pinned:
+        fewest = state.initial_free - pinned
+        if state.shared_pool and event.num_free == fewest:
+            return None
+        if not state.shared_pool and fewest <= event.num_free <= state.initial_free:
+            return None
     return (
         f"no request holds blocks, but {event.num_free} blocks are free or reclaimable; "
         f"the fresh engine had {state.initial_free}"
@@ -768,7 +795,7 @@ def free_queue_contents(state: CheckState, event: PoolEvent) -> str | None:
 # Separate pools (S1-S3): engines whose groups do not share one block pool
 
 
-def _held_per_pool(state: CheckState, tables: dict) -> dict[str, set[int]]:
+def held_per_pool(state: CheckState, tables: dict) -> dict[str, set[int]]:
     """The distinct non-null blocks the requests' tables hold, per pool."""
     held: dict[str, set[int]] = {}
     for pool in state.pools():
@@ -787,7 +814,7 @@ def pool_accounting_per_pool(state: CheckState, event: PoolEvent) -> str | None:
     Example: SGLang's SWA pool of 16 pages reports 14 free while two requests hold SWA
     pages 3, 4 and 9: 14 + 3 > 16, a page is counted free (or reclaimable) while held.
     """
-    held = _held_per_pool(state, event.tables)
+    held = held_per_pool(state, event.tables)
     for pool in state.pools():
         first = state.initial_pools.get(pool.name)
         if first is None or (first.num_blocks, first.group_ids) != (
@@ -814,17 +841,22 @@ def idle_pool_free_per_pool(state: CheckState, event: PoolEvent) -> str | None:
 
     Example: full pool 12 pages, SWA pool 16 pages, every request freed, the SWA pool
     reports 15 free: a SWA page leaked, yet ``num_free_blocks()`` (SGLang: the smaller
-    pool's count, 12) is back to the fresh engine's and I7 sees nothing.
+    pool's count, 12) is back to the fresh engine's and I7 sees nothing. Blocks that
+    copies in flight to or from the engine's own host tier pin are neither
+    (:func:`pinned_by_copies`): 15 is right while one SWA page is being backed up.
     """
     if event.tables:
         return None
+    pinned = pinned_by_copies(state)
     for pool in state.pools():
         first = state.initial_pools[pool.name]
-        if pool.num_free != first.num_free:
+        backups = sum(pinned.get(g, 0) for g in pool.group_ids)
+        if pool.num_free != first.num_free - backups:
+            also = f" ({backups} pinned by copies to or from the host)" if backups else ""
             return (
                 f"no request holds blocks, but pool {pool.name!r} (groups "
                 f"{list(pool.group_ids)}) has {pool.num_free} blocks free or reclaimable; "
-                f"the fresh engine had {first.num_free}"
+                f"the fresh engine had {first.num_free}{also}"
             )
     return None
 

@@ -12,7 +12,7 @@ result is logged; the log is the ``observed`` part of a saved trace.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -29,7 +29,10 @@ from properties.core.engine import (
     CopiesBlocks,
     ExposesFreeQueue,
     FreesInBatch,
+    HostPoolUsage,
+    HostTransfer,
     KVCacheEngine,
+    OwnsHostTier,
     PlansSteps,
     ReportsAllocationEstimate,
     RequestInput,
@@ -67,6 +70,9 @@ class LockstepEngine(EngineProxy):
         self._queue_stale: str | None = None
         self.engine_name = engine_name(engine)
         self.reference_name = getattr(reference, "name", "reference")
+        self._owns_host_tier = isinstance(self.engine, OwnsHostTier)
+        #: observes the copies an engine with its own host tier makes (after the checker)
+        self.on_host_transfers: Callable[[list[HostTransfer]], None] | None = None
         # the capabilities read on every call, once (a runtime Protocol check walks the
         # protocol's members each time)
         self._queues_compared = isinstance(self.engine, ExposesFreeQueue) and isinstance(
@@ -79,11 +85,20 @@ class LockstepEngine(EngineProxy):
     def _call(self, fn, *args, names: Iterable[str] | None = None):
         """A call that may change the engine (through its boundary): the checks' cached
         reads of the engine are stale afterwards (``names``: the requests whose tables
-        the call can change; ``None``: any, as for ``new_step``)."""
+        the call can change; ``None``: any, as for ``new_step``). An engine with its own
+        host tier then reports the copies the call made, which the checker follows
+        (:meth:`properties.checks.checker.Checker.on_host_transfers`) and hands to
+        :attr:`on_host_transfers` (the attention check's copies)."""
         try:
-            return fn(*args)
+            result = fn(*args)
         finally:
             self.checker.state.invalidate(names)
+        if self._owns_host_tier:
+            transfers = self.engine.take_host_transfers()
+            self.checker.on_host_transfers(transfers)
+            if transfers and self.on_host_transfers is not None:
+                self.on_host_transfers(transfers)
+        return result
 
     def _record(self, call: str, args: dict, result: Any) -> None:
         self.log.append({"call": call, **args, "result": result})
@@ -423,6 +438,22 @@ class LockstepFrees:
             self.checker.on_remove(rid)
 
 
+class LockstepHostTier:
+    """The host-tier calls of an engine with its own host tier (``OwnsHostTier``): the
+    scheduler's connector asks ``host_hit`` at admission (the external tokens then show
+    in the logged ``allocate_slots``); the pools and copies are the checker's."""
+
+    def host_hit(self: LockstepEngine, request_id: str) -> int:
+        return self.engine.host_hit(request_id)
+
+    def host_pools(self: LockstepEngine) -> tuple[HostPoolUsage, ...]:
+        return self.checker.state.host_pools()
+
+    def take_host_transfers(self: LockstepEngine) -> list[HostTransfer]:
+        """Taken after every call already (``_call``): none left for a caller."""
+        return []
+
+
 class LockstepCopies:
     """The block copies of an engine that has them (:class:`CopiesBlocks`): the scheduler
     takes them once a step is planned; the reference's must be the same, in the same
@@ -445,10 +476,12 @@ class LockstepCopies:
 
 #: The batched calls the lockstep offers when the engine under test has them
 #: (:meth:`LockstepEngine.around`); schedule_step it offers always (per-request calls for
-#: an engine without it); the block copies of an engine that has them.
+#: an engine without it); the host tier's calls when it owns one; the block copies of an
+#: engine that has them.
 LockstepEngine.CAPABILITIES = (
     (CommitsSteps, LockstepCommits),
     (FreesInBatch, LockstepFrees),
+    (OwnsHostTier, LockstepHostTier),
     (CopiesBlocks, LockstepCopies),
 )
 

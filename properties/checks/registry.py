@@ -8,8 +8,9 @@ invariants; ``answers`` is :mod:`properties.checks.answers` at the engine bounda
 label of the rule it guards in ``docs/spec.md``, and the optional engine capabilities it
 needs (``ref_counts``, ``free_queue``, ``cached_blocks``, ``allocation_estimate``,
 ``pools``: the engine reports its separate block pools;
-``shared_pool``: the groups share one block pool). A check whose capabilities the
-engine lacks does not run.
+``shared_pool``: the groups share one block pool; ``host_tier``: the engine has its own
+host tier and reports its copies, :mod:`properties.checks.host_invariants`). A check
+whose capabilities the engine lacks does not run.
 
 Worked example: ``CHECKS["hit_bounds"]`` runs on every lookup (``on="lookup"``), guards
 H1 and needs nothing; ``CHECKS["hit_maximality"]`` runs on every lookup only for engines
@@ -21,10 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from properties.checks import host_invariants as hinv
 from properties.checks import invariants as inv
 
 #: The events an invariant can run on, in the order :class:`Checker` raises them.
 EVENTS = (
+    "host_transfer",
     "lookup",
     "table",
     "external_load",
@@ -102,6 +105,34 @@ _REGISTRY: tuple[CheckInfo, ...] = (
     ),
     _check(inv.external_hit_bounds, "external_load", "X1", "an external hit ends where a hit may"),
     _check(inv.external_load_exclusive, "external_load", "X2", "a loaded block has one owner"),
+    _check(
+        hinv.host_hit_content,
+        "external_load",
+        "X3",
+        "a hit served from the host tier holds the request's own computed prefix",
+        ["host_tier"],
+    ),
+    _check(
+        hinv.host_transfers_pinned,
+        "allocate",
+        "X5",
+        "a block a backup in flight reads is not handed out",
+        ["host_tier"],
+    ),
+    _check(
+        hinv.host_load_source,
+        "host_transfer",
+        "X6",
+        "a load or store reads a host block a write or fetch filled",
+        ["host_tier"],
+    ),
+    _check(
+        hinv.storage_fetch_source,
+        "host_transfer",
+        "X7",
+        "a fetch from the storage tier reads a key a store filled",
+        ["host_tier"],
+    ),
     _check(inv.failed_allocation, "failed_allocation", "A1", "None changes nothing"),
     _check(
         inv.allocation_fits,
@@ -153,6 +184,20 @@ _REGISTRY: tuple[CheckInfo, ...] = (
         "S2",
         "per pool: nothing held, every block free or reclaimable",
         ["pools"],
+    ),
+    _check(
+        hinv.backed_up_blocks_not_free,
+        "pool",
+        "X5",
+        "per pool: a block a backup in flight reads is neither free nor reclaimable",
+        ["host_tier", "pools"],
+    ),
+    _check(
+        hinv.host_pool_accounting,
+        "pool",
+        "X4",
+        "per host pool: free + held == capacity, every held block written (none lost)",
+        ["host_tier"],
     ),
     _check(
         inv.ref_counts_match_owners,

@@ -12,7 +12,13 @@ never change it. One event dataclass per moment a check can run:
 * :class:`FailedAllocationEvent`: after ``allocate_slots`` returned ``None``;
 * :class:`CommitEvent`: after ``cache_blocks`` (the scheduler commits processed tokens);
 * :class:`FreeEvent`, :class:`ResetEvent`: after ``free`` and ``reset_prefix_cache``;
-* :class:`PoolEvent`: after every allocation and free, the pool as a whole.
+* :class:`PoolEvent`: after every allocation and free, the pool as a whole;
+* :class:`HostTransferEvent`: after any call of an engine with its own host tier
+  (``OwnsHostTier``), each copy it made between the tiers, before the shadow follows it.
+
+The shadow follows the content of every block through an engine's own host tier:
+:attr:`CheckState.host_shadow` holds, per ``(group, host block)``, what a ``write`` copied
+there (the device block's slots then); a ``load`` copies it back into the device block.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from properties.checks.oracles import ShadowCache, extend_prefix_ids
+from properties.checks.oracles import ShadowCache, SlotContent, extend_prefix_ids
 from properties.core.engine import (
     BlockIds,
     CacheHit,
@@ -28,7 +34,10 @@ from properties.core.engine import (
     ExposesCachedBlocks,
     ExposesFreeQueue,
     ExposesRefCounts,
+    HostPoolUsage,
+    HostTransfer,
     KVCacheEngine,
+    OwnsHostTier,
     PoolUsage,
     ReportsAllocationEstimate,
     ReportsPools,
@@ -116,6 +125,14 @@ class CheckState:
         self.has_cached = isinstance(engine, ExposesCachedBlocks)
         self.has_estimate = isinstance(engine, ReportsAllocationEstimate)
         self.has_pools = isinstance(engine, ReportsPools)
+        self.has_host_tier = isinstance(engine, OwnsHostTier)
+        #: an engine's own host tier: ``(group, host block)`` -> the slots a ``write`` copied
+        #: there (offset -> content), as the device block held them then
+        self.host_shadow: dict[tuple[int, int], dict[int, SlotContent]] = {}
+        #: its storage tier (L3): ``(group, storage key)`` -> what a ``store`` copied there
+        self.storage_shadow: dict[tuple[int, str], dict[int, SlotContent]] = {}
+        #: ``(group, device block)`` of every ``load`` the engine's last call made
+        self.loaded_now: set[tuple[int, int]] = set()
         self.has_copies = isinstance(engine, CopiesBlocks)
         #: the block copies queued in this step and not handed over yet, as the checks
         #: learnt them after each allocation (:meth:`Checker.on_allocate`), in that order
@@ -151,6 +168,7 @@ class CheckState:
             ("allocation_estimate", self.has_estimate),
             ("shared_pool", self.shared_pool),
             ("pools", self.has_pools),
+            ("host_tier", self.has_host_tier),
             ("block_copies", self.has_copies),
         )
         return frozenset(name for name, present in names if present)
@@ -199,6 +217,9 @@ class CheckState:
 
     def pools(self) -> tuple[PoolUsage, ...]:
         return self._read("pools", lambda: tuple(self.engine.pool_usage()))
+
+    def host_pools(self) -> tuple[HostPoolUsage, ...]:
+        return self._read("host_pools", lambda: tuple(self.engine.host_pools()))
 
     def table_of(self, request_id: str) -> BlockIds:
         table = self._tables.get(request_id)
@@ -373,6 +394,9 @@ class AllocateEvent:
     num_main: int = 0
     estimate: int | None = None
     max_model_len: int = 0
+    #: the first position the step computes (``computed + hit + external``): the table's
+    #: entries before its block are the request's computed or adopted blocks
+    start: int = 0
     copies: tuple[tuple[int, int], ...] = ()
     held_by_copies: frozenset[int] = frozenset()
 
@@ -414,6 +438,14 @@ class FreeEvent:
 @dataclass(frozen=True)
 class ResetEvent:
     ok: bool
+
+
+@dataclass(frozen=True)
+class HostTransferEvent:
+    """One copy an engine made between a device block and its own host tier
+    (``OwnsHostTier``), seen before the shadow follows it."""
+
+    transfer: HostTransfer
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,11 @@ it needed: A4 compares it with the blocks the call pulled from the free pool),
 ``ReportsPools`` (engines whose groups live in separate block pools, such as SGLang's full
 and SWA pools or TensorRT-LLM's pool per window size: each pool's groups, capacity and
 free count, so that S1-S3 check accounting, idle pools and failed allocations per pool),
-``CopiesBlocks`` (copy-on-write of partial prefix hits: the block copies a step's
-allocations queued, handed over once the step is planned).
+``OwnsHostTier`` (an engine with its own host tier, SGLang's HiCache: the tokens its tier
+would load past a device hit, its host pools and the copies between the tiers: the
+host-tier checks X3-X6 follow every block's content through them), ``CopiesBlocks``
+(copy-on-write of partial prefix hits: the block copies a step's allocations queued,
+handed over once the step is planned).
 
 Serving modes (:mod:`properties.core.modes`) need ``SupportsServingModes``:
 ``set_in_flight(id, num_in_flight_tokens, num_pending_tokens)`` (asynchronous
@@ -297,6 +300,105 @@ class ReportsPools(Protocol):
         :class:`PoolUsage`). ``num_free_blocks()`` stays the engine's own figure (SGLang:
         the smallest pool's free count)."""
         ...
+
+
+#: :attr:`HostTransfer.kind` of a copy from a device block to a host block (a backup:
+#: write-through or write-back).
+HOST_WRITE = "write"
+#: :attr:`HostTransfer.kind` of a copy from a host block to a device block (a load-back).
+HOST_LOAD = "load"
+#: :attr:`HostTransfer.kind` of a copy from a host block into the storage tier under
+#: :attr:`HostTransfer.storage_key` (a backup to storage, L3).
+HOST_STORE = "store"
+#: :attr:`HostTransfer.kind` of a copy from the storage tier into a host block (a
+#: prefetch).
+HOST_FETCH = "fetch"
+#: Every :attr:`HostTransfer.kind`.
+HOST_TRANSFER_KINDS = (HOST_WRITE, HOST_LOAD, HOST_STORE, HOST_FETCH)
+
+
+@dataclass(frozen=True)
+class HostTransfer:
+    """One block copied between a device pool and the engine's own host tier
+    (:class:`OwnsHostTier`): ``kind`` :data:`HOST_WRITE` (device block ``device_block``
+    to host block ``host_block``) or :data:`HOST_LOAD` (the other way), for the block
+    of KV cache group ``group_id`` (its host pool is the one whose ``group_ids`` hold the
+    group). Host block ids are per host pool, ``0`` never used. A storage tier behind
+    the host tier (L3) adds :data:`HOST_STORE` (host block into storage under
+    ``storage_key``) and :data:`HOST_FETCH` (storage key into a host block), with
+    ``device_block`` 0.
+
+    Example (SGLang, full group 0, bs 2): backing up the node of slots ``[8, 9, 10, 11]``
+    into host slots ``[4, 5, 6, 7]`` is ``HostTransfer("write", 0, 4, 3)`` and
+    ``HostTransfer("write", 0, 5, 4)``; writing host block 3 to storage under key
+    ``"ab12"`` is ``HostTransfer("store", 0, 0, 3, "ab12")``."""
+
+    kind: str
+    group_id: int
+    device_block: int
+    host_block: int
+    storage_key: str = ""
+
+
+@dataclass(frozen=True)
+class HostPoolUsage:
+    """One host pool of an engine's own host tier (:class:`OwnsHostTier`).
+
+    ``group_ids``: the KV cache groups whose blocks it backs up (those of one device
+    pool); ``num_blocks``: its capacity (a null block excluded); ``num_free``: blocks a
+    backup could take now without evicting; ``held``: the blocks that hold a backed-up
+    copy now, each once; ``in_flight``: host blocks a transfer not yet acknowledged
+    reads or writes (they must stay held); ``in_flight_device``: the device blocks a
+    backup not yet acknowledged reads (they must not be handed to a request before the
+    acknowledgement; a load's device blocks are the loading request's own);
+    ``num_pinned_device``: how many device blocks of those groups the copies in flight
+    keep from being free or reclaimable while no request holds them (the blocks they
+    read and any the engine pins with them: SGLang locks a backed-up node's whole path),
+    read by the idle-pool checks when no request holds blocks; ``staging``: blocks taken
+    for a copy into the host tier that no backed-up copy holds yet, or given up and
+    waiting for the engine to free them (SGLang's storage prefetch: pages allocated for a
+    fetch from storage before the tree takes them, or the unread rest of a prefetch
+    ended early). Between calls, ``num_free + len(held) + len(staging) == num_blocks``.
+
+    Example (32 host blocks, two backed-up nodes of 3 and 2 blocks, one of them still
+    being written from device blocks 7 and 8 into host blocks 4 and 5, its parent's block
+    6 pinned with them):
+    ``HostPoolUsage("full", (0,), 32, 27, (1, 2, 3, 4, 5), (4, 5), (7, 8), 3)``; with
+    a fetch from storage into blocks 9 and 10 under way as well, 25 free and
+    ``staging=(9, 10)``."""
+
+    name: str
+    group_ids: tuple[int, ...]
+    num_blocks: int
+    num_free: int
+    held: tuple[int, ...]
+    in_flight: tuple[int, ...] = ()
+    in_flight_device: tuple[int, ...] = ()
+    num_pinned_device: int = 0
+    staging: tuple[int, ...] = ()
+
+
+@runtime_checkable
+class OwnsHostTier(Protocol):
+    """An engine whose host tier is its own (SGLang's HiCache): it decides what is backed
+    up, evicted from the host and loaded back, where the scheduler's KV connector
+    (:mod:`properties.runner.connector`) decides it for engines without one.
+
+    ``host_hit(id)``: after ``get_computed_blocks(id)`` returned a device hit of ``h``
+    tokens, the tokens ``e`` past it that the engine's host tier would load back; the
+    ``external_hits`` serving mode then passes them as
+    ``allocate_slots(..., num_external_computed_tokens=e)`` and the engine loads them
+    into the request's blocks (0: none, the request computes them). ``host_pools()``:
+    every host pool (:class:`HostPoolUsage`). ``take_host_transfers()``: the copies made
+    since the last call, in order (:class:`HostTransfer`); the checks read it after
+    every engine call and follow the content of every block through the tiers.
+    """
+
+    def host_hit(self, request_id: str) -> int: ...
+
+    def host_pools(self) -> Sequence[HostPoolUsage]: ...
+
+    def take_host_transfers(self) -> list[HostTransfer]: ...
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,9 @@ from properties.core.engine import (
     ExposesDataPlane,
     ExposesFreeQueue,
     ExposesRefCounts,
+    HostPoolUsage,
+    HostTransfer,
+    OwnsHostTier,
     PlansSteps,
     PoolUsage,
     ReportsAllocationEstimate,
@@ -114,6 +117,17 @@ class ForwardDataPlane:
         return self.inner.data_plane_write_state(*args)  # type: ignore[attr-defined]
 
 
+class ForwardHostTier:
+    def host_hit(self, request_id: str) -> int:
+        return self.inner.host_hit(request_id)  # type: ignore[attr-defined]
+
+    def host_pools(self) -> Sequence[HostPoolUsage]:
+        return self.inner.host_pools()  # type: ignore[attr-defined]
+
+    def take_host_transfers(self) -> list[HostTransfer]:
+        return self.inner.take_host_transfers()  # type: ignore[attr-defined]
+
+
 #: Every optional capability of the protocol, with the mixin forwarding its calls.
 FORWARDED_CAPABILITIES: tuple[tuple[type, type], ...] = (
     (ExposesRefCounts, ForwardRefCounts),
@@ -124,6 +138,7 @@ FORWARDED_CAPABILITIES: tuple[tuple[type, type], ...] = (
     (SupportsServingModes, ForwardServingModes),
     (ReportsAllocationEstimate, ForwardAllocationEstimate),
     (ReportsPools, ForwardPools),
+    (OwnsHostTier, ForwardHostTier),
     (CopiesBlocks, ForwardBlockCopies),
     (ExposesDataPlane, ForwardDataPlane),
 )

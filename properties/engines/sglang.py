@@ -94,19 +94,29 @@ How each difference from vLLM is bridged
 from __future__ import annotations
 
 import os
+import zlib
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from properties.core.engine import (
     BlockIds,
     CacheHit,
     EngineError,
+    HostPoolUsage,
+    HostTransfer,
     PoolUsage,
     RequestInput,
     UnsupportedLayoutError,
     quiet_loggers,
+)
+from properties.engines import sglang_metrics
+from properties.engines.sglang_hicache import (
+    HiCacheConfig,
+    HostTier,
+    deployed,
+    storage_directory,
 )
 from reference.layout import KVCacheLayout
 from reference.specs import FullAttentionSpec, SlidingWindowSpec
@@ -126,6 +136,46 @@ SWA_FULL_TOKENS_RATIOS = (1.0, 0.8, 0.5)
 _EMPTY: BlockIds = ((), ())
 
 
+#: The deployments the adapter builds, one per layout (:func:`hicache_deployment`):
+#: without HiCache, and each write policy with SGLang's default host pool (``2.0`` times
+#: the device pool) or a smaller one (the host tier then evicts too), half of them with
+#: SGLang's file-backed storage tier (L3) behind the host tier.
+HICACHE_DEPLOYMENTS: tuple[HiCacheConfig | None, ...] = (
+    None,
+    HiCacheConfig("write_through", 2.0),
+    HiCacheConfig("write_back", 0.5),
+    HiCacheConfig("write_through_selective", 1.0, storage="file"),
+    HiCacheConfig(
+        "write_through", 0.5, storage="file", prefetch_policy="best_effort", staged_storage=True
+    ),
+    HiCacheConfig("write_back", 2.0, storage="file"),
+)
+
+
+def session_radix_cache(layout: KVCacheLayout) -> bool:
+    """Whether ``layout`` is deployed with ``--enable-session-radix-cache`` (SGLang tags
+    a finished request's radix nodes with its session, evicts session-held nodes last
+    and releases them when the session closes): every other layout by the CRC-32 of
+    its description (next to :func:`hicache_deployment`'s). The protocol carries no
+    session: a request's cache salt stands for its session id (the requests of one
+    conversation share both), and a session closes when its last request leaves
+    (``remove_request``). Only with the Python tree core (:func:`config_for`): SGLang
+    runs a session-aware cache on it whatever core was asked for, so the Rust factory
+    would silently test the Python core. Example: a layout whose description has CRC 7
+    -> ``7 // 6 % 2 = 1``: on."""
+    return zlib.crc32(layout.describe().encode()) // len(HICACHE_DEPLOYMENTS) % 2 == 1
+
+
+def hicache_deployment(layout: KVCacheLayout) -> HiCacheConfig | None:
+    """The HiCache deployment of ``layout``: :data:`HICACHE_DEPLOYMENTS` indexed by a
+    CRC-32 of the layout's description (a function of the layout, so a saved trace
+    replays with the same deployment, and independent of the SWA ratio's ``num_blocks %
+    3``). Example: a layout whose description has CRC 7 gets index ``7 % 6 = 1``,
+    write-through with a host pool twice the device pool."""
+    index = zlib.crc32(layout.describe().encode()) % len(HICACHE_DEPLOYMENTS)
+    return HICACHE_DEPLOYMENTS[index]
+
+
 @dataclass(frozen=True)
 class SGLangConfig:
     """What the adapter builds from a layout: page size, window, pool sizes, core."""
@@ -140,6 +190,11 @@ class SGLangConfig:
     swa_group: int
     #: pages of the SWA pool (:func:`swa_pool_pages`); ``pool_pages`` is the full pool's
     swa_pool_pages: int = 0
+    #: the host tier (``--enable-hierarchical-cache``), or None
+    hicache: HiCacheConfig | None = None
+    #: ``--enable-session-radix-cache``: a request's cache salt is its session id
+    #: (:func:`session_radix_cache`)
+    session_radix_cache: bool = False
 
     @property
     def sglang_window(self) -> int:
@@ -229,16 +284,28 @@ def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
         swa_pool_pages=swa_pool_pages(
             pool_pages, swa_full_tokens_ratio(layout), page, layout.max_model_len
         ),
+        hicache=(
+            hicache_deployment(layout) if layout.enable_caching and tree_core == "python" else None
+        ),
+        session_radix_cache=(
+            layout.enable_caching and tree_core == "python" and session_radix_cache(layout)
+        ),
     )
 
 
 @dataclass
 class _PendingHit:
-    """The node a ``get_computed_blocks`` matched, kept (unlocked) for allocation."""
+    """The node a ``get_computed_blocks`` matched, kept (unlocked) for allocation, and
+    what its host tier holds past it (HiCache: ``best_match_node``, the host hit
+    lengths of the match, the tokens a load-back would bring)."""
 
     node: Any
     num_tokens: int
     swa_branching_seqlen: int | None
+    best_match_node: Any = None
+    host_hit_length: int = 0
+    swa_host_hit_length: int = 0
+    host_tokens: int = 0
 
 
 @dataclass
@@ -255,6 +322,13 @@ class _Request:
     #: publish the computed prefix after each prefill step (``checkpoint_kv_cache``);
     #: False: at ``free`` only
     checkpoints: bool = False
+    #: tokens of planned steps not processed yet (asynchronous scheduling)
+    num_in_flight_tokens: int = 0
+    #: ``computed - in flight`` when last seen (:meth:`SGLangEngine._publish_processed`)
+    num_processed: int = 0
+    #: an asynchronous load is not complete yet (``delay_cache_blocks``): nothing is
+    #: published before ``cache_blocks``
+    loading: bool = False
 
 
 class _SGLangModules:
@@ -270,7 +344,10 @@ class _SGLangModules:
                 import torch
                 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
                 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-                from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+                from sglang.srt.mem_cache.base_prefix_cache import (
+                    InitLoadBackParams,
+                    MatchPrefixParams,
+                )
                 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
                 from sglang.srt.mem_cache.common import evict_from_tree_cache
                 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -278,6 +355,7 @@ class _SGLangModules:
                 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
                 from sglang.srt.mem_cache.unified_cache.components import ComponentType
                 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+                from sglang.srt.runtime_context import get_context
                 from sglang.srt.sampling.sampling_params import SamplingParams
             except ImportError as exc:
                 raise EngineError(f"sglang adapter: cannot import sglang: {exc}") from exc
@@ -288,6 +366,7 @@ class _SGLangModules:
                 FINISH_LENGTH=FINISH_LENGTH,
                 SWATokenToKVPoolAllocator=SWATokenToKVPoolAllocator,
                 MatchPrefixParams=MatchPrefixParams,
+                InitLoadBackParams=InitLoadBackParams,
                 CacheInitParams=CacheInitParams,
                 evict_from_tree_cache=evict_from_tree_cache,
                 ReqToTokenPool=ReqToTokenPool,
@@ -296,6 +375,7 @@ class _SGLangModules:
                 ComponentType=ComponentType,
                 UnifiedRadixCache=UnifiedRadixCache,
                 SamplingParams=SamplingParams,
+                get_context=get_context,
             )
         return cls._loaded
 
@@ -309,9 +389,19 @@ class SGLangEngine:
 
     separate_group_pools = True
 
-    def __init__(self, layout: KVCacheLayout, tree_core: str = "python") -> None:
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        tree_core: str = "python",
+        hicache: HiCacheConfig | None | str = "per layout",
+    ) -> None:
+        """``hicache``: the host tier's deployment; ``"per layout"`` (the factories):
+        :func:`hicache_deployment`, else the one given (None: no host tier; hand
+        scenarios choose)."""
         self.layout = layout
         self.config = config_for(layout, tree_core)
+        if hicache != "per layout":
+            self.config = replace(self.config, hicache=hicache)
         m = _SGLangModules.get()
         self._m = m
         torch = m["torch"]
@@ -346,17 +436,42 @@ class SGLangEngine:
             enable_memory_saver=False,
         )
         ct = m["ComponentType"]
-        self.cache = m["UnifiedRadixCache"](
-            m["CacheInitParams"](
-                disable=not cfg.enable_caching,
-                req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=self.allocator,
-                page_size=cfg.page_size,
-                sliding_window_size=cfg.sglang_window,
-                tree_components=(ct.FULL, ct.SWA),
-                tree_core_backend=tree_core,
-            )
+        params = m["CacheInitParams"](
+            disable=not cfg.enable_caching,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=cfg.page_size,
+            sliding_window_size=cfg.sglang_window,
+            tree_components=(ct.FULL, ct.SWA),
+            tree_core_backend=tree_core,
+            enable_session_radix_cache=cfg.session_radix_cache,
+            # --enable-metrics with the host tier: SGLang's counters of its copies,
+            # recorded (sglang_metrics) and checked against them
+            enable_metrics=cfg.hicache is not None,
         )
+        #: SGLang's host tier (``--enable-hierarchical-cache``), or None
+        self.host: HostTier | None = None
+        if cfg.hicache is None:
+            self.cache = m["UnifiedRadixCache"](params)
+        else:
+            storage_dir = storage_directory(self, cfg.hicache)
+            flags = {
+                **cfg.hicache.server_args(storage_dir),
+                "enable_metrics": True,
+                "stat_loggers": sglang_metrics.stat_loggers(),
+            }
+            with deployed(m["get_context"], flags) as args:
+                self.cache = m["UnifiedRadixCache"](params)
+                self.host = HostTier(
+                    self.cache,
+                    params,
+                    args,
+                    cfg.hicache,
+                    cfg.page_size,
+                    {"full": cfg.full_group, "swa": cfg.swa_group},
+                    m["InitLoadBackParams"],
+                    storage_dir,
+                )
         self._requests: dict[str, _Request] = {}
 
     # ----------------------------------------------------------------- requests
@@ -369,6 +484,10 @@ class SGLangEngine:
         )
         req.extra_key = request.lora_name
         req.cache_salt = request.cache_salt or None
+        if self.config.session_radix_cache and req.cache_salt is not None:
+            # SGLang's scheduler for a request of a radix-native session
+            req.session_id = req.cache_salt
+            req.session_generation = self.cache.ensure_session_generation(req.cache_salt)
         req.refresh_fill_ids()
         # every other request publishes its prefix after each prefill step, as SGLang's
         # scheduler does; the others at free only, so both insert paths are driven
@@ -377,6 +496,8 @@ class SGLangEngine:
             tokens=list(request.prompt_token_ids),
             checkpoints=len(self._requests) % 2 == 1,
         )
+        if self.host is not None:
+            self.host.prefetch(req)
 
     def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         state = self._get(request_id)
@@ -391,19 +512,41 @@ class SGLangEngine:
                 f"sglang adapter: num_computed_tokens out of range for "
                 f"{request_id!r}: {num_computed_tokens}"
             )
-        previous = state.num_computed_tokens
         state.num_computed_tokens = num_computed_tokens
         kv = state.req.kv
         if kv.holds_kv:
             kv.kv_committed_len = min(num_computed_tokens, kv.kv_allocated_len)
-            prefill_step = previous < len(state.req.origin_input_ids)
-            if state.checkpoints and prefill_step and num_computed_tokens > previous:
-                self._checkpoint_unfinished(state)
+        self._publish_processed(state)
 
-    def _checkpoint_unfinished(self, state: _Request) -> None:
+    def _publish_processed(self, state: _Request) -> None:
+        """A step's output was processed (synchronous scheduling: as soon as it ran): a
+        request that publishes its prefix after each prefill chunk does so now
+        (``checkpoint_kv_cache``), once nothing of it is in flight and no asynchronous
+        load is pending. Under its overlap scheduler SGLang checkpoints a chunk while the
+        next one may already run (``stash_chunked_request``), and the insert can re-point
+        the request's row to the tree's copy of the same prefix: safe on one device
+        stream, but the blocks the running chunk reads would leave its table
+        (``findings/sglang/README.md``, the overlap checkpoint), so the adapter waits
+        for the flight to land.
+        Example: a 20-token prompt computed in chunks of 8 synchronously publishes 8, then
+        16 tokens."""
+        kv = state.req.kv
+        processed = state.num_computed_tokens - state.num_in_flight_tokens
+        previous, state.num_processed = state.num_processed, processed
+        if (
+            kv.holds_kv
+            and state.checkpoints
+            and not state.loading
+            and state.num_in_flight_tokens == 0
+            and previous < len(state.req.origin_input_ids)
+            and processed > previous
+        ):
+            self._checkpoint_unfinished(state, min(processed, kv.kv_committed_len))
+
+    def _checkpoint_unfinished(self, state: _Request, up_to: int) -> None:
         """After a prefill (extend) step, publish what the running request computed, as
         SGLang's scheduler does (``checkpoint_kv_cache``): the tree takes the page-aligned
-        prefix ``[protected, computed)``, frees the request's slots it already held, rewrites
+        prefix ``[protected, up_to)``, frees the request's slots it already held, rewrites
         the row with its own and moves the request's lock onto the inserted node.
 
         Then pages of the row below the lock's SWA window are tree-owned and unlocked, so
@@ -412,7 +555,6 @@ class SGLangEngine:
         ``ceil(3 / 2) = 2`` SWA pages, so pages 0 and 1 read null.
         """
         req, kv = state.req, state.req.kv
-        up_to = kv.kv_committed_len
         if up_to <= kv.cache_protected_len:
             return
         # the round just computed ends at ``up_to`` (SGLang's ``PrefillAdder`` sets
@@ -427,14 +569,69 @@ class SGLangEngine:
             state.swa_unlocked_pages, kv.cache_protected_len // page - kept
         )
 
+    # ------------------------------------------------------------ serving modes
+    def set_in_flight(
+        self, request_id: str, num_in_flight_tokens: int, num_pending_tokens: int
+    ) -> None:
+        """Asynchronous scheduling (SGLang's overlap scheduler plans a batch while the
+        previous one runs): the window slides on the processed tokens only, ``computed -
+        in flight`` (note 6). Pending sampled tokens need nothing: SGLang's rows hold
+        their slots already."""
+        state = self._get(request_id)
+        if num_in_flight_tokens < 0 or num_pending_tokens < 0:
+            raise EngineError(
+                f"sglang adapter: negative in-flight counts for {request_id!r}: "
+                f"{num_in_flight_tokens}, {num_pending_tokens}"
+            )
+        state.num_in_flight_tokens = num_in_flight_tokens
+        self._publish_processed(state)
+
+    def cache_blocks(self, request_id: str, num_tokens: int) -> None:
+        """The scheduler committed the processed tokens ``[0, num_tokens)``. SGLang
+        publishes a request's prefix when it frees it and, for the requests that do,
+        after each prefill step (note 7), so the commit itself inserts nothing; it ends
+        an asynchronous load (``delay_cache_blocks``), after which those steps publish
+        again."""
+        state = self._get(request_id)
+        if num_tokens < 0 or num_tokens > len(state.tokens) + LOOKAHEAD_MARGIN:
+            raise EngineError(
+                f"sglang adapter: cache_blocks({request_id!r}, {num_tokens}) out of range"
+            )
+        state.loading = False
+        self._publish_processed(state)
+
     def new_step(self) -> None:
-        """SGLang has no per-step hook the KV cache needs."""
+        """A scheduler step begins: with HiCache, SGLang's scheduler polls its transfers
+        first (``check_hicache_events``: the queued backups are submitted, finished writes
+        publish their nodes as host-backed and unlock them, finished loads unlock theirs).
+        With no request holding a row, SGLang's idle self-check runs (``on_idle`` ->
+        ``InvariantChecker._check_tree_cache`` -> ``UnifiedRadixCache.sanity_check``: the
+        tree's structure, leaf sets, LRU lists, sizes and ongoing copies; SGLang gates it
+        behind ``SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK``, the adapter deploys it on): an
+        inconsistency is SGLang's own assertion, an engine error."""
+        if self.host is not None:
+            self.host.pump_storage()
+            self.cache.check_hicache_events()
+            self.host.audit_metrics()
+        if self.config.enable_caching and not any(
+            s.req.kv.holds_kv for s in self._requests.values()
+        ):
+            self.cache.sanity_check()
 
     def remove_request(self, request_id: str) -> None:
         state = self._get(request_id)
         if state.req.kv.holds_kv:
             self.free(request_id)
+        if self.host is not None:
+            self.host.release(state.req)
         del self._requests[request_id]
+        session = state.req.session_id
+        if session is not None and not any(
+            s.req.session_id == session for s in self._requests.values()
+        ):
+            # the session's last request left: it closes (``close_session`` ->
+            # ``release_radix_session``)
+            self.cache.release_radix_session(session)
 
     # ---------------------------------------------------------------- lookups
     def get_computed_blocks(self, request_id: str) -> CacheHit:
@@ -442,6 +639,8 @@ class SGLangEngine:
         state.pending = None
         n = len(state.tokens)
         req = state.req
+        if self.host is not None and not req.kv.holds_kv:
+            self.host.prefetch_done(req)
         # SGLang's scheduler matches every request (``match_kv_cache``), a one-token
         # prompt (key limit 0) and a tree with caching off (``disable``) included
         limit = req._compute_max_prefix_len(n)  # SGLang's own cap: n - 1
@@ -451,7 +650,7 @@ class SGLangEngine:
             limit=limit,
             cache_salt=req.cache_salt,
         )
-        match = self.cache.match_prefix(self._m["MatchPrefixParams"](key=key))
+        match = self.cache.match_prefix(self._m["MatchPrefixParams"](key=key, req=req))
         hit = int(match.device_prefix_len)
         page = self.config.page_size
         if hit > max(0, n - 1) or hit % page or (hit and not self.config.enable_caching):
@@ -459,7 +658,18 @@ class SGLangEngine:
                 f"sglang adapter: match_prefix returned {hit} tokens for "
                 f"{n} tokens at page size {page}"
             )
+        pending = _PendingHit(
+            match.last_device_node,
+            hit,
+            match.swa_branching_seqlen,
+            match.best_match_node,
+            int(match.host_hit_length),
+            int(match.swa_host_hit_length),
+        )
+        if self.host is not None and (pending.host_hit_length or pending.swa_host_hit_length):
+            pending.host_tokens = self.host.tokens_to_load(match.best_match_node, hit, req)
         if hit == 0:
+            state.pending = pending if pending.host_tokens else None
             return CacheHit(_EMPTY, 0)
         slots = self.cache.path_device_indices(match.last_device_node)
         if int(slots.numel()) != hit:
@@ -467,7 +677,7 @@ class SGLangEngine:
                 f"sglang adapter: matched node holds {int(slots.numel())} "
                 f"slots for a hit of {hit} tokens"
             )
-        state.pending = _PendingHit(match.last_device_node, hit, match.swa_branching_seqlen)
+        state.pending = pending
         return CacheHit(self._block_ids_of(slots.tolist()), hit)
 
     def get_block_ids(self, request_id: str) -> BlockIds:
@@ -492,31 +702,44 @@ class SGLangEngine:
         num_new_computed_tokens: int = 0,
         hit: CacheHit | None = None,
         num_lookahead_tokens: int = 0,
+        *,
+        full_sequence_must_fit: bool = False,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> BlockIds | None:
         state = self._get(request_id)
         kv = state.req.kv
         hit_tokens = hit.num_tokens if hit is not None else 0
+        external = num_external_computed_tokens
         if num_new_computed_tokens != hit_tokens:
             raise EngineError(
                 f"sglang adapter: num_new_computed_tokens "
                 f"{num_new_computed_tokens} != hit.num_tokens {hit_tokens}"
             )
-        if num_new_tokens < 0 or num_lookahead_tokens < 0:
+        if num_new_tokens < 0 or num_lookahead_tokens < 0 or external < 0:
             raise EngineError(
                 f"sglang adapter: negative token count for {request_id!r}: "
-                f"new={num_new_tokens} lookahead={num_lookahead_tokens}"
+                f"new={num_new_tokens} lookahead={num_lookahead_tokens} external={external}"
             )
         admitted_now = False
         if not kv.holds_kv:
+            if full_sequence_must_fit and not self._whole_sequence_fits(state, hit_tokens):
+                return None
+            if external and not self._load_back(state, hit_tokens, external):
+                return None
             rows = self.req_to_token_pool.alloc_rows(1)
             if rows is None:
                 return None
             admitted_now = True
+            hit_tokens += external
             self._admit(state, hit_tokens, rows[0])
-        elif hit_tokens:
-            raise EngineError(f"sglang adapter: a hit for running request {request_id!r}")
+        elif hit_tokens or external:
+            raise EngineError(
+                f"sglang adapter: a hit or external tokens for running request {request_id!r}"
+            )
         elif state.num_computed_tokens > 0:
             self._slide_window(state)
+        state.loading = delay_cache_blocks
         computed = state.num_computed_tokens + hit_tokens
         target = computed + num_new_tokens + num_lookahead_tokens
         if target > self.row_width:
@@ -538,6 +761,49 @@ class SGLangEngine:
         ids = self._block_ids_of(row)
         return tuple(tuple(g[first_new_page:]) for g in ids)
 
+    def _whole_sequence_fits(self, state: _Request, hit_tokens: int) -> bool:
+        """The admission gate (``full_sequence_must_fit``), SGLang's ``PrefillAdder``
+        budget: the request is admitted only if every token it has past its hit fits in
+        both pools now, evicting unlocked tree entries. Example: bs 2, a 20-token request
+        with a 4-token hit needs 8 pages in the full and the SWA pool."""
+        page = self.config.page_size
+        need = (_cdiv(len(state.tokens), page) - hit_tokens // page) * page
+        return min(self._obtainable_slots()) >= need
+
+    def _load_back(self, state: _Request, hit_tokens: int, external: int) -> bool:
+        """An admission with a host hit (HiCache): SGLang's ``init_load_back`` of the
+        lookup's ``best_match_node`` (``PrefillAdder.add_one_req``), which loads
+        ``external`` tokens past the device hit into fresh device pages of the tree, and
+        the copy starts. False when SGLang loaded nothing (its device pool is short even
+        after evicting): the admission is refused."""
+        pending = state.pending
+        if (
+            self.host is None
+            or pending is None
+            or pending.num_tokens != hit_tokens
+            or pending.host_tokens != external
+        ):
+            raise EngineError(
+                f"sglang adapter: {external} external tokens for {state.req.rid!r}, but its "
+                f"lookup found {0 if pending is None else pending.host_tokens} on the host"
+            )
+        req = state.req
+        req.last_node = pending.node
+        req.host_hit_length = pending.host_hit_length
+        req.swa_host_hit_length = pending.swa_host_hit_length
+        node = self.host.load_back(pending.best_match_node, pending.host_hit_length, req, external)
+        if node is None:
+            return False
+        slots = self.cache.path_device_indices(node)
+        if int(slots.numel()) != hit_tokens + external:
+            raise EngineError(
+                f"sglang adapter: the loaded node holds {int(slots.numel())} slots for "
+                f"{hit_tokens} + {external} tokens"
+            )
+        pending.node = node
+        pending.num_tokens = hit_tokens + external
+        return True
+
     def _slide_window(self, state: _Request) -> None:
         """The decode-time window slide of SGLang's ``ScheduleBatch.maybe_evict_swa``, in a
         free group as there: free the out-of-window SWA slots the request owns, and once
@@ -547,7 +813,7 @@ class SGLangEngine:
         read null from then on. Example: sws 3, a protected prefix of 8 tokens, bs 2: at
         ``p = 11`` the lock's SWA part is released and pages 0-3 read null."""
         req, kv = state.req, state.req.kv
-        p = state.num_computed_tokens
+        p = state.num_computed_tokens - state.num_in_flight_tokens
         self.allocator.free_group_begin()
         self.cache.evict_sliding_windows(req, p)
         self.allocator.free_group_end()
@@ -665,6 +931,9 @@ class SGLangEngine:
             self._release(state)
         finally:
             self.allocator.free_group_end()
+        state.num_in_flight_tokens = 0
+        state.num_processed = 0
+        state.loading = False
 
     def _release(self, state: _Request) -> None:
         """``release_kv_cache(req, checkpoint=...)`` of note 7: with the insert unless
@@ -678,9 +947,13 @@ class SGLangEngine:
         if checkpoint:
             req.finished_reason = self._m["FINISH_LENGTH"](length=len(req.output_ids))
             self.cache.checkpoint(req, up_to=committed)
+        # the tree owns [0, protected) (the adopted hit, a loaded host hit, what was
+        # published): never the request's to free, also when nothing was computed (a
+        # failed asynchronous load resets the computed tokens to 0)
+        protected = kv.cache_protected_len
         ranges = [
-            (kv.cache_protected_len, committed),
-            (_cdiv(committed, page) * page, kv.kv_allocated_len),
+            (protected, committed),
+            (max(protected, _cdiv(committed, page) * page), kv.kv_allocated_len),
         ]
         ranges = [(a, b) for a, b in ranges if a < b]
         if ranges:
@@ -713,6 +986,24 @@ class SGLangEngine:
         for s in self._requests.values():
             s.pending = None
         return True
+
+    # -------------------------------------------------------------- host tier
+    def host_hit(self, request_id: str) -> int:
+        """``OwnsHostTier``: the tokens past the last lookup's device hit that SGLang's
+        admission would load back from its host tier (0 without HiCache, or where its
+        ``load_back`` declines: :meth:`HostTier.tokens_to_load`)."""
+        pending = self._get(request_id).pending
+        return 0 if pending is None else pending.host_tokens
+
+    def host_pools(self) -> tuple[HostPoolUsage, ...]:
+        """``OwnsHostTier``: SGLang's host pools (none without HiCache)."""
+        if self.host is None:
+            return ()
+        return self.host.pools(idle=not any(s.req.kv.holds_kv for s in self._requests.values()))
+
+    def take_host_transfers(self) -> list[HostTransfer]:
+        """``OwnsHostTier``: the copies between the tiers since the last call."""
+        return [] if self.host is None else self.host.take_transfers()
 
     def num_free_blocks(self) -> int:
         return min(self._obtainable_slots()) // self.config.page_size
@@ -814,3 +1105,9 @@ SGLANG_COVERAGE_MODULES = (
     "sglang.srt.mem_cache.allocator.token",
 )
 make_engine.coverage_modules = SGLANG_COVERAGE_MODULES  # type: ignore[attr-defined]
+#: The production settings the adapter implements: external hits, served by SGLang's own
+#: host tier (HiCache, :meth:`SGLangEngine.host_hit`); the serving modes come with
+#: ``SupportsServingModes`` (asynchronous scheduling, the admission gate, drafts).
+SGLANG_PRODUCTION_SETTINGS = ("external",)
+make_engine.production_settings = SGLANG_PRODUCTION_SETTINGS  # type: ignore[attr-defined]
+make_engine_rust.production_settings = SGLANG_PRODUCTION_SETTINGS  # type: ignore[attr-defined]

@@ -37,6 +37,10 @@ next step :meth:`take_loads` and :meth:`complete_load` finish an asynchronous on
 ``on_offload`` and ``on_load`` observe the content that leaves and comes back (the
 attention check copies it out of and back into its paged cache).
 
+:class:`EngineTierConnector` serves the same modes for an engine whose host tier is its own
+(``OwnsHostTier``): the engine says how many tokens its tier would load; nothing is
+offloaded by the connector.
+
 Worked example (one full group, bs 4): ``r0`` (12-token prompt, one output) finishes, so
 :meth:`release` offloads its three full blocks (``len(host_tier) == 3``); after a
 ``ResetPrefixCache``, ``r1`` (the same 12 tokens and 4 more) finds no device hit,
@@ -215,3 +219,39 @@ class Connector:
         )
         if self.on_offload is not None:
             self.on_offload(state, group_id, block_index, block)
+
+
+class EngineTierConnector(Connector):
+    """The KV connector of an engine that owns its host tier (``OwnsHostTier``: SGLang's
+    HiCache). The engine decides what enters its tier and when (its own backups and host
+    evictions, reported as copies the checks follow); the connector only asks it, at
+    admission, how many tokens past the device hit its tier would load
+    (``engine.host_hit``), and keeps the bookkeeping of asynchronous and failed loads
+    exactly as :class:`Connector` does. It owns no :class:`HostTier` (``host_tier`` is
+    None: the machine's reset-and-reload of a scheduler-owned tier does not apply, an
+    engine's reset may drop its own tier) and offloads nothing.
+
+    Example: a request of 26 tokens whose 24-token prefix SGLang backed up and then
+    evicted from the device: device hit 0, ``external_tokens`` 24 (the engine's
+    ``host_hit``), and ``allocate_slots(2, 0, hit, num_external_computed_tokens=24)``
+    makes the engine load those 24 tokens itself."""
+
+    def __init__(
+        self,
+        engine: KVCacheEngine,
+        layout: KVCacheLayout,
+        mode: ServingMode,
+        on_load: LoadObserver | None = None,
+    ) -> None:
+        super().__init__(engine, layout, mode, None, None, on_load)  # type: ignore[arg-type]
+
+    def external_tokens(self, state: RequestView, device_tokens: int) -> int:
+        """What the engine's own tier would load past the device hit just looked up."""
+        return self.engine.host_hit(state.request_id)  # type: ignore[attr-defined]
+
+    def release(self, state: RequestView, processed: int) -> None:
+        """Nothing to offload: the engine backs its blocks up itself."""
+        self.loaded.pop(state.request_id, None)
+
+    def processed(self, state: RequestView, processed: int) -> None:
+        """Nothing to detach: the engine decides what enters its tier."""

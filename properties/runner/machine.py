@@ -97,6 +97,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.pool: tuple[tuple[int, ...], ...] = ()
         self.sent: list[Arrive] = []
+        #: requests this run aborted: one whose abort waits (tokens in flight, a load
+        #: not complete) stays among the scheduler's requests, but a trace names an
+        #: aborted request no more (``properties.core.trace``)
+        self.aborted: set[str] = set()
         self.tags: list[str] = []
         self.reach = Reach()
         # strategies of this run's layout, built once (building one per draw costs more
@@ -309,18 +313,28 @@ class KVCacheMachine(RuleBasedStateMachine):
         """Steps outnumber other operations, so requests make progress."""
         self.step(data)
 
-    @precondition(lambda self: self.run is not None and bool(self.run.scheduler.requests))
+    def _live(self, ids) -> list[str]:
+        """``ids`` without the requests this run aborted already (a deferred abort)."""
+        return [rid for rid in ids if rid not in self.aborted]
+
+    @precondition(
+        lambda self: self.run is not None and bool(self._live(self.run.scheduler.requests))
+    )
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
         assert self.run is not None
-        live = sorted(self.run.scheduler.requests)
-        self._apply(Abort(live[data.draw(st.integers(0, len(live) - 1), label="abort")]))
+        live = sorted(self._live(self.run.scheduler.requests))
+        rid = live[data.draw(st.integers(0, len(live) - 1), label="abort")]
+        self.aborted.add(rid)
+        self._apply(Abort(rid))
 
-    @precondition(lambda self: self.run is not None and bool(self.run.scheduler.running))
+    @precondition(
+        lambda self: self.run is not None and bool(self._live(self.run.scheduler.running))
+    )
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
         assert self.run is not None
-        running = self.run.scheduler.running
+        running = self._live(self.run.scheduler.running)
         self._apply(Preempt(running[data.draw(st.integers(0, len(running) - 1), label="preempt")]))
 
     @rule()

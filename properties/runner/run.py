@@ -41,7 +41,9 @@ from properties.core.engine import (
     CopiesBlocks,
     EngineError,
     ExposesDataPlane,
+    HostTransfer,
     KVCacheEngine,
+    OwnsHostTier,
     SupportsServingModes,
     UnsupportedLayoutError,
 )
@@ -158,7 +160,7 @@ class TraceRun:
             )
         self.mode = mode
         torch_on_one_thread()  # the engine's and the attention oracle's tensors are small
-        host_tier = connector_host_tier(layout, mode)
+        host_tier = connector_host_tier(layout, mode, built)
         # the engine's batched calls (commit_step, free_requests) are driven and compared,
         # except against a corpus case: it recorded the per-request calls, in their order
         make_lockstep = LockstepEngine if expected is not None else LockstepEngine.around
@@ -175,6 +177,8 @@ class TraceRun:
             host_tier=host_tier,
         )
         self.lockstep.checker.check_every_call = not at_boundaries
+        if self.attention is not None and isinstance(built, OwnsHostTier):
+            self.lockstep.on_host_transfers = self._on_host_transfers
         self.operations: list[Operation] = []
 
     def finish(self) -> None:
@@ -231,6 +235,16 @@ class TraceRun:
         table = self.lockstep.get_block_ids(state.request_id)
         try:
             self.attention.load(state.input, state.token_ids, table, start, end)
+        except AttentionMismatch as exc:
+            raise PropertyViolation("attention", str(exc)) from exc
+
+    def _on_host_transfers(self, transfers: list[HostTransfer]) -> None:
+        """The engine's own host tier copied blocks: the attention check's caches follow."""
+        from properties.checks.attention import AttentionMismatch
+
+        assert self.attention is not None
+        try:
+            self.attention.host_transfers(transfers)
         except AttentionMismatch as exc:
             raise PropertyViolation("attention", str(exc)) from exc
 

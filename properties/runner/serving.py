@@ -7,7 +7,9 @@ Parts (:class:`properties.core.modes.ServingMode`):
   synchronous rules and batching; the admission gate and the drafts hook are its own);
 * the connector: a :class:`properties.runner.connector.Connector` for ``external_hits``
   on a layout without a Mamba group (loaded Mamba states are not modelled: the mode then
-  runs without one), carrying the offload and load observers.
+  runs without one), carrying the offload and load observers; for an engine that owns
+  its host tier (``OwnsHostTier``) an
+  :class:`properties.runner.connector.EngineTierConnector`, which asks the engine.
 
 Example: ``make_scheduler(engine, layout, ServingMode(async_scheduling=True))`` is an
 ``AsyncScheduler`` without a connector; ``ServingMode(external_hits=True)`` on one full
@@ -17,19 +19,29 @@ layout.num_blocks`` blocks.
 
 from __future__ import annotations
 
-from properties.core.engine import KVCacheEngine
+from properties.core.engine import KVCacheEngine, OwnsHostTier
 from properties.core.modes import SYNC, ServingMode
 from properties.runner.async_scheduler import AsyncScheduler
-from properties.runner.connector import Connector, LoadObserver, OffloadObserver
+from properties.runner.connector import (
+    Connector,
+    EngineTierConnector,
+    LoadObserver,
+    OffloadObserver,
+)
 from properties.runner.scheduler import Scheduler, StepObserver, mamba_block_size
 from reference.host_tier import HostTier
 from reference.layout import KVCacheLayout
 
 
-def connector_host_tier(layout: KVCacheLayout, mode: ServingMode) -> HostTier | None:
+def connector_host_tier(
+    layout: KVCacheLayout, mode: ServingMode, engine: object = None
+) -> HostTier | None:
     """The host tier a KV connector of ``mode`` loads from: ``2 * num_blocks`` blocks for
-    ``external_hits`` on a layout without a Mamba group, else None (no connector). Made
+    ``external_hits`` on a layout without a Mamba group, else None (no connector); None
+    too for an ``engine`` that owns its host tier (its connector asks the engine). Made
     before the run so the scheduler's connector and the checks share it (X1)."""
+    if isinstance(engine, OwnsHostTier):
+        return None
     if mode.external_hits and mamba_block_size(layout) is None:
         return HostTier(layout, 2 * layout.num_blocks)
     return None
@@ -49,9 +61,13 @@ def make_scheduler(
     the connector's offloads and loads (unused without a connector); ``host_tier`` the
     connector's store (default: :func:`connector_host_tier`)."""
     if host_tier is None:
-        host_tier = connector_host_tier(layout, mode)
-    connector = None
+        host_tier = connector_host_tier(layout, mode, engine)
+    connector: Connector | None = None
     if host_tier is not None:
         connector = Connector(engine, layout, mode, host_tier, on_offload, on_load)
+    elif (
+        isinstance(engine, OwnsHostTier) and mode.external_hits and mamba_block_size(layout) is None
+    ):
+        connector = EngineTierConnector(engine, layout, mode)
     kind = AsyncScheduler if mode.async_scheduling else Scheduler
     return kind(engine, layout, mode, on_scheduled=on_scheduled, connector=connector)

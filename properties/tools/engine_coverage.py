@@ -314,7 +314,7 @@ BASELINE_HEADER = (
     "# kvconform engine coverage baseline: branches allowed to stay unreached.\n"
     "# where<TAB>function<TAB>source<TAB>target[<TAB>reason]; matched without line numbers.\n"
     "# reason: why the branch is out of the adapter's reach ('kind — detail'; the report counts\n"
-    "# kinds); 'open gap' (or none): reachable by the adapter's calls, not reached.\n"
+    "# kinds); 'open gap' (or none, or 'open gap — why'): reachable, not reached.\n"
 )
 #: The reason of a listed branch the adapter's calls can reach but the run did not.
 OPEN_GAP = "open gap"
@@ -387,15 +387,23 @@ def assign_reasons(result: EngineCoverage, reasons: dict[tuple[str, ...], list[s
     return out
 
 
+def is_open_gap(reason: str) -> bool:
+    """Whether a baseline reason leaves its branch an open gap: none, :data:`OPEN_GAP`,
+    or an open gap with its detail (``open gap — why the adapter does not reach it``).
+    Example: ``is_open_gap("open gap — one rank")`` is True, ``is_open_gap("error path —
+    a raise")`` False."""
+    return reason.split(DETAIL)[0].strip() in ("", OPEN_GAP)
+
+
 def out_of_reach(
     result: EngineCoverage, reasons: dict[tuple[str, ...], list[str]]
 ) -> list[tuple[Branch, str]]:
     """The unreached branches ``reasons`` classifies as out of the adapter's reach (a
-    reason other than :data:`OPEN_GAP`), with their reasons."""
+    reason that is not an open gap, :func:`is_open_gap`), with their reasons."""
     return [
         (u, r)
         for u, r in zip(result.unreached, assign_reasons(result, reasons))
-        if r not in ("", OPEN_GAP)
+        if not is_open_gap(r)
     ]
 
 
@@ -406,7 +414,8 @@ def reach_lines(result: EngineCoverage, reasons: dict[tuple[str, ...], list[str]
 
     Worked example: 840 branches, 322 unreached, 293 of them classified (HiSparse,
     error paths, ...) and 29 open gaps (no reason, or ``open gap``): reachable
-    840 - 293 = 547, reached 547 - 29 = 518, ``94.7% of 547``.
+    840 - 293 = 547, reached 547 - 29 = 518, ``94.7% of 547``. Open gaps whose reason
+    says why (``open gap — kind: detail``) are counted by that kind after the others.
     """
     outside = out_of_reach(result, reasons)
     reachable = result.branches - len(outside)
@@ -418,6 +427,15 @@ def reach_lines(result: EngineCoverage, reasons: dict[tuple[str, ...], list[str]
     ]
     for reason, n in Counter(r.split(DETAIL)[0] for _, r in outside).most_common():
         lines.append(f"  {n:>4}  {reason}")
+    why = Counter(
+        r.split(DETAIL, 1)[1].split(":")[0]
+        for r in assign_reasons(result, reasons)
+        if DETAIL in r and is_open_gap(r)
+    )
+    if why:
+        lines.append("open gaps by reason (reachable on CPU, not driven):")
+        for reason, n in why.most_common():
+            lines.append(f"  {n:>4}  {reason}")
     return lines
 
 

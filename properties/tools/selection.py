@@ -123,6 +123,7 @@ def with_skips(config, selection: CheckSelection):
 DECLARATION_ONLY_CHECKS: dict[str, tuple[str, str]] = {
     "external_hit_bounds": ("external", "external hits need the 'external' setting"),
     "external_load_exclusive": ("external", "external hits need the 'external' setting"),
+    "host_hit_content": ("external", "external hits need the 'external' setting"),
     "in_flight_reads_held": ("serving_modes", "asynchronous steps need the serving calls"),
     "committed_blocks_verified": ("serving_modes", "cache_blocks is a serving call"),
 }

@@ -119,7 +119,7 @@ def test_runs_agree_with_the_slot_by_slot_rules(shared_pool, ops, seed) -> None:
                 assert shadow.read(gid, block, offset) == model.read(gid, block, offset)
         for prefix in PREFIXES:
             assert shadow.blocks_ending(gid, prefix) == model.ending(gid, prefix)
-        for block in BLOCKS:  # a block's copy (what a copy-on-write copies)
+        for block in BLOCKS:  # a block's copy (what a host tier's write or a copy-on-write keeps)
             key = block if shared_pool else (gid, block)
             assert shadow.block(gid, block) == model.slots.get(key, {})
     rng = random.Random(seed)

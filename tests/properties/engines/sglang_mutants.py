@@ -20,6 +20,33 @@ Test fixtures, not part of the package; they need SGLang (``.engines/sglang``).
   fits the pages left is refused (``allocation_fits_per_pool``). Its branch, the
   allocator's own refusal, was unreached while the adapter pre-checked SGLang's budget.
 
+HiCache (issue 39; the adapter builds SGLang's host tier for five layouts in six):
+
+* ``load_back_order``: ``FullComponent.build_hicache_transfers`` gathers the host pages
+  of a load-back leaf first and forgets to turn them root first (``backed_up.reverse()``
+  dropped) while the nodes it names stay root first: a path of two or more host-only
+  nodes is loaded with each node's pages swapped, so the request reads another part of
+  its prefix (``host_hit_content``, X3).
+* ``host_pages_leaked``: ``FullComponent.free_host_values`` drops the host pages of the
+  leaves the host tier evicts instead of freeing them (the host allocator never gets them
+  back): the host pool loses them (``host_pool_accounting``, X4).
+* ``backup_unlocked``: ``UnifiedRadixCache._execute_and_commit_kv_backup`` queues a
+  write-through backup without locking the node (``lock_params = None``): until the next
+  flush the node can be evicted and its device pages handed to another request, whose KV
+  the queued copy then reads (``host_transfers_pinned``, X5).
+
+* ``write_back_dropped``: ``UnifiedRadixCache._evict_components`` treats a write-back
+  backup that succeeded as failed (``if written > 0:`` -> ``if written < 0:``) and drops
+  the subtree instead of demoting it: the host pages the backup took are no longer any
+  node's (``host_pool_accounting``, X4).
+
+Sessions (``--enable-session-radix-cache``, one layout in two):
+
+* ``session_leaf_kept``: ``TreeComponent.discard_deleted_session_leaf`` forgets to
+  unindex a session leaf that eviction deleted: SGLang's own idle self-check
+  (``sanity_check``, which the adapter deploys) finds the session indexing an
+  unreachable leaf, an engine error.
+
 Each mutation rewrites one line of the method's source at run time and is applied once
 per process, when the factory first builds an engine (:mod:`tests.properties.engines.line_mutants`).
 
@@ -60,6 +87,41 @@ MUTATIONS = {
         "return x.id",
         "return None",
     ),
+    "load_back_order": (
+        "sglang.srt.mem_cache.unified_cache.components.full",
+        "FullComponent",
+        "build_hicache_transfers",
+        "backed_up.reverse()",
+        "pass",
+    ),
+    "host_pages_leaked": (
+        "sglang.srt.mem_cache.unified_cache.components.full",
+        "FullComponent",
+        "free_host_values",
+        "self.cache.host_pool_group.free(host_value, pool=PoolName.KV)",
+        "pass",
+    ),
+    "backup_unlocked": (
+        "sglang.srt.mem_cache.unified_radix_cache",
+        "UnifiedRadixCache",
+        "_execute_and_commit_kv_backup",
+        "lock_params = self.inc_lock_ref(node_id).to_dec_params()",
+        "lock_params = None",
+    ),
+    "write_back_dropped": (
+        "sglang.srt.mem_cache.unified_radix_cache",
+        "UnifiedRadixCache",
+        "_evict_components",
+        "if written > 0:",
+        "if written < 0:",
+    ),
+    "session_leaf_kept": (
+        "sglang.srt.mem_cache.unified_cache.components.base",
+        "TreeComponent",
+        "discard_deleted_session_leaf",
+        "self._unmark_session_leaf(session_id, node)",
+        "pass",
+    ),
     "extend_page_slack": (
         "sglang.srt.mem_cache.allocator.swa",
         "SWATokenToKVPoolAllocator",
@@ -78,10 +140,16 @@ def mutated(name: str) -> tuple[type, str, Callable]:
 
 
 def _factory(name: str) -> Callable:
-    return mutant_factory(name, mutated, adapter.make_engine, ("layout_strategy",))
+    attributes = ("layout_strategy", "production_settings", "spec_types")
+    return mutant_factory(name, mutated, adapter.make_engine, attributes)
 
 
 make_decode_mapping = _factory("decode_mapping")
 make_swa_release_twice = _factory("swa_release_twice")
 make_swa_leaf_kept = _factory("swa_leaf_kept")
 make_extend_page_slack = _factory("extend_page_slack")
+make_load_back_order = _factory("load_back_order")
+make_host_pages_leaked = _factory("host_pages_leaked")
+make_backup_unlocked = _factory("backup_unlocked")
+make_write_back_dropped = _factory("write_back_dropped")
+make_session_leaf_kept = _factory("session_leaf_kept")

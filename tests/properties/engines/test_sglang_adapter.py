@@ -361,11 +361,12 @@ def test_odd_requests_publish_their_prefix_after_prefill_and_release_the_swa_loc
     engine.free("B")
 
 
-def _check_mutant(name: str) -> str:
-    """``kvconform check --only invariants`` against mutant ``name`` (100 examples, the
-    small tier, in process; the run stops at the first failure): its output. The example
-    each is caught at is printed by the run (the stream depends on the bound: with the SWA
-    pool smaller in some layouts, 20 or 40 examples miss the first two)."""
+def _check_mutant(name: str, only: str = "invariants") -> str:
+    """``kvconform check --only ONLY`` against mutant ``name`` (100 examples, the small
+    tier, in process; the run stops at the first failure): its output. The example each
+    is caught at is printed by the run (the stream depends on the bound: with the SWA
+    pool smaller in some layouts, 20 or 40 examples miss the first two). Load-backs
+    happen in the serving modes with external hits: the ``production`` property."""
     import os
     import subprocess
     import sys
@@ -374,7 +375,7 @@ def _check_mutant(name: str) -> str:
         sys.executable, "-W", "ignore", "-m", "properties.tools.cli", "check",
         "--engine", f"tests.properties.engines.sglang_mutants:make_{name}",
         "--isolation", "none", "--level", "universal", "--profile", "ci",
-        "--only", "invariants", "--max-examples", "100", "--tiers", "none",
+        "--only", only, "--max-examples", "100", "--tiers", "none",
         "--workers", "1", "--shrink-seconds", "5",
     ]  # fmt: skip
     # torch's own thread count: the forked run worker settles it (properties.core.forked)
@@ -385,8 +386,14 @@ def _check_mutant(name: str) -> str:
 
 
 def test_the_gate_catches_the_decode_mapping_mutant():
-    """A page shared by two requests' SWA rows is written by both: exclusive_write."""
-    assert "first failure [exclusive_write]" in _check_mutant("decode_mapping")
+    """A page shared by two requests' SWA rows is written by both: exclusive_write; or,
+    first, loaded into while the other holds it (X2, external_load_exclusive: the reach
+    case ``sglang-staged-storage-prefetch`` loads a prefix back beside a decoding
+    request)."""
+    out = _check_mutant("decode_mapping")
+    assert any(
+        f"first failure [{c}]" in out for c in ("exclusive_write", "external_load_exclusive")
+    )
 
 
 def test_the_gate_catches_the_swa_released_twice_mutant():
@@ -463,6 +470,9 @@ def test_a_short_swa_pool_evicts_an_unlocked_leaf_whole(monkeypatch, mutant):
         ]
         prefill(engine, "A", a)
         engine.free("A")
+        # B's step begins: a host tier acknowledges A's write-through backup here and
+        # unlocks A's pages (the layout of 20 pages is deployed with one)
+        engine.new_step()
         engine.add_request(RequestInput("B", tuple(range(200, 216))))
         assert engine.get_computed_blocks("B").num_tokens == 0
         new = engine.allocate_slots("B", 16)
@@ -573,3 +583,33 @@ def test_the_gate_catches_the_extend_page_slack_mutant():
     """An extend that exactly fits the pages left is refused: allocation_fits_per_pool
     (the refusal branch of ``alloc_extend`` is reached since SGLang's allocator answers)."""
     assert "first failure [allocation_fits_per_pool]" in _check_mutant("extend_page_slack")
+
+
+def test_the_gate_catches_the_load_back_order_mutant():
+    """Host pages of a multi-node load-back land on the wrong nodes: a request served
+    from the host tier reads another part of its prefix (X3)."""
+    assert "first failure [host_hit_content]" in _check_mutant("load_back_order", "production")
+
+
+def test_the_gate_catches_the_host_pages_leaked_mutant():
+    """Host eviction drops the host pages of the leaves it evicts: the host pool's free
+    and held pages no longer add up (X4)."""
+    assert "first failure [host_pool_accounting]" in _check_mutant("host_pages_leaked")
+
+
+def test_the_gate_catches_the_backup_unlocked_mutant():
+    """A queued write-through backup's node is left unlocked: its pages count as
+    reclaimable while the backup still reads them (X5)."""
+    assert "first failure [backed_up_blocks_not_free]" in _check_mutant("backup_unlocked")
+
+
+def test_the_gate_catches_the_write_back_dropped_mutant():
+    """A write-back backup that succeeded is treated as failed and its subtree dropped:
+    SGLang's own assertion on the dropped subtree fails, an engine error."""
+    assert "first failure [EngineError]" in _check_mutant("write_back_dropped")
+
+
+def test_the_gate_catches_the_session_leaf_kept_mutant():
+    """A session leaf deleted by eviction stays indexed: closing the session (its last
+    request leaves) trips SGLang's own assertion on the stale index, an engine error."""
+    assert "first failure [EngineError]" in _check_mutant("session_leaf_kept", "production")

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def test_first_failure_is_saved_and_announced_before_shrinking(tmp_path) -> None:
     info = MUTANT_INFO["salt_ignored"]
-    # the drawn examples' first failure (a reach corpus case may meet the mutant first:
-    # tests/properties/runner/test_reach.py covers that one)
+    # the first failure of a drawn example (the reach corpus's session case catches the
+    # mutant first, before any example is drawn)
     config = CheckConfig(
         engine=info.target, level="universal", failure_dir=str(tmp_path), reach_corpus=False
     )

@@ -28,6 +28,7 @@ from properties.tools.engine_coverage import (
     FunctionRow,
     first_reached,
     format_engine_coverage,
+    is_open_gap,
     reach_lines,
     read_baseline,
     read_reasons,
@@ -210,6 +211,33 @@ def test_reasons_split_the_reachable_branches_from_the_out_of_reach_ones(tmp_pat
         ("m.py", "f", "if b:", "y = 1"): ["open gap"],
         ("m.py", "f", "if b:", "y = 2"): [""],
     }
+
+
+def test_an_open_gap_may_say_why_and_is_counted_by_that_reason(tmp_path) -> None:
+    # 10 branches, 3 unreached: one out of reach (GPU only), two open gaps that say why
+    # (one kind, "one rank"): reachable 10 - 1 = 9, reached 9 - 2 = 7 (77.8%)
+    unreached = (
+        _branch(3, 4, "x = 1"),
+        _branch(5, 6, "y = 1", "if tp > 1:"),
+        _branch(7, 8, "z = 1", "if pp > 1:"),
+    )
+    result = EngineCoverage((FunctionRow("m.py", "f", 10, 3),), unreached)
+    path = tmp_path / "b.txt"
+    path.write_text(
+        "m.py:3->4\tf\tif a:\tx = 1\tout of reach on CPU — a CUDA kernel\n"
+        "m.py:5->6\tf\tif tp > 1:\ty = 1\topen gap — one rank: tensor parallel\n"
+        "m.py:7->8\tf\tif pp > 1:\tz = 1\topen gap — one rank: pipeline parallel\n"
+    )
+    assert is_open_gap("open gap — one rank: tp") and is_open_gap("") and is_open_gap("open gap")
+    assert not is_open_gap("error path — a raise")
+    lines = reach_lines(result, read_reasons(str(path)))
+    assert lines == [
+        "adapter-reachable branch coverage: 77.8% of 9 branches "
+        "(2 open gaps; 1 unreached branches out of the adapter's reach)",
+        "     1  out of reach on CPU",
+        "open gaps by reason (reachable on CPU, not driven):",
+        "     2  one rank",
+    ]
 
 
 def test_two_branches_with_the_same_lines_take_their_reasons_in_line_order(tmp_path) -> None:
