@@ -18,9 +18,10 @@ from properties.core.engine import load_engine_factory
 from properties.engines.under_test import resolve_engine
 from properties.mutants.optimized_mutants import OPTIMIZED_MUTANT_INFO, OPTIMIZED_MUTANTS
 from properties.mutants.reference_mutants import MUTANT_INFO, MUTANTS, MutantInfo
-from properties.runner.check import run_property
+from properties.runner.check import config_for, failed_check, run_property
 from properties.runner.config import CheckConfig
 from properties.runner.profiles import tier_examples
+from properties.runner.reach import load_reach_corpus, replay_reach
 from properties.tools.bench.suite import DETECTION_EXAMPLES, detection_settings, run_machine
 
 #: Mutant -> why the ci detection run misses it: a gap in the suite's reach, not in
@@ -49,6 +50,26 @@ CI_ESCAPES: dict[str, str] = {
         "test_delay_cache_ignored_is_caught_after_a_failed_load, "
         "test_delay_cache_ignored_is_caught_exactly)"
     ),
+    "mamba_checkpoint_unkeyed": (
+        "needs a prefill checkpoint block on a Mamba group without partial hits whose key "
+        "the exact level meets; since partial hits, three Mamba layouts in four of the "
+        "production stream are partial and the ci stream meets none (the reach corpus case "
+        "mamba-checkpoint-keyed-for-a-sibling catches it: "
+        "test_the_reach_corpus_catches_what_the_stream_misses)"
+    ),
+    "mamba_none_without_draft_slots": (
+        "needs mode 'none' with speculative blocks and a decode that allocates its draft "
+        "slots; since partial hits the ci stream draws no such step (the reach corpus "
+        "case mamba-none-draft-slots catches it: "
+        "test_the_reach_corpus_catches_what_the_stream_misses)"
+    ),
+}
+
+#: Mutants of CI_ESCAPES that ``kvconform check`` still catches before it draws: the
+#: reach corpus case that meets each (:mod:`properties.runner.reach`).
+CAUGHT_BY_THE_CORPUS: dict[str, str] = {
+    "mamba_checkpoint_unkeyed": "mamba-checkpoint-keyed-for-a-sibling",
+    "mamba_none_without_draft_slots": "mamba-none-draft-slots",
 }
 
 
@@ -92,6 +113,23 @@ def test_mutant_is_caught(name: str, tmp_path) -> None:
     assert row.check in info.caught_by, (
         f"{name} failed for another reason than {sorted(info.caught_by)}: {row.check}"
     )
+
+
+@pytest.mark.parametrize("name", sorted(CAUGHT_BY_THE_CORPUS))
+def test_the_reach_corpus_catches_what_the_stream_misses(name: str, tmp_path) -> None:
+    """``kvconform check`` replays the reach corpus before it draws: the mutant fails
+    there, on its case, with a check its catalogue names."""
+    info = MUTANT_INFO[name]
+    config = CheckConfig(engine=info.target, level=info.level, failure_dir=str(tmp_path))
+    engine = resolve_engine(info.target, isolation="none")
+    result = run_property(info.prop, config, detection_settings("ci", 1), None, engine, 0)
+    assert not result.passed and result.first is not None and result.examples == 0
+    assert result.first.case is not None  # a case, maybe an earlier one than ours
+    assert result.check in info.caught_by, result.failure
+    # the case written for it catches it on its own
+    case = next(c for c in load_reach_corpus() if c.name == CAUGHT_BY_THE_CORPUS[name])
+    alone = replay_reach(info.prop, config_for(info.prop, config), engine, [case])
+    assert alone.failed is case and failed_check(alone.error) in info.caught_by
 
 
 @pytest.mark.parametrize("prop", ["invariants", "production"])
