@@ -12,7 +12,10 @@ SIGINT and SIGHUP and are ended by their parent (:mod:`properties.tools.parallel
 A signal that arrives while Python runs a garbage-collection callback or a finalizer
 (``__del__``, a weakref callback) cannot stop anything there: Python prints "Exception
 ignored" and drops the exception. The handler sees it (:func:`_in_swallowing_frame`) and
-delivers the signal again a moment later, outside that code, so the stop is never lost.
+delivers the signal again a moment later, outside that code. Where the frames do not
+show it (a weakref callback of any other name, a C-level finalizer calling Python), the
+dropped :class:`Stopped` reaches ``sys.unraisablehook``, which re-arms the handler and
+delivers the signal again the same way: the stop is never lost.
 
 Exit code of a stopped command (:func:`stopped_exit_code`): the failure found so far
 when there is one (1 a property failed, 3 the engine broke the protocol, ...), else 129
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import signal
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -95,20 +99,40 @@ def stop_on_signals() -> Iterator[None]:
         return
     fired: list[int] = []
 
+    main = threading.main_thread().ident
+
+    def redeliver(signum: int) -> None:
+        # to the main thread itself: a blocking call there (a sleep, a wait on a
+        # worker) is interrupted, as by the first delivery; raised in the timer's
+        # thread, the signal would wait for the main thread's next bytecode
+        timer = threading.Timer(REDELIVER_S, signal.pthread_kill, (main, signum))
+        timer.daemon = True
+        timer.start()
+
     def handler(signum, frame) -> None:
         if fired:
             return  # winding down already
         if _in_swallowing_frame(frame):  # raised here, the stop would be dropped
-            timer = threading.Timer(REDELIVER_S, signal.raise_signal, (signum,))
-            timer.daemon = True
-            timer.start()
+            redeliver(signum)
             return
         fired.append(signum)
         raise Stopped(signum)
 
+    previous_hook = sys.unraisablehook
+
+    def unraisable(info) -> None:
+        """Python dropped our Stopped (a finalizer the frames did not show): again."""
+        if isinstance(info.exc_value, Stopped) and info.exc_value.signum in fired:
+            fired.remove(info.exc_value.signum)
+            redeliver(info.exc_value.signum)
+            return
+        previous_hook(info)
+
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    sys.unraisablehook = unraisable
     try:
         yield
     finally:
+        sys.unraisablehook = previous_hook
         for s, h in previous.items():
             signal.signal(s, h)

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -310,6 +311,33 @@ def test_a_stop_signal_inside_a_gc_callback_still_stops_the_run():
     finally:
         gc.callbacks.remove(slow_callback)
     assert stopped.value.signum == signal.SIGTERM
+
+
+def test_a_stop_signal_inside_a_weakref_callback_still_stops_the_run():
+    """A weakref callback the frames do not show as a finalizer (any name, any module):
+    Python drops the Stopped raised there and hands it to ``sys.unraisablehook``, which
+    delivers the signal again outside it (found as a rare CI failure of the gc test
+    above: a collection ran such a callback when the signal came)."""
+    inside = threading.Event()
+
+    class Thing:
+        pass
+
+    def on_collected(_ref) -> None:
+        inside.set()
+        time.sleep(1.0)  # the signal arrives here
+
+    def send() -> None:
+        inside.wait(30)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thing = Thing()
+    ref = weakref.ref(thing, on_collected)
+    with pytest.raises(Stopped) as stopped, stop_on_signals():
+        threading.Thread(target=send, daemon=True).start()
+        del thing  # the callback runs now, in this thread
+        time.sleep(30)  # the stop must interrupt this, not be lost in the callback
+    assert stopped.value.signum == signal.SIGTERM and ref() is None
 
 
 # ---------------------------------------------------------------------------
