@@ -23,9 +23,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import combinations
+from typing import TYPE_CHECKING
 
 from properties.core.modes import ServingMode
 from reference.layout import KVCacheLayout, draft_token_limit
+
+if TYPE_CHECKING:
+    from properties.engines.under_test import EngineUnderTest
 
 #: The features that are not group types, in the order tables list them.
 MODE_FEATURES: tuple[str, ...] = (
@@ -161,6 +165,20 @@ class Declared:
     serving_modes: bool
     spec_types: tuple[str, ...] | None
     removed: Mapping[frozenset[str], str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, engine: EngineUnderTest, serving_modes: bool) -> Declared:
+        """What ``engine`` declares (``serving_modes``: whether the built engine takes the
+        serving-mode calls). Example: an engine with production settings ``{"retention"}``,
+        spec types ``("full",)`` and a known divergence on ``("async",)`` gives
+        ``Declared(frozenset({"retention"}), serving_modes, ("full",),
+        {frozenset({"async"}): name})``."""
+        return cls(
+            frozenset(engine.production_settings),
+            serving_modes,
+            tuple(engine.spec_types),
+            {frozenset(d.features): d.name for d in engine.known_divergences if d.features},
+        )
 
     def removed_by(self, pair: tuple[str, str]) -> str | None:
         """The known divergence that removes every layout of ``pair`` (one of its features,

@@ -123,7 +123,7 @@ def runnable_cases(
 ) -> list[ReachCase]:
     """The cases ``engine`` can run: every feature of the case's layout and mode declared
     (``serving_calls``: whether the built engine offers the serving-mode calls)."""
-    declared = Declared(frozenset(engine.production_settings), serving_calls, engine.spec_types)
+    declared = Declared.of(engine, serving_calls)
     kept = []
     for case in cases:
         if any(declared.supports(f) is not None for f in case.features()):

@@ -397,12 +397,7 @@ def format_pair_reach(results, engine) -> list[str]:
     for r in results:
         for pair, n in (getattr(r, "pairs", None) or {}).items():
             counts[pair] = counts.get(pair, 0) + n
-    declared = Declared(
-        frozenset(engine.production_settings),
-        any(getattr(r, "serving_calls", False) for r in results),
-        tuple(engine.spec_types),
-        {frozenset(d.features): d.name for d in engine.known_divergences if d.features},
-    )
+    declared = Declared.of(engine, any(getattr(r, "serving_calls", False) for r in results))
     return pair_table(counts, declared)
 
 
@@ -483,7 +478,7 @@ def _replay(args: argparse.Namespace, trace, config, engine) -> int:
     from properties.runner.pairs import Declared
 
     # a group type the engine does not declare (R-SWA and rings: their production setting)
-    declared = Declared(frozenset(engine.production_settings), True, engine.spec_types)
+    declared = Declared.of(engine, True)
     types = {s.type_name for s in trace.layout.specs}
     unsupported = sorted(t for t in types if declared.supports(t) is not None)
     if unsupported:

@@ -427,7 +427,7 @@ def test_production_draws_reach_every_pair_the_reference_supports() -> None:
         count_pairs(counts, features(layout, mode))
 
     draw()
-    declared = Declared(frozenset(engine.production_settings), True, engine.spec_types)
+    declared = Declared.of(engine, True)
     missed = [p for p in all_pairs() if pair_status(p, counts, declared) == "MISSED"]
     assert missed == []
     assert counts[("async", "load-failures")] > 0 and counts[("drafts", "external-hits")] > 0

@@ -144,3 +144,29 @@ def test_pairs_a_known_divergence_removes_are_excluded_by_it() -> None:
         "excluded: lookahead hashes turn the EAGLE drop off"
     )
     assert declared.removed_by(("full", "async")) is None
+
+
+def test_declared_of_an_engine_reads_its_declarations() -> None:
+    from properties.core.engine import KnownDivergence
+    from properties.engines.under_test import EngineUnderTest
+
+    divergence = KnownDivergence(
+        "no-async", "leaks under async", "findings/x.md", lambda layout: False, ("async",)
+    )
+    silent = KnownDivergence("other", "a layout quirk", "findings/y.md", lambda layout: False)
+    engine = EngineUnderTest(
+        "pkg:make",
+        lambda layout: None,
+        spec_types=("full", "sliding_window"),
+        known_divergences=(divergence, silent),
+        production_settings=frozenset({"retention"}),
+    )
+    declared = Declared.of(engine, False)
+    assert declared == Declared(
+        frozenset({"retention"}),
+        False,
+        ("full", "sliding_window"),
+        {frozenset({"async"}): "no-async"},
+    )
+    assert declared.removed_by(("async", "full")) == "no-async"
+    assert declared.supports("mamba") is not None
