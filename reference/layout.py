@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from reference.errors import InvalidLayoutError, InvalidSpecError
 from reference.retention import validate_retention_interval
@@ -146,7 +147,7 @@ class KVCacheLayout:
             )
         _check_mamba_groups(self)
 
-    @property
+    @cached_property
     def drop_eagle_group_ids(self) -> frozenset[int]:
         """Groups whose hits drop their last block: with ``use_eagle`` and no lookahead
         hashes, the flagged EAGLE groups, or every group when none is flagged."""
@@ -155,20 +156,20 @@ class KVCacheLayout:
         flagged = frozenset(i for i, g in enumerate(self.groups) if g.is_eagle_group)
         return flagged or frozenset(range(len(self.groups)))
 
-    @property
+    @cached_property
     def specs(self) -> tuple[KVCacheSpec, ...]:
         return tuple(g.spec for g in self.groups)
 
-    @property
+    @cached_property
     def block_sizes(self) -> tuple[int, ...]:
         return tuple(g.spec.block_size for g in self.groups)
 
-    @property
+    @cached_property
     def scheduler_block_size(self) -> int:
         """``lcm`` of the group block sizes: hit lengths are multiples of it (hybrid)."""
         return math.lcm(*self.block_sizes)
 
-    @property
+    @cached_property
     def hash_block_size(self) -> int:
         """Token granularity of block hashes.
 
@@ -184,7 +185,7 @@ class KVCacheLayout:
         cacheable = [s.block_size for s in self.specs if s.prefix_cacheable]
         return math.gcd(*(cacheable or self.block_sizes))
 
-    @property
+    @cached_property
     def partial_hits_enabled(self) -> bool:
         """Whether hits may end inside a block (partial, sub-block hits; vLLM 0.33's
         ``enable_partial_hash_hits``): several groups with prefix caching, a Mamba group
@@ -208,7 +209,7 @@ class KVCacheLayout:
         )
         return mamba_coarse and others_ok
 
-    @property
+    @cached_property
     def cache_hit_alignment(self) -> int:
         """Hit lengths are multiples of this: the LCM of the group block sizes (the
         block size itself with one group), or the hash block size when partial hits are

@@ -591,8 +591,9 @@ def committed_blocks_verified(state: CheckState, event: CommitEvent) -> str | No
     registering it for 12 tokens would serve the rejected draft's KV at position 11 to
     every later hit (``tests/properties/checks/test_allocation_estimate.py``).
 
-    At the large tiers it runs at the step boundary (one O(pool) read of the cached blocks
-    for every commit of the step, :meth:`properties.checks.checker.Checker.on_commit`),
+    At the large tiers it runs at the step boundary (one O(pool) read of the cached blocks,
+    indexed by block, for every commit of the step, each commit looking up its own blocks:
+    :meth:`properties.checks.checker.Checker.on_commit`),
     on the table and token count the request had at its commit: until the next step
     starts, no allocation runs, so no block is evicted (the cached blocks only grow) and
     no block the request holds is written.
@@ -616,10 +617,8 @@ def committed_blocks_verified(state: CheckState, event: CommitEvent) -> str | No
         return None
     req.refresh_ids()
     known = len(req.ids) if event.num_request_tokens is None else event.num_request_tokens
-    for cb in state.cached_blocks():
-        index = where.get((cb.group_id, cb.block_id))
-        if index is None:
-            continue
+    cached = state.cached_by_block()
+    for cb, index in ((cb, i) for key, i in where.items() for cb in cached.get(key, ())):
         bs = state.layout.groups[cb.group_id].spec.block_size
         first, end = index * bs, min(cb.num_tokens, (index + 1) * bs)
         if end > known:

@@ -215,6 +215,20 @@ class CheckState:
     def cached_blocks(self) -> list:
         return self._read("cached_blocks", lambda: list(self.engine.cached_blocks()))
 
+    def cached_by_block(self) -> dict[tuple[int, int], list]:
+        """:meth:`cached_blocks` by ``(group_id, block_id)``, each key's entries in its
+        order (a block may be cached under two keys: a partial hit's secondary key), read
+        once like it. Example: ``[CachedBlock(7, 0, 4), CachedBlock(7, 0, 6)]`` ->
+        ``{(0, 7): [both]}``."""
+
+        def index() -> dict[tuple[int, int], list]:
+            by_block: dict[tuple[int, int], list] = {}
+            for cb in self.cached_blocks():
+                by_block.setdefault((cb.group_id, cb.block_id), []).append(cb)
+            return by_block
+
+        return self._read("cached_by_block", index)
+
     def pools(self) -> tuple[PoolUsage, ...]:
         return self._read("pools", lambda: tuple(self.engine.pool_usage()))
 
