@@ -115,6 +115,7 @@ from properties.core.modes import PRODUCTION_SETTINGS
 from reference.block_metrics import BlockLifecycles
 from reference.connector_blocks import blocks_covering
 from reference.layout import KVCacheLayout
+from reference.managers.base import num_skipped_hit_blocks
 from reference.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -845,7 +846,19 @@ class VLLMEngine:
             for g, (old, row) in enumerate(zip(before, after))
         )
         self._added.append(added)
-        self._lifecycles.adopted(b for row in hit_rows for b in row if b)
+        # vLLM touches a hit's blocks past each group's skip boundary at the local and
+        # external computed tokens: external tokens can move it past a window's hit blocks
+        external = num_external_computed_tokens
+        self._lifecycles.adopted(
+            b
+            for g, row in enumerate(hit_rows)
+            for b in row[
+                num_skipped_hit_blocks(
+                    self.layout.groups[g].spec, num_new_computed_tokens, external
+                ) :
+            ]
+            if b
+        )
         self._lifecycles.handed_out(b for row in added for b in row)
         if hit is not None:
             # vLLM's scheduler records the lookup at admission (allocation succeeded)

@@ -97,6 +97,20 @@ def blocks_to_allocate(
     return num_new + copy + sum(1 for b in hit_blocks[skip_in_hits:] if evictable(b))
 
 
+def num_skipped_hit_blocks(
+    spec: KVCacheSpec, num_local_computed_tokens: int, num_external_computed_tokens: int
+) -> int:
+    """Leading blocks a first allocation pads with nulls: the group's skip boundary at
+    ``local + external`` computed tokens, in blocks. The hit blocks before it are never
+    adopted (not touched, no access of theirs counted); the rest are. Example: SWA w 4,
+    bs 2, a 6-token local hit ``[n, 3, 4]`` (``n`` null) and 4 external tokens: 10
+    computed, ``10 - 4 + 1 = 7`` tokens skipped, ``7 // 2 = 3`` blocks (blocks 3 and 4
+    stay free and cached; the table starts with 3 nulls); without the external tokens
+    ``3 // 2 = 1``: ``[3, 4]`` adopted."""
+    total = num_local_computed_tokens + num_external_computed_tokens
+    return spec.num_skipped_tokens(total) // spec.block_size
+
+
 def has_partial_local_hit(
     hit_blocks: Sequence[Block], num_local_computed_tokens: int, block_size: int
 ) -> bool:
@@ -273,8 +287,9 @@ class SingleTypeKVCacheManager(ManagerBase):
         (module docstring): that block's index counts as the cached ones' end."""
         blocks = self.blocks_of(request_id)
         assert not blocks, f"request {request_id} already has blocks in group {self.group_id}"
-        total = num_local_computed_tokens + num_external_computed_tokens
-        skipped = self.spec.num_skipped_tokens(total) // self.block_size
+        skipped = num_skipped_hit_blocks(
+            self.spec, num_local_computed_tokens, num_external_computed_tokens
+        )
         kept = list(new_computed_blocks[skipped:])
         if self.enable_caching:  # pragma: no branch - no hits to adopt without caching
             self.block_pool.touch(kept)

@@ -327,3 +327,15 @@ def test_cached_blocks_reports_group_and_tokens() -> None:
         CachedBlock(1, 0, 2),
         CachedBlock(2, 0, 4),
     ]
+
+
+def test_external_tokens_move_the_skip_boundary_past_a_window_s_hit_blocks() -> None:
+    from reference.managers.base import num_skipped_hit_blocks
+
+    window = SlidingWindowSpec(block_size=2, sliding_window=4)
+    # local 6 (hit [null, 3, 4]): skipped max(0, 6 - 4 + 1) = 3 tokens -> 1 block
+    assert num_skipped_hit_blocks(window, 6, 0) == 1
+    # 4 external tokens more: 10 computed, skipped 7 tokens -> 3 blocks: the hit's
+    # blocks 3 and 4 (indexes 1 and 2) are never adopted
+    assert num_skipped_hit_blocks(window, 6, 4) == 3
+    assert num_skipped_hit_blocks(FullAttentionSpec(block_size=2), 6, 4) == 0
