@@ -1,8 +1,10 @@
-"""SGLang 0.5.23 adapter: ``UnifiedRadixCache(FULL, SWA)`` behind the engine protocol.
+"""SGLang 0.5.23 adapter: ``UnifiedRadixCache(FULL, SWA, MAMBA)`` behind the engine protocol.
 
-Scope: layouts of exactly one full-attention group and one sliding-window group with
-the same block size ``bs`` in {1, 2, 4}; ``bs`` becomes SGLang's page size. Anything
-else raises :class:`EngineError` naming the layout. Two factories pick the tree core:
+Scope: layouts of one full-attention group with a sliding-window group, a Mamba group
+or both (SGLang's hybrid SWA models, its hybrid linear-attention models, and both); the
+attention groups share one block size ``bs`` in {1, 2, 4}, which becomes SGLang's page
+size; a Mamba group is bridged as note 10 says. Anything else raises
+:class:`EngineError` naming the layout. Two factories pick the tree core:
 ``make_engine`` (``python``) and ``make_engine_rust`` (the bundled ``rust`` core).
 
 Objects built per engine (all SGLang's own): ``SWAKVPool`` (a full pool of
@@ -89,6 +91,42 @@ How each difference from vLLM is bridged
    one by one (the ``min`` hides a leak or an over-count in the larger pool).
 9. **reset_prefix_cache** is SGLang's ``flush_cache``: allowed only when no request
    holds a row; it resets the tree, the row pool and the allocator.
+10. **Mamba groups** (``tree_components`` with ``MAMBA``, built as SGLang's pool
+   configurator builds a hybrid model without the extra buffer: ``HybridReqToTokenPool``
+   with its ``MambaPool`` of :func:`mamba_pool_slots` slots and ``MambaSlotAllocator``;
+   for full + Mamba the attention pool is ``MHATokenToKVPool`` with the token (page 1)
+   or paged allocator, for full + SWA + Mamba the SWA pools of notes 2-8). SGLang keeps
+   **one state slot per request**, updated in place by every step, and the tree caches
+   states at node boundaries (a finished request hands its slot to the tree for the key
+   of its computed tokens; a node split leaves the new parent without a state), so a
+   hit ends where a cached state is. kvconform's universal checks see it as an
+   ``"align"`` Mamba group whose block is at least ``max_model_len`` tokens: every row
+   has one column, the request's slot id (block id = slot id; SGLang's slot 0 is its
+   padding slot, so 0 is null), the step writes the state at its end into it and
+   resumes from it (W3, exclusive writes), and the group's pool is the state pool
+   (``pool_usage`` ``"mamba"``: free = free slots + unlocked tree states; S1-S3). With
+   prefix caching, hits are partial hits (the hash block is the page, 1): a hit's
+   Mamba row is the node's state (H2: it holds the state of exactly the hit), and the
+   admission is SGLang's copy-on-write: with the matched node locked,
+   ``ensure_mamba_capacity`` (evicting tree states; False refuses the admission), then
+   ``finalize_match_result_in_cache(cow_mamba=True)`` gives the request its own slot with
+   the node's state as the copy source; the copy ``(state, slot)`` is queued
+   (``CopiesBlocks``) and runs at ``take_block_copies`` as SGLang's model runner runs it
+   before the extend (``copy_mamba_state``; a miss's fresh slot is zeroed there,
+   ``clear_slots``). The state stays locked by the request's node lock until ``free``.
+   Left out, each named where it is checked: the extra buffer (``--mamba-scheduler
+   -strategy extra_buffer``: ping-pong tracking slots whose states the model's forward
+   tracks at chunk boundaries, so page sizes above 1 with caching; the adapter has no
+   forward to track them), speculative state slots (drafts on Mamba layouts:
+   ``num_speculative_blocks`` 0, no ``mamba_modes`` setting), the running-request
+   checkpoint after each prefill chunk (SGLang copies the request's state into a new
+   tree slot inside ``checkpoint``, a copy outside any allocation the protocol has no
+   call for: Mamba layouts publish at ``free`` only), and HiCache and sessions on
+   Mamba layouts (the host tier's Mamba pool). SGLang reads two flags as it builds its
+   Mamba component (the chunk size, :data:`MAMBA_CHUNK_SIZE`, and the per-path state
+   cap, default off): published for the build with its scoped ``override_server_args``.
+   Nothing of it needs CUDA: the pool's slot copies and clears are torch indexing on
+   CPU tensors (``MambaPool.copy_from``'s non-fused path).
 """
 
 from __future__ import annotations
@@ -1349,6 +1387,9 @@ def make_engine_rust(layout: KVCacheLayout) -> SGLangEngine:
 #: models, its hybrid linear-attention models (full + Mamba: Qwen3-Next, Nemotron-H,
 #: Falcon-H1, Jamba) and both at once (full + SWA + Mamba).
 LAYOUT_KINDS = ("swa", "mamba", "swa+mamba")
+#: How often each kind is drawn, in sixths: full + SWA four times in six (it alone
+#: deploys HiCache and sessions, whose paths need the most draws), each Mamba kind once.
+LAYOUT_KIND_SIXTHS = {"swa": 4, "mamba": 1, "swa+mamba": 1}
 
 
 def sglang_layouts(kinds: Sequence[str] = LAYOUT_KINDS):
@@ -1364,7 +1405,7 @@ def sglang_layouts(kinds: Sequence[str] = LAYOUT_KINDS):
 
     @st.composite
     def build(draw) -> KVCacheLayout:
-        kind = draw(st.sampled_from(tuple(kinds)))
+        kind = draw(st.sampled_from([k for k in kinds for _ in range(LAYOUT_KIND_SIXTHS[k])]))
         # one layout in eight turns prefix caching off (SGLang's ``disable``)
         caching = draw(st.integers(0, 7)) != 0
         mamba = "mamba" in kind
