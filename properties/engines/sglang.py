@@ -287,11 +287,11 @@ def swa_pool_pages(pool_pages: int, ratio: float, page: int, max_model_len: int)
 
 def mamba_pool_slots(layout: KVCacheLayout) -> int:
     """The slots of SGLang's Mamba state pool (``--max-mamba-cache-size``) for a layout
-    with a Mamba group: a quarter of the full pool's pages, at least 3 (a running
+    with a Mamba group: an eighth of the full pool's pages, at least 3 (a running
     request's own state, the tree state its hit locks, one to spare) and below
     ``num_blocks`` (block ids of every pool are in ``[1, num_blocks)``), so the tree's
-    states are evicted when requests need slots. Example: ``num_blocks`` 41 -> 10."""
-    return min(layout.num_blocks - 1, max(3, (layout.num_blocks - 1) // 4))
+    states are evicted when requests need slots. Example: ``num_blocks`` 41 -> 5."""
+    return min(layout.num_blocks - 1, max(3, (layout.num_blocks - 1) // 8))
 
 
 def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
@@ -300,7 +300,7 @@ def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
     Example: full(bs=2) + SWA(bs=2, w=4), num_blocks=17 -> page 2, window 3, 16 pages
     (32 slots) in the full pool and :func:`swa_pool_pages` pages in the SWA pool.
     Full(bs=1) + Mamba(bs=max_model_len), num_blocks=41 -> page 1, 40 slots in the full
-    pool and :func:`mamba_pool_slots` (10) Mamba states.
+    pool and :func:`mamba_pool_slots` (5) Mamba states.
     """
     if tree_core not in ("python", "rust"):
         raise EngineError(
@@ -1405,29 +1405,43 @@ def sglang_layouts(kinds: Sequence[str] = LAYOUT_KINDS):
 
     @st.composite
     def build(draw) -> KVCacheLayout:
-        kind = draw(st.sampled_from([k for k in kinds for _ in range(LAYOUT_KIND_SIXTHS[k])]))
-        # one layout in eight turns prefix caching off (SGLang's ``disable``)
-        caching = draw(st.integers(0, 7)) != 0
-        mamba = "mamba" in kind
-        page = 1 if mamba and caching else draw(st.sampled_from(SUPPORTED_PAGE_SIZES))
-        max_len = draw(st.integers(8 * page, 96))
-        if mamba:
-            max_len -= max_len % page  # the Mamba block (max_model_len) is whole pages
-        groups = [KVCacheGroup(("layer.full",), FullAttentionSpec(block_size=page))]
-        if "swa" in kind:
+        weighted = [k for k in kinds for _ in range(LAYOUT_KIND_SIXTHS[k])]
+        kind = draw(st.sampled_from(weighted)) if len(set(kinds)) > 1 else kinds[0]
+        if kind == "swa":  # the draws of the full + SWA layouts before Mamba came
+            page = draw(st.sampled_from(SUPPORTED_PAGE_SIZES))
             window = draw(st.integers(2, 6 * page))
-            groups.append(
-                KVCacheGroup(
-                    ("layer.swa",), SlidingWindowSpec(block_size=page, sliding_window=window)
-                )
-            )
-        if mamba:
-            groups.append(KVCacheGroup(("layer.mamba",), MambaSpec(block_size=max_len)))
-        order = draw(st.permutations(range(len(groups))))
+            full_first = draw(st.booleans())
+            max_len = draw(st.integers(8 * page, 96))
+            num_blocks = draw(_pool_blocks(max_len, page))
+            # one layout in eight turns prefix caching off (SGLang's ``disable``)
+            caching = draw(st.integers(0, 7)) != 0
+            full, swa = _full_group(page), _swa_group(page, window)
+            groups = (full, swa) if full_first else (swa, full)
+            return KVCacheLayout(groups, num_blocks, max_len, enable_caching=caching)
+        caching = draw(st.integers(0, 7)) != 0
+        page = 1 if caching else draw(st.sampled_from(SUPPORTED_PAGE_SIZES))
+        max_len = draw(st.integers(8 * page, 96))
+        max_len -= max_len % page  # the Mamba block (max_model_len) is whole pages
+        found = [_full_group(page)]
+        if kind == "swa+mamba":
+            found.append(_swa_group(page, draw(st.integers(2, 6 * page))))
+        found.append(KVCacheGroup(("layer.mamba",), MambaSpec(block_size=max_len)))
+        order = draw(st.permutations(range(len(found))))
+        num_blocks = draw(_pool_blocks(max_len, page))
+        groups = tuple(found[i] for i in order)
+        return KVCacheLayout(groups, num_blocks, max_len, enable_caching=caching)
+
+    def _pool_blocks(max_len: int, page: int):
         per_request = -(-max_len // page) + 1
-        num_blocks = draw(st.integers(per_request + 2, 4 * per_request))
-        ordered = tuple(groups[i] for i in order)
-        return KVCacheLayout(ordered, num_blocks, max_len, enable_caching=caching)
+        return st.integers(per_request + 2, 4 * per_request)
+
+    def _full_group(page: int) -> KVCacheGroup:
+        return KVCacheGroup(("layer.full",), FullAttentionSpec(block_size=page))
+
+    def _swa_group(page: int, window: int) -> KVCacheGroup:
+        return KVCacheGroup(
+            ("layer.swa",), SlidingWindowSpec(block_size=page, sliding_window=window)
+        )
 
     return build()
 

@@ -164,19 +164,31 @@ def mutated(name: str) -> tuple[type, str, Callable]:
     return owner, method, mutated_method(owner, method, old, new, name)
 
 
-def _factory(name: str) -> Callable:
+def _factory(name: str, kinds: tuple[str, ...] | None = None) -> Callable:
+    """The mutant's factory; ``kinds``: the layout kinds it is drawn on
+    (:data:`properties.engines.sglang.LAYOUT_KINDS`, default all, weighted as the
+    adapter weights them): the layouts whose SGLang paths the mutated line is on."""
     attributes = ("layout_strategy", "production_settings", "spec_types")
-    return mutant_factory(name, mutated, adapter.make_engine, attributes)
+    make = mutant_factory(name, mutated, adapter.make_engine, attributes)
+    if kinds is not None:
+        make.layout_strategy = lambda: adapter.sglang_layouts(kinds)  # type: ignore[attr-defined]
+    return make
+
+
+#: Mamba mutants are drawn on the layouts with a Mamba group; the SWA walk and SWA
+#: allocator mutants on full + SWA (the draws that give them a small SWA pool most often)
+MAMBA_KINDS = ("mamba", "swa+mamba")
+SWA_KINDS = ("swa",)
 
 
 make_decode_mapping = _factory("decode_mapping")
 make_swa_release_twice = _factory("swa_release_twice")
-make_swa_leaf_kept = _factory("swa_leaf_kept")
-make_extend_page_slack = _factory("extend_page_slack")
+make_swa_leaf_kept = _factory("swa_leaf_kept", SWA_KINDS)
+make_extend_page_slack = _factory("extend_page_slack", SWA_KINDS)
 make_load_back_order = _factory("load_back_order")
 make_host_pages_leaked = _factory("host_pages_leaked")
 make_backup_unlocked = _factory("backup_unlocked")
 make_write_back_dropped = _factory("write_back_dropped")
 make_session_leaf_kept = _factory("session_leaf_kept")
-make_mamba_cow_dropped = _factory("mamba_cow_dropped")
-make_mamba_unlock_ledger = _factory("mamba_unlock_ledger")
+make_mamba_cow_dropped = _factory("mamba_cow_dropped", MAMBA_KINDS)
+make_mamba_unlock_ledger = _factory("mamba_unlock_ledger", MAMBA_KINDS)

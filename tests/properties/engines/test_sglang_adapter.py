@@ -640,7 +640,7 @@ def test_the_gate_catches_the_session_leaf_kept_mutant():
 def mamba_layout(with_swa: bool, num_blocks: int = 41, caching: bool = True) -> KVCacheLayout:
     """Full attention (page 1), optionally a sliding window of 4, and a Mamba group of one
     state per request (block = max_model_len 32): :func:`mamba_pool_slots` gives
-    ``(41 - 1) // 4 = 10`` state slots."""
+    ``(41 - 1) // 8 = 5`` state slots."""
     groups = [KVCacheGroup(("full",), FullAttentionSpec(block_size=1))]
     if with_swa:
         groups.append(KVCacheGroup(("swa",), SlidingWindowSpec(block_size=1, sliding_window=4)))
@@ -660,11 +660,11 @@ def test_mamba_hit_copies_the_cached_state_into_the_request_slot(with_swa):
     its hit is 11 tokens, served by A's state, and its admission takes a slot of its own
     with the copy ``A's slot -> B's slot`` queued; handing the copies over runs SGLang's
     copy, so B's slot holds A's state. The state pool's free count (free + evictable) is
-    back to all 10 slots once nobody runs."""
+    back to all 5 slots once nobody runs."""
     layout = mamba_layout(with_swa)
     engine = SGLangEngine(layout)
     mamba_gid = len(layout.groups) - 1
-    assert mamba_pool(engine).num_blocks == 10 and mamba_pool(engine).num_free == 10
+    assert mamba_pool(engine).num_blocks == 5 and mamba_pool(engine).num_free == 5
     prompt = tuple(range(10))
     _, new = prefill(engine, "A", prompt)
     (slot_a,) = new[mamba_gid]
@@ -673,14 +673,14 @@ def test_mamba_hit_copies_the_cached_state_into_the_request_slot(with_swa):
     engine.allocate_slots("A", 1, 0, None)
     engine.set_num_computed_tokens("A", 11)
     assert engine.get_block_ids("A")[mamba_gid] == (slot_a,)
-    assert mamba_pool(engine).num_free == 9  # A's slot
+    assert mamba_pool(engine).num_free == 4  # A's slot
     # the state the model left in A's slot: a marker SGLang's copy must carry over
     states = engine.req_to_token_pool.mamba_pool.mamba_cache.temporal
     states[:, slot_a] = 7.0
     engine.free("A")
     assert engine.cache.mamba_evictable_size() == 1  # A's slot is the tree's now
-    assert engine.req_to_token_pool.mamba_allocator.available_size() == 9
-    assert mamba_pool(engine).num_free == 10
+    assert engine.req_to_token_pool.mamba_allocator.available_size() == 4
+    assert mamba_pool(engine).num_free == 5
 
     engine.add_request(RequestInput("B", prompt + (50, 60, 61)))
     hit = engine.get_computed_blocks("B")
@@ -690,25 +690,25 @@ def test_mamba_hit_copies_the_cached_state_into_the_request_slot(with_swa):
     (slot_b,) = new[mamba_gid]
     assert slot_b != slot_a
     assert engine.pending_block_copies() == [(slot_a, slot_b)]
-    assert mamba_pool(engine).num_free == 8  # B's slot, and A's state locked by B's hit
+    assert mamba_pool(engine).num_free == 3  # B's slot, and A's state locked by B's hit
     assert engine.take_block_copies() == [(slot_a, slot_b)]
     assert engine.pending_block_copies() == []
     assert bool((states[:, slot_b] == 7.0).all())
     engine.set_num_computed_tokens("B", 13)
     engine.free("B")
     engine.new_step()  # SGLang's idle self-check of the tree
-    assert mamba_pool(engine).num_free == 10
-    assert engine.req_to_token_pool.mamba_allocator.available_size() == 8  # two states cached
+    assert mamba_pool(engine).num_free == 5
+    assert engine.req_to_token_pool.mamba_allocator.available_size() == 3  # two states cached
 
 
 def test_mamba_states_are_evicted_for_new_requests_and_refused_when_all_run():
-    """Ten state slots: ten finished requests leave ten cached states; an eleventh
-    request evicts one (``ensure_mamba_capacity``). With ten requests running, the
-    eleventh is refused (no slot, none evictable) and leaves nothing behind."""
+    """25 state slots: 25 finished requests leave 25 cached states; one more request
+    evicts one (``ensure_mamba_capacity``). With 25 requests running, the next is
+    refused (no slot, none evictable) and leaves nothing behind."""
     layout = mamba_layout(False, num_blocks=201)
     engine = SGLangEngine(layout)
     slots = mamba_pool(engine).num_blocks
-    assert slots == 50
+    assert slots == 25
     for i in range(slots):
         prefill(engine, f"done{i}", (1000 + i, 1))
         engine.free(f"done{i}")
@@ -735,9 +735,9 @@ def test_mamba_layout_without_prefix_caching_frees_the_state_at_free(with_swa):
     layout = mamba_layout(with_swa, caching=False)
     engine = SGLangEngine(layout)
     prefill(engine, "A", tuple(range(12)))
-    assert mamba_pool(engine).num_free == 9
+    assert mamba_pool(engine).num_free == 4
     engine.free("A")
-    assert engine.req_to_token_pool.mamba_allocator.available_size() == 10
+    assert engine.req_to_token_pool.mamba_allocator.available_size() == 5
     assert engine.cache.mamba_evictable_size() == 0
 
 
