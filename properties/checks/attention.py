@@ -200,12 +200,15 @@ class AttentionChecker:
 
     # -- public -------------------------------------------------------------------------
     def check_step(
-        self, chunks: Sequence[ScheduledChunk], copies: Sequence[tuple[int, int]] = ()
+        self,
+        chunks: Sequence[ScheduledChunk],
+        copies: Sequence[tuple[int, int]] = (),
+        copy_groups: Sequence[int | None] | None = None,
     ) -> None:
         """Run the step's block ``copies`` (copy-on-write of partial hits: ``(source,
-        destination)``, before anything else), write the step's K/V (or states) and
-        check every scheduled query of every group."""
-        self.copy_blocks(copies)
+        destination)``, before anything else; ``copy_groups``: see :meth:`copy_blocks`),
+        write the step's K/V (or states) and check every scheduled query of every group."""
+        self.copy_blocks(copies, copy_groups)
         chunks = [c for c in chunks if self._validate(c)]
         for gid, group in enumerate(self.layout.groups):
             if isinstance(group.spec, MambaSpec):
@@ -218,18 +221,29 @@ class AttentionChecker:
                 expected = self.dense_outputs(gid, chunks)
                 self.compare(gid, chunks, expected, observed)
 
-    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Copy every page of ``source`` onto ``destination`` (each group's cache: a block
-        id belongs to one group at a time, the other groups' pages at that id are unused),
-        as a worker runs a step's copy-on-write copies before its forward pass. Example:
-        ``copy_blocks([(4, 9)])`` makes block 9's K/V (or state) block 4's."""
+    def copy_blocks(
+        self,
+        copies: Sequence[tuple[int, int]],
+        groups: Sequence[int | None] | None = None,
+    ) -> None:
+        """Copy every page of ``source`` onto ``destination`` (each group's cache: with
+        one shared pool a block id belongs to one group at a time, the other groups'
+        pages at that id are unused), as a worker runs a step's copy-on-write copies
+        before its forward pass. With separate pools ``groups`` names each copy's group
+        (the pool it is in; None: unknown, not modelled); only that group's cache is
+        copied. Example:
+        ``copy_blocks([(4, 9)])`` makes block 9's K/V (or state) block 4's;
+        ``copy_blocks([(4, 9)], [1])`` only group 1's."""
         if copies and self.data_plane is not None:
             raise AttentionInputError(
                 "AttentionChecker.copy_blocks: block copies through an engine's data plane "
                 "are not supported"
             )
-        for source, destination in copies:
-            for cache in self.caches:
+        for i, (source, destination) in enumerate(copies):
+            if groups is not None and groups[i] is None:
+                continue  # separate pools, a copy of no known group: nothing is modelled
+            caches = self.caches if groups is None else [self.caches[groups[i]]]
+            for cache in caches:
                 if isinstance(cache, PagedKVCache):
                     cache.key[destination] = cache.key[source]
                     cache.value[destination] = cache.value[source]

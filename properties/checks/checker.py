@@ -59,6 +59,24 @@ from reference.specs import MambaSpec, RSWASpec, cdiv
 _SNAPSHOT_READERS = frozenset({"lookup_no_side_effects", "failed_allocation"})
 
 
+def copy_group(hit: CacheHit | None, table: BlockIds, source: int, destination: int) -> int | None:
+    """The group of a copy-on-write with separate pools (block ids are per pool, so a
+    pair alone does not say which pool it is in): the group whose hit row has ``source``
+    at the column where the request's row now has ``destination``; None when no group
+    does (the copy is then not one of this allocation's hit). Example: hit rows
+    ``((1, 43), (1,))``, table ``((1, 43, 44), (3,))``, copy ``(1, 3)`` -> group 1 (the
+    full group keeps block 1 at column 0)."""
+    if hit is None:
+        return None
+    for gid, row in enumerate(hit.block_ids):
+        if gid >= len(table):
+            break
+        for col, block in enumerate(row):
+            if block == source and col < len(table[gid]) and table[gid][col] == destination:
+                return gid
+    return None
+
+
 class Checker:
     """Runs the invariants against one engine (see the module docstring)."""
 
@@ -194,7 +212,7 @@ class Checker:
         if self._shadowed:
             req.refresh_ids()
         table = self.state.table_of(request_id)
-        copies, held = self._learn_copies()
+        copies, held = self._learn_copies(hit, table)
         mml = self.state.layout.max_model_len
         main = min(start, mml) + num_new_tokens
         allocated = AllocateEvent(
@@ -227,11 +245,15 @@ class Checker:
         self._run("allocate", allocated)
         self.check_pool()
 
-    def _learn_copies(self) -> tuple[tuple[tuple[int, int], ...], frozenset[int]]:
+    def _learn_copies(
+        self, hit: CacheHit | None = None, table: BlockIds = ()
+    ) -> tuple[tuple[tuple[int, int], ...], frozenset[int]]:
         """The block copies the allocation just made queued (an engine with
         :class:`properties.core.engine.CopiesBlocks`): the pending ones the checks did not
         know, and the blocks the earlier ones held. The shadow copies each block now,
-        before the step's writes (the engine's copy runs before the step does)."""
+        before the step's writes (the engine's copy runs before the step does); with
+        separate pools in the group :func:`copy_group` names (``hit``: the allocation's
+        hit, ``table``: the request's table after it)."""
         if not self.state.has_copies:
             return (), frozenset()
         held = frozenset(self.state.copy_holds())
@@ -239,8 +261,12 @@ class Checker:
         new = tuple(p for p in self.state.engine.pending_block_copies() if p not in known)
         for source, destination in new:
             self.state.pending_block_copies.append((source, destination))
+            group = None
+            if not self.state.shared_pool:
+                group = copy_group(hit, table, source, destination)
+                self.state.copy_groups[(source, destination)] = group
             if self._shadowed:
-                self.state.shadow.copy(source, destination)
+                self.state.shadow.copy(source, destination, group)
         return new, held
 
     def on_copies_taken(self, copies: Sequence[tuple[int, int]]) -> None:

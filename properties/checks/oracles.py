@@ -172,17 +172,27 @@ class ShadowCache:
             groups.extend(grow)
         return prefixes, groups
 
-    def copy(self, source: int, destination: int) -> None:
-        """A block copy (copy-on-write, one shared pool: a block id is the key):
-        ``destination`` now holds exactly what ``source`` holds, slot by slot (a Mamba state
-        too). Example: after ``write(0, 4, 1, h)`` and ``copy(4, 9)``, ``holds(0, 9, 1, h)``;
-        slots 9 had that 4 has not are forgotten."""
-        for offset, old in self.block(0, destination).items():
-            if offset == self._last[old.group_id]:
-                self._ends.get((old.group_id, old.prefix_id), set()).discard(destination)
-        for slots in (self._prefixes, self._groups, self._states):
-            slots.pop(destination, None)
-        for offset, content in self.block(0, source).items():
+    def copy(self, source: int, destination: int, group_id: int | None = None) -> None:
+        """A block copy (copy-on-write): ``destination`` now holds exactly what ``source``
+        holds, slot by slot (a Mamba state too). With one shared pool a block id is the
+        key; with separate pools the copy is within ``group_id``'s pool (None: nothing is
+        known to be copied, the destination is forgotten in every pool). Example: after
+        ``write(0, 4, 1, h)`` and ``copy(4, 9)``, ``holds(0, 9, 1, h)``; slots 9 had that
+        4 has not are forgotten."""
+        if self.shared_pool or group_id is not None:
+            forgotten = [0 if group_id is None else group_id]
+        else:
+            forgotten = list(range(len(self.layout.groups)))  # every pool's block
+        for gid in forgotten:
+            for offset, old in self.block(gid, destination).items():
+                if offset == self._last[old.group_id]:
+                    self._ends.get((old.group_id, old.prefix_id), set()).discard(destination)
+            for slots in (self._prefixes, self._groups, self._states):
+                slots.pop(self._key(gid, destination), None)
+        if group_id is None and not self.shared_pool:
+            return
+        gid = 0 if group_id is None else group_id
+        for offset, content in self.block(gid, source).items():
             self.write(content.group_id, destination, offset, content.prefix_id)
 
     def block(self, group_id: int, block_id: int) -> dict[int, SlotContent]:

@@ -138,6 +138,9 @@ class CheckState:
         #: learnt them after each allocation (:meth:`Checker.on_allocate`), in that order
         #: (not :attr:`pending_copies`, the Mamba state writes of a draft step's copies)
         self.pending_block_copies: list[tuple[int, int]] = []
+        #: with separate pools, the group of each copy learnt (None: unknown), kept after
+        #: the hand-over for the attention property (:func:`properties.checks.checker.copy_group`)
+        self.copy_groups: dict[tuple[int, int], int | None] = {}
         self.alignment = layout.cache_hit_alignment
         #: the free count of the fresh engine: every block free or reclaimable
         self.initial_free = engine.num_free_blocks()

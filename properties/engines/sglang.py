@@ -1,8 +1,10 @@
-"""SGLang 0.5.23 adapter: ``UnifiedRadixCache(FULL, SWA)`` behind the engine protocol.
+"""SGLang 0.5.23 adapter: ``UnifiedRadixCache(FULL, SWA, MAMBA)`` behind the engine protocol.
 
-Scope: layouts of exactly one full-attention group and one sliding-window group with
-the same block size ``bs`` in {1, 2, 4}; ``bs`` becomes SGLang's page size. Anything
-else raises :class:`EngineError` naming the layout. Two factories pick the tree core:
+Scope: layouts of one full-attention group with a sliding-window group, a Mamba group
+or both (SGLang's hybrid SWA models, its hybrid linear-attention models, and both); the
+attention groups share one block size ``bs`` in {1, 2, 4}, which becomes SGLang's page
+size; a Mamba group is bridged as note 10 says. Anything else raises
+:class:`EngineError` naming the layout. Two factories pick the tree core:
 ``make_engine`` (``python``) and ``make_engine_rust`` (the bundled ``rust`` core).
 
 Objects built per engine (all SGLang's own): ``SWAKVPool`` (a full pool of
@@ -89,6 +91,42 @@ How each difference from vLLM is bridged
    one by one (the ``min`` hides a leak or an over-count in the larger pool).
 9. **reset_prefix_cache** is SGLang's ``flush_cache``: allowed only when no request
    holds a row; it resets the tree, the row pool and the allocator.
+10. **Mamba groups** (``tree_components`` with ``MAMBA``, built as SGLang's pool
+   configurator builds a hybrid model without the extra buffer: ``HybridReqToTokenPool``
+   with its ``MambaPool`` of :func:`mamba_pool_slots` slots and ``MambaSlotAllocator``;
+   for full + Mamba the attention pool is ``MHATokenToKVPool`` with the token (page 1)
+   or paged allocator, for full + SWA + Mamba the SWA pools of notes 2-8). SGLang keeps
+   **one state slot per request**, updated in place by every step, and the tree caches
+   states at node boundaries (a finished request hands its slot to the tree for the key
+   of its computed tokens; a node split leaves the new parent without a state), so a
+   hit ends where a cached state is. kvconform's universal checks see it as an
+   ``"align"`` Mamba group whose block is at least ``max_model_len`` tokens: every row
+   has one column, the request's slot id (block id = slot id; SGLang's slot 0 is its
+   padding slot, so 0 is null), the step writes the state at its end into it and
+   resumes from it (W3, exclusive writes), and the group's pool is the state pool
+   (``pool_usage`` ``"mamba"``: free = free slots + unlocked tree states; S1-S3). With
+   prefix caching, hits are partial hits (the hash block is the page, 1): a hit's
+   Mamba row is the node's state (H2: it holds the state of exactly the hit), and the
+   admission is SGLang's copy-on-write: with the matched node locked,
+   ``ensure_mamba_capacity`` (evicting tree states; False refuses the admission), then
+   ``finalize_match_result_in_cache(cow_mamba=True)`` gives the request its own slot with
+   the node's state as the copy source; the copy ``(state, slot)`` is queued
+   (``CopiesBlocks``) and runs at ``take_block_copies`` as SGLang's model runner runs it
+   before the extend (``copy_mamba_state``; a miss's fresh slot is zeroed there,
+   ``clear_slots``). The state stays locked by the request's node lock until ``free``.
+   Left out, each named where it is checked: the extra buffer (``--mamba-scheduler
+   -strategy extra_buffer``: ping-pong tracking slots whose states the model's forward
+   tracks at chunk boundaries, so page sizes above 1 with caching; the adapter has no
+   forward to track them), speculative state slots (drafts on Mamba layouts:
+   ``num_speculative_blocks`` 0, no ``mamba_modes`` setting), the running-request
+   checkpoint after each prefill chunk (SGLang copies the request's state into a new
+   tree slot inside ``checkpoint``, a copy outside any allocation the protocol has no
+   call for: Mamba layouts publish at ``free`` only), and HiCache and sessions on
+   Mamba layouts (the host tier's Mamba pool). SGLang reads two flags as it builds its
+   Mamba component (the chunk size, :data:`MAMBA_CHUNK_SIZE`, and the per-path state
+   cap, default off): published for the build with its scoped ``override_server_args``.
+   Nothing of it needs CUDA: the pool's slot copies and clears are torch indexing on
+   CPU tensors (``MambaPool.copy_from``'s non-fused path).
 """
 
 from __future__ import annotations
@@ -119,7 +157,7 @@ from properties.engines.sglang_hicache import (
     storage_directory,
 )
 from reference.layout import KVCacheLayout
-from reference.specs import FullAttentionSpec, SlidingWindowSpec
+from reference.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 #: Page sizes the adapter supports (the block size of both groups).
 SUPPORTED_PAGE_SIZES = (1, 2, 4)
@@ -132,8 +170,13 @@ MAX_RUNNING_REQUESTS = 256
 #: one a layout gets is :func:`swa_full_tokens_ratio` (a function of the layout, so a
 #: saved trace replays with the same pools).
 SWA_FULL_TOKENS_RATIOS = (1.0, 0.8, 0.5)
-
-_EMPTY: BlockIds = ((), ())
+#: The model's Mamba chunk size SGLang reads when it builds its Mamba component
+#: (``mamba_cache_chunk_size``: ``max(chunk, page)``; without a model config SGLang falls
+#: back to its FLA kernels' chunk of 64). It sets the grid of the branching checkpoints
+#: only, which the extra buffer tracks; the adapter deploys no extra buffer (note 10).
+MAMBA_CHUNK_SIZE = 64
+#: The Mamba layer's id (the attention pools hold layers 0 and 1).
+MAMBA_LAYER_ID = 2
 
 
 #: The deployments the adapter builds, one per layout (:func:`hicache_deployment`):
@@ -187,14 +230,27 @@ class SGLangConfig:
     enable_caching: bool
     tree_core: str
     full_group: int
-    swa_group: int
+    #: the sliding-window group, or None (full + Mamba)
+    swa_group: int | None
     #: pages of the SWA pool (:func:`swa_pool_pages`); ``pool_pages`` is the full pool's
     swa_pool_pages: int = 0
+    #: the Mamba group, or None; its states live in SGLang's ``MambaPool`` of
+    #: ``mamba_slots`` slots (:func:`mamba_pool_slots`), one per request plus the tree's
+    mamba_group: int | None = None
+    mamba_slots: int = 0
     #: the host tier (``--enable-hierarchical-cache``), or None
     hicache: HiCacheConfig | None = None
     #: ``--enable-session-radix-cache``: a request's cache salt is its session id
     #: (:func:`session_radix_cache`)
     session_radix_cache: bool = False
+
+    @property
+    def has_swa(self) -> bool:
+        return self.swa_group is not None
+
+    @property
+    def has_mamba(self) -> bool:
+        return self.mamba_group is not None
 
     @property
     def sglang_window(self) -> int:
@@ -229,11 +285,22 @@ def swa_pool_pages(pool_pages: int, ratio: float, page: int, max_model_len: int)
     return min(pool_pages, max(share, -(-max_model_len // page) + 1))
 
 
+def mamba_pool_slots(layout: KVCacheLayout) -> int:
+    """The slots of SGLang's Mamba state pool (``--max-mamba-cache-size``) for a layout
+    with a Mamba group: an eighth of the full pool's pages, at least 3 (a running
+    request's own state, the tree state its hit locks, one to spare) and below
+    ``num_blocks`` (block ids of every pool are in ``[1, num_blocks)``), so the tree's
+    states are evicted when requests need slots. Example: ``num_blocks`` 41 -> 5."""
+    return min(layout.num_blocks - 1, max(3, (layout.num_blocks - 1) // 8))
+
+
 def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
     """Check ``layout`` is in scope and derive the SGLang configuration.
 
     Example: full(bs=2) + SWA(bs=2, w=4), num_blocks=17 -> page 2, window 3, 16 pages
     (32 slots) in the full pool and :func:`swa_pool_pages` pages in the SWA pool.
+    Full(bs=1) + Mamba(bs=max_model_len), num_blocks=41 -> page 1, 40 slots in the full
+    pool and :func:`mamba_pool_slots` (5) Mamba states.
     """
     if tree_core not in ("python", "rust"):
         raise EngineError(
@@ -242,15 +309,24 @@ def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
     specs = layout.specs
     full = [i for i, s in enumerate(specs) if isinstance(s, FullAttentionSpec)]
     swa = [i for i, s in enumerate(specs) if isinstance(s, SlidingWindowSpec)]
-    if len(specs) != 2 or len(full) != 1 or len(swa) != 1:
+    mamba = [i for i, s in enumerate(specs) if isinstance(s, MambaSpec)]
+    if (
+        len(full) != 1
+        or len(swa) > 1
+        or len(mamba) > 1
+        or not (swa or mamba)
+        or len(specs) != 1 + len(swa) + len(mamba)
+    ):
         raise UnsupportedLayoutError(
-            "sglang adapter supports exactly one full-attention and one sliding-window "
-            f"group, got layout {layout.describe()}"
+            "sglang adapter supports one full-attention group with a sliding-window group, "
+            f"a Mamba group or both, got layout {layout.describe()}"
         )
-    page = specs[0].block_size
-    if specs[1].block_size != page:
+    attention = full + swa
+    page = specs[full[0]].block_size
+    if any(specs[i].block_size != page for i in attention):
         raise UnsupportedLayoutError(
-            f"sglang adapter needs equal block sizes in both groups, got layout {layout.describe()}"
+            f"sglang adapter needs equal block sizes in the attention groups, got layout "
+            f"{layout.describe()}"
         )
     if page not in SUPPORTED_PAGE_SIZES:
         raise UnsupportedLayoutError(
@@ -263,15 +339,18 @@ def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
             "sglang adapter: EAGLE block drop and lookahead hashes are not bridged, got "
             f"layout {layout.describe()}"
         )
+    if mamba:
+        _check_mamba_spec(layout, specs[mamba[0]], page)
     # prefix_cache_retention_interval is vLLM's caching policy; SGLang has its own
     # (universal level only), so the field does not apply to it.
-    window = specs[swa[0]].sliding_window
-    if window < 2:
+    window = specs[swa[0]].sliding_window if swa else 0
+    if swa and window < 2:
         raise UnsupportedLayoutError(
             "sglang adapter needs sliding_window >= 2 (SGLang's window is w - 1 and must "
             f"be positive), got layout {layout.describe()}"
         )
     pool_pages = layout.num_blocks - 1
+    python_core = layout.enable_caching and tree_core == "python" and not mamba
     return SGLangConfig(
         page_size=page,
         sliding_window=window,
@@ -280,17 +359,42 @@ def config_for(layout: KVCacheLayout, tree_core: str) -> SGLangConfig:
         enable_caching=layout.enable_caching,
         tree_core=tree_core,
         full_group=full[0],
-        swa_group=swa[0],
-        swa_pool_pages=swa_pool_pages(
-            pool_pages, swa_full_tokens_ratio(layout), page, layout.max_model_len
+        swa_group=swa[0] if swa else None,
+        swa_pool_pages=(
+            swa_pool_pages(pool_pages, swa_full_tokens_ratio(layout), page, layout.max_model_len)
+            if swa
+            else 0
         ),
-        hicache=(
-            hicache_deployment(layout) if layout.enable_caching and tree_core == "python" else None
-        ),
-        session_radix_cache=(
-            layout.enable_caching and tree_core == "python" and session_radix_cache(layout)
-        ),
+        mamba_group=mamba[0] if mamba else None,
+        mamba_slots=mamba_pool_slots(layout) if mamba else 0,
+        # the host tier and sessions are deployed on full + SWA layouts only (note 10)
+        hicache=hicache_deployment(layout) if python_core else None,
+        session_radix_cache=python_core and session_radix_cache(layout),
     )
+
+
+def _check_mamba_spec(layout: KVCacheLayout, spec: MambaSpec, page: int) -> None:
+    """The Mamba groups the adapter bridges (note 10): ``"align"`` mode without
+    speculative or prefill checkpoint blocks (SGLang's drafts and its extra buffer are
+    not deployed), one state column per request (``block_size >= max_model_len``:
+    SGLang keeps one state slot per request, updated in place), and page 1 with prefix
+    caching (SGLang's Mamba component without the extra buffer asserts it)."""
+    if (
+        not spec.is_align
+        or spec.num_speculative_blocks
+        or spec.num_prefill_checkpoint_blocks
+        or spec.block_size < layout.max_model_len
+    ):
+        raise UnsupportedLayoutError(
+            "sglang adapter bridges Mamba groups in 'align' mode without speculative or "
+            "checkpoint blocks and with block_size >= max_model_len (one state per "
+            f"request), got layout {layout.describe()}"
+        )
+    if layout.enable_caching and page != 1:
+        raise UnsupportedLayoutError(
+            "sglang adapter: SGLang's Mamba component without the extra buffer caches "
+            f"states at page size 1 only, got layout {layout.describe()}"
+        )
 
 
 @dataclass
@@ -306,6 +410,10 @@ class _PendingHit:
     host_hit_length: int = 0
     swa_host_hit_length: int = 0
     host_tokens: int = 0
+    #: the lookup's ``MatchResult`` and key (a Mamba layout: the admission copies the
+    #: matched state from it)
+    match: Any = None
+    key: Any = None
 
 
 @dataclass
@@ -342,7 +450,17 @@ class _SGLangModules:
             os.environ.setdefault("SGLANG_LOG_LEVEL", "warning")
             try:
                 import torch
+                from sglang.srt.configs.mamba_utils import (
+                    Mamba2CacheParams,
+                    Mamba2StateDType,
+                    Mamba2StateShape,
+                )
                 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+                from sglang.srt.mem_cache.allocation import ensure_mamba_capacity
+                from sglang.srt.mem_cache.allocator import (
+                    PagedTokenToKVPoolAllocator,
+                    TokenToKVPoolAllocator,
+                )
                 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
                 from sglang.srt.mem_cache.base_prefix_cache import (
                     InitLoadBackParams,
@@ -350,7 +468,11 @@ class _SGLangModules:
                 )
                 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
                 from sglang.srt.mem_cache.common import evict_from_tree_cache
-                from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+                from sglang.srt.mem_cache.memory_pool import (
+                    HybridReqToTokenPool,
+                    MHATokenToKVPool,
+                    ReqToTokenPool,
+                )
                 from sglang.srt.mem_cache.radix_cache import RadixKey
                 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
                 from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -370,6 +492,14 @@ class _SGLangModules:
                 CacheInitParams=CacheInitParams,
                 evict_from_tree_cache=evict_from_tree_cache,
                 ReqToTokenPool=ReqToTokenPool,
+                HybridReqToTokenPool=HybridReqToTokenPool,
+                MHATokenToKVPool=MHATokenToKVPool,
+                TokenToKVPoolAllocator=TokenToKVPoolAllocator,
+                PagedTokenToKVPoolAllocator=PagedTokenToKVPoolAllocator,
+                Mamba2CacheParams=Mamba2CacheParams,
+                Mamba2StateDType=Mamba2StateDType,
+                Mamba2StateShape=Mamba2StateShape,
+                ensure_mamba_capacity=ensure_mamba_capacity,
                 RadixKey=RadixKey,
                 SWAKVPool=SWAKVPool,
                 ComponentType=ComponentType,
@@ -408,50 +538,103 @@ class SGLangEngine:
         cfg = self.config
         dtype = torch.float32 if _dtype_bytes(layout) == 4 else torch.float16
         heads, head_dim = _heads(layout)
-        self.kv_pool = m["SWAKVPool"](
-            size=cfg.pool_tokens,
-            size_swa=cfg.swa_pool_tokens,
-            page_size=cfg.page_size,
-            dtype=dtype,
-            head_num=heads,
-            head_dim=head_dim,
-            swa_attention_layer_ids=[0],
-            full_attention_layer_ids=[1],
-            device="cpu",
-        )
-        self.allocator = m["SWATokenToKVPoolAllocator"](
-            size=cfg.pool_tokens,
-            size_swa=cfg.swa_pool_tokens,
-            page_size=cfg.page_size,
-            dtype=dtype,
-            device="cpu",
-            kvcache=self.kv_pool,
-            need_sort=False,
-        )
+        if cfg.has_swa:
+            self.kv_pool = m["SWAKVPool"](
+                size=cfg.pool_tokens,
+                size_swa=cfg.swa_pool_tokens,
+                page_size=cfg.page_size,
+                dtype=dtype,
+                head_num=heads,
+                head_dim=head_dim,
+                swa_attention_layer_ids=[0],
+                full_attention_layer_ids=[1],
+                device="cpu",
+            )
+            self.allocator = m["SWATokenToKVPoolAllocator"](
+                size=cfg.pool_tokens,
+                size_swa=cfg.swa_pool_tokens,
+                page_size=cfg.page_size,
+                dtype=dtype,
+                device="cpu",
+                kvcache=self.kv_pool,
+                need_sort=False,
+            )
+        else:
+            # full + Mamba: the attention layers' one pool and SGLang's token (page 1)
+            # or paged allocator, as its pool configurator picks for a non-SWA model
+            self.kv_pool = m["MHATokenToKVPool"](
+                size=cfg.pool_tokens,
+                page_size=cfg.page_size,
+                dtype=dtype,
+                head_num=heads,
+                head_dim=head_dim,
+                layer_num=1,
+                device="cpu",
+                enable_memory_saver=False,
+            )
+            kwargs = {"page_size": cfg.page_size} if cfg.page_size > 1 else {}
+            kind = "PagedTokenToKVPoolAllocator" if cfg.page_size > 1 else "TokenToKVPoolAllocator"
+            self.allocator = m[kind](
+                size=cfg.pool_tokens,
+                dtype=dtype,
+                device="cpu",
+                kvcache=self.kv_pool,
+                need_sort=False,
+                **kwargs,
+            )
         self.row_width = cfg.max_model_len + LOOKAHEAD_MARGIN
-        self.req_to_token_pool = m["ReqToTokenPool"](
-            size=MAX_RUNNING_REQUESTS,
-            max_context_len=self.row_width,
-            device="cpu",
-            enable_memory_saver=False,
-        )
+        if cfg.has_mamba:
+            # SGLang's hybrid row pool: the rows and the Mamba state pool (``MambaPool``
+            # with its slot allocator), as its pool configurator builds it for a hybrid
+            # model without the extra buffer
+            self.req_to_token_pool = m["HybridReqToTokenPool"](
+                size=MAX_RUNNING_REQUESTS,
+                mamba_size=cfg.mamba_slots,
+                mamba_spec_state_size=MAX_RUNNING_REQUESTS,
+                max_context_len=self.row_width,
+                device="cpu",
+                enable_memory_saver=False,
+                cache_params=_mamba_cache_params(m, torch),
+                mamba_layer_ids=[MAMBA_LAYER_ID],
+                enable_mamba_extra_buffer=False,
+                enable_overlap_schedule=False,
+            )
+        else:
+            self.req_to_token_pool = m["ReqToTokenPool"](
+                size=MAX_RUNNING_REQUESTS,
+                max_context_len=self.row_width,
+                device="cpu",
+                enable_memory_saver=False,
+            )
         ct = m["ComponentType"]
+        components = (
+            (ct.FULL,) + ((ct.SWA,) if cfg.has_swa else ()) + ((ct.MAMBA,) if cfg.has_mamba else ())
+        )
         params = m["CacheInitParams"](
             disable=not cfg.enable_caching,
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=self.allocator,
             page_size=cfg.page_size,
-            sliding_window_size=cfg.sglang_window,
-            tree_components=(ct.FULL, ct.SWA),
+            sliding_window_size=cfg.sglang_window if cfg.has_swa else None,
+            tree_components=components,
             tree_core_backend=tree_core,
             enable_session_radix_cache=cfg.session_radix_cache,
             # --enable-metrics with the host tier: SGLang's counters of its copies,
             # recorded (sglang_metrics) and checked against them
             enable_metrics=cfg.hicache is not None,
         )
+        #: the state copies (tree state -> the request's slot) queued by admissions with
+        #: a hit and not handed over yet (``CopiesBlocks``), with their requests
+        self._mamba_copies: list[tuple[str, int, int]] = []
         #: SGLang's host tier (``--enable-hierarchical-cache``), or None
         self.host: HostTier | None = None
-        if cfg.hicache is None:
+        if cfg.has_mamba:
+            # SGLang's Mamba component reads its flags as it is built (the chunk size,
+            # the per-path state cap): published for the build, as its server does
+            with m["get_context"]().override_server_args(page_size=cfg.page_size) as args:
+                args._mamba_cache_chunk_size = MAMBA_CHUNK_SIZE
+                self.cache = m["UnifiedRadixCache"](params)
+        elif cfg.hicache is None:
             self.cache = m["UnifiedRadixCache"](params)
         else:
             storage_dir = storage_directory(self, cfg.hicache)
@@ -494,7 +677,7 @@ class SGLangEngine:
         self._requests[request.request_id] = _Request(
             req=req,
             tokens=list(request.prompt_token_ids),
-            checkpoints=len(self._requests) % 2 == 1,
+            checkpoints=len(self._requests) % 2 == 1 and not self.config.has_mamba,
         )
         if self.host is not None:
             self.host.prefetch(req)
@@ -670,7 +853,7 @@ class SGLangEngine:
             pending.host_tokens = self.host.tokens_to_load(match.best_match_node, hit, req)
         if hit == 0:
             state.pending = pending if pending.host_tokens else None
-            return CacheHit(_EMPTY, 0)
+            return CacheHit(self._block_ids_of([]), 0)
         slots = self.cache.path_device_indices(match.last_device_node)
         if int(slots.numel()) != hit:
             raise EngineError(
@@ -678,16 +861,28 @@ class SGLangEngine:
                 f"slots for a hit of {hit} tokens"
             )
         state.pending = pending
-        return CacheHit(self._block_ids_of(slots.tolist()), hit)
+        mamba = ()
+        if self.config.has_mamba:
+            # the hit's state: the Mamba value of the node SGLang copies it from on
+            # admission (``finalize_match_result_in_cache`` with ``cow_mamba``)
+            source = self.cache.tree_core.get_component_device_value(
+                match.best_match_node, self._m["ComponentType"].MAMBA
+            )
+            if source is None:
+                raise EngineError(f"sglang adapter: a hit of {hit} tokens without a Mamba state")
+            pending.match = match
+            pending.key = key
+            mamba = (int(source.view(-1)[0]),)
+        return CacheHit(self._block_ids_of(slots.tolist(), mamba), hit)
 
     def get_block_ids(self, request_id: str) -> BlockIds:
         kv = self._get(request_id).req.kv
         if not kv.holds_kv or kv.kv_allocated_len == 0:
-            return _EMPTY
+            return self._block_ids_of([])
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, : kv.kv_allocated_len]
-        ids = self._block_ids_of(row.tolist())
+        ids = self._block_ids_of(row.tolist(), self._mamba_row(kv))
         unlocked = self._get(request_id).swa_unlocked_pages
-        if unlocked:
+        if unlocked and self.config.has_swa:
             swa = self.config.swa_group
             ids = tuple(
                 (0,) * unlocked + g[unlocked:] if gid == swa else g for gid, g in enumerate(ids)
@@ -727,17 +922,23 @@ class SGLangEngine:
                 return None
             if external and not self._load_back(state, hit_tokens, external):
                 return None
-            rows = self.req_to_token_pool.alloc_rows(1)
-            if rows is None:
-                return None
-            admitted_now = True
-            hit_tokens += external
-            self._admit(state, hit_tokens, rows[0])
+            if self.config.has_mamba:
+                if not self._admit_mamba(state, hit_tokens):
+                    return None
+                admitted_now = True
+                self._admit(state, hit_tokens, state.req.kv.req_pool_idx)
+            else:
+                rows = self.req_to_token_pool.alloc_rows(1)
+                if rows is None:
+                    return None
+                admitted_now = True
+                hit_tokens += external
+                self._admit(state, hit_tokens, rows[0])
         elif hit_tokens or external:
             raise EngineError(
                 f"sglang adapter: a hit or external tokens for running request {request_id!r}"
             )
-        elif state.num_computed_tokens > 0:
+        elif state.num_computed_tokens > 0 and self.config.has_swa:
             self._slide_window(state)
         state.loading = delay_cache_blocks
         computed = state.num_computed_tokens + hit_tokens
@@ -758,8 +959,9 @@ class SGLangEngine:
         page = self.config.page_size
         first_new_page = _cdiv(before, page)
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :target].tolist()
-        ids = self._block_ids_of(row)
-        return tuple(tuple(g[first_new_page:]) for g in ids)
+        ids = self._block_ids_of(row, self._mamba_row(kv) if admitted_now else ())
+        mamba = self.config.mamba_group
+        return tuple(g if gid == mamba else tuple(g[first_new_page:]) for gid, g in enumerate(ids))
 
     def _whole_sequence_fits(self, state: _Request, hit_tokens: int) -> bool:
         """The admission gate (``full_sequence_must_fit``), SGLang's ``PrefillAdder``
@@ -846,9 +1048,10 @@ class SGLangEngine:
             self.req_to_token_pool.write((kv.req_pool_idx, slice(0, hit_tokens)), slots)
             req.last_node = pending.node
             req.swa_branching_seqlen = pending.swa_branching_seqlen
-        page = self.config.page_size
-        kept = _cdiv(max(self.config.sglang_window, page), page)
-        state.swa_unlocked_pages = max(0, hit_tokens // page - kept)
+        if self.config.has_swa:
+            page = self.config.page_size
+            kept = _cdiv(max(self.config.sglang_window, page), page)
+            state.swa_unlocked_pages = max(0, hit_tokens // page - kept)
         req.prefix_len = hit_tokens
         kv.cache_protected_len = hit_tokens
         kv.kv_allocated_len = hit_tokens
@@ -857,16 +1060,102 @@ class SGLangEngine:
     def _rollback_admission(self, state: _Request) -> None:
         req = state.req
         self.cache.unlock(req.lock)
+        if self.config.has_mamba and req.kv.holds_mamba:
+            self._drop_mamba_copy(req.rid)
+            self.req_to_token_pool.free_mamba_cache(req)
+            req.kv.mamba_cow_src_index = None
         self.req_to_token_pool.free(req)
         req.kv.mark_kv_released()
         req.reset_for_retract()
 
+    def _admit_mamba(self, state: _Request, hit_tokens: int) -> bool:
+        """A Mamba layout's admission (note 10): with the matched node locked, SGLang's
+        ``ensure_mamba_capacity`` (evict tree states until the request's state slot is
+        free; False: the admission is refused), then for a hit SGLang's copy-on-write of
+        the matched state (``finalize_match_result_in_cache`` with ``cow_mamba``: a slot
+        of the request's own, the node's state as its source), then the row and, for a
+        miss, a fresh state slot (``HybridReqToTokenPool.alloc``). The copy is queued
+        (``pending_block_copies``) and runs when the step's copies are handed over.
+        Example: a hit on a node holding state 3 admits with slot 5 and queues
+        ``(3, 5)``."""
+        m, req = self._m, state.req
+        pending = state.pending
+        if hit_tokens and (pending is None or pending.num_tokens != hit_tokens):
+            return True  # _admit reports the mismatch
+        root = self.cache.tree_core.empty_match_result.last_device_node
+        lock = self.cache.lock(pending.node if hit_tokens else root)
+        try:
+            if not m["ensure_mamba_capacity"](self.req_to_token_pool, [req], self.cache):
+                return False
+            if hit_tokens:
+                mamba = self.cache.components[m["ComponentType"].MAMBA]
+                params = m["MatchPrefixParams"](key=pending.key, req=req, cow_mamba=True)
+                mamba.finalize_match_result_in_cache(params, pending.match)
+            rows = self.req_to_token_pool.alloc([req])
+            if rows is None:
+                if req.kv.holds_mamba:
+                    self.req_to_token_pool.free_mamba_cache(req)
+                req.kv.mamba_cow_src_index = None
+                return False
+        finally:
+            self.cache.unlock(lock)
+        source = req.kv.mamba_cow_src_index
+        if source is not None:
+            self._mamba_copies.append(
+                (req.rid, int(source.view(-1)[0]), int(req.kv.mamba_pool_idx))
+            )
+        return True
+
+    def _drop_mamba_copy(self, request_id: str) -> None:
+        self._mamba_copies = [c for c in self._mamba_copies if c[0] != request_id]
+
+    def pending_block_copies(self) -> list[tuple[int, int]]:
+        """``CopiesBlocks``: the Mamba state copies queued since the last hand-over
+        (``(tree state, the request's slot)``, note 10)."""
+        return [(source, target) for _, source, target in self._mamba_copies]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """``CopiesBlocks``: the step's copies run, as SGLang's model runner does before
+        an extend batch (``ScheduleBatch``'s deferred copy-on-write and clear, then
+        ``HybridReqToTokenPool.copy_mamba_state`` and ``MambaPool.clear_slots``): each
+        admitted request's slot gets its matched state, or is zeroed for a miss."""
+        taken = self.pending_block_copies()
+        self._mamba_copies = []
+        if not self.config.has_mamba:
+            return taken
+        pool = self.req_to_token_pool
+        for s in self._requests.values():
+            kv = s.req.kv
+            if not kv.holds_mamba:
+                continue
+            slot = kv.mamba_pool_idx.view(1)
+            if kv.mamba_cow_src_index is not None:
+                source = kv.mamba_cow_src_index.view(-1)
+                pool.copy_mamba_state(
+                    pool.translate_mamba_indices(source), pool.translate_mamba_indices(slot)
+                )
+                kv.mamba_cow_src_index = None
+            elif kv.mamba_needs_clear:
+                pool.mamba_pool.clear_slots(pool.translate_mamba_indices(slot))
+            kv.mamba_needs_clear = False
+        return taken
+
     def _obtainable_slots(self) -> tuple[int, int]:
         """Slots an allocation could obtain now in the full and the SWA pool: available
-        plus evictable (unlocked tree entries)."""
+        plus evictable (unlocked tree entries). Without an SWA group both are the full
+        pool's."""
+        if not self.config.has_swa:
+            full = self.allocator.available_size() + self.cache.full_evictable_size()
+            return full, full
         full = self.allocator.full_available_size() + self.cache.full_evictable_size()
         swa = self.allocator.swa_available_size() + self.cache.swa_evictable_size()
         return full, swa
+
+    def _obtainable_states(self) -> int:
+        """Mamba state slots an admission could obtain now: free slots plus the tree's
+        unlocked states (``ensure_mamba_capacity`` evicts them)."""
+        free = self.req_to_token_pool.mamba_allocator.available_size()
+        return free + self.cache.mamba_evictable_size()
 
     def _alloc(self, kv: Any, before: int, target: int, decode: bool) -> list[int] | None:
         """Allocate slots ``[before, target)`` of the row as SGLang's scheduler does (note
@@ -922,6 +1211,8 @@ class SGLangEngine:
         state = self._get(request_id)
         kv = state.req.kv
         state.pending = None
+        self._drop_mamba_copy(request_id)
+        kv.mamba_cow_src_index = None
         if not kv.holds_kv:
             return
         # SGLang releases finished requests inside a free group (the result processing
@@ -1006,38 +1297,71 @@ class SGLangEngine:
         return [] if self.host is None else self.host.take_transfers()
 
     def num_free_blocks(self) -> int:
-        return min(self._obtainable_slots()) // self.config.page_size
+        return min(p.num_free for p in self.pool_usage())
 
     def pool_usage(self) -> tuple[PoolUsage, ...]:
         """The full pool (``pool_pages`` pages) and the SWA pool (``swa_pool_pages``), free =
         obtainable slots // page."""
         cfg = self.config
         full, swa = self._obtainable_slots()
-        return (
-            PoolUsage("full", (cfg.full_group,), cfg.pool_pages, full // cfg.page_size),
-            PoolUsage(
-                "swa", (cfg.swa_group,), cfg.swa_pool_tokens // cfg.page_size, swa // cfg.page_size
-            ),
-        )
+        pools = [PoolUsage("full", (cfg.full_group,), cfg.pool_pages, full // cfg.page_size)]
+        if cfg.has_swa:
+            pools.append(
+                PoolUsage(
+                    "swa",
+                    (cfg.swa_group,),
+                    cfg.swa_pool_tokens // cfg.page_size,
+                    swa // cfg.page_size,
+                )
+            )
+        if cfg.has_mamba:
+            pools.append(
+                PoolUsage("mamba", (cfg.mamba_group,), cfg.mamba_slots, self._obtainable_states())
+            )
+        return tuple(pools)
 
     # ---------------------------------------------------------------- helpers
-    def _block_ids_of(self, slots: list[int]) -> BlockIds:
-        """Page ids per group for a row of full-pool slots (first slot of each page)."""
-        page = self.config.page_size
+    def _block_ids_of(self, slots: list[int], mamba: tuple[int, ...] = ()) -> BlockIds:
+        """Page ids per group for a row of full-pool slots (first slot of each page);
+        ``mamba``: the Mamba group's row (note 10)."""
+        cfg = self.config
+        page = cfg.page_size
         heads = slots[::page]
-        mapping = self.allocator.full_to_swa_index_mapping
-        full_ids = tuple(int(s) // page for s in heads)
-        swa_ids = tuple(int(mapping[s]) // page for s in heads) if heads else ()
-        ids = [(), ()]
-        ids[self.config.full_group] = full_ids
-        ids[self.config.swa_group] = swa_ids
+        ids: list[tuple[int, ...]] = [() for _ in self.layout.groups]
+        ids[cfg.full_group] = tuple(int(s) // page for s in heads)
+        if cfg.swa_group is not None:
+            mapping = self.allocator.full_to_swa_index_mapping
+            ids[cfg.swa_group] = tuple(int(mapping[s]) // page for s in heads) if heads else ()
+        if cfg.mamba_group is not None:
+            ids[cfg.mamba_group] = mamba
         return tuple(ids)
+
+    @staticmethod
+    def _mamba_row(kv: Any) -> tuple[int, ...]:
+        """The Mamba group's row of a request: its state slot (note 10)."""
+        return (int(kv.mamba_pool_idx),) if kv.holds_mamba else ()
 
     def _get(self, request_id: str) -> _Request:
         state = self._requests.get(request_id)
         if state is None:
             raise EngineError(f"sglang adapter: unknown request_id {request_id!r}")
         return state
+
+
+def _mamba_cache_params(m: dict[str, Any], torch: Any) -> Any:
+    """A small Mamba2 state (one layer, a conv state and an SSM state in float32): the
+    pool's slot accounting does not depend on the state's size."""
+    shape = m["Mamba2StateShape"].create(
+        tp_world_size=1,
+        intermediate_size=8,
+        n_groups=1,
+        num_heads=2,
+        head_dim=4,
+        state_size=2,
+        conv_kernel=2,
+    )
+    dtypes = m["Mamba2StateDType"](conv=torch.float32, temporal=torch.float32)
+    return m["Mamba2CacheParams"](shape=shape, layers=[MAMBA_LAYER_ID], dtype=dtypes)
 
 
 def _dtype_bytes(layout: KVCacheLayout) -> int:
@@ -1059,39 +1383,74 @@ def make_engine_rust(layout: KVCacheLayout) -> SGLangEngine:
     return SGLangEngine(layout, tree_core="rust")
 
 
-def sglang_layouts():
-    """The layouts this adapter drives: one full and one sliding-window group (``w >= 2``)
-    with one block size (SGLang's page size) in ``SUPPORTED_PAGE_SIZES``; prefix caching
-    is off in one layout of eight."""
+#: The group kinds of the layouts :func:`sglang_layouts` draws: SGLang's hybrid SWA
+#: models, its hybrid linear-attention models (full + Mamba: Qwen3-Next, Nemotron-H,
+#: Falcon-H1, Jamba) and both at once (full + SWA + Mamba).
+LAYOUT_KINDS = ("swa", "mamba", "swa+mamba")
+#: How often each kind is drawn, in sixths: full + SWA four times in six (it alone
+#: deploys HiCache and sessions, whose paths need the most draws), each Mamba kind once.
+LAYOUT_KIND_SIXTHS = {"swa": 4, "mamba": 1, "swa+mamba": 1}
+
+
+def sglang_layouts(kinds: Sequence[str] = LAYOUT_KINDS):
+    """The layouts this adapter drives: one full-attention group with a sliding-window
+    group (``w >= 2``), a Mamba group or both; the attention groups share one block size
+    (SGLang's page size) in ``SUPPORTED_PAGE_SIZES``; a Mamba group holds one state per
+    request (``"align"``, ``block_size = max_model_len``) and comes with page 1 when
+    prefix caching is on (:func:`_check_mamba_spec`). Prefix caching is off in one layout
+    of eight. ``kinds``: a subset of :data:`LAYOUT_KINDS`."""
     from hypothesis import strategies as st
 
     from reference.layout import KVCacheGroup
 
     @st.composite
     def build(draw) -> KVCacheLayout:
-        page = draw(st.sampled_from(SUPPORTED_PAGE_SIZES))
-        window = draw(st.integers(2, 6 * page))
-        full_first = draw(st.booleans())
-        full = KVCacheGroup(("layer.full",), FullAttentionSpec(block_size=page))
-        swa = KVCacheGroup(
+        weighted = [k for k in kinds for _ in range(LAYOUT_KIND_SIXTHS[k])]
+        kind = draw(st.sampled_from(weighted)) if len(set(kinds)) > 1 else kinds[0]
+        if kind == "swa":  # the draws of the full + SWA layouts before Mamba came
+            page = draw(st.sampled_from(SUPPORTED_PAGE_SIZES))
+            window = draw(st.integers(2, 6 * page))
+            full_first = draw(st.booleans())
+            max_len = draw(st.integers(8 * page, 96))
+            num_blocks = draw(_pool_blocks(max_len, page))
+            # one layout in eight turns prefix caching off (SGLang's ``disable``)
+            caching = draw(st.integers(0, 7)) != 0
+            full, swa = _full_group(page), _swa_group(page, window)
+            groups = (full, swa) if full_first else (swa, full)
+            return KVCacheLayout(groups, num_blocks, max_len, enable_caching=caching)
+        caching = draw(st.integers(0, 7)) != 0
+        page = 1 if caching else draw(st.sampled_from(SUPPORTED_PAGE_SIZES))
+        max_len = draw(st.integers(8 * page, 96))
+        max_len -= max_len % page  # the Mamba block (max_model_len) is whole pages
+        found = [_full_group(page)]
+        if kind == "swa+mamba":
+            found.append(_swa_group(page, draw(st.integers(2, 6 * page))))
+        found.append(KVCacheGroup(("layer.mamba",), MambaSpec(block_size=max_len)))
+        order = draw(st.permutations(range(len(found))))
+        num_blocks = draw(_pool_blocks(max_len, page))
+        groups = tuple(found[i] for i in order)
+        return KVCacheLayout(groups, num_blocks, max_len, enable_caching=caching)
+
+    def _pool_blocks(max_len: int, page: int):
+        per_request = -(-max_len // page) + 1
+        return st.integers(per_request + 2, 4 * per_request)
+
+    def _full_group(page: int) -> KVCacheGroup:
+        return KVCacheGroup(("layer.full",), FullAttentionSpec(block_size=page))
+
+    def _swa_group(page: int, window: int) -> KVCacheGroup:
+        return KVCacheGroup(
             ("layer.swa",), SlidingWindowSpec(block_size=page, sliding_window=window)
         )
-        max_len = draw(st.integers(8 * page, 96))
-        per_request = -(-max_len // page) + 1
-        num_blocks = draw(st.integers(per_request + 2, 4 * per_request))
-        # one layout in eight turns prefix caching off (SGLang's ``disable``)
-        caching = draw(st.integers(0, 7)) != 0
-        groups = (full, swa) if full_first else (swa, full)
-        return KVCacheLayout(groups, num_blocks, max_len, enable_caching=caching)
 
     return build()
 
 
 make_engine.layout_strategy = sglang_layouts  # type: ignore[attr-defined]
 make_engine_rust.layout_strategy = sglang_layouts  # type: ignore[attr-defined]
-#: The group types the adapter builds (SGLang's full and SWA pools): pairs with chunked
-#: local attention or Mamba are the adapter's exclusions, not gaps of the draws.
-SGLANG_SPEC_TYPES = ("full", "sliding_window")
+#: The group types the adapter builds (SGLang's full, SWA and Mamba state pools): pairs
+#: with chunked local attention are the adapter's exclusions, not gaps of the draws.
+SGLANG_SPEC_TYPES = ("full", "sliding_window", "mamba")
 make_engine.spec_types = SGLANG_SPEC_TYPES  # type: ignore[attr-defined]
 make_engine_rust.spec_types = SGLANG_SPEC_TYPES  # type: ignore[attr-defined]
 #: The SGLang modules the adapter drives: the radix cache, its Python tree core and
@@ -1101,7 +1460,9 @@ SGLANG_COVERAGE_MODULES = (
     "sglang.srt.mem_cache.unified_cache.unified_tree_core",
     "sglang.srt.mem_cache.unified_cache.components.full",
     "sglang.srt.mem_cache.unified_cache.components.swa",
+    "sglang.srt.mem_cache.unified_cache.components.mamba",
     "sglang.srt.mem_cache.allocator.swa",
+    "sglang.srt.mem_cache.allocator.mamba",
     "sglang.srt.mem_cache.allocator.token",
 )
 make_engine.coverage_modules = SGLANG_COVERAGE_MODULES  # type: ignore[attr-defined]

@@ -32,4 +32,4 @@ def swa_locked_pages_counted_free(layout: KVCacheLayout) -> SGLangEngine:
     return SWALockedPagesCountedFree(layout, tree_core="python")
 
 
-swa_locked_pages_counted_free.layout_strategy = sglang_layouts  # type: ignore[attr-defined]
+swa_locked_pages_counted_free.layout_strategy = lambda: sglang_layouts(("swa",))  # type: ignore[attr-defined]

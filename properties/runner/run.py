@@ -220,7 +220,11 @@ class TraceRun:
                 )
             )
         try:
-            self.attention.check_step(chunks, record.copies)
+            state = self.lockstep.checker.state
+            groups = None
+            if not state.shared_pool:
+                groups = [state.copy_groups.get(tuple(pair)) for pair in record.copies]
+            self.attention.check_step(chunks, record.copies, groups)
         except AttentionMismatch as exc:
             raise PropertyViolation("attention", str(exc)) from exc
 

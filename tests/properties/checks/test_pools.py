@@ -169,3 +169,44 @@ def test_pool_usage_travels_over_the_exec_protocol() -> None:
         assert engine.pool_usage() == [PoolUsage("shared", (0, 1), 16, 10)]
     finally:
         factory.close()
+
+
+# ------------------------------------------------- copies with separate pools (issue 39)
+def test_copy_group_is_the_hit_row_holding_the_source_at_the_destinations_column():
+    """Block ids are per pool, so a copy's pair alone names no pool: the group is the one
+    whose hit row has the source where the request's row now has the destination. Full
+    pool block 1 at column 0 stays 1, the Mamba row's 1 became 3: group 1."""
+    from properties.checks.checker import copy_group
+    from properties.core.engine import CacheHit
+
+    hit = CacheHit(((1, 43), (1,)), 2)
+    table = ((1, 43, 44), (3,))
+    assert copy_group(hit, table, 1, 3) == 1
+    assert copy_group(hit, table, 43, 3) is None  # no row has 43 turned into 3
+    assert copy_group(None, table, 1, 3) is None
+
+
+def test_shadow_copy_with_separate_pools_stays_in_its_group():
+    """With separate pools a copy in group 1 copies group 1's block: group 0's block of
+    the same id keeps its content; a copy of unknown group forgets the destination."""
+    from properties.checks.oracles import ShadowCache
+    from reference.specs import MambaSpec
+
+    layout = KVCacheLayout(
+        groups=(
+            KVCacheGroup(("full",), FullAttentionSpec(block_size=1)),
+            KVCacheGroup(("mamba",), MambaSpec(block_size=32)),
+        ),
+        num_blocks=9,
+        max_model_len=32,
+    )
+    shadow = ShadowCache(layout, shared_pool=False)
+    shadow.write(0, 3, 0, 11)  # full block 3 holds prefix 11
+    shadow.write(1, 1, -1, 22)  # Mamba block 1 holds the state of prefix 22
+    shadow.copy(1, 3, 1)
+    assert shadow.holds(1, 3, -1, 22)
+    assert shadow.holds(0, 3, 0, 11)
+    assert not shadow.holds(0, 1, 0, 22)
+    shadow.copy(1, 3, None)  # no known group: block 3 is forgotten in every pool
+    assert not shadow.holds(1, 3, -1, 22)
+    assert not shadow.holds(0, 3, 0, 11)

@@ -47,6 +47,17 @@ Sessions (``--enable-session-radix-cache``, one layout in two):
   (``sanity_check``, which the adapter deploys) finds the session indexing an
   unreachable leaf, an engine error.
 
+The Mamba component (full + Mamba and full + SWA + Mamba layouts, two in three):
+
+* ``mamba_cow_dropped``: ``MambaComponent.finalize_match_result_in_cache`` gives a
+  request that hit a cached state a slot of its own but forgets to record the matched
+  state as the slot's copy source (``req.kv.mamba_cow_src_index = None``): the model runs
+  the request from a state that is not its prefix's (zeroed, or the slot's previous
+  owner's). The request resumes at its hit without its state (``window_liveness``, W3).
+* ``mamba_unlock_ledger``: ``MambaComponent.release_component_lock`` drops a state's
+  last lock without returning it to the evictable ledger: the state pool loses a slot
+  for good (``idle_pool_free_per_pool``, S2, or SGLang's own idle self-check).
+
 Each mutation rewrites one line of the method's source at run time and is applied once
 per process, when the factory first builds an engine (:mod:`tests.properties.engines.line_mutants`).
 
@@ -122,6 +133,20 @@ MUTATIONS = {
         "self._unmark_session_leaf(session_id, node)",
         "pass",
     ),
+    "mamba_cow_dropped": (
+        "sglang.srt.mem_cache.unified_cache.components.mamba",
+        "MambaComponent",
+        "finalize_match_result_in_cache",
+        "req.kv.mamba_cow_src_index = src_index",
+        "req.kv.mamba_cow_src_index = None",
+    ),
+    "mamba_unlock_ledger": (
+        "sglang.srt.mem_cache.unified_cache.components.mamba",
+        "MambaComponent",
+        "release_component_lock",
+        "self.tree_core.component_evictable_size_[ct] += vlen",
+        "pass",
+    ),
     "extend_page_slack": (
         "sglang.srt.mem_cache.allocator.swa",
         "SWATokenToKVPoolAllocator",
@@ -139,17 +164,31 @@ def mutated(name: str) -> tuple[type, str, Callable]:
     return owner, method, mutated_method(owner, method, old, new, name)
 
 
-def _factory(name: str) -> Callable:
+def _factory(name: str, kinds: tuple[str, ...] | None = None) -> Callable:
+    """The mutant's factory; ``kinds``: the layout kinds it is drawn on
+    (:data:`properties.engines.sglang.LAYOUT_KINDS`, default all, weighted as the
+    adapter weights them): the layouts whose SGLang paths the mutated line is on."""
     attributes = ("layout_strategy", "production_settings", "spec_types")
-    return mutant_factory(name, mutated, adapter.make_engine, attributes)
+    make = mutant_factory(name, mutated, adapter.make_engine, attributes)
+    if kinds is not None:
+        make.layout_strategy = lambda: adapter.sglang_layouts(kinds)  # type: ignore[attr-defined]
+    return make
+
+
+#: Mamba mutants are drawn on the layouts with a Mamba group; the SWA walk and SWA
+#: allocator mutants on full + SWA (the draws that give them a small SWA pool most often)
+MAMBA_KINDS = ("mamba", "swa+mamba")
+SWA_KINDS = ("swa",)
 
 
 make_decode_mapping = _factory("decode_mapping")
 make_swa_release_twice = _factory("swa_release_twice")
-make_swa_leaf_kept = _factory("swa_leaf_kept")
-make_extend_page_slack = _factory("extend_page_slack")
+make_swa_leaf_kept = _factory("swa_leaf_kept", SWA_KINDS)
+make_extend_page_slack = _factory("extend_page_slack", SWA_KINDS)
 make_load_back_order = _factory("load_back_order")
 make_host_pages_leaked = _factory("host_pages_leaked")
 make_backup_unlocked = _factory("backup_unlocked")
 make_write_back_dropped = _factory("write_back_dropped")
 make_session_leaf_kept = _factory("session_leaf_kept")
+make_mamba_cow_dropped = _factory("mamba_cow_dropped", MAMBA_KINDS)
+make_mamba_unlock_ledger = _factory("mamba_unlock_ledger", MAMBA_KINDS)

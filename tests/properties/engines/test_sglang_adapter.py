@@ -15,7 +15,12 @@ import pytest
 
 from properties.core.engine import EngineError, KVCacheEngine, RequestInput
 from reference.layout import KVCacheGroup, KVCacheLayout
-from reference.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from reference.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -231,8 +236,24 @@ def test_reset_prefix_cache(setup):
             num_blocks=9,
             max_model_len=32,
         ),
+        KVCacheLayout(  # Mamba with prefix caching at page 2 (no extra buffer)
+            groups=(
+                KVCacheGroup(("f",), FullAttentionSpec(block_size=2)),
+                KVCacheGroup(("m",), MambaSpec(block_size=32)),
+            ),
+            num_blocks=9,
+            max_model_len=32,
+        ),
+        KVCacheLayout(  # a Mamba group of several state columns
+            groups=(
+                KVCacheGroup(("f",), FullAttentionSpec(block_size=1)),
+                KVCacheGroup(("m",), MambaSpec(block_size=8)),
+            ),
+            num_blocks=9,
+            max_model_len=32,
+        ),
     ],
-    ids=["one-group", "unequal-bs", "bs8", "w1", "chunked"],
+    ids=["one-group", "unequal-bs", "bs8", "w1", "chunked", "mamba-page2", "mamba-columns"],
 )
 def test_out_of_scope_layouts_raise(layout):
     with pytest.raises(EngineError, match="layout g0:full"):
@@ -613,3 +634,121 @@ def test_the_gate_catches_the_session_leaf_kept_mutant():
     """A session leaf deleted by eviction stays indexed: closing the session (its last
     request leaves) trips SGLang's own assertion on the stale index, an engine error."""
     assert "first failure [EngineError]" in _check_mutant("session_leaf_kept", "production")
+
+
+# ------------------------------------------------------------------- Mamba (issue 39)
+def mamba_layout(with_swa: bool, num_blocks: int = 41, caching: bool = True) -> KVCacheLayout:
+    """Full attention (page 1), optionally a sliding window of 4, and a Mamba group of one
+    state per request (block = max_model_len 32): :func:`mamba_pool_slots` gives
+    ``(41 - 1) // 8 = 5`` state slots."""
+    groups = [KVCacheGroup(("full",), FullAttentionSpec(block_size=1))]
+    if with_swa:
+        groups.append(KVCacheGroup(("swa",), SlidingWindowSpec(block_size=1, sliding_window=4)))
+    groups.append(KVCacheGroup(("mamba",), MambaSpec(block_size=32)))
+    return KVCacheLayout(tuple(groups), num_blocks, 32, enable_caching=caching)
+
+
+def mamba_pool(engine: SGLangEngine):
+    (pool,) = [p for p in engine.pool_usage() if p.name == "mamba"]
+    return pool
+
+
+@pytest.mark.parametrize("with_swa", [False, True], ids=["full+mamba", "full+swa+mamba"])
+def test_mamba_hit_copies_the_cached_state_into_the_request_slot(with_swa):
+    """A finishes (10 prompt tokens and 1 decode) and hands its state slot to the tree
+    (SGLang's finished-request donation: no copy); B sends A's 11 tokens and 2 more:
+    its hit is 11 tokens, served by A's state, and its admission takes a slot of its own
+    with the copy ``A's slot -> B's slot`` queued; handing the copies over runs SGLang's
+    copy, so B's slot holds A's state. The state pool's free count (free + evictable) is
+    back to all 5 slots once nobody runs."""
+    layout = mamba_layout(with_swa)
+    engine = SGLangEngine(layout)
+    mamba_gid = len(layout.groups) - 1
+    assert mamba_pool(engine).num_blocks == 5 and mamba_pool(engine).num_free == 5
+    prompt = tuple(range(10))
+    _, new = prefill(engine, "A", prompt)
+    (slot_a,) = new[mamba_gid]
+    assert engine.take_block_copies() == []  # a miss copies nothing
+    engine.append_output_tokens("A", [50])
+    engine.allocate_slots("A", 1, 0, None)
+    engine.set_num_computed_tokens("A", 11)
+    assert engine.get_block_ids("A")[mamba_gid] == (slot_a,)
+    assert mamba_pool(engine).num_free == 4  # A's slot
+    # the state the model left in A's slot: a marker SGLang's copy must carry over
+    states = engine.req_to_token_pool.mamba_pool.mamba_cache.temporal
+    states[:, slot_a] = 7.0
+    engine.free("A")
+    assert engine.cache.mamba_evictable_size() == 1  # A's slot is the tree's now
+    assert engine.req_to_token_pool.mamba_allocator.available_size() == 4
+    assert mamba_pool(engine).num_free == 5
+
+    engine.add_request(RequestInput("B", prompt + (50, 60, 61)))
+    hit = engine.get_computed_blocks("B")
+    assert hit.num_tokens == 11
+    assert hit.block_ids[mamba_gid] == (slot_a,)
+    new = engine.allocate_slots("B", 13 - 11, 11, hit)
+    (slot_b,) = new[mamba_gid]
+    assert slot_b != slot_a
+    assert engine.pending_block_copies() == [(slot_a, slot_b)]
+    assert mamba_pool(engine).num_free == 3  # B's slot, and A's state locked by B's hit
+    assert engine.take_block_copies() == [(slot_a, slot_b)]
+    assert engine.pending_block_copies() == []
+    assert bool((states[:, slot_b] == 7.0).all())
+    engine.set_num_computed_tokens("B", 13)
+    engine.free("B")
+    engine.new_step()  # SGLang's idle self-check of the tree
+    assert mamba_pool(engine).num_free == 5
+    assert engine.req_to_token_pool.mamba_allocator.available_size() == 3  # two states cached
+
+
+def test_mamba_states_are_evicted_for_new_requests_and_refused_when_all_run():
+    """25 state slots: 25 finished requests leave 25 cached states; one more request
+    evicts one (``ensure_mamba_capacity``). With 25 requests running, the next is
+    refused (no slot, none evictable) and leaves nothing behind."""
+    layout = mamba_layout(False, num_blocks=201)
+    engine = SGLangEngine(layout)
+    slots = mamba_pool(engine).num_blocks
+    assert slots == 25
+    for i in range(slots):
+        prefill(engine, f"done{i}", (1000 + i, 1))
+        engine.free(f"done{i}")
+    assert engine.req_to_token_pool.mamba_allocator.available_size() == 0
+    assert engine.cache.mamba_evictable_size() == slots
+    prefill(engine, "next", (5, 5, 5))
+    assert engine.cache.mamba_evictable_size() == slots - 1
+    engine.free("next")
+    for i in range(slots):
+        prefill(engine, f"run{i}", (2000 + i,))
+    engine.add_request(RequestInput("late", (3000,)))
+    engine.get_computed_blocks("late")
+    before = engine.pool_usage()
+    assert mamba_pool(engine).num_free == 0
+    assert engine.allocate_slots("late", 1) is None
+    assert engine.pool_usage() == before
+    assert engine.get_block_ids("late") == ((), ())
+
+
+@pytest.mark.parametrize("with_swa", [False, True], ids=["full+mamba", "full+swa+mamba"])
+def test_mamba_layout_without_prefix_caching_frees_the_state_at_free(with_swa):
+    """Prefix caching off (SGLang's ``disable``, any page size): nothing is cached, the
+    request's state slot goes back to the pool when it is freed."""
+    layout = mamba_layout(with_swa, caching=False)
+    engine = SGLangEngine(layout)
+    prefill(engine, "A", tuple(range(12)))
+    assert mamba_pool(engine).num_free == 4
+    engine.free("A")
+    assert engine.req_to_token_pool.mamba_allocator.available_size() == 5
+    assert engine.cache.mamba_evictable_size() == 0
+
+
+def test_the_gate_catches_the_mamba_cow_dropped_mutant():
+    """A hit's state is never copied into the request's slot: the request resumes at its
+    hit from a slot that does not hold its prefix's state (W3)."""
+    assert "first failure [window_liveness]" in _check_mutant("mamba_cow_dropped")
+
+
+def test_the_gate_catches_the_mamba_unlock_ledger_mutant():
+    """A state whose last lock is released never counts as evictable again: with nobody
+    running the pools are short of a slot (I7/S2)."""
+    out = _check_mutant("mamba_unlock_ledger")
+    assert "first failure [idle_pool_free" in out, out[-2000:]
