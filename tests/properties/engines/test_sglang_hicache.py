@@ -326,3 +326,96 @@ def test_the_staged_storage_case_runs_its_checks_under_the_call_deadline(monkeyp
     run, failure = replay_trace(case.trace, config, resolve_engine("sglang", call_timeout=5))
     assert failure is None and run is not None
     assert seen["staging_at_admission"] > 0 and seen["fetch"] > 0 and seen["load"] > 0
+
+
+# -- HiCache on the Mamba layouts: what SGLang's build needs (issue 39) -----------------
+#
+# The adapter deploys no host tier on Mamba layouts yet. These scenarios pin down, in
+# SGLang's own terms, what ``init_hicache`` requires there and that it builds on CPU: the
+# hybrid host stack is chosen by the device KV pool's class (``HybridLinearKVPool`` for
+# full + Mamba, as SGLang's pool configurator builds it for a hybrid model; ``SWAKVPool``
+# for full + SWA + Mamba), and ``MambaPoolHost`` accepts only the ``page_first`` and
+# ``page_first_direct`` host layouts (the adapter's host tier uses ``layer_first``).
+
+
+def _mamba_hicache(with_swa: bool, mem_layout: str, linear_pool: bool):
+    """SGLang's cache for the adapter's Mamba layout (41 pages, 5 state slots) with the
+    host tier attached by ``init_hicache`` (write-through, ratio 2, direct copies in
+    ``mem_layout``); ``linear_pool``: full + Mamba over ``HybridLinearKVPool`` (else the
+    adapter's ``MHATokenToKVPool``). Returns the cache."""
+    import atexit
+    import dataclasses
+
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    from properties.engines import sglang as adapter
+    from properties.engines.sglang_hicache import deployed
+    from tests.properties.engines.test_sglang_adapter import mamba_layout
+
+    layout = mamba_layout(with_swa)
+    engine = SGLangEngine(layout, hicache=None)
+    m, cfg = engine._m, engine.config
+    allocator = engine.allocator
+    if linear_pool and not with_swa:
+        heads, head_dim = adapter._heads(layout)
+        pool = HybridLinearKVPool(
+            size=cfg.pool_tokens,
+            dtype=engine.kv_pool.dtype,
+            page_size=cfg.page_size,
+            head_num=heads,
+            head_dim=head_dim,
+            full_attention_layer_ids=[1],
+            device="cpu",
+            mamba_pool=engine.req_to_token_pool.mamba_pool,
+        )
+        allocator = m["TokenToKVPoolAllocator"](
+            size=cfg.pool_tokens, dtype=pool.dtype, device="cpu", kvcache=pool, need_sort=False
+        )
+    ct = m["ComponentType"]
+    components = (ct.FULL,) + ((ct.SWA,) if with_swa else ()) + (ct.MAMBA,)
+    params = m["CacheInitParams"](
+        disable=False,
+        req_to_token_pool=engine.req_to_token_pool,
+        token_to_kv_pool_allocator=allocator,
+        page_size=cfg.page_size,
+        sliding_window_size=cfg.sglang_window if with_swa else None,
+        tree_components=components,
+        tree_core_backend="python",
+    )
+    hicache = dataclasses.replace(HiCacheConfig("write_through", 2.0), mem_layout=mem_layout)
+    with deployed(m["get_context"], hicache.server_args()) as args:
+        args._mamba_cache_chunk_size = adapter.MAMBA_CHUNK_SIZE
+        cache = m["UnifiedRadixCache"](params)
+        try:
+            cache.init_hicache(args, params)
+        finally:
+            atexit.unregister(cache.shutdown)
+    return cache
+
+
+@pytest.mark.parametrize("with_swa", [False, True], ids=["full+mamba", "full+swa+mamba"])
+def test_sglang_builds_the_mamba_host_tier_on_cpu_in_page_first_direct(with_swa):
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    cache = _mamba_hicache(with_swa, "page_first_direct", linear_pool=True)
+    entries = {e.name.value: e for e in cache.host_pool_group.entries}
+    assert sorted(entries) == (["kv", "mamba", "swa"] if with_swa else ["kv", "mamba"])
+    mamba_host = entries["mamba"].host_pool
+    assert isinstance(mamba_host, MambaPoolHost)
+    assert type(cache.cache_controller).__name__ == "HybridCacheController"
+    assert mamba_host.device == "cpu" and mamba_host.layout == "page_first_direct"
+    # --hicache-ratio 2 over the device pools (5 state slots, 40 full-pool tokens), as
+    # SGLang sizes them: twice the device slots plus one, every slot free before a backup
+    assert (mamba_host.page_num, mamba_host.available_size()) == (11, 11)
+    assert entries["kv"].host_pool.page_num == 81
+
+
+@pytest.mark.parametrize("with_swa", [False, True], ids=["full+mamba", "full+swa+mamba"])
+def test_the_mamba_host_pool_refuses_the_adapters_layer_first_host_layout(with_swa):
+    with pytest.raises(AssertionError, match="Unsupported layout: layer_first"):
+        _mamba_hicache(with_swa, "layer_first", linear_pool=True)
+
+
+def test_full_plus_mamba_over_the_adapters_mha_pool_has_no_hicache_strategy():
+    with pytest.raises(AssertionError, match="No matching HiCache strategy"):
+        _mamba_hicache(False, "page_first_direct", linear_pool=False)
